@@ -1,0 +1,8 @@
+"""ARL-Tangram: action-level orchestration of the external resources of agentic RL.
+
+Every external call of a rollout (a sandbox command, a reward/teacher model score, a rate-limited
+API request) is an *action* scheduled on shared, elastic pools. State (sandbox files, model
+weights) outlives the action; compute (cores, GPUs) does not.
+"""
+
+__version__ = "0.1.0"

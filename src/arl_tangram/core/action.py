@@ -1,0 +1,198 @@
+"""Actions, their demands, allocations and outcomes: the vocabulary every layer shares."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+#: resource kinds a demand may name; API quotas are implied by an ``api:<name>`` service.
+CPU = "cpu"
+GPU = "gpu"
+RESOURCE_KINDS = (CPU, GPU)
+
+SANDBOX = "sandbox"
+MODEL_PREFIX = "model:"
+API_PREFIX = "api:"
+
+
+class Outcome(str, enum.Enum):
+    """Exactly one terminal outcome per accepted action (DESIGN.md §2).
+
+    ``failed`` is the user's code failing (a result); ``infra_error`` is ours and retryable, never
+    to be turned into a score.
+    """
+
+    OK = "ok"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    OOM = "oom"
+    REJECTED = "rejected"
+    CANCELLED = "cancelled"
+    INFRA_ERROR = "infra_error"
+
+
+class InvalidAction(ValueError):
+    """An action that can never run as described; ``field`` names the offending field."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """Per resource kind an inclusive ``(min, max)`` range of units; elastic when max > min."""
+
+    ranges: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for kind, rng in self.ranges.items():
+            if kind not in RESOURCE_KINDS:
+                raise InvalidAction(f"demand.{kind}", f"unknown resource kind (known: {', '.join(RESOURCE_KINDS)})")
+            if len(rng) != 2:
+                raise InvalidAction(f"demand.{kind}", "must be a [min, max] pair")
+            lo, hi = rng
+            if int(lo) != lo or int(hi) != hi or lo < 1 or hi < lo:
+                raise InvalidAction(f"demand.{kind}", f"need integers 1 <= min <= max, got [{lo}, {hi}]")
+
+    @classmethod
+    def of(cls, **ranges: int | tuple[int, int]) -> "Demand":
+        """``Demand.of(cpu=(1, 8))`` or ``Demand.of(gpu=2)`` (a fixed amount)."""
+        return cls({k: (v, v) if isinstance(v, int) else (int(v[0]), int(v[1])) for k, v in ranges.items()})
+
+    def get(self, kind: str) -> tuple[int, int] | None:
+        return self.ranges.get(kind)
+
+    def min(self, kind: str) -> int:
+        rng = self.ranges.get(kind)
+        return rng[0] if rng else 0
+
+    def max(self, kind: str) -> int:
+        rng = self.ranges.get(kind)
+        return rng[1] if rng else 0
+
+
+def pool_of(service: str) -> str:
+    """The pool an action of ``service`` draws from: ``cpu``, ``gpu`` or ``api:<name>``."""
+    if service == SANDBOX:
+        return CPU
+    if service.startswith(MODEL_PREFIX) and len(service) > len(MODEL_PREFIX):
+        return GPU
+    if service.startswith(API_PREFIX) and len(service) > len(API_PREFIX):
+        return service
+    raise InvalidAction("service", f"unknown service {service!r} (expected 'sandbox', 'model:<name>' or 'api:<name>')")
+
+
+@dataclass(slots=True, eq=False)
+class Action:
+    """One external call of a rollout, scheduled on its own.
+
+    ``hint_s`` is the client's guess of the work in seconds at the minimum demand (a prior for the
+    predictor, never trusted blindly); ``parallel_fraction`` or ``speedup`` describe how the work
+    shrinks with more units (``speedup[i]`` is the speed-up at ``min + i`` units, ``speedup[0] == 1``).
+    """
+
+    id: str
+    service: str
+    demand: Demand = field(default_factory=Demand)
+    job: str = "default"
+    trajectory: str | None = None
+    step: int | None = None
+    operation: str = ""
+    hint_s: float | None = None
+    parallel_fraction: float = 0.0
+    speedup: tuple[float, ...] | None = None
+    weights_gb: float = 0.0
+    timeout_s: float | None = None
+    payload: Any = None
+    submitted_at: float = 0.0
+    pool: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise InvalidAction("id", "must be a non-empty string")
+        self.pool = pool_of(self.service)
+        if self.pool == CPU and self.demand.get(CPU) is None:
+            self.demand = Demand({**self.demand.ranges, CPU: (1, 1)})
+        if self.pool == GPU and self.demand.get(GPU) is None:
+            self.demand = Demand({**self.demand.ranges, GPU: (1, 1)})
+        if not 0.0 <= self.parallel_fraction <= 1.0:
+            raise InvalidAction("parallel_fraction", f"must lie in [0, 1], got {self.parallel_fraction}")
+        if self.hint_s is not None and self.hint_s < 0:
+            raise InvalidAction("hint_s", f"must be >= 0, got {self.hint_s}")
+        if self.timeout_s is not None and self.timeout_s <= 0:
+            raise InvalidAction("timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.weights_gb < 0:
+            raise InvalidAction("weights_gb", f"must be >= 0, got {self.weights_gb}")
+        if self.speedup is not None:
+            lo, hi = self.demand.get(self.units_kind) or (1, 1)
+            if len(self.speedup) != hi - lo + 1 or abs(self.speedup[0] - 1.0) > 1e-9:
+                raise InvalidAction("speedup", f"needs {hi - lo + 1} entries (min..max units) starting at 1.0")
+
+    @property
+    def units_kind(self) -> str:
+        """The kind of unit this action is allocated in (``cpu`` or ``gpu``; quota slots for APIs)."""
+        return GPU if self.pool == GPU else CPU
+
+    @property
+    def model(self) -> str | None:
+        return self.service[len(MODEL_PREFIX):] if self.pool == GPU else None
+
+    def speed_factor(self, units: int) -> float:
+        """Execution time at ``units`` relative to the time at the minimum demand (<= 1)."""
+        lo, hi = self.demand.get(self.units_kind) or (1, 1)
+        if units <= lo:
+            return 1.0
+        units = min(units, hi)
+        if self.speedup is not None:
+            return 1.0 / self.speedup[units - lo]
+        p = self.parallel_fraction
+        return (1.0 - p) + p * lo / units
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """Where and with what an action runs: ``units`` are core ids (cpu) or global GPU ids (gpu).
+
+    ``setup`` names the state work the manager does first (``create``, ``thaw``, ``restore``,
+    ``load``); ``evict`` lists model instances (model, gpu ids) dropped from GPU memory to make room;
+    ``reservation`` names the static partition the units came from; ``unmanaged`` API calls were
+    not admitted against our quota (the client-side practice of the static baseline).
+    """
+
+    pool: str
+    node: int = -1
+    units: tuple[int, ...] = ()
+    setup: str = ""
+    evict: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    reservation: str = ""
+    unmanaged: bool = False
+
+    @property
+    def count(self) -> int:
+        return len(self.units) if self.units else 1
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The record of one action's terminal outcome, with the timings ACT is made of."""
+
+    action: Action
+    outcome: Outcome
+    submitted_at: float
+    started_at: float | None
+    finished_at: float
+    setup_s: float = 0.0
+    exec_s: float = 0.0
+    units: int = 0
+    message: str = ""
+
+    @property
+    def act_s(self) -> float:
+        return self.finished_at - self.submitted_at
+
+    @property
+    def queue_s(self) -> float:
+        return (self.started_at if self.started_at is not None else self.finished_at) - self.submitted_at

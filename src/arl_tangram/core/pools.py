@@ -1,0 +1,242 @@
+"""Pool state: which units are free, which sessions live where, which models are GPU-resident.
+
+The engine is the only writer; policies read it to decide. Every mutation checks capacity, so a
+policy bug surfaces as ``CapacityError`` instead of an oversubscribed pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .cluster import ApiQuota, CpuNode, GpuNode
+
+
+class CapacityError(RuntimeError):
+    """A decision asked for more than a pool has: always a bug in the policy, never user error."""
+
+
+class CpuPool:
+    """Cores and memory of CPU nodes, with an O(max cores) lookup of the emptiest node.
+
+    ``homes`` maps a session (trajectory) to the node holding its sandbox state; the session's
+    memory stays reserved there between actions while its cores go back to the pool.
+    """
+
+    def __init__(self, nodes: tuple[CpuNode, ...]) -> None:
+        self.nodes = nodes
+        self.capacity = sum(n.cores for n in nodes)
+        self.max_cores = max((n.cores for n in nodes), default=0)
+        self.free_cores: list[list[int]] = [list(range(n.cores - 1, -1, -1)) for n in nodes]
+        self.free_mem: list[float] = [n.memory_gb for n in nodes]
+        self.buckets: list[set[int]] = [set() for _ in range(self.max_cores + 1)]
+        for i, n in enumerate(nodes):
+            self.buckets[n.cores].add(i)
+        self.total_free = self.capacity
+        self.homes: dict[str, int] = {}
+        self.session_mem: dict[str, float] = {}
+
+    def nfree(self, node: int) -> int:
+        return len(self.free_cores[node])
+
+    def best_node(self, need: int, mem_gb: float = 0.0) -> int | None:
+        """The node with the most free cores that has at least ``need`` of them and ``mem_gb``
+        memory to spare (spreading leaves room for elastic growth), or None."""
+        buckets = self.buckets
+        for k in range(self.max_cores, need - 1, -1):
+            b = buckets[k]
+            if b:
+                if mem_gb <= 0:
+                    return next(iter(b))
+                for node in b:
+                    if self.free_mem[node] >= mem_gb:
+                        return node
+        return None
+
+    def take(self, node: int, n: int) -> tuple[int, ...]:
+        free = self.free_cores[node]
+        have = len(free)
+        if n > have or n < 0:
+            raise CapacityError(f"node {node} has {have} free cores, {n} asked")
+        self.buckets[have].discard(node)
+        self.buckets[have - n].add(node)
+        self.total_free -= n
+        taken = tuple(free[have - n:])
+        del free[have - n:]
+        return taken
+
+    def give(self, node: int, cores: tuple[int, ...]) -> None:
+        free = self.free_cores[node]
+        have = len(free)
+        if have + len(cores) > self.nodes[node].cores:
+            raise CapacityError(f"node {node} would have more free cores than it owns")
+        self.buckets[have].discard(node)
+        self.buckets[have + len(cores)].add(node)
+        self.total_free += len(cores)
+        free.extend(cores)
+
+    def attach(self, session: str, node: int, mem_gb: float) -> None:
+        """Make ``node`` the home of ``session`` (moving its reserved memory there)."""
+        self.detach(session)
+        if self.free_mem[node] < mem_gb - 1e-9:
+            raise CapacityError(f"node {node} has {self.free_mem[node]:.1f} GB free, session needs {mem_gb:.1f}")
+        self.free_mem[node] -= mem_gb
+        self.homes[session] = node
+        self.session_mem[session] = mem_gb
+
+    def detach(self, session: str) -> None:
+        node = self.homes.pop(session, None)
+        if node is not None:
+            self.free_mem[node] += self.session_mem.pop(session, 0.0)
+
+
+@dataclass(slots=True, eq=False)
+class Instance:
+    """A model's weights resident on a block of GPUs; ``busy`` names the action using it."""
+
+    model: str
+    gpus: tuple[int, ...]
+    per_gpu_gb: float
+    busy: str | None = None
+    last_used: float = 0.0
+    uses: int = 0
+    reserved_by: str = ""
+
+
+@dataclass(slots=True, eq=False)
+class Gpu:
+    node: int
+    island: int
+    memory_gb: float
+    used_gb: float = 0.0
+    busy: str | None = None
+    reserved_by: str = ""
+    instances: list[Instance] = field(default_factory=list)
+
+
+class GpuPool:
+    """GPUs grouped into islands, their memory and the model instances resident on them."""
+
+    def __init__(self, nodes: tuple[GpuNode, ...]) -> None:
+        self.nodes = nodes
+        self.gpus: list[Gpu] = []
+        self.islands: list[tuple[int, ...]] = []
+        self.h2d_gbps: list[float] = []
+        for ni, node in enumerate(nodes):
+            base = len(self.gpus)
+            for local in node.islands():
+                island = len(self.islands)
+                ids = tuple(base + g for g in local)
+                self.islands.append(ids)
+                for _ in ids:
+                    self.gpus.append(Gpu(ni, island, node.gpu_memory_gb))
+                    self.h2d_gbps.append(node.h2d_gbps)
+        self.capacity = len(self.gpus)
+        self.total_free = self.capacity
+        self.instances: dict[str, list[Instance]] = {}
+        self.max_island = max((len(i) for i in self.islands), default=0)
+
+    def blocks(self, size: int):
+        """Buddy-aligned blocks of ``size`` GPUs inside one island (size need not be a power of
+        two, blocks are aligned to multiples of it)."""
+        for island in self.islands:
+            for start in range(0, len(island) - size + 1, size):
+                yield island[start:start + size]
+
+    def idle(self, block: tuple[int, ...], owner: str = "") -> bool:
+        gpus = self.gpus
+        return all(gpus[g].busy is None and gpus[g].reserved_by == owner for g in block)
+
+    def idle_instance(self, model: str, owner: str = "") -> Instance | None:
+        """A resident instance of ``model`` whose GPUs are all free (another model resident on the
+        same GPUs may be running), least recently used first."""
+        best = None
+        gpus = self.gpus
+        for inst in self.instances.get(model, ()):
+            if (inst.busy is None and inst.reserved_by == owner and (best is None or inst.last_used < best.last_used)
+                    and all(gpus[g].busy is None for g in inst.gpus)):
+                best = inst
+        return best
+
+    def instance_on(self, model: str, block: tuple[int, ...]) -> Instance | None:
+        for inst in self.instances.get(model, ()):
+            if inst.gpus == block:
+                return inst
+        return None
+
+    def free_gb(self, g: int) -> float:
+        gpu = self.gpus[g]
+        return gpu.memory_gb - gpu.used_gb
+
+    def add_instance(self, model: str, block: tuple[int, ...], per_gpu_gb: float, owner: str = "") -> Instance:
+        for g in block:
+            if self.free_gb(g) < per_gpu_gb - 1e-9:
+                raise CapacityError(f"GPU {g} has {self.free_gb(g):.1f} GB free, {model} needs {per_gpu_gb:.1f}")
+        inst = Instance(model, block, per_gpu_gb, reserved_by=owner)
+        for g in block:
+            gpu = self.gpus[g]
+            gpu.used_gb += per_gpu_gb
+            gpu.instances.append(inst)
+        self.instances.setdefault(model, []).append(inst)
+        return inst
+
+    def evict(self, inst: Instance) -> None:
+        if inst.busy is not None:
+            raise CapacityError(f"cannot evict {inst.model} on {inst.gpus}: in use by {inst.busy}")
+        for g in inst.gpus:
+            gpu = self.gpus[g]
+            gpu.used_gb -= inst.per_gpu_gb
+            gpu.instances.remove(inst)
+        self.instances[inst.model].remove(inst)
+
+    def occupy(self, block: tuple[int, ...], action_id: str) -> None:
+        for g in block:
+            gpu = self.gpus[g]
+            if gpu.busy is not None:
+                raise CapacityError(f"GPU {g} is busy with {gpu.busy}")
+            gpu.busy = action_id
+        self.total_free -= len(block)
+
+    def release(self, block: tuple[int, ...]) -> None:
+        for g in block:
+            self.gpus[g].busy = None
+        self.total_free += len(block)
+
+    def load_s(self, block: tuple[int, ...], per_gpu_gb: float) -> float:
+        """Copying weights host->GPU happens on every GPU of the block in parallel."""
+        return max(per_gpu_gb / self.h2d_gbps[g] for g in block)
+
+
+class QuotaPool:
+    """An API's token bucket and concurrency slots, advanced by the time it is given."""
+
+    __slots__ = ("quota", "tokens", "t_last", "in_use")
+
+    def __init__(self, quota: ApiQuota) -> None:
+        self.quota = quota
+        self.tokens = quota.bucket
+        self.t_last = 0.0
+        self.in_use = 0
+
+    def refill(self, now: float) -> None:
+        if now > self.t_last:
+            self.tokens = min(self.quota.bucket, self.tokens + (now - self.t_last) * self.quota.rate_per_s)
+            self.t_last = now
+
+    def available(self, now: float) -> bool:
+        self.refill(now)
+        return self.in_use < self.quota.concurrency and self.tokens >= 1.0 - 1e-9
+
+    def next_token_at(self, now: float) -> float:
+        self.refill(now)
+        if self.tokens >= 1.0 - 1e-9:
+            return now
+        return now + (1.0 - self.tokens) / self.quota.rate_per_s
+
+    def take(self, now: float) -> None:
+        if not self.available(now):
+            raise CapacityError(f"quota {self.quota.name} exhausted")
+        self.tokens -= 1.0
+        self.in_use += 1
+
+    def give(self) -> None:
+        self.in_use -= 1

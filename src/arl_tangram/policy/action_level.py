@@ -1,0 +1,421 @@
+"""Action-level scheduling on shared pools: the Tangram policy and its ``fifo`` ablation.
+
+Tangram (DESIGN.md §4) in one round, per pool:
+1. *Priority*: each waiting action has a static key ``predicted work + expected setup +
+   aging * submitted_at - critical boost``. Linear aging is order-preserving over time, so one
+   heap per job serves SRPT-with-aging exactly, without re-keying as time passes.
+2. *Admission at minimum demand first*: pop by key (across jobs, the best key of a job below its
+   weighted fair share wins) and start each action at its minimum; skip up to ``lookahead`` that
+   do not fit (backfilling) instead of blocking the pool behind them.
+3. *Elasticity*: only when nothing of this pool is left waiting, spare units (minus a reserve for
+   arrivals, since spare capacity may not last) go to the actions started in this round by largest
+   marginal time reduction per unit on their concave speed-up curves (water-filling).
+4. *Placement*: sessions stick to the node that holds their state (migrating, at a restore cost,
+   only when that node is full); a model runs on an idle resident instance, else on an idle
+   buddy-aligned block inside one island chosen by load time plus a cost-aware eviction price, or
+   it waits for a busy resident instance when that is predicted to be quicker than a load.
+5. *Quotas*: API calls start only while the token bucket and concurrency allow.
+
+``fifo`` uses the same mechanisms with first-come-first-served keys, no elasticity, no migration,
+no fair share, and LRU eviction without residency-aware waiting: one shared pool, nothing clever.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field, replace
+from typing import Iterator
+
+from ..core.action import CPU, GPU, Action, Finished
+from ..core.pools import Instance
+from .base import Decision, EngineView, Grow, Start
+from .critical import StepTracker
+from .predictor import DurationPredictor
+from .queues import JobQueues
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    ordering: str = "srpt"  # "srpt" (with aging) or "fifo"
+    elastic: bool = True
+    migrate: bool = True
+    fair_share: bool = True
+    residency_aware: bool = True  # cost-aware eviction + wait for a busy resident instance
+    aging_per_s: float = 0.1
+    critical_boost_s: float = 30.0
+    straggler_fraction: float = 0.8
+    elastic_reserve_fraction: float = 0.05
+    elastic_quiet_s: float = 10.0
+    min_gain_fraction: float = 0.01
+    min_gain_s: float = 0.05
+    lookahead: int = 16
+    reuse_horizon_s: float = 30.0
+    job_weights: dict[str, float] = field(default_factory=dict)
+
+
+TANGRAM = Options()
+FIFO = Options(ordering="fifo", elastic=False, migrate=False, fair_share=False, residency_aware=False,
+               critical_boost_s=0.0)
+
+
+class ActionLevelPolicy:
+    """Shared pools, one action at a time; see the module docstring."""
+
+    def __init__(self, name: str = "tangram", options: Options = TANGRAM,
+                 predictor: DurationPredictor | None = None) -> None:
+        self.name = name
+        self.opt = options
+        self.predictor = predictor or DurationPredictor()
+        self.view: EngineView | None = None
+        self.queues: dict[str, JobQueues] = {}  # per pool; per model service for GPUs
+        self.gpu_queues: dict[str, JobQueues] = {}
+        self.predicted: dict[str, float] = {}
+        self.job_units: dict[str, dict[str, int]] = {}
+        self.steps = StepTracker()
+        self._model_rate: dict[str, tuple[float, float]] = {}
+        self._cpu_arrivals = (RateMeter(10.0),)
+        self._cpu_queued_at = -math.inf
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def bind(self, view: EngineView, now: float) -> Iterator[Decision]:
+        self.view = view
+        return iter(())
+
+    def on_submit(self, action: Action, now: float) -> None:
+        pred = self.predictor.predict(action)
+        self.predicted[action.id] = pred
+        qkey = action.service if action.pool == GPU else action.pool
+        q = self.queues.get(qkey)
+        if q is None:
+            q = self.queues[qkey] = JobQueues()
+            if action.pool == GPU:
+                self.gpu_queues[action.model or ""] = q
+        if self.opt.ordering == "fifo":
+            key = action.submitted_at
+        else:
+            key = pred + self._setup_estimate(action) + self.opt.aging_per_s * action.submitted_at
+            if self.opt.critical_boost_s and self.steps.is_straggler(action, self.opt.straggler_fraction):
+                key -= self.opt.critical_boost_s
+        if action.pool == GPU:
+            self._note_model_request(action.model or "", now)
+        elif action.pool == CPU:
+            for meter in self._cpu_arrivals:
+                meter.add(now, action.demand.ranges[CPU][0] * pred)
+        q.push(action, key)
+
+    def on_cancel(self, action: Action) -> None:
+        q = self.queues.get(action.service if action.pool == GPU else action.pool)
+        if q is not None:
+            q.cancel(action)
+        self.predicted.pop(action.id, None)
+
+    def on_finish(self, finished: Finished) -> None:
+        a = finished.action
+        self.predicted.pop(a.id, None)
+        if finished.started_at is not None:
+            self._charge(a.job, a.pool, -finished.units)
+        self.predictor.observe(finished)
+
+    def on_trajectory_end(self, job: str, step: int | None, trajectory: str) -> None:
+        self.steps.on_end(trajectory)
+
+    def next_wakeup(self, now: float) -> float | None:
+        view = self.view
+        wake = None
+        for pool, q in self.queues.items():
+            if q.size and pool in view.quotas:
+                qp = view.quotas[pool]
+                if qp.in_use < qp.quota.concurrency:
+                    t = qp.next_token_at(now)
+                    wake = t if wake is None else min(wake, t)
+        return wake
+
+    # -- the round -------------------------------------------------------------------------------
+    def schedule(self, now: float) -> Iterator[Decision]:
+        gpu_waiting = False
+        for pool, q in self.queues.items():
+            if not q.size:
+                continue
+            if pool == CPU:
+                yield from self._schedule_cpu(q, now)
+            elif pool in self.view.quotas:
+                yield from self._schedule_api(q, pool, now)
+            else:
+                gpu_waiting = True
+        if gpu_waiting:
+            yield from self._schedule_gpu(now)
+
+    def _schedule_cpu(self, q: JobQueues, now: float) -> Iterator[Decision]:
+        pool = self.view.cpu
+        admitted: list[tuple[Action, int, int]] = []
+        skipped = []
+        fav = self._favoured if self.opt.fair_share and len(q.heaps) > 1 else None
+        lookahead = self.opt.lookahead
+        while q.size and pool.total_free:
+            entry = q.pop(fav)
+            if entry is None:
+                break
+            a = entry[2]
+            lo = a.demand.ranges[CPU][0]
+            node = self._cpu_node(a, lo)
+            if node is None:
+                skipped.append(entry)
+                if len(skipped) >= lookahead:
+                    break
+                continue
+            self._charge(a.job, CPU, lo)
+            yield Start(a, node=node, count=lo)
+            admitted.append((a, node, lo))
+        if skipped:
+            q.push_back(skipped)
+        if q.size:
+            self._cpu_queued_at = now
+        if self.opt.elastic and admitted and not q.size and now - self._cpu_queued_at >= self.opt.elastic_quiet_s:
+            yield from self._water_fill(admitted, now)
+
+    def _cpu_node(self, a: Action, lo: int) -> int | None:
+        pool = self.view.cpu
+        traj = a.trajectory
+        if traj is None:
+            return pool.best_node(lo)
+        home = pool.homes.get(traj)
+        if home is not None:
+            if pool.nfree(home) >= lo:
+                return home
+            if not self.opt.migrate:
+                return None
+        return pool.best_node(lo, self.view.costs.session_mem_gb)
+
+    def _gain(self, a: Action, units: int) -> float:
+        w = self.predicted.get(a.id, 0.0)
+        gain = w * (a.speed_factor(units) - a.speed_factor(units + 1))
+        return gain if gain >= max(self.opt.min_gain_s, self.opt.min_gain_fraction * w) else 0.0
+
+    def _water_fill(self, admitted: list[tuple[Action, int, int]], now: float) -> Iterator[Decision]:
+        """Spare cores to the actions just admitted, largest marginal gain first. Spare capacity
+        may not last: keep free what arrivals are expected to occupy (Little's law: the recent
+        arrival rate of core-seconds of predicted work), and at least a fixed reserve."""
+        pool = self.view.cpu
+        heap = []
+        for a, node, lo in admitted:
+            if a.demand.ranges[CPU][1] > lo:
+                gain = self._gain(a, lo)
+                if gain > 0:
+                    heap.append((-gain, a.id, a, node, lo))
+        if not heap:
+            return
+        reserve = max(self.opt.elastic_reserve_fraction * pool.capacity, *(m.rate(now) for m in self._cpu_arrivals))
+        budget = pool.total_free - math.ceil(reserve)
+        if budget <= 0:
+            return
+        heapq.heapify(heap)
+        extra: dict[str, int] = {}
+        node_free: dict[int, int] = {}
+        while heap and budget > 0:
+            _, aid, a, node, k = heapq.heappop(heap)
+            free = node_free.get(node)
+            if free is None:
+                free = pool.nfree(node)
+            if free <= 0:
+                continue
+            node_free[node] = free - 1
+            budget -= 1
+            extra[aid] = extra.get(aid, 0) + 1
+            k += 1
+            if k < a.demand.ranges[CPU][1]:
+                gain = self._gain(a, k)
+                if gain > 0:
+                    heapq.heappush(heap, (-gain, aid, a, node, k))
+        for aid, n in extra.items():
+            self._charge(self.view.running[aid].action.job, CPU, n)
+            yield Grow(aid, n)
+
+    def _schedule_gpu(self, now: float) -> Iterator[Decision]:
+        """Models in order of their best waiting action; a model whose head cannot be placed is
+        blocked for this round only, so one big instance waiting for an island never holds up the
+        small models behind it (per-model queues instead of one head-of-line)."""
+        pool = self.view.gpu
+        order = [(q.peek_key(), model) for model, q in self.gpu_queues.items() if q.size]
+        heapq.heapify(order)
+        while order and pool.total_free:
+            _, model = heapq.heappop(order)
+            q = self.gpu_queues[model]
+            entry = q.pop(self._favoured if self.opt.fair_share and len(q.heaps) > 1 else None)
+            if entry is None:
+                continue
+            a = entry[2]
+            start = self._gpu_start(a, now, q.size)
+            if start is None:
+                q.push_back([entry])
+                continue
+            self._charge(a.job, GPU, len(start.block))
+            yield start
+            if q.size:
+                heapq.heappush(order, (q.peek_key(), model))
+
+    def _gpu_start(self, a: Action, now: float, queued: int) -> Start | None:
+        """Where to run ``a`` now, or None: no idle block can take it, or waiting for a busy
+        resident instance is predicted to be quicker than loading another copy."""
+        pool = self.view.gpu
+        model = a.model or ""
+        g = a.demand.ranges[GPU][0]
+        per_gpu = self._per_gpu_gb(a)
+        inst = pool.idle_instance(model)
+        if inst is not None and len(inst.gpus) == g:
+            return Start(a, block=inst.gpus)
+        best = None
+        for block in pool.blocks(g):
+            if not pool.idle(block):
+                continue
+            load = pool.load_s(block, per_gpu) if pool.instance_on(model, block) is None else 0.0
+            plan = self._evictions(block, per_gpu, now)
+            if plan is None:
+                continue
+            evicted, evict_cost = plan
+            # best fit among islands keeps whole islands free for big instances
+            island_free = sum(1 for x in pool.islands[pool.gpus[block[0]].island] if pool.gpus[x].busy is None)
+            cost = (load + evict_cost, island_free)
+            if best is None or cost < best[0]:
+                best = (cost, block, evicted)
+        if best is None:
+            return None
+        if self.opt.residency_aware:
+            wait = self._resident_wait(model, now, queued)
+            if wait is not None and wait < best[0][0]:
+                return None
+        return Start(a, block=best[1], evict=tuple(best[2]))
+
+    def _resident_wait(self, model: str, now: float, queued: int) -> float | None:
+        """Predicted wait for a busy resident instance of ``model`` to have served this action and
+        the ``queued`` ones behind it, shared over the instances; None when none is resident."""
+        insts = [i for i in self.view.gpu.instances.get(model, ()) if i.busy is not None and not i.reserved_by]
+        if not insts:
+            return None
+        running = self.view.running
+        soonest = math.inf
+        per_action = 0.0
+        for inst in insts:
+            r = running.get(inst.busy)
+            if r is None:
+                continue
+            pred = self.predicted.get(inst.busy, 0.0)
+            soonest = min(soonest, max(0.0, r.started_at + pred - now))
+            per_action = max(per_action, pred)
+        if soonest == math.inf:
+            return None
+        return soonest + queued * per_action / len(insts)
+
+    def _evictions(self, block: tuple[int, ...], per_gpu: float, now: float) -> tuple[list[Instance], float] | None:
+        pool = self.view.gpu
+        chosen: list[Instance] = []
+        freed: dict[int, float] = {}
+        for g in block:
+            need = per_gpu - pool.free_gb(g) - freed.get(g, 0.0)
+            if need <= 1e-9:
+                continue
+            candidates = [i for i in pool.gpus[g].instances if i.busy is None and not i.reserved_by and i not in chosen]
+            candidates.sort(key=(lambda i: self._keep_value(i, now)) if self.opt.residency_aware
+                            else (lambda i: i.last_used))
+            for inst in candidates:
+                if need <= 1e-9:
+                    break
+                chosen.append(inst)
+                for x in inst.gpus:
+                    freed[x] = freed.get(x, 0.0) + inst.per_gpu_gb
+                need -= inst.per_gpu_gb
+            if need > 1e-9:
+                return None
+        cost = sum(self._keep_value(i, now) for i in chosen) if self.opt.residency_aware else 0.0
+        return chosen, cost
+
+    def _keep_value(self, inst: Instance, now: float) -> float:
+        """Expected reload seconds an eviction costs: reload time weighted by the chance the model
+        is asked for again within the reuse horizon (from its recent request rate)."""
+        rate = self._rate(inst.model, now)
+        p_reuse = 1.0 - math.exp(-rate * self.opt.reuse_horizon_s)
+        return self.view.gpu.load_s(inst.gpus, inst.per_gpu_gb) * p_reuse
+
+    def _schedule_api(self, q: JobQueues, pool: str, now: float) -> Iterator[Decision]:
+        qp = self.view.quotas[pool]
+        fav = self._favoured if self.opt.fair_share and len(q.heaps) > 1 else None
+        while q.size and qp.available(now):
+            entry = q.pop(fav)
+            if entry is None:
+                break
+            self._charge(entry[2].job, pool, 1)
+            yield Start(entry[2])
+
+    # -- estimates and bookkeeping ---------------------------------------------------------------
+    def _per_gpu_gb(self, a: Action) -> float:
+        spec = self.view.cluster.model(a.model or "")
+        if spec is not None:
+            return spec.per_gpu_gb()
+        return a.weights_gb / a.demand.ranges[GPU][0]
+
+    def _setup_estimate(self, a: Action) -> float:
+        if a.pool == GPU and not self.view.gpu.instances.get(a.model or ""):
+            return self._per_gpu_gb(a) / 25.0
+        return 0.0
+
+    def _note_model_request(self, model: str, now: float, tau: float = 60.0) -> None:
+        rate, t = self._model_rate.get(model, (0.0, now))
+        self._model_rate[model] = (rate * math.exp(-(now - t) / tau) + 1.0 / tau, now)
+
+    def _rate(self, model: str, now: float, tau: float = 60.0) -> float:
+        rate, t = self._model_rate.get(model, (0.0, now))
+        return rate * math.exp(-(now - t) / tau)
+
+    def _charge(self, job: str, pool: str, units: int) -> None:
+        usage = self.job_units.get(job)
+        if usage is None:
+            usage = self.job_units[job] = {}
+        usage[pool] = usage.get(pool, 0) + units
+
+    def _favoured(self, job: str) -> bool:
+        """Below its weighted fair share (DRF: the dominant share over all pools counts)."""
+        view = self.view
+        weights = self.opt.job_weights
+        active = {j for j, units in self.job_units.items() if any(units.values())}
+        for q in self.queues.values():
+            active.update(j for j, h in q.heaps.items() if h)
+        total_w = sum(weights.get(j, 1.0) for j in active) or 1.0
+        entitled = weights.get(job, 1.0) / total_w
+        dominant = 0.0
+        for pool, units in self.job_units.get(job, {}).items():
+            if pool == CPU:
+                cap = view.cpu.capacity
+            elif pool == GPU:
+                cap = view.gpu.capacity
+            else:
+                qp = view.quotas.get(pool)
+                cap = qp.quota.concurrency if qp else 0
+            if cap:
+                dominant = max(dominant, units / cap)
+        return dominant < entitled
+
+
+class RateMeter:
+    """An exponentially decaying rate (amount per second over roughly the last ``tau_s``)."""
+
+    __slots__ = ("tau_s", "_value", "_t")
+
+    def __init__(self, tau_s: float = 10.0) -> None:
+        self.tau_s = tau_s
+        self._value = 0.0
+        self._t = 0.0
+
+    def add(self, now: float, amount: float = 1.0) -> None:
+        self._value = self.rate(now) + amount / self.tau_s
+        self._t = now
+
+    def rate(self, now: float) -> float:
+        return self._value * math.exp(-(now - self._t) / self.tau_s) if now > self._t else self._value
+
+
+def tangram_policy(**overrides) -> ActionLevelPolicy:
+    return ActionLevelPolicy("tangram", replace(TANGRAM, **overrides))
+
+
+def fifo_policy() -> ActionLevelPolicy:
+    return ActionLevelPolicy("fifo", FIFO)

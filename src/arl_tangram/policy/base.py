@@ -1,0 +1,132 @@
+"""The seam between the engine and a scheduling policy.
+
+A policy only decides. It reads the engine's state through ``EngineView`` and yields decisions as
+data; the engine applies each one (so the next decision sees its effect) and hands started actions
+to the managers once the round is over. Nothing here touches a clock, a thread or a socket.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Mapping, Protocol
+
+from ..core.action import Action, Allocation, Finished
+from ..core.cluster import Cluster
+from ..core.pools import CpuPool, GpuPool, Instance, QuotaPool
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Run ``action`` now: on CPU ``node`` with ``count`` cores, on GPU ``block`` (after evicting
+    ``evict``), or on an API quota; ``reservation`` draws the units from a reserved partition;
+    ``unmanaged`` API calls bypass our quota (the client-side practice the static baseline models)."""
+
+    action: Action
+    node: int = -1
+    count: int = 1
+    block: tuple[int, ...] = ()
+    evict: tuple[Instance, ...] = ()
+    reservation: str = ""
+    unmanaged: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Grow:
+    """Give an action started in this same round ``count`` more cores on its node (elasticity)."""
+
+    action_id: str
+    count: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reserve:
+    """Set units aside for one owner (a trajectory's sandbox, a service's GPU partition): cores on
+    ``node`` (``count``) or the GPUs of ``block``, preloaded with ``model`` when given."""
+
+    key: str
+    pool: str
+    node: int = -1
+    count: int = 0
+    block: tuple[int, ...] = ()
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    key: str
+
+
+Decision = Start | Grow | Reserve | Release
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    key: str
+    pool: str
+    node: int
+    units: tuple[int, ...]
+    free: list[int]
+    started_at: float
+
+
+@dataclass(slots=True, eq=False)
+class Running:
+    action: Action
+    allocation: Allocation
+    started_at: float
+    instance: Instance | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """What the policy should expect state work to cost (the managers do the real thing)."""
+
+    session_create_s: float = 1.0
+    session_thaw_s: float = 0.005
+    session_restore_s: float = 2.0
+    session_mem_gb: float = 2.0
+
+
+@dataclass(slots=True)
+class Profile:
+    """Expected load, for static baselines that must size partitions up front: unit-seconds of
+    work per (job, pool) and per model service, and the number of concurrent trajectories."""
+
+    unit_seconds: dict[tuple[str, str], float] = field(default_factory=dict)
+    model_seconds: dict[str, float] = field(default_factory=dict)
+    trajectories: int = 0
+
+
+class EngineView(Protocol):
+    cluster: Cluster
+    cpu: CpuPool
+    gpu: GpuPool
+    quotas: Mapping[str, QuotaPool]
+    running: Mapping[str, Running]
+    reservations: Mapping[str, Reservation]
+    costs: Costs
+    profile: Profile
+
+
+class Policy(Protocol):
+    """A scheduling policy; see ``TangramPolicy`` for the reference implementation."""
+
+    name: str
+
+    def bind(self, view: EngineView, now: float) -> Iterator[Decision]:
+        """Called once when the engine starts; may reserve partitions."""
+        ...
+
+    def on_submit(self, action: Action, now: float) -> None: ...
+
+    def on_cancel(self, action: Action) -> None: ...
+
+    def on_finish(self, finished: Finished) -> None: ...
+
+    def on_trajectory_end(self, job: str, step: int | None, trajectory: str) -> None: ...
+
+    def schedule(self, now: float) -> Iterator[Decision]: ...
+
+    def next_wakeup(self, now: float) -> float | None:
+        """When to call ``schedule`` again even if nothing happens (a quota refilling), or None."""
+        ...

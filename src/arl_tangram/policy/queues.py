@@ -1,0 +1,76 @@
+"""Priority queues of waiting actions, one min-heap per job, so fair share can pick across jobs
+in O(jobs) while each job's order stays O(log n)."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Callable
+
+from ..core.action import Action
+
+
+class JobQueues:
+    __slots__ = ("heaps", "size", "_seq", "_cancelled")
+
+    def __init__(self) -> None:
+        self.heaps: dict[str, list[tuple[float, int, Action]]] = {}
+        self.size = 0
+        self._seq = itertools.count()
+        self._cancelled: set[str] = set()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def push(self, action: Action, key: float) -> None:
+        heap = self.heaps.get(action.job)
+        if heap is None:
+            heap = self.heaps[action.job] = []
+        heapq.heappush(heap, (key, next(self._seq), action))
+        self.size += 1
+
+    def push_back(self, entries: list[tuple[float, int, Action]]) -> None:
+        """Return popped entries unchanged (their original order is kept by their sequence)."""
+        for entry in entries:
+            heapq.heappush(self.heaps[entry[2].job], entry)
+            self.size += 1
+
+    def cancel(self, action: Action) -> None:
+        """Lazy removal: the entry is dropped when it reaches the head."""
+        self._cancelled.add(action.id)
+        self.size -= 1
+
+    def _clean_head(self, heap: list) -> None:
+        cancelled = self._cancelled
+        while heap and cancelled and heap[0][2].id in cancelled:
+            cancelled.discard(heapq.heappop(heap)[2].id)
+
+    def peek_key(self) -> float:
+        """The smallest key waiting (inf when empty)."""
+        best = float("inf")
+        for heap in self.heaps.values():
+            self._clean_head(heap)
+            if heap and heap[0][0] < best:
+                best = heap[0][0]
+        return best
+
+    def pop(self, favoured: Callable[[str], bool] | None = None) -> tuple[float, int, Action] | None:
+        """The entry with the smallest key; among several jobs, the smallest key of the jobs that
+        ``favoured`` accepts (those below their fair share) when there is one."""
+        best = None
+        best_fav = None
+        for job, heap in self.heaps.items():
+            self._clean_head(heap)
+            if not heap:
+                continue
+            head = heap[0]
+            if best is None or head < best[0]:
+                best = (head, heap)
+            if favoured is not None and (best_fav is None or head < best_fav[0]) and favoured(job):
+                best_fav = (head, heap)
+        if best is None:
+            return None
+        if best_fav is not None:
+            best = best_fav
+        self.size -= 1
+        return heapq.heappop(best[1])

@@ -1,0 +1,183 @@
+"""A discrete-event simulator that drives the real engine and policy on a virtual clock."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..core.action import CPU, GPU, Action, Demand, Finished, Outcome
+from ..core.clock import ManualClock
+from ..core.cluster import Cluster
+from ..engine import Engine
+from ..policy import Costs, Policy, Profile
+from .managers import SandboxCosts, SimApiManager, SimModelManager, SimSandboxManager
+from .workload import ActionSpec, TrajectorySpec, Workload
+
+
+@dataclass
+class SimResult:
+    policy: str
+    workload: str
+    cluster: Cluster
+    finished: list[Finished]
+    steps: list[tuple[str, int, float, float]]  # (job, step, start, end)
+    makespan_s: float
+    cpu_held_s: float
+    gpu_held_s: float
+    series: list[tuple[float, int, int, int, int]]
+    api_rejections: int = 0
+    events: int = 0
+    infeasible: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class _TrajectoryRun:
+    __slots__ = ("spec", "job", "step", "next", "job_index")
+
+    def __init__(self, spec: TrajectorySpec, job: str, step: int, job_index: int) -> None:
+        self.spec = spec
+        self.job = job
+        self.step = step
+        self.next = 0
+        self.job_index = job_index
+
+
+class Simulator:
+    """Runs ``workload`` on ``cluster`` under ``policy``; deterministic for a given seed."""
+
+    def __init__(self, workload: Workload, cluster: Cluster, policy: Policy, *, seed: int = 0,
+                 sandbox_costs: SandboxCosts = SandboxCosts(), session_mem_gb: float = 2.0,
+                 sample_every_s: float = 1.0, progress: Callable[[int], None] | None = None) -> None:
+        self.workload = workload
+        self.cluster = cluster
+        self.policy = policy
+        self.clock = ManualClock()
+        self._events: list = []
+        self._seq = itertools.count()
+        self._wake_at: float | None = None
+        self.progress = progress
+        costs = Costs(sandbox_costs.create_s, sandbox_costs.thaw_s, sandbox_costs.restore_s, session_mem_gb)
+        profile = Profile(workload.unit_seconds(), workload.model_seconds(), workload.concurrent_trajectories())
+        managers: dict = {}
+        self.engine = Engine(cluster, policy, managers, self.clock, costs=costs, profile=profile,
+                             sample_every_s=sample_every_s)
+        managers[CPU] = SimSandboxManager(self.engine, self.at, sandbox_costs)
+        managers[GPU] = SimModelManager(self.engine, self.at)
+        self.api = SimApiManager(self.engine, self.at, cluster.quotas, seed)
+        managers["api"] = self.api
+        self.engine.listeners.append(self._on_finished)
+        self.finished: list[Finished] = []
+        self.steps: list[tuple[str, int, float, float]] = []
+        self._step_left: list[int] = [0] * len(workload.jobs)
+        self._step_no: list[int] = [0] * len(workload.jobs)
+        self._step_start: list[float] = [0.0] * len(workload.jobs)
+        self._runs: dict[str, _TrajectoryRun] = {}
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def run(self) -> SimResult:
+        for j in range(len(self.workload.jobs)):
+            self._start_step(j, 0)
+        events = self._events
+        engine = self.engine
+        clock = self.clock
+        n = 0
+        progress = self.progress
+        while events:
+            t, _, fn = heapq.heappop(events)
+            clock.advance_to(t)
+            fn()
+            n += 1
+            if progress is not None and n % 4096 == 0:
+                progress(len(self.finished))
+            if not events or events[0][0] > t:
+                engine.schedule()
+                wake = engine.next_wakeup()
+                if wake is not None and wake > t + 1e-9 and (self._wake_at is None or self._wake_at <= t
+                                                             or wake < self._wake_at):
+                    self._wake_at = wake
+                    self.at(wake, _noop)
+        engine.usage.advance(clock.now())
+        if progress is not None:
+            progress(len(self.finished))
+        stuck = len(engine.pending) + len(engine.running)
+        if stuck:
+            raise RuntimeError(f"simulation ended with {len(engine.pending)} actions waiting and "
+                               f"{len(engine.running)} running under {self.policy.name}: the policy deadlocked")
+        u = engine.usage
+        return SimResult(self.policy.name, self.workload.name, self.cluster, self.finished, self.steps, clock.now(),
+                         u.cpu_held_s, u.gpu_held_s, u.series, self.api.rejections, n)
+
+    # -- workload driving ------------------------------------------------------------------------
+    def _start_step(self, j: int, step: int) -> None:
+        job = self.workload.jobs[j]
+        if step >= len(job.steps):
+            return
+        trajs = job.steps[step]
+        now = self.clock.now()
+        self._step_no[j] = step
+        self._step_start[j] = now
+        self._step_left[j] = len(trajs)
+        if not trajs:
+            self.steps.append((job.name, step, now, now))
+            self._start_step(j, step + 1)
+            return
+        for spec in trajs:
+            run = _TrajectoryRun(spec, job.name, step, j)
+            self._runs[spec.id] = run
+            self._next_action(run, now)
+
+    def _next_action(self, run: _TrajectoryRun, now: float) -> None:
+        if run.next >= len(run.spec.actions):
+            self._end_trajectory(run)
+            return
+        spec = run.spec.actions[run.next]
+        run.next += 1
+        self.at(now + spec.gap_s, lambda: self._submit(run, spec))
+
+    def _submit(self, run: _TrajectoryRun, spec: ActionSpec) -> None:
+        action = Action(
+            id=f"{run.spec.id}#{spec.seq}", service=spec.service, demand=Demand(spec.demand), job=run.job,
+            trajectory=run.spec.id, step=run.step, operation=spec.operation, hint_s=spec.hint_s,
+            parallel_fraction=spec.parallel_fraction, weights_gb=spec.weights_gb, timeout_s=spec.timeout_s,
+            payload=spec)
+        self.engine.submit(action)  # a rejection comes back through the listener like any outcome
+
+    def _on_finished(self, f: Finished) -> None:
+        self.finished.append(f)
+        spec = f.action.payload
+        if not isinstance(spec, ActionSpec):
+            return
+        run = self._runs[f.action.trajectory]
+        self._next_action(run, f.finished_at)
+
+    def _end_trajectory(self, run: _TrajectoryRun) -> None:
+        del self._runs[run.spec.id]
+        self.engine.end_trajectory(run.spec.id, run.job, run.step)
+        j = run.job_index
+        self._step_left[j] -= 1
+        if self._step_left[j] == 0:
+            now = self.clock.now()
+            self.steps.append((run.job, run.step, self._step_start[j], now))
+            self._start_step(j, run.step + 1)
+
+
+def _noop() -> None:
+    pass
+
+
+def simulate(workload: Workload, cluster: Cluster, policy: Policy, **kwargs) -> SimResult:
+    return Simulator(workload, cluster, policy, **kwargs).run()
+
+
+def outcome_counts(finished: list[Finished]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for f in finished:
+        out[f.outcome.value] = out.get(f.outcome.value, 0) + 1
+    return out
+
+
+__all__ = ["SimResult", "Simulator", "outcome_counts", "simulate", "Outcome"]
