@@ -153,7 +153,7 @@ class Engine:
     def end_trajectory(self, trajectory: str, job: str = "default", step: int | None = None) -> None:
         """The trajectory will send no more actions: its session's state can go."""
         self.cpu.detach(trajectory)
-        for manager in self.managers.values():
+        for manager in {id(m): m for m in self.managers.values()}.values():
             manager.close_session(trajectory)
         self.policy.on_trajectory_end(job, step, trajectory)
 

@@ -74,7 +74,6 @@ class ActionLevelPolicy:
         self.job_units: dict[str, dict[str, int]] = {}
         self.steps = StepTracker()
         self._model_rate: dict[str, tuple[float, float]] = {}
-        self._cpu_arrivals = (RateMeter(10.0),)
         self._cpu_queued_at = -math.inf
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -99,9 +98,6 @@ class ActionLevelPolicy:
                 key -= self.opt.critical_boost_s
         if action.pool == GPU:
             self._note_model_request(action.model or "", now)
-        elif action.pool == CPU:
-            for meter in self._cpu_arrivals:
-                meter.add(now, action.demand.ranges[CPU][0] * pred)
         q.push(action, key)
 
     def on_cancel(self, action: Action) -> None:
@@ -194,8 +190,9 @@ class ActionLevelPolicy:
 
     def _water_fill(self, admitted: list[tuple[Action, int, int]], now: float) -> Iterator[Decision]:
         """Spare cores to the actions just admitted, largest marginal gain first. Spare capacity
-        may not last: keep free what arrivals are expected to occupy (Little's law: the recent
-        arrival rate of core-seconds of predicted work), and at least a fixed reserve."""
+        may not last, so a reserve stays free and nothing grows unless the pool has had no queue
+        for ``elastic_quiet_s`` (the caller checks): growing into a burst delays the burst more
+        than it speeds up the grown action (measured on rlvr at 0.5x and 0.25x)."""
         pool = self.view.cpu
         heap = []
         for a, node, lo in admitted:
@@ -205,8 +202,7 @@ class ActionLevelPolicy:
                     heap.append((-gain, a.id, a, node, lo))
         if not heap:
             return
-        reserve = max(self.opt.elastic_reserve_fraction * pool.capacity, *(m.rate(now) for m in self._cpu_arrivals))
-        budget = pool.total_free - math.ceil(reserve)
+        budget = pool.total_free - math.ceil(self.opt.elastic_reserve_fraction * pool.capacity)
         if budget <= 0:
             return
         heapq.heapify(heap)
@@ -393,24 +389,6 @@ class ActionLevelPolicy:
             if cap:
                 dominant = max(dominant, units / cap)
         return dominant < entitled
-
-
-class RateMeter:
-    """An exponentially decaying rate (amount per second over roughly the last ``tau_s``)."""
-
-    __slots__ = ("tau_s", "_value", "_t")
-
-    def __init__(self, tau_s: float = 10.0) -> None:
-        self.tau_s = tau_s
-        self._value = 0.0
-        self._t = 0.0
-
-    def add(self, now: float, amount: float = 1.0) -> None:
-        self._value = self.rate(now) + amount / self.tau_s
-        self._t = now
-
-    def rate(self, now: float) -> float:
-        return self._value * math.exp(-(now - self._t) / self.tau_s) if now > self._t else self._value
 
 
 def tangram_policy(**overrides) -> ActionLevelPolicy:

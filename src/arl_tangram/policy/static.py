@@ -250,7 +250,10 @@ class TrajectoryStaticPolicy(StaticPartitions):
 
     def on_submit(self, action: Action, now: float) -> None:
         if action.pool == CPU:
-            (self.ready if self._key(action) in self.view.reservations else self.waiting).append(action)
+            key = self._key(action)
+            if key in self.to_release:  # the trajectory came back before its sandbox was released
+                self.to_release.remove(key)
+            (self.ready if key in self.view.reservations else self.waiting).append(action)
         elif action.pool == GPU:
             self.gpu_waiting.setdefault(action.model or "", deque()).append(action)
         else:
@@ -269,22 +272,36 @@ class TrajectoryStaticPolicy(StaticPartitions):
 
     def on_trajectory_end(self, job: str, step: int | None, trajectory: str) -> None:
         key = f"sandbox:{trajectory}"
-        if key in self.view.reservations:
+        if key in self.view.reservations and key not in self.to_release:
             self.to_release.append(key)
-        else:  # ended before its sandbox was ever granted: nothing to hold
-            pass
 
     def schedule(self, now: float) -> Iterator[Decision]:
         view = self.view
+        busy = []
         for key in self.to_release:
-            if key in view.reservations:
+            res = view.reservations.get(key)
+            if res is None:
+                continue
+            if len(res.free) < len(res.units):  # an action still runs: release once it is done
+                busy.append(key)
+            else:
                 yield Release(key)
-        self.to_release.clear()
-        for a in self.ready:
-            yield self._start(a)
-        self.ready.clear()
+        self.to_release = busy
+        ready, self.ready = self.ready, []
+        for a in ready:  # a trajectory's actions share its sandbox: one waits while another runs
+            res = view.reservations.get(self._key(a))
+            if res is None:  # the trajectory ended with this action still queued
+                self.waiting.append(a)
+            elif res.free:
+                yield self._start(a)
+            else:
+                self.ready.append(a)
         while self.waiting:
             a = self.waiting[0]
+            if self._key(a) in view.reservations:  # its sandbox was granted meanwhile
+                self.waiting.popleft()
+                self.ready.append(a)
+                continue
             node = view.cpu.best_node(self.k, view.costs.session_mem_gb if a.trajectory else 0.0)
             if node is None:
                 break
@@ -298,4 +315,4 @@ class TrajectoryStaticPolicy(StaticPartitions):
 
     def _start(self, a: Action) -> Start:
         res = self.view.reservations[self._key(a)]
-        return Start(a, node=res.node, count=min(len(res.units), a.demand.ranges[CPU][1]), reservation=res.key)
+        return Start(a, node=res.node, count=min(len(res.free), a.demand.ranges[CPU][1]), reservation=res.key)

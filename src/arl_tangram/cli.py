@@ -1,0 +1,214 @@
+"""``tangram``: the command line.
+
+``tangram simulate`` compares scheduling policies on a simulated cluster; ``tangram bench`` prints
+measured figures as JSON. Bad input exits with code 2 and one line naming the problem.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from .core.cluster import Cluster, scale_cluster, uniform_cluster
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="ARL-Tangram: action-level resource management for agentic RL.")
+bench_app = typer.Typer(no_args_is_help=True, help="Measured figures, printed as JSON.")
+app.add_typer(bench_app, name="bench")
+
+console = Console(stderr=True)
+out = Console(width=None if sys.stdout.isatty() else 160)
+
+
+class WorkloadName(str, Enum):
+    code_agent = "code_agent"
+    mopd = "mopd"
+    search = "search"
+    rlvr = "rlvr"
+    mixed = "mixed"
+
+
+class PolicyName(str, Enum):
+    tangram = "tangram"
+    trajectory_static = "trajectory-static"
+    task_isolated = "task-isolated"
+    fifo = "fifo"
+    all = "all"
+
+
+def fail(message: str) -> typer.Exit:
+    console.print(f"[red]error:[/] {message}", highlight=False)
+    return typer.Exit(2)
+
+
+def _cluster(base: Cluster, cpus, cpu_nodes, gpus, gpus_per_node) -> Cluster:
+    if cpus is None and cpu_nodes is None and gpus is None and gpus_per_node is None:
+        return base
+    c_cpus = cpus if cpus is not None else base.total_cores
+    c_nodes = cpu_nodes if cpu_nodes is not None else (max(1, c_cpus // 64) if cpus is not None
+                                                        else max(1, len(base.cpu_nodes)))
+    c_gpus = gpus if gpus is not None else base.total_gpus
+    per = gpus_per_node if gpus_per_node is not None else (base.gpu_nodes[0].gpus if base.gpu_nodes else 8)
+    if c_cpus and c_nodes > c_cpus:
+        raise fail(f"--cpu-nodes: {c_nodes} nodes cannot share {c_cpus} cores")
+    return uniform_cluster(cpus=c_cpus, cpu_nodes=c_nodes, gpus=c_gpus, gpus_per_node=per,
+                           quotas=base.quotas, models=base.models)
+
+
+@app.command()
+def simulate(
+    workload: Optional[WorkloadName] = typer.Option(None, help="Built-in workload [default: code_agent]."),
+    trace: Optional[Path] = typer.Option(None, help="Replay a JSONL trace instead of a built-in workload."),
+    policy: PolicyName = typer.Option(PolicyName.all, help="Policy to run, or all of them side by side."),
+    cpus: Optional[int] = typer.Option(None, min=0, help="CPU cores in the pool [default: per workload]."),
+    cpu_nodes: Optional[int] = typer.Option(None, min=1, help="CPU nodes the cores are spread over."),
+    gpus: Optional[int] = typer.Option(None, min=0, help="GPUs in the pool [default: per workload]."),
+    gpus_per_node: Optional[int] = typer.Option(None, min=1, help="GPUs per node (one NVLink island each)."),
+    scale: float = typer.Option(1.0, help="Multiply every pool by this (the paper compares 1x and 0.5x)."),
+    steps: Optional[int] = typer.Option(None, min=1, help="RL steps per job [default: 2]."),
+    trajectories: Optional[int] = typer.Option(None, min=1, help="Trajectories per step [default: per workload]."),
+    seed: int = typer.Option(0, help="Seed of the workload generator and the simulation."),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
+    plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write ACT CDFs and utilisation (PNG) here."),
+    min_resources: bool = typer.Option(False, "--min-resources",
+                                       help="Find each policy's smallest pool matching trajectory-static's "
+                                            "step time at scale 1."),
+    export_trace: Optional[Path] = typer.Option(None, help="Also write the workload as a JSONL trace here."),
+) -> None:
+    """Compare scheduling policies on a simulated cluster (the real engine on a virtual clock)."""
+    from .sim.compare import BASELINES, comparison, min_scale, run_policy
+    from .sim.trace import TraceError, dump_trace, load_trace
+    from .sim.workloads import generate
+    from .report import plot, print_summary, results_table
+
+    if workload is not None and trace is not None:
+        raise fail("--workload and --trace: give one or the other")
+    if scale <= 0 or scale != scale:
+        raise fail(f"--scale: must be > 0, got {scale}")
+    t0 = time.perf_counter()
+    if trace is not None:
+        if steps is not None or trajectories is not None:
+            raise fail("--steps/--trajectories: a trace fixes its own steps and trajectories")
+        try:
+            wl = load_trace(trace)
+        except TraceError as e:
+            raise fail(f"trace {e}")
+    else:
+        name = (workload or WorkloadName.code_agent).value
+        wl = generate(name, seed=seed, steps=steps, trajectories=trajectories)
+    if export_trace is not None:
+        n = dump_trace(wl, export_trace)
+        console.print(f"wrote {n:,} actions to {export_trace}")
+    base = _cluster(wl.default_cluster, cpus, cpu_nodes, gpus, gpus_per_node)
+    cluster = scale_cluster(base, scale)
+    needs = _missing_pools(wl, cluster)
+    if needs:
+        raise fail(needs)
+    policies = ["tangram", *BASELINES] if policy is PolicyName.all else [policy.value]
+    desc = cluster.describe()
+    console.print(f"[bold]{wl.name}[/]: {wl.num_actions:,} actions, {len(wl.jobs)} job(s); cluster "
+                  f"{desc['cpus']:,} cores on {desc['cpu_nodes']} nodes, {desc['gpus']} GPUs"
+                  f"{', quotas ' + ', '.join(desc['quotas']) if desc['quotas'] else ''} (scale {scale:g})")
+    runs = []
+    with _progress() as progress:
+        for p in policies:
+            task = progress.add_task(p, total=wl.num_actions)
+            runs.append(run_policy(wl, cluster, p, seed,
+                                   progress=lambda n, task=task: progress.update(task, completed=n)))
+            progress.update(task, completed=wl.num_actions)
+    rows = [r.summary for r in runs]
+    cmp = comparison(rows)
+    sim_wall = time.perf_counter() - t0
+    out.print(results_table(f"{wl.name} — {len(policies)} policies, scale {scale:g}, seed {seed}", rows, cmp))
+    print_summary(out, rows, cmp)
+    console.print(f"simulated in {sim_wall:.1f} s wall time")
+    report = {"workload": wl.name, "cluster": desc, "scale": scale, "seed": seed, "num_actions": wl.num_actions,
+              "wall_s": sim_wall, "results": rows, "comparison": cmp}
+    if min_resources:
+        report["min_resources"] = _min_resources(wl, base, policies, seed)
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=2))
+        console.print(f"wrote {json_out}")
+    if plot_out is not None:
+        plot([r.result for r in runs], plot_out, f"{wl.name} (scale {scale:g})")
+        console.print(f"wrote {plot_out}")
+
+
+def _missing_pools(wl, cluster: Cluster) -> str | None:
+    services = {a.service for j in wl.jobs for s in j.steps for t in s for a in t.actions}
+    if any(s == "sandbox" for s in services) and not cluster.total_cores:
+        return "--cpus: this workload runs sandbox actions but the cluster has no CPU cores"
+    if any(s.startswith("model:") for s in services) and not cluster.total_gpus:
+        return "--gpus: this workload runs model actions but the cluster has no GPUs"
+    return None
+
+
+def _min_resources(wl, base: Cluster, policies: list[str], seed: int) -> dict:
+    from .sim.compare import min_scale, run_policy
+
+    ref = run_policy(wl, base, "trajectory-static", seed).summary
+    target = ref.get("avg_step_s")
+    result = {"reference": "trajectory-static", "reference_step_s": target, "policies": {}}
+    if target is None:
+        result["error"] = f"trajectory-static is infeasible at scale 1: {ref.get('infeasible')}"
+        return result
+    with _progress() as progress:
+        task = progress.add_task("min-resources", total=None)
+        for p in policies:
+            progress.update(task, description=f"min-resources: {p}")
+            s = min_scale(wl, base, p, target, seed=seed,
+                          on_try=lambda pol, sc, st: progress.update(task, description=f"{pol} @ {sc:.3f}"))
+            result["policies"][p] = {"min_scale": s, "resource_savings": None if s is None else round(1 - s, 4)}
+    from rich.table import Table
+
+    table = Table(title=f"Smallest pool matching trajectory-static's step time at scale 1 ({target:.1f} s)",
+                  title_justify="left", header_style="bold")
+    table.add_column("policy")
+    table.add_column("min scale", justify="right")
+    table.add_column("resource savings", justify="right")
+    for p, v in result["policies"].items():
+        table.add_row(p, "-" if v["min_scale"] is None else f"{v['min_scale']:.3f}",
+                      "-" if v["resource_savings"] is None else f"{v['resource_savings']:.1%}")
+    out.print(table)
+    return result
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description:<24}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True, disable=not console.is_terminal)
+
+
+@bench_app.command("scheduler")
+def bench_scheduler(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    nodes: int = typer.Option(1000, min=1, help="CPU nodes in the pool (64 cores each)."),
+    seconds: float = typer.Option(2.0, min=0.1, help="Measuring time per queue depth."),
+) -> None:
+    """Policy + engine decisions per second at queue depths 1,000 / 10,000 / 100,000."""
+    from .bench.scheduler import run
+
+    result = run(nodes=nodes, seconds=seconds, log=lambda m: console.print(m))
+    text = json.dumps(result, indent=2)
+    out.print_json(text)
+    if json_out is not None:
+        json_out.write_text(text)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

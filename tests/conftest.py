@@ -1,0 +1,63 @@
+"""Shared test harness: the real engine and policies on a manual clock, with managers that only
+record what they were asked to start (test doubles at the manager seam)."""
+
+from __future__ import annotations
+
+import pytest
+
+from arl_tangram.core import Action, Allocation, Demand, ManualClock, Outcome
+from arl_tangram.engine import Engine
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.started: list[tuple[Action, Allocation]] = []
+        self.closed: list[str] = []
+
+    def start(self, action: Action, allocation: Allocation) -> None:
+        self.started.append((action, allocation))
+
+    def close_session(self, trajectory: str) -> None:
+        self.closed.append(trajectory)
+
+
+class Harness:
+    def __init__(self, cluster, policy, **engine_kwargs) -> None:
+        self.clock = ManualClock()
+        self.rec = Recorder()
+        self.engine = Engine(cluster, policy, {"cpu": self.rec, "gpu": self.rec, "api": self.rec}, self.clock,
+                             **engine_kwargs)
+        self.finished = []
+        self.engine.listeners.append(self.finished.append)
+        self._seen = 0
+
+    def submit(self, id: str, service: str = "sandbox", cpu=None, gpu=None, **kw) -> Action:
+        ranges = {}
+        if cpu is not None:
+            ranges["cpu"] = (cpu, cpu) if isinstance(cpu, int) else cpu
+        if gpu is not None:
+            ranges["gpu"] = (gpu, gpu) if isinstance(gpu, int) else gpu
+        a = Action(id, service, Demand(ranges), **kw)
+        self.engine.submit(a)
+        return a
+
+    def schedule(self) -> dict[str, Allocation]:
+        """Run a round; the allocations of the actions it started, by id."""
+        self.engine.schedule()
+        new = self.rec.started[self._seen:]
+        self._seen = len(self.rec.started)
+        return {a.id: alloc for a, alloc in new}
+
+    def complete(self, id: str, exec_s: float = 1.0, outcome: Outcome = Outcome.OK):
+        return self.engine.complete(id, outcome, exec_s=exec_s)
+
+    def advance(self, dt: float) -> None:
+        self.clock.advance_to(self.clock.now() + dt)
+
+    def allocation(self, id: str) -> Allocation:
+        return self.engine.running[id].allocation
+
+
+@pytest.fixture
+def harness():
+    return Harness

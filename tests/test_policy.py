@@ -1,0 +1,355 @@
+"""The real policies' decisions on small hand-built pools."""
+
+from arl_tangram.core import ApiQuota, Demand, ModelSpec, Outcome, uniform_cluster
+from arl_tangram.core.cluster import Cluster, CpuNode, GpuNode
+from arl_tangram.policy import Costs, TaskIsolatedPolicy, TrajectoryStaticPolicy, fifo_policy, tangram_policy
+
+
+def cpu_cluster(cores=4, nodes=1):
+    return uniform_cluster(cpus=cores * nodes, cpu_nodes=nodes)
+
+
+# -- priority -----------------------------------------------------------------------------------
+
+def test_srpt_runs_the_shorter_predicted_action_first(harness):
+    h = harness(cpu_cluster(1), tangram_policy())
+    h.submit("blocker", hint_s=1)
+    h.schedule()
+    h.submit("long", hint_s=60)
+    h.submit("short", hint_s=0.5)
+    assert h.schedule() == {}
+    h.complete("blocker")
+    assert list(h.schedule()) == ["short"]
+
+
+def test_fifo_runs_in_arrival_order(harness):
+    h = harness(cpu_cluster(1), fifo_policy())
+    h.submit("blocker")
+    h.schedule()
+    h.submit("long", hint_s=60)
+    h.submit("short", hint_s=0.5)
+    h.complete("blocker")
+    assert list(h.schedule()) == ["long"]
+
+
+def test_aging_lets_a_long_action_overtake_newcomers(harness):
+    h = harness(cpu_cluster(1), tangram_policy(aging_per_s=0.1))
+    h.submit("blocker", hint_s=1)
+    h.schedule()
+    h.submit("long", hint_s=10)
+    h.advance(200)  # waited long enough: 10 - 0.1*0 < 0.5 + 0.1*200
+    h.submit("short", hint_s=0.5)
+    h.complete("blocker")
+    assert list(h.schedule()) == ["long"]
+
+
+def test_predictor_learns_from_history_per_operation(harness):
+    h = harness(cpu_cluster(1), tangram_policy())
+    for i in range(5):  # "test" runs take 30 s, "ls" 0.1 s
+        h.submit(f"t{i}", operation="test")
+        h.schedule()
+        h.complete(f"t{i}", exec_s=30)
+        h.submit(f"l{i}", operation="ls")
+        h.schedule()
+        h.complete(f"l{i}", exec_s=0.1)
+    h.submit("blocker", operation="ls")
+    h.schedule()
+    h.submit("test-next", operation="test")
+    h.submit("ls-next", operation="ls")
+    h.complete("blocker", exec_s=0.1)
+    assert list(h.schedule()) == ["ls-next"]
+
+
+# -- elasticity -----------------------------------------------------------------------------------
+
+def test_elastic_action_gets_spare_cores_only_when_nothing_waits(harness):
+    h = harness(cpu_cluster(16), tangram_policy(elastic_reserve_fraction=0.0))
+    h.submit("e", cpu=(1, 8), parallel_fraction=0.9, hint_s=60)
+    started = h.schedule()
+    assert started["e"].count == 8
+    h2 = harness(cpu_cluster(4), tangram_policy(elastic_reserve_fraction=0.0))
+    for i in range(5):
+        h2.submit(f"a{i}", cpu=(1, 8), parallel_fraction=0.9, hint_s=60)
+    started = h2.schedule()
+    assert len(started) == 4 and all(a.count == 1 for a in started.values())
+
+
+def test_serial_actions_are_not_grown(harness):
+    h = harness(cpu_cluster(16), tangram_policy(elastic_reserve_fraction=0.0))
+    h.submit("serial", cpu=(1, 8), parallel_fraction=0.0, hint_s=60)
+    assert h.schedule()["serial"].count == 1
+
+
+def test_water_filling_favours_the_larger_marginal_gain(harness):
+    h = harness(cpu_cluster(8), tangram_policy(elastic_reserve_fraction=0.0))
+    h.submit("par", cpu=(1, 8), parallel_fraction=0.95, hint_s=100)
+    h.submit("weak", cpu=(1, 8), parallel_fraction=0.3, hint_s=100)
+    got = h.schedule()
+    assert got["par"].count + got["weak"].count <= 8
+    assert got["par"].count > got["weak"].count >= 1
+
+
+def test_fifo_never_grows(harness):
+    h = harness(cpu_cluster(16), fifo_policy())
+    h.submit("e", cpu=(1, 8), parallel_fraction=0.9, hint_s=60)
+    assert h.schedule()["e"].count == 1
+
+
+# -- placement: sessions --------------------------------------------------------------------------
+
+def test_session_sticks_to_its_node_and_thaws(harness):
+    h = harness(cpu_cluster(4, nodes=4), tangram_policy())
+    h.submit("s1", trajectory="t")
+    first = h.schedule()["s1"]
+    assert first.setup == "create"
+    h.complete("s1")
+    for i in range(3):  # other sessions land elsewhere
+        h.submit(f"o{i}", trajectory=f"other{i}")
+    h.schedule()
+    h.submit("s2", trajectory="t")
+    second = h.schedule()["s2"]
+    assert second.node == first.node and second.setup == "thaw"
+
+
+def _home_full_other_free(h):
+    """Session t lives on one node, that node is busy and the other node has a free core."""
+    h.submit("s1", trajectory="t")
+    home = h.schedule()["s1"].node
+    h.complete("s1")
+    h.submit("hog1", hint_s=100)
+    h.submit("hog2", hint_s=100)
+    got = h.schedule()
+    away = next(i for i, a in got.items() if a.node != home)
+    h.complete(away)
+    h.submit("s2", trajectory="t")
+    return home
+
+
+def test_fifo_waits_for_the_home_node_instead_of_migrating(harness):
+    h = harness(cpu_cluster(1, nodes=2), fifo_policy())
+    _home_full_other_free(h)
+    assert h.schedule() == {}
+
+
+def test_tangram_migrates_instead_of_waiting(harness):
+    h = harness(cpu_cluster(1, nodes=2), tangram_policy())
+    home = _home_full_other_free(h)
+    got = h.schedule()["s2"]
+    assert got.node != home and got.setup == "restore"
+    assert h.engine.cpu.homes["t"] == got.node
+
+
+def test_ending_a_trajectory_frees_its_session_memory(harness):
+    c = Cluster(cpu_nodes=(CpuNode("n", 8, memory_gb=4),))
+    h = harness(c, tangram_policy(), costs=Costs(session_mem_gb=2))
+    h.submit("a", trajectory="t1")
+    h.submit("b", trajectory="t2")
+    h.submit("c", trajectory="t3")
+    assert set(h.schedule()) == {"a", "b"}  # memory for two sessions only
+    h.complete("a")
+    h.engine.end_trajectory("t1")
+    assert set(h.schedule()) == {"c"}
+    assert h.rec.closed == ["t1"]
+
+
+# -- placement: GPUs ------------------------------------------------------------------------------
+
+def gpu_cluster(gpus=8, island=4, mem=80, models=()):
+    return Cluster(gpu_nodes=(GpuNode("g", gpus, mem, island, 25.0),), models=tuple(models))
+
+
+def test_multi_gpu_instance_stays_inside_one_island(harness):
+    h = harness(gpu_cluster(8, island=4, models=[ModelSpec("big", 100, 4)]), tangram_policy())
+    h.submit("x", "model:big", gpu=4)
+    block = h.schedule()["x"].units
+    islands = {h.engine.gpu.gpus[g].island for g in block}
+    assert len(islands) == 1 and len(block) == 4
+
+
+def test_big_instance_waits_for_a_whole_island(harness):
+    h = harness(gpu_cluster(8, island=4, models=[ModelSpec("small", 10, 1), ModelSpec("big", 100, 4)]),
+                tangram_policy())
+    h.submit("s1", "model:small", gpu=1)
+    h.submit("s2", "model:small", gpu=1)
+    h.schedule()
+    a1, a2 = h.allocation("s1").units, h.allocation("s2").units
+    islands = {h.engine.gpu.gpus[g].island for g in a1 + a2}
+    h.submit("b", "model:big", gpu=4)
+    got = h.schedule()
+    if len(islands) == 2:  # both islands dirty: the big one must wait
+        assert got == {}
+    else:
+        assert set(got["b"].units).isdisjoint(a1 + a2)
+
+
+def test_resident_model_is_reused_without_a_load(harness):
+    h = harness(gpu_cluster(2, island=2, models=[ModelSpec("rm", 14, 1)]), tangram_policy())
+    h.submit("r1", "model:rm")
+    first = h.schedule()["r1"]
+    assert first.setup == "load"
+    h.complete("r1")
+    h.submit("r2", "model:rm")
+    second = h.schedule()["r2"]
+    assert second.setup == "" and second.units == first.units
+
+
+def test_cost_aware_eviction_keeps_the_popular_model(harness):
+    models = [ModelSpec("hot", 60, 1), ModelSpec("cold", 60, 1), ModelSpec("new", 60, 1)]
+    h = harness(gpu_cluster(2, island=2, mem=80, models=models), tangram_policy())
+    h.submit("c0", "model:cold")
+    h.submit("h0", "model:hot")
+    h.schedule()
+    h.complete("c0")
+    h.complete("h0")
+    for i in range(1, 6):  # hot is asked for again and again
+        h.advance(1)
+        h.submit(f"h{i}", "model:hot")
+        h.schedule()
+        h.complete(f"h{i}")
+    h.advance(1)
+    h.submit("n", "model:new")
+    got = h.schedule()["n"]
+    assert [m for m, _ in got.evict] == ["cold"]
+    assert h.engine.gpu.instances["hot"]
+
+
+def test_waits_for_a_busy_resident_instance_when_loading_is_slower(harness):
+    h = harness(gpu_cluster(2, island=2, models=[ModelSpec("m", 70, 1)]), tangram_policy())
+    h.submit("m1", "model:m", hint_s=0.2)
+    h.schedule()
+    h.submit("m2", "model:m", hint_s=0.2)
+    assert h.schedule() == {}  # 70 GB at 25 GB/s = 2.8 s load > 0.2 s wait
+    h.complete("m1", exec_s=0.2)
+    assert h.schedule()["m2"].setup == ""
+
+
+def test_loads_another_instance_when_the_backlog_is_long(harness):
+    h = harness(gpu_cluster(2, island=2, models=[ModelSpec("m", 10, 1)]), tangram_policy())
+    for i in range(10):
+        h.submit(f"m{i}", "model:m", hint_s=2.0)
+    got = h.schedule()
+    assert len(got) == 2 and {a.units for a in got.values()} == {(0,), (1,)}
+
+
+# -- quotas ---------------------------------------------------------------------------------------
+
+def test_quota_concurrency_and_rate_are_respected(harness):
+    q = ApiQuota("search", rate_per_s=2, concurrency=3, burst=2)
+    h = harness(Cluster(quotas=(q,)), tangram_policy())
+    for i in range(6):
+        h.submit(f"q{i}", "api:search")
+    assert len(h.schedule()) == 2  # the bucket holds two tokens
+    wake = h.engine.next_wakeup()
+    assert wake is not None and abs(wake - 0.5) < 1e-9
+    h.advance(0.5)
+    assert len(h.schedule()) == 1  # one token refilled; 3 in flight = concurrency
+    h.advance(5)
+    assert h.schedule() == {}  # tokens but no free slot
+    h.complete("q0")
+    assert len(h.schedule()) == 1
+
+
+# -- fairness and critical path ---------------------------------------------------------------------
+
+def test_job_below_its_fair_share_goes_first(harness):
+    h = harness(cpu_cluster(4), tangram_policy())
+    for i in range(4):
+        h.submit(f"a{i}", job="A", hint_s=1)
+    h.schedule()
+    for i in range(4, 8):
+        h.submit(f"a{i}", job="A", hint_s=1)
+    h.submit("b0", job="B", hint_s=50)  # longer, yet B holds nothing
+    h.complete("a0")
+    assert list(h.schedule()) == ["b0"]
+
+
+def test_without_fair_share_srpt_would_pick_the_other_job(harness):
+    h = harness(cpu_cluster(4), tangram_policy(fair_share=False))
+    for i in range(4):
+        h.submit(f"a{i}", job="A", hint_s=1)
+    h.schedule()
+    h.submit("a4", job="A", hint_s=1)
+    h.submit("b0", job="B", hint_s=50)
+    h.complete("a0")
+    assert list(h.schedule()) == ["a4"]
+
+
+def test_stragglers_of_a_step_get_the_critical_path_boost(harness):
+    h = harness(cpu_cluster(1), tangram_policy(fair_share=False), costs=Costs(session_mem_gb=0.1))
+    for i in range(5):  # job S, step 0: four of five trajectories end
+        h.submit(f"s{i}", job="S", step=0, trajectory=f"t{i}", hint_s=0.1)
+    for i in range(5):
+        h.schedule()
+        h.complete(f"s{i}")
+    for i in range(4):
+        h.engine.end_trajectory(f"t{i}", "S", 0)
+    h.submit("blocker", job="X", hint_s=1)
+    h.schedule()
+    h.submit("other", job="X", hint_s=5)
+    h.submit("straggler", job="S", step=0, trajectory="t4", hint_s=20)
+    h.complete("blocker")
+    assert list(h.schedule()) == ["straggler"]
+
+
+# -- outcomes ---------------------------------------------------------------------------------------
+
+def test_impossible_demand_is_rejected_with_the_field_named(harness):
+    h = harness(cpu_cluster(4), tangram_policy())
+    h.submit("huge", cpu=16)
+    assert len(h.finished) == 1
+    f = h.finished[0]
+    assert f.outcome is Outcome.REJECTED and f.message.startswith("demand.cpu")
+    h.submit("gpu", "model:x", weights_gb=1)
+    assert h.finished[-1].outcome is Outcome.REJECTED and "GPU" in h.finished[-1].message
+
+
+def test_cancel_of_a_queued_action_ends_it_once(harness):
+    h = harness(cpu_cluster(1), tangram_policy())
+    h.submit("run")
+    h.schedule()
+    h.submit("wait")
+    assert h.engine.cancel("wait").outcome is Outcome.CANCELLED
+    assert h.engine.cancel("wait") is None
+    h.complete("run")
+    assert h.schedule() == {}
+    assert [f.outcome for f in h.finished] == [Outcome.CANCELLED, Outcome.OK]
+
+
+# -- static baselines -----------------------------------------------------------------------------
+
+def test_trajectory_static_holds_a_sandbox_for_the_whole_trajectory(harness):
+    from arl_tangram.policy import Profile
+    h = harness(cpu_cluster(4), TrajectoryStaticPolicy(), profile=Profile(trajectories=2))
+    h.submit("t1a", trajectory="t1", cpu=(1, 8), parallel_fraction=0.9)
+    got = h.schedule()["t1a"]
+    assert got.count == 2 and got.reservation  # k = 4 cores / 2 trajectories
+    h.complete("t1a")
+    assert h.engine.cpu.total_free == 2  # still held between actions
+    h.submit("t2a", trajectory="t2")
+    h.submit("t3a", trajectory="t3")
+    assert set(h.schedule()) == {"t2a"}  # t3 waits for a sandbox
+    h.engine.end_trajectory("t1")
+    assert set(h.schedule()) == {"t3a"}
+
+
+def test_task_isolated_partitions_per_job(harness):
+    from arl_tangram.policy import Profile
+    prof = Profile(unit_seconds={("A", "cpu"): 3.0, ("B", "cpu"): 1.0})
+    h = harness(cpu_cluster(4), TaskIsolatedPolicy(), profile=prof)
+    for i in range(4):
+        h.submit(f"b{i}", job="B")
+    assert len(h.schedule()) == 1  # B owns one core of four, even with A idle
+
+
+def test_static_gpu_partitions_preload_and_refuse_to_overflow(harness):
+    from arl_tangram.policy import InfeasiblePolicy, Profile
+    import pytest
+    models = [ModelSpec("a", 10, 1), ModelSpec("b", 10, 1)]
+    h = harness(gpu_cluster(4, island=4, models=models), TaskIsolatedPolicy(),
+                profile=Profile(model_seconds={"a": 3, "b": 1}))
+    a_instances = [i for i in h.engine.gpu.instances["a"]]
+    assert len(a_instances) == 3 and len(h.engine.gpu.instances["b"]) == 1
+    h.submit("x", "model:a")
+    assert h.schedule()["x"].setup == ""  # preloaded
+    with pytest.raises(InfeasiblePolicy):
+        harness(gpu_cluster(1, island=1, models=models), TaskIsolatedPolicy())

@@ -1,0 +1,155 @@
+"""Property tests: whatever arrives, in whatever order, no allocation exceeds capacity and every
+accepted action ends exactly once (under every policy)."""
+
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from arl_tangram.core import Action, ApiQuota, Demand, ModelSpec, Outcome
+from arl_tangram.core.cluster import Cluster, CpuNode, GpuNode
+from arl_tangram.policy import Costs, InfeasiblePolicy, Profile, make_policy
+
+from conftest import Harness
+
+POLICIES = ["tangram", "fifo", "task-isolated", "trajectory-static"]
+
+
+@st.composite
+def clusters(draw):
+    cpu = tuple(CpuNode(f"c{i}", draw(st.integers(1, 6)), draw(st.sampled_from([1.0, 4.0, 64.0])))
+                for i in range(draw(st.integers(1, 3))))
+    gpus = draw(st.sampled_from([0, 1, 2, 4]))
+    gnodes = ()
+    models = ()
+    if gpus:
+        island = draw(st.sampled_from([s for s in (1, 2, 4) if s <= gpus and gpus % s == 0]))
+        mem = draw(st.sampled_from([20.0, 80.0]))
+        gnodes = (GpuNode("g0", gpus, mem, island, 25.0),)
+        models = tuple(ModelSpec(f"m{i}", draw(st.sampled_from([5.0, 15.0, 30.0])) * g, g)
+                       for i, g in enumerate(draw(st.lists(st.sampled_from([1, 2]), min_size=1, max_size=3)))
+                       if g <= island and 5.0 * g / g <= mem)
+        models = tuple(m for m in models if m.per_gpu_gb() <= mem)
+    quotas = (ApiQuota("q", draw(st.sampled_from([0.5, 5.0])), draw(st.integers(1, 3))),) if draw(st.booleans()) \
+        else ()
+    return Cluster(cpu, gnodes, quotas, models)
+
+
+ops = st.lists(st.tuples(st.sampled_from(["submit", "submit", "submit", "complete", "advance", "end", "cancel"]),
+                         st.integers(0, 10_000)), min_size=1, max_size=60)
+
+
+def check_invariants(engine) -> None:
+    cpu = engine.cpu
+    seen_cores = set()
+    for run in engine.running.values():
+        alloc = run.allocation
+        if alloc.pool == "cpu":
+            for c in alloc.units:
+                assert (alloc.node, c) not in seen_cores, "a core given to two actions"
+                seen_cores.add((alloc.node, c))
+                assert 0 <= c < cpu.nodes[alloc.node].cores
+    for res in engine.reservations.values():
+        if res.pool == "cpu":
+            for c in res.free:
+                assert (res.node, c) not in seen_cores
+    for i, node in enumerate(cpu.nodes):
+        assert 0 <= cpu.nfree(i) <= node.cores
+        assert len(set(cpu.free_cores[i])) == cpu.nfree(i)
+        assert cpu.free_mem[i] >= -1e-9
+        for c in cpu.free_cores[i]:
+            assert (i, c) not in seen_cores, "a core both free and in use"
+    assert cpu.total_free == sum(cpu.nfree(i) for i in range(len(cpu.nodes)))
+    busy = Counter()
+    for run in engine.running.values():
+        if run.allocation.pool == "gpu":
+            for g in run.allocation.units:
+                busy[g] += 1
+                assert engine.gpu.gpus[g].busy == run.action.id
+    assert all(v == 1 for v in busy.values()), "a GPU given to two actions"
+    for g in engine.gpu.gpus:
+        assert g.used_gb <= g.memory_gb + 1e-9, "GPU memory oversubscribed"
+    for q in engine.quotas.values():
+        assert 0 <= q.in_use <= q.quota.concurrency
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cluster=clusters(), policy=st.sampled_from(POLICIES), script=ops)
+def test_capacity_is_never_exceeded_and_every_action_ends_once(cluster, policy, script):
+    services = ["sandbox"] + [f"model:{m.name}" for m in cluster.models] + [f"api:{q.name}" for q in cluster.quotas]
+    profile = Profile(trajectories=3)
+    try:
+        h = Harness(cluster, make_policy(policy), costs=Costs(session_mem_gb=1.0), profile=profile)
+    except InfeasiblePolicy:
+        return
+    accepted: list[str] = []
+    for n, (op, x) in enumerate(script):
+        if op == "submit":
+            service = services[x % len(services)]
+            ranges = {}
+            if service == "sandbox":
+                lo = 1 + x % 3
+                ranges["cpu"] = (lo, lo + x % 4)
+            elif service.startswith("model:"):
+                spec = cluster.model(service[6:])
+                ranges["gpu"] = (spec.gpus, spec.gpus)
+            a = Action(f"a{n}", service, Demand(ranges), trajectory=f"t{x % 4}" if x % 5 else None,
+                       hint_s=(x % 7) / 2, parallel_fraction=(x % 3) / 3)
+            rejected = h.engine.submit(a)
+            if rejected is None:
+                accepted.append(a.id)
+        elif op == "complete" and h.engine.running:
+            ids = sorted(h.engine.running)
+            h.complete(ids[x % len(ids)], outcome=Outcome.OK if x % 2 else Outcome.FAILED)
+        elif op == "advance":
+            h.advance((x % 50) / 10)
+        elif op == "end":
+            h.engine.end_trajectory(f"t{x % 4}")
+        elif op == "cancel" and h.engine.pending:
+            ids = sorted(h.engine.pending)
+            h.engine.cancel(ids[x % len(ids)])
+        h.engine.schedule()
+        check_invariants(h.engine)
+    for _ in range(500):  # drain: finish what runs, end every trajectory, let quotas refill
+        if not h.engine.pending and not h.engine.running:
+            break
+        for aid in sorted(h.engine.running):
+            h.complete(aid)
+        for t in range(4):
+            h.engine.end_trajectory(f"t{t}")
+        h.advance(1.0)
+        h.engine.schedule()
+        check_invariants(h.engine)
+    assert not h.engine.pending and not h.engine.running, "actions left behind (deadlock)"
+    ends = Counter(f.action.id for f in h.finished if f.outcome is not Outcome.REJECTED)
+    assert set(ends) == set(accepted)
+    assert all(v == 1 for v in ends.values())
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(gpus=st.sampled_from([1, 2, 4]), policy=st.sampled_from(["tangram", "fifo"]),
+       sizes=st.lists(st.sampled_from([10.0, 25.0, 40.0]), min_size=2, max_size=4),
+       script=st.lists(st.tuples(st.sampled_from(["submit", "submit", "complete"]), st.integers(0, 1000)),
+                       min_size=2, max_size=80))
+def test_gpu_residency_never_double_books_a_gpu(gpus, policy, sizes, script):
+    """Many models sharing few GPUs: residents come and go, a GPU is never given twice, memory holds."""
+    models = tuple(ModelSpec(f"m{i}", w, 1) for i, w in enumerate(sizes))
+    h = Harness(Cluster(gpu_nodes=(GpuNode("g", gpus, 80.0, gpus, 25.0),), models=models), make_policy(policy))
+    accepted = []
+    for n, (op, x) in enumerate(script):
+        if op == "submit":
+            a = Action(f"a{n}", f"model:m{x % len(models)}", Demand({"gpu": (1, 1)}), hint_s=(x % 5) / 4)
+            if h.engine.submit(a) is None:
+                accepted.append(a.id)
+        elif h.engine.running:
+            ids = sorted(h.engine.running)
+            h.advance(0.1)
+            h.complete(ids[x % len(ids)])
+        h.engine.schedule()
+        check_invariants(h.engine)
+    while h.engine.running or h.engine.pending:
+        for aid in sorted(h.engine.running):
+            h.advance(0.1)
+            h.complete(aid)
+        h.engine.schedule()
+        check_invariants(h.engine)
+    assert Counter(f.action.id for f in h.finished) == Counter(accepted)
