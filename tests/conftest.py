@@ -13,12 +13,16 @@ class Recorder:
     def __init__(self) -> None:
         self.started: list[tuple[Action, Allocation]] = []
         self.closed: list[str] = []
+        self.loading: list[str] = []
 
     def start(self, action: Action, allocation: Allocation) -> None:
         self.started.append((action, allocation))
 
     def close_session(self, trajectory: str) -> None:
         self.closed.append(trajectory)
+
+    def prefetch(self, key: str, model: str, gpus, per_gpu_gb: float) -> None:
+        self.loading.append(key)
 
 
 class Harness:
@@ -50,6 +54,11 @@ class Harness:
 
     def complete(self, id: str, exec_s: float = 1.0, outcome: Outcome = Outcome.OK):
         return self.engine.complete(id, outcome, exec_s=exec_s)
+
+    def finish_loads(self) -> None:
+        """Complete every prefetch the engine asked for."""
+        while self.rec.loading:
+            self.engine.loaded(self.rec.loading.pop())
 
     def advance(self, dt: float) -> None:
         self.clock.advance_to(self.clock.now() + dt)

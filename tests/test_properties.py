@@ -100,6 +100,8 @@ def test_capacity_is_never_exceeded_and_every_action_ends_once(cluster, policy, 
         elif op == "complete" and h.engine.running:
             ids = sorted(h.engine.running)
             h.complete(ids[x % len(ids)], outcome=Outcome.OK if x % 2 else Outcome.FAILED)
+            if x % 3 == 0:
+                h.finish_loads()
         elif op == "advance":
             h.advance((x % 50) / 10)
         elif op == "end":
@@ -114,6 +116,7 @@ def test_capacity_is_never_exceeded_and_every_action_ends_once(cluster, policy, 
             break
         for aid in sorted(h.engine.running):
             h.complete(aid)
+        h.finish_loads()
         for t in range(4):
             h.engine.end_trajectory(f"t{t}")
         h.advance(1.0)
@@ -140,13 +143,17 @@ def test_gpu_residency_never_double_books_a_gpu(gpus, policy, sizes, script):
             a = Action(f"a{n}", f"model:m{x % len(models)}", Demand({"gpu": (1, 1)}), hint_s=(x % 5) / 4)
             if h.engine.submit(a) is None:
                 accepted.append(a.id)
-        elif h.engine.running:
+        elif h.engine.running or h.rec.loading:
             ids = sorted(h.engine.running)
             h.advance(0.1)
-            h.complete(ids[x % len(ids)])
+            if ids:
+                h.complete(ids[x % len(ids)])
+            if x % 2:
+                h.finish_loads()
         h.engine.schedule()
         check_invariants(h.engine)
-    while h.engine.running or h.engine.pending:
+    while h.engine.running or h.engine.pending or h.rec.loading:
+        h.finish_loads()
         for aid in sorted(h.engine.running):
             h.advance(0.1)
             h.complete(aid)

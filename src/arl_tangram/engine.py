@@ -17,7 +17,7 @@ from .core.action import CPU, GPU, Action, Allocation, Finished, InvalidAction, 
 from .core.clock import Clock
 from .core.cluster import Cluster
 from .core.pools import CapacityError, CpuPool, GpuPool, QuotaPool
-from .policy.base import Costs, Grow, Policy, Profile, Release, Reservation, Reserve, Running, Start
+from .policy.base import Costs, Grow, Policy, Prefetch, Profile, Release, Reservation, Reserve, Running, Start
 
 
 class Manager(Protocol):
@@ -29,6 +29,10 @@ class Manager(Protocol):
         ...
 
     def close_session(self, trajectory: str) -> None: ...
+
+    def prefetch(self, key: str, model: str, gpus: tuple[int, ...], per_gpu_gb: float) -> None:
+        """(GPU managers) copy ``model``'s weights onto ``gpus``; report ``Engine.loaded(key)``."""
+        ...
 
 
 class Usage:
@@ -84,6 +88,7 @@ class Engine:
         self.reservations: dict[str, Reservation] = {}
         self.usage = Usage(sample_every_s)
         self.listeners: list[Callable[[Finished], None]] = []
+        self.loading: dict[str, tuple] = {}  # prefetch key -> (instance, gpus)
         self._known: set[str] = set()
         self._idle_reserved_at: dict[str, float] = {}
         now = clock.now()
@@ -150,6 +155,17 @@ class Engine:
             listener(finished)
         return finished
 
+    def loaded(self, key: str) -> None:
+        """A GPU manager finished a prefetch: the instance is resident and idle."""
+        inst, block = self.loading.pop(key)
+        now = self.clock.now()
+        self.usage.advance(now)
+        self.gpu.release(block)
+        inst.busy = None
+        inst.last_used = now
+        self.usage.gpu_held -= len(block)
+        self.usage.gpu_running -= len(block)
+
     def end_trajectory(self, trajectory: str, job: str = "default", step: int | None = None) -> None:
         """The trajectory will send no more actions: its session's state can go."""
         self.cpu.detach(trajectory)
@@ -169,9 +185,12 @@ class Engine:
     def _apply_all(self, decisions: Iterable, now: float) -> int:
         self.usage.advance(now)
         started: list[Running] = []
+        prefetches: list[tuple] = []
         for d in decisions:
             if type(d) is Start:
                 started.append(self._start(d, now))
+            elif type(d) is Prefetch:
+                prefetches.append(self._prefetch(d))
             elif type(d) is Grow:
                 self._grow(d)
             elif type(d) is Reserve:
@@ -185,7 +204,24 @@ class Engine:
             if manager is None:
                 raise RuntimeError(f"no manager for pool {run.allocation.pool}")
             manager.start(run.action, run.allocation)
+        for p in prefetches:
+            self.managers[GPU].prefetch(*p)
         return len(started)
+
+    def _prefetch(self, d: Prefetch) -> tuple:
+        spec = self.cluster.model(d.model)
+        if spec is None or spec.gpus != len(d.block):
+            raise CapacityError(f"cannot prefetch {d.model!r} onto {d.block}")
+        if not self.gpu.idle(d.block):
+            raise CapacityError(f"GPUs {d.block} are not idle")
+        key = f"prefetch:{d.model}@{','.join(map(str, d.block))}"
+        inst = self.gpu.add_instance(d.model, d.block, spec.per_gpu_gb())
+        self.gpu.occupy(d.block, key)
+        inst.busy = key
+        self.loading[key] = (inst, d.block)
+        self.usage.gpu_held += len(d.block)
+        self.usage.gpu_running += len(d.block)
+        return key, d.model, d.block, spec.per_gpu_gb()
 
     def _start(self, d: Start, now: float) -> Running:
         a = d.action

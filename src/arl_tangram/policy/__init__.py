@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Callable
 
 from .action_level import FIFO, TANGRAM, ActionLevelPolicy, Options, fifo_policy, tangram_policy
-from .base import Costs, Decision, EngineView, Grow, Policy, Profile, Release, Reservation, Reserve, Running, Start
+from .base import (
+    Costs, Decision, EngineView, Grow, Policy, Prefetch, Profile, Release, Reservation, Reserve, Running, Start,
+)
 from .predictor import DurationPredictor
 from .static import InfeasiblePolicy, TaskIsolatedPolicy, TrajectoryStaticPolicy
 
@@ -26,6 +28,6 @@ def make_policy(name: str) -> Policy:
 
 __all__ = [
     "FIFO", "POLICIES", "TANGRAM", "ActionLevelPolicy", "Costs", "Decision", "DurationPredictor", "EngineView",
-    "Grow", "InfeasiblePolicy", "Options", "Policy", "Profile", "Release", "Reservation", "Reserve", "Running",
+    "Grow", "InfeasiblePolicy", "Options", "Policy", "Prefetch", "Profile", "Release", "Reservation", "Reserve", "Running",
     "Start", "TaskIsolatedPolicy", "TrajectoryStaticPolicy", "fifo_policy", "make_policy", "tangram_policy",
 ]

@@ -29,7 +29,7 @@ from typing import Iterator
 
 from ..core.action import CPU, GPU, Action, Finished
 from ..core.pools import Instance
-from .base import Decision, EngineView, Grow, Start
+from .base import Decision, EngineView, Grow, Prefetch, Start
 from .critical import StepTracker
 from .predictor import DurationPredictor
 from .queues import JobQueues
@@ -42,6 +42,7 @@ class Options:
     migrate: bool = True
     fair_share: bool = True
     residency_aware: bool = True  # cost-aware eviction + wait for a busy resident instance
+    prefetch: bool = True  # load registered models onto idle GPUs before they are asked for
     aging_per_s: float = 0.1
     critical_boost_s: float = 30.0
     straggler_fraction: float = 0.8
@@ -54,8 +55,10 @@ class Options:
     job_weights: dict[str, float] = field(default_factory=dict)
 
 
+CPU_NEW = "cpu:new"  # the queue of sandbox actions that need a new session
+
 TANGRAM = Options()
-FIFO = Options(ordering="fifo", elastic=False, migrate=False, fair_share=False, residency_aware=False,
+FIFO = Options(ordering="fifo", elastic=False, migrate=False, fair_share=False, residency_aware=False, prefetch=False,
                critical_boost_s=0.0)
 
 
@@ -70,6 +73,7 @@ class ActionLevelPolicy:
         self.view: EngineView | None = None
         self.queues: dict[str, JobQueues] = {}  # per pool; per model service for GPUs
         self.gpu_queues: dict[str, JobQueues] = {}
+        self._queued_in: dict[str, str] = {}  # action id -> the queue it waits in
         self.predicted: dict[str, float] = {}
         self.job_units: dict[str, dict[str, int]] = {}
         self.steps = StepTracker()
@@ -84,7 +88,8 @@ class ActionLevelPolicy:
     def on_submit(self, action: Action, now: float) -> None:
         pred = self.predictor.predict(action)
         self.predicted[action.id] = pred
-        qkey = action.service if action.pool == GPU else action.pool
+        qkey = self._queue_key(action)
+        self._queued_in[action.id] = qkey
         q = self.queues.get(qkey)
         if q is None:
             q = self.queues[qkey] = JobQueues()
@@ -101,7 +106,7 @@ class ActionLevelPolicy:
         q.push(action, key)
 
     def on_cancel(self, action: Action) -> None:
-        q = self.queues.get(action.service if action.pool == GPU else action.pool)
+        q = self.queues.get(self._queued_in.pop(action.id, ""))
         if q is not None:
             q.cancel(action)
         self.predicted.pop(action.id, None)
@@ -109,6 +114,7 @@ class ActionLevelPolicy:
     def on_finish(self, finished: Finished) -> None:
         a = finished.action
         self.predicted.pop(a.id, None)
+        self._queued_in.pop(a.id, None)
         if finished.started_at is not None:
             self._charge(a.job, a.pool, -finished.units)
         self.predictor.observe(finished)
@@ -127,47 +133,71 @@ class ActionLevelPolicy:
                     wake = t if wake is None else min(wake, t)
         return wake
 
+    def _queue_key(self, a: Action) -> str:
+        if a.pool == GPU:
+            return a.service
+        if a.pool == CPU and a.trajectory is not None and a.trajectory not in self.view.cpu.homes:
+            return CPU_NEW
+        return a.pool
+
     # -- the round -------------------------------------------------------------------------------
     def schedule(self, now: float) -> Iterator[Decision]:
-        gpu_waiting = False
+        gpu_waiting = cpu_waiting = False
         for pool, q in self.queues.items():
             if not q.size:
                 continue
-            if pool == CPU:
-                yield from self._schedule_cpu(q, now)
+            if pool == CPU or pool == CPU_NEW:
+                cpu_waiting = True
             elif pool in self.view.quotas:
                 yield from self._schedule_api(q, pool, now)
             else:
                 gpu_waiting = True
+        if cpu_waiting:
+            yield from self._schedule_cpu(now)
         if gpu_waiting:
             yield from self._schedule_gpu(now)
+        elif self.opt.prefetch and self.view.gpu.total_free:
+            yield from self._prefetch(now)
 
-    def _schedule_cpu(self, q: JobQueues, now: float) -> Iterator[Decision]:
+    def _schedule_cpu(self, now: float) -> Iterator[Decision]:
+        """Two queues merged by key: actions of sessions that already live on a node, and actions
+        that need a new session (and so memory somewhere). Each skips at most ``lookahead`` entries
+        that do not fit, separately, so sessions waiting for memory can never starve the sessions
+        whose progress would free it."""
         pool = self.view.cpu
+        queues = [q for q in (self.queues.get(CPU), self.queues.get(CPU_NEW)) if q is not None and q.size]
         admitted: list[tuple[Action, int, int]] = []
-        skipped = []
-        fav = self._favoured if self.opt.fair_share and len(q.heaps) > 1 else None
+        skipped: dict[int, list] = {id(q): [] for q in queues}
         lookahead = self.opt.lookahead
-        while q.size and pool.total_free:
-            entry = q.pop(fav)
+        while queues and pool.total_free:
+            q = queues[0] if len(queues) == 1 else min(queues, key=JobQueues.peek_key)
+            entry = q.pop(self._favoured if self.opt.fair_share and len(q.heaps) > 1 else None)
             if entry is None:
-                break
+                queues.remove(q)
+                continue
             a = entry[2]
             lo = a.demand.ranges[CPU][0]
             node = self._cpu_node(a, lo)
             if node is None:
-                skipped.append(entry)
-                if len(skipped) >= lookahead:
-                    break
+                mine = skipped[id(q)]
+                mine.append(entry)
+                if len(mine) >= lookahead or not q.size:
+                    queues.remove(q)
                 continue
             self._charge(a.job, CPU, lo)
             yield Start(a, node=node, count=lo)
             admitted.append((a, node, lo))
-        if skipped:
-            q.push_back(skipped)
-        if q.size:
+            if not q.size:
+                queues.remove(q)
+        waiting = False
+        for q in (self.queues.get(CPU), self.queues.get(CPU_NEW)):
+            if q is not None:
+                if skipped.get(id(q)):
+                    q.push_back(skipped[id(q)])
+                waiting = waiting or q.size > 0
+        if waiting:
             self._cpu_queued_at = now
-        if self.opt.elastic and admitted and not q.size and now - self._cpu_queued_at >= self.opt.elastic_quiet_s:
+        elif self.opt.elastic and admitted and now - self._cpu_queued_at >= self.opt.elastic_quiet_s:
             yield from self._water_fill(admitted, now)
 
     def _cpu_node(self, a: Action, lo: int) -> int | None:
@@ -242,17 +272,22 @@ class ActionLevelPolicy:
                 continue
             a = entry[2]
             start = self._gpu_start(a, now, q.size)
-            if start is None:
+            if type(start) is not Start:
                 q.push_back([entry])
+                if start is not None:  # waits for a busy copy, while another one loads
+                    yield start
                 continue
             self._charge(a.job, GPU, len(start.block))
             yield start
             if q.size:
                 heapq.heappush(order, (q.peek_key(), model))
 
-    def _gpu_start(self, a: Action, now: float, queued: int) -> Start | None:
-        """Where to run ``a`` now, or None: no idle block can take it, or waiting for a busy
-        resident instance is predicted to be quicker than loading another copy."""
+    def _gpu_start(self, a: Action, now: float, queued: int) -> Start | Prefetch | None:
+        """Where to run ``a`` now; or None when no idle block can take it. When waiting for a
+        busy resident copy is predicted to be quicker than loading another, ``a`` waits — but if
+        an idle block has room without evicting anything, a new copy is loaded there anyway
+        (a ``Prefetch``): the model's demand has outgrown its copies, and idle GPUs cost nothing
+        more (elastic instances: scale out on contention, scale in by eviction under pressure)."""
         pool = self.view.gpu
         model = a.model or ""
         g = a.demand.ranges[GPU][0]
@@ -279,8 +314,28 @@ class ActionLevelPolicy:
         if self.opt.residency_aware:
             wait = self._resident_wait(model, now, queued)
             if wait is not None and wait < best[0][0]:
-                return None
+                loading = self.view.loading
+                if best[2] or any(i.busy in loading for i in pool.instances.get(model, ())):
+                    return None
+                return Prefetch(model, best[1]) if self.opt.prefetch and self.view.cluster.model(model) else None
         return Start(a, block=best[1], evict=tuple(best[2]))
+
+    def _prefetch(self, now: float) -> Iterator[Decision]:
+        """With no model action waiting, give every registered model that has no GPU copy one, on
+        idle GPUs and in free memory only (never evicting), most requested first. Weights wait in
+        host RAM anyway and idle GPUs cost nothing more, while a cold request would pay the load
+        in its ACT. (Prefetching extra copies of busy models up to their recent peak was measured
+        too: the loads occupy GPUs when bursts arrive and it lost on mopd at 1x.)"""
+        pool = self.view.gpu
+        for m in sorted(self.view.cluster.models, key=lambda m: -self._rate(m.name, now)):
+            if any(not i.reserved_by for i in pool.instances.get(m.name, ())):
+                continue
+            fits = [b for b in pool.blocks(m.gpus)
+                    if pool.idle(b) and all(pool.free_gb(g) >= m.per_gpu_gb() for g in b)]
+            if fits:  # the fullest memory that still fits keeps room for bigger models elsewhere
+                yield Prefetch(m.name, min(fits, key=lambda b: sum(pool.free_gb(g) for g in b)))
+                if not pool.total_free:
+                    return
 
     def _resident_wait(self, model: str, now: float, queued: int) -> float | None:
         """Predicted wait for a busy resident instance of ``model`` to have served this action and

@@ -39,6 +39,14 @@ class Grow:
 
 
 @dataclass(frozen=True, slots=True)
+class Prefetch:
+    """Copy a registered model's weights onto the idle GPUs of ``block`` before anyone asks."""
+
+    model: str
+    block: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Reserve:
     """Set units aside for one owner (a trajectory's sandbox, a service's GPU partition): cores on
     ``node`` (``count``) or the GPUs of ``block``, preloaded with ``model`` when given."""
@@ -56,7 +64,7 @@ class Release:
     key: str
 
 
-Decision = Start | Grow | Reserve | Release
+Decision = Start | Grow | Prefetch | Reserve | Release
 
 
 @dataclass(slots=True, eq=False)
@@ -104,6 +112,7 @@ class EngineView(Protocol):
     quotas: Mapping[str, QuotaPool]
     running: Mapping[str, Running]
     reservations: Mapping[str, Reservation]
+    loading: Mapping[str, tuple]
     costs: Costs
     profile: Profile
 

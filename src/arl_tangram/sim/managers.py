@@ -63,18 +63,21 @@ class SimModelManager:
             setup = self.engine.gpu.load_s(allocation.units, inst.per_gpu_gb)
         _finish_at(self, action, setup, action.payload.work_s)
 
+    def prefetch(self, key: str, model: str, gpus: tuple[int, ...], per_gpu_gb: float) -> None:
+        engine = self.engine
+        self.at(engine.clock.now() + engine.gpu.load_s(gpus, per_gpu_gb), lambda: engine.loaded(key))
+
     def close_session(self, trajectory: str) -> None:
         pass
 
 
-def _finish_at(mgr, action: Action, setup: float, exec_s: float, extra_wait: float = 0.0) -> None:
+def _finish_at(mgr, action: Action, setup: float, exec_s: float) -> None:
     outcome = Outcome.OK
     if action.timeout_s is not None and exec_s > action.timeout_s:
         exec_s, outcome = action.timeout_s, Outcome.TIMEOUT
-    now = mgr.engine.clock.now()
     engine = mgr.engine
-    mgr.at(now + extra_wait + setup + exec_s,
-           lambda: engine.complete(action.id, outcome, setup_s=setup + extra_wait, exec_s=exec_s))
+    mgr.at(engine.clock.now() + setup + exec_s,
+           lambda: engine.complete(action.id, outcome, setup_s=setup, exec_s=exec_s))
 
 
 class SimApiManager:
