@@ -1,0 +1,91 @@
+"""The command line as a user meets it: real subprocesses, exit codes, files written."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def tangram(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "arl_tangram.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_simulate_writes_json_and_plot(tmp_path):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    p = tangram("simulate", "--workload", "rlvr", "--trajectories", "60", "--steps", "1",
+                "--json", str(out), "--plot", str(png))
+    assert p.returncode == 0, p.stderr
+    report = json.loads(out.read_text())
+    assert report["workload"] == "rlvr"
+    assert {r["policy"] for r in report["results"]} == {"tangram", "trajectory-static", "task-isolated", "fifo"}
+    keys = {"policy", "num_actions", "avg_act_s", "p50_act_s", "p99_act_s", "avg_step_s", "cpu_core_seconds_held",
+            "cpu_core_seconds_busy", "gpu_seconds_held", "gpu_seconds_busy", "cpu_utilization", "gpu_utilization"}
+    assert all(keys <= set(r) for r in report["results"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "tangram" in p.stdout and "avg ACT" in p.stdout
+
+
+def test_export_then_replay_a_trace(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    p = tangram("simulate", "--workload", "search", "--trajectories", "10", "--steps", "1", "--policy", "tangram",
+                "--export-trace", str(trace))
+    assert p.returncode == 0, p.stderr
+    out = tmp_path / "replay.json"
+    p = tangram("simulate", "--trace", str(trace), "--policy", "fifo", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert json.loads(out.read_text())["results"][0]["policy"] == "fifo"
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--scale", "0"], "--scale"),
+    (["--workload", "nope"], "nope"),
+    (["--cpus", "-4"], "--cpus"),
+    (["--trace", "/nonexistent/t.jsonl"], "cannot open"),
+    (["--workload", "rlvr", "--trace", "x.jsonl"], "--workload and --trace"),
+    (["--workload", "mopd", "--gpus", "0"], "--gpus"),
+])
+def test_bad_flags_exit_2_with_one_clear_message(args, needle):
+    p = tangram("simulate", *args)
+    assert p.returncode == 2
+    assert needle in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_bad_trace_line_exits_2_naming_the_line(tmp_path):
+    trace = tmp_path / "bad.jsonl"
+    trace.write_text('{"step": 0, "trajectory": "t", "seq": 0, "service": "sandbox", "gap_s": 1, "work_s": 1}\n'
+                     '{"step": 0, "trajectory": "t", "seq": 1, "service": "sandbox", "gap_s": "soon", "work_s": 1}\n')
+    p = tangram("simulate", "--trace", str(trace))
+    assert p.returncode == 2
+    assert ":2:" in p.stderr and "gap_s" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_min_resources_reports_a_scale_per_policy(tmp_path):
+    out = tmp_path / "m.json"
+    p = tangram("simulate", "--workload", "code_agent", "--trajectories", "16", "--steps", "1", "--min-resources",
+                "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    mr = json.loads(out.read_text())["min_resources"]
+    assert mr["reference"] == "trajectory-static"
+    t = mr["policies"]["tangram"]
+    assert t["min_scale"] is not None and t["min_scale"] < 1 and t["resource_savings"] > 0
+
+
+def test_bench_scheduler_prints_rates_per_depth(tmp_path):
+    out = tmp_path / "b.json"
+    p = tangram("bench", "scheduler", "--nodes", "4", "--seconds", "0.05", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    rates = json.loads(out.read_text())["actions_per_s"]
+    assert set(rates) == {"1000", "10000", "100000"} and all(v > 0 for v in rates.values())
+
+
+def test_ci_runs_the_readme_test_command():
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    command = "python3 -m pip install -e '.[test]' && python3 -m pytest -q"
+    assert command in readme
+    assert command in (root / ".ci" / "run").read_text()
