@@ -114,9 +114,12 @@ def simulate(
         raise fail(needs)
     policies = ["tangram", *BASELINES] if policy is PolicyName.all else [policy.value]
     desc = cluster.describe()
-    console.print(f"[bold]{wl.name}[/]: {wl.num_actions:,} actions, {len(wl.jobs)} job(s); cluster "
-                  f"{desc['cpus']:,} cores on {desc['cpu_nodes']} nodes, {desc['gpus']} GPUs"
-                  f"{', quotas ' + ', '.join(desc['quotas']) if desc['quotas'] else ''} (scale {scale:g})")
+    pools = [f"{desc['cpus']:,} cores on {desc['cpu_nodes']} nodes" if desc["cpus"] else "",
+             f"{desc['gpus']} GPUs on {desc['gpu_nodes']} nodes" if desc["gpus"] else "",
+             ", ".join(f"API {n} ({q['rate_per_s']:g}/s, {q['concurrency']} in flight)"
+                       for n, q in desc["quotas"].items())]
+    console.print(f"[bold]{wl.name}[/]: {wl.num_actions:,} actions, {len(wl.jobs)} job(s); "
+                  f"{'; '.join(p for p in pools if p)} (scale {scale:g})")
     runs = []
     with _progress() as progress:
         for p in policies:
