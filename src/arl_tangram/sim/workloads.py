@@ -20,6 +20,13 @@ def _lognormal(rng: random.Random, median: float, sigma: float, lo: float, hi: f
     return min(hi, max(lo, rng.lognormvariate(math.log(median), sigma)))
 
 
+def _job(name: str, steps: int, trajectories: int, rng: random.Random,
+         actions: Callable[[random.Random], list[ActionSpec]]) -> JobSpec:
+    """``steps`` synchronous steps of ``trajectories`` trajectories, each drawn by ``actions``."""
+    return JobSpec(name, [[TrajectorySpec(f"{name}-s{s}-t{t}", actions(rng)) for t in range(trajectories)]
+                          for s in range(steps)])
+
+
 @dataclass
 class CodeAgentParams:
     """SWE-style agent with tools bash / str_replace / finish.
@@ -49,32 +56,29 @@ class CodeAgentParams:
 
 
 def code_agent(p: CodeAgentParams, seed: int) -> Workload:
-    rng = random.Random(seed)
-    steps = []
-    for s in range(p.steps):
-        trajs = []
-        for t in range(p.trajectories):
-            n = int(_lognormal(rng, p.turns_median, 0.5, 5, 100))
-            actions = [ActionSpec(0, "sandbox", _lognormal(rng, 3.0, 0.5, 0.5, 30), _lognormal(rng, 20, 0.6, 2, 300),
-                                  {"cpu": (1, 4)}, 0.5, operation="setup", timeout_s=p.timeout_s)]
-            for i in range(1, n):
-                gap = _lognormal(rng, p.gap_median_s, 0.8, 0.5, 60)
-                r = rng.random()
-                if r < p.quick_fraction:
-                    a = ActionSpec(i, "sandbox", gap, _lognormal(rng, 0.15, 0.7, 0.01, 5), {"cpu": (1, 1)}, 0.0,
-                                   operation="shell", timeout_s=p.timeout_s)
-                elif r < p.quick_fraction + p.script_fraction:
-                    a = ActionSpec(i, "sandbox", gap, _lognormal(rng, 2.0, 0.7, 0.1, 60), {"cpu": (1, 2)}, 0.3,
-                                   operation="script", timeout_s=p.timeout_s)
-                else:
-                    a = ActionSpec(i, "sandbox", gap, _lognormal(rng, p.test_median_s, 0.8, 2, 600), {"cpu": (1, 8)},
-                                   rng.uniform(0.7, 0.95), operation="test", timeout_s=p.timeout_s)
-                actions.append(a)
-            trajs.append(TrajectorySpec(f"{p.job}-s{s}-t{t}", actions))
-        steps.append(trajs)
+    def trajectory(rng: random.Random) -> list[ActionSpec]:
+        n = int(_lognormal(rng, p.turns_median, 0.5, 5, 100))
+        actions = [ActionSpec(0, "sandbox", _lognormal(rng, 3.0, 0.5, 0.5, 30), _lognormal(rng, 20, 0.6, 2, 300),
+                              {"cpu": (1, 4)}, 0.5, operation="setup", timeout_s=p.timeout_s)]
+        for i in range(1, n):
+            gap = _lognormal(rng, p.gap_median_s, 0.8, 0.5, 60)
+            r = rng.random()
+            if r < p.quick_fraction:
+                a = ActionSpec(i, "sandbox", gap, _lognormal(rng, 0.15, 0.7, 0.01, 5), {"cpu": (1, 1)}, 0.0,
+                               operation="shell", timeout_s=p.timeout_s)
+            elif r < p.quick_fraction + p.script_fraction:
+                a = ActionSpec(i, "sandbox", gap, _lognormal(rng, 2.0, 0.7, 0.1, 60), {"cpu": (1, 2)}, 0.3,
+                               operation="script", timeout_s=p.timeout_s)
+            else:
+                a = ActionSpec(i, "sandbox", gap, _lognormal(rng, p.test_median_s, 0.8, 2, 600), {"cpu": (1, 8)},
+                               rng.uniform(0.7, 0.95), operation="test", timeout_s=p.timeout_s)
+            actions.append(a)
+        return actions
+
+    job = _job(p.job, p.steps, p.trajectories, random.Random(seed), trajectory)
     cpus = max(64, int(p.trajectories * p.cores_per_trajectory))
     cluster = uniform_cluster(cpus=cpus, cpu_nodes=max(1, cpus // 64))
-    return Workload("code_agent", [JobSpec(p.job, steps)], default_cluster=cluster)
+    return Workload("code_agent", [job], default_cluster=cluster)
 
 
 #: Twelve teacher / reward services of different sizes, bf16 weights = 2 bytes per parameter;
@@ -120,26 +124,24 @@ def _mopd_rate(weights_gb: float) -> float:
 
 
 def mopd(p: MopdParams, seed: int) -> Workload:
-    rng = random.Random(seed)
     models = tuple(ModelSpec(n, w, g) for n, w, g in MOPD_SERVICES)
     weights = [1.0 / (i + 1) ** p.zipf_s for i in range(len(models))]
     order = list(range(len(models)))
     random.Random(seed + 1).shuffle(order)  # popularity is not tied to size
-    steps = []
-    for s in range(p.steps):
-        trajs = []
-        for t in range(p.trajectories):
-            m = models[order[rng.choices(range(len(models)), weights)[0]]]
-            actions = []
-            for i in range(rng.randint(1, 4)):
-                tokens = _lognormal(rng, p.tokens_median, 0.7, 200, 32000)
-                actions.append(ActionSpec(i, f"model:{m.name}", _lognormal(rng, p.gap_median_s, 0.6, 2, 200),
-                                          0.05 + tokens / _mopd_rate(m.weights_gb), {"gpu": (m.gpus, m.gpus)},
-                                          weights_gb=m.weights_gb, operation="logprobs"))
-            trajs.append(TrajectorySpec(f"{p.job}-s{s}-t{t}", actions))
-        steps.append(trajs)
+
+    def trajectory(rng: random.Random) -> list[ActionSpec]:
+        m = models[order[rng.choices(range(len(models)), weights)[0]]]
+        actions = []
+        for i in range(rng.randint(1, 4)):
+            tokens = _lognormal(rng, p.tokens_median, 0.7, 200, 32000)
+            actions.append(ActionSpec(i, f"model:{m.name}", _lognormal(rng, p.gap_median_s, 0.6, 2, 200),
+                                      0.05 + tokens / _mopd_rate(m.weights_gb), {"gpu": (m.gpus, m.gpus)},
+                                      weights_gb=m.weights_gb, operation="logprobs"))
+        return actions
+
+    job = _job(p.job, p.steps, p.trajectories, random.Random(seed), trajectory)
     cluster = uniform_cluster(gpus=64, gpus_per_node=8, models=models)
-    return Workload("mopd", [JobSpec(p.job, steps)], models=models, default_cluster=cluster)
+    return Workload("mopd", [job], models=models, default_cluster=cluster)
 
 
 @dataclass
@@ -163,24 +165,20 @@ class SearchParams:
 
 
 def search(p: SearchParams, seed: int) -> Workload:
-    rng = random.Random(seed)
-    steps = []
-    for s in range(p.steps):
-        trajs = []
-        for t in range(p.trajectories):
-            actions = []
-            for i in range(int(_lognormal(rng, p.turns_median, 0.5, 2, 30))):
-                gap = _lognormal(rng, p.gap_median_s, 0.6, 0.3, 60)
-                if rng.random() < 0.7:
-                    actions.append(ActionSpec(i, "api:search", gap, _lognormal(rng, 0.8, 0.5, 0.1, 10),
-                                              operation="search", timeout_s=30))
-                else:
-                    actions.append(ActionSpec(i, "api:search", gap, _lognormal(rng, 2.5, 0.6, 0.3, 20),
-                                              operation="browse", timeout_s=30))
-            trajs.append(TrajectorySpec(f"{p.job}-s{s}-t{t}", actions))
-        steps.append(trajs)
+    def trajectory(rng: random.Random) -> list[ActionSpec]:
+        actions = []
+        for i in range(int(_lognormal(rng, p.turns_median, 0.5, 2, 30))):
+            gap = _lognormal(rng, p.gap_median_s, 0.6, 0.3, 60)
+            if rng.random() < 0.7:
+                work, op = _lognormal(rng, 0.8, 0.5, 0.1, 10), "search"
+            else:
+                work, op = _lognormal(rng, 2.5, 0.6, 0.3, 20), "browse"
+            actions.append(ActionSpec(i, "api:search", gap, work, operation=op, timeout_s=30))
+        return actions
+
+    job = _job(p.job, p.steps, p.trajectories, random.Random(seed), trajectory)
     quotas = (ApiQuota("search", p.rate_per_s, p.concurrency),)
-    return Workload("search", [JobSpec(p.job, steps)], quotas=quotas, default_cluster=Cluster(quotas=quotas))
+    return Workload("search", [job], quotas=quotas, default_cluster=Cluster(quotas=quotas))
 
 
 @dataclass
@@ -203,16 +201,14 @@ class RlvrParams:
 
 
 def rlvr(p: RlvrParams, seed: int) -> Workload:
-    rng = random.Random(seed)
-    steps = []
-    for s in range(p.steps):
-        trajs = [TrajectorySpec(f"{p.job}-s{s}-t{t}", [ActionSpec(
-            0, "sandbox", _lognormal(rng, p.gap_median_s, 0.7, 2, 600),
-            _lognormal(rng, p.verify_median_s, 1.0, 0.05, 120), {"cpu": (1, 4)}, 0.6,
-            operation="verify", timeout_s=300)]) for t in range(p.trajectories)]
-        steps.append(trajs)
+    def sample(rng: random.Random) -> list[ActionSpec]:
+        return [ActionSpec(0, "sandbox", _lognormal(rng, p.gap_median_s, 0.7, 2, 600),
+                           _lognormal(rng, p.verify_median_s, 1.0, 0.05, 120), {"cpu": (1, 4)}, 0.6,
+                           operation="verify", timeout_s=300)]
+
+    job = _job(p.job, p.steps, p.trajectories, random.Random(seed), sample)
     cluster = uniform_cluster(cpus=p.cpus, cpu_nodes=max(1, p.cpus // 64))
-    return Workload("rlvr", [JobSpec(p.job, steps)], default_cluster=cluster)
+    return Workload("rlvr", [job], default_cluster=cluster)
 
 
 @dataclass
