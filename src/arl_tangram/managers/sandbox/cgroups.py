@@ -1,0 +1,239 @@
+"""Control groups for sandboxes, on cgroup v1 or v2 hosts.
+
+One ``Group`` per sandbox bounds its memory and process count, pins it to the cores of the
+running action (cpuset), freezes it between actions (freezer) and kills everything in it at once.
+Where the hierarchy is missing or read-only the factory returns ``None`` after one logged warning
+and the caller falls back to rlimits, affinity and SIGSTOP, whose caveats it documents.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+V1_CONTROLLERS = ("cpuset", "memory", "pids", "freezer", "cpuacct")
+
+
+class Group:
+    """A cgroup (one directory per controller on v1, one directory on v2)."""
+
+    def __init__(self, name: str, dirs: dict[str, Path], v2: bool) -> None:
+        self.name = name
+        self.dirs = dirs
+        self.v2 = v2
+
+    def _write(self, controller: str, fname: str, value: str) -> None:
+        (self.dirs[controller] / fname).write_text(value)
+
+    def _read(self, controller: str, fname: str) -> str:
+        return (self.dirs[controller] / fname).read_text()
+
+    def _dir(self, controller: str) -> Path:
+        return self.dirs["unified" if self.v2 else controller]
+
+    def add(self, pid: int) -> None:
+        """Move ``pid`` in; its children inherit the group."""
+        for d in ({self.dirs["unified"]} if self.v2 else set(self.dirs.values())):
+            (d / "cgroup.procs").write_text(str(pid))
+
+    def set_cpus(self, cores: tuple[int, ...]) -> None:
+        value = ",".join(map(str, sorted(cores)))
+        (self._dir("cpuset") / "cpuset.cpus").write_text(value)
+
+    def set_memory(self, limit_bytes: int | None) -> None:
+        d = self._dir("memory")
+        if self.v2:
+            (d / "memory.max").write_text(str(limit_bytes) if limit_bytes else "max")
+            if (d / "memory.swap.max").exists():
+                (d / "memory.swap.max").write_text("0" if limit_bytes else "max")
+        else:
+            (d / "memory.limit_in_bytes").write_text(str(limit_bytes) if limit_bytes else "-1")
+            sw = d / "memory.memsw.limit_in_bytes"
+            if sw.exists():
+                try:
+                    sw.write_text(str(limit_bytes) if limit_bytes else "-1")
+                except OSError:
+                    pass
+
+    def set_pids(self, limit: int | None) -> None:
+        (self._dir("pids") / "pids.max").write_text(str(limit) if limit else "max")
+
+    def oom_kills(self) -> int:
+        """How many times the kernel's OOM killer has acted in this group (or failcnt on old v1)."""
+        d = self._dir("memory")
+        if self.v2:
+            for line in (d / "memory.events").read_text().splitlines():
+                k, _, v = line.partition(" ")
+                if k == "oom_kill":
+                    return int(v)
+            return 0
+        for line in (d / "memory.oom_control").read_text().splitlines():
+            k, _, v = line.partition(" ")
+            if k == "oom_kill":
+                return int(v)
+        return int((d / "memory.failcnt").read_text())
+
+    def cpu_seconds(self) -> float:
+        if self.v2:
+            for line in (self.dirs["unified"] / "cpu.stat").read_text().splitlines():
+                k, _, v = line.partition(" ")
+                if k == "usage_usec":
+                    return int(v) / 1e6
+            return 0.0
+        return int((self.dirs["cpuacct"] / "cpuacct.usage").read_text()) / 1e9
+
+    def freeze(self, frozen: bool) -> None:
+        if self.v2:
+            (self.dirs["unified"] / "cgroup.freeze").write_text("1" if frozen else "0")
+            return
+        d = self.dirs["freezer"]
+        (d / "freezer.state").write_text("FROZEN" if frozen else "THAWED")
+        want = "FROZEN" if frozen else "THAWED"
+        for _ in range(1000):  # freezing completes asynchronously on v1
+            if (d / "freezer.state").read_text().strip() == want:
+                return
+            time.sleep(0.0005)
+
+    def pids(self) -> list[int]:
+        d = self.dirs["unified"] if self.v2 else self.dirs["pids"]
+        return [int(x) for x in (d / "cgroup.procs").read_text().split()]
+
+    def kill_all(self) -> None:
+        """SIGKILL everything in the group (daemonised descendants included), thawing first."""
+        if self.v2 and (self.dirs["unified"] / "cgroup.kill").exists():
+            (self.dirs["unified"] / "cgroup.kill").write_text("1")
+            return
+        try:
+            self.freeze(False)
+        except OSError:
+            pass
+        for _ in range(50):
+            pids = self.pids()
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.002)
+
+    def remove(self) -> None:
+        self.kill_all()
+        for d in ({self.dirs["unified"]} if self.v2 else set(self.dirs.values())):
+            for _ in range(100):
+                try:
+                    d.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:  # processes still exiting
+                    time.sleep(0.005)
+
+
+class CgroupRoot:
+    """Where this process may create sandbox groups: a ``tangram-<pid>`` parent under our own
+    cgroup in each controller."""
+
+    def __init__(self, dirs: dict[str, Path], v2: bool) -> None:
+        self.dirs = dirs
+        self.v2 = v2
+
+    def create(self, name: str, cpus: str | None = None) -> Group:
+        dirs = {}
+        for c, parent in self.dirs.items():
+            d = parent / name
+            d.mkdir(exist_ok=True)
+            dirs[c] = d
+        g = Group(name, dirs, self.v2)
+        if not self.v2:
+            cs = dirs["cpuset"]
+            (cs / "cpuset.mems").write_text((self.dirs["cpuset"] / "cpuset.mems").read_text().strip())
+            (cs / "cpuset.cpus").write_text(cpus or (self.dirs["cpuset"] / "cpuset.cpus").read_text().strip())
+        elif cpus:
+            g.set_cpus(tuple(int(x) for x in cpus.split(",")))
+        return g
+
+    def cleanup(self) -> None:
+        """Remove every group left under our parent and the parent itself."""
+        for parent in self.dirs.values():
+            if not parent.exists():
+                continue
+            for child in parent.iterdir():
+                if child.is_dir():
+                    Group(child.name, {"x": child}, self.v2)
+                    try:
+                        for pid in (child / "cgroup.procs").read_text().split():
+                            try:
+                                os.kill(int(pid), signal.SIGKILL)
+                            except ProcessLookupError:
+                                pass
+                        time.sleep(0.01)
+                        child.rmdir()
+                    except OSError:
+                        pass
+            try:
+                parent.rmdir()
+            except OSError:
+                pass
+
+
+def _own_cgroups(proc_self_cgroup: str) -> dict[str, str]:
+    """``{controller: path}`` from /proc/self/cgroup text (v2's entry has the key ``""``)."""
+    out = {}
+    for line in proc_self_cgroup.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        for c in controllers.split(",") if controllers else [""]:
+            out[c] = path
+    return out
+
+
+def open_root(mount: str | Path = "/sys/fs/cgroup", self_cgroup: str | None = None,
+              tag: str | None = None) -> CgroupRoot | None:
+    """A writable place for sandbox groups, or None (with a warning) where there is none."""
+    mount = Path(mount)
+    if self_cgroup is None:
+        try:
+            self_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            self_cgroup = ""
+    own = _own_cgroups(self_cgroup)
+    tag = tag or f"tangram-{os.getpid()}"
+    try:
+        if (mount / "cgroup.controllers").exists():  # pure v2
+            available = (mount / own.get("", "/").lstrip("/") / "cgroup.controllers").read_text().split()
+            missing = {"cpuset", "memory", "pids"} - set(available)
+            if missing:
+                raise OSError(f"controllers {sorted(missing)} are not delegated to us")
+            base = mount / own.get("", "/").lstrip("/")
+            parent = base / tag
+            parent.mkdir(exist_ok=True)
+            (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in ("cpuset", "memory", "pids")
+                                                                    if c in available))
+            return CgroupRoot({"unified": parent}, v2=True)
+        dirs = {}
+        for c in V1_CONTROLLERS:
+            cdir = mount / c
+            if not cdir.is_dir():
+                raise OSError(f"controller {c} is not mounted at {cdir}")
+            parent = cdir / own.get(c, "/").lstrip("/") / tag
+            parent.mkdir(exist_ok=True)
+            dirs[c] = parent
+        cs = dirs["cpuset"]
+        up = cs.parent
+        (cs / "cpuset.mems").write_text((up / "cpuset.mems").read_text().strip())
+        (cs / "cpuset.cpus").write_text((up / "cpuset.cpus").read_text().strip())
+        return CgroupRoot(dirs, v2=False)
+    except OSError as e:
+        log.warning("cgroups unavailable (%s): falling back to rlimits, CPU affinity and SIGSTOP; memory "
+                    "limits then bound address space, not resident memory, and a frozen session is "
+                    "stopped by signal", e)
+        return None

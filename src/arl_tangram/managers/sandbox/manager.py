@@ -1,0 +1,398 @@
+"""The sandbox manager: carries out the engine's CPU decisions with real sandboxes.
+
+A trajectory's session keeps its sandbox (workspace files, the persistent python interpreter)
+for its whole life but holds cores only while an action runs: the sandbox is pinned to the
+allocation's cores (cpuset) when an action starts and frozen (cgroup freezer) when it ends.
+One-shot runs take a sandbox from a warm pool, so no action pays isolation or interpreter start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pydantic import BaseModel, Field
+
+from ...core.action import Action, Allocation, Outcome
+from . import languages
+from .cgroups import CgroupRoot, open_root
+from .isolation import Isolation, Layout, command, detect
+from .sandbox import Limits, Sandbox, SandboxDied
+
+log = logging.getLogger(__name__)
+
+
+class SandboxConfig(BaseModel):
+    """Every knob of the sandbox manager (units in the names)."""
+
+    isolation: Isolation = Field(Isolation.AUTO, description="auto = bubblewrap, else unshare; none only for "
+                                                             "trusted code, and only when set explicitly")
+    interpreter: str = Field("/usr/bin/python3", description="python seen inside the sandbox (a venv's python "
+                                                             "with the tasks' packages, say)")
+    interpreter_args: tuple[str, ...] = Field(("-I",), description="flags for it; -S skips site (faster start, no "
+                                                                   "site-packages)")
+    ro_binds: tuple[str, ...] = Field((), description="host paths visible read-only inside (e.g. the venv)")
+    workspace_mb: int = Field(256, ge=1, description="size of a session's private workspace (tmpfs)")
+    tmp_mb: int = Field(64, ge=1, description="size of the private /tmp (tmpfs)")
+    memory_mb: int = Field(512, ge=16, description="default memory limit of an action's sandbox")
+    pids_max: int = Field(128, ge=8, description="processes and threads a sandbox may have")
+    max_output_bytes: int = Field(1 << 20, ge=1024, description="stdout/stderr kept per stream; more is dropped "
+                                                                "and flagged")
+    warm_pool: int = Field(4, ge=0, description="prepared sandboxes waiting for one-shot runs and new sessions")
+    session_idle_expiry_s: float = Field(600.0, gt=0, description="close a session unused for this long")
+    grace_s: float = Field(5.0, gt=0, description="past an action's timeout plus this, the sandbox is killed")
+    cpus: tuple[int, ...] | None = Field(None, description="host CPUs to use (default: this process's affinity)")
+
+
+@dataclass
+class CommandResult:
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    duration_s: float
+    truncated: bool = False
+    timed_out: bool = False
+    signal: int | None = None
+
+    @classmethod
+    def from_wire(cls, r: dict) -> "CommandResult":
+        return cls(r.get("exit_code"), base64.b64decode(r.get("stdout", "")).decode("utf-8", "replace"),
+                   base64.b64decode(r.get("stderr", "")).decode("utf-8", "replace"), r.get("duration_s", 0.0),
+                   r.get("truncated", False), r.get("timed_out", False), r.get("signal"))
+
+
+@dataclass
+class SandboxResult:
+    """What an action produced; ``message`` explains anything unusual (truncation, OOM, reset)."""
+
+    run: CommandResult | None = None
+    compile: CommandResult | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    message: str = ""
+
+
+@dataclass
+class RunCode:
+    """A one-shot program in a fresh sandbox."""
+
+    code: str
+    language: str = "python"
+    stdin: bytes | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    fetch_files: list[str] = field(default_factory=list)
+    compile_timeout_s: float = 10.0
+    run_timeout_s: float = 10.0
+    memory_mb: int | None = None
+
+
+@dataclass
+class Exec:
+    """One step in a session: a shell ``command`` or a ``python`` cell in its interpreter."""
+
+    command: str | None = None
+    python: str | None = None
+    stdin: bytes | None = None
+    timeout_s: float = 10.0
+    memory_mb: int | None = None
+
+
+@dataclass
+class Files:
+    """Put files into a session's workspace and/or get files out of it."""
+
+    put: dict[str, bytes] = field(default_factory=dict)
+    get: list[str] = field(default_factory=list)
+
+
+Done = Callable[[str, Outcome, float, float, str, SandboxResult], None]
+
+
+class SandboxManager:
+    """Implements the engine's manager protocol for the ``cpu`` pool."""
+
+    def __init__(self, config: SandboxConfig | None = None) -> None:
+        self.config = config or SandboxConfig()
+        c = self.config
+        self.layout = Layout(c.interpreter, tuple(c.interpreter_args), tuple(c.ro_binds), c.workspace_mb << 20,
+                             c.tmp_mb << 20)
+        self.mode: Isolation | None = None
+        self.root: CgroupRoot | None = None
+        self.host_cpus = tuple(c.cpus) if c.cpus else tuple(sorted(os.sched_getaffinity(0)))
+        self.on_done: Done | None = None
+        self.on_expire: Callable[[str], None] | None = None
+        self.sessions: dict[str, Sandbox] = {}
+        self._last_used: dict[str, float] = {}
+        self._pool: asyncio.Queue[Sandbox] | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._ids = itertools.count()
+        self._closing = False
+        self._fill: asyncio.Task | None = None
+        self._reaper: asyncio.Task | None = None
+        self._hostdirs: list[str] = []
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start_up(self) -> None:
+        self.mode = detect(self.config.isolation, self.layout)
+        if self.mode is Isolation.NONE:
+            log.warning("sandbox isolation is OFF (isolation: none): only run trusted code")
+        self.root = open_root()
+        self._pool = asyncio.Queue()
+        self._fill = asyncio.get_running_loop().create_task(self._keep_pool_full())
+        self._reaper = asyncio.get_running_loop().create_task(self._expire_sessions())
+        log.info("sandboxes: isolation %s, cgroups %s, %d CPUs, warm pool %d", self.mode.value,
+                 "v2" if self.root and self.root.v2 else ("v1" if self.root else "unavailable"), len(self.host_cpus),
+                 self.config.warm_pool)
+
+    async def shut_down(self) -> None:
+        """Kill every sandbox and remove every cgroup and directory this manager made."""
+        self._closing = True
+        for t in (self._fill, self._reaper):
+            if t is not None:
+                t.cancel()
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        doomed = list(self.sessions.values())
+        self.sessions.clear()
+        while self._pool is not None and not self._pool.empty():
+            doomed.append(self._pool.get_nowait())
+        await asyncio.gather(*(sb.kill() for sb in doomed), return_exceptions=True)
+        if self.root is not None:
+            self.root.cleanup()
+        for d in self._hostdirs:
+            import shutil
+            shutil.rmtree(d, ignore_errors=True)
+
+    async def _spawn(self) -> Sandbox:
+        sid = f"sb{os.getpid()}-{next(self._ids)}"
+        workspace = None
+        if self.mode is Isolation.NONE:
+            import tempfile
+            workspace = tempfile.mkdtemp(prefix="tangram-ws-")
+            self._hostdirs.append(workspace)
+        argv = command(self.mode, self.layout, workspace=workspace)
+        limits = Limits(self.config.memory_mb << 20, self.config.pids_max)
+        return await Sandbox.spawn(sid, argv, self.root, limits, cwd=workspace)
+
+    async def _keep_pool_full(self) -> None:
+        while not self._closing:
+            if self._pool.qsize() < self.config.warm_pool:
+                try:
+                    self._pool.put_nowait(await self._spawn())
+                except SandboxDied as e:
+                    log.error("cannot prepare a sandbox: %s", e)
+                    await asyncio.sleep(1.0)
+            else:
+                await asyncio.sleep(0.005)
+
+    async def _take(self) -> Sandbox:
+        """A prepared sandbox from the pool, or a fresh one when the pool is empty."""
+        while self._pool is not None and not self._pool.empty():
+            sb = self._pool.get_nowait()
+            if not sb.dead and sb.proc.returncode is None:
+                return sb
+        return await self._spawn()
+
+    async def _expire_sessions(self) -> None:
+        while not self._closing:
+            await asyncio.sleep(min(1.0, self.config.session_idle_expiry_s / 4))
+            now = time.monotonic()
+            for traj, last in list(self._last_used.items()):
+                if now - last > self.config.session_idle_expiry_s and traj in self.sessions:
+                    log.info("session %s idle for %.0fs: closing it", traj, now - last)
+                    if self.on_expire is not None:
+                        self.on_expire(traj)
+                    else:
+                        self.close_session(traj)
+
+    # -- the manager protocol --------------------------------------------------------------------
+    def start(self, action: Action, allocation: Allocation) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(action, allocation))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def close_session(self, trajectory: str) -> None:
+        sb = self.sessions.pop(trajectory, None)
+        self._last_used.pop(trajectory, None)
+        if sb is not None:
+            task = asyncio.get_running_loop().create_task(sb.kill())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def prefetch(self, key: str, model: str, gpus: tuple[int, ...], per_gpu_gb: float) -> None:
+        raise RuntimeError("the sandbox manager holds no models")
+
+    # -- running ---------------------------------------------------------------------------------
+    async def _run(self, action: Action, allocation: Allocation) -> None:
+        t0 = time.monotonic()
+        cores = tuple(self.host_cpus[u % len(self.host_cpus)] for u in allocation.units) or self.host_cpus[:1]
+        payload = action.payload
+        sb = None
+        message = ""
+        try:
+            if action.trajectory is None:
+                sb = await self._take()
+            else:
+                sb = self.sessions.get(action.trajectory)
+                if sb is None or sb.dead:
+                    if allocation.setup not in ("create", ""):
+                        message = "session restarted: its sandbox had been closed or killed, state was lost"
+                    sb = await self._take()
+                    self.sessions[action.trajectory] = sb
+                sb.thaw()
+            sb.set_cpus(cores)
+            memory_mb = getattr(payload, "memory_mb", None)
+            sb.set_memory((memory_mb or self.config.memory_mb) << 20)
+            setup_s = time.monotonic() - t0
+            oom_before = sb.oom_kills()
+            t1 = time.monotonic()
+            outcome, result = await self._execute(sb, payload, cores)
+            exec_s = time.monotonic() - t1
+            if outcome is not Outcome.TIMEOUT and sb.oom_kills() > oom_before:
+                outcome = Outcome.OOM
+                result.message = _join(result.message, "killed: out of memory "
+                                                       f"(limit {(memory_mb or self.config.memory_mb)} MB)")
+        except SandboxDied as e:
+            outcome, result = self._died(e, action, sb)
+            setup_s, exec_s = time.monotonic() - t0, 0.0
+        except asyncio.CancelledError:
+            if sb is not None:
+                await sb.kill()
+            raise
+        except Exception as e:  # a bug of ours: never the user's fault, never a silent loss
+            log.exception("sandbox action %s failed inside the manager", action.id)
+            outcome, result = Outcome.INFRA_ERROR, SandboxResult(message=f"internal error: {e}")
+            setup_s, exec_s = time.monotonic() - t0, 0.0
+            if sb is not None:
+                await sb.kill()
+        result.message = _join(message, result.message)
+        if sb is not None and not sb.dead and action.trajectory is not None:
+            sb.freeze()
+            self._last_used[action.trajectory] = time.monotonic()
+        if self.on_done is not None:
+            self.on_done(action.id, outcome, setup_s, exec_s, result.message, result)
+        if sb is not None and action.trajectory is None:
+            await sb.kill()  # after reporting: tearing down is not part of the action's ACT
+
+    def _died(self, e: SandboxDied, action: Action, sb: Sandbox | None) -> tuple[Outcome, SandboxResult]:
+        if action.trajectory is not None:
+            self.sessions.pop(action.trajectory, None)
+        timed_out = "did not answer within" in str(e)
+        if timed_out:  # the runner could not stop the user's code in time: still the code's timeout
+            return Outcome.TIMEOUT, SandboxResult(message=f"timeout: {e}")
+        return Outcome.INFRA_ERROR, SandboxResult(message=f"sandbox failure: {e}")
+
+    def _request_env(self, cores: tuple[int, ...]) -> dict[str, str]:
+        n = str(len(cores))
+        return {"TANGRAM_NUM_CPUS": n, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}
+
+    def _base(self, cores: tuple[int, ...]) -> dict:
+        req = {"env": self._request_env(cores), "max_output": self.config.max_output_bytes}
+        if self.root is None:
+            req["cpus"] = list(cores)
+        return req
+
+    async def _execute(self, sb: Sandbox, payload, cores: tuple[int, ...]) -> tuple[Outcome, SandboxResult]:
+        grace = self.config.grace_s
+        if isinstance(payload, RunCode):
+            return await self._run_code(sb, payload, cores)
+        if isinstance(payload, Exec):
+            base = self._base(cores)
+            if payload.python is not None:
+                req = {**base, "op": "cell", "code": payload.python, "timeout_s": payload.timeout_s}
+            elif payload.command is not None:
+                req = {**base, "op": "run", "argv": ["bash", "-c", payload.command], "timeout_s": payload.timeout_s,
+                       "stdin": _b64(payload.stdin)}
+            else:
+                return Outcome.REJECTED, SandboxResult(message="exec: give a command or a python cell")
+            r = await sb.request(req, payload.timeout_s + grace)
+            return _outcome(r), _result(r)
+        if isinstance(payload, Files):
+            out = SandboxResult()
+            if payload.put:
+                r = await sb.request({"op": "write", "files": {k: _b64(v) for k, v in payload.put.items()}}, 30 + grace)
+                if "error" in r:
+                    return Outcome.FAILED, SandboxResult(message=f"files: {r['error']}")
+            if payload.get:
+                r = await sb.request({"op": "read", "paths": list(payload.get)}, 30 + grace)
+                out.files = {k: base64.b64decode(v) for k, v in r.get("files", {}).items()}
+                out.missing = r.get("missing", [])
+            return Outcome.OK, out
+        return Outcome.REJECTED, SandboxResult(message=f"payload: {type(payload).__name__} is not a sandbox request")
+
+    async def _run_code(self, sb: Sandbox, p: RunCode, cores: tuple[int, ...]) -> tuple[Outcome, SandboxResult]:
+        grace = self.config.grace_s
+        try:
+            lang = languages.resolve(p.language, ":".join(self.config.ro_binds))
+        except (languages.UnknownLanguage, languages.MissingToolchain) as e:
+            return Outcome.REJECTED, SandboxResult(message=str(e))
+        files = {**{k: _b64(v) for k, v in p.files.items()}}
+        if not lang.in_interpreter:
+            files[lang.source] = _b64(p.code.encode())
+        if files:
+            r = await sb.request({"op": "write", "files": files}, 30 + grace)
+            if "error" in r:
+                return Outcome.FAILED, SandboxResult(message=f"files: {r['error']}")
+        base = self._base(cores)
+        result = SandboxResult()
+        if lang.compile:
+            r = await sb.request({**base, "op": "run", "argv": list(lang.compile), "timeout_s": p.compile_timeout_s},
+                                 p.compile_timeout_s + grace)
+            result.compile = CommandResult.from_wire(r) if "error" not in r else None
+            if "error" in r:
+                return Outcome.INFRA_ERROR, SandboxResult(message=f"compile: {r['error']}")
+            if result.compile.timed_out:
+                result.message = "compile timed out"
+                return Outcome.TIMEOUT, result
+            if result.compile.exit_code != 0:
+                result.message = "compile error"
+                return Outcome.FAILED, result
+        if lang.in_interpreter:
+            req = {**base, "op": "python", "code": p.code}
+        else:
+            req = {**base, "op": "run", "argv": list(lang.run)}
+        r = await sb.request({**req, "stdin": _b64(p.stdin), "timeout_s": p.run_timeout_s}, p.run_timeout_s + grace)
+        if "error" in r:
+            return Outcome.INFRA_ERROR, SandboxResult(message=f"run: {r['error']}")
+        run = _result(r)
+        result.run, result.message = run.run, run.message
+        if p.fetch_files:
+            fr = await sb.request({"op": "read", "paths": list(p.fetch_files)}, 30 + grace)
+            result.files = {k: base64.b64decode(v) for k, v in fr.get("files", {}).items()}
+            result.missing = fr.get("missing", [])
+        return _outcome(r), result
+
+
+def _b64(data: bytes | None) -> str | None:
+    return base64.b64encode(data).decode() if data else None
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
+
+
+def _outcome(r: dict) -> Outcome:
+    if "error" in r:
+        return Outcome.INFRA_ERROR
+    if r.get("timed_out"):
+        return Outcome.TIMEOUT
+    return Outcome.OK if r.get("exit_code") == 0 else Outcome.FAILED
+
+
+def _result(r: dict) -> SandboxResult:
+    if "error" in r:
+        return SandboxResult(message=f"runner: {r['error']}")
+    run = CommandResult.from_wire(r)
+    notes = []
+    if run.truncated:
+        notes.append("output truncated")
+    if run.timed_out:
+        notes.append("timed out")
+    return SandboxResult(run=run, message=_join(*notes))
