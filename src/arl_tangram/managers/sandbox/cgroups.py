@@ -166,8 +166,10 @@ class CgroupRoot:
                 continue
             for child in parent.iterdir():
                 if child.is_dir():
-                    Group(child.name, {"x": child}, self.v2)
                     try:
+                        for fname, value in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+                            if (child / fname).exists():  # a frozen process cannot die
+                                (child / fname).write_text(value)
                         for pid in (child / "cgroup.procs").read_text().split():
                             try:
                                 os.kill(int(pid), signal.SIGKILL)

@@ -111,6 +111,8 @@ class Files:
     get: list[str] = field(default_factory=list)
 
 
+_SANDBOX_IDS = itertools.count()
+
 Done = Callable[[str, Outcome, float, float, str, SandboxResult], None]
 
 
@@ -131,11 +133,12 @@ class SandboxManager:
         self._last_used: dict[str, float] = {}
         self._pool: asyncio.Queue[Sandbox] | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._ids = itertools.count()
         self._closing = False
         self._fill: asyncio.Task | None = None
         self._reaper: asyncio.Task | None = None
         self._hostdirs: list[str] = []
+        self._busy: set[Sandbox] = set()  # sandboxes running an action right now
+        self._kills: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start_up(self) -> None:
@@ -157,8 +160,9 @@ class SandboxManager:
             if t is not None:
                 t.cancel()
         for t in list(self._tasks):
-            t.cancel()
+            t.cancel()  # running actions; their own handlers kill their sandboxes
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._kills, return_exceptions=True)  # never cancel a kill half-way
         doomed = list(self.sessions.values())
         self.sessions.clear()
         while self._pool is not None and not self._pool.empty():
@@ -171,7 +175,7 @@ class SandboxManager:
             shutil.rmtree(d, ignore_errors=True)
 
     async def _spawn(self) -> Sandbox:
-        sid = f"sb{os.getpid()}-{next(self._ids)}"
+        sid = f"sb-{next(_SANDBOX_IDS)}-{os.urandom(3).hex()}"  # unique across managers of a process
         workspace = None
         if self.mode is Isolation.NONE:
             import tempfile
@@ -222,9 +226,12 @@ class SandboxManager:
         sb = self.sessions.pop(trajectory, None)
         self._last_used.pop(trajectory, None)
         if sb is not None:
-            task = asyncio.get_running_loop().create_task(sb.kill())
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._kill_later(sb)
+
+    def _kill_later(self, sb: Sandbox) -> None:
+        task = asyncio.get_running_loop().create_task(sb.kill())
+        self._kills.add(task)
+        task.add_done_callback(self._kills.discard)
 
     def prefetch(self, key: str, model: str, gpus: tuple[int, ...], per_gpu_gb: float) -> None:
         raise RuntimeError("the sandbox manager holds no models")
@@ -253,7 +260,11 @@ class SandboxManager:
             setup_s = time.monotonic() - t0
             oom_before = sb.oom_kills()
             t1 = time.monotonic()
-            outcome, result = await self._execute(sb, payload, cores)
+            self._busy.add(sb)
+            try:
+                outcome, result = await self._execute(sb, payload, cores)
+            finally:
+                self._busy.discard(sb)
             exec_s = time.monotonic() - t1
             if outcome is not Outcome.TIMEOUT and sb.oom_kills() > oom_before:
                 outcome = Outcome.OOM
@@ -279,7 +290,7 @@ class SandboxManager:
         if self.on_done is not None:
             self.on_done(action.id, outcome, setup_s, exec_s, result.message, result)
         if sb is not None and action.trajectory is None:
-            await sb.kill()  # after reporting: tearing down is not part of the action's ACT
+            self._kill_later(sb)  # after reporting: tearing down is not part of the action's ACT
 
     def _died(self, e: SandboxDied, action: Action, sb: Sandbox | None) -> tuple[Outcome, SandboxResult]:
         if action.trajectory is not None:

@@ -1,8 +1,10 @@
 """The agent inside every sandbox: it runs what the host asks, one request at a time.
 
-Runs under the sandbox's interpreter with the standard library only. The host speaks JSON lines
-on the runner's stdin/stdout; those descriptors are moved out of the way at start so nothing the
-user's code prints can corrupt the channel. Requests:
+Runs under the sandbox's interpreter with the standard library only, importing as little as it
+can: its start-up is the cost of every fresh sandbox. Requests come from the (trusted) host as
+length-prefixed ``marshal`` dicts; answers go back as JSON lines, which the host parses safely
+even if the user's code has taken this process over. Both descriptors are moved out of the way at
+start so nothing the user's code prints can corrupt the channel. Requests:
 
 * ``run``    fork+exec ``argv`` (a shell command, a compiled binary) in its own process group
 * ``python`` run ``code`` in a forked child of this warm interpreter (a one-shot python action
@@ -15,17 +17,15 @@ is drained and dropped, and flagged). After each request every other process in 
 killed, so nothing an action started outlives it (the runner itself is the persistent state).
 """
 
-import base64
+import binascii
 import io
-import json
+import marshal
 import os
-import selectors
-import signal
+import select
 import sys
-import threading
 import time
-import traceback
 
+SIGKILL = 9  # Linux numbers: importing signal pulls in enum, a fifth of our start-up
 PROTO_IN = os.dup(0)
 PROTO_OUT = os.dup(1)
 _null = os.open(os.devnull, os.O_RDWR)
@@ -46,11 +46,39 @@ WORKSPACE = sys.argv[sys.argv.index("--workspace") + 1] if "--workspace" in sys.
 
 
 def b64(data):
-    return base64.b64encode(data).decode("ascii")
+    return binascii.b2a_base64(data, newline=False).decode("ascii")
 
 
 def unb64(text):
-    return base64.b64decode(text) if text else b""
+    return binascii.a2b_base64(text) if text else b""
+
+
+_ESC = {i: "\\u%04x" % i for i in range(32)}
+_ESC.update({ord('"'): '\\"', ord("\\"): "\\\\"})
+
+
+def to_json(obj):
+    """JSON for the few shapes we answer with (json's import costs more than this whole file)."""
+    if obj is None:
+        return "null"
+    if obj is True:
+        return "true"
+    if obj is False:
+        return "false"
+    if isinstance(obj, (int, float)):
+        return repr(obj)
+    if isinstance(obj, str):
+        return '"' + obj.translate(_ESC) + '"'
+    if isinstance(obj, dict):
+        return "{" + ",".join(to_json(str(k)) + ":" + to_json(v) for k, v in obj.items()) + "}"
+    if isinstance(obj, (list, tuple)):
+        return "[" + ",".join(to_json(v) for v in obj) + "]"
+    return to_json(str(obj))
+
+
+def print_exc():
+    import traceback
+    traceback.print_exc()
 
 
 # Only in a PID namespace of our own (the host passes --reap, and we double-check that we are
@@ -71,7 +99,7 @@ def reap_strays():
                 if pid not in (1, me):
                     found = True
                     try:
-                        os.kill(pid, signal.SIGKILL)
+                        os.kill(pid, SIGKILL)
                     except OSError:
                         pass
         while True:
@@ -88,28 +116,29 @@ def reap_strays():
 
 def collect(child, out_fd, err_fd, in_fd, stdin, timeout_s, max_output):
     """Feed stdin, read both streams up to the cap, kill the group at the deadline."""
-    sel = selectors.DefaultSelector()
+    poll = select.poll()
+    open_fds = {out_fd, err_fd}
     bufs = {out_fd: bytearray(), err_fd: bytearray()}
     truncated = False
     for fd in (out_fd, err_fd):
-        sel.register(fd, selectors.EVENT_READ)
+        poll.register(fd, select.POLLIN)
     pending = memoryview(stdin or b"")
     if in_fd is not None:
         if pending:
             os.set_blocking(in_fd, False)
-            sel.register(in_fd, selectors.EVENT_WRITE)
+            poll.register(in_fd, select.POLLOUT)
+            open_fds.add(in_fd)
         else:
             os.close(in_fd)
             in_fd = None
     deadline = time.monotonic() + timeout_s
     timed_out = False
-    while sel.get_map():
+    while open_fds:
         left = deadline - time.monotonic()
         if left <= 0:
             timed_out = True
             break
-        for key, _ in sel.select(left):
-            fd = key.fd
+        for fd, _ in poll.poll(left * 1000):
             if fd == in_fd:
                 try:
                     n = os.write(fd, pending[:65536])
@@ -117,13 +146,15 @@ def collect(child, out_fd, err_fd, in_fd, stdin, timeout_s, max_output):
                 except BrokenPipeError:
                     pending = pending[:0]
                 if not pending:
-                    sel.unregister(fd)
+                    poll.unregister(fd)
+                    open_fds.discard(fd)
                     os.close(fd)
                     in_fd = None
                 continue
             chunk = os.read(fd, 65536)
             if not chunk:
-                sel.unregister(fd)
+                poll.unregister(fd)
+                open_fds.discard(fd)
                 continue
             buf = bufs[fd]
             room = max_output - len(buf)
@@ -133,11 +164,9 @@ def collect(child, out_fd, err_fd, in_fd, stdin, timeout_s, max_output):
                 truncated = True
     if timed_out:
         try:
-            os.killpg(child, signal.SIGKILL)
+            os.killpg(child, SIGKILL)
         except OSError:
             pass
-    for fd in list(sel.get_map()):
-        sel.unregister(fd)
     for fd in (out_fd, err_fd) + ((in_fd,) if in_fd is not None else ()):
         try:
             os.close(fd)
@@ -170,7 +199,7 @@ def spawn(req, body):
             code = e.code
             os._exit(code if isinstance(code, int) else (0 if code is None else 1))
         except BaseException:
-            traceback.print_exc()
+            print_exc()
             os._exit(1)
         os._exit(0)
     for fd in (in_r, out_w, err_w):
@@ -227,12 +256,19 @@ def op_python(req):
     return spawn(req, body)
 
 
-class Capture(threading.Thread):
-    """Drain one pipe into a capped buffer (a thread, so a blocked cell cannot stall it)."""
+class Capture:
+    """Drain one pipe into a capped buffer in a thread, so a blocked cell cannot stall it."""
 
     def __init__(self, fd, limit):
-        super().__init__(daemon=True)
+        import threading
         self.fd, self.limit, self.buf, self.truncated = fd, limit, bytearray(), False
+        self.thread = threading.Thread(target=self.run, daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def join(self):
+        self.thread.join()
 
     def run(self):
         while True:
@@ -267,6 +303,7 @@ def op_cell(req):
         cap.start()
         caps.append(cap)
     sys.stdout, sys.stderr = stream(1, "w"), stream(2, "w")
+    import signal
     start = time.monotonic()
     exit_code, timed_out = 0, False
     signal.signal(signal.SIGALRM, _alarm)
@@ -284,7 +321,7 @@ def op_cell(req):
         exit_code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
         exit_code = 1
-        traceback.print_exc()
+        print_exc()
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()
@@ -333,12 +370,23 @@ OPS = {"run": op_run, "python": op_python, "cell": op_cell, "write": op_write, "
        "ping": lambda req: {"pid": os.getpid()}}
 
 
+def read_exact(n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(PROTO_IN, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
 def main():
     os.chdir(WORKSPACE)
-    reader = os.fdopen(PROTO_IN, "rb")
-    writer = os.fdopen(PROTO_OUT, "wb")
-    for line in reader:
-        req = json.loads(line)
+    while True:
+        head = read_exact(4)
+        if head is None:
+            return
+        req = marshal.loads(read_exact(int.from_bytes(head, "little")))
         try:
             result = OPS[req["op"]](req)
         except Exception as e:
@@ -346,8 +394,9 @@ def main():
         if req.get("reap", True) and req["op"] in ("run", "python", "cell"):
             reap_strays()
         result["id"] = req.get("id")
-        writer.write(json.dumps(result).encode() + b"\n")
-        writer.flush()
+        data = (to_json(result) + "\n").encode()
+        while data:
+            data = data[os.write(PROTO_OUT, data):]
 
 
 if __name__ == "__main__":

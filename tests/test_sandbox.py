@@ -1,0 +1,347 @@
+"""Real sandboxes, real processes: functionality, lifecycle, and attempts to break out.
+
+Every probe targets only this test's own processes and loopback. Needs bubblewrap (`.ci/run`
+installs it) and writable cgroups for the resource tests; skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from arl_tangram.core import Outcome
+from arl_tangram.managers.sandbox.cgroups import open_root
+from arl_tangram.managers.sandbox.languages import LANGUAGES, Language
+from arl_tangram.managers.sandbox.manager import SandboxConfig
+from arl_tangram.runtime import Tangram
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+_root = open_root(tag=f"tangram-probe-{os.getpid()}")
+HAS_CGROUPS = _root is not None
+if _root is not None:
+    _root.cleanup()
+needs_cgroups = pytest.mark.skipif(not HAS_CGROUPS, reason="no writable cgroups on this host")
+
+
+def run(coro_fn, **config):
+    """Run ``coro_fn(tg)`` against a fresh local runtime and tear everything down."""
+    cfg = SandboxConfig(**{"warm_pool": 2, **config})
+
+    async def main():
+        async with Tangram.local(sandbox=cfg) as tg:
+            return await coro_fn(tg)
+
+    return asyncio.run(main())
+
+
+# -- functionality -------------------------------------------------------------------------------
+
+def test_python_bash_and_cpp_one_shots():
+    async def body(tg):
+        py = await tg.run("import sys\nprint(sys.stdin.read().upper())", stdin="hello")
+        sh = await tg.run("echo from-bash; exit 3", "bash")
+        cpp = await tg.run('#include <cstdio>\nint main(){int a,b;scanf("%d %d",&a,&b);printf("%d\\n",a+b);}',
+                           "cpp", stdin="40 2")
+        bad = await tg.run("int main( {", "cpp")
+        crash = await tg.run("raise ValueError('boom')")
+        return py, sh, cpp, bad, crash
+
+    py, sh, cpp, bad, crash = run(body)
+    assert py.outcome is Outcome.OK and py.stdout == "HELLO\n"
+    assert sh.outcome is Outcome.FAILED and sh.result.run.exit_code == 3 and sh.stdout == "from-bash\n"
+    assert cpp.outcome is Outcome.OK and cpp.stdout == "42\n" and cpp.result.compile.exit_code == 0
+    assert bad.outcome is Outcome.FAILED and bad.result.compile.exit_code != 0 and bad.result.run is None
+    assert "compile error" in bad.message
+    assert crash.outcome is Outcome.FAILED and "ValueError: boom" in crash.stderr
+
+
+def test_files_in_and_out_of_a_one_shot():
+    async def body(tg):
+        return await tg.run("open('out.txt','w').write(open('in.txt').read()[::-1])", files={"in.txt": b"abc"},
+                            fetch_files=["out.txt", "missing.txt"])
+
+    r = run(body)
+    assert r.outcome is Outcome.OK
+    assert r.result.files == {"out.txt": b"cba"} and r.result.missing == ["missing.txt"]
+
+
+def test_unknown_language_and_missing_toolchain_are_rejected_clearly():
+    LANGUAGES["cobol-test"] = Language("cobol-test", "main.cob", ("cobc-run",), requires=("cobc-not-installed",))
+    try:
+        async def body(tg):
+            return await tg.run("x", "klingon"), await tg.run("x", "cobol-test")
+
+        unknown, missing = run(body)
+    finally:
+        del LANGUAGES["cobol-test"]
+    assert unknown.outcome is Outcome.REJECTED and "unknown 'klingon'" in unknown.message
+    assert missing.outcome is Outcome.REJECTED and "cobc-not-installed" in missing.message
+
+
+@needs_cgroups
+def test_the_allocation_is_what_the_code_sees():
+    async def body(tg):
+        return await tg.run("echo $TANGRAM_NUM_CPUS $OMP_NUM_THREADS $(nproc)", "bash", cpus=(2, 2))
+
+    r = run(body)
+    assert r.outcome is Outcome.OK and r.stdout.split() == ["2", "2", "2"] and r.cores == 2
+
+
+# -- security ------------------------------------------------------------------------------------
+
+def test_host_files_are_invisible_and_the_root_is_read_only():
+    project = Path(__file__).resolve()
+    code = f"""
+import os
+for p in [{str(project)!r}, '/root', '/home', {str(project.parents[1])!r}]:
+    print(p, os.path.exists(p))
+for p in ['/etc/evil', '/usr/evil', '/evil', '/proc/evil']:
+    try:
+        open(p, 'w').write('x'); print('WROTE', p)
+    except OSError as e:
+        print('denied', p)
+open('/workspace/ok.txt', 'w').write('fine'); print('workspace ok')
+"""
+
+    r = run(lambda tg: tg.run(code))
+    assert r.outcome is Outcome.OK, r.stderr
+    assert "True" not in r.stdout and "WROTE" not in r.stdout
+    assert r.stdout.count("denied") == 4 and "workspace ok" in r.stdout
+    assert not os.path.exists("/evil") and not os.path.exists("/etc/evil")
+
+
+def test_no_network_not_even_a_loopback_port_on_the_host():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    code = f"""
+import socket
+s = socket.socket(); s.settimeout(2)
+try:
+    s.connect(('127.0.0.1', {port})); print('CONNECTED')
+except OSError as e:
+    print('refused', e)
+try:
+    socket.create_connection(('1.1.1.1', 53), timeout=2); print('CONNECTED-OUT')
+except OSError as e:
+    print('unreachable', e)
+"""
+    try:
+        r = run(lambda tg: tg.run(code))
+        with pytest.raises(socket.timeout):
+            server.accept()
+    finally:
+        server.close()
+    assert r.outcome is Outcome.OK and "CONNECTED" not in r.stdout
+    assert "refused" in r.stdout and "unreachable" in r.stdout
+
+
+def test_cannot_signal_a_process_outside_the_sandbox():
+    victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        code = f"import os\ntry:\n    os.kill({victim.pid}, 9); print('KILLED')\nexcept OSError as e:\n    print('no', e)"
+        r = run(lambda tg: tg.run(code))
+        time.sleep(0.1)
+        assert victim.poll() is None, "the host process was killed from inside the sandbox"
+        assert "KILLED" not in r.stdout and "no" in r.stdout
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@needs_cgroups
+def test_fork_bomb_is_contained():
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+
+    async def body(tg):
+        bomb = await tg.run(code, timeout_s=2)
+        after = await tg.run("print('alive')")
+        return bomb, after
+
+    bomb, after = run(body, pids_max=32)
+    assert bomb.outcome is Outcome.TIMEOUT
+    assert after.outcome is Outcome.OK and after.stdout == "alive\n"
+    probe = subprocess.run(["true"])
+    assert probe.returncode == 0
+
+
+@needs_cgroups
+def test_memory_bomb_ends_as_oom():
+    code = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))"
+    r = run(lambda tg: tg.run(code, memory_mb=96, timeout_s=20))
+    assert r.outcome is Outcome.OOM, (r.outcome, r.message, r.stderr[-300:])
+    assert "out of memory" in r.message
+
+
+@needs_cgroups
+def test_cpu_hog_gets_only_its_cores():
+    code = """
+import os, time, resource
+t = time.time()
+pids = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        end = time.time() + 1.0
+        while time.time() < end:
+            pass
+        os._exit(0)
+    pids.append(pid)
+for p in pids:
+    os.waitpid(p, 0)
+wall = time.time() - t
+ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(round((ru.ru_utime + ru.ru_stime) / wall, 2))
+"""
+    r = run(lambda tg: tg.run(code, cpus=1, timeout_s=30))
+    assert r.outcome is Outcome.OK, r.stderr
+    assert float(r.stdout) <= 1.15, f"4 busy processes on 1 core used {r.stdout.strip()} cores"
+
+
+def test_sleeping_past_the_timeout_is_killed_in_time():
+    r = run(lambda tg: tg.run("import time\ntime.sleep(60)", timeout_s=1))
+    assert r.outcome is Outcome.TIMEOUT and r.act_s < 4
+
+
+def test_flooding_stdout_is_capped_and_flagged():
+    async def body(tg):
+        finite = await tg.run("import sys\nsys.stdout.write('x' * (50 << 20))")
+        endless = await tg.run("while True:\n    print('y' * 1000)", timeout_s=1)
+        return finite, endless
+
+    finite, endless = run(body, max_output_bytes=1 << 16)
+    assert finite.outcome is Outcome.OK and len(finite.stdout) == 1 << 16 and finite.result.run.truncated
+    assert "output truncated" in finite.message
+    assert endless.outcome is Outcome.TIMEOUT and len(endless.stdout) == 1 << 16
+
+
+def test_filling_the_disk_stops_at_the_workspace_size():
+    code = """
+try:
+    with open('big', 'wb') as f:
+        while True:
+            f.write(b'0' * (1 << 20))
+except OSError as e:
+    print('stopped', e.errno)
+"""
+    r = run(lambda tg: tg.run(code, timeout_s=20), workspace_mb=16, memory_mb=256)
+    assert r.outcome is Outcome.OK and "stopped 28" in r.stdout  # ENOSPC
+
+
+def test_daemonised_children_do_not_outlive_the_action():
+    async def body(tg):
+        s = await tg.session()
+        await s.exec("(while true; do echo beat >> /workspace/beat; sleep 0.02; done) & disown; "
+                     "python3 -c 'import os\nif os.fork() == 0:\n    os.setsid()\n    import time\n    time.sleep(600)' &",
+                     timeout_s=5)
+        first = await s.exec("wc -l < beat; ps -e -o comm= | sort | tr '\\n' ' '")
+        await asyncio.sleep(0.3)
+        second = await s.exec("wc -l < beat")
+        await s.close()
+        return first, second
+
+    first, second = run(body)
+    count1, procs = first.stdout.split("\n", 1)
+    assert count1.strip() == second.stdout.strip(), "a background loop kept running after its action"
+    assert "sleep" not in procs and procs.count("python3") <= 1
+
+
+def test_sessions_cannot_see_each_other():
+    async def body(tg):
+        a, b = await tg.session(), await tg.session()
+        await a.put({"secret.txt": b"a's secret"})
+        found = await b.exec("ls -a /workspace; find / -name secret.txt 2>/dev/null | head")
+        mine = await a.exec("cat secret.txt")
+        await a.close()
+        await b.close()
+        return found, mine
+
+    found, mine = run(body)
+    assert "secret" not in found.stdout
+    assert mine.stdout == "a's secret"
+
+
+# -- lifecycle -------------------------------------------------------------------------------------
+
+def test_session_state_persists_across_execs():
+    async def body(tg):
+        s = await tg.session()
+        r1 = await s.exec(python="import math\nx = 41")
+        r2 = await s.exec(python="x += 1\nprint(x, math.pi > 3)")
+        r3 = await s.exec("echo data > f.txt")
+        r4 = await s.exec(python="print(open('f.txt').read().strip())")
+        await s.close()
+        return r1, r2, r3, r4
+
+    r1, r2, r3, r4 = run(body)
+    assert [r.outcome for r in (r1, r2, r3, r4)] == [Outcome.OK] * 4
+    assert r2.stdout == "42 True\n" and r4.stdout == "data\n"
+
+
+@needs_cgroups
+def test_a_frozen_session_uses_no_cpu():
+    async def body(tg):
+        s = await tg.session()
+        spin = "import threading\ndef spin():\n    while True:\n        pass\nthreading.Thread(target=spin, daemon=True).start()"
+        await s.exec(python=spin)
+        sb = tg.runtime.sandboxes.sessions[s.id]
+        assert sb.frozen
+        c0 = sb.cpu_seconds()
+        await asyncio.sleep(0.5)
+        frozen_use = sb.cpu_seconds() - c0
+        c1 = sb.cpu_seconds()
+        await s.exec(python="import time\ntime.sleep(0.5)")
+        running_use = sb.cpu_seconds() - c1
+        await s.close()
+        return frozen_use, running_use
+
+    frozen_use, running_use = run(body)
+    assert frozen_use < 0.02, f"frozen session burnt {frozen_use:.3f}s of CPU in 0.5s"
+    assert running_use > 0.2  # the same thread spins again once thawed: the measurement works
+
+
+@needs_cgroups
+def test_expiry_and_close_leave_nothing_behind():
+    async def body(tg):
+        mgr = tg.runtime.sandboxes
+        s = await tg.session()
+        await s.exec(python="x = 1")
+        sb = mgr.sessions[s.id]
+        dirs = list(sb.group.dirs.values())
+        await asyncio.sleep(1.5)  # idle expiry is 0.5 s
+        gone = s.id not in mgr.sessions and sb.dead and not any(d.exists() for d in dirs)
+        t = await tg.session()
+        await t.exec("true")
+        sb2 = mgr.sessions[t.id]
+        await t.close()
+        await asyncio.sleep(0.2)
+        closed = sb2.dead and not any(d.exists() for d in sb2.group.dirs.values())
+        return gone, closed, list(mgr.root.dirs.values())
+
+    gone, closed, roots = run(body, session_idle_expiry_s=0.5)
+    assert gone and closed
+    assert not any(d.exists() for d in roots), "shutdown left cgroups behind"
+    ours = subprocess.run(["pgrep", "-f", "/run/tangram/runner.py"], capture_output=True, text=True).stdout.split()
+    assert not ours, f"sandbox processes left running: {ours}"
+
+
+def test_a_sandbox_that_dies_is_an_infra_error_not_a_user_failure():
+    async def body(tg):
+        task = asyncio.create_task(tg.run("import time\ntime.sleep(30)", timeout_s=60))
+        await asyncio.sleep(0.5)
+        for sb in list(tg.runtime.sandboxes._busy):
+            sb.proc.kill()
+        return await task
+
+    r = run(body)
+    assert r.outcome is Outcome.INFRA_ERROR and "sandbox" in r.message
