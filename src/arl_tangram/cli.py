@@ -198,7 +198,34 @@ def bench_scheduler(
     """Policy + engine decisions per second at queue depths 1,000 / 10,000 / 100,000."""
     from .bench.scheduler import run
 
-    result = run(nodes=nodes, seconds=seconds, log=lambda m: console.print(m))
+    _print_json(run(nodes=nodes, seconds=seconds, log=lambda m: console.print(m)), json_out)
+
+
+@bench_app.command("sandbox")
+def bench_sandbox(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    samples: int = typer.Option(30, min=3, help="Actions per latency figure."),
+) -> None:
+    """Sandbox latencies (cold, warm, session exec) and throughput on this machine."""
+    from .bench.sandbox import run
+
+    _print_json(run(samples, log=lambda m: console.print(m)), json_out)
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    trajectories: int = typer.Option(6, min=1, help="Concurrent agent trajectories."),
+    turns: int = typer.Option(8, min=1, help="Actions per trajectory."),
+    seed: int = typer.Option(0, help="Seed of the workload."),
+) -> None:
+    """A miniature code-agent run on this machine's cores, Tangram vs trajectory-static."""
+    from .bench.e2e import run
+
+    _print_json(run(trajectories, turns, seed, log=lambda m: console.print(m)), json_out)
+
+
+def _print_json(result: dict, json_out: Optional[Path]) -> None:
     text = json.dumps(result, indent=2)
     out.print_json(text)
     if json_out is not None:

@@ -232,7 +232,7 @@ class ActionLevelPolicy:
                     heap.append((-gain, a.id, a, node, lo))
         if not heap:
             return
-        budget = pool.total_free - math.ceil(self.opt.elastic_reserve_fraction * pool.capacity)
+        budget = pool.total_free - int(self.opt.elastic_reserve_fraction * pool.capacity)
         if budget <= 0:
             return
         heapq.heapify(heap)

@@ -26,7 +26,7 @@ from ..core.action import Action, Demand, Finished, Outcome
 from ..core.cluster import Cluster, CpuNode
 from ..engine import Engine
 from ..managers.sandbox.manager import Exec, Files, RunCode, SandboxConfig, SandboxManager, SandboxResult
-from ..policy import Costs, Policy, make_policy
+from ..policy import Costs, Policy, Profile, make_policy
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class LocalRuntime:
     """Owns the engine, the sandbox manager and the futures of submitted actions."""
 
     def __init__(self, policy: str | Policy = "tangram", sandbox: SandboxConfig | None = None,
-                 cores: int | None = None, memory_gb: float | None = None) -> None:
+                 cores: int | None = None, memory_gb: float | None = None, profile: Profile | None = None) -> None:
         self.sandboxes = SandboxManager(sandbox)
         n = cores or len(self.sandboxes.host_cpus)
         self.cluster = Cluster(cpu_nodes=(CpuNode("local", n, memory_gb or _memory_gb()),))
@@ -87,7 +87,8 @@ class LocalRuntime:
         self.sandboxes.on_expire = self.end_session
         costs = Costs(session_create_s=0.01, session_thaw_s=0.001, session_restore_s=0.01,
                       session_mem_gb=self.sandboxes.config.memory_mb / 1024)
-        self.engine = Engine(self.cluster, self.policy, {"cpu": self.sandboxes}, MonotonicClock(), costs=costs)
+        self.engine = Engine(self.cluster, self.policy, {"cpu": self.sandboxes}, MonotonicClock(), costs=costs,
+                             profile=profile)
         self.engine.listeners.append(self._finished)
         self._futures: dict[str, asyncio.Future] = {}
         self._results: dict[str, SandboxResult] = {}
@@ -200,8 +201,8 @@ class Tangram:
 
     @classmethod
     def local(cls, policy: str | Policy = "tangram", sandbox: SandboxConfig | None = None,
-              cores: int | None = None) -> "Tangram":
-        return cls(LocalRuntime(policy, sandbox, cores))
+              cores: int | None = None, profile: Profile | None = None) -> "Tangram":
+        return cls(LocalRuntime(policy, sandbox, cores, profile=profile))
 
     async def __aenter__(self) -> "Tangram":
         await self.runtime.__aenter__()

@@ -147,6 +147,7 @@ class SandboxManager:
             log.warning("sandbox isolation is OFF (isolation: none): only run trusted code")
         self.root = open_root()
         self._pool = asyncio.Queue()
+        self._taken = asyncio.Event()
         self._fill = asyncio.get_running_loop().create_task(self._keep_pool_full())
         self._reaper = asyncio.get_running_loop().create_task(self._expire_sessions())
         log.info("sandboxes: isolation %s, cgroups %s, %d CPUs, warm pool %d", self.mode.value,
@@ -186,18 +187,36 @@ class SandboxManager:
         return await Sandbox.spawn(sid, argv, self.root, limits, cwd=workspace)
 
     async def _keep_pool_full(self) -> None:
-        while not self._closing:
-            if self._pool.qsize() < self.config.warm_pool:
+        """Refill the pool, one spawn in flight per core (spawning is CPU work: bwrap and the
+        interpreter's start-up), sleeping until a sandbox is taken when the pool is full."""
+        in_flight: set[asyncio.Task] = set()
+        parallel = max(1, len(self.host_cpus))
+        try:
+            while not self._closing:
+                while len(in_flight) < parallel and self._pool.qsize() + len(in_flight) < self.config.warm_pool:
+                    in_flight.add(asyncio.get_running_loop().create_task(self._spawn()))
+                if not in_flight:
+                    self._taken.clear()
+                    await self._taken.wait()
+                    continue
+                done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    try:
+                        self._pool.put_nowait(t.result())
+                    except SandboxDied as e:
+                        log.error("cannot prepare a sandbox: %s", e)
+                        await asyncio.sleep(1.0)
+        finally:  # shutting down: let half-made sandboxes finish starting, then kill them
+            for t in in_flight:
                 try:
-                    self._pool.put_nowait(await self._spawn())
-                except SandboxDied as e:
-                    log.error("cannot prepare a sandbox: %s", e)
-                    await asyncio.sleep(1.0)
-            else:
-                await asyncio.sleep(0.005)
+                    sb = await t
+                except BaseException:
+                    continue
+                await sb.kill()
 
     async def _take(self) -> Sandbox:
         """A prepared sandbox from the pool, or a fresh one when the pool is empty."""
+        self._taken.set()
         while self._pool is not None and not self._pool.empty():
             sb = self._pool.get_nowait()
             if not sb.dead and sb.proc.returncode is None:

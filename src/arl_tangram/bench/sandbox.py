@@ -1,0 +1,112 @@
+"""Sandbox latencies and throughput on this machine, through the real local runtime.
+
+* cold: every action spawns its own sandbox (isolation + interpreter start-up in the ACT)
+* warm: the action takes a prepared sandbox from the pool (measured with the pool full)
+* session exec: a python cell in a live session (thaw, run, freeze)
+* throughput: trivial one-shots at a concurrency of 4 per core, the pool refilling as it goes
+* interpreter start-up: what starting each candidate interpreter costs, for choosing one
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import subprocess
+import time
+from typing import Callable
+
+from ..managers.sandbox.manager import SandboxConfig
+from ..runtime.local import Tangram
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q / 100 * len(values)) - 1))]
+
+
+def interpreter_startup_ms(candidates: list[list[str]], runs: int = 15) -> dict[str, float]:
+    out = {}
+    for argv in candidates:
+        if not os.path.exists(argv[0]):
+            continue
+        times = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            subprocess.run([*argv, "-c", "pass"], check=True)
+            times.append((time.perf_counter() - t) * 1000)
+        out[" ".join(argv)] = round(statistics.median(times), 1)
+    return out
+
+
+async def _wait_pool(tg: Tangram, size: int) -> None:
+    pool = tg.runtime.sandboxes._pool
+    for _ in range(2000):
+        if pool.qsize() >= size:
+            return
+        await asyncio.sleep(0.005)
+
+
+async def _measure(samples: int, log: Callable[[str], None]) -> dict:
+    cores = len(os.sched_getaffinity(0))
+    result: dict = {"cores": cores}
+    async with Tangram.local(sandbox=SandboxConfig(warm_pool=0)) as tg:
+        await tg.run("pass")
+        cold = []
+        for _ in range(samples):
+            t = time.perf_counter()
+            r = await tg.run("print('hi')")
+            cold.append((time.perf_counter() - t) * 1000)
+            assert r.ok, r.message
+        result["cold_p50_ms"] = round(_pct(cold, 50), 2)
+        result["isolation"] = tg.runtime.sandboxes.mode.value
+    log(f"cold one-shot p50 {result['cold_p50_ms']} ms")
+    pool = max(4, 2 * cores)
+    async with Tangram.local(sandbox=SandboxConfig(warm_pool=pool)) as tg:
+        warm, python_op = [], []
+        for _ in range(samples):
+            await _wait_pool(tg, pool)
+            t = time.perf_counter()
+            r = await tg.run("print('hi')")
+            warm.append((time.perf_counter() - t) * 1000)
+            python_op.append(r.result.run.duration_s * 1000)
+            assert r.ok and r.stdout == "hi\n", r.message
+        result["warm_p50_ms"] = round(_pct(warm, 50), 2)
+        result["warm_p99_ms"] = round(_pct(warm, 99), 2)
+        result["in_sandbox_python_p50_ms"] = round(_pct(python_op, 50), 2)
+        log(f"warm one-shot p50 {result['warm_p50_ms']} ms, p99 {result['warm_p99_ms']} ms")
+        s = await tg.session()
+        await s.exec(python="x = 0")
+        execs = []
+        for _ in range(samples * 3):
+            t = time.perf_counter()
+            r = await s.exec(python="x += 1")
+            execs.append((time.perf_counter() - t) * 1000)
+        await s.close()
+        result["session_exec_p50_ms"] = round(_pct(execs, 50), 2)
+        result["session_exec_p99_ms"] = round(_pct(execs, 99), 2)
+        log(f"session exec p50 {result['session_exec_p50_ms']} ms")
+        await _wait_pool(tg, pool)
+        concurrency = 4 * cores
+        total = 40 * cores
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one() -> bool:
+            async with sem:
+                return (await tg.run("print('hi')")).ok
+
+        t = time.perf_counter()
+        ok = await asyncio.gather(*(one() for _ in range(total)))
+        elapsed = time.perf_counter() - t
+        result["throughput_per_s"] = round(sum(ok) / elapsed, 1)
+        result["concurrency"] = concurrency
+        result["throughput_actions"] = total
+        log(f"throughput {result['throughput_per_s']} trivial actions/s at concurrency {concurrency}")
+    return result
+
+
+def run(samples: int = 30, log: Callable[[str], None] = lambda m: None) -> dict:
+    result = asyncio.run(_measure(samples, log))
+    result["interpreter_startup_ms"] = interpreter_startup_ms(
+        [["/usr/bin/python3", "-I"], ["/usr/bin/python3", "-I", "-S"], [os.path.realpath(os.sys.executable)]])
+    return result
