@@ -345,3 +345,17 @@ def test_a_sandbox_that_dies_is_an_infra_error_not_a_user_failure():
 
     r = run(body)
     assert r.outcome is Outcome.INFRA_ERROR and "sandbox" in r.message
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux unshare is not installed")
+def test_unshare_fallback_still_isolates():
+    code = f"import os, socket\nprint(os.path.exists({str(Path(__file__).resolve())!r}), os.getcwd())\ntry:\n" \
+           "    socket.create_connection(('127.0.0.1', 22), timeout=1); print('NET')\nexcept OSError:\n    print('no net')"
+    r = run(lambda tg: tg.run(code), isolation="unshare")
+    assert r.outcome is Outcome.OK, r.message + r.stderr
+    assert r.stdout.split() == ["False", "/mnt", "no", "net"]
+
+
+def test_isolation_none_runs_only_when_asked_for():
+    r = run(lambda tg: tg.run("print('trusted')"), isolation="none")
+    assert r.outcome is Outcome.OK and r.stdout == "trusted\n"
