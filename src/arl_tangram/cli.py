@@ -189,6 +189,42 @@ def _progress() -> Progress:
                     console=console, transient=True, disable=not console.is_terminal)
 
 
+@app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to bind (a token is required off loopback)."),
+    port: int = typer.Option(8080, min=1, max=65535, help="Port to listen on."),
+    config: Optional[Path] = typer.Option(None, help="A TOML or JSON file with a ServeConfig."),
+    token: Optional[str] = typer.Option(None, envvar="TANGRAM_TOKEN", help="Bearer token clients must send."),
+    journal: Optional[Path] = typer.Option(None, help="SQLite journal of accepted actions [default: from config, "
+                                                      "else ~/.local/state/arl-tangram/journal.sqlite3]."),
+) -> None:
+    """Serve the SandboxFusion-compatible and native APIs over the embedded local runtime."""
+    import ipaddress
+    import logging
+
+    import uvicorn
+
+    from .server.config import ConfigError, ServeConfig, build, load
+
+    try:
+        cfg = load(config) if config is not None else ServeConfig()
+    except ConfigError as e:
+        raise fail(str(e))
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback and not token:
+        raise fail(f"--token: serving on {host} (not loopback) requires a bearer token")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app = build(cfg, token=token, journal=journal)
+    except Exception as e:  # isolation unavailable, unwritable journal: say it, exit 2
+        raise fail(str(e))
+    console.print(f"ARL-Tangram serving on http://{host}:{port} (docs at /docs, SandboxFusion at /run_code)")
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(cfg.drain_s) + 5)
+
+
 @bench_app.command("scheduler")
 def bench_scheduler(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),

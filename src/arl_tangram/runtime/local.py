@@ -159,7 +159,8 @@ class Session:
 
     async def exec(self, command: str | None = None, *, python: str | None = None, stdin: bytes | None = None,
                    timeout_s: float = 10.0, cpus: int | tuple[int, int] = 1, parallel_fraction: float = 0.0,
-                   hint_s: float | None = None, operation: str = "", memory_mb: int | None = None) -> ActionResult:
+                   hint_s: float | None = None, operation: str = "", memory_mb: int | None = None,
+                   id: str | None = None) -> ActionResult:
         """Run a shell ``command`` in the workspace, or a ``python`` cell in the session's
         interpreter (its variables carry over from call to call)."""
         if self.closed:
@@ -168,23 +169,27 @@ class Session:
             raise ValueError("exec: give exactly one of command or python")
         rng = (cpus, cpus) if isinstance(cpus, int) else cpus
         payload = Exec(command=command, python=python, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb)
-        action = Action(self.runtime.new_id("x"), "sandbox", Demand({"cpu": rng}), job=self.job, trajectory=self.id,
+        action = Action(id or self.runtime.new_id("x"), "sandbox", Demand({"cpu": rng}), job=self.job,
+                        trajectory=self.id,
                         operation=operation or ("python" if python is not None else command.split()[0]
                                                 if command.split() else "shell"),
                         hint_s=hint_s, parallel_fraction=parallel_fraction, timeout_s=timeout_s + 30,
                         payload=payload)
         return await self.runtime.submit(action)
 
-    async def put(self, files: dict[str, bytes]) -> ActionResult:
-        return await self._files(Files(put=files))
+    async def put(self, files: dict[str, bytes], id: str | None = None) -> ActionResult:
+        return await self.files(Files(put=files), id)
 
     async def get(self, paths: list[str]) -> dict[str, bytes]:
-        r = await self._files(Files(get=paths))
+        r = await self.files(Files(get=paths))
         return r.result.files
 
-    async def _files(self, files: Files) -> ActionResult:
-        action = Action(self.runtime.new_id("f"), "sandbox", job=self.job, trajectory=self.id, operation="files",
-                        hint_s=0.005, payload=files)
+    async def files(self, files: Files, id: str | None = None) -> ActionResult:
+        """Put and/or get workspace files as one action (``result.files``, ``result.missing``)."""
+        if self.closed:
+            raise RuntimeError(f"session {self.id} is closed")
+        action = Action(id or self.runtime.new_id("f"), "sandbox", job=self.job, trajectory=self.id,
+                        operation="files", hint_s=0.005, payload=files)
         return await self.runtime.submit(action)
 
     async def close(self) -> None:
@@ -215,14 +220,15 @@ class Tangram:
                   files: dict[str, bytes] | None = None, fetch_files: list[str] | None = None,
                   timeout_s: float = 10.0, compile_timeout_s: float = 10.0, memory_mb: int | None = None,
                   cpus: int | tuple[int, int] = 1, parallel_fraction: float = 0.0, job: str = "default",
-                  hint_s: float | None = None) -> ActionResult:
+                  hint_s: float | None = None, id: str | None = None, operation: str = "") -> ActionResult:
         """Run a one-shot program in a fresh sandbox."""
         if isinstance(stdin, str):
             stdin = stdin.encode()
         rng = (cpus, cpus) if isinstance(cpus, int) else cpus
         payload = RunCode(code, language, stdin, dict(files or {}), list(fetch_files or []), compile_timeout_s,
                           timeout_s, memory_mb)
-        action = Action(self.runtime.new_id("r"), "sandbox", Demand({"cpu": rng}), job=job, operation=language,
+        action = Action(id or self.runtime.new_id("r"), "sandbox", Demand({"cpu": rng}), job=job,
+                        operation=operation or language,
                         hint_s=hint_s, parallel_fraction=parallel_fraction,
                         timeout_s=timeout_s + compile_timeout_s + 30, payload=payload)
         return await self.runtime.submit(action)

@@ -59,12 +59,15 @@ class CommandResult:
     truncated: bool = False
     timed_out: bool = False
     signal: int | None = None
+    display: list[dict] = field(default_factory=list)  # python cells: the final expression's value
+    error: list[dict] = field(default_factory=list)  # python cells: the exception raised, if any
 
     @classmethod
     def from_wire(cls, r: dict) -> "CommandResult":
         return cls(r.get("exit_code"), base64.b64decode(r.get("stdout", "")).decode("utf-8", "replace"),
                    base64.b64decode(r.get("stderr", "")).decode("utf-8", "replace"), r.get("duration_s", 0.0),
-                   r.get("truncated", False), r.get("timed_out", False), r.get("signal"))
+                   r.get("truncated", False), r.get("timed_out", False), r.get("signal"), r.get("display") or [],
+                   r.get("error") or [])
 
 
 @dataclass

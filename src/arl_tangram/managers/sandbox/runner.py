@@ -308,10 +308,19 @@ def op_cell(req):
     exit_code, timed_out = 0, False
     signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, float(req.get("timeout_s") or 10))
+    display, error = [], []
     try:
         try:
-            tree = compile(req["code"], "<cell>", "exec")
-            exec(tree, NAMESPACE)
+            import ast
+            tree = ast.parse(req["code"], "<cell>")
+            last = tree.body[-1] if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+            if last is not None:  # like a notebook: the value of a final expression is displayed
+                tree.body.pop()
+            exec(compile(tree, "<cell>", "exec"), NAMESPACE)
+            if last is not None:
+                value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), NAMESPACE)
+                if value is not None:
+                    display.append({"text/plain": repr(value)})
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
     except CellTimeout:
@@ -319,9 +328,10 @@ def op_cell(req):
         print("cell timed out", file=sys.stderr)
     except SystemExit as e:
         exit_code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
+    except BaseException as e:
         exit_code = 1
         print_exc()
+        error.append({"ename": type(e).__name__, "evalue": str(e)})
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()
@@ -335,7 +345,7 @@ def op_cell(req):
         cap.join()
     return {"stdout": b64(bytes(caps[0].buf)), "stderr": b64(bytes(caps[1].buf)),
             "truncated": caps[0].truncated or caps[1].truncated, "timed_out": timed_out,
-            "exit_code": exit_code, "duration_s": time.monotonic() - start}
+            "exit_code": exit_code, "duration_s": time.monotonic() - start, "display": display, "error": error}
 
 
 def inside(path):

@@ -1,0 +1,107 @@
+"""The native v1 API: actions with job/trajectory identity and hints, sessions, outcomes that keep
+infrastructure errors apart from the code's own failures."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, Field
+
+OutcomeName = Literal["ok", "failed", "timeout", "oom", "rejected", "cancelled", "infra_error"]
+
+
+class Hints(BaseModel):
+    """What the client knows: work in seconds at the minimum cores, how it scales, what it is."""
+
+    work_s: Optional[float] = Field(None, ge=0)
+    parallel_fraction: float = Field(0.0, ge=0, le=1)
+    operation: str = Field("", max_length=128)
+
+
+class RunCodeAction(BaseModel):
+    kind: Literal["run_code"] = "run_code"
+    code: str
+    language: str = "python"
+    stdin: Optional[str] = None
+    files: dict[str, str] = Field(default_factory=dict, description="path -> base64 content")
+    fetch_files: list[str] = Field(default_factory=list)
+    compile_timeout_s: float = Field(10, gt=0, le=3600)
+    timeout_s: float = Field(10, gt=0, le=3600)
+    memory_mb: Optional[int] = Field(None, ge=16)
+
+
+class ActionRequest(BaseModel):
+    """Submit an action. ``id`` is the idempotency key: submitting it again returns the same
+    action and, once finished, the same result."""
+
+    id: Optional[str] = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$")
+    job: str = Field("default", min_length=1, max_length=200)
+    cpus: tuple[int, int] = (1, 1)
+    hints: Hints = Field(default_factory=Hints)
+    wait: bool = Field(True, description="answer when the action has finished (else at once, with its id)")
+    action: RunCodeAction
+
+
+class CommandResult(BaseModel):
+    exit_code: Optional[int] = None
+    stdout: str = ""
+    stderr: str = ""
+    duration_s: float = 0.0
+    truncated: bool = False
+    timed_out: bool = False
+
+
+class ActionResult(BaseModel):
+    id: str
+    state: Literal["queued", "running", "done"]
+    outcome: Optional[OutcomeName] = None
+    message: str = ""
+    run: Optional[CommandResult] = None
+    compile: Optional[CommandResult] = None
+    files: dict[str, str] = Field(default_factory=dict)
+    act_s: Optional[float] = None
+    queue_s: Optional[float] = None
+    setup_s: Optional[float] = None
+    exec_s: Optional[float] = None
+    cores: Optional[int] = None
+
+
+class SessionRequest(BaseModel):
+    job: str = Field("default", min_length=1, max_length=200)
+    trajectory: Optional[str] = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$")
+
+
+class SessionInfo(BaseModel):
+    session_id: str
+    job: str
+
+
+class ExecRequest(BaseModel):
+    command: Optional[str] = None
+    python: Optional[str] = None
+    stdin: Optional[str] = None
+    timeout_s: float = Field(10, gt=0, le=3600)
+    cpus: tuple[int, int] = (1, 1)
+    hints: Hints = Field(default_factory=Hints)
+
+
+class PutFiles(BaseModel):
+    files: dict[str, str] = Field(..., description="path -> base64 content")
+
+
+class GotFiles(BaseModel):
+    files: dict[str, str]
+    missing: list[str]
+
+
+class JobStats(BaseModel):
+    job: str
+    actions: int
+    outcomes: dict[str, int]
+    avg_act_s: Optional[float] = None
+    p50_act_s: Optional[float] = None
+    p99_act_s: Optional[float] = None
+
+
+class Error(BaseModel):
+    message: str

@@ -1,0 +1,1 @@
+"""The HTTP service: ``tangram serve`` (FastAPI + uvicorn) over the embedded local runtime."""

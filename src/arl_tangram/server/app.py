@@ -1,0 +1,188 @@
+"""The FastAPI application: thin routes over ``Service``; every error is JSON with a message."""
+
+from __future__ import annotations
+
+import hmac
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from prometheus_client import generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .. import __version__
+from ..api import sandboxfusion as sf
+from ..api import v1
+from .service import BadRequest, NotFound, Overloaded, Service
+
+
+class BodyLimit:
+    """ASGI middleware: bodies over ``max_bytes`` get 413 before anything reads them whole."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for k, v in scope.get("headers", ()):
+            if k == b"content-length" and v.isdigit() and int(v) > self.max_bytes:
+                return await _too_large(self.max_bytes, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await _too_large(self.max_bytes, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _too_large(limit: int, send) -> None:
+    body = f'{{"message": "request body larger than {limit} bytes"}}'.encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def create_app(service: Service, token: str | None = None, max_body_bytes: int = 32 << 20) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await service.start()
+        yield
+        await service.stop()
+
+    def auth(request: Request) -> None:
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise StarletteHTTPException(401, "missing or wrong bearer token")
+
+    app = FastAPI(title="ARL-Tangram", version=__version__, lifespan=lifespan,
+                  description="Action-level resource management for agentic RL: a SandboxFusion-compatible "
+                              "code runner and a native API with sessions, job identity and outcomes that "
+                              "keep infrastructure errors apart from the code's own failures.")
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    guarded = [Depends(auth)]
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
+        return JSONResponse({"message": f"{where}: {first.get('msg', 'invalid')}",
+                             "detail": [{"loc": list(e.get("loc", ())), "msg": e.get("msg")} for e in errors]},
+                            status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        return JSONResponse({"message": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Overloaded)
+    async def overloaded(request: Request, exc: Overloaded):
+        return JSONResponse({"message": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(NotFound)
+    async def not_found(request: Request, exc: NotFound):
+        return JSONResponse({"message": str(exc)}, status_code=404)
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, exc: BadRequest):
+        return JSONResponse({"message": str(exc)}, status_code=422)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception):
+        return JSONResponse({"message": f"internal error: {type(exc).__name__}"}, status_code=500)
+
+    # -- SandboxFusion-compatible --------------------------------------------------------------------
+    @app.get("/v1/ping", tags=["sandboxfusion"])
+    async def ping() -> str:
+        return "pong"
+
+    @app.post("/run_code", response_model=sf.RunCodeResponse, tags=["sandboxfusion"], dependencies=guarded)
+    async def run_code(req: sf.RunCodeRequest) -> sf.RunCodeResponse:
+        return await service.sf_run_code(req)
+
+    @app.post("/run_jupyter", response_model=sf.RunJupyterResponse, tags=["sandboxfusion"], dependencies=guarded)
+    async def run_jupyter(req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:
+        return await service.sf_run_jupyter(req)
+
+    # -- native v1 -------------------------------------------------------------------------------------
+    @app.post("/v1/actions", response_model=v1.ActionResult, tags=["actions"], dependencies=guarded,
+              responses={202: {"model": v1.ActionResult}, 429: {"model": v1.Error}})
+    async def submit(req: v1.ActionRequest, response: Response) -> v1.ActionResult:
+        result = await service.submit(req)
+        if result.state != "done":
+            response.status_code = 202
+        return result
+
+    @app.get("/v1/actions/{action_id}", response_model=v1.ActionResult, tags=["actions"], dependencies=guarded,
+             responses={404: {"model": v1.Error}})
+    async def get_action(action_id: str) -> v1.ActionResult:
+        return service.status(action_id)
+
+    @app.post("/v1/actions/{action_id}/cancel", response_model=v1.ActionResult, tags=["actions"],
+              dependencies=guarded, responses={404: {"model": v1.Error}})
+    async def cancel(action_id: str) -> v1.ActionResult:
+        return await service.cancel(action_id)
+
+    @app.post("/v1/sessions", response_model=v1.SessionInfo, status_code=201, tags=["sessions"],
+              dependencies=guarded)
+    async def open_session(req: v1.SessionRequest) -> v1.SessionInfo:
+        return await service.open_session(req)
+
+    @app.post("/v1/sessions/{session_id}/exec", response_model=v1.ActionResult, tags=["sessions"],
+              dependencies=guarded, responses={404: {"model": v1.Error}})
+    async def exec_(session_id: str, req: v1.ExecRequest) -> v1.ActionResult:
+        return await service.exec(session_id, req)
+
+    @app.put("/v1/sessions/{session_id}/files", response_model=v1.ActionResult, tags=["sessions"],
+             dependencies=guarded, responses={404: {"model": v1.Error}})
+    async def put_files(session_id: str, req: v1.PutFiles) -> v1.ActionResult:
+        return await service.put_files(session_id, req)
+
+    @app.get("/v1/sessions/{session_id}/files", response_model=v1.GotFiles, tags=["sessions"],
+             dependencies=guarded, responses={404: {"model": v1.Error}})
+    async def get_files(session_id: str, path: list[str] = Query(default=[])) -> v1.GotFiles:
+        return await service.get_files(session_id, path)
+
+    @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"], dependencies=guarded,
+                responses={404: {"model": v1.Error}})
+    async def close_session(session_id: str) -> Response:
+        await service.close_session(session_id)
+        return Response(status_code=204)
+
+    @app.get("/v1/jobs/{job}/stats", response_model=v1.JobStats, tags=["stats"], dependencies=guarded,
+             responses={404: {"model": v1.Error}})
+    async def job_stats(job: str) -> v1.JobStats:
+        return service.job_stats(job)
+
+    @app.get("/metrics", tags=["stats"], dependencies=guarded)
+    async def metrics() -> PlainTextResponse:
+        service.refresh_gauges()
+        return PlainTextResponse(generate_latest(service.metrics.registry).decode(),
+                                 media_type="text/plain; version=0.0.4")
+
+    @app.get("/healthz", tags=["stats"])
+    async def healthz() -> dict:
+        e = service.runtime.engine
+        return {"status": "ok", "version": __version__, "queued": len(e.pending), "running": len(e.running),
+                "cores": service.runtime.cluster.total_cores, "sessions": len(service.sessions),
+                "isolation": service.runtime.sandboxes.mode.value if service.runtime.sandboxes.mode else None,
+                "recovered": service.recovered}
+
+    return app

@@ -1,0 +1,61 @@
+"""One pydantic config tree for ``tangram serve`` (TOML or JSON file); every field documented."""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError
+
+from ..managers.sandbox.manager import SandboxConfig
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class ServeConfig(BaseModel):
+    policy: str = Field("tangram", description="scheduling policy (tangram, fifo, trajectory-static, task-isolated)")
+    cores: int | None = Field(None, ge=1, description="cores to schedule (default: this process's CPUs)")
+    journal: str | None = Field(None, description="SQLite journal path (default ~/.local/state/arl-tangram/...)")
+    max_queue: int = Field(10_000, ge=1, description="waiting actions before new ones get HTTP 429")
+    max_body_mb: float = Field(32, gt=0, description="largest request body accepted (HTTP 413 above)")
+    drain_s: float = Field(10.0, ge=0, description="on shutdown, how long running actions may finish")
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+
+
+def load(path: Path) -> ServeConfig:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"--config: cannot read {path}: {e.strerror}") from None
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--config: {path} is not valid {'TOML' if path.suffix == '.toml' else 'JSON'}: {e}") \
+            from None
+    try:
+        return ServeConfig.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise ConfigError(f"--config: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+
+
+def default_journal() -> Path:
+    base = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    return base / "arl-tangram" / "journal.sqlite3"
+
+
+def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = None):
+    from ..runtime.local import LocalRuntime
+    from .app import create_app
+    from .journal import Journal
+    from .service import Service
+
+    path = Path(journal or cfg.journal or default_journal())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores)
+    service = Service(runtime, Journal(str(path)), cfg.max_queue, cfg.drain_s)
+    return create_app(service, token=token, max_body_bytes=int(cfg.max_body_mb * (1 << 20)))

@@ -1,0 +1,347 @@
+"""What the HTTP routes call: the runtime, the journal, sessions, stats and metrics.
+
+Routes stay thin (validate, call, serialise); everything with a rule lives here: idempotency,
+backpressure, recovery after a crash, the mapping of outcomes onto SandboxFusion's statuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import time
+import uuid
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ..api import sandboxfusion as sf
+from ..api import v1
+from ..core.action import Outcome
+from ..managers.sandbox import languages
+from ..managers.sandbox.manager import CommandResult, Files
+from ..runtime.local import ActionResult, LocalRuntime, Session, Tangram
+from .journal import Journal
+
+log = logging.getLogger(__name__)
+
+
+class Overloaded(Exception):
+    def __init__(self, retry_after_s: int) -> None:
+        super().__init__(f"the queue is full: retry in {retry_after_s}s")
+        self.retry_after_s = retry_after_s
+
+
+class NotFound(LookupError):
+    pass
+
+
+class BadRequest(ValueError):
+    pass
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.actions = Counter("tangram_actions_total", "Actions finished, by service and outcome",
+                               ["service", "outcome"], registry=self.registry)
+        self.act = Histogram("tangram_act_seconds", "Action completion time", ["service"], registry=self.registry,
+                             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.queue = Gauge("tangram_queue_depth", "Actions waiting", registry=self.registry)
+        self.running = Gauge("tangram_running_actions", "Actions running", registry=self.registry)
+        self.cores_held = Gauge("tangram_cpu_cores_held", "Cores allocated to running actions", registry=self.registry)
+        self.cores = Gauge("tangram_cpu_cores", "Cores in the pool", registry=self.registry)
+        self.sessions = Gauge("tangram_sessions", "Open sessions", registry=self.registry)
+
+
+def _b64decode(field: str, data: str | None) -> bytes:
+    if not data:
+        return b""
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest(f"{field}: not valid base64") from None
+
+
+def _command(c: CommandResult | None) -> v1.CommandResult | None:
+    if c is None:
+        return None
+    return v1.CommandResult(exit_code=c.exit_code, stdout=c.stdout, stderr=c.stderr, duration_s=c.duration_s,
+                            truncated=c.truncated, timed_out=c.timed_out)
+
+
+class Service:
+    def __init__(self, runtime: LocalRuntime, journal: Journal | None = None, max_queue: int = 10_000,
+                 drain_s: float = 10.0) -> None:
+        self.runtime = runtime
+        self.tg = Tangram(runtime)
+        self.journal = journal
+        self.max_queue = max_queue
+        self.drain_s = drain_s
+        self.sessions: dict[str, Session] = {}
+        self.metrics = Metrics()
+        self._inflight: dict[str, asyncio.Task] = {}
+        self._acts: dict[str, deque[float]] = {}
+        self._outcomes: dict[str, dict[str, int]] = {}
+        self.started_at = time.time()
+        self.recovered = {"rerun": 0, "infra_error": 0}
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.runtime.__aenter__()
+        self.metrics.cores.set(self.runtime.cluster.total_cores)
+        if self.journal is not None:
+            self._recover()
+
+    def _recover(self) -> None:
+        """Account for what a previous process accepted and never finished."""
+        for e in self.journal.unfinished():
+            if e.safe_to_rerun and e.kind == "run_code":
+                spec = v1.ActionRequest.model_validate(e.request)
+                self._launch(e.id, self._run_code(e.id, spec))
+                self.recovered["rerun"] += 1
+            else:
+                msg = "the server restarted while this action was in flight; its session state is gone (retry it)"
+                self.journal.finish(e.id, "infra_error", v1.ActionResult(id=e.id, state="done", outcome="infra_error",
+                                                                         message=msg).model_dump())
+                self.recovered["infra_error"] += 1
+        if any(self.recovered.values()):
+            log.warning("recovered after restart: %d re-run, %d finished as infra_error", self.recovered["rerun"],
+                        self.recovered["infra_error"])
+
+    async def stop(self) -> None:
+        """Drain: let running actions finish for up to ``drain_s``; what is left ends as cancelled
+        (queued) or is handed back by the runtime's shutdown (infra_error in the journal on restart)."""
+        if self._inflight:
+            await asyncio.wait(list(self._inflight.values()), timeout=self.drain_s)
+        for s in list(self.sessions.values()):
+            await s.close()
+        await self.runtime.close()
+        if self.journal is not None:
+            self.journal.close()
+
+    # -- actions ---------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        if len(self.runtime.engine.pending) >= self.max_queue:
+            raise Overloaded(retry_after_s=1)
+
+    def _launch(self, id: str, coro) -> asyncio.Task:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._inflight[id] = task
+        task.add_done_callback(lambda _: self._inflight.pop(id, None))
+        return task
+
+    async def submit(self, req: v1.ActionRequest) -> v1.ActionResult:
+        id = req.id or f"a-{uuid.uuid4().hex}"
+        task = self._inflight.get(id)
+        if task is None:
+            existing = self.journal.accept(id, req.job, "run_code", req.model_dump(), True) if self.journal else None
+            if existing is not None and existing.state == "done":
+                return v1.ActionResult.model_validate(existing.response)
+            if existing is None:
+                self._admit()
+                for path, data in req.action.files.items():
+                    _b64decode(f"action.files.{path}", data)
+            task = self._inflight.get(id) or self._launch(id, self._run_code(id, req))
+        if not req.wait:
+            return self.status(id)
+        return await asyncio.shield(task)
+
+    async def _run_code(self, id: str, req: v1.ActionRequest) -> v1.ActionResult:
+        a = req.action
+        files = {p: _b64decode(f"action.files.{p}", d) for p, d in a.files.items()}
+        r = await self.tg.run(a.code, a.language, stdin=a.stdin, files=files, fetch_files=a.fetch_files,
+                              timeout_s=a.timeout_s, compile_timeout_s=a.compile_timeout_s, memory_mb=a.memory_mb,
+                              cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction, job=req.job,
+                              hint_s=req.hints.work_s, id=id, operation=req.hints.operation)
+        return self._record(r, req.job, "run_code")
+
+    def _record(self, r: ActionResult, job: str, service: str) -> v1.ActionResult:
+        out = v1.ActionResult(
+            id=r.id, state="done", outcome=r.outcome.value, message=r.message or r.result.message,
+            run=_command(r.result.run), compile=_command(r.result.compile),
+            files={k: base64.b64encode(v).decode() for k, v in r.result.files.items()}, act_s=r.act_s,
+            queue_s=r.queue_s, setup_s=r.setup_s, exec_s=r.exec_s, cores=r.cores)
+        if self.journal is not None:
+            self.journal.finish(r.id, r.outcome.value, out.model_dump())
+        self.metrics.actions.labels(service, r.outcome.value).inc()
+        self.metrics.act.labels(service).observe(r.act_s)
+        self._acts.setdefault(job, deque(maxlen=100_000)).append(r.act_s)
+        counts = self._outcomes.setdefault(job, {})
+        counts[r.outcome.value] = counts.get(r.outcome.value, 0) + 1
+        return out
+
+    def status(self, id: str) -> v1.ActionResult:
+        if id in self._inflight:
+            state = "queued" if id in self.runtime.engine.pending else "running"
+            return v1.ActionResult(id=id, state=state)
+        entry = self.journal.get(id) if self.journal else None
+        if entry is None:
+            raise NotFound(f"no action {id!r}")
+        if entry.state != "done":
+            return v1.ActionResult(id=id, state="queued")
+        return v1.ActionResult.model_validate(entry.response)
+
+    async def cancel(self, id: str) -> v1.ActionResult:
+        if self.runtime.engine.cancel(id) is None and id not in self._inflight:
+            self.status(id)  # raises NotFound for unknown ids
+        task = self._inflight.get(id)
+        if task is not None:
+            try:
+                return await asyncio.wait_for(asyncio.shield(task), 0.5)
+            except asyncio.TimeoutError:
+                return self.status(id)  # running: it ends on its own (timeouts bound it)
+        return self.status(id)
+
+    # -- sessions --------------------------------------------------------------------------------
+    async def open_session(self, req: v1.SessionRequest) -> v1.SessionInfo:
+        sid = req.trajectory or f"s-{uuid.uuid4().hex}"
+        if sid not in self.sessions:
+            self.sessions[sid] = await self.tg.session(job=req.job, trajectory=sid)
+            self.metrics.sessions.set(len(self.sessions))
+        return v1.SessionInfo(session_id=sid, job=self.sessions[sid].job)
+
+    def _session(self, sid: str) -> Session:
+        s = self.sessions.get(sid)
+        if s is None or s.closed:
+            raise NotFound(f"no session {sid!r}")
+        return s
+
+    async def exec(self, sid: str, req: v1.ExecRequest) -> v1.ActionResult:
+        s = self._session(sid)
+        if (req.command is None) == (req.python is None):
+            raise BadRequest("command/python: give exactly one")
+        self._admit()
+        id = f"x-{uuid.uuid4().hex}"
+        if self.journal is not None:
+            self.journal.accept(id, s.job, "exec", req.model_dump(), False)
+        r = await s.exec(req.command, python=req.python, stdin=req.stdin.encode() if req.stdin else None,
+                         timeout_s=req.timeout_s, cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction,
+                         hint_s=req.hints.work_s, operation=req.hints.operation, id=id)
+        return self._record(r, s.job, "exec")
+
+    async def put_files(self, sid: str, req: v1.PutFiles) -> v1.ActionResult:
+        s = self._session(sid)
+        files = {p: _b64decode(f"files.{p}", d) for p, d in req.files.items()}
+        r = await s.files(Files(put=files))
+        return self._record(r, s.job, "files")
+
+    async def get_files(self, sid: str, paths: list[str]) -> v1.GotFiles:
+        s = self._session(sid)
+        r = await s.files(Files(get=paths))
+        return v1.GotFiles(files={k: base64.b64encode(v).decode() for k, v in r.result.files.items()},
+                           missing=r.result.missing)
+
+    async def close_session(self, sid: str) -> None:
+        s = self._session(sid)
+        await s.close()
+        del self.sessions[sid]
+        self.metrics.sessions.set(len(self.sessions))
+
+    # -- stats -----------------------------------------------------------------------------------
+    def job_stats(self, job: str) -> v1.JobStats:
+        acts = sorted(self._acts.get(job, ()))
+        if not acts and job not in self._outcomes:
+            raise NotFound(f"no actions seen for job {job!r}")
+
+        def pct(q: float) -> float | None:
+            return acts[min(len(acts) - 1, int(q / 100 * len(acts)))] if acts else None
+
+        return v1.JobStats(job=job, actions=len(acts), outcomes=self._outcomes.get(job, {}),
+                           avg_act_s=sum(acts) / len(acts) if acts else None, p50_act_s=pct(50), p99_act_s=pct(99))
+
+    def refresh_gauges(self) -> None:
+        e = self.runtime.engine
+        self.metrics.queue.set(len(e.pending))
+        self.metrics.running.set(len(e.running))
+        self.metrics.cores_held.set(e.usage.cpu_held)
+
+    # -- SandboxFusion ---------------------------------------------------------------------------
+    async def sf_run_code(self, req: sf.RunCodeRequest) -> sf.RunCodeResponse:
+        if req.language not in languages.LANGUAGES:
+            return sf.RunCodeResponse(status=sf.RunStatus.SandboxError,
+                                      message=f"language {req.language!r} is known but this server has no "
+                                              "toolchain for it")
+        self._admit()
+        files = {p: _b64decode(f"files.{p}", d) for p, d in req.files.items() if d is not None}
+        id = f"sf-{uuid.uuid4().hex}"
+        spec = v1.ActionRequest(id=id, action=v1.RunCodeAction(
+            code=req.code, language=req.language, stdin=req.stdin, files={}, fetch_files=req.fetch_files,
+            compile_timeout_s=req.compile_timeout, timeout_s=req.run_timeout,
+            memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None))
+        if self.journal is not None:
+            self.journal.accept(id, "sandboxfusion", "run_code", spec.model_dump(), True)
+        r = await self.tg.run(req.code, req.language, stdin=req.stdin, files=files, fetch_files=req.fetch_files,
+                              timeout_s=req.run_timeout, compile_timeout_s=req.compile_timeout,
+                              memory_mb=spec.action.memory_mb, job="sandboxfusion", id=id)
+        self._record(r, "sandboxfusion", "run_code")
+        return sf_response(r)
+
+    async def sf_run_jupyter(self, req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:
+        self._admit()
+        files = {p: _b64decode(f"files.{p}", d) for p, d in req.files.items() if d is not None}
+        s = await self.tg.session(job="sandboxfusion")
+        start = time.monotonic()
+        cells: list[sf.CellRunResult] = []
+        status, message = sf.RunStatus.Success, ""
+        try:
+            if files:
+                r = await s.files(Files(put=files))
+                if r.outcome is not Outcome.OK:
+                    return sf.RunJupyterResponse(status=sf.RunStatus.SandboxError, message=r.message)
+            for code in req.cells:
+                left = req.total_timeout - (time.monotonic() - start)
+                if left <= 0:
+                    status, message = sf.RunStatus.Failed, "total_timeout exceeded"
+                    break
+                timeout = min(left, req.cell_timeout) if req.cell_timeout > 0 else left
+                r = await s.exec(python=code, timeout_s=timeout, operation="jupyter",
+                                 memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None)
+                if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED):
+                    return sf.RunJupyterResponse(status=sf.RunStatus.SandboxError, message=r.message,
+                                                 cells=cells)
+                run = r.result.run
+                cells.append(sf.CellRunResult(stdout=run.stdout if run else "", stderr=run.stderr if run else "",
+                                              display=run.display if run else [], error=run.error if run else []))
+                if r.outcome in (Outcome.TIMEOUT, Outcome.OOM):
+                    status, message = sf.RunStatus.Failed, r.message or r.outcome.value
+                    break
+            fetched = {}
+            if req.fetch_files:
+                r = await s.files(Files(get=req.fetch_files))
+                fetched = {k: base64.b64encode(v).decode() for k, v in r.result.files.items()}
+        finally:
+            await s.close()
+        driver = sf.CommandRunResult(status=sf.CommandRunStatus.TimeLimitExceeded if message.startswith("total")
+                                     else sf.CommandRunStatus.Finished, execution_time=time.monotonic() - start,
+                                     return_code=0, stdout="", stderr="")
+        return sf.RunJupyterResponse(status=status, message=message, driver=driver, cells=cells, files=fetched)
+
+
+def _sf_command(c: CommandResult | None, outcome: Outcome) -> sf.CommandRunResult | None:
+    if c is None:
+        return None
+    status = sf.CommandRunStatus.TimeLimitExceeded if c.timed_out or outcome is Outcome.TIMEOUT else \
+        sf.CommandRunStatus.Finished
+    return sf.CommandRunResult(status=status, execution_time=c.duration_s, return_code=c.exit_code,
+                               stdout=c.stdout, stderr=c.stderr)
+
+
+def sf_response(r: ActionResult) -> sf.RunCodeResponse:
+    """Our outcome in SandboxFusion's terms: infrastructure trouble is SandboxError (its clients
+    retry it and never score it), anything the code did is Success or Failed."""
+    res = r.result
+    if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED, Outcome.CANCELLED):
+        return sf.RunCodeResponse(status=sf.RunStatus.SandboxError, message=r.message or r.outcome.value)
+    compile_result = _sf_command(res.compile, r.outcome if res.run is None else Outcome.OK)
+    run_result = _sf_command(res.run, r.outcome)
+    if run_result is None and compile_result is None and r.outcome is Outcome.TIMEOUT:
+        run_result = sf.CommandRunResult(status=sf.CommandRunStatus.TimeLimitExceeded, execution_time=r.exec_s)
+    if r.outcome is Outcome.OK:
+        status = sf.RunStatus.Success
+    else:
+        status = sf.RunStatus.Failed
+    files = {k: base64.b64encode(v).decode() for k, v in res.files.items()}
+    return sf.RunCodeResponse(status=status, message=r.message, compile_result=compile_result, run_result=run_result,
+                              executor_pod_name=None, files=files)
