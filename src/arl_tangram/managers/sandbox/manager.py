@@ -67,7 +67,7 @@ class CommandResult:
         return cls(r.get("exit_code"), base64.b64decode(r.get("stdout", "")).decode("utf-8", "replace"),
                    base64.b64decode(r.get("stderr", "")).decode("utf-8", "replace"), r.get("duration_s", 0.0),
                    r.get("truncated", False), r.get("timed_out", False), r.get("signal"), r.get("display") or [],
-                   r.get("error") or [])
+                   r.get("raised") or [])
 
 
 @dataclass

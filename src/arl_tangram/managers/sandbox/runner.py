@@ -308,7 +308,7 @@ def op_cell(req):
     exit_code, timed_out = 0, False
     signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, float(req.get("timeout_s") or 10))
-    display, error = [], []
+    display, raised = [], []
     try:
         try:
             import ast
@@ -331,7 +331,7 @@ def op_cell(req):
     except BaseException as e:
         exit_code = 1
         print_exc()
-        error.append({"ename": type(e).__name__, "evalue": str(e)})
+        raised.append({"ename": type(e).__name__, "evalue": str(e)})
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()
@@ -345,7 +345,7 @@ def op_cell(req):
         cap.join()
     return {"stdout": b64(bytes(caps[0].buf)), "stderr": b64(bytes(caps[1].buf)),
             "truncated": caps[0].truncated or caps[1].truncated, "timed_out": timed_out,
-            "exit_code": exit_code, "duration_s": time.monotonic() - start, "display": display, "error": error}
+            "exit_code": exit_code, "duration_s": time.monotonic() - start, "display": display, "raised": raised}
 
 
 def inside(path):

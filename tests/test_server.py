@@ -1,0 +1,270 @@
+"""`tangram serve` as clients meet it: a real server process on loopback, the real
+`sandbox-fusion` client package, our own clients, and a crash in the middle of work."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import shutil
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp_path, config: dict | None = None, token: str | None = None, journal=None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.journal = str(journal or tmp_path / "journal.sqlite3")
+        argv = [sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(self.port), "--journal", self.journal]
+        if config is not None:
+            path = tmp_path / f"config-{self.port}.json"
+            path.write_text(json.dumps(config))
+            argv += ["--config", str(path)]
+        if token:
+            argv += ["--token", token]
+        self.log = open(tmp_path / f"server-{self.port}.log", "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("server did not start")
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve"))
+    yield s
+    s.stop()
+
+
+# -- the real sandbox-fusion client ----------------------------------------------------------------
+
+def test_sandbox_fusion_client_works_unchanged(server):
+    from sandbox_fusion import RunCodeRequest, RunStatus, run_code, set_endpoint
+
+    set_endpoint(server.url)
+    ok = run_code(RunCodeRequest(code="print(input()[::-1])", language="python", stdin="abc"))
+    assert ok.status == RunStatus.Success and ok.run_result.stdout == "cba\n" and ok.compile_result is None
+    sh = run_code(RunCodeRequest(code="echo hi; exit 2", language="bash"))
+    assert sh.status == RunStatus.Failed and sh.run_result.return_code == 2 and sh.run_result.stdout == "hi\n"
+    cpp = run_code(RunCodeRequest(code='#include <iostream>\nint main(){int a;std::cin>>a;std::cout<<a*2;}',
+                                  language="cpp", stdin="21"))
+    assert cpp.status == RunStatus.Success and cpp.run_result.stdout == "42" and cpp.compile_result.return_code == 0
+    bad = run_code(RunCodeRequest(code="int main( {", language="cpp"))
+    assert bad.status == RunStatus.Failed and bad.run_result is None and bad.compile_result.return_code != 0
+    crash = run_code(RunCodeRequest(code="1/0", language="python"))
+    assert crash.status == RunStatus.Failed and crash.run_result.return_code == 1
+    assert "ZeroDivisionError" in crash.run_result.stderr
+    slow = run_code(RunCodeRequest(code="import time\ntime.sleep(30)", language="python", run_timeout=1))
+    assert slow.status == RunStatus.Failed and slow.run_result.status == "TimeLimitExceeded"
+    files = run_code(RunCodeRequest(code="open('b.txt','w').write(open('a.txt').read()*2)", language="python",
+                                    files={"a.txt": base64.b64encode(b"xy").decode()}, fetch_files=["b.txt"]))
+    assert files.status == RunStatus.Success and base64.b64decode(files.files["b.txt"]) == b"xyxy"
+
+
+def test_many_megabytes_of_output_come_back_capped_and_flagged(server):
+    t = time.time()
+    r = httpx.post(f"{server.url}/run_code", json={"code": "print('z' * (8 << 20))", "language": "python"},
+                   timeout=60).json()
+    assert time.time() - t < 10
+    assert r["status"] == "Success" and "truncated" in r["message"]
+    assert len(r["run_result"]["stdout"]) == 1 << 20
+
+
+def test_jupyter_cells_share_one_kernel(server):
+    r = httpx.post(f"{server.url}/run_jupyter", json={"cells": ["a = 123", "a", "print(a + 1)",
+                                                                  "raise RuntimeError('x')"]}, timeout=60).json()
+    assert r["status"] == "Success"
+    assert r["cells"][1]["display"] == [{"text/plain": "123"}]
+    assert r["cells"][2]["stdout"] == "124\n"
+    assert r["cells"][3]["error"][0]["ename"] == "RuntimeError"
+
+
+def test_unknown_language_is_422_and_missing_toolchain_says_so(server):
+    r = httpx.post(f"{server.url}/run_code", json={"code": "x", "language": "klingon"})
+    assert r.status_code == 422 and r.json()["message"].startswith("language")
+    r = httpx.post(f"{server.url}/run_code", json={"code": "x", "language": "racket"}).json()
+    assert r["status"] == "SandboxError" and "toolchain" in r["message"]
+
+
+# -- native API and errors ------------------------------------------------------------------------
+
+def test_submissions_are_idempotent(server):
+    body = {"id": "idem-1", "job": "idem", "action": {"code": "import random\nprint(random.random())"}}
+    first = httpx.post(f"{server.url}/v1/actions", json=body, timeout=30).json()
+    second = httpx.post(f"{server.url}/v1/actions", json=body, timeout=30).json()
+    assert first["outcome"] == "ok" and first == second
+    assert httpx.get(f"{server.url}/v1/jobs/idem/stats").json()["actions"] == 1
+    assert httpx.get(f"{server.url}/v1/actions/idem-1").json()["run"]["stdout"] == first["run"]["stdout"]
+
+
+def test_errors_are_json_and_name_the_problem(server):
+    r = httpx.post(f"{server.url}/v1/actions", json={"action": {"code": "x", "timeout_s": -1}})
+    assert r.status_code == 422 and r.json()["message"].startswith("action.timeout_s")
+    r = httpx.get(f"{server.url}/v1/actions/nope")
+    assert r.status_code == 404 and "nope" in r.json()["message"]
+    r = httpx.post(f"{server.url}/v1/sessions/nope/exec", json={"command": "ls"})
+    assert r.status_code == 404
+    r = httpx.post(f"{server.url}/run_code", content=b"{" + b" " * (40 << 20) + b"}",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "larger than" in r.json()["message"]
+    r = httpx.post(f"{server.url}/v1/actions", content=b"not json", headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "message" in r.json()
+
+
+def test_sessions_over_http(server):
+    from arl_tangram.client import TangramClient, TangramError
+
+    with TangramClient(server.url) as c:
+        s = c.session(job="http")
+        assert c.session(job="http", trajectory=s.id).id == s.id
+        assert s.exec(python="x = 20").outcome == "ok"
+        assert s.exec(python="print(x * 2)").run.stdout == "40\n"
+        s.put({"in.txt": b"hello"})
+        assert s.exec("wc -c < in.txt").run.stdout.strip() == "5"
+        assert s.get(["in.txt"]) == {"in.txt": b"hello"}
+        s.close()
+        with pytest.raises(TangramError) as e:
+            s.exec("ls")
+        assert e.value.status == 404
+        assert c.stats("http").outcomes["ok"] >= 3
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "tangram_actions_total" in metrics and 'service="exec"' in metrics
+
+
+def test_async_client_batches_yield_as_they_finish(server):
+    from arl_tangram.client import AsyncTangramClient
+
+    async def main():
+        async with AsyncTangramClient(server.url) as c:
+            progs = [{"code": f"import time\ntime.sleep({0.4 if i == 0 else 0})\nprint({i})"} for i in range(6)]
+            return [r.run.stdout.strip() async for r in c.run_batch(progs, concurrency=6)]
+
+    order = asyncio.run(main())
+    assert sorted(order) == [str(i) for i in range(6)] and order[-1] == "0"
+
+
+def test_full_queue_answers_429_with_retry_after(tmp_path):
+    s = Server(tmp_path, config={"max_queue": 1, "cores": 1})
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as c:
+                rs = await asyncio.gather(*(c.post(f"{s.url}/run_code", json={
+                    "code": "import time\ntime.sleep(0.5)", "language": "python"}) for _ in range(8)))
+                return rs
+
+        rs = asyncio.run(main())
+        codes = [r.status_code for r in rs]
+        assert 429 in codes and 200 in codes
+        busy = next(r for r in rs if r.status_code == 429)
+        assert busy.headers["retry-after"] == "1" and "queue is full" in busy.json()["message"]
+    finally:
+        s.stop()
+
+
+def test_a_token_is_required_when_configured(tmp_path):
+    s = Server(tmp_path, token="s3cret")
+    try:
+        assert httpx.post(f"{s.url}/run_code", json={"code": "1", "language": "python"}).status_code == 401
+        ok = httpx.post(f"{s.url}/run_code", json={"code": "1", "language": "python"},
+                        headers={"Authorization": "Bearer s3cret"}, timeout=30)
+        assert ok.status_code == 200
+    finally:
+        s.stop()
+    p = subprocess.run([sys.executable, "-m", "arl_tangram.cli", "serve", "--host", "0.0.0.0"], capture_output=True,
+                       text=True, timeout=30)
+    assert p.returncode == 2 and "token" in p.stderr
+
+
+# -- load and crash ---------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_a_thousand_concurrent_clients_all_get_their_results(server):
+    async def main():
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as c:
+            async def one(i):
+                r = await c.post(f"{server.url}/run_code", json={"code": f"print({i})", "language": "python"})
+                return r.status_code, r.json()
+            return await asyncio.gather(*(one(i) for i in range(1000)))
+
+    results = asyncio.run(main())
+    assert all(code == 200 for code, _ in results)
+    assert [body["run_result"]["stdout"] for _, body in results] == [f"{i}\n" for i in range(1000)]
+
+
+@pytest.mark.slow
+def test_kill_9_with_200_actions_in_flight_loses_nothing(tmp_path):
+    journal = tmp_path / "crash.sqlite3"
+    s = Server(tmp_path, journal=journal)
+    ids = [f"crash-{i}" for i in range(200)]
+
+    async def submit_all():
+        async with httpx.AsyncClient(timeout=60) as c:
+            rs = await asyncio.gather(*(c.post(f"{s.url}/v1/actions", json={
+                "id": i, "wait": False, "job": "crash", "action": {"code": "import time\ntime.sleep(0.3)\nprint('done')"}})
+                for i in ids))
+            sess = (await c.post(f"{s.url}/v1/sessions", json={"job": "crash"})).json()["session_id"]
+            asyncio.ensure_future(c.post(f"{s.url}/v1/sessions/{sess}/exec", json={"command": "sleep 20"}))
+            await asyncio.sleep(0.5)
+            return rs
+
+    acks = asyncio.run(submit_all())
+    assert all(r.status_code in (200, 202) for r in acks)
+    s.stop(signal.SIGKILL)
+    s2 = Server(tmp_path, journal=journal)
+    try:
+        final = {}
+        deadline = time.time() + 120
+        while len(final) < len(ids) and time.time() < deadline:
+            for i in ids:
+                if i not in final:
+                    r = httpx.get(f"{s2.url}/v1/actions/{i}").json()
+                    if r["state"] == "done":
+                        final[i] = r
+            time.sleep(0.5)
+        assert len(final) == 200, "an acknowledged action was lost"
+        assert {r["outcome"] for r in final.values()} <= {"ok", "infra_error"}
+        again = httpx.post(f"{s2.url}/v1/actions", json={"id": ids[0], "job": "crash", "action": {
+            "code": "print('second run')"}}, timeout=30).json()
+        assert again == final[ids[0]], "a resubmission ran the action twice"
+        health = httpx.get(f"{s2.url}/healthz").json()
+        assert health["recovered"]["infra_error"] >= 1  # the session step could not be re-run
+    finally:
+        s2.stop()
+    db = sqlite3.connect(journal)
+    states = db.execute("SELECT state, COUNT(*) FROM actions GROUP BY state").fetchall()
+    assert states == [("done", db.execute("SELECT COUNT(*) FROM actions").fetchone()[0])]
+    assert db.execute("SELECT COUNT(*) FROM actions WHERE kind='exec' AND outcome='infra_error'").fetchone()[0] == 1
