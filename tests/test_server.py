@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
@@ -268,3 +269,50 @@ def test_kill_9_with_200_actions_in_flight_loses_nothing(tmp_path):
     states = db.execute("SELECT state, COUNT(*) FROM actions GROUP BY state").fetchall()
     assert states == [("done", db.execute("SELECT COUNT(*) FROM actions").fetchone()[0])]
     assert db.execute("SELECT COUNT(*) FROM actions WHERE kind='exec' AND outcome='infra_error'").fetchone()[0] == 1
+
+
+def test_top_shows_the_jobs_of_a_live_server(server):
+    httpx.post(f"{server.url}/run_code", json={"code": "print(1)", "language": "python"}, timeout=30)
+    p = subprocess.run([sys.executable, "-m", "arl_tangram.cli", "top", "--url", server.url, "--once"],
+                       capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "160"})
+    assert p.returncode == 0, p.stderr
+    assert "sandboxfusion" in p.stdout and "queued" in p.stdout
+    down = subprocess.run([sys.executable, "-m", "arl_tangram.cli", "top", "--url", "http://127.0.0.1:9", "--once"],
+                          capture_output=True, text=True, timeout=60)
+    assert down.returncode == 2 and "cannot reach" in down.stderr
+
+
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
+                           | st.text(max_size=20), lambda c: st.lists(c, max_size=4)
+                           | st.dictionaries(st.text(max_size=10), c, max_size=4), max_leaves=12)
+snippets = st.sampled_from(["print(1)", "", "1/0", "import sys; sys.exit(3)", "print('é' * 10)", "x = (",
+                            "int main(){}", "echo hi", "\x00", "print(input())"])
+
+
+@st.composite
+def bodies(draw):
+    """Mostly well-formed bodies with one field broken, and some plain garbage."""
+    base = {"code": draw(snippets), "language": draw(st.sampled_from(["python", "bash", "cpp", "go", "x", 7, None])),
+            "run_timeout": draw(st.sampled_from([1, 0.5, -1, 0, "x", None, 1e308])),
+            "stdin": draw(st.one_of(st.none(), st.text(max_size=20), st.integers())),
+            "files": draw(st.one_of(st.just({}), st.dictionaries(st.text(max_size=5), st.one_of(
+                st.none(), st.text(max_size=8)), max_size=2), json_values)),
+            "fetch_files": draw(st.one_of(st.just([]), st.lists(st.text(max_size=10), max_size=3), json_values))}
+    if draw(st.booleans()):
+        base[draw(st.sampled_from(list(base)))] = draw(json_values)
+    return draw(st.one_of(st.just(base), json_values))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(path=st.sampled_from(["/run_code", "/v1/actions", "/run_jupyter", "/v1/sessions", "/v1/sessions/x/exec"]),
+       body=bodies())
+def test_fuzzing_the_api_finds_no_500(server, path, body):
+    if path == "/v1/actions" and isinstance(body, dict):
+        body = {"action": {k: v for k, v in body.items() if k in ("code", "language", "stdin", "files")},
+                "id": body.get("stdin"), "job": body.get("language")}
+    if path == "/run_jupyter" and isinstance(body, dict):
+        body = {"cells": [body.get("code")], "total_timeout": body.get("run_timeout"), "files": body.get("files")}
+    r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
+    assert r.status_code < 500, (r.status_code, r.text)
+    assert "message" in r.json() or r.status_code in (200, 201, 202)

@@ -225,6 +225,26 @@ def serve(
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(cfg.drain_s) + 5)
 
 
+@app.command()
+def top(
+    url: str = typer.Option("http://127.0.0.1:8080", help="The server to watch."),
+    interval: float = typer.Option(1.0, min=0.1, help="Seconds between refreshes."),
+    once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
+    token: Optional[str] = typer.Option(None, envvar="TANGRAM_TOKEN", help="Bearer token of the server."),
+) -> None:
+    """A live view of a running server: queue, running actions, ACT percentiles per job."""
+    import httpx
+
+    from .top import run
+
+    try:
+        run(url, interval, once, token)
+    except httpx.TransportError as e:
+        raise fail(f"--url: cannot reach {url} ({e})")
+    except KeyboardInterrupt:
+        pass
+
+
 @bench_app.command("scheduler")
 def bench_scheduler(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
@@ -259,6 +279,21 @@ def bench_e2e(
     from .bench.e2e import run
 
     _print_json(run(trajectories, turns, seed, log=lambda m: console.print(m)), json_out)
+
+
+@bench_app.command("server")
+def bench_server(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    levels: str = typer.Option("1,8,32,1000", help="Comma-separated concurrencies."),
+) -> None:
+    """/run_code latency and throughput over loopback HTTP, beside the same actions in-process."""
+    from .bench.server import run
+
+    try:
+        parsed = tuple(int(x) for x in levels.split(","))
+    except ValueError:
+        raise fail(f"--levels: expected comma-separated integers, got {levels!r}")
+    _print_json(run(parsed, log=lambda m: console.print(m)), json_out)
 
 
 def _print_json(result: dict, json_out: Optional[Path]) -> None:

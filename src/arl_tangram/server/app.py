@@ -166,6 +166,10 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
         await service.close_session(session_id)
         return Response(status_code=204)
 
+    @app.get("/v1/jobs", response_model=list[v1.JobStats], tags=["stats"], dependencies=guarded)
+    async def jobs() -> list[v1.JobStats]:
+        return service.all_jobs()
+
     @app.get("/v1/jobs/{job}/stats", response_model=v1.JobStats, tags=["stats"], dependencies=guarded,
              responses={404: {"model": v1.Error}})
     async def job_stats(job: str) -> v1.JobStats:

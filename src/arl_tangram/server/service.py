@@ -251,6 +251,9 @@ class Service:
         return v1.JobStats(job=job, actions=len(acts), outcomes=self._outcomes.get(job, {}),
                            avg_act_s=sum(acts) / len(acts) if acts else None, p50_act_s=pct(50), p99_act_s=pct(99))
 
+    def all_jobs(self) -> list[v1.JobStats]:
+        return [self.job_stats(job) for job in sorted(set(self._acts) | set(self._outcomes))]
+
     def refresh_gauges(self) -> None:
         e = self.runtime.engine
         self.metrics.queue.set(len(e.pending))

@@ -77,8 +77,12 @@ def to_json(obj):
 
 
 def print_exc():
+    """The traceback of the user's code, without the runner's own frames."""
     import traceback
-    traceback.print_exc()
+    etype, value, tb = sys.exc_info()
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    traceback.print_exception(etype, value, tb)
 
 
 # Only in a PID namespace of our own (the host passes --reap, and we double-check that we are
