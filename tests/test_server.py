@@ -316,3 +316,27 @@ def test_fuzzing_the_api_finds_no_500(server, path, body):
     r = httpx.post(f"{server.url}{path}", json=body, timeout=60)
     assert r.status_code < 500, (r.status_code, r.text)
     assert "message" in r.json() or r.status_code in (200, 201, 202)
+
+
+def test_verl_tool_keeps_state_across_turns_and_reward_scores_tests(server, monkeypatch):
+    from arl_tangram.integrations.verl import TangramSandboxTool, compute_score
+
+    schema = {"type": "function", "function": {"name": "code_interpreter", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}}}
+    tool = TangramSandboxTool({"tangram_url": server.url, "job": "verl-test"}, schema)
+
+    async def episode():
+        iid = await tool.create("traj/1 with spaces")
+        first = await tool.execute(iid, {"code": "total = 40"})
+        second = await tool.execute(iid, {"code": "total += 2\nprint(total)"})
+        slow = await tool.execute(iid, {"code": "import time\ntime.sleep(60)"})
+        await tool.release(iid)
+        return first, second, slow
+
+    tool.timeout_s = 1
+    first, second, slow = asyncio.run(episode())
+    assert first[2]["outcome"] == "ok" and second[0].strip() == "42" and second[1] == 0.0
+    assert slow[2]["outcome"] == "timeout" and "timed out" in slow[0]
+    solution = "Here you go:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    truth = json.dumps({"inputs": ["1 2", "3 4", "5 5"], "outputs": ["3", "7", "11"]})
+    assert compute_score("codecontests", solution, truth, url=server.url) == pytest.approx(2 / 3)
