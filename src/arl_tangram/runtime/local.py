@@ -21,10 +21,12 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 from ..core.action import Action, Demand, Finished, Outcome
-from ..core.cluster import Cluster, CpuNode
+from ..core.cluster import ApiQuota, Cluster, CpuNode, GpuNode
 from ..engine import Engine
+from ..managers.quota import ApiManager
 from ..managers.sandbox.manager import Exec, Files, RunCode, SandboxConfig, SandboxManager, SandboxResult
 from ..policy import Costs, Policy, Profile, make_policy
 
@@ -42,7 +44,7 @@ class ActionResult:
 
     id: str
     outcome: Outcome
-    result: SandboxResult
+    result: Any  # SandboxResult for sandbox actions, the value for model and API calls
     act_s: float
     queue_s: float
     setup_s: float
@@ -56,11 +58,11 @@ class ActionResult:
 
     @property
     def stdout(self) -> str:
-        return self.result.run.stdout if self.result.run else ""
+        return self.result.run.stdout if isinstance(self.result, SandboxResult) and self.result.run else ""
 
     @property
     def stderr(self) -> str:
-        return self.result.run.stderr if self.result.run else ""
+        return self.result.run.stderr if isinstance(self.result, SandboxResult) and self.result.run else ""
 
 
 def _memory_gb() -> float:
@@ -78,25 +80,63 @@ class LocalRuntime:
     """Owns the engine, the sandbox manager and the futures of submitted actions."""
 
     def __init__(self, policy: str | Policy = "tangram", sandbox: SandboxConfig | None = None,
-                 cores: int | None = None, memory_gb: float | None = None, profile: Profile | None = None) -> None:
-        self.sandboxes = SandboxManager(sandbox)
-        n = cores or len(self.sandboxes.host_cpus)
-        self.cluster = Cluster(cpu_nodes=(CpuNode("local", n, memory_gb or _memory_gb()),))
+                 cores: int | None = None, memory_gb: float | None = None, profile: Profile | None = None, *,
+                 sandboxes: bool = True, models: list | None = None, gpus: int | None = None,
+                 gpu_memory_gb: float | None = None, model_device: str = "auto",
+                 apis: dict[str, tuple[ApiQuota, Any]] | None = None) -> None:
+        """``models``: ``ModelServiceConfig``s served on this machine's GPUs (or, without CUDA, on
+        ``gpus`` CPU "devices" of ``gpu_memory_gb`` each); ``apis``: name -> (quota, async handler)."""
+        managers: dict = {}
+        cpu_nodes: tuple = ()
+        self.sandboxes = SandboxManager(sandbox) if sandboxes else None
+        if self.sandboxes is not None:
+            n = cores or len(self.sandboxes.host_cpus)
+            cpu_nodes = (CpuNode("local", n, memory_gb or _memory_gb()),)
+            self.sandboxes.on_done = self._done
+            self.sandboxes.on_expire = self.end_session
+            managers["cpu"] = self.sandboxes
+        gpu_nodes: tuple = ()
+        model_specs: tuple = ()
+        self.models = None
+        self.fronts: dict[tuple[str, str], "_ModelFront"] = {}
+        if models:
+            from ..managers.models.manager import ModelManager
+            self.models = ModelManager(models, model_device)
+            model_specs = tuple(self.models.load_all())
+            if self.models.cuda:
+                import torch
+                count = gpus or torch.cuda.device_count()
+                mem = gpu_memory_gb or torch.cuda.get_device_properties(0).total_memory / 1e9 * 0.9
+            else:
+                count, mem = gpus or 1, gpu_memory_gb or 16.0
+            gpu_nodes = (GpuNode("local-gpu", count, mem, count, 25.0),)
+            self.models.on_done = self._done
+            managers["gpu"] = self.models
+        quotas: tuple = ()
+        self.apis = None
+        if apis:
+            self.apis = ApiManager({name: handler for name, (_, handler) in apis.items()})
+            self.apis.on_done = self._done
+            quotas = tuple(q if q.name == name else ApiQuota(name, q.rate_per_s, q.concurrency, q.burst)
+                           for name, (q, _) in apis.items())
+            managers["api"] = self.apis
+        self.cluster = Cluster(cpu_nodes, gpu_nodes, quotas, model_specs)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        self.sandboxes.on_done = self._done
-        self.sandboxes.on_expire = self.end_session
-        costs = Costs(session_create_s=0.01, session_thaw_s=0.001, session_restore_s=0.01,
-                      session_mem_gb=self.sandboxes.config.memory_mb / 1024)
-        self.engine = Engine(self.cluster, self.policy, {"cpu": self.sandboxes}, MonotonicClock(), costs=costs,
-                             profile=profile)
+        mem_gb = self.sandboxes.config.memory_mb / 1024 if self.sandboxes else 1.0
+        costs = Costs(session_create_s=0.01, session_thaw_s=0.001, session_restore_s=0.01, session_mem_gb=mem_gb)
+        self.engine = Engine(self.cluster, self.policy, managers, MonotonicClock(), costs=costs, profile=profile)
+        if self.models is not None:
+            self.models.on_loaded = self._loaded
         self.engine.listeners.append(self._finished)
         self._futures: dict[str, asyncio.Future] = {}
-        self._results: dict[str, SandboxResult] = {}
+        self._results: dict[str, Any] = {}
         self._wake: asyncio.TimerHandle | None = None
         self._ids = itertools.count()
 
     async def __aenter__(self) -> "LocalRuntime":
-        await self.sandboxes.start_up()
+        if self.sandboxes is not None:
+            await self.sandboxes.start_up()
+        self._schedule()  # lets the policy prefetch models onto idle GPUs
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -105,7 +145,9 @@ class LocalRuntime:
     async def close(self) -> None:
         for aid in list(self.engine.pending):
             self.engine.cancel(aid)
-        await self.sandboxes.shut_down()
+        for manager in (self.sandboxes, self.models, self.apis):
+            if manager is not None:
+                await manager.shut_down()
         for fut in self._futures.values():
             if not fut.done():
                 fut.cancel()
@@ -120,14 +162,16 @@ class LocalRuntime:
         return await fut
 
     def _done(self, action_id: str, outcome: Outcome, setup_s: float, exec_s: float, message: str,
-              result: SandboxResult) -> None:
+              result: Any) -> None:
         self._results[action_id] = result
         self.engine.complete(action_id, outcome, setup_s=setup_s, exec_s=exec_s, message=message)
         self._schedule()
 
     def _finished(self, f: Finished) -> None:
         fut = self._futures.pop(f.action.id, None)
-        result = self._results.pop(f.action.id, None) or SandboxResult(message=f.message)
+        result = self._results.pop(f.action.id, None)
+        if result is None and f.action.pool == "cpu":
+            result = SandboxResult(message=f.message)
         if fut is not None and not fut.done():
             fut.set_result(ActionResult(f.action.id, f.outcome, result, f.act_s, f.queue_s, f.setup_s, f.exec_s,
                                         f.units, f.message))
@@ -141,11 +185,63 @@ class LocalRuntime:
                 self._wake.cancel()
             self._wake = loop.call_later(max(0.0, wake - time.monotonic()), self._schedule)
 
+    def _loaded(self, key: str) -> None:
+        self.engine.loaded(key)
+        self._schedule()
+
     def end_session(self, trajectory: str) -> None:
         self.engine.end_trajectory(trajectory)
 
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{os.getpid()}-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+
+
+class _ModelFront:
+    """Dynamic batching for one (service, operation): requests arriving within ``max_wait_ms`` (up
+    to ``max_batch``) become one action, so the GPU sees batches while callers see single calls."""
+
+    def __init__(self, runtime: LocalRuntime, model: str, op: str, max_batch: int, max_wait_ms: float,
+                 gpus: int) -> None:
+        self.runtime, self.model, self.op = runtime, model, op
+        self.max_batch, self.max_wait_s, self.gpus = max_batch, max_wait_ms / 1000, gpus
+        self.items: list = []
+        self.futures: list[asyncio.Future] = []
+        self.meta: list[tuple[str, float | None]] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    def call(self, item: list[int], job: str, hint_s: float | None) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.items.append(item)
+        self.futures.append(fut)
+        self.meta.append((job, hint_s))
+        if len(self.items) >= self.max_batch:
+            self._flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.max_wait_s, self._flush)
+        return fut
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.items:
+            return
+        items, futures, meta = self.items, self.futures, self.meta
+        self.items, self.futures, self.meta = [], [], []
+        from ..managers.models.manager import ModelCall
+        action = Action(self.runtime.new_id("m"), f"model:{self.model}", Demand({"gpu": (self.gpus, self.gpus)}),
+                        job=meta[0][0], operation=self.op, hint_s=meta[0][1], payload=ModelCall(self.op, items))
+        task = asyncio.get_running_loop().create_task(self.runtime.submit(action))
+
+        def deliver(t: asyncio.Task) -> None:
+            r: ActionResult = t.result()
+            for i, fut in enumerate(futures):
+                if not fut.done():
+                    value = r.result[i] if r.outcome is Outcome.OK else None
+                    fut.set_result(ActionResult(r.id, r.outcome, value, r.act_s, r.queue_s, r.setup_s, r.exec_s,
+                                                r.cores, r.message))
+
+        task.add_done_callback(deliver)
 
 
 class Session:
@@ -206,8 +302,10 @@ class Tangram:
 
     @classmethod
     def local(cls, policy: str | Policy = "tangram", sandbox: SandboxConfig | None = None,
-              cores: int | None = None, profile: Profile | None = None) -> "Tangram":
-        return cls(LocalRuntime(policy, sandbox, cores, profile=profile))
+              cores: int | None = None, profile: Profile | None = None, **kwargs) -> "Tangram":
+        """``kwargs``: ``sandboxes=False``, ``models=[ModelServiceConfig...]``, ``gpus``,
+        ``gpu_memory_gb``, ``apis={name: (ApiQuota, async handler)}`` (see ``LocalRuntime``)."""
+        return cls(LocalRuntime(policy, sandbox, cores, profile=profile, **kwargs))
 
     async def __aenter__(self) -> "Tangram":
         await self.runtime.__aenter__()
@@ -231,6 +329,50 @@ class Tangram:
                         operation=operation or language,
                         hint_s=hint_s, parallel_fraction=parallel_fraction,
                         timeout_s=timeout_s + compile_timeout_s + 30, payload=payload)
+        return await self.runtime.submit(action)
+
+    async def score(self, model: str, tokens: list[int], *, job: str = "default",
+                    hint_s: float | None = None) -> ActionResult:
+        """A reward model's scalar for one token sequence (batched with concurrent calls)."""
+        return await self._model_call(model, "score", tokens, job, hint_s, min_len=1)
+
+    async def logprobs(self, model: str, tokens: list[int], *, job: str = "default",
+                       hint_s: float | None = None) -> ActionResult:
+        """A teacher's log-probability of each token given the ones before it."""
+        return await self._model_call(model, "logprobs", tokens, job, hint_s, min_len=2)
+
+    async def _model_call(self, model: str, op: str, tokens, job: str, hint_s, min_len: int) -> ActionResult:
+        rt = self.runtime
+        problem = None
+        mm = rt.models
+        if mm is None or (model not in mm.loaded and model not in mm.failed):
+            problem = f"service: unknown model {model!r}"
+        elif model in mm.failed:
+            problem = f"service: model {model!r} failed to load ({mm.failed[model]})"
+        elif op not in mm.loaded[model].ops:
+            problem = f"op: model {model!r} has no {op!r} (it has {', '.join(mm.loaded[model].ops)})"
+        elif not isinstance(tokens, (list, tuple)) or not all(type(t) is int for t in tokens):
+            problem = "tokens: must be a flat list of integer token ids"
+        elif len(tokens) < min_len:
+            problem = f"tokens: {op} needs at least {min_len} token(s)"
+        else:
+            vocab = mm.loaded[model].vocab
+            bad = [t for t in tokens if t < 0 or (vocab is not None and t >= vocab)]
+            if bad:
+                problem = f"tokens: id {bad[0]} out of range [0, {vocab})"
+        if problem is not None:
+            return ActionResult(rt.new_id("m"), Outcome.REJECTED, None, 0.0, 0.0, 0.0, 0.0, 0, problem)
+        front = rt.fronts.get((model, op))
+        if front is None:
+            spec = mm.services[model]
+            front = rt.fronts[(model, op)] = _ModelFront(rt, model, op, spec.max_batch, spec.max_wait_ms, spec.gpus)
+        return await front.call(list(tokens), job, hint_s)
+
+    async def call_api(self, name: str, payload: Any = None, *, job: str = "default", timeout_s: float = 60.0,
+                       operation: str = "", hint_s: float | None = None) -> ActionResult:
+        """Call an external API through its quota (waits in the queue rather than over-calling)."""
+        action = Action(self.runtime.new_id("q"), f"api:{name}", job=job, operation=operation, hint_s=hint_s,
+                        timeout_s=timeout_s, payload=payload)
         return await self.runtime.submit(action)
 
     async def session(self, job: str = "default", trajectory: str | None = None) -> Session:

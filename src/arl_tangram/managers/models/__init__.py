@@ -1,0 +1,1 @@
+"""GPU model services: weights in host RAM, resident on a GPU only while useful, batched requests."""

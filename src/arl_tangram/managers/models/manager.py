@@ -1,0 +1,184 @@
+"""The model manager: carries out the engine's GPU decisions with real torch models.
+
+Each service's weights are loaded once into host RAM (pinned when CUDA is present). The engine
+decides where copies live and which to evict (it models every GPU's memory); this manager makes it
+so: a load copies the host tensors onto the device (a skeleton on the meta device takes them with
+``assign``, so no second host copy is made), an eviction drops the device copy, and a call runs the
+service's operation on one batch. Multi-GPU instances are given the first GPU of their block as the
+device (the tiny models here fit one; a loader for a sharded model may use the whole block).
+With no CUDA the same code runs on CPU "devices" whose memory is only the engine's model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from ...core.action import Action, Allocation, Outcome
+from ...core.cluster import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelServiceConfig:
+    """A model service: ``loader`` is ``module:function`` returning ``(torch module, {op: fn})``
+    where ``fn(module, batch) -> list`` (``score``: sequences -> scalars; ``logprobs``: sequences ->
+    per-token log-probabilities)."""
+
+    name: str
+    loader: str
+    kwargs: dict = field(default_factory=dict)
+    gpus: int = 1
+    memory_gb: float | None = None  # per instance; default: the weights plus 20% for activations
+    max_batch: int = 16
+    max_wait_ms: float = 5.0
+
+
+@dataclass
+class ModelCall:
+    """One batch of requests to one operation of a service."""
+
+    op: str
+    batch: list
+
+
+@dataclass
+class Loaded:
+    spec: ModelServiceConfig
+    module: torch.nn.Module
+    ops: dict[str, Callable]
+    host_state: dict[str, torch.Tensor]
+    skeleton: torch.nn.Module
+    weights_gb: float
+    vocab: int | None
+
+
+def _load(spec: ModelServiceConfig, pin: bool) -> Loaded:
+    mod_name, _, fn_name = spec.loader.partition(":")
+    fn = getattr(importlib.import_module(mod_name), fn_name)
+    module, ops = fn(**spec.kwargs)
+    module.eval()
+    state = {k: v.detach() for k, v in module.state_dict().items()}
+    if pin:
+        state = {k: v.pin_memory() for k, v in state.items()}
+    skeleton = copy.deepcopy(module).to("meta")
+    weights = sum(v.numel() * v.element_size() for v in state.values()) / 1e9
+    emb = getattr(module, "embed", None)
+    vocab = getattr(emb, "num_embeddings", None)
+    return Loaded(spec, module, ops, state, skeleton, weights, vocab)
+
+
+class ModelManager:
+    """Implements the engine's manager protocol for the ``gpu`` pool."""
+
+    def __init__(self, services: list[ModelServiceConfig], device: str = "auto") -> None:
+        self.cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+        self.services = {s.name: s for s in services}
+        self.loaded: dict[str, Loaded] = {}
+        self.failed: dict[str, str] = {}
+        self.instances: dict[tuple[str, tuple[int, ...]], torch.nn.Module] = {}
+        self.on_done: Callable[[str, Outcome, float, float, str, Any], None] | None = None
+        self.on_loaded: Callable[[str], None] | None = None  # a prefetch finished (the runtime reschedules)
+        self._tasks: set[asyncio.Task] = set()
+        self.loads = 0
+        self.load_seconds = 0.0
+
+    def load_all(self) -> list[ModelSpec]:
+        """Load every service into host RAM; a loader that raises marks only its service failed."""
+        specs = []
+        for name, spec in self.services.items():
+            try:
+                self.loaded[name] = ld = _load(spec, self.cuda)
+            except Exception as e:  # the user's loader: any failure is contained to its service
+                self.failed[name] = f"{type(e).__name__}: {e}"
+                log.error("model service %s failed to load: %s", name, self.failed[name])
+                continue
+            per_instance = spec.memory_gb or ld.weights_gb * 1.2
+            specs.append(ModelSpec(name, per_instance, spec.gpus))
+        return specs
+
+    def device(self, gpu: int) -> torch.device:
+        return torch.device(f"cuda:{gpu % torch.cuda.device_count()}") if self.cuda else torch.device("cpu")
+
+    def _instance(self, name: str, block: tuple[int, ...]) -> torch.nn.Module:
+        inst = self.instances.get((name, block))
+        if inst is None:
+            ld = self.loaded[name]
+            t = time.perf_counter()
+            dev = self.device(block[0])
+            state = {k: v.to(dev, non_blocking=True) for k, v in ld.host_state.items()}
+            inst = copy.deepcopy(ld.skeleton)
+            inst.load_state_dict(state, assign=True)
+            if self.cuda:
+                torch.cuda.synchronize(dev)
+            self.load_seconds += time.perf_counter() - t
+            self.loads += 1
+            self.instances[(name, block)] = inst
+        return inst
+
+    def _evict(self, evict: tuple) -> None:
+        for name, gpus in evict:
+            self.instances.pop((name, tuple(gpus)), None)
+
+    # -- the manager protocol --------------------------------------------------------------------
+    def start(self, action: Action, allocation: Allocation) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(action, allocation))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def prefetch(self, key: str, model: str, gpus: tuple[int, ...], per_gpu_gb: float) -> None:
+        async def load() -> None:
+            try:
+                await asyncio.to_thread(self._instance, model, gpus)
+            except Exception:
+                log.exception("prefetching %s failed", model)
+            if self.on_loaded is not None:
+                self.on_loaded(key)
+
+        task = asyncio.get_running_loop().create_task(load())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def close_session(self, trajectory: str) -> None:
+        pass
+
+    async def _run(self, action: Action, allocation: Allocation) -> None:
+        name = action.model or ""
+        call: ModelCall = action.payload
+        t0 = time.perf_counter()
+        result, message, outcome, setup_s = None, "", Outcome.OK, 0.0
+        try:
+            self._evict(allocation.evict)
+            inst = await asyncio.to_thread(self._instance, name, allocation.units)
+            setup_s = time.perf_counter() - t0
+            op = self.loaded[name].ops[call.op]
+            result = await asyncio.to_thread(_run_op, op, inst, call.batch, self.cuda)
+        except torch.cuda.OutOfMemoryError as e:
+            outcome, message = Outcome.OOM, f"GPU out of memory: {e}"
+        except Exception as e:  # a fault of the model code or the device: ours, not the caller's input
+            log.exception("model call %s on %s failed", action.id, name)
+            outcome, message = Outcome.INFRA_ERROR, f"model service {name} failed: {type(e).__name__}: {e}"
+        exec_s = time.perf_counter() - t0 - setup_s
+        if self.on_done is not None:
+            self.on_done(action.id, outcome, setup_s, exec_s, message, result)
+
+    async def shut_down(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.instances.clear()
+
+
+def _run_op(op: Callable, inst: torch.nn.Module, batch: list, cuda: bool):
+    out = op(inst, batch)
+    if cuda:
+        torch.cuda.synchronize()
+    return out

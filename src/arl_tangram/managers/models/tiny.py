@@ -1,0 +1,96 @@
+"""Transformer models built from a config with random weights (nothing is downloaded): a reward
+model (``score``: sequence -> scalar) and a teacher (``logprobs``: per-token log-probabilities).
+Sizes from a few MB for tests to billions of parameters for GPU benchmarks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class TinyConfig:
+    vocab: int = 512
+    d_model: int = 64
+    layers: int = 2
+    heads: int = 4
+    seed: int = 0
+    dtype: str = "float32"
+
+    @classmethod
+    def of_size(cls, billions: float, vocab: int = 32000, dtype: str = "bfloat16", seed: int = 0) -> "TinyConfig":
+        """A config of about ``billions`` parameters (12 d^2 per layer, 32 layers or fewer)."""
+        layers = 32 if billions >= 3 else 24 if billions >= 1 else 16
+        d = int(((billions * 1e9 - 2 * vocab * 1024) / (12 * layers)) ** 0.5) // 128 * 128
+        return cls(vocab=vocab, d_model=max(128, d), layers=layers, heads=max(2, d // 128), seed=seed, dtype=dtype)
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, cfg: TinyConfig, head: str) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.d_model)
+        layer = nn.TransformerEncoderLayer(cfg.d_model, cfg.heads, 4 * cfg.d_model, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, cfg.layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, 1 if head == "score" else cfg.vocab)
+        self.head = head
+
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[1]
+        causal = torch.triu(torch.full((n, n), float("-inf"), device=ids.device), 1)
+        pad = torch.arange(n, device=ids.device)[None, :] >= lengths[:, None]
+        h = self.blocks(self.embed(ids), mask=causal.to(self.embed.weight.dtype),
+                        src_key_padding_mask=pad.to(self.embed.weight.dtype).masked_fill(pad, float("-inf")),
+                        is_causal=False)
+        return self.out(self.norm(h))
+
+
+def _build(cfg: TinyConfig, head: str) -> TinyTransformer:
+    g = torch.Generator().manual_seed(cfg.seed)
+    with torch.device("cpu"):
+        model = TinyTransformer(cfg, head)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+    return model.to(getattr(torch, cfg.dtype)).eval()
+
+
+def _pad(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(len(s) for s in seqs)
+    ids = torch.zeros((len(seqs), n), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    return ids.to(device), torch.tensor([len(s) for s in seqs], device=device)
+
+
+@torch.inference_mode()
+def score(model: TinyTransformer, seqs: list[list[int]]) -> list[float]:
+    """Reward of each sequence: the head's value at its last token."""
+    ids, lengths = _pad(seqs, model.embed.weight.device)
+    out = model(ids, lengths)[:, :, 0].float()
+    return out[torch.arange(len(seqs)), lengths - 1].tolist()
+
+
+@torch.inference_mode()
+def logprobs(model: TinyTransformer, seqs: list[list[int]]) -> list[list[float]]:
+    """log p(token_t | tokens_<t) for t = 1..len-1 of each sequence."""
+    ids, lengths = _pad(seqs, model.embed.weight.device)
+    logits = model(ids, lengths).float().log_softmax(-1)
+    picked = logits[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    return [picked[i, :int(lengths[i]) - 1].tolist() for i in range(len(seqs))]
+
+
+def reward_model(**config) -> tuple[nn.Module, dict]:
+    """Loader: ``arl_tangram.managers.models.tiny:reward_model``."""
+    model = _build(TinyConfig(**config), "score")
+    return model, {"score": score}
+
+
+def teacher_model(**config) -> tuple[nn.Module, dict]:
+    """Loader: ``arl_tangram.managers.models.tiny:teacher_model``."""
+    model = _build(TinyConfig(**config), "logprobs")
+    return model, {"logprobs": logprobs}
