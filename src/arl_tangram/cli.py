@@ -281,6 +281,20 @@ def bench_e2e(
     _print_json(run(trajectories, turns, seed, log=lambda m: console.print(m)), json_out)
 
 
+@bench_app.command("models")
+def bench_models(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    device: str = typer.Option("auto", help="cuda, cpu, or auto."),
+    requests: Optional[int] = typer.Option(None, min=12, help="Requests in the MOPD-style run."),
+) -> None:
+    """Host-to-device bandwidth, batched vs unbatched scoring, 12 services sharing vs dedicated."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise fail(f"--device: expected auto, cpu or cuda, got {device!r}")
+    from .bench.models import run
+
+    _print_json(run(device, log=lambda m: console.print(m), requests=requests), json_out)
+
+
 @bench_app.command("server")
 def bench_server(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),

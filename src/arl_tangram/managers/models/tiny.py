@@ -18,6 +18,7 @@ class TinyConfig:
     heads: int = 4
     seed: int = 0
     dtype: str = "float32"
+    init_device: str = "cpu"  # where random weights are drawn (a GPU is much faster for billions)
 
     @classmethod
     def of_size(cls, billions: float, vocab: int = 32000, dtype: str = "bfloat16", seed: int = 0) -> "TinyConfig":
@@ -50,13 +51,15 @@ class TinyTransformer(nn.Module):
 
 
 def _build(cfg: TinyConfig, head: str) -> TinyTransformer:
-    g = torch.Generator().manual_seed(cfg.seed)
-    with torch.device("cpu"):
+    dev = torch.device(cfg.init_device)
+    g = torch.Generator(device=dev).manual_seed(cfg.seed)
+    with torch.device("meta"):
         model = TinyTransformer(cfg, head)
+    model = model.to_empty(device=dev).to(getattr(torch, cfg.dtype))
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    return model.to(getattr(torch, cfg.dtype)).eval()
+            p.copy_(torch.randn(p.shape, generator=g, device=dev, dtype=torch.float32) * 0.02)
+    return model.to("cpu").eval()
 
 
 def _pad(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
