@@ -198,7 +198,9 @@ class LocalRuntime:
 
 class _ModelFront:
     """Dynamic batching for one (service, operation): requests arriving within ``max_wait_ms`` (up
-    to ``max_batch``) become one action, so the GPU sees batches while callers see single calls."""
+    to ``max_batch``) become one action, so the GPU sees batches while callers see single calls.
+    While as many batches are in flight as the pool could run copies of the model, new requests
+    keep accumulating instead of queueing as small batches: under load, batches grow."""
 
     def __init__(self, runtime: LocalRuntime, model: str, op: str, max_batch: int, max_wait_ms: float,
                  gpus: int) -> None:
@@ -208,6 +210,8 @@ class _ModelFront:
         self.futures: list[asyncio.Future] = []
         self.meta: list[tuple[str, float | None]] = []
         self._timer: asyncio.TimerHandle | None = None
+        self.in_flight = 0
+        self.max_in_flight = max(1, runtime.cluster.total_gpus // gpus)
 
     def call(self, item: list[int], job: str, hint_s: float | None) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
@@ -224,16 +228,20 @@ class _ModelFront:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        if not self.items:
-            return
-        items, futures, meta = self.items, self.futures, self.meta
-        self.items, self.futures, self.meta = [], [], []
+        if not self.items or (self.in_flight >= self.max_in_flight and len(self.items) < self.max_batch):
+            return  # a batch completing flushes what has gathered meanwhile
+        items, futures, meta = self.items[:self.max_batch], self.futures[:self.max_batch], self.meta[:self.max_batch]
+        del self.items[:self.max_batch], self.futures[:self.max_batch], self.meta[:self.max_batch]
+        self.in_flight += 1
         from ..managers.models.manager import ModelCall
         action = Action(self.runtime.new_id("m"), f"model:{self.model}", Demand({"gpu": (self.gpus, self.gpus)}),
                         job=meta[0][0], operation=self.op, hint_s=meta[0][1], payload=ModelCall(self.op, items))
         task = asyncio.get_running_loop().create_task(self.runtime.submit(action))
 
         def deliver(t: asyncio.Task) -> None:
+            self.in_flight -= 1
+            if self.items:
+                self._flush()
             r: ActionResult = t.result()
             for i, fut in enumerate(futures):
                 if not fut.done():
