@@ -86,7 +86,7 @@ def test_ci_runs_the_readme_test_command():
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     readme = (root / "README.md").read_text()
-    command = "python3 -m pip install -e '.[test]' && python3 -m pytest -q"
+    command = "python3 -m pip install -e '.[test,models]' && python3 -m pytest -q"
     assert command in readme
     assert command in (root / ".ci" / "run").read_text()
 
@@ -98,7 +98,7 @@ def test_the_readme_python_example_runs():
     if shutil.which("bwrap") is None:
         pytest.skip("bubblewrap is not installed")
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    code = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "asyncio.run(main())" in b)
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "olleh" in p.stdout and "42" in p.stdout
