@@ -282,7 +282,7 @@ def test_top_shows_the_jobs_of_a_live_server(server):
     assert down.returncode == 2 and "cannot reach" in down.stderr
 
 
-json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False)
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=False, allow_infinity=False)
                            | st.text(max_size=20), lambda c: st.lists(c, max_size=4)
                            | st.dictionaries(st.text(max_size=10), c, max_size=4), max_leaves=12)
 snippets = st.sampled_from(["print(1)", "", "1/0", "import sys; sys.exit(3)", "print('é' * 10)", "x = (",
