@@ -36,3 +36,15 @@ def test_bench_e2e_compares_both_policies(tmp_path):
     assert [x["policy"] for x in r["results"]] == ["tangram", "trajectory-static"]
     assert all(x["num_actions"] == 9 for x in r["results"])
     assert r["comparison"]["trajectory-static"]["act_ratio"] > 0
+
+
+def test_bench_models_runs_on_cpu(tmp_path):
+    pytest.importorskip("torch")
+    out = tmp_path / "m.json"
+    p = tangram("bench", "models", "--device", "cpu", "--requests", "24", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert r["throughput"]["batched_per_s"] > 0 and r["throughput"]["unbatched_per_s"] > 0
+    m = r["mopd"]
+    assert m["services"] == 12 and m["tangram_shared"]["avg_act_s"] > 0
+    assert m["task_isolated_dedicated"]["gpu_seconds_held"] > m["tangram_shared"]["gpu_seconds_held"]

@@ -340,3 +340,24 @@ def test_verl_tool_keeps_state_across_turns_and_reward_scores_tests(server, monk
     solution = "Here you go:\n```python\na, b = map(int, input().split())\nprint(a + b)\n```"
     truth = json.dumps({"inputs": ["1 2", "3 4", "5 5"], "outputs": ["3", "7", "11"]})
     assert compute_score("codecontests", solution, truth, url=server.url) == pytest.approx(2 / 3)
+
+
+def test_model_services_over_http(tmp_path):
+    pytest.importorskip("torch")
+    from arl_tangram.client import TangramClient
+
+    s = Server(tmp_path, config={"models": [
+        {"name": "rm", "loader": "arl_tangram.managers.models.tiny:reward_model"},
+        {"name": "teacher", "loader": "arl_tangram.managers.models.tiny:teacher_model", "kwargs": {"seed": 3}}]})
+    try:
+        with TangramClient(s.url) as c:
+            r = c.score("rm", [1, 2, 3])
+            assert r.outcome == "ok" and isinstance(r.value, float)
+            lp = c.logprobs("teacher", [5, 6, 7, 8])
+            assert lp.outcome == "ok" and len(lp.value) == 3 and all(v < 0 for v in lp.value)
+            bad = c.score("rm", [1, 10**9])
+            assert bad.outcome == "rejected" and "out of range" in bad.message
+        assert httpx.post(f"{s.url}/v1/models/ghost/score", json={"tokens": [1]}).status_code == 404
+        assert httpx.post(f"{s.url}/v1/models/rm/score", json={"tokens": "abc"}).status_code == 422
+    finally:
+        s.stop()

@@ -105,3 +105,16 @@ class JobStats(BaseModel):
 
 class Error(BaseModel):
     message: str
+
+
+class ModelRequest(BaseModel):
+    tokens: list[int] = Field(..., description="token ids of one sequence")
+    job: str = Field("default", min_length=1, max_length=200)
+    hint_s: Optional[float] = Field(None, ge=0)
+
+
+class ModelResult(BaseModel):
+    outcome: OutcomeName
+    message: str = ""
+    value: Optional[float | list[float]] = None
+    act_s: float = 0.0

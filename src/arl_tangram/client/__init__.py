@@ -127,6 +127,15 @@ class TangramClient:
             for f in as_completed(futures):
                 yield f.result()
 
+    def score(self, model: str, tokens: list[int], job: str = "default") -> v1.ModelResult:
+        """A reward model's scalar for one sequence (the server batches concurrent calls)."""
+        return v1.ModelResult.model_validate(self._call("POST", f"/v1/models/{model}/score",
+                                                        json={"tokens": tokens, "job": job}))
+
+    def logprobs(self, model: str, tokens: list[int], job: str = "default") -> v1.ModelResult:
+        return v1.ModelResult.model_validate(self._call("POST", f"/v1/models/{model}/logprobs",
+                                                        json={"tokens": tokens, "job": job}))
+
     def session(self, job: str = "default", trajectory: str | None = None) -> "ClientSession":
         info = self._call("POST", "/v1/sessions", json={"job": job, "trajectory": trajectory})
         return ClientSession(self, info["session_id"])

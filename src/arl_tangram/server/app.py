@@ -166,6 +166,16 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
         await service.close_session(session_id)
         return Response(status_code=204)
 
+    @app.post("/v1/models/{model}/score", response_model=v1.ModelResult, tags=["models"], dependencies=guarded,
+              responses={404: {"model": v1.Error}})
+    async def score(model: str, req: v1.ModelRequest) -> v1.ModelResult:
+        return await service.model_call(model, "score", req)
+
+    @app.post("/v1/models/{model}/logprobs", response_model=v1.ModelResult, tags=["models"], dependencies=guarded,
+              responses={404: {"model": v1.Error}})
+    async def logprobs(model: str, req: v1.ModelRequest) -> v1.ModelResult:
+        return await service.model_call(model, "logprobs", req)
+
     @app.get("/v1/jobs", response_model=list[v1.JobStats], tags=["stats"], dependencies=guarded)
     async def jobs() -> list[v1.JobStats]:
         return service.all_jobs()

@@ -16,6 +16,16 @@ class ConfigError(ValueError):
     pass
 
 
+class ModelService(BaseModel):
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    loader: str = Field(..., pattern=r"^[A-Za-z0-9_.]+:[A-Za-z0-9_]+$", description="module:function")
+    kwargs: dict = Field(default_factory=dict)
+    gpus: int = Field(1, ge=1)
+    memory_gb: float | None = Field(None, gt=0)
+    max_batch: int = Field(16, ge=1)
+    max_wait_ms: float = Field(5.0, ge=0)
+
+
 class ServeConfig(BaseModel):
     policy: str = Field("tangram", description="scheduling policy (tangram, fifo, trajectory-static, task-isolated)")
     cores: int | None = Field(None, ge=1, description="cores to schedule (default: this process's CPUs)")
@@ -24,6 +34,10 @@ class ServeConfig(BaseModel):
     max_body_mb: float = Field(32, gt=0, description="largest request body accepted (HTTP 413 above)")
     drain_s: float = Field(10.0, ge=0, description="on shutdown, how long running actions may finish")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    models: list[ModelService] = Field(default_factory=list, description="model services to serve on the GPUs "
+                                                                          "(or CPU devices without CUDA)")
+    gpus: int | None = Field(None, ge=1, description="GPUs to schedule (default: all visible; CPU devices: 1)")
+    gpu_memory_gb: float | None = Field(None, gt=0, description="memory per GPU (default: the device's)")
 
 
 def load(path: Path) -> ServeConfig:
@@ -56,6 +70,11 @@ def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = Non
 
     path = Path(journal or cfg.journal or default_journal())
     path.parent.mkdir(parents=True, exist_ok=True)
-    runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores)
+    models = None
+    if cfg.models:
+        from ..managers.models.manager import ModelServiceConfig
+        models = [ModelServiceConfig(**m.model_dump()) for m in cfg.models]
+    runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores, models=models, gpus=cfg.gpus,
+                           gpu_memory_gb=cfg.gpu_memory_gb)
     service = Service(runtime, Journal(str(path)), cfg.max_queue, cfg.drain_s)
     return create_app(service, token=token, max_body_bytes=int(cfg.max_body_mb * (1 << 20)))

@@ -239,6 +239,19 @@ class Service:
         del self.sessions[sid]
         self.metrics.sessions.set(len(self.sessions))
 
+    # -- models ----------------------------------------------------------------------------------
+    async def model_call(self, name: str, op: str, req: v1.ModelRequest) -> v1.ModelResult:
+        if self.runtime.models is None or (name not in self.runtime.models.loaded
+                                           and name not in self.runtime.models.failed):
+            raise NotFound(f"no model service {name!r}")
+        self._admit()
+        call = self.tg.score if op == "score" else self.tg.logprobs
+        r = await call(name, req.tokens, job=req.job, hint_s=req.hint_s)
+        self.metrics.actions.labels(f"model:{name}", r.outcome.value).inc()
+        if r.outcome is not Outcome.REJECTED:
+            self.metrics.act.labels(f"model:{name}").observe(r.act_s)
+        return v1.ModelResult(outcome=r.outcome.value, message=r.message, value=r.result, act_s=r.act_s)
+
     # -- stats -----------------------------------------------------------------------------------
     def job_stats(self, job: str) -> v1.JobStats:
         acts = sorted(self._acts.get(job, ()))
