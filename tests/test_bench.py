@@ -38,6 +38,7 @@ def test_bench_e2e_compares_both_policies(tmp_path):
     assert r["comparison"]["trajectory-static"]["act_ratio"] > 0
 
 
+@pytest.mark.slow
 def test_bench_models_runs_on_cpu(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "m.json"
