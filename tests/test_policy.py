@@ -1,6 +1,6 @@
 """The real policies' decisions on small hand-built pools."""
 
-from arl_tangram.core import ApiQuota, Demand, ModelSpec, Outcome, uniform_cluster
+from arl_tangram.core import ApiQuota, ModelSpec, Outcome, uniform_cluster
 from arl_tangram.core.cluster import Cluster, CpuNode, GpuNode
 from arl_tangram.policy import Costs, TaskIsolatedPolicy, TrajectoryStaticPolicy, fifo_policy, tangram_policy
 

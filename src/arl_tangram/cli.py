@@ -84,7 +84,7 @@ def simulate(
     export_trace: Optional[Path] = typer.Option(None, help="Also write the workload as a JSONL trace here."),
 ) -> None:
     """Compare scheduling policies on a simulated cluster (the real engine on a virtual clock)."""
-    from .sim.compare import BASELINES, comparison, min_scale, run_policy
+    from .sim.compare import BASELINES, comparison, run_policy
     from .sim.trace import TraceError, dump_trace, load_trace
     from .sim.workloads import generate
     from .report import plot, print_summary, results_table

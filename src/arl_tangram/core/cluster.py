@@ -9,7 +9,7 @@ that placement knows their weights and instance size.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True, slots=True)

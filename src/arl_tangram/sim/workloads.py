@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Callable
 
 from ..core.cluster import ApiQuota, Cluster, ModelSpec, uniform_cluster
