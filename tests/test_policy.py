@@ -353,3 +353,17 @@ def test_static_gpu_partitions_preload_and_refuse_to_overflow(harness):
     assert h.schedule()["x"].setup == ""  # preloaded
     with pytest.raises(InfeasiblePolicy):
         harness(gpu_cluster(1, island=1, models=models), TaskIsolatedPolicy())
+
+
+def test_an_id_in_flight_cannot_be_submitted_twice(harness):
+    import pytest
+    from arl_tangram.core import InvalidAction
+    h = harness(cpu_cluster(1), tangram_policy())
+    h.submit("same")
+    with pytest.raises(InvalidAction) as e:
+        h.submit("same")
+    assert e.value.field == "id"
+    h.schedule()
+    h.complete("same")
+    h.submit("same")  # finished ids are the journal's business, not the engine's memory
+    assert "same" in h.engine.pending

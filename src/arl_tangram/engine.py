@@ -10,6 +10,7 @@ listeners; a second completion of the same action is refused (``KeyError``), nev
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 from typing import Callable, Iterable, Mapping, Protocol
 
@@ -45,7 +46,7 @@ class Usage:
         self.t = 0.0
         self.cpu_held = self.gpu_held = self.cpu_running = self.gpu_running = 0
         self.cpu_held_s = self.gpu_held_s = 0.0
-        self.series: list[tuple[float, int, int, int, int]] = []
+        self.series: deque[tuple[float, int, int, int, int]] = deque(maxlen=1_000_000)  # bounded for servers
         self.sample_every_s = sample_every_s
         self._next_sample = 0.0
 
@@ -89,8 +90,6 @@ class Engine:
         self.usage = Usage(sample_every_s)
         self.listeners: list[Callable[[Finished], None]] = []
         self.loading: dict[str, tuple] = {}  # prefetch key -> (instance, gpus)
-        self._known: set[str] = set()
-        self._idle_reserved_at: dict[str, float] = {}
         now = clock.now()
         for q in self.quotas.values():
             q.t_last = now
@@ -102,12 +101,11 @@ class Engine:
         """Accept ``action`` (None) or reject it at once with a message naming the field."""
         now = self.clock.now()
         action.submitted_at = now
-        if action.id in self._known:
-            raise InvalidAction("id", f"action {action.id!r} was already submitted")
+        if action.id in self.pending or action.id in self.running:
+            raise InvalidAction("id", f"action {action.id!r} is already in flight")
         problem = self._validate(action)
         if problem is not None:
             return self._finish_unstarted(action, Outcome.REJECTED, problem, now, register=False)
-        self._known.add(action.id)
         self.pending[action.id] = action
         self.policy.on_submit(action, now)
         return None
