@@ -359,3 +359,18 @@ def test_unshare_fallback_still_isolates():
 def test_isolation_none_runs_only_when_asked_for():
     r = run(lambda tg: tg.run("print('trusted')"), isolation="none")
     assert r.outcome is Outcome.OK and r.stdout == "trusted\n"
+
+
+@needs_cgroups
+def test_groups_left_by_a_killed_process_are_removed_at_start():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    root = open_root(tag=f"tangram-{dead.pid}")  # as if that process had died mid-run
+    stale = list(root.dirs.values())
+    for d in stale:
+        (d / "sb-old").mkdir()
+    fresh = open_root(tag=f"tangram-test-{os.getpid()}")
+    try:
+        assert not any(d.exists() for d in stale)
+    finally:
+        fresh.cleanup()

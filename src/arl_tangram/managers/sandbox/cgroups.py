@@ -198,6 +198,14 @@ def _own_cgroups(proc_self_cgroup: str) -> dict[str, str]:
     return out
 
 
+def _reap_stale(parent_dir: Path, v2: bool) -> None:
+    """Remove the groups of earlier processes that died without cleaning up (a killed server)."""
+    for d in parent_dir.glob("tangram-*"):
+        pid = d.name[len("tangram-"):]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            CgroupRoot({"x": d}, v2).cleanup()
+
+
 def open_root(mount: str | Path = "/sys/fs/cgroup", self_cgroup: str | None = None,
               tag: str | None = None) -> CgroupRoot | None:
     """A writable place for sandbox groups, or None (with a warning) where there is none."""
@@ -216,6 +224,7 @@ def open_root(mount: str | Path = "/sys/fs/cgroup", self_cgroup: str | None = No
             if missing:
                 raise OSError(f"controllers {sorted(missing)} are not delegated to us")
             base = mount / own.get("", "/").lstrip("/")
+            _reap_stale(base, True)
             parent = base / tag
             parent.mkdir(exist_ok=True)
             (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in ("cpuset", "memory", "pids")
@@ -226,6 +235,7 @@ def open_root(mount: str | Path = "/sys/fs/cgroup", self_cgroup: str | None = No
             cdir = mount / c
             if not cdir.is_dir():
                 raise OSError(f"controller {c} is not mounted at {cdir}")
+            _reap_stale(cdir / own.get(c, "/").lstrip("/"), False)
             parent = cdir / own.get(c, "/").lstrip("/") / tag
             parent.mkdir(exist_ok=True)
             dirs[c] = parent
