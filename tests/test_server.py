@@ -361,3 +361,13 @@ def test_model_services_over_http(tmp_path):
         assert httpx.post(f"{s.url}/v1/models/rm/score", json={"tokens": "abc"}).status_code == 422
     finally:
         s.stop()
+
+
+def test_client_retries_transport_errors_and_gives_up_cleanly():
+    from arl_tangram.client import TangramClient
+    port = free_port()  # nothing listens there
+    t = time.time()
+    with TangramClient(f"http://127.0.0.1:{port}", retries=2, backoff_s=0.05) as c:
+        with pytest.raises(httpx.TransportError):
+            c.health()
+    assert time.time() - t >= 0.05 * 0.5 * (1 + 2)  # two backoffs happened

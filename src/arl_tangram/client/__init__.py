@@ -53,6 +53,25 @@ def _delay(attempt: int, response: httpx.Response | None, base: float) -> float:
     return base * 2 ** attempt * random.uniform(0.5, 1.5)
 
 
+def _decide(attempt: int, retries: int, response: httpx.Response | None, error: Exception | None,
+            backoff_s: float) -> tuple[bool, float, dict | None]:
+    """One attempt's verdict, shared by both clients: (done, delay before the next try, body).
+    Raises the transport error or ``TangramError`` when there is nothing left to try."""
+    retryable = error is not None or response.status_code in RETRY_STATUS
+    if not retryable:
+        return True, 0.0, _check(response)
+    if attempt == retries:
+        if error is not None:
+            raise error
+        return True, 0.0, _check(response)
+    return False, _delay(attempt, response, backoff_s), None
+
+
+def _retry_id(req: dict, attempt: int) -> dict:
+    """A new attempt of a one-shot run after an infra_error: a derived id, so it really runs."""
+    return {**req, "id": f"{req['id'].split('~')[0]}~{attempt + 1}"}
+
+
 def _check(r: httpx.Response) -> dict | None:
     if r.status_code == 204:
         return None
@@ -83,17 +102,15 @@ class TangramClient:
 
     def _call(self, method: str, url: str, **kw) -> dict | None:
         for attempt in range(self.retries + 1):
-            response = None
+            response, error = None, None
             try:
                 response = self.http.request(method, url, **kw)
-                if response.status_code not in RETRY_STATUS:
-                    return _check(response)
-            except httpx.TransportError:
-                if attempt == self.retries:
-                    raise
-            if attempt == self.retries:
-                return _check(response)
-            time.sleep(_delay(attempt, response, self.backoff_s))
+            except httpx.TransportError as e:
+                error = e
+            done, delay, body = _decide(attempt, self.retries, response, error, self.backoff_s)
+            if done:
+                return body
+            time.sleep(delay)
         raise AssertionError("unreachable")
 
     def run_code(self, code: str, language: str = "python", *, id: str | None = None, job: str = "default",
@@ -104,7 +121,7 @@ class TangramClient:
             result = v1.ActionResult.model_validate(self._call("POST", "/v1/actions", json=req))
             if result.outcome != "infra_error" or attempt == self.retries:
                 return result
-            req = {**req, "id": f"{req['id'].split('~')[0]}~{attempt + 1}"}
+            req = _retry_id(req, attempt)
             time.sleep(_delay(attempt, None, self.backoff_s))
         return result
 
@@ -197,17 +214,15 @@ class AsyncTangramClient:
 
     async def _call(self, method: str, url: str, **kw) -> dict | None:
         for attempt in range(self.retries + 1):
-            response = None
+            response, error = None, None
             try:
                 response = await self.http.request(method, url, **kw)
-                if response.status_code not in RETRY_STATUS:
-                    return _check(response)
-            except httpx.TransportError:
-                if attempt == self.retries:
-                    raise
-            if attempt == self.retries:
-                return _check(response)
-            await asyncio.sleep(_delay(attempt, response, self.backoff_s))
+            except httpx.TransportError as e:
+                error = e
+            done, delay, body = _decide(attempt, self.retries, response, error, self.backoff_s)
+            if done:
+                return body
+            await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
     async def run_code(self, code: str, language: str = "python", *, id: str | None = None, job: str = "default",
@@ -217,7 +232,7 @@ class AsyncTangramClient:
             result = v1.ActionResult.model_validate(await self._call("POST", "/v1/actions", json=req))
             if result.outcome != "infra_error" or attempt == self.retries:
                 return result
-            req = {**req, "id": f"{req['id'].split('~')[0]}~{attempt + 1}"}
+            req = _retry_id(req, attempt)
             await asyncio.sleep(_delay(attempt, None, self.backoff_s))
         return result
 
