@@ -371,3 +371,16 @@ def test_client_retries_transport_errors_and_gives_up_cleanly():
         with pytest.raises(httpx.TransportError):
             c.health()
     assert time.time() - t >= 0.05 * 0.5 * (1 + 2)  # two backoffs happened
+
+
+def test_sandboxfusion_runs_are_journaled_whole_for_recovery(server):
+    files = {"in.txt": base64.b64encode(b"data").decode()}
+    r = httpx.post(f"{server.url}/run_code", json={"code": "print(open('in.txt').read())", "language": "python",
+                                                   "files": files}, timeout=30).json()
+    assert r["status"] == "Success" and r["run_result"]["stdout"] == "data\n"
+    db = sqlite3.connect(server.journal)
+    job, request = db.execute("SELECT job, request FROM actions WHERE id LIKE 'sf-%' ORDER BY accepted_at DESC "
+                              "LIMIT 1").fetchone()
+    assert job == "sandboxfusion"
+    spec = json.loads(request)
+    assert spec["job"] == "sandboxfusion" and spec["action"]["files"] == files  # a re-run is the same program

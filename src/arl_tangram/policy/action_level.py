@@ -406,7 +406,7 @@ class ActionLevelPolicy:
 
     def _setup_estimate(self, a: Action) -> float:
         if a.pool == GPU and not self.view.gpu.instances.get(a.model or ""):
-            return self._per_gpu_gb(a) / 25.0
+            return self._per_gpu_gb(a) / max(self.view.gpu.h2d_gbps, default=25.0)
         return 0.0
 
     def _note_model_request(self, model: str, now: float, tau: float = 60.0) -> None:

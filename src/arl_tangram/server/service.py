@@ -64,6 +64,10 @@ def _b64decode(field: str, data: str | None) -> bytes:
         raise BadRequest(f"{field}: not valid base64") from None
 
 
+def _decode_files(field: str, files: dict[str, str]) -> dict[str, bytes]:
+    return {p: _b64decode(f"{field}.{p}", d) for p, d in files.items()}
+
+
 def _command(c: CommandResult | None) -> v1.CommandResult | None:
     if c is None:
         return None
@@ -139,23 +143,30 @@ class Service:
             existing = self.journal.accept(id, req.job, "run_code", req.model_dump(), True) if self.journal else None
             if existing is not None and existing.state == "done":
                 return v1.ActionResult.model_validate(existing.response)
+            files = None
             if existing is None:
                 self._admit()
-                for path, data in req.action.files.items():
-                    _b64decode(f"action.files.{path}", data)
-            task = self._inflight.get(id) or self._launch(id, self._run_code(id, req))
+                files = _decode_files("action.files", req.action.files)  # a bad file fails before it is queued
+            task = self._inflight.get(id) or self._launch(id, self._run_code(id, req, files))
         if not req.wait:
             return self.status(id)
         return await asyncio.shield(task)
 
-    async def _run_code(self, id: str, req: v1.ActionRequest) -> v1.ActionResult:
+    async def _run_code(self, id: str, req: v1.ActionRequest,
+                        files: dict[str, bytes] | None = None) -> v1.ActionResult:
+        return (await self._execute(id, req, files))[1]
+
+    async def _execute(self, id: str, req: v1.ActionRequest,
+                       files: dict[str, bytes] | None = None) -> tuple[ActionResult, v1.ActionResult]:
+        """Run a journaled one-shot (native, SandboxFusion or recovered) and record its outcome."""
         a = req.action
-        files = {p: _b64decode(f"action.files.{p}", d) for p, d in a.files.items()}
+        if files is None:
+            files = _decode_files("action.files", a.files)
         r = await self.tg.run(a.code, a.language, stdin=a.stdin, files=files, fetch_files=a.fetch_files,
                               timeout_s=a.timeout_s, compile_timeout_s=a.compile_timeout_s, memory_mb=a.memory_mb,
                               cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction, job=req.job,
                               hint_s=req.hints.work_s, id=id, operation=req.hints.operation)
-        return self._record(r, req.job, "run_code")
+        return r, self._record(r, req.job, "run_code")
 
     def _record(self, r: ActionResult, job: str, service: str) -> v1.ActionResult:
         out = v1.ActionResult(
@@ -223,8 +234,7 @@ class Service:
 
     async def put_files(self, sid: str, req: v1.PutFiles) -> v1.ActionResult:
         s = self._session(sid)
-        files = {p: _b64decode(f"files.{p}", d) for p, d in req.files.items()}
-        r = await s.files(Files(put=files))
+        r = await s.files(Files(put=_decode_files("files", req.files)))
         return self._record(r, s.job, "files")
 
     async def get_files(self, sid: str, paths: list[str]) -> v1.GotFiles:
@@ -280,23 +290,22 @@ class Service:
                                       message=f"language {req.language!r} is known but this server has no "
                                               "toolchain for it")
         self._admit()
-        files = {p: _b64decode(f"files.{p}", d) for p, d in req.files.items() if d is not None}
+        given = {p: d for p, d in req.files.items() if d is not None}
+        files = _decode_files("files", given)
         id = f"sf-{uuid.uuid4().hex}"
-        spec = v1.ActionRequest(id=id, action=v1.RunCodeAction(
-            code=req.code, language=req.language, stdin=req.stdin, files={}, fetch_files=req.fetch_files,
+        # journaled whole (files included) so that a recovery re-run is the same program
+        spec = v1.ActionRequest(id=id, job="sandboxfusion", action=v1.RunCodeAction(
+            code=req.code, language=req.language, stdin=req.stdin, files=given, fetch_files=req.fetch_files,
             compile_timeout_s=req.compile_timeout, timeout_s=req.run_timeout,
             memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None))
         if self.journal is not None:
-            self.journal.accept(id, "sandboxfusion", "run_code", spec.model_dump(), True)
-        r = await self.tg.run(req.code, req.language, stdin=req.stdin, files=files, fetch_files=req.fetch_files,
-                              timeout_s=req.run_timeout, compile_timeout_s=req.compile_timeout,
-                              memory_mb=spec.action.memory_mb, job="sandboxfusion", id=id)
-        self._record(r, "sandboxfusion", "run_code")
+            self.journal.accept(id, spec.job, "run_code", spec.model_dump(), True)
+        r, _ = await self._execute(id, spec, files)
         return sf_response(r)
 
     async def sf_run_jupyter(self, req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:
         self._admit()
-        files = {p: _b64decode(f"files.{p}", d) for p, d in req.files.items() if d is not None}
+        files = _decode_files("files", {p: d for p, d in req.files.items() if d is not None})
         s = await self.tg.session(job="sandboxfusion")
         start = time.monotonic()
         cells: list[sf.CellRunResult] = []

@@ -27,12 +27,6 @@ class Group:
         self.dirs = dirs
         self.v2 = v2
 
-    def _write(self, controller: str, fname: str, value: str) -> None:
-        (self.dirs[controller] / fname).write_text(value)
-
-    def _read(self, controller: str, fname: str) -> str:
-        return (self.dirs[controller] / fname).read_text()
-
     def _dir(self, controller: str) -> Path:
         return self.dirs["unified" if self.v2 else controller]
 

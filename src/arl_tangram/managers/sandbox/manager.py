@@ -13,6 +13,8 @@ import base64
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -175,14 +177,12 @@ class SandboxManager:
         if self.root is not None:
             self.root.cleanup()
         for d in self._hostdirs:
-            import shutil
             shutil.rmtree(d, ignore_errors=True)
 
     async def _spawn(self) -> Sandbox:
         sid = f"sb-{next(_SANDBOX_IDS)}-{os.urandom(3).hex()}"  # unique across managers of a process
         workspace = None
         if self.mode is Isolation.NONE:
-            import tempfile
             workspace = tempfile.mkdtemp(prefix="tangram-ws-")
             self._hostdirs.append(workspace)
         argv = command(self.mode, self.layout, workspace=workspace)
@@ -317,8 +317,7 @@ class SandboxManager:
     def _died(self, e: SandboxDied, action: Action, sb: Sandbox | None) -> tuple[Outcome, SandboxResult]:
         if action.trajectory is not None:
             self.sessions.pop(action.trajectory, None)
-        timed_out = "did not answer within" in str(e)
-        if timed_out:  # the runner could not stop the user's code in time: still the code's timeout
+        if e.deadline:  # the runner could not stop the user's code in time: still the code's timeout
             return Outcome.TIMEOUT, SandboxResult(message=f"timeout: {e}")
         return Outcome.INFRA_ERROR, SandboxResult(message=f"sandbox failure: {e}")
 

@@ -13,7 +13,12 @@ from .cgroups import CgroupRoot, Group
 
 
 class SandboxDied(RuntimeError):
-    """The runner is gone (killed at a hard deadline, crashed, or never started)."""
+    """The runner is gone (killed at a hard deadline, crashed, or never started).
+    ``deadline`` is set when we killed it for not answering in time (the user's code's timeout)."""
+
+    def __init__(self, message: str, deadline: bool = False) -> None:
+        super().__init__(message)
+        self.deadline = deadline
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,8 @@ class Sandbox:
                 line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
             except asyncio.TimeoutError:
                 await self.kill()
-                raise SandboxDied(f"sandbox did not answer within {timeout_s:.1f}s and was killed") from None
+                raise SandboxDied(f"sandbox did not answer within {timeout_s:.1f}s and was killed",
+                                  deadline=True) from None
             except (ConnectionError, BrokenPipeError) as e:
                 await self.kill()
                 raise SandboxDied(f"sandbox channel broke: {e}") from None
