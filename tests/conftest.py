@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from arl_tangram.core import Action, Allocation, Demand, ManualClock, Outcome
+from arl_tangram.core.records import Load
+from arl_tangram.core.seam import Completion, Pool
 from arl_tangram.engine import Engine
 
 
@@ -14,6 +16,7 @@ class Recorder:
         self.started: list[tuple[Action, Allocation]] = []
         self.closed: list[str] = []
         self.loading: list[str] = []
+        self.cancelled: list[str] = []
 
     def start(self, action: Action, allocation: Allocation) -> None:
         self.started.append((action, allocation))
@@ -21,15 +24,18 @@ class Recorder:
     def close_session(self, trajectory: str) -> None:
         self.closed.append(trajectory)
 
-    def prefetch(self, key: str, model: str, gpus, per_gpu_gb: float) -> None:
-        self.loading.append(key)
+    def cancel(self, action_id: str) -> None:
+        self.cancelled.append(action_id)
+
+    def prefetch(self, load: Load) -> None:
+        self.loading.append(load.key)
 
 
 class Harness:
     def __init__(self, cluster, policy, **engine_kwargs) -> None:
         self.clock = ManualClock()
         self.rec = Recorder()
-        self.engine = Engine(cluster, policy, {"cpu": self.rec, "gpu": self.rec, "api": self.rec}, self.clock,
+        self.engine = Engine(cluster, policy, {pool: self.rec for pool in Pool}, self.clock,
                              **engine_kwargs)
         self.finished = []
         self.engine.listeners.append(self.finished.append)
@@ -53,7 +59,7 @@ class Harness:
         return {a.id: alloc for a, alloc in new}
 
     def complete(self, id: str, exec_s: float = 1.0, outcome: Outcome = Outcome.OK):
-        return self.engine.complete(id, outcome, exec_s=exec_s)
+        return self.engine.complete(Completion(id, outcome, exec_s=exec_s))
 
     def finish_loads(self) -> None:
         """Complete every prefetch the engine asked for."""

@@ -19,7 +19,7 @@ from typing import Callable
 from ..core.action import Outcome
 from ..managers.sandbox.manager import SandboxConfig
 from ..policy import Profile
-from ..runtime.local import Tangram
+from ..runtime import Tangram
 from ..sim.metrics import percentile
 
 SHORT = [

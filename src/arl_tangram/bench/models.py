@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from ..managers.models.manager import ModelServiceConfig
-from ..runtime.local import Tangram
+from ..runtime import Tangram
 from ..sim.metrics import percentile
 
 TINY = "arl_tangram.managers.models.tiny"

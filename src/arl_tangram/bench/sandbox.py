@@ -17,7 +17,7 @@ import time
 from typing import Callable
 
 from ..managers.sandbox.manager import SandboxConfig
-from ..runtime.local import Tangram
+from ..runtime import Tangram
 
 
 def _pct(values: list[float], q: float) -> float:

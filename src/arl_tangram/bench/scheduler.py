@@ -15,6 +15,7 @@ from typing import Callable
 from ..core.action import Action, Allocation, Demand, Outcome
 from ..core.clock import ManualClock
 from ..core.cluster import uniform_cluster
+from ..core.seam import Completion, Pool
 from ..engine import Engine
 from ..policy import tangram_policy
 
@@ -28,6 +29,9 @@ class _Recorder:
     def start(self, action: Action, allocation: Allocation) -> None:
         self.started.append(action.id)
 
+    def cancel(self, action_id: str) -> None:
+        pass
+
     def close_session(self, trajectory: str) -> None:
         pass
 
@@ -37,7 +41,7 @@ def measure(depth: int, nodes: int = 1000, seconds: float = 2.0) -> float:
     clock = ManualClock()
     cluster = uniform_cluster(cpus=nodes * 64, cpu_nodes=nodes)
     rec = _Recorder()
-    engine = Engine(cluster, tangram_policy(), {"cpu": rec, "gpu": rec, "api": rec}, clock)
+    engine = Engine(cluster, tangram_policy(), {Pool.CPU: rec}, clock)
     ops = ("shell", "script", "test")
     n = 0
 
@@ -63,7 +67,7 @@ def measure(depth: int, nodes: int = 1000, seconds: float = 2.0) -> float:
         for _ in range(256):
             t += 1e-4
             clock.advance_to(t)
-            engine.complete(rec.started.popleft(), Outcome.OK, exec_s=1.0)
+            engine.complete(Completion(rec.started.popleft(), Outcome.OK, exec_s=1.0))
             submit()
             engine.schedule()
         done += 256

@@ -19,7 +19,7 @@ from typing import Callable
 import httpx
 
 from ..managers.sandbox.manager import SandboxConfig
-from ..runtime.local import Tangram
+from ..runtime import Tangram
 from ..sim.metrics import percentile
 
 LEVELS = (1, 8, 32, 1000)

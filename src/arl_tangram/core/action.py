@@ -152,20 +152,29 @@ class Action:
         return (1.0 - p) + p * lo / units
 
 
+class Setup(str, enum.Enum):
+    """The state work a manager does before an action runs."""
+
+    NONE = ""  # nothing: a one-shot, or a session whose sandbox is already thawed for it
+    CREATE = "create"  # a new session's sandbox
+    THAW = "thaw"  # a frozen session's sandbox, on the node that holds it
+    RESTORE = "restore"  # a session moved: its state is brought to the new node
+    LOAD = "load"  # a model's weights copied host -> GPU
+
+
 @dataclass(frozen=True, slots=True)
 class Allocation:
     """Where and with what an action runs: ``units`` are core ids (cpu) or global GPU ids (gpu).
 
-    ``setup`` names the state work the manager does first (``create``, ``thaw``, ``restore``,
-    ``load``); ``evict`` lists model instances (model, gpu ids) dropped from GPU memory to make room;
+    ``setup`` names the state work the manager does first; ``evict`` lists model instances (model, gpu ids) dropped from GPU memory to make room;
     ``reservation`` names the static partition the units came from; ``unmanaged`` API calls were
     not admitted against our quota (the client-side practice of the static baseline).
     """
 
     pool: str
-    node: int = -1
+    node: int | None = None
     units: tuple[int, ...] = ()
-    setup: str = ""
+    setup: Setup = Setup.NONE
     evict: tuple[tuple[str, tuple[int, ...]], ...] = ()
     reservation: str = ""
     unmanaged: bool = False

@@ -11,6 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+#: host-to-GPU copy bandwidth (GB/s) assumed where none is measured: PCIe 4.0 x16 in practice;
+#: `tangram bench models --device cuda` measures ~55 GB/s from pinned memory on PCIe 5.0 (H100/H200)
+DEFAULT_H2D_GBPS = 25.0
+
 
 @dataclass(frozen=True, slots=True)
 class CpuNode:
@@ -27,7 +31,7 @@ class GpuNode:
     gpus: int
     gpu_memory_gb: float = 80.0
     island_size: int = 8
-    h2d_gbps: float = 25.0
+    h2d_gbps: float = DEFAULT_H2D_GBPS
 
     def islands(self) -> list[list[int]]:
         size = min(self.island_size, self.gpus)
@@ -82,6 +86,12 @@ class Cluster:
                 return m
         return None
 
+    def per_gpu_gb(self, model: str, weights_gb: float, gpus: int) -> float:
+        """GPU memory one copy of ``model`` takes on each GPU of its block: the registered spec's,
+        else an unregistered model's ``weights_gb`` spread over its ``gpus``."""
+        spec = self.model(model)
+        return spec.per_gpu_gb() if spec is not None else weights_gb / gpus
+
     def quota(self, name: str) -> ApiQuota | None:
         for q in self.quotas:
             if q.name == name:
@@ -108,7 +118,7 @@ def uniform_cluster(
     memory_gb_per_core: float = 4.0,
     gpu_memory_gb: float = 80.0,
     island_size: int | None = None,
-    h2d_gbps: float = 25.0,
+    h2d_gbps: float = DEFAULT_H2D_GBPS,
     quotas: tuple[ApiQuota, ...] = (),
     models: tuple[ModelSpec, ...] = (),
 ) -> Cluster:

@@ -1,7 +1,9 @@
 """Pool state: which units are free, which sessions live where, which models are GPU-resident.
 
-The engine is the only writer; policies read it to decide. Every mutation checks capacity, so a
-policy bug surfaces as ``CapacityError`` instead of an oversubscribed pool.
+The engine is the only writer, and only through each pool's ledger methods (``admit`` /
+``release`` and their reservation twins), which check capacity and keep the pool's ``Meter`` (units
+held and running, and the integral of units held over time) in step; policies only read. A policy
+bug surfaces as ``CapacityError`` instead of an oversubscribed pool.
 """
 
 from __future__ import annotations
@@ -11,8 +13,28 @@ from dataclasses import dataclass, field
 from .cluster import ApiQuota, CpuNode, GpuNode
 
 
+#: slack for float comparisons of memory and quota tokens (GB, tokens)
+EPS = 1e-9
+
+
 class CapacityError(RuntimeError):
     """A decision asked for more than a pool has: always a bug in the policy, never user error."""
+
+
+class Meter:
+    """Units of one pool held (allocated to an action or reserved) and running, and the integral
+    of held units over time (unit-seconds), advanced by the engine's clock."""
+
+    __slots__ = ("held", "running", "held_s")
+
+    def __init__(self) -> None:
+        self.held = 0
+        self.running = 0
+        self.held_s = 0.0
+
+    def change(self, held: int, running: int) -> None:
+        self.held += held
+        self.running += running
 
 
 class CpuPool:
@@ -34,6 +56,7 @@ class CpuPool:
         self.total_free = self.capacity
         self.homes: dict[str, int] = {}
         self.session_mem: dict[str, float] = {}
+        self.meter = Meter()
 
     def nfree(self, node: int) -> int:
         return len(self.free_cores[node])
@@ -74,10 +97,41 @@ class CpuPool:
         self.total_free += len(cores)
         free.extend(cores)
 
+    # -- the ledger: every change of what is held goes through these ----------------------------
+    def admit(self, node: int, count: int) -> tuple[int, ...]:
+        """``count`` free cores of ``node`` for an action (or more cores for a running one)."""
+        cores = self.take(node, count)
+        self.meter.change(count, count)
+        return cores
+
+    def release(self, node: int, cores: tuple[int, ...]) -> None:
+        self.give(node, cores)
+        self.meter.change(-len(cores), -len(cores))
+
+    def reserve(self, node: int, count: int) -> tuple[int, ...]:
+        """Cores set aside for one owner: held, not running."""
+        cores = self.take(node, count)
+        self.meter.change(count, 0)
+        return cores
+
+    def unreserve(self, node: int, cores: tuple[int, ...]) -> None:
+        self.give(node, cores)
+        self.meter.change(-len(cores), 0)
+
+    def admit_reserved(self, reservation, count: int) -> tuple[int, ...]:
+        """``count`` cores of a reservation for one of its owner's actions (already held)."""
+        cores = reservation.draw(count)
+        self.meter.change(0, count)
+        return cores
+
+    def release_reserved(self, reservation, cores: tuple[int, ...]) -> None:
+        reservation.put_back(cores)
+        self.meter.change(0, -len(cores))
+
     def attach(self, session: str, node: int, mem_gb: float) -> None:
         """Make ``node`` the home of ``session`` (moving its reserved memory there)."""
         self.detach(session)
-        if self.free_mem[node] < mem_gb - 1e-9:
+        if self.free_mem[node] < mem_gb - EPS:
             raise CapacityError(f"node {node} has {self.free_mem[node]:.1f} GB free, session needs {mem_gb:.1f}")
         self.free_mem[node] -= mem_gb
         self.homes[session] = node
@@ -134,6 +188,7 @@ class GpuPool:
         self.total_free = self.capacity
         self.instances: dict[str, list[Instance]] = {}
         self.max_island = max((len(i) for i in self.islands), default=0)
+        self.meter = Meter()
 
     def blocks(self, size: int):
         """Buddy-aligned blocks of ``size`` GPUs inside one island (size need not be a power of
@@ -169,7 +224,7 @@ class GpuPool:
 
     def add_instance(self, model: str, block: tuple[int, ...], per_gpu_gb: float, owner: str = "") -> Instance:
         for g in block:
-            if self.free_gb(g) < per_gpu_gb - 1e-9:
+            if self.free_gb(g) < per_gpu_gb - EPS:
                 raise CapacityError(f"GPU {g} has {self.free_gb(g):.1f} GB free, {model} needs {per_gpu_gb:.1f}")
         inst = Instance(model, block, per_gpu_gb, reserved_by=owner)
         for g in block:
@@ -196,10 +251,39 @@ class GpuPool:
             gpu.busy = action_id
         self.total_free -= len(block)
 
-    def release(self, block: tuple[int, ...]) -> None:
-        for g in block:
+    # -- the ledger ------------------------------------------------------------------------------
+    def admit(self, inst: Instance, owner: str, *, reserved: bool = False) -> None:
+        """Run ``owner`` (an action, or a prefetch's key) on the copy ``inst``: its GPUs become busy;
+        they count as held unless a reservation holds them already."""
+        self.occupy(inst.gpus, owner)
+        inst.busy = owner
+        n = len(inst.gpus)
+        self.meter.change(0 if reserved else n, n)
+
+    def release(self, inst: Instance, now: float, *, reserved: bool = False) -> None:
+        """``inst``'s user is done: the copy stays resident, idle since ``now``."""
+        for g in inst.gpus:
             self.gpus[g].busy = None
-        self.total_free += len(block)
+        self.total_free += len(inst.gpus)
+        inst.busy = None
+        inst.last_used = now
+        n = len(inst.gpus)
+        self.meter.change(0 if reserved else -n, -n)
+
+    def reserve(self, block: tuple[int, ...], key: str) -> None:
+        if not self.idle(block):
+            raise CapacityError(f"GPUs {block} are not free to reserve")
+        for g in block:
+            self.gpus[g].reserved_by = key
+        self.meter.change(len(block), 0)
+
+    def unreserve(self, block: tuple[int, ...], key: str) -> None:
+        for g in block:
+            for inst in self.gpus[g].instances:
+                if inst.reserved_by == key:
+                    inst.reserved_by = ""
+            self.gpus[g].reserved_by = ""
+        self.meter.change(-len(block), 0)
 
     def load_s(self, block: tuple[int, ...], per_gpu_gb: float) -> float:
         """Copying weights host->GPU happens on every GPU of the block in parallel."""
@@ -207,36 +291,44 @@ class GpuPool:
 
 
 class QuotaPool:
-    """An API's token bucket and concurrency slots, advanced by the time it is given."""
+    """An API's token bucket and concurrency slots.
+
+    Reading (``available``, ``next_token_at``) never changes the bucket: the tokens at ``now`` are
+    computed from the last change; only ``admit`` refills and spends. (The first release refilled
+    on every read, so a policy's look changed the state it looked at.)
+    """
 
     __slots__ = ("quota", "tokens", "t_last", "in_use")
 
-    def __init__(self, quota: ApiQuota) -> None:
+    def __init__(self, quota: ApiQuota, now: float = 0.0) -> None:
         self.quota = quota
         self.tokens = quota.bucket
-        self.t_last = 0.0
+        self.t_last = now
         self.in_use = 0
 
-    def refill(self, now: float) -> None:
-        if now > self.t_last:
-            self.tokens = min(self.quota.bucket, self.tokens + (now - self.t_last) * self.quota.rate_per_s)
-            self.t_last = now
+    def tokens_at(self, now: float) -> float:
+        if now <= self.t_last:
+            return self.tokens
+        return min(self.quota.bucket, self.tokens + (now - self.t_last) * self.quota.rate_per_s)
 
     def available(self, now: float) -> bool:
-        self.refill(now)
-        return self.in_use < self.quota.concurrency and self.tokens >= 1.0 - 1e-9
+        return self.in_use < self.quota.concurrency and self.tokens_at(now) >= 1.0 - EPS
 
     def next_token_at(self, now: float) -> float:
-        self.refill(now)
-        if self.tokens >= 1.0 - 1e-9:
+        tokens = self.tokens_at(now)
+        if tokens >= 1.0 - EPS:
             return now
-        return now + (1.0 - self.tokens) / self.quota.rate_per_s
+        return now + (1.0 - tokens) / self.quota.rate_per_s
 
-    def take(self, now: float) -> None:
+    def admit(self, now: float) -> None:
+        """One call starts: a token spent, a concurrency slot taken."""
         if not self.available(now):
             raise CapacityError(f"quota {self.quota.name} exhausted")
-        self.tokens -= 1.0
+        self.tokens = self.tokens_at(now) - 1.0
+        self.t_last = max(self.t_last, now)
         self.in_use += 1
 
-    def give(self) -> None:
+    def release(self) -> None:
+        if self.in_use <= 0:
+            raise CapacityError(f"quota {self.quota.name}: released more calls than were admitted")
         self.in_use -= 1

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from typing import Iterator
 
 from ..core.action import CPU, GPU, Action, Finished
+from ..core.cluster import DEFAULT_H2D_GBPS
 from ..core.pools import Instance
 from .base import Decision, EngineView, Grow, Prefetch, Start
 from .critical import StepTracker
@@ -399,14 +400,11 @@ class ActionLevelPolicy:
 
     # -- estimates and bookkeeping ---------------------------------------------------------------
     def _per_gpu_gb(self, a: Action) -> float:
-        spec = self.view.cluster.model(a.model or "")
-        if spec is not None:
-            return spec.per_gpu_gb()
-        return a.weights_gb / a.demand.ranges[GPU][0]
+        return self.view.cluster.per_gpu_gb(a.model or "", a.weights_gb, a.demand.min(GPU))
 
     def _setup_estimate(self, a: Action) -> float:
         if a.pool == GPU and not self.view.gpu.instances.get(a.model or ""):
-            return self._per_gpu_gb(a) / max(self.view.gpu.h2d_gbps, default=25.0)
+            return self._per_gpu_gb(a) / max(self.view.gpu.h2d_gbps, default=DEFAULT_H2D_GBPS)
         return 0.0
 
     def _note_model_request(self, model: str, now: float, tau: float = 60.0) -> None:

@@ -8,11 +8,12 @@ to the managers once the round is over. Nothing here touches a clock, a thread o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, Protocol
+from typing import Iterable, Mapping, Protocol
 
-from ..core.action import Action, Allocation, Finished
+from ..core.action import Action, Finished
 from ..core.cluster import Cluster
 from ..core.pools import CpuPool, GpuPool, Instance, QuotaPool
+from ..core.records import Load, Reservation, Running
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +23,7 @@ class Start:
     ``unmanaged`` API calls bypass our quota (the client-side practice the static baseline models)."""
 
     action: Action
-    node: int = -1
+    node: int | None = None
     count: int = 1
     block: tuple[int, ...] = ()
     evict: tuple[Instance, ...] = ()
@@ -53,7 +54,7 @@ class Reserve:
 
     key: str
     pool: str
-    node: int = -1
+    node: int | None = None
     count: int = 0
     block: tuple[int, ...] = ()
     model: str = ""
@@ -67,32 +68,23 @@ class Release:
 Decision = Start | Grow | Prefetch | Reserve | Release
 
 
-@dataclass(slots=True, eq=False)
-class Reservation:
-    key: str
-    pool: str
-    node: int
-    units: tuple[int, ...]
-    free: list[int]
-    started_at: float
-
-
-@dataclass(slots=True, eq=False)
-class Running:
-    action: Action
-    allocation: Allocation
-    started_at: float
-    instance: Instance | None = None
-
-
 @dataclass(frozen=True, slots=True)
 class Costs:
-    """What the policy should expect state work to cost (the managers do the real thing)."""
+    """What state work costs: the policy expects it, the simulator's managers charge it (the real
+    managers do the real thing). The defaults model container-style sandboxes at cluster scale:
+    create ~1 s (workspace + namespaces from a warm pool), thaw ms (cgroup freezer), restore ~2 s
+    (a few hundred MB of workspace moved to another node)."""
 
     session_create_s: float = 1.0
     session_thaw_s: float = 0.005
     session_restore_s: float = 2.0
     session_mem_gb: float = 2.0
+
+    @classmethod
+    def local(cls, session_mem_gb: float) -> "Costs":
+        """This machine's bubblewrap sandboxes, as ``tangram bench sandbox`` measures them."""
+        return cls(session_create_s=0.01, session_thaw_s=0.001, session_restore_s=0.01,
+                   session_mem_gb=session_mem_gb)
 
 
 @dataclass(slots=True)
@@ -106,15 +98,26 @@ class Profile:
 
 
 class EngineView(Protocol):
-    cluster: Cluster
-    cpu: CpuPool
-    gpu: GpuPool
-    quotas: Mapping[str, QuotaPool]
-    running: Mapping[str, Running]
-    reservations: Mapping[str, Reservation]
-    loading: Mapping[str, tuple]
-    costs: Costs
-    profile: Profile
+    """What a policy may read of the engine (and must not write: the engine applies decisions)."""
+
+    @property
+    def cluster(self) -> Cluster: ...
+    @property
+    def cpu(self) -> CpuPool: ...
+    @property
+    def gpu(self) -> GpuPool: ...
+    @property
+    def quotas(self) -> Mapping[str, QuotaPool]: ...
+    @property
+    def running(self) -> Mapping[str, Running]: ...
+    @property
+    def reservations(self) -> Mapping[str, Reservation]: ...
+    @property
+    def loading(self) -> Mapping[str, Load]: ...
+    @property
+    def costs(self) -> Costs: ...
+    @property
+    def profile(self) -> Profile: ...
 
 
 class Policy(Protocol):
@@ -122,7 +125,7 @@ class Policy(Protocol):
 
     name: str
 
-    def bind(self, view: EngineView, now: float) -> Iterator[Decision]:
+    def bind(self, view: EngineView, now: float) -> Iterable[Decision]:
         """Called once when the engine starts; may reserve partitions."""
         ...
 
@@ -134,7 +137,7 @@ class Policy(Protocol):
 
     def on_trajectory_end(self, job: str, step: int | None, trajectory: str) -> None: ...
 
-    def schedule(self, now: float) -> Iterator[Decision]: ...
+    def schedule(self, now: float) -> Iterable[Decision]: ...
 
     def next_wakeup(self, now: float) -> float | None:
         """When to call ``schedule`` again even if nothing happens (a quota refilling), or None."""

@@ -1,5 +1,9 @@
-"""Runtimes drive the engine with a real clock and real managers (local: asyncio, in-process)."""
+"""Runtimes drive the engine with a real clock and real managers: ``local`` (asyncio, this
+machine) behind the embedded API of ``api`` (``Tangram``, ``Session``)."""
 
-from .local import ActionResult, LocalRuntime, Session, Tangram
+from .api import Session, Tangram
+from .base import ActionResult, Runtime, Snapshot
+from .host import LocalHost
+from .local import LocalRuntime
 
-__all__ = ["ActionResult", "LocalRuntime", "Session", "Tangram"]
+__all__ = ["ActionResult", "LocalHost", "LocalRuntime", "Runtime", "Session", "Snapshot", "Tangram"]

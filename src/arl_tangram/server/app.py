@@ -193,10 +193,9 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
 
     @app.get("/healthz", tags=["stats"])
     async def healthz() -> dict:
-        e = service.runtime.engine
-        return {"status": "ok", "version": __version__, "queued": len(e.pending), "running": len(e.running),
-                "cores": service.runtime.cluster.total_cores, "sessions": len(service.sessions),
-                "isolation": service.runtime.sandboxes.mode.value if service.runtime.sandboxes.mode else None,
+        snap = service.runtime.snapshot()
+        return {"status": "ok", "version": __version__, "queued": snap.queued, "running": snap.running,
+                "cores": snap.cores, "sessions": len(service.sessions), "isolation": snap.isolation,
                 "recovered": service.recovered}
 
     return app

@@ -7,9 +7,10 @@ import os
 import tomllib
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from ..managers.sandbox.manager import SandboxConfig
+from ..policy import POLICIES
 
 
 class ConfigError(ValueError):
@@ -27,7 +28,7 @@ class ModelService(BaseModel):
 
 
 class ServeConfig(BaseModel):
-    policy: str = Field("tangram", description="scheduling policy (tangram, fifo, trajectory-static, task-isolated)")
+    policy: str = Field("tangram", description=f"scheduling policy ({', '.join(POLICIES)})")
     cores: int | None = Field(None, ge=1, description="cores to schedule (default: this process's CPUs)")
     journal: str | None = Field(None, description="SQLite journal path (default ~/.local/state/arl-tangram/...)")
     max_queue: int = Field(10_000, ge=1, description="waiting actions before new ones get HTTP 429")
@@ -38,6 +39,13 @@ class ServeConfig(BaseModel):
                                                                           "(or CPU devices without CUDA)")
     gpus: int | None = Field(None, ge=1, description="GPUs to schedule (default: all visible; CPU devices: 1)")
     gpu_memory_gb: float | None = Field(None, gt=0, description="memory per GPU (default: the device's)")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        if v not in POLICIES:
+            raise ValueError(f"unknown policy {v!r} (known: {', '.join(POLICIES)})")
+        return v
 
 
 def load(path: Path) -> ServeConfig:
@@ -62,8 +70,10 @@ def default_journal() -> Path:
     return base / "arl-tangram" / "journal.sqlite3"
 
 
-def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = None):
-    from ..runtime.local import LocalRuntime
+def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = None, sandboxes=True):
+    """The ASGI app of ``tangram serve``; ``sandboxes`` may name another sandbox manager factory
+    (tests serve over an in-process double this way)."""
+    from ..runtime import LocalRuntime
     from .app import create_app
     from .journal import Journal
     from .service import Service
@@ -75,6 +85,6 @@ def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = Non
         from ..managers.models.manager import ModelServiceConfig
         models = [ModelServiceConfig(**m.model_dump()) for m in cfg.models]
     runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores, models=models, gpus=cfg.gpus,
-                           gpu_memory_gb=cfg.gpu_memory_gb)
+                           gpu_memory_gb=cfg.gpu_memory_gb, sandboxes=sandboxes)
     service = Service(runtime, Journal(str(path)), cfg.max_queue, cfg.drain_s)
     return create_app(service, token=token, max_body_bytes=int(cfg.max_body_mb * (1 << 20)))

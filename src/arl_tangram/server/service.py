@@ -21,7 +21,7 @@ from ..api import v1
 from ..core.action import Outcome
 from ..managers.sandbox import languages
 from ..managers.sandbox.manager import CommandResult, Files
-from ..runtime.local import ActionResult, LocalRuntime, Session, Tangram
+from ..runtime import ActionResult, Runtime, Session, Tangram
 from .journal import Journal
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def _command(c: CommandResult | None) -> v1.CommandResult | None:
 
 
 class Service:
-    def __init__(self, runtime: LocalRuntime, journal: Journal | None = None, max_queue: int = 10_000,
+    def __init__(self, runtime: Runtime, journal: Journal | None = None, max_queue: int = 10_000,
                  drain_s: float = 10.0) -> None:
         self.runtime = runtime
         self.tg = Tangram(runtime)
@@ -93,8 +93,8 @@ class Service:
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
-        await self.runtime.__aenter__()
-        self.metrics.cores.set(self.runtime.cluster.total_cores)
+        await self.runtime.start()
+        self.metrics.cores.set(self.runtime.snapshot().cores)
         if self.journal is not None:
             self._recover()
 
@@ -127,7 +127,7 @@ class Service:
 
     # -- actions ---------------------------------------------------------------------------------
     def _admit(self) -> None:
-        if len(self.runtime.engine.pending) >= self.max_queue:
+        if self.runtime.snapshot().queued >= self.max_queue:
             raise Overloaded(retry_after_s=1)
 
     def _launch(self, id: str, coro) -> asyncio.Task:
@@ -185,7 +185,7 @@ class Service:
 
     def status(self, id: str) -> v1.ActionResult:
         if id in self._inflight:
-            state = "queued" if id in self.runtime.engine.pending else "running"
+            state = "queued" if self.runtime.state_of(id) == "queued" else "running"
             return v1.ActionResult(id=id, state=state)
         entry = self.journal.get(id) if self.journal else None
         if entry is None:
@@ -195,7 +195,7 @@ class Service:
         return v1.ActionResult.model_validate(entry.response)
 
     async def cancel(self, id: str) -> v1.ActionResult:
-        if self.runtime.engine.cancel(id) is None and id not in self._inflight:
+        if not self.runtime.cancel(id) and id not in self._inflight:
             self.status(id)  # raises NotFound for unknown ids
         task = self._inflight.get(id)
         if task is not None:
@@ -251,8 +251,8 @@ class Service:
 
     # -- models ----------------------------------------------------------------------------------
     async def model_call(self, name: str, op: str, req: v1.ModelRequest) -> v1.ModelResult:
-        if self.runtime.models is None or (name not in self.runtime.models.loaded
-                                           and name not in self.runtime.models.failed):
+        models = getattr(self.runtime, "models", None)
+        if models is None or (name not in models.loaded and name not in models.failed):
             raise NotFound(f"no model service {name!r}")
         self._admit()
         call = self.tg.score if op == "score" else self.tg.logprobs
@@ -278,10 +278,10 @@ class Service:
         return [self.job_stats(job) for job in sorted(set(self._acts) | set(self._outcomes))]
 
     def refresh_gauges(self) -> None:
-        e = self.runtime.engine
-        self.metrics.queue.set(len(e.pending))
-        self.metrics.running.set(len(e.running))
-        self.metrics.cores_held.set(e.usage.cpu_held)
+        snap = self.runtime.snapshot()
+        self.metrics.queue.set(snap.queued)
+        self.metrics.running.set(snap.running)
+        self.metrics.cores_held.set(snap.cores_held)
 
     # -- SandboxFusion ---------------------------------------------------------------------------
     async def sf_run_code(self, req: sf.RunCodeRequest) -> sf.RunCodeResponse:

@@ -7,12 +7,14 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
-from ..core.action import CPU, GPU, Action, Demand, Finished, Outcome
+from ..core.action import Action, Demand, Finished, Outcome
 from ..core.clock import ManualClock
 from ..core.cluster import Cluster
+from ..core.seam import Pool, Report
+from ..driver import Driver
 from ..engine import Engine
 from ..policy import Costs, Policy, Profile
-from .managers import SandboxCosts, SimApiManager, SimModelManager, SimSandboxManager
+from .managers import SimApiManager, SimModelManager, SimSandboxManager
 from .workload import ActionSpec, TrajectorySpec, Workload
 
 
@@ -48,25 +50,23 @@ class Simulator:
     """Runs ``workload`` on ``cluster`` under ``policy``; deterministic for a given seed."""
 
     def __init__(self, workload: Workload, cluster: Cluster, policy: Policy, *, seed: int = 0,
-                 sandbox_costs: SandboxCosts = SandboxCosts(), session_mem_gb: float = 2.0,
-                 sample_every_s: float = 1.0, progress: Callable[[int], None] | None = None) -> None:
+                 costs: Costs = Costs(), sample_every_s: float = 1.0,
+                 progress: Callable[[int], None] | None = None) -> None:
         self.workload = workload
         self.cluster = cluster
         self.policy = policy
         self.clock = ManualClock()
         self._events: list = []
         self._seq = itertools.count()
-        self._wake_at: float | None = None
         self.progress = progress
-        costs = Costs(sandbox_costs.create_s, sandbox_costs.thaw_s, sandbox_costs.restore_s, session_mem_gb)
         profile = Profile(workload.unit_seconds(), workload.model_seconds(), workload.concurrent_trajectories())
-        managers: dict = {}
+        at, clock, sink = self.at, self.clock, self._report
+        self.api = SimApiManager(at, clock, sink, cluster.quotas, seed)
+        managers = {Pool.CPU: SimSandboxManager(at, clock, sink, costs),
+                    Pool.GPU: SimModelManager(at, clock, sink, cluster), Pool.API: self.api}
         self.engine = Engine(cluster, policy, managers, self.clock, costs=costs, profile=profile,
                              sample_every_s=sample_every_s)
-        managers[CPU] = SimSandboxManager(self.engine, self.at, sandbox_costs)
-        managers[GPU] = SimModelManager(self.engine, self.at)
-        self.api = SimApiManager(self.engine, self.at, cluster.quotas, seed)
-        managers["api"] = self.api
+        self.driver = Driver(self.engine, lambda t: self.at(t, _noop))
         self.engine.listeners.append(self._on_finished)
         self.finished: list[Finished] = []
         self.steps: list[tuple[str, int, float, float]] = []
@@ -78,12 +78,17 @@ class Simulator:
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
 
+    def _report(self, r: Report) -> None:
+        """The managers' sink: reports apply at once; the round runs once the instant is over."""
+        self.engine.report(r)
+
     def run(self) -> SimResult:
         for j in range(len(self.workload.jobs)):
             self._start_step(j, 0)
         events = self._events
         engine = self.engine
         clock = self.clock
+        tick = self.driver.tick
         n = 0
         progress = self.progress
         while events:
@@ -94,12 +99,7 @@ class Simulator:
             if progress is not None and n % 4096 == 0:
                 progress(len(self.finished))
             if not events or events[0][0] > t:
-                engine.schedule()
-                wake = engine.next_wakeup()
-                if wake is not None and wake > t + 1e-9 and (self._wake_at is None or self._wake_at <= t
-                                                             or wake < self._wake_at):
-                    self._wake_at = wake
-                    self.at(wake, _noop)
+                tick()
         engine.usage.advance(clock.now())
         if progress is not None:
             progress(len(self.finished))

@@ -23,6 +23,9 @@ import torch
 
 from ...core.action import Action, Allocation, Outcome
 from ...core.cluster import ModelSpec
+from ...core.records import Load
+from ...core.seam import Completion, Loaded, Sink
+from ..tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,7 @@ class ModelCall:
 
 
 @dataclass
-class Loaded:
+class HostModel:
     spec: ModelServiceConfig
     ops: dict[str, Callable]
     host_state: dict[str, torch.Tensor]
@@ -61,7 +64,7 @@ class Loaded:
     pinned: list[int] = field(default_factory=list)  # host pointers registered with CUDA
 
 
-def _load(spec: ModelServiceConfig, pin: bool) -> Loaded:
+def _load(spec: ModelServiceConfig, pin: bool) -> HostModel:
     mod_name, _, fn_name = spec.loader.partition(":")
     fn = getattr(importlib.import_module(mod_name), fn_name)
     module, ops = fn(**spec.kwargs)
@@ -71,7 +74,7 @@ def _load(spec: ModelServiceConfig, pin: bool) -> Loaded:
     pinned = [_pin_in_place(v) for v in state.values()] if pin else []
     skeleton = module.to("meta")  # the module lets go of its tensors; ``state`` keeps them
     weights = sum(v.numel() * v.element_size() for v in state.values()) / 1e9
-    return Loaded(spec, ops, state, skeleton, weights, vocab, [p for p in pinned if p])
+    return HostModel(spec, ops, state, skeleton, weights, vocab, [p for p in pinned if p])
 
 
 def _pin_in_place(t: torch.Tensor) -> int:
@@ -88,18 +91,22 @@ def _unpin(ptrs: list[int]) -> None:
         torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
-class ModelManager:
-    """Implements the engine's manager protocol for the ``gpu`` pool."""
+#: activations and workspace a copy needs beyond its weights, when a service does not say
+ACTIVATION_OVERHEAD = 0.2
 
-    def __init__(self, services: list[ModelServiceConfig], device: str = "auto") -> None:
+
+class ModelManager:
+    """Implements the engine's ``ModelHost`` protocol for ``Pool.GPU``; reports to ``sink``.
+    ``load_all`` puts the services into host RAM before the engine exists, so that the cluster it
+    is built on knows their sizes."""
+
+    def __init__(self, services: list[ModelServiceConfig], sink: Sink, device: str = "auto") -> None:
         self.cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
         self.services = {s.name: s for s in services}
-        self.loaded: dict[str, Loaded] = {}
+        self.loaded: dict[str, HostModel] = {}
         self.failed: dict[str, str] = {}
         self.instances: dict[tuple[str, tuple[int, ...]], torch.nn.Module] = {}
-        self.on_done: Callable[[str, Outcome, float, float, str, Any], None] | None = None
-        self.on_loaded: Callable[[str], None] | None = None  # a prefetch finished (the runtime reschedules)
-        self._tasks: set[asyncio.Task] = set()
+        self.tasks = TaskSet(sink, "models")
         self.loads = 0
         self.load_seconds = 0.0
 
@@ -113,9 +120,29 @@ class ModelManager:
                 self.failed[name] = f"{type(e).__name__}: {e}"
                 log.error("model service %s failed to load: %s", name, self.failed[name])
                 continue
-            per_instance = spec.memory_gb or ld.weights_gb * 1.2
+            per_instance = spec.memory_gb or ld.weights_gb * (1 + ACTIVATION_OVERHEAD)
             specs.append(ModelSpec(name, per_instance, spec.gpus))
         return specs
+
+    def validate(self, model: str, op: str, tokens: Any, min_len: int) -> str | None:
+        """Why a request to ``model``'s ``op`` with ``tokens`` cannot run (a message naming the
+        field), or None. The one place model requests are checked, for every entry point."""
+        if model not in self.loaded and model not in self.failed:
+            return f"service: unknown model {model!r}"
+        if model in self.failed:
+            return f"service: model {model!r} failed to load ({self.failed[model]})"
+        ops = self.loaded[model].ops
+        if op not in ops:
+            return f"op: model {model!r} has no {op!r} (it has {', '.join(ops)})"
+        if not isinstance(tokens, (list, tuple)) or not all(type(t) is int for t in tokens):
+            return "tokens: must be a flat list of integer token ids"
+        if len(tokens) < min_len:
+            return f"tokens: {op} needs at least {min_len} token(s)"
+        vocab = self.loaded[model].vocab
+        bad = [t for t in tokens if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            return f"tokens: id {bad[0]} out of range [0, {vocab})"
+        return None
 
     def device(self, gpu: int) -> torch.device:
         return torch.device(f"cuda:{gpu % torch.cuda.device_count()}") if self.cuda else torch.device("cpu")
@@ -140,29 +167,26 @@ class ModelManager:
         for name, gpus in evict:
             self.instances.pop((name, tuple(gpus)), None)
 
-    # -- the manager protocol --------------------------------------------------------------------
+    # -- the ModelHost protocol -------------------------------------------------------------------
     def start(self, action: Action, allocation: Allocation) -> None:
-        task = asyncio.get_running_loop().create_task(self._run(action, allocation))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.run(action, lambda: self._run(action, allocation))
 
-    def prefetch(self, key: str, model: str, gpus: tuple[int, ...], per_gpu_gb: float) -> None:
-        async def load() -> None:
+    def cancel(self, action_id: str) -> None:
+        self.tasks.cancel(action_id)
+
+    def prefetch(self, load: Load) -> None:
+        async def copy() -> None:
             try:
-                await asyncio.to_thread(self._instance, model, gpus)
-            except Exception:
-                log.exception("prefetching %s failed", model)
-            if self.on_loaded is not None:
-                self.on_loaded(key)
+                await asyncio.to_thread(self._instance, load.model, load.block)
+            except Exception:  # the copy is made again when a request needs it
+                log.exception("prefetching %s failed", load.model)
 
-        task = asyncio.get_running_loop().create_task(load())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.spawn(copy(), lambda: Loaded(load.key))
 
     def close_session(self, trajectory: str) -> None:
         pass
 
-    async def _run(self, action: Action, allocation: Allocation) -> None:
+    async def _run(self, action: Action, allocation: Allocation) -> Completion:
         name = action.model or ""
         call: ModelCall = action.payload
         t0 = time.perf_counter()
@@ -179,13 +203,10 @@ class ModelManager:
             log.exception("model call %s on %s failed", action.id, name)
             outcome, message = Outcome.INFRA_ERROR, f"model service {name} failed: {type(e).__name__}: {e}"
         exec_s = time.perf_counter() - t0 - setup_s
-        if self.on_done is not None:
-            self.on_done(action.id, outcome, setup_s, exec_s, message, result)
+        return Completion(action.id, outcome, setup_s, exec_s, message, result)
 
     async def shut_down(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.tasks.close()
         self.instances.clear()
         for ld in self.loaded.values():
             _unpin(ld.pinned)  # before the host tensors are freed

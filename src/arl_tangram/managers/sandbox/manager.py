@@ -21,7 +21,9 @@ from typing import Callable
 
 from pydantic import BaseModel, Field
 
-from ...core.action import Action, Allocation, Outcome
+from ...core.action import Action, Allocation, Outcome, Setup
+from ...core.seam import Completion, Sink
+from ..tasks import TaskSet
 from . import languages
 from .cgroups import CgroupRoot, open_root
 from .isolation import Isolation, Layout, command, detect
@@ -118,13 +120,18 @@ class Files:
 
 _SANDBOX_IDS = itertools.count()
 
-Done = Callable[[str, Outcome, float, float, str, SandboxResult], None]
+#: seconds a workspace file transfer (put/get) may take before the sandbox is declared dead
+FILES_TIMEOUT_S = 30.0
 
 
 class SandboxManager:
-    """Implements the engine's manager protocol for the ``cpu`` pool."""
+    """Implements the engine's ``Manager`` protocol for ``Pool.CPU``: reports each action's
+    ``Completion`` (its ``result`` a ``SandboxResult``) to ``sink``; ``expire(trajectory)`` is
+    told when a session has been idle past ``session_idle_expiry_s`` (the runtime ends the
+    trajectory in the engine, which then closes the session here)."""
 
-    def __init__(self, config: SandboxConfig | None = None) -> None:
+    def __init__(self, config: SandboxConfig | None = None, sink: Sink | None = None,
+                 expire: Callable[[str], None] | None = None) -> None:
         self.config = config or SandboxConfig()
         c = self.config
         self.layout = Layout(c.interpreter, tuple(c.interpreter_args), tuple(c.ro_binds), c.workspace_mb << 20,
@@ -132,18 +139,16 @@ class SandboxManager:
         self.mode: Isolation | None = None
         self.root: CgroupRoot | None = None
         self.host_cpus = tuple(c.cpus) if c.cpus else tuple(sorted(os.sched_getaffinity(0)))
-        self.on_done: Done | None = None
-        self.on_expire: Callable[[str], None] | None = None
+        self.tasks = TaskSet(sink or _unwired, "sandboxes")
+        self.expire = expire
         self.sessions: dict[str, Sandbox] = {}
         self._last_used: dict[str, float] = {}
         self._pool: asyncio.Queue[Sandbox] | None = None
-        self._tasks: set[asyncio.Task] = set()
         self._closing = False
         self._fill: asyncio.Task | None = None
         self._reaper: asyncio.Task | None = None
         self._hostdirs: list[str] = []
         self._busy: set[Sandbox] = set()  # sandboxes running an action right now
-        self._kills: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start_up(self) -> None:
@@ -165,10 +170,9 @@ class SandboxManager:
         for t in (self._fill, self._reaper):
             if t is not None:
                 t.cancel()
-        for t in list(self._tasks):
-            t.cancel()  # running actions; their own handlers kill their sandboxes
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.gather(*self._kills, return_exceptions=True)  # never cancel a kill half-way
+        # running actions are cancelled (their handlers kill their sandboxes); kills in flight
+        # are waited for, never cancelled half-way
+        await self.tasks.close(cancel_background=False)
         doomed = list(self.sessions.values())
         self.sessions.clear()
         while self._pool is not None and not self._pool.empty():
@@ -233,16 +237,17 @@ class SandboxManager:
             for traj, last in list(self._last_used.items()):
                 if now - last > self.config.session_idle_expiry_s and traj in self.sessions:
                     log.info("session %s idle for %.0fs: closing it", traj, now - last)
-                    if self.on_expire is not None:
-                        self.on_expire(traj)
+                    if self.expire is not None:
+                        self.expire(traj)
                     else:
                         self.close_session(traj)
 
     # -- the manager protocol --------------------------------------------------------------------
     def start(self, action: Action, allocation: Allocation) -> None:
-        task = asyncio.get_running_loop().create_task(self._run(action, allocation))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self.tasks.run(action, lambda: self._run(action, allocation))
+
+    def cancel(self, action_id: str) -> None:
+        self.tasks.cancel(action_id)
 
     def close_session(self, trajectory: str) -> None:
         sb = self.sessions.pop(trajectory, None)
@@ -251,15 +256,10 @@ class SandboxManager:
             self._kill_later(sb)
 
     def _kill_later(self, sb: Sandbox) -> None:
-        task = asyncio.get_running_loop().create_task(sb.kill())
-        self._kills.add(task)
-        task.add_done_callback(self._kills.discard)
-
-    def prefetch(self, key: str, model: str, gpus: tuple[int, ...], per_gpu_gb: float) -> None:
-        raise RuntimeError("the sandbox manager holds no models")
+        self.tasks.spawn(sb.kill())
 
     # -- running ---------------------------------------------------------------------------------
-    async def _run(self, action: Action, allocation: Allocation) -> None:
+    async def _run(self, action: Action, allocation: Allocation) -> Completion:
         t0 = time.monotonic()
         cores = tuple(self.host_cpus[u % len(self.host_cpus)] for u in allocation.units) or self.host_cpus[:1]
         payload = action.payload
@@ -271,7 +271,7 @@ class SandboxManager:
             else:
                 sb = self.sessions.get(action.trajectory)
                 if sb is None or sb.dead:
-                    if allocation.setup not in ("create", ""):
+                    if allocation.setup not in (Setup.CREATE, Setup.NONE):
                         message = "session restarted: its sandbox had been closed or killed, state was lost"
                     sb = await self._take()
                     self.sessions[action.trajectory] = sb
@@ -299,20 +299,18 @@ class SandboxManager:
             if sb is not None:
                 await sb.kill()
             raise
-        except Exception as e:  # a bug of ours: never the user's fault, never a silent loss
-            log.exception("sandbox action %s failed inside the manager", action.id)
-            outcome, result = Outcome.INFRA_ERROR, SandboxResult(message=f"internal error: {e}")
-            setup_s, exec_s = time.monotonic() - t0, 0.0
+        except Exception:
             if sb is not None:
                 await sb.kill()
+            raise  # the task set reports it as infra_error
         result.message = _join(message, result.message)
         if sb is not None and not sb.dead and action.trajectory is not None:
             sb.freeze()
             self._last_used[action.trajectory] = time.monotonic()
-        if self.on_done is not None:
-            self.on_done(action.id, outcome, setup_s, exec_s, result.message, result)
         if sb is not None and action.trajectory is None:
-            self._kill_later(sb)  # after reporting: tearing down is not part of the action's ACT
+            # starts once this task has reported: tearing down is not part of the action's ACT
+            self._kill_later(sb)
+        return Completion(action.id, outcome, setup_s, exec_s, result.message, result)
 
     def _died(self, e: SandboxDied, action: Action, sb: Sandbox | None) -> tuple[Outcome, SandboxResult]:
         if action.trajectory is not None:
@@ -349,11 +347,11 @@ class SandboxManager:
         if isinstance(payload, Files):
             out = SandboxResult()
             if payload.put:
-                r = await sb.request({"op": "write", "files": {k: _b64(v) for k, v in payload.put.items()}}, 30 + grace)
+                r = await sb.request({"op": "write", "files": {k: _b64(v) for k, v in payload.put.items()}}, FILES_TIMEOUT_S + grace)
                 if "error" in r:
                     return Outcome.FAILED, SandboxResult(message=f"files: {r['error']}")
             if payload.get:
-                r = await sb.request({"op": "read", "paths": list(payload.get)}, 30 + grace)
+                r = await sb.request({"op": "read", "paths": list(payload.get)}, FILES_TIMEOUT_S + grace)
                 out.files = {k: base64.b64decode(v) for k, v in r.get("files", {}).items()}
                 out.missing = r.get("missing", [])
             return Outcome.OK, out
@@ -369,7 +367,7 @@ class SandboxManager:
         if not lang.in_interpreter:
             files[lang.source] = _b64(p.code.encode())
         if files:
-            r = await sb.request({"op": "write", "files": files}, 30 + grace)
+            r = await sb.request({"op": "write", "files": files}, FILES_TIMEOUT_S + grace)
             if "error" in r:
                 return Outcome.FAILED, SandboxResult(message=f"files: {r['error']}")
         base = self._base(cores)
@@ -396,10 +394,14 @@ class SandboxManager:
         run = _result(r)
         result.run, result.message = run.run, run.message
         if p.fetch_files:
-            fr = await sb.request({"op": "read", "paths": list(p.fetch_files)}, 30 + grace)
+            fr = await sb.request({"op": "read", "paths": list(p.fetch_files)}, FILES_TIMEOUT_S + grace)
             result.files = {k: base64.b64decode(v) for k, v in fr.get("files", {}).items()}
             result.missing = fr.get("missing", [])
         return _outcome(r), result
+
+
+def _unwired(report) -> None:
+    raise RuntimeError("this SandboxManager was built without a sink")
 
 
 def _b64(data: bytes | None) -> str | None:

@@ -1,0 +1,92 @@
+"""The seam between the engine and the managers that carry its decisions out.
+
+Shaped like vLLM v1's split of scheduler and executor: the engine decides and hands each started
+action to the manager of its pool; a manager runs it (a sandbox, a model copy on a GPU, an API
+call, or a simulation of one) and reports back one typed record to a sink it was given when it was
+built. Nothing here knows about asyncio, processes or sockets.
+
+Alternatives dropped: an ``on_done`` attribute patched on after construction with six positional
+arguments (the first release) made the order of wiring matter and hid the record's shape; string
+keys for managers made the engine special-case ``"api"``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from .action import API_PREFIX, CPU, GPU, Action, Allocation, Outcome
+from .records import Load
+
+
+class Pool(str, enum.Enum):
+    """Which manager carries an action out: sandboxes (cores), model services (GPUs) or APIs."""
+
+    CPU = CPU
+    GPU = GPU
+    API = "api"
+
+    @classmethod
+    def of(cls, pool: str) -> "Pool":
+        """The manager pool of an action's ``pool`` (``cpu``, ``gpu`` or ``api:<name>``)."""
+        if pool == CPU:
+            return cls.CPU
+        if pool == GPU:
+            return cls.GPU
+        if pool.startswith(API_PREFIX):
+            return cls.API
+        raise ValueError(f"no manager pool for {pool!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A started action ended: its outcome, the seconds of state work (``setup_s``) and of
+    execution, a message explaining anything unusual, and what it produced (``result``)."""
+
+    action_id: str
+    outcome: Outcome
+    setup_s: float = 0.0
+    exec_s: float = 0.0
+    message: str = ""
+    result: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """A prefetch finished: the copy named ``key`` is resident and idle."""
+
+    key: str
+
+
+Report = Completion | Loaded
+Sink = Callable[[Report], None]
+
+
+@runtime_checkable
+class Manager(Protocol):
+    """What every manager does. Built with a ``Sink``; reports each started action's end there
+    exactly once, never from inside ``start`` (the engine is mid-round then)."""
+
+    def start(self, action: Action, allocation: Allocation) -> None:
+        """Begin running ``action`` on ``allocation``."""
+        ...
+
+    def cancel(self, action_id: str) -> None:
+        """Stop a running action; it still reports a ``Completion`` (``cancelled``) to the sink.
+        Unknown or finished ids are ignored."""
+        ...
+
+    def close_session(self, trajectory: str) -> None:
+        """The trajectory will send no more actions: drop its state."""
+        ...
+
+
+@runtime_checkable
+class ModelHost(Manager, Protocol):
+    """What only GPU managers do: copy weights onto GPUs before anyone asks (evictions travel in
+    ``Allocation.evict`` of the action that needs the room)."""
+
+    def prefetch(self, load: Load) -> None:
+        """Copy ``load.model`` onto ``load.block``; report ``Loaded(load.key)`` when resident."""
+        ...

@@ -1,0 +1,207 @@
+"""The embedded Python API: ``Tangram``, its ``Session``s, and dynamic batching of model calls.
+
+It works over any ``Runtime`` (``Tangram.local()`` builds the one for this machine); each call
+becomes one action that the runtime's engine schedules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ..core.action import Action, Demand, Outcome
+from ..managers.models.manager import ModelCall
+from ..managers.sandbox.manager import Exec, Files, RunCode, SandboxConfig
+from ..policy import Policy, Profile
+from .base import ActionResult, Runtime
+from .local import LocalRuntime
+
+#: seconds the engine lets a sandbox action run past the program's own limits (compile + run)
+#: before it counts as lost: the sandbox's own kill (``SandboxConfig.grace_s``) comes first
+ACTION_TIMEOUT_SLACK_S = 30.0
+
+
+class _ModelFront:
+    """Dynamic batching for one (service, operation): requests arriving within ``max_wait_ms`` (up
+    to ``max_batch``) become one action, so the GPU sees batches while callers see single calls.
+    While as many batches are in flight as the pool could run copies of the model, new requests
+    keep accumulating instead of queueing as small batches: under load, batches grow."""
+
+    def __init__(self, runtime: Runtime, model: str, op: str, max_batch: int, max_wait_ms: float,
+                 gpus: int) -> None:
+        self.runtime, self.model, self.op = runtime, model, op
+        self.max_batch, self.max_wait_s, self.gpus = max_batch, max_wait_ms / 1000, gpus
+        self.items: list = []
+        self.futures: list[asyncio.Future] = []
+        self.meta: list[tuple[str, float | None]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self.in_flight = 0
+        self.tasks: set[asyncio.Task] = set()
+        self.max_in_flight = max(1, runtime.cluster.total_gpus // gpus)
+
+    def call(self, item: list[int], job: str, hint_s: float | None) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.items.append(item)
+        self.futures.append(fut)
+        self.meta.append((job, hint_s))
+        if len(self.items) >= self.max_batch:
+            self._flush()
+        elif self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.max_wait_s, self._flush)
+        return fut
+
+    def _flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self.items or (self.in_flight >= self.max_in_flight and len(self.items) < self.max_batch):
+            return  # a batch completing flushes what has gathered meanwhile
+        items, futures, meta = self.items[:self.max_batch], self.futures[:self.max_batch], self.meta[:self.max_batch]
+        del self.items[:self.max_batch], self.futures[:self.max_batch], self.meta[:self.max_batch]
+        self.in_flight += 1
+        action = Action(self.runtime.new_id("m"), f"model:{self.model}", Demand({"gpu": (self.gpus, self.gpus)}),
+                        job=meta[0][0], operation=self.op, hint_s=meta[0][1], payload=ModelCall(self.op, items))
+        task = asyncio.get_running_loop().create_task(self.runtime.submit(action))
+        self.tasks.add(task)
+
+        def deliver(t: asyncio.Task) -> None:
+            self.tasks.discard(t)
+            self.in_flight -= 1
+            if self.items:
+                self._flush()
+            if t.cancelled() or t.exception() is not None:
+                # the batch never ended in an outcome (the runtime closed, or a bug): every caller
+                # still gets one, an infrastructure error, instead of waiting forever
+                why = "cancelled" if t.cancelled() else f"{type(t.exception()).__name__}: {t.exception()}"
+                r = ActionResult(action.id, Outcome.INFRA_ERROR, None, 0.0, 0.0, 0.0, 0.0, 0,
+                                 f"model batch did not run to an outcome ({why})")
+            else:
+                r = t.result()
+            for i, fut in enumerate(futures):
+                if not fut.done():
+                    value = r.result[i] if r.outcome is Outcome.OK else None
+                    fut.set_result(ActionResult(r.id, r.outcome, value, r.act_s, r.queue_s, r.setup_s, r.exec_s,
+                                                r.cores, r.message))
+
+        task.add_done_callback(deliver)
+
+
+class Session:
+    """A trajectory's stateful sandbox; each call is one action (cores only while it runs)."""
+
+    def __init__(self, runtime: Runtime, trajectory: str, job: str) -> None:
+        self.runtime = runtime
+        self.id = trajectory
+        self.job = job
+        self.closed = False
+
+    async def exec(self, command: str | None = None, *, python: str | None = None, stdin: bytes | None = None,
+                   timeout_s: float = 10.0, cpus: int | tuple[int, int] = 1, parallel_fraction: float = 0.0,
+                   hint_s: float | None = None, operation: str = "", memory_mb: int | None = None,
+                   id: str | None = None) -> ActionResult:
+        """Run a shell ``command`` in the workspace, or a ``python`` cell in the session's
+        interpreter (its variables carry over from call to call)."""
+        if self.closed:
+            raise RuntimeError(f"session {self.id} is closed")
+        if (command is None) == (python is None):
+            raise ValueError("exec: give exactly one of command or python")
+        rng = (cpus, cpus) if isinstance(cpus, int) else cpus
+        payload = Exec(command=command, python=python, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb)
+        action = Action(id or self.runtime.new_id("x"), "sandbox", Demand({"cpu": rng}), job=self.job,
+                        trajectory=self.id,
+                        operation=operation or ("python" if python is not None else command.split()[0]
+                                                if command.split() else "shell"),
+                        hint_s=hint_s, parallel_fraction=parallel_fraction, timeout_s=timeout_s + ACTION_TIMEOUT_SLACK_S,
+                        payload=payload)
+        return await self.runtime.submit(action)
+
+    async def put(self, files: dict[str, bytes], id: str | None = None) -> ActionResult:
+        return await self.files(Files(put=files), id)
+
+    async def get(self, paths: list[str]) -> dict[str, bytes]:
+        r = await self.files(Files(get=paths))
+        return r.result.files
+
+    async def files(self, files: Files, id: str | None = None) -> ActionResult:
+        """Put and/or get workspace files as one action (``result.files``, ``result.missing``)."""
+        if self.closed:
+            raise RuntimeError(f"session {self.id} is closed")
+        action = Action(id or self.runtime.new_id("f"), "sandbox", job=self.job, trajectory=self.id,
+                        operation="files", hint_s=0.005, payload=files)
+        return await self.runtime.submit(action)
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.runtime.end_session(self.id)
+
+
+class Tangram:
+    """The embedded API: ``async with Tangram.local() as tg: ...``."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.fronts: dict[tuple[str, str], _ModelFront] = {}
+
+    @classmethod
+    def local(cls, policy: str | Policy = "tangram", sandbox: SandboxConfig | None = None,
+              cores: int | None = None, profile: Profile | None = None, **kwargs) -> "Tangram":
+        """``kwargs``: ``sandboxes=False``, ``models=[ModelServiceConfig...]``, ``gpus``,
+        ``gpu_memory_gb``, ``apis={name: (ApiQuota, async handler)}`` (see ``LocalRuntime``)."""
+        return cls(LocalRuntime(policy, sandbox, cores, profile=profile, **kwargs))
+
+    async def __aenter__(self) -> "Tangram":
+        await self.runtime.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.runtime.close()
+
+    async def run(self, code: str, language: str = "python", *, stdin: bytes | str | None = None,
+                  files: dict[str, bytes] | None = None, fetch_files: list[str] | None = None,
+                  timeout_s: float = 10.0, compile_timeout_s: float = 10.0, memory_mb: int | None = None,
+                  cpus: int | tuple[int, int] = 1, parallel_fraction: float = 0.0, job: str = "default",
+                  hint_s: float | None = None, id: str | None = None, operation: str = "") -> ActionResult:
+        """Run a one-shot program in a fresh sandbox."""
+        if isinstance(stdin, str):
+            stdin = stdin.encode()
+        rng = (cpus, cpus) if isinstance(cpus, int) else cpus
+        payload = RunCode(code, language, stdin, dict(files or {}), list(fetch_files or []), compile_timeout_s,
+                          timeout_s, memory_mb)
+        action = Action(id or self.runtime.new_id("r"), "sandbox", Demand({"cpu": rng}), job=job,
+                        operation=operation or language,
+                        hint_s=hint_s, parallel_fraction=parallel_fraction,
+                        timeout_s=timeout_s + compile_timeout_s + ACTION_TIMEOUT_SLACK_S, payload=payload)
+        return await self.runtime.submit(action)
+
+    async def score(self, model: str, tokens: list[int], *, job: str = "default",
+                    hint_s: float | None = None) -> ActionResult:
+        """A reward model's scalar for one token sequence (batched with concurrent calls)."""
+        return await self._model_call(model, "score", tokens, job, hint_s, min_len=1)
+
+    async def logprobs(self, model: str, tokens: list[int], *, job: str = "default",
+                       hint_s: float | None = None) -> ActionResult:
+        """A teacher's log-probability of each token given the ones before it."""
+        return await self._model_call(model, "logprobs", tokens, job, hint_s, min_len=2)
+
+    async def _model_call(self, model: str, op: str, tokens, job: str, hint_s, min_len: int) -> ActionResult:
+        rt = self.runtime
+        mm = getattr(rt, "models", None)
+        problem = f"service: unknown model {model!r}" if mm is None else mm.validate(model, op, tokens, min_len)
+        if problem is not None:
+            return ActionResult.rejected(rt.new_id("m"), problem)
+        front = self.fronts.get((model, op))
+        if front is None:
+            spec = mm.services[model]
+            front = self.fronts[(model, op)] = _ModelFront(rt, model, op, spec.max_batch, spec.max_wait_ms, spec.gpus)
+        return await front.call(list(tokens), job, hint_s)
+
+    async def call_api(self, name: str, payload: Any = None, *, job: str = "default", timeout_s: float = 60.0,
+                       operation: str = "", hint_s: float | None = None) -> ActionResult:
+        """Call an external API through its quota (waits in the queue rather than over-calling)."""
+        action = Action(self.runtime.new_id("q"), f"api:{name}", job=job, operation=operation, hint_s=hint_s,
+                        timeout_s=timeout_s, payload=payload)
+        return await self.runtime.submit(action)
+
+    async def session(self, job: str = "default", trajectory: str | None = None) -> Session:
+        return Session(self.runtime, trajectory or self.runtime.new_id("s"), job)

@@ -1,0 +1,194 @@
+"""What every real runtime shares: the engine and a driver on an asyncio loop, the managers'
+sink, and the futures of submitted actions.
+
+A runtime subclass only builds its cluster and managers (``LocalRuntime``: this machine;
+``RayRuntime``: a Ray cluster's nodes) and hands them to ``_build``. Everything else — submitting,
+reports coming back, the scheduling loop, cancelling, the snapshot the server reads — is here once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from ..core.action import CPU, Action, Finished, InvalidAction, Outcome
+from ..core.cluster import Cluster
+from ..core.seam import Completion, Manager, Pool, Report
+from ..driver import Driver
+from ..engine import Engine
+from ..managers.sandbox.manager import SandboxResult
+from ..policy import Costs, Policy, Profile, make_policy
+
+log = logging.getLogger(__name__)
+
+
+class MonotonicClock:
+    def now(self) -> float:
+        return time.monotonic()
+
+
+@dataclass
+class ActionResult:
+    """An action's terminal outcome with what it produced and its timings."""
+
+    id: str
+    outcome: Outcome
+    result: Any  # SandboxResult for sandbox actions, the value for model and API calls
+    act_s: float
+    queue_s: float
+    setup_s: float
+    exec_s: float
+    cores: int
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome is Outcome.OK
+
+    @property
+    def stdout(self) -> str:
+        return self.result.run.stdout if isinstance(self.result, SandboxResult) and self.result.run else ""
+
+    @property
+    def stderr(self) -> str:
+        return self.result.run.stderr if isinstance(self.result, SandboxResult) and self.result.run else ""
+
+    @classmethod
+    def rejected(cls, id: str, message: str) -> "ActionResult":
+        return cls(id, Outcome.REJECTED, None, 0.0, 0.0, 0.0, 0.0, 0, message)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What a server or a dashboard may read of a runtime at one instant."""
+
+    queued: int
+    running: int
+    cores: int
+    gpus: int
+    cores_held: int
+    gpus_held: int
+    isolation: str | None
+
+
+class Runtime:
+    """The engine on this asyncio loop. Subclasses build the cluster and managers."""
+
+    cluster: Cluster
+    engine: Engine
+    policy: Policy
+
+    def __init__(self) -> None:
+        self._futures: dict[str, asyncio.Future] = {}
+        self._results: dict[str, Any] = {}
+        self._wake: asyncio.TimerHandle | None = None
+        self._ids = itertools.count()
+
+    def _build(self, cluster: Cluster, policy: str | Policy, managers: Mapping[Pool, Manager], costs: Costs,
+               profile: Profile | None) -> None:
+        self.cluster = cluster
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.engine = Engine(cluster, self.policy, managers, MonotonicClock(), costs=costs, profile=profile)
+        self.engine.listeners.append(self._finished)
+        self.driver = Driver(self.engine, self._arm)
+
+    # -- the loop --------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """A scheduling round now (after anything changed)."""
+        self.driver.tick()
+
+    def _arm(self, at: float) -> None:
+        if self._wake is not None:
+            self._wake.cancel()
+        self._wake = asyncio.get_running_loop().call_later(max(0.0, at - time.monotonic()), self.tick)
+
+    def report(self, r: Report) -> None:
+        """The managers' sink: an action ended or a model copy is resident."""
+        if isinstance(r, Completion):
+            self._results[r.action_id] = r.result
+        self.engine.report(r)
+        self.tick()
+
+    def _finished(self, f: Finished) -> None:
+        fut = self._futures.pop(f.action.id, None)
+        result = self._results.pop(f.action.id, None)
+        if result is None and f.action.pool == CPU:
+            result = SandboxResult(message=f.message)
+        if fut is not None and not fut.done():
+            fut.set_result(ActionResult(f.action.id, f.outcome, result, f.act_s, f.queue_s, f.setup_s, f.exec_s,
+                                        f.units, f.message))
+
+    # -- inputs ----------------------------------------------------------------------------------
+    async def submit(self, action: Action) -> ActionResult:
+        """Schedule ``action`` and wait for its one terminal outcome. An id already in flight
+        raises ``InvalidAction`` and leaves the first caller's wait untouched."""
+        if action.id in self._futures:
+            raise InvalidAction("id", f"action {action.id!r} is already in flight")
+        fut = asyncio.get_running_loop().create_future()
+        self._futures[action.id] = fut
+        try:
+            self.engine.submit(action)  # a rejection resolves the future through the listener
+        except BaseException:
+            self._futures.pop(action.id, None)
+            raise
+        self.tick()
+        return await fut
+
+    def cancel(self, action_id: str) -> bool:
+        """Cancel a queued or running action; False if it is not in flight here."""
+        if action_id not in self._futures:
+            return False
+        self.engine.cancel(action_id)
+        self.tick()
+        return True
+
+    def state_of(self, action_id: str) -> str | None:
+        """``queued``, ``running`` or None (not in flight)."""
+        if action_id in self.engine.pending:
+            return "queued"
+        if action_id in self.engine.running:
+            return "running"
+        return None
+
+    def end_session(self, trajectory: str) -> None:
+        self.engine.end_trajectory(trajectory)
+
+    def new_id(self, prefix: str) -> str:
+        return f"{prefix}-{os.getpid()}-{next(self._ids)}-{uuid.uuid4().hex[:6]}"
+
+    def snapshot(self) -> Snapshot:
+        e = self.engine
+        return Snapshot(len(e.pending), len(e.running), self.cluster.total_cores, self.cluster.total_gpus,
+                        e.cpu.meter.held, e.gpu.meter.held, self.isolation())
+
+    def isolation(self) -> str | None:
+        return None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the managers, then a first round (it lets the policy prefetch models)."""
+        self.tick()
+
+    async def close(self) -> None:
+        for aid in list(self.engine.pending):
+            self.engine.cancel(aid)
+        await self._shut_down_managers()
+        for fut in self._futures.values():
+            if not fut.done():
+                fut.cancel()
+
+    async def _shut_down_managers(self) -> None:
+        pass
+
+    async def __aenter__(self) -> "Runtime":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()

@@ -1,0 +1,68 @@
+"""Host discovery: this machine as a ``Cluster`` (its cores, memory, GPUs and API quotas).
+
+Kept apart from the runtime's wiring so that the same runtime can be built over a cluster that is
+detected, configured or (with Ray) assembled from many nodes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ..core.cluster import DEFAULT_H2D_GBPS, ApiQuota, Cluster, CpuNode, GpuNode, ModelSpec
+
+#: the share of a GPU's memory the engine may plan with (the rest: CUDA context, fragmentation)
+GPU_MEMORY_USABLE = 0.9
+#: memory of a CPU "device" when model services run without CUDA and no size is given
+CPU_DEVICE_MEMORY_GB = 16.0
+
+
+def memory_gb() -> float:
+    """This machine's physical memory (``MemTotal``), 8 GB when it cannot be read."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) / (1 << 20)
+    except OSError:
+        pass
+    return 8.0
+
+
+def host_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on."""
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
+@dataclass(frozen=True)
+class LocalHost:
+    """What this machine offers: ``cores`` for sandboxes (0: none), ``gpus`` devices of
+    ``gpu_memory_gb`` each for model services (CUDA GPUs, or CPU "devices"), API quotas."""
+
+    cores: int
+    memory_gb: float
+    gpus: int = 0
+    gpu_memory_gb: float = 0.0
+
+    @classmethod
+    def detect(cls, *, sandboxes: bool = True, cores: int | None = None, memory: float | None = None,
+               models: bool = False, cuda: bool = False, gpus: int | None = None,
+               gpu_memory_gb: float | None = None) -> "LocalHost":
+        """Measure this machine; every figure given overrides what would be detected."""
+        n_cores = (cores or len(host_cpus())) if sandboxes else 0
+        n_gpus, mem = 0, 0.0
+        if models:
+            if cuda:
+                import torch
+
+                n_gpus = gpus or torch.cuda.device_count()
+                mem = gpu_memory_gb or torch.cuda.get_device_properties(0).total_memory / 1e9 * GPU_MEMORY_USABLE
+            else:
+                n_gpus, mem = gpus or 1, gpu_memory_gb or CPU_DEVICE_MEMORY_GB
+        return cls(n_cores, memory or memory_gb(), n_gpus, mem)
+
+    def cluster(self, quotas: tuple[ApiQuota, ...] = (), models: tuple[ModelSpec, ...] = ()) -> Cluster:
+        """One CPU node and one GPU node (a single island) named after this host."""
+        cpu = (CpuNode("local", self.cores, self.memory_gb),) if self.cores else ()
+        gpu = (GpuNode("local-gpu", self.gpus, self.gpu_memory_gb, self.gpus, DEFAULT_H2D_GBPS),) if self.gpus else ()
+        return Cluster(cpu, gpu, quotas, models)

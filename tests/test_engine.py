@@ -1,0 +1,125 @@
+"""The engine's written contract, checked at the manager seam (the Recorder double of conftest)."""
+
+from __future__ import annotations
+
+import pytest
+
+from arl_tangram.core import ApiQuota, Outcome, uniform_cluster
+from arl_tangram.core.cluster import Cluster
+from arl_tangram.core.pools import CapacityError, QuotaPool
+from arl_tangram.core.seam import Completion, Loaded
+from arl_tangram.policy import Start, fifo_policy, tangram_policy
+
+
+def test_a_second_completion_of_one_action_is_refused(harness):
+    h = harness(uniform_cluster(cpus=2), fifo_policy())
+    h.submit("a", cpu=1)
+    h.schedule()
+    first = h.complete("a")
+    assert first.outcome is Outcome.OK and len(h.finished) == 1
+    with pytest.raises(KeyError):
+        h.complete("a", outcome=Outcome.FAILED)
+    assert len(h.finished) == 1 and h.engine.cpu.total_free == 2
+
+
+def test_reports_are_one_typed_record_each(harness):
+    h = harness(uniform_cluster(cpus=1), fifo_policy())
+    h.submit("a", cpu=1)
+    h.schedule()
+    f = h.engine.report(Completion("a", Outcome.FAILED, setup_s=0.5, exec_s=2.0, message="exit 1"))
+    assert (f.outcome, f.setup_s, f.exec_s, f.message, f.units) == (Outcome.FAILED, 0.5, 2.0, "exit 1", 1)
+    with pytest.raises(TypeError):
+        h.engine.report("a")
+
+
+def test_units_go_back_through_the_ledger_and_the_meter_follows(harness):
+    h = harness(uniform_cluster(cpus=4), fifo_policy())
+    h.submit("a", cpu=2)
+    h.submit("b", cpu=1)
+    h.schedule()
+    meter = h.engine.cpu.meter
+    assert (meter.held, meter.running, h.engine.cpu.total_free) == (3, 3, 1)
+    held = meter.held
+    h.advance(2.0)
+    h.complete("a")
+    h.complete("b")
+    assert (meter.held, meter.running, h.engine.cpu.total_free) == (0, 0, 4)
+    h.engine.usage.advance(h.clock.now())
+    assert h.engine.usage.cpu_held_s == pytest.approx(held * 2.0)
+
+
+def test_a_prefetch_is_reported_as_loaded_and_its_gpus_come_back(harness):
+    from arl_tangram.core.cluster import ModelSpec
+    cluster = uniform_cluster(gpus=2, gpus_per_node=2, models=(ModelSpec("m", 10.0, 1),))
+    h = harness(cluster, tangram_policy())
+    h.schedule()
+    assert h.rec.loading, "an idle GPU should get a copy of the registered model"
+    assert h.engine.gpu.meter.running == len(h.rec.loading)
+    for key in list(h.rec.loading):
+        h.engine.report(Loaded(key))
+    h.rec.loading.clear()
+    assert h.engine.gpu.meter.running == 0 and not h.engine.loading
+    assert all(i.busy is None for insts in h.engine.gpu.instances.values() for i in insts)
+
+
+def test_cancelling_a_running_action_asks_its_manager(harness):
+    h = harness(uniform_cluster(cpus=1), fifo_policy())
+    h.submit("a", cpu=1)
+    h.schedule()
+    assert h.engine.cancel("a") is None and h.rec.cancelled == ["a"]
+    f = h.engine.report(Completion("a", Outcome.CANCELLED, message="cancelled while running"))
+    assert f.outcome is Outcome.CANCELLED and h.engine.cpu.total_free == 1
+
+
+def test_a_policy_that_oversubscribes_gets_capacity_error(harness):
+    class Greedy:
+        name = "greedy"
+
+        def bind(self, view, now):
+            self.view = view
+            return ()
+
+        def on_submit(self, action, now):
+            self.waiting = action
+
+        def schedule(self, now):
+            yield Start(self.waiting, node=0, count=5)
+
+        def next_wakeup(self, now):
+            return None
+
+    h = harness(uniform_cluster(cpus=4), Greedy())
+    h.submit("a", cpu=(1, 8))
+    with pytest.raises(CapacityError):
+        h.schedule()
+    assert h.engine.cpu.total_free == 4 and h.engine.cpu.meter.held == 0
+
+
+def test_reading_a_quota_does_not_change_it():
+    q = QuotaPool(ApiQuota("search", rate_per_s=2.0, concurrency=1, burst=1.0))
+    q.admit(0.0)
+    before = (q.tokens, q.t_last, q.in_use)
+    for t in (0.1, 0.2, 0.6, 5.0):
+        q.available(t)
+        q.next_token_at(t)
+    assert (q.tokens, q.t_last, q.in_use) == before
+    assert q.next_token_at(0.25) == pytest.approx(0.5)
+    q.release()
+    assert q.available(0.5) and not q.available(0.4)
+    with pytest.raises(CapacityError):
+        q.release()
+
+
+def test_a_gpu_cluster_needs_a_model_host():
+    from arl_tangram.core.clock import ManualClock
+    from arl_tangram.core.seam import Pool
+    from arl_tangram.engine import Engine
+
+    class CpuOnly:
+        def start(self, action, allocation): ...
+        def cancel(self, action_id): ...
+        def close_session(self, trajectory): ...
+
+    with pytest.raises(TypeError, match="ModelHost"):
+        Engine(uniform_cluster(gpus=1), fifo_policy(), {Pool.GPU: CpuOnly()}, ManualClock())
+    Engine(Cluster(), fifo_policy(), {}, ManualClock())  # nothing to host: fine

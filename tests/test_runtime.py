@@ -1,0 +1,180 @@
+"""The runtime at the manager seam: the same tests over the in-process double (any Linux host)
+and over real sandboxes (where bubblewrap is installed)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+
+from arl_tangram.core import Action, Demand, InvalidAction, Outcome
+from arl_tangram.core.seam import Manager, ModelHost
+from arl_tangram.managers.quota import ApiManager
+from arl_tangram.managers.sandbox.manager import RunCode, SandboxConfig, SandboxManager
+from arl_tangram.runtime import Tangram
+from arl_tangram.sim.managers import SimApiManager, SimModelManager, SimSandboxManager
+from arl_tangram.core.clock import ManualClock
+from arl_tangram.core.cluster import uniform_cluster
+
+from doubles import InProcessSandboxes
+
+BACKENDS = ["double", pytest.param("real", marks=pytest.mark.skipif(shutil.which("bwrap") is None,
+                                                                      reason="bubblewrap is not installed"))]
+
+
+def local(backend: str, **kw) -> Tangram:
+    if backend == "double":
+        return Tangram.local(sandboxes=InProcessSandboxes.factory(), cores=2, **kw)
+    return Tangram.local(sandbox=SandboxConfig(warm_pool=1), **kw)
+
+
+def run(backend: str, body, **kw):
+    async def main():
+        async with local(backend, **kw) as tg:
+            return await body(tg)
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_shots_report_their_output_and_outcome(backend):
+    async def body(tg):
+        return await asyncio.gather(tg.run("print(input()[::-1])", stdin="olleh"), tg.run("exit 3", "bash"),
+                                    tg.run("echo $((6*7))", "bash"))
+
+    ok, failed, bash = run(backend, body)
+    assert (ok.outcome, ok.stdout) == (Outcome.OK, "hello\n")
+    assert failed.outcome is Outcome.FAILED and failed.result.run.exit_code == 3
+    assert bash.stdout == "42\n"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_session_keeps_its_state_and_files(backend):
+    async def body(tg):
+        s = await tg.session(job="j")
+        await s.exec(python="x = 41")
+        await s.put({"data.txt": b"payload"})
+        r = await s.exec(python="print(x + 1)")
+        files = await s.get(["data.txt", "nope.txt"])
+        shell = await s.exec("cat data.txt")
+        await s.close()
+        return r, files, shell
+
+    r, files, shell = run(backend, body)
+    assert r.stdout == "42\n"
+    assert files == {"data.txt": b"payload"}
+    assert shell.stdout == "payload"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_id_in_flight_is_refused_and_the_first_caller_keeps_its_result(backend):
+    """Bug: the second submission replaced the first caller's future before the engine refused
+    the duplicate, so the first caller never got its result."""
+    async def body(tg):
+        first = asyncio.ensure_future(tg.run("import time; time.sleep(0.3); print('first')", id="dup"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(InvalidAction) as e:
+            await tg.run("print('second')", id="dup")
+        assert e.value.field == "id"
+        return await asyncio.wait_for(first, 20)
+
+    r = run(backend, body)
+    assert (r.outcome, r.stdout) == (Outcome.OK, "first\n")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancelling_a_running_action_ends_it_once_as_cancelled(backend):
+    async def body(tg):
+        rt = tg.runtime
+        task = asyncio.ensure_future(tg.run("import time; time.sleep(30)", id="long", timeout_s=60))
+        for _ in range(200):
+            if rt.state_of("long") == "running":
+                break
+            await asyncio.sleep(0.02)
+        assert rt.state_of("long") == "running"
+        assert rt.cancel("long") is True
+        r = await asyncio.wait_for(task, 20)
+        assert rt.cancel("long") is False and rt.state_of("long") is None
+        return r
+
+    r = run(backend, body)
+    assert r.outcome is Outcome.CANCELLED and "cancelled" in r.message
+
+
+def test_a_queued_action_that_is_cancelled_never_reaches_a_manager():
+    async def body(tg):
+        rt = tg.runtime
+        blockers = [asyncio.ensure_future(tg.run("import time; time.sleep(0.5)")) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        waiting = asyncio.ensure_future(tg.run("print(1)", id="queued"))
+        await asyncio.sleep(0.05)
+        assert rt.state_of("queued") == "queued"
+        rt.cancel("queued")
+        r = await waiting
+        await asyncio.gather(*blockers)
+        return r, [a.id for a, _ in rt.sandboxes.started]
+
+    r, started = run("double", body)
+    assert r.outcome is Outcome.CANCELLED and "queued" not in started
+
+
+def test_snapshot_reports_queue_and_cores_without_reaching_into_the_engine():
+    async def body(tg):
+        rt = tg.runtime
+        tasks = [asyncio.ensure_future(tg.run("import time; time.sleep(0.4)")) for _ in range(3)]
+        await asyncio.sleep(0.15)
+        snap = rt.snapshot()
+        await asyncio.gather(*tasks)
+        return snap, rt.snapshot()
+
+    busy, idle = run("double", body)
+    assert (busy.cores, busy.running, busy.queued, busy.cores_held) == (2, 2, 1, 2)
+    assert (idle.running, idle.queued, idle.cores_held) == (0, 0, 0)
+
+
+def test_every_manager_satisfies_the_seam():
+    clock, sink = ManualClock(), (lambda r: None)
+    at = lambda t, fn: None  # noqa: E731
+    cluster = uniform_cluster(cpus=4, gpus=2)
+    assert isinstance(SandboxManager(SandboxConfig(), sink), Manager)
+    assert isinstance(ApiManager({}, sink), Manager)
+    assert isinstance(InProcessSandboxes(sink), Manager)
+    assert isinstance(SimSandboxManager(at, clock, sink), Manager)
+    assert isinstance(SimApiManager(at, clock, sink, ()), Manager)
+    assert isinstance(SimModelManager(at, clock, sink, cluster), ModelHost)
+    assert not isinstance(SimSandboxManager(at, clock, sink), ModelHost)
+
+
+def test_a_model_batch_that_never_ends_still_answers_every_caller():
+    """Bug: when the batch's task was cancelled (as closing the runtime does) or raised, every
+    caller in the batch waited forever."""
+    pytest.importorskip("torch")
+    from arl_tangram.managers.models.manager import ModelServiceConfig
+
+    async def main():
+        tg = Tangram.local(sandboxes=False, models=[ModelServiceConfig(
+            "slow", "model_fixtures:slow_reward_model", {"delay_s": 2.0}, max_batch=4, max_wait_ms=5)])
+        await tg.__aenter__()
+        calls = [asyncio.ensure_future(tg.score("slow", [1, 2, 3])) for _ in range(3)]
+        await asyncio.sleep(0.3)  # the batch is running on the "device"
+        await tg.runtime.close()
+        return await asyncio.wait_for(asyncio.gather(*calls), 10)
+
+    results = asyncio.run(main())
+    assert [r.outcome for r in results] == [Outcome.INFRA_ERROR] * 3
+    assert all("did not run to an outcome" in r.message for r in results)
+
+
+def test_the_sandbox_manager_refuses_to_report_without_a_sink():
+    m = SandboxManager(SandboxConfig())
+    with pytest.raises(RuntimeError, match="without a sink"):
+        m.tasks.sink(object())
+
+
+def test_bad_actions_are_rejected_with_the_field_named():
+    async def body(tg):
+        big = Action(tg.runtime.new_id("r"), "sandbox", Demand.of(cpu=(64, 64)), payload=RunCode("print(1)"))
+        return await tg.runtime.submit(big)
+
+    r = run("double", body)
+    assert r.outcome is Outcome.REJECTED and r.message.startswith("demand.cpu:")
