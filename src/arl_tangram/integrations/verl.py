@@ -181,9 +181,9 @@ class TangramSandboxTool(BaseTool):
         client = self._clients.get(loop)
         if client is None:
             s = self.settings
+            # the answer comes after queueing plus the run: the client's default wait plus the time limit
             client = self._clients[loop] = AsyncTangramClient(s.tangram_url, token=s.token, retries=s.retries,
-                                                              backoff_s=s.backoff_s,
-                                                              timeout_s=s.timeout_s + 60)
+                                                              backoff_s=s.backoff_s, timeout_s=600 + s.timeout_s)
         return client
 
     def _expire_idle(self) -> None:
