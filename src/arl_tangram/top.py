@@ -10,15 +10,15 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
-
-def snapshot(url: str, token: str | None = None) -> tuple[dict, list[dict]]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    health = httpx.get(f"{url}/healthz", timeout=5).json()
-    jobs = httpx.get(f"{url}/v1/jobs", headers=headers, timeout=5).json()
-    return health, jobs
+from .api import v1
+from .client import TangramClient, TangramError
 
 
-def render(url: str, health: dict, jobs: list[dict]) -> Group:
+def snapshot(client: TangramClient) -> tuple[dict, list[v1.JobStats]]:
+    return client.health(), client.jobs()
+
+
+def render(url: str, health: dict, jobs: list[v1.JobStats]) -> Group:
     cores = health.get("cores") or 1
     head = (f"[bold]{url}[/]  v{health.get('version')}  isolation {health.get('isolation')}   "
             f"queued [bold]{health['queued']}[/]  running [bold]{health['running']}[/] on {cores} cores   "
@@ -29,14 +29,14 @@ def render(url: str, health: dict, jobs: list[dict]) -> Group:
                       ("p50", "right"), ("p99", "right")]:
         table.add_column(col, justify=just)
     for j in jobs:
-        o = j["outcomes"]
+        o = j.outcomes
 
         def ms(v):
             return "-" if v is None else f"{v * 1000:,.1f} ms"
 
-        table.add_row(j["job"], f"{j['actions']:,}", *(str(o.get(k, 0)) for k in
-                                                       ("ok", "failed", "timeout", "oom", "infra_error")),
-                      ms(j["avg_act_s"]), ms(j["p50_act_s"]), ms(j["p99_act_s"]))
+        table.add_row(j.job, f"{j.actions:,}", *(str(o.get(k, 0)) for k in
+                                                 ("ok", "failed", "timeout", "oom", "infra_error")),
+                      ms(j.avg_act_s), ms(j.p50_act_s), ms(j.p99_act_s))
     return Group(Panel(head, title="ARL-Tangram"), table)
 
 
@@ -44,13 +44,15 @@ def run(url: str, interval_s: float = 1.0, once: bool = False, token: str | None
     from rich.console import Console
 
     console = Console()
-    if once:
-        console.print(render(url, *snapshot(url, token)))
-        return
-    with Live(render(url, *snapshot(url, token)), console=console, refresh_per_second=4) as live:
-        while True:
-            time.sleep(interval_s)
-            try:
-                live.update(render(url, *snapshot(url, token)))
-            except httpx.TransportError as e:
-                live.update(Panel(f"[red]cannot reach {url}: {e}[/]"))
+    # one attempt per frame: the next frame is the retry
+    with TangramClient(url, token=token, timeout_s=5, retries=0) as client:
+        if once:
+            console.print(render(url, *snapshot(client)))
+            return
+        with Live(render(url, *snapshot(client)), console=console, refresh_per_second=4) as live:
+            while True:
+                time.sleep(interval_s)
+                try:
+                    live.update(render(url, *snapshot(client)))
+                except (httpx.TransportError, TangramError) as e:
+                    live.update(Panel(f"[red]cannot read {url}: {e}[/]"))
