@@ -244,9 +244,10 @@ def test_daemonised_children_do_not_outlive_the_action():
         await s.exec("(while true; do echo beat >> /workspace/beat; sleep 0.02; done) & disown; "
                      "python3 -c 'import os\nif os.fork() == 0:\n    os.setsid()\n    import time\n    time.sleep(600)' &",
                      timeout_s=5)
-        first = await s.exec("wc -l < beat; ps -e -o comm= | sort | tr '\\n' ' '")
+        # (shell steps return when the command does: the loop may not have written yet)
+        first = await s.exec("cat beat 2>/dev/null | wc -l; ps -e -o comm= | sort | tr '\\n' ' '")
         await asyncio.sleep(0.3)
-        second = await s.exec("wc -l < beat")
+        second = await s.exec("cat beat 2>/dev/null | wc -l")
         await s.close()
         return first, second
 
