@@ -105,7 +105,7 @@ class _Hashing(io.RawIOBase):
     """Passes bytes through while hashing them (the layer's id is the sha256 of its tar)."""
 
     def __init__(self, raw: IO[bytes]) -> None:
-        self.raw, self.sha = raw, hashlib.sha256()
+        self.raw, self.sha, self.count = raw, hashlib.sha256(), 0
 
     def readable(self) -> bool:
         return True
@@ -113,13 +113,17 @@ class _Hashing(io.RawIOBase):
     def readinto(self, b) -> int:
         data = self.raw.read(len(b))
         self.sha.update(data)
+        self.count += len(data)
         b[:len(data)] = data
         return len(data)
 
     def finish(self) -> str:
-        while self.raw.read(1 << 20):
-            pass  # the tar's trailing padding is part of its identity
-        return self.sha.hexdigest()
+        while True:  # the tar's trailing padding is part of its identity
+            data = self.raw.read(1 << 20)
+            if not data:
+                return self.sha.hexdigest()
+            self.sha.update(data)
+            self.count += len(data)
 
 
 def _normalise(name: str, where: str) -> str:
@@ -215,11 +219,18 @@ def _check_layer(stream: IO[bytes], where: str) -> tuple[str, int]:
         with tarfile.open(fileobj=io.BufferedReader(hashing, 1 << 20), mode="r|") as tar:
             for m in tar:
                 checker.check(m)
+            end = tar.offset
+        digest = hashing.finish()
     except ImageError:
         raise
     except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile, ValueError) as e:
         raise ImageError(f"{where}: not a readable tar (truncated or corrupt: {e})") from None
-    return hashing.finish(), checker.size
+    # tarfile takes a cut-off header for the end of the archive: insist on whole blocks and an
+    # end-of-archive marker after the last member
+    if hashing.count % 512 or hashing.count < end + 512:
+        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: it ends inside a block or has no "
+                         "end-of-archive marker)")
+    return digest, checker.size
 
 
 def _remove(path: str) -> None:

@@ -181,6 +181,7 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
     truncated = timed_out = False
     status = None
     shell_gone = None
+    busy = False
     poll = select.poll()
     for fd in (out_fd, err_fd, ctl):
         poll.register(fd, select.POLLIN)
@@ -195,7 +196,7 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
             deadline = killed_at + 1.0
             continue
         if left <= 0:  # the shell itself is busy with the step: it has to go
-            stop()
+            busy = True
             notes.append("timed out inside the shell itself: the shell was killed; the next step starts a new "
                          "one (cwd, variables and functions reset)")
             status = -9
@@ -221,6 +222,8 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
     for fd in (out_fd, err_fd):
         if _drain(fd, bufs[fd], limit):
             truncated = True
+    if busy:
+        stop()
     if shell_gone is not None:
         stop()
         notes.append(f"the shell exited (status {shell_gone}): the next step starts a new one (cwd, variables "
