@@ -143,3 +143,27 @@ def _tar(files: dict[str, bytes]) -> bytes:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+def test_the_image_cli_imports_lists_removes_and_refuses_bad_archives(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from arl_tangram.cli import app
+
+    runner = CliRunner()
+    store = ["--store", str(tmp_path / "store")]
+    ok = runner.invoke(app, ["image", "import", str(docker_archive(tmp_path / "a.tar", [BASE, TOP])), "--name",
+                             "tiny", *store])
+    assert ok.exit_code == 0, ok.output
+    assert len(json.loads(ok.stdout)["layers"]) == 2
+    listed = runner.invoke(app, ["image", "ls", *store])
+    assert [i["name"] for i in json.loads(listed.stdout)] == ["tiny"]
+    bad = runner.invoke(app, ["image", "import", str(docker_archive(tmp_path / "b.tar", [BAD["dotdot"][0]])),
+                              "--name", "bad", *store])
+    assert bad.exit_code == 2 and "escapes the root" in bad.output
+    gone = runner.invoke(app, ["image", "rm", "tiny", *store])
+    assert gone.exit_code == 0 and json.loads(gone.stdout)["layers_deleted"] == 2
+    missing = runner.invoke(app, ["image", "rm", "tiny", *store])
+    assert missing.exit_code == 2 and "no image named 'tiny'" in missing.output
