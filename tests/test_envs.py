@@ -274,3 +274,35 @@ print(sorted(os.listdir('/run/tangram')))
     assert not any((d / "etc/evil").exists() for d in store.get("tiny-sh").layer_dirs(store))
     # no python3 in the image: the host's /usr is bound read-only for the runner (as in every sandbox)
     assert "['host', 'runner.py', 'shell.py']" in r.stdout
+
+
+# -- the native API ----------------------------------------------------------------------------------
+
+def test_server_sessions_in_images_fork_and_prewarm(store, tmp_path):
+    import httpx
+    from test_server import Server
+
+    server = Server(tmp_path, config={"sandbox": {"image_store": str(store.root), "image": "tiny-sh", "warm_pool": 0,
+                                                  "max_idle_sandboxes": 2}})
+    try:
+        c = httpx.Client(base_url=server.url, timeout=30)
+        one = c.post("/v1/actions", json={"action": {"code": "print(open('/repo/app.py').read())"}}).json()
+        assert one["outcome"] == "ok" and one["run"]["stdout"] == "VERSION = 1\n\n"
+        bad = c.post("/v1/sessions", json={"image": "no-such-image"})
+        assert bad.status_code == 422 and "no image named" in bad.json()["message"]
+        sid = c.post("/v1/sessions", json={"image": "tiny-bash"}).json()["session_id"]
+        assert c.post(f"/v1/sessions/{sid}/exec", json={"command": "cd /repo; echo v5 > app.py"}).json()["outcome"] == "ok"
+        fork = c.post(f"/v1/sessions/{sid}/fork", json={"n": 2}).json()
+        assert fork["outcome"] == "ok" and len(fork["session_ids"]) == 2 and fork["fork_s"] is not None
+        outs = [c.post(f"/v1/sessions/{k}/exec", json={"command": f"cat /repo/app.py; echo {k} > /repo/app.py"}).json()
+                for k in fork["session_ids"]]
+        assert [o["run"]["stdout"] for o in outs] == ["v5\n", "v5\n"]
+        assert c.post(f"/v1/sessions/{sid}/fork", json={"n": 0}).status_code == 422
+        warm = c.post("/v1/pools/prewarm", json={"image": "tiny-sh", "n": 5}).json()
+        assert warm["ready"] == 2 and warm["cap"] == 2 and "capped" in warm["message"]
+        assert c.post("/v1/pools/prewarm", json={"image": "nope", "n": 1}).status_code == 422
+        for k in (sid, *fork["session_ids"]):
+            assert c.delete(f"/v1/sessions/{k}").status_code == 204
+    finally:
+        server.stop()
+    assert _mounts() == 0
