@@ -264,10 +264,27 @@ def bench_sandbox(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
     samples: int = typer.Option(30, min=3, help="Actions per latency figure."),
 ) -> None:
-    """Sandbox latencies (cold, warm, session exec) and throughput on this machine."""
+    """Sandbox latencies (cold, warm, session exec) and throughput on this machine, then the
+    environment figures of `tangram bench envs` (under "environments")."""
+    from .bench.envs import run as run_envs
     from .bench.sandbox import run
 
-    _print_json(run(samples, log=lambda m: console.print(m)), json_out)
+    result = run(samples, log=lambda m: console.print(m))
+    result["environments"] = run_envs(max(3, samples // 3), log=lambda m: console.print(m))
+    _print_json(result, json_out)
+
+
+@bench_app.command("envs")
+def bench_envs(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    samples: int = typer.Option(10, min=3, help="Samples per latency figure."),
+    workspace_mb: int = typer.Option(200, min=1, help="Workspace size written before the fork."),
+    children: int = typer.Option(8, min=1, max=256, help="Children per fork."),
+) -> None:
+    """Image session start, fork(N) of a large workspace, snapshot/restore, persistent-shell steps."""
+    from .bench.envs import run
+
+    _print_json(run(samples, workspace_mb, children, log=lambda m: console.print(m)), json_out)
 
 
 @bench_app.command("e2e")
