@@ -105,9 +105,21 @@ def test_an_image_without_bash_gets_its_sh_and_toolchains_are_looked_up_in_the_i
         run(store, lambda tg: tg.session(image="no-such-image"))
 
 
-def test_the_default_image_comes_from_the_config(store):
-    r = run(store, lambda tg: tg.run("import os\nprint(os.path.exists('/repo/app.py'))"), image="tiny-sh")
+def test_the_default_image_comes_from_the_config_and_fills_the_warm_pool(store):
+    async def body(tg):
+        pool = tg.runtime.sandboxes._pool
+        for _ in range(500):
+            if pool.qsize() >= 1:
+                break
+            await asyncio.sleep(0.01)
+        pooled = [sb.image for sb in list(pool._queue)]
+        return pooled, await tg.run("import os\nprint(os.path.exists('/repo/app.py'))")
+
+    pooled, r = run(store, body, image="tiny-sh", warm_pool=1)
+    assert pooled == ["tiny-sh"]
     assert r.outcome is Outcome.OK and r.stdout == "True\n"
+    with pytest.raises(ImageError, match="sandbox.image|no image named"):
+        run(store, lambda tg: tg.run("pass"), image="no-such-image")
 
 
 # -- persistent shells ---------------------------------------------------------------------------
@@ -306,3 +318,19 @@ def test_server_sessions_in_images_fork_and_prewarm(store, tmp_path):
     finally:
         server.stop()
     assert _mounts() == 0
+
+
+def test_roots_left_by_a_dead_process_are_removed(tmp_path):
+    import subprocess
+    import tempfile
+
+    from arl_tangram.managers.sandbox.imagebox import remove_stale_roots
+    from arl_tangram.managers.sandbox.rootfs import mount
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    d = Path(tempfile.mkdtemp(prefix=f"tangram-roots-{dead.pid}-"))
+    (d / "r0/rw").mkdir(parents=True)
+    mount("tmpfs", str(d / "r0/rw"), "tmpfs", 0, "size=1m")
+    assert remove_stale_roots() >= 1
+    assert not d.exists()

@@ -23,7 +23,7 @@ from pathlib import Path
 from .cgroups import CgroupRoot
 from .images import Image, ImageError, ImageStore
 from .isolation import RUNNER, SHELL, Layout
-from .rootfs import HOST_ROOT, Interpreter, Layer, RootFs, choose_interpreter, ensure_base, overlay_supported
+from .rootfs import HOST_ROOT, Interpreter, Layer, RootFs, choose_interpreter, ensure_base, overlay_supported, umount
 from .sandbox import Limits, Sandbox, SandboxDied
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,37 @@ def bwrap_argv(layout: Layout, root: str, interp: Interpreter) -> list[str]:
              "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/workspace",
              "--setenv", "LANG", "C.UTF-8"]
     return argv + [*interp.argv, "/run/tangram/runner.py", "--reap"]
+
+
+def remove_stale_roots() -> int:
+    """Unmount and delete the roots left by processes that died without cleaning up (their run
+    directories carry their pid); returns how many mounts were removed."""
+    base = tempfile.gettempdir()
+    stale: list[str] = []
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            points = [line.split()[4] for line in fh]
+    except OSError:
+        return 0
+    dirs = set()
+    for point in points:
+        rel = os.path.relpath(point, base)
+        head = rel.split("/", 1)[0]
+        if head.startswith("tangram-roots-") and not rel.startswith(".."):
+            pid = head.split("-")[2]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                stale.append(point)
+                dirs.add(os.path.join(base, head))
+    for point in sorted(stale, key=len, reverse=True):  # overlays before the tmpfs under them
+        try:
+            umount(point)
+        except OSError as e:
+            log.warning("cannot unmount a stale sandbox root %s: %s", point, e)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    if stale:
+        log.info("removed %d mounts left by sandboxes of dead processes", len(stale))
+    return len(stale)
 
 
 @dataclass
@@ -85,7 +116,8 @@ class ImageSandboxes:
             why = overlay_supported()
             if why is not None:
                 raise ImageError(f"image: {why}")
-            self.run_dir = tempfile.mkdtemp(prefix="tangram-roots-")
+            remove_stale_roots()
+            self.run_dir = tempfile.mkdtemp(prefix=f"tangram-roots-{os.getpid()}-")
             self._base = ensure_base(self.store)
 
     def new_root(self, image: Image, session_layers: list[Layer] = ()) -> RootFs:
@@ -109,7 +141,10 @@ class ImageSandboxes:
         """A running sandbox on a new root of ``image_name`` (or on ``rootfs``, already mounted)."""
         if rootfs is None:
             image = self.image(image_name)
-            rootfs = await asyncio.to_thread(self.new_root, image, list(session_layers))
+            try:
+                rootfs = await asyncio.to_thread(self.new_root, image, list(session_layers))
+            except OSError as e:
+                raise SandboxDied(f"cannot mount the root of image {image_name!r}: {e}") from None
         interp = self.interpreter(rootfs.image, rootfs.root)
         sid = f"sbi-{next(_IDS)}-{os.urandom(3).hex()}"
         try:

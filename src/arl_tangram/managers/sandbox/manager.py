@@ -173,6 +173,14 @@ class SandboxManager:
         self.root = open_root()
         self.imageboxes = ImageSandboxes(self.images, self.layout, Limits(c.memory_mb << 20, c.pids_max), self.root,
                                          c.interpreter, tuple(c.interpreter_args), c.max_idle_sandboxes)
+        if c.image is not None:  # the default image: fail at start, not at every action
+            if self.mode is not Isolation.BWRAP:
+                raise ImageError(f"sandbox.image: sandboxes from images need bubblewrap isolation (this host uses "
+                                 f"{self.mode.value})")
+            try:
+                self.imageboxes.image(c.image)
+            except ImageError as e:
+                raise ImageError(f"sandbox.{e}") from None
         self._pool = asyncio.Queue()
         self._taken = asyncio.Event()
         self._fill = asyncio.get_running_loop().create_task(self._keep_pool_full())
@@ -207,6 +215,8 @@ class SandboxManager:
             shutil.rmtree(d, ignore_errors=True)
 
     async def _spawn(self) -> Sandbox:
+        if self.config.image is not None:  # the warm pool holds sandboxes of the default image
+            return await self.imageboxes.spawn(self.config.image)
         sid = f"sb-{next(_SANDBOX_IDS)}-{os.urandom(3).hex()}"  # unique across managers of a process
         workspace = None
         if self.mode is Isolation.NONE:
@@ -246,7 +256,7 @@ class SandboxManager:
 
     async def _take(self, image: str | None = None) -> Sandbox:
         """A prepared sandbox from the pool, or a fresh one when the pool is empty."""
-        if image is not None:
+        if image is not None and image != self.config.image:
             if self.mode is not Isolation.BWRAP:
                 raise ImageError(f"image: sandboxes from images need bubblewrap isolation (this host uses "
                                  f"{self.mode.value})")

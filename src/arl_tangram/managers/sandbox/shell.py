@@ -165,6 +165,8 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
     forget = " disown -a 2>/dev/null;" if STATE["name"] == "bash" else ""
     line = (f"{exports}{{ . {DIR}/step; }} <{inp} >{DIR}/out 2>{DIR}/err 3>&-; "
             f"echo \"{nonce} $?\" >&3;{forget}\n").encode()
+    for fd in (STATE["out"][0], STATE["err"][0]):
+        _drain(fd, bytearray(), 0)  # late writes of an earlier step's (since reaped) background jobs
     try:
         os.write(STATE["cmd"], line)
     except BrokenPipeError:  # it died between steps: start another, once
