@@ -332,7 +332,9 @@ def test_expiry_and_close_leave_nothing_behind():
     gone, closed, roots = run(body, session_idle_expiry_s=0.5)
     assert gone and closed
     assert not any(d.exists() for d in roots), "shutdown left cgroups behind"
-    ours = subprocess.run(["pgrep", "-f", "/run/tangram/runner.py"], capture_output=True, text=True).stdout.split()
+    # this checkout's sandboxes only (their bwrap names our runner's path): other checkouts may be testing too
+    from arl_tangram.managers.sandbox.isolation import RUNNER
+    ours = subprocess.run(["pgrep", "-f", str(RUNNER)], capture_output=True, text=True).stdout.split()
     assert not ours, f"sandbox processes left running: {ours}"
 
 
