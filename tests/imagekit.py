@@ -132,3 +132,24 @@ def host_tools(*exes: str) -> list[tuple]:
             with open(real, "rb") as fh:
                 entries[dest] = ("file", dest, fh.read(), 0o755)
     return list(entries.values())
+
+
+def python_layer(version: str = "3.11") -> list[tuple]:
+    """The host's python3 with the part of its standard library the runner and site need, and an
+    empty dist-packages (so "pip install" into the image is importable at once)."""
+    lib = f"/usr/lib/python{version}"
+    entries = host_tools("/usr/bin/dash", f"/usr/bin/python{version}") + [
+        ("symlink", "usr/bin/sh", "dash"), ("symlink", "usr/bin/python3", f"python{version}"),
+        ("dir", f"usr/local/lib/python{version}/dist-packages")]
+    for name in sorted(os.listdir(lib)):
+        if name.endswith(".py"):
+            with open(os.path.join(lib, name), "rb") as fh:
+                entries.append(("file", f"usr/lib/python{version}/{name}", fh.read()))
+    for pkg in ("encodings", "collections", "importlib", "re", "json", "lib-dynload"):
+        for dirpath, dirnames, filenames in os.walk(os.path.join(lib, pkg)):
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            for f in filenames:
+                full = os.path.join(dirpath, f)
+                with open(full, "rb") as fh:
+                    entries.append(("file", "usr/" + os.path.relpath(full, "/usr"), fh.read(), 0o755))
+    return entries

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import test_sandbox as host_probes
-from imagekit import docker_archive, host_tools
+from imagekit import docker_archive, host_tools, python_layer
 
 from arl_tangram.core import Outcome
 from arl_tangram.managers.sandbox.images import ImageError, ImageStore
@@ -120,6 +120,27 @@ def test_the_default_image_comes_from_the_config_and_fills_the_warm_pool(store):
     assert r.outcome is Outcome.OK and r.stdout == "True\n"
     with pytest.raises(ImageError, match="sandbox.image|no image named"):
         run(store, lambda tg: tg.run("pass"), image="no-such-image")
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/bin/python3.11"), reason="builds its image from the host's python3.11")
+def test_an_image_with_python_runs_the_runner_and_cells_on_it_and_pip_installs_are_importable(tmp_path):
+    store = ImageStore(tmp_path / "store")
+    store.import_path(docker_archive(tmp_path / "py.tar", [python_layer()]), "py")
+
+    async def body(tg):
+        s = await tg.session(image="py")
+        where = await s.exec(python="import sys, os\nprint(sys.executable, os.listdir('/run/tangram/host'))")
+        pip = await s.exec("echo 'X = 5' > /usr/local/lib/python3.11/dist-packages/mypkg.py && "
+                           "python3 -c 'import mypkg; print(mypkg.X)'")
+        cell = await s.exec(python="import mypkg\nprint(mypkg.X)")
+        other = await tg.run("import mypkg", image="py")
+        await s.close()
+        return where, pip, cell, other
+
+    where, pip, cell, other = run(store, body)
+    assert where.stdout == "/usr/bin/python3 []\n", where.stderr  # the image's python; no host /usr bound
+    assert pip.stdout == "5\n" and cell.stdout == "5\n"
+    assert other.outcome is Outcome.FAILED and "No module named 'mypkg'" in other.stderr
 
 
 # -- persistent shells ---------------------------------------------------------------------------

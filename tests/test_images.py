@@ -167,3 +167,30 @@ def test_the_image_cli_imports_lists_removes_and_refuses_bad_archives(tmp_path):
     assert gone.exit_code == 0 and json.loads(gone.stdout)["layers_deleted"] == 2
     missing = runner.invoke(app, ["image", "rm", "tiny", *store])
     assert missing.exit_code == 2 and "no image named 'tiny'" in missing.output
+
+
+def test_docker_save_variants_shared_layer_links_and_the_oci_flavoured_layout(tmp_path):
+    import hashlib
+    import json
+
+    base, top = layer_tar(BASE), layer_tar(TOP)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:  # docker save links a repeated layer to its first copy
+        for name, data in {"a/layer.tar": base, "c/layer.tar": top,
+                           "manifest.json": json.dumps([{"Layers": ["a/layer.tar", "b/layer.tar", "c/layer.tar"]}])
+                           .encode()}.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        link = tarfile.TarInfo("b/layer.tar")
+        link.type, link.linkname = tarfile.SYMTYPE, "../a/layer.tar"
+        tar.addfile(link)
+    (tmp_path / "linked.tar").write_bytes(buf.getvalue())
+    store = _store(tmp_path)
+    img = store.import_path(tmp_path / "linked.tar", "linked")
+    assert img.layers[0] == img.layers[1] != img.layers[2]
+    blobs = {f"blobs/sha256/{hashlib.sha256(t).hexdigest()}": t for t in (base, top)}  # Docker 25+
+    layout = _tar({**blobs, "oci-layout": b"{}", "index.json": b'{"manifests": []}',
+                   "manifest.json": json.dumps([{"Layers": list(blobs)}]).encode()})
+    (tmp_path / "oci-docker.tar").write_bytes(layout)
+    assert store.import_path(tmp_path / "oci-docker.tar", "docker25").layers == (img.layers[0], img.layers[2])

@@ -380,14 +380,14 @@ class ImageStore:
             raise ImageError(f"PATH: {path} is not an image archive (not a tar: {e})") from None
         with outer:
             try:
-                names = {m.name.lstrip("./"): m for m in outer.getmembers()}
+                names = {posixpath.normpath(m.name).lstrip("/"): m for m in outer.getmembers()}
             except (tarfile.TarError, EOFError, OSError) as e:
                 raise ImageError(f"PATH: {path} is truncated or corrupt ({e})") from None
             layer_names, config = self._manifest(outer, names, path)
             plans = []
             for i, lname in enumerate(layer_names):
                 where = f"layer {i} ({lname})"
-                member = names.get(lname.lstrip("./"))
+                member = _archive_member(names, lname)
                 if member is None or not member.isreg():
                     raise ImageError(f"{where}: listed in the manifest but missing from the archive")
                 opener = (lambda m=member: outer.extractfile(m))
@@ -477,6 +477,18 @@ class ImageStore:
         tmp_json.write_text(json.dumps(asdict(img)))
         os.replace(tmp_json, self._image_file(name))
         return img
+
+
+def _archive_member(names: dict[str, tarfile.TarInfo], name: str) -> tarfile.TarInfo | None:
+    """A member of the outer archive by name, following symlinks inside it (``docker save``
+    writes a layer shared by two images once and links the second to it)."""
+    path = _normalise(name, "manifest.json")
+    for _ in range(8):
+        m = names.get(path)
+        if m is None or not m.issym():
+            return m
+        path = _normalise(posixpath.normpath(posixpath.join(posixpath.dirname(path), m.linkname)), "manifest.json")
+    return None
 
 
 def _blob(digest: str) -> str:

@@ -143,7 +143,7 @@ class RootFs:
             os.mkdir(self.upper, 0o755)
             os.mkdir(os.path.join(self.rw, "work"), 0o700)
             lowers = ":".join([layer.path for layer in self.session_layers] + [self.base] + self.image_dirs)
-            mount("overlay", self.root, "overlay", MS_NOSUID,
+            mount("overlay", self.root, "overlay", MS_NOSUID | MS_NODEV,
                   f"lowerdir={lowers},upperdir={self.upper},workdir={os.path.join(self.rw, 'work')}")
         except OSError:
             self.release()
