@@ -188,6 +188,19 @@ def test_a_step_busy_inside_the_shell_restarts_it_and_says_so(store):
     assert after.outcome is Outcome.OK and after.stdout == "gone\n"
 
 
+def test_a_step_that_replaces_the_shell_ends_and_the_next_step_gets_a_new_one(store):
+    async def body(tg):
+        s = await tg.session()
+        replaced = await s.exec("echo before; exec sleep 30", timeout_s=5)
+        after = await s.exec("echo after")
+        await s.close()
+        return replaced, after
+
+    replaced, after = run(store, body)
+    assert replaced.stdout == "before\n" and "the shell exited" in replaced.message and replaced.act_s < 2
+    assert after.outcome is Outcome.OK and after.stdout == "after\n"
+
+
 # -- fork, snapshot, restore, prewarm ------------------------------------------------------------
 
 def test_fork_gives_each_child_a_private_copy_on_write_filesystem(store):

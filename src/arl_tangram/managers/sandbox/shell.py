@@ -139,6 +139,28 @@ def _drain(fd, buf, limit):
             dropped = True
 
 
+def _exit_status(pid):
+    """The status of the shell that closed its status pipe; a program it was replaced by
+    (``exec sleep 100``) gets 50 ms to finish, then is killed."""
+    for _ in range(10):
+        try:
+            done, st = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return -9
+        if done:
+            return os.WEXITSTATUS(st) if os.WIFEXITED(st) else -os.WTERMSIG(st)
+        time.sleep(0.005)
+    try:
+        os.killpg(pid, 9)
+    except OSError:
+        pass
+    try:
+        _, st = os.waitpid(pid, 0)
+    except ChildProcessError:
+        return -9
+    return os.WEXITSTATUS(st) if os.WIFEXITED(st) else -os.WTERMSIG(st)
+
+
 def step(req, env, workspace, close_fds, reap_others, b64, unb64):
     """Run one shell step; the result has the same fields as a ``run`` request's."""
     started = time.monotonic()
@@ -206,12 +228,8 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
         for fd, ev in poll.poll(max(0.0, left) * 1000):
             if fd == ctl:
                 chunk = os.read(ctl, 4096)
-                if not chunk:  # the shell exited (`exit N`, or killed)
-                    try:
-                        _, st = os.waitpid(STATE["pid"], 0)
-                        shell_gone = os.WEXITSTATUS(st) if os.WIFEXITED(st) else -os.WTERMSIG(st)
-                    except ChildProcessError:
-                        shell_gone = -9
+                if not chunk:  # the shell exited (`exit N`), or was replaced (`exec prog`)
+                    shell_gone = _exit_status(STATE["pid"])
                     status = shell_gone
                     break
                 ctl_buf += chunk
