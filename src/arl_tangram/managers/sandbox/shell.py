@@ -139,6 +139,27 @@ def _drain(fd, buf, limit):
             dropped = True
 
 
+def _kill_descendants(root):
+    """SIGKILL every process below ``root`` (not ``root`` itself), found through /proc."""
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    todo = list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, ()))
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+
+
 def _exit_status(pid):
     """The status of the shell that closed its status pipe; a program it was replaced by
     (``exec sleep 100``) gets 50 ms to finish, then is killed."""
@@ -216,7 +237,8 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
         if left <= 0 and killed_at is None:
             timed_out = True
             killed_at = time.monotonic()
-            reap_others(STATE["keep"])  # the step's processes; the shell survives
+            _kill_descendants(STATE["pid"])  # the step's processes; the shell survives
+            reap_others(STATE["keep"])  # and, in a PID namespace, whatever escaped from its tree
             deadline = killed_at + 1.0
             continue
         if left <= 0:  # the shell itself is busy with the step: it has to go
