@@ -368,3 +368,24 @@ def test_roots_left_by_a_dead_process_are_removed(tmp_path):
     mount("tmpfs", str(d / "r0/rw"), "tmpfs", 0, "size=1m")
     assert remove_stale_roots() >= 1
     assert not d.exists()
+
+
+def test_the_shell_survives_a_timeout_without_a_pid_namespace_too(store):
+    async def body(tg):
+        s = await tg.session()
+        await s.exec("cd /tmp && X=3")
+        slow = await s.exec("sleep 30", timeout_s=1)
+        kept = await s.exec("echo $X $PWD")
+        await s.close()
+        return slow, kept
+
+    slow, kept = run(store, body, isolation="none")
+    assert slow.outcome is Outcome.TIMEOUT and "shell" not in slow.message
+    assert kept.stdout == "3 /tmp\n"
+
+
+def test_the_warm_pool_cannot_exceed_the_idle_cap():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="warm_pool"):
+        SandboxConfig(warm_pool=10, max_idle_sandboxes=4)

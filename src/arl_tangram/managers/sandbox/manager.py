@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from ...core.action import Action, Allocation, Outcome
 from . import languages
@@ -61,6 +61,12 @@ class SandboxConfig(BaseModel):
                                                       "~/.local/share/arl-tangram/images)")
     max_idle_sandboxes: int = Field(64, ge=0, description="hard cap on idle prepared sandboxes (warm pool plus "
                                                           "prewarmed image sandboxes)")
+
+    @model_validator(mode="after")
+    def _pool_within_cap(self) -> "SandboxConfig":
+        if self.warm_pool > self.max_idle_sandboxes:
+            raise ValueError(f"warm_pool: {self.warm_pool} is above max_idle_sandboxes ({self.max_idle_sandboxes})")
+        return self
 
 
 @dataclass
