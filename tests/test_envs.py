@@ -389,3 +389,24 @@ def test_the_warm_pool_cannot_exceed_the_idle_cap():
 
     with pytest.raises(ValidationError, match="warm_pool"):
         SandboxConfig(warm_pool=10, max_idle_sandboxes=4)
+
+
+def test_an_image_with_more_layers_than_one_mount_option_page_holds(tmp_path):
+    store = ImageStore(tmp_path / ("store-with-a-long-path-" + "x" * 60))
+    layers = [host_tools("/usr/bin/dash", "/usr/bin/cat") + [("symlink", "usr/bin/sh", "dash")]]
+    layers += [[("file", f"layers/{i}", f"{i}\n"), ("whiteout", f"layers/{i - 1}")] for i in range(1, 60)]
+    img = store.import_path(docker_archive(tmp_path / "many.tar", layers), "many")
+    assert sum(len(str(p)) + 1 for p in img.layer_dirs(store)) > 4096
+
+    async def body(tg):
+        s = await tg.session(image="many")
+        r = await s.exec("cat /layers/*")
+        kids = await s.fork(1)
+        k = await kids[0].exec("cat /layers/59")
+        for x in (s, *kids):
+            await x.close()
+        return r, k
+
+    r, k = run(store, body)
+    assert r.outcome is Outcome.OK and r.stdout == "59\n", r.stderr + r.message
+    assert k.stdout == "59\n"

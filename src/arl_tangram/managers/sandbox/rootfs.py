@@ -60,6 +60,51 @@ def umount(target: str) -> None:
             raise MountError(err, f"umount {target}: {os.strerror(err)}")
 
 
+# the new mount API, for overlays whose options do not fit in one page (many layers, long paths)
+_SYS_FSOPEN, _SYS_FSCONFIG, _SYS_FSMOUNT, _SYS_MOVE_MOUNT = 430, 431, 432, 429
+FSCONFIG_SET_STRING, FSCONFIG_CMD_CREATE = 1, 6
+MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 0x2, 0x4
+MOVE_MOUNT_F_EMPTY_PATH = 0x4
+OPTIONS_MAX = 4000  # mount(2) takes one page of options
+
+
+def _check(ret: int, what: str) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise MountError(err, f"{what}: {os.strerror(err)}")
+    return ret
+
+
+def mount_overlay(target: str, lowers: list[str], upper: str, work: str, force_api: bool = False) -> None:
+    """An overlay of ``lowers`` (top first) under ``upper`` at ``target``, nosuid and nodev.
+    mount(2) when the options fit in a page; else the new mount API, one ``lowerdir+`` per layer
+    (Linux 6.8+), so an image's layer count and a fork chain's depth are bounded only by
+    overlayfs' own limit (500 lower layers)."""
+    data = f"lowerdir={':'.join(lowers)},upperdir={upper},workdir={work}"
+    if len(data) < OPTIONS_MAX and not force_api:
+        mount("overlay", target, "overlay", MS_NOSUID | MS_NODEV, data)
+        return
+    syscall = _libc.syscall
+    fd = _check(syscall(_SYS_FSOPEN, b"overlay", 0), "fsopen overlay")
+    try:
+        for layer in lowers:
+            if ":" in layer or "," in layer:
+                raise MountError(22, f"layer path {layer!r} has ':' or ','")
+            _check(syscall(_SYS_FSCONFIG, fd, FSCONFIG_SET_STRING, b"lowerdir+", layer.encode(), 0),
+                   f"overlay lowerdir+ {layer} (needs Linux 6.8+ for {len(lowers)} layers)")
+        _check(syscall(_SYS_FSCONFIG, fd, FSCONFIG_SET_STRING, b"upperdir", upper.encode(), 0), "overlay upperdir")
+        _check(syscall(_SYS_FSCONFIG, fd, FSCONFIG_SET_STRING, b"workdir", work.encode(), 0), "overlay workdir")
+        _check(syscall(_SYS_FSCONFIG, fd, FSCONFIG_CMD_CREATE, None, None, 0), "overlay create")
+        mfd = _check(syscall(_SYS_FSMOUNT, fd, 0, MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV), "fsmount overlay")
+        try:
+            _check(syscall(_SYS_MOVE_MOUNT, mfd, b"", -100, target.encode(), MOVE_MOUNT_F_EMPTY_PATH),
+                   f"move_mount to {target}")
+        finally:
+            os.close(mfd)
+    finally:
+        os.close(fd)
+
+
 def overlay_supported() -> str | None:
     """None if this process can mount overlays, else why not."""
     if os.geteuid() != 0:
@@ -142,9 +187,8 @@ class RootFs:
             mount("tmpfs", self.rw, "tmpfs", MS_NOSUID | MS_NODEV, f"size={self.size_bytes},mode=0755")
             os.mkdir(self.upper, 0o755)
             os.mkdir(os.path.join(self.rw, "work"), 0o700)
-            lowers = ":".join([layer.path for layer in self.session_layers] + [self.base] + self.image_dirs)
-            mount("overlay", self.root, "overlay", MS_NOSUID | MS_NODEV,
-                  f"lowerdir={lowers},upperdir={self.upper},workdir={os.path.join(self.rw, 'work')}")
+            mount_overlay(self.root, [layer.path for layer in self.session_layers] + [self.base] + self.image_dirs,
+                          self.upper, os.path.join(self.rw, "work"))
         except OSError:
             self.release()
             raise
