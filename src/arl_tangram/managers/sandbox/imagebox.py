@@ -18,12 +18,11 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 from .cgroups import CgroupRoot
 from .images import Image, ImageError, ImageStore
 from .isolation import RUNNER, SHELL, Layout
-from .rootfs import HOST_ROOT, Interpreter, Layer, RootFs, choose_interpreter, ensure_base, overlay_supported, umount
+from .rootfs import Interpreter, Layer, RootFs, choose_interpreter, ensure_base, overlay_supported, umount
 from .sandbox import Limits, Sandbox, SandboxDied
 
 log = logging.getLogger(__name__)
@@ -199,4 +198,3 @@ class ImageSandboxes:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
-__all__ = ["ImageSandboxes", "Prewarmed", "bwrap_argv", "HOST_ROOT", "SandboxDied"]

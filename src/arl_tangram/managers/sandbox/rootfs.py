@@ -24,7 +24,6 @@ import stat
 import struct
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .images import Image, ImageStore, resolve_in
 
