@@ -410,3 +410,16 @@ def test_an_image_with_more_layers_than_one_mount_option_page_holds(tmp_path):
     r, k = run(store, body)
     assert r.outcome is Outcome.OK and r.stdout == "59\n", r.stderr + r.message
     assert k.stdout == "59\n"
+
+
+def test_an_image_in_use_cannot_be_removed(tmp_path):
+    store = ImageStore(tmp_path / "store")
+    store.import_path(docker_archive(tmp_path / "a.tar", [host_tools("/usr/bin/dash") + [("file", "x", "1")]]), "busy")
+
+    async def body(tg):
+        await tg.prewarm("busy", 1)
+        with pytest.raises(ImageError, match="in use"):
+            store.remove("busy")
+
+    run(store, body)
+    assert store.remove("busy")  # free again once the runtime has shut down

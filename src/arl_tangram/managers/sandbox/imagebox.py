@@ -196,5 +196,3 @@ class ImageSandboxes:
             self.drop(rootfs)
         if self.run_dir is not None:
             shutil.rmtree(self.run_dir, ignore_errors=True)
-
-

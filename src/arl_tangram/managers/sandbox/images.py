@@ -22,6 +22,7 @@ Layer tars may be plain or gzip-compressed (zstd is refused with a clear error: 
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
 import io
@@ -357,6 +358,10 @@ class ImageStore:
     def remove(self, name: str) -> list[str]:
         """Forget ``name`` and delete the layers no other image uses; returns the deleted layers."""
         img = self.get(name)
+        busy = _mounted_layers(self.layer_dir(d) for d in img.layers)
+        if busy:
+            raise ImageError(f"image: {name!r} is in use by {busy} running sandbox mount(s); stop the server using "
+                             "it first")
         self._image_file(name).unlink()
         used = {d for other in self.list() for d in other.layers}
         gone = [d for d in img.layers if d not in used]
@@ -459,8 +464,11 @@ class ImageStore:
                 _unpack_layer(plan.open(), tmp, plan.where)
                 os.chmod(tmp, 0o755)
                 os.rename(tmp, final)
-            except FileExistsError:
-                shutil.rmtree(tmp, ignore_errors=True)  # a concurrent import got there first
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not final.is_dir():
+                    raise
+                # a concurrent import got there first
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
@@ -489,6 +497,16 @@ def _archive_member(names: dict[str, tarfile.TarInfo], name: str) -> tarfile.Tar
             return m
         path = _normalise(posixpath.normpath(posixpath.join(posixpath.dirname(path), m.linkname)), "manifest.json")
     return None
+
+
+def _mounted_layers(dirs) -> int:
+    """How many mounts on this host stack one of ``dirs`` (overlay options name their layers)."""
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            text = fh.read()
+    except OSError:
+        return 0
+    return sum(text.count(str(d)) for d in dirs)
 
 
 def _blob(digest: str) -> str:
