@@ -1,7 +1,8 @@
 """Environment figures on this machine, through the real local runtime (printed as JSON).
 
 * session start from an image: a new session's first step (``true``), cold (the overlay root is
-  mounted and the sandbox started on demand) and prewarmed (``Tangram.prewarm`` first)
+  mounted and the sandbox started on demand) and prewarmed (``Tangram.prewarm`` first); the
+  host-directories sandbox's cold start beside it
 * fork(8) of a session with a 200 MB workspace: the fork action's ACT, and inside it the pause
   (stopping the source's processes) and the copy-on-write part (freezing the writable layer,
   mounting nine new roots); what the children's writable layers hold right after (should be ~0);
@@ -82,16 +83,19 @@ async def _measure(samples: int, workspace_mb: int, children: int, log: Callable
                         memory_mb=max(512, workspace_mb * 3), max_idle_sandboxes=samples + 8)
     async with Tangram.local(sandbox=cfg) as tg:
         await (await tg.session(image="bench")).exec("true")  # first use: base layer, interpreter choice
-        cold = []
+        cold, host = [], []  # image and host-directories sandboxes, interleaved (the machine is shared)
         for _ in range(samples):
-            t = time.perf_counter()
-            s = await tg.session(image="bench")
-            r = await s.exec("true")
-            cold.append((time.perf_counter() - t) * 1000)
-            assert r.ok, r.message
-            await s.close()
+            for image, into in (("bench", cold), (None, host)):
+                t = time.perf_counter()
+                s = await tg.session(image=image)
+                r = await s.exec("true")
+                into.append((time.perf_counter() - t) * 1000)
+                assert r.ok, r.message
+                await s.close()
         result["image_session_start_cold_p50_ms"] = _pct(cold, 50)
-        log(f"image session start (cold) p50 {result['image_session_start_cold_p50_ms']} ms")
+        result["host_session_start_cold_p50_ms"] = _pct(host, 50)
+        log(f"image session start (cold) p50 {result['image_session_start_cold_p50_ms']} ms; host sandbox "
+            f"{result['host_session_start_cold_p50_ms']} ms")
         await tg.prewarm("bench", samples)
         warm = []
         for _ in range(samples):
