@@ -22,14 +22,13 @@ from typing import Callable
 from pydantic import BaseModel, Field, model_validator
 
 from ...core.action import Action, Allocation, Outcome
-from . import languages
-from . import envops
+from . import envops, languages
 from .cgroups import CgroupRoot, open_root
 from .envops import Fork, Snapshot
 from .imagebox import ImageSandboxes, Prewarmed
 from .images import ImageError, ImageStore, resolve_in
-from .rootfs import RootFs
 from .isolation import Isolation, Layout, command, detect
+from .rootfs import RootFs
 from .sandbox import Limits, Sandbox, SandboxDied
 
 log = logging.getLogger(__name__)
