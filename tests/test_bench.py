@@ -24,6 +24,22 @@ def test_bench_sandbox_prints_its_figures(tmp_path):
                 "concurrency"):
         assert r[key] > 0
     assert r["isolation"] == "bwrap"
+    assert "environments" in r
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_bench_envs_prints_its_figures(tmp_path):
+    out = tmp_path / "v.json"
+    p = tangram("bench", "envs", "--samples", "3", "--workspace-mb", "8", "--children", "2", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
+    for key in ("image_session_start_cold_p50_ms", "image_session_start_prewarmed_p50_ms", "shell_host_step_p50_ms",
+                "shell_image_step_p50_ms", "fork_act_p50_ms", "fork_cow_p50_ms", "fork_child_first_step_p50_ms",
+                "snapshot_s", "restore_s"):
+        assert r[key] > 0, key
+    assert r["children_upper_bytes_after_fork"] < 1 << 20 and r["snapshot_bytes"] >= 8 << 20
 
 
 @pytest.mark.slow

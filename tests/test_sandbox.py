@@ -244,9 +244,10 @@ def test_daemonised_children_do_not_outlive_the_action():
         await s.exec("(while true; do echo beat >> /workspace/beat; sleep 0.02; done) & disown; "
                      "python3 -c 'import os\nif os.fork() == 0:\n    os.setsid()\n    import time\n    time.sleep(600)' &",
                      timeout_s=5)
-        first = await s.exec("wc -l < beat; ps -e -o comm= | sort | tr '\\n' ' '")
+        # (shell steps return when the command does: the loop may not have written yet)
+        first = await s.exec("cat beat 2>/dev/null | wc -l; ps -e -o comm= | sort | tr '\\n' ' '")
         await asyncio.sleep(0.3)
-        second = await s.exec("wc -l < beat")
+        second = await s.exec("cat beat 2>/dev/null | wc -l")
         await s.close()
         return first, second
 
@@ -331,7 +332,9 @@ def test_expiry_and_close_leave_nothing_behind():
     gone, closed, roots = run(body, session_idle_expiry_s=0.5)
     assert gone and closed
     assert not any(d.exists() for d in roots), "shutdown left cgroups behind"
-    ours = subprocess.run(["pgrep", "-f", "/run/tangram/runner.py"], capture_output=True, text=True).stdout.split()
+    # this checkout's sandboxes only (their bwrap names our runner's path): other checkouts may be testing too
+    from arl_tangram.managers.sandbox.isolation import RUNNER
+    ours = subprocess.run(["pgrep", "-f", str(RUNNER)], capture_output=True, text=True).stdout.split()
     assert not ours, f"sandbox processes left running: {ours}"
 
 

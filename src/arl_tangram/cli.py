@@ -23,6 +23,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="ARL-Tangram: action-level resource management for agentic RL.")
 bench_app = typer.Typer(no_args_is_help=True, help="Measured figures, printed as JSON.")
 app.add_typer(bench_app, name="bench")
+image_app = typer.Typer(no_args_is_help=True, help="Container images for sandboxes: import, list, remove.")
+app.add_typer(image_app, name="image")
 
 console = Console(stderr=True)
 out = Console(width=None if sys.stdout.isatty() else 160)
@@ -262,10 +264,27 @@ def bench_sandbox(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
     samples: int = typer.Option(30, min=3, help="Actions per latency figure."),
 ) -> None:
-    """Sandbox latencies (cold, warm, session exec) and throughput on this machine."""
+    """Sandbox latencies (cold, warm, session exec) and throughput on this machine, then the
+    environment figures of `tangram bench envs` (under "environments")."""
+    from .bench.envs import run as run_envs
     from .bench.sandbox import run
 
-    _print_json(run(samples, log=lambda m: console.print(m)), json_out)
+    result = run(samples, log=lambda m: console.print(m))
+    result["environments"] = run_envs(max(3, samples // 3), log=lambda m: console.print(m))
+    _print_json(result, json_out)
+
+
+@bench_app.command("envs")
+def bench_envs(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    samples: int = typer.Option(10, min=3, help="Samples per latency figure."),
+    workspace_mb: int = typer.Option(200, min=1, help="Workspace size written before the fork."),
+    children: int = typer.Option(8, min=1, max=256, help="Children per fork."),
+) -> None:
+    """Image session start, fork(N) of a large workspace, snapshot/restore, persistent-shell steps."""
+    from .bench.envs import run
+
+    _print_json(run(samples, workspace_mb, children, log=lambda m: console.print(m)), json_out)
 
 
 @bench_app.command("e2e")
@@ -308,6 +327,55 @@ def bench_server(
     except ValueError:
         raise fail(f"--levels: expected comma-separated integers, got {levels!r}")
     _print_json(run(parsed, log=lambda m: console.print(m)), json_out)
+
+
+_STORE_HELP = "Image cache directory [default: $TANGRAM_IMAGE_STORE, else ~/.local/share/arl-tangram/images]."
+
+
+@image_app.command("import")
+def image_import(
+    path: Path = typer.Argument(..., help="A `docker save` or OCI archive, or a root filesystem directory."),
+    name: str = typer.Option(..., "--name", help="Name to give the image (sessions ask for it by this name)."),
+    store: Optional[Path] = typer.Option(None, help=_STORE_HELP),
+) -> None:
+    """Import an image: every layer is checked, then unpacked once into the layer cache."""
+    from .managers.sandbox.images import ImageError, ImageStore
+
+    t = time.perf_counter()
+    try:
+        img = ImageStore(store).import_path(path, name)
+    except ImageError as e:
+        raise fail(str(e))
+    except PermissionError as e:
+        raise fail(f"--store: {e} (unpacking whiteouts needs root)")
+    out.print_json(json.dumps({"name": img.name, "id": img.id, "layers": list(img.layers),
+                               "size_bytes": img.size_bytes, "import_s": round(time.perf_counter() - t, 3)}))
+
+
+@image_app.command("ls")
+def image_ls(store: Optional[Path] = typer.Option(None, help=_STORE_HELP)) -> None:
+    """List imported images."""
+    from .managers.sandbox.images import ImageError, ImageStore
+
+    try:
+        images = ImageStore(store).list()
+    except ImageError as e:
+        raise fail(str(e))
+    out.print_json(json.dumps([{"name": i.name, "id": i.id[:12], "layers": len(i.layers), "size_bytes": i.size_bytes,
+                                "source": i.source} for i in images]))
+
+
+@image_app.command("rm")
+def image_rm(name: str = typer.Argument(..., help="The image to remove."),
+             store: Optional[Path] = typer.Option(None, help=_STORE_HELP)) -> None:
+    """Remove an image and the layers no other image uses (do it while no server uses the image)."""
+    from .managers.sandbox.images import ImageError, ImageStore
+
+    try:
+        gone = ImageStore(store).remove(name)
+    except ImageError as e:
+        raise fail(str(e))
+    out.print_json(json.dumps({"removed": name, "layers_deleted": len(gone)}))
 
 
 def _print_json(result: dict, json_out: Optional[Path]) -> None:

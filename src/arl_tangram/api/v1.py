@@ -28,6 +28,8 @@ class RunCodeAction(BaseModel):
     compile_timeout_s: float = Field(10, gt=0, le=3600)
     timeout_s: float = Field(10, gt=0, le=3600)
     memory_mb: Optional[int] = Field(None, ge=16)
+    image: Optional[str] = Field(None, min_length=1, max_length=128, description="image to run in (default: the "
+                                                                                  "server's sandbox.image)")
 
 
 class ActionRequest(BaseModel):
@@ -69,11 +71,41 @@ class ActionResult(BaseModel):
 class SessionRequest(BaseModel):
     job: str = Field("default", min_length=1, max_length=200)
     trajectory: Optional[str] = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$")
+    image: Optional[str] = Field(None, min_length=1, max_length=128, description="image the session's root comes "
+                                                                                  "from (default: the server's)")
 
 
 class SessionInfo(BaseModel):
     session_id: str
     job: str
+    image: Optional[str] = None
+
+
+class ForkRequest(BaseModel):
+    n: int = Field(..., ge=1, le=256, description="children to make")
+
+
+class ForkResult(BaseModel):
+    """The children share the source's files copy-on-write; processes (shell, python) restart."""
+
+    outcome: OutcomeName
+    message: str = ""
+    session_ids: list[str] = Field(default_factory=list)
+    fork_s: Optional[float] = None
+
+
+class PrewarmRequest(BaseModel):
+    image: str = Field(..., min_length=1, max_length=128)
+    n: int = Field(..., ge=1, le=4096, description="sandboxes to have ready")
+
+
+class PrewarmResult(BaseModel):
+    image: str
+    requested: int
+    ready: int = Field(..., description="started by this request")
+    idle_total: int = Field(..., description="idle sandboxes now, all images")
+    cap: int = Field(..., description="sandbox.max_idle_sandboxes")
+    message: str = ""
 
 
 class ExecRequest(BaseModel):

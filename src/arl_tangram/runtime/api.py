@@ -7,10 +7,12 @@ becomes one action that the runtime's engine schedules.
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 from ..core.action import Action, Demand, Outcome
 from ..managers.models.manager import ModelCall
+from ..managers.sandbox.images import ImageError
 from ..managers.sandbox.manager import Exec, Files, RunCode, SandboxConfig
 from ..policy import Policy, Profile
 from .base import ActionResult, Runtime
@@ -86,14 +88,61 @@ class _ModelFront:
         task.add_done_callback(deliver)
 
 
-class Session:
-    """A trajectory's stateful sandbox; each call is one action (cores only while it runs)."""
+class SessionError(RuntimeError):
+    """A fork or snapshot that did not succeed; ``result`` is its action's terminal outcome."""
 
-    def __init__(self, runtime: Runtime, trajectory: str, job: str) -> None:
+    def __init__(self, result: ActionResult) -> None:
+        super().__init__(f"{result.outcome.value}: {result.message}")
+        self.result = result
+
+
+class Session:
+    """A trajectory's stateful sandbox; each call is one action (cores only while it runs).
+    ``image``: the image its root comes from (default: the configured one, else the host's
+    system directories). Shell commands run in one persistent shell; python in one interpreter."""
+
+    def __init__(self, runtime: Runtime, trajectory: str, job: str, image: str | None = None) -> None:
         self.runtime = runtime
         self.id = trajectory
         self.job = job
+        self.image = image
         self.closed = False
+        self.last_fork: dict = {}
+
+    async def fork(self, n: int, *, id: str | None = None) -> list["Session"]:
+        """``n`` new sessions whose files start as a copy-on-write copy of this one's (an image
+        session only). Files carry over; processes (the python interpreter, the shell) of this
+        session and the children start afresh on their next step."""
+        if self.closed:
+            raise RuntimeError(f"session {self.id} is closed")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 256:
+            raise ValueError("n: must be an integer from 1 to 256")
+        from ..managers.sandbox.envops import Fork
+        children = tuple(self.runtime.new_id("s") for _ in range(n))
+        action = Action(id or self.runtime.new_id("k"), "sandbox", job=self.job, trajectory=self.id,
+                        operation="fork", hint_s=0.02, payload=Fork(self.id, children))
+        r = await self.runtime.submit(action)
+        if r.outcome is not Outcome.OK:
+            raise SessionError(r)
+        self.last_fork = r.result.info  # timings: pause_s (source stopped), cow_s (layers mounted), fork_s
+        return [Session(self.runtime, c, self.job, self.image) for c in children]
+
+    async def snapshot(self, path: str | os.PathLike | None = None) -> str:
+        """Write this session's filesystem state to ``path`` (default: a new file in the
+        temporary directory); ``Tangram.restore(path)`` opens a new session from it."""
+        if self.closed:
+            raise RuntimeError(f"session {self.id} is closed")
+        from ..managers.sandbox.envops import Snapshot
+        if path is None:
+            import tempfile
+            fd, path = tempfile.mkstemp(suffix=".tangram-snapshot.tar")
+            os.close(fd)
+        action = Action(self.runtime.new_id("p"), "sandbox", job=self.job, trajectory=self.id, operation="snapshot",
+                        hint_s=0.5, timeout_s=600, payload=Snapshot(self.id, os.fspath(path)))
+        r = await self.runtime.submit(action)
+        if r.outcome is not Outcome.OK:
+            raise SessionError(r)
+        return os.fspath(path)
 
     async def exec(self, command: str | None = None, *, python: str | None = None, stdin: bytes | None = None,
                    timeout_s: float = 10.0, cpus: int | tuple[int, int] = 1, parallel_fraction: float = 0.0,
@@ -106,7 +155,8 @@ class Session:
         if (command is None) == (python is None):
             raise ValueError("exec: give exactly one of command or python")
         rng = (cpus, cpus) if isinstance(cpus, int) else cpus
-        payload = Exec(command=command, python=python, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb)
+        payload = Exec(command=command, python=python, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb,
+                       image=self.image)
         action = Action(id or self.runtime.new_id("x"), "sandbox", Demand({"cpu": rng}), job=self.job,
                         trajectory=self.id,
                         operation=operation or ("python" if python is not None else command.split()[0]
@@ -126,6 +176,8 @@ class Session:
         """Put and/or get workspace files as one action (``result.files``, ``result.missing``)."""
         if self.closed:
             raise RuntimeError(f"session {self.id} is closed")
+        if files.image is None:
+            files.image = self.image
         action = Action(id or self.runtime.new_id("f"), "sandbox", job=self.job, trajectory=self.id,
                         operation="files", hint_s=0.005, payload=files)
         return await self.runtime.submit(action)
@@ -161,13 +213,14 @@ class Tangram:
                   files: dict[str, bytes] | None = None, fetch_files: list[str] | None = None,
                   timeout_s: float = 10.0, compile_timeout_s: float = 10.0, memory_mb: int | None = None,
                   cpus: int | tuple[int, int] = 1, parallel_fraction: float = 0.0, job: str = "default",
-                  hint_s: float | None = None, id: str | None = None, operation: str = "") -> ActionResult:
-        """Run a one-shot program in a fresh sandbox."""
+                  hint_s: float | None = None, id: str | None = None, operation: str = "",
+                  image: str | None = None) -> ActionResult:
+        """Run a one-shot program in a fresh sandbox (of ``image``, if given)."""
         if isinstance(stdin, str):
             stdin = stdin.encode()
         rng = (cpus, cpus) if isinstance(cpus, int) else cpus
         payload = RunCode(code, language, stdin, dict(files or {}), list(fetch_files or []), compile_timeout_s,
-                          timeout_s, memory_mb)
+                          timeout_s, memory_mb, image)
         action = Action(id or self.runtime.new_id("r"), "sandbox", Demand({"cpu": rng}), job=job,
                         operation=operation or language,
                         hint_s=hint_s, parallel_fraction=parallel_fraction,
@@ -203,5 +256,33 @@ class Tangram:
                         timeout_s=timeout_s, payload=payload)
         return await self.runtime.submit(action)
 
-    async def session(self, job: str = "default", trajectory: str | None = None) -> Session:
-        return Session(self.runtime, trajectory or self.runtime.new_id("s"), job)
+    async def session(self, job: str = "default", trajectory: str | None = None, image: str | None = None) -> Session:
+        """A new session (its sandbox starts with its first action). An unknown ``image`` raises
+        ``ImageError`` here, not at the first step."""
+        if image is not None:
+            self._check_image(image)
+        return Session(self.runtime, trajectory or self.runtime.new_id("s"), job, image)
+
+    def _sandboxes(self, what: str):
+        sb = getattr(self.runtime, "sandboxes", None)
+        if sb is None or not hasattr(sb, "images"):
+            raise ImageError(f"{what}: this runtime has no image-capable sandboxes")
+        return sb
+
+    def _check_image(self, image: str) -> None:
+        sb = self._sandboxes("image")
+        sb.imageboxes.image(image) if sb.imageboxes is not None else sb.images.get(image)
+
+    async def restore(self, path: str | os.PathLike, job: str = "default", trajectory: str | None = None) -> Session:
+        """A new session whose files are those of a snapshot (``Session.snapshot``). The
+        snapshot's image must be in this runtime's image store under the same id."""
+        sb = self._sandboxes("restore")
+        traj = trajectory or self.runtime.new_id("s")
+        await sb.restore(traj, os.fspath(path))
+        root = sb.pending_roots[traj]
+        return Session(self.runtime, traj, job, root.image.name)
+
+    async def prewarm(self, image: str, n: int):
+        """Start ``n`` sandboxes of ``image`` now, so that sessions and one-shots of it skip
+        setup, within the idle cap ``max_idle_sandboxes`` (see the result's ``ready``)."""
+        return await self._sandboxes("prewarm").prewarm(image, n)

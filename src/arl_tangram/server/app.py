@@ -160,6 +160,16 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
     async def get_files(session_id: str, path: list[str] = Query(default=[])) -> v1.GotFiles:
         return await service.get_files(session_id, path)
 
+    @app.post("/v1/sessions/{session_id}/fork", response_model=v1.ForkResult, tags=["sessions"],
+              dependencies=guarded, responses={404: {"model": v1.Error}})
+    async def fork(session_id: str, req: v1.ForkRequest) -> v1.ForkResult:
+        return await service.fork(session_id, req)
+
+    @app.post("/v1/pools/prewarm", response_model=v1.PrewarmResult, tags=["sessions"], dependencies=guarded,
+              responses={422: {"model": v1.Error}})
+    async def prewarm(req: v1.PrewarmRequest) -> v1.PrewarmResult:
+        return await service.prewarm(req)
+
     @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"], dependencies=guarded,
                 responses={404: {"model": v1.Error}})
     async def close_session(session_id: str) -> Response:

@@ -21,7 +21,9 @@ from ..api import v1
 from ..core.action import Outcome
 from ..managers.sandbox import languages
 from ..managers.sandbox.manager import CommandResult, Files
+from ..managers.sandbox.images import ImageError
 from ..runtime import ActionResult, Runtime, Session, Tangram
+from ..runtime.api import SessionError
 from .journal import Journal
 
 log = logging.getLogger(__name__)
@@ -165,7 +167,7 @@ class Service:
         r = await self.tg.run(a.code, a.language, stdin=a.stdin, files=files, fetch_files=a.fetch_files,
                               timeout_s=a.timeout_s, compile_timeout_s=a.compile_timeout_s, memory_mb=a.memory_mb,
                               cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction, job=req.job,
-                              hint_s=req.hints.work_s, id=id, operation=req.hints.operation)
+                              hint_s=req.hints.work_s, id=id, operation=req.hints.operation, image=a.image)
         return r, self._record(r, req.job, "run_code")
 
     def _record(self, r: ActionResult, job: str, service: str) -> v1.ActionResult:
@@ -209,9 +211,35 @@ class Service:
     async def open_session(self, req: v1.SessionRequest) -> v1.SessionInfo:
         sid = req.trajectory or f"s-{uuid.uuid4().hex}"
         if sid not in self.sessions:
-            self.sessions[sid] = await self.tg.session(job=req.job, trajectory=sid)
+            try:
+                self.sessions[sid] = await self.tg.session(job=req.job, trajectory=sid, image=req.image)
+            except ImageError as e:
+                raise BadRequest(str(e)) from None
             self.metrics.sessions.set(len(self.sessions))
-        return v1.SessionInfo(session_id=sid, job=self.sessions[sid].job)
+        s = self.sessions[sid]
+        return v1.SessionInfo(session_id=sid, job=s.job, image=s.image)
+
+    async def fork(self, sid: str, req: v1.ForkRequest) -> v1.ForkResult:
+        s = self._session(sid)
+        self._admit()
+        try:
+            children = await s.fork(req.n)
+        except SessionError as e:
+            return v1.ForkResult(outcome=e.result.outcome.value, message=e.result.message)
+        for c in children:
+            self.sessions[c.id] = c
+        self.metrics.sessions.set(len(self.sessions))
+        return v1.ForkResult(outcome="ok", session_ids=[c.id for c in children], fork_s=s.last_fork.get("fork_s"),
+                             message="files are shared copy-on-write; the shell and python interpreter of the "
+                                     "source and the children restart on their next step")
+
+    async def prewarm(self, req: v1.PrewarmRequest) -> v1.PrewarmResult:
+        try:
+            p = await self.tg.prewarm(req.image, req.n)
+        except ImageError as e:
+            raise BadRequest(str(e)) from None
+        return v1.PrewarmResult(image=p.image, requested=p.requested, ready=p.ready, idle_total=p.idle_total,
+                                cap=p.cap, message=p.message)
 
     def _session(self, sid: str) -> Session:
         s = self.sessions.get(sid)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 RUNNER = Path(__file__).with_name("runner.py")
+SHELL = Path(__file__).with_name("shell.py")  # loaded by the runner for persistent shell steps
 SYSTEM_LINKS = ("bin", "lib", "lib64", "sbin")
 ETC_FILES = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "ssl", "java-17-openjdk",
              "gcc", "bash.bashrc")
@@ -101,7 +102,7 @@ def _bwrap(layout: Layout) -> list[str]:
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/tmp",
              "--perms", "0777", "--size", str(layout.workspace_bytes), "--tmpfs", "/workspace",
-             "--ro-bind", str(RUNNER), "/run/tangram/runner.py",
+             "--ro-bind", str(RUNNER), "/run/tangram/runner.py", "--ro-bind", str(SHELL), "/run/tangram/shell.py",
              "--remount-ro", "/", "--chdir", "/workspace", "--clearenv",
              "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/workspace",
              "--setenv", "LANG", "C.UTF-8"]
@@ -114,7 +115,7 @@ def _unshare(layout: Layout, tail: list[str]) -> list[str]:
     hide = " ".join(f"mount -t tmpfs -o size=4k,mode=000 none {p} 2>/dev/null;" for p in (*layout.hide, project)
                     if os.path.isdir(p))
     script = (
-        f"mount -t tmpfs -o size=1m none /opt && cp {RUNNER} /opt/runner.py && mount -o remount,ro /opt && "
+        f"mount -t tmpfs -o size=1m none /opt && cp {RUNNER} {SHELL} /opt/ && mount -o remount,ro /opt && "
         f"mkdir -p /tmp/.tangram-ws-$$ && mount -t tmpfs -o size={layout.workspace_bytes},mode=0777 none "
         f"/tmp/.tangram-ws-$$ && mount --bind /tmp/.tangram-ws-$$ /mnt && "
         f"mount -t tmpfs -o size={layout.tmp_bytes},mode=1777 none /tmp && {hide} "

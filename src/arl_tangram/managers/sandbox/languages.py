@@ -52,13 +52,17 @@ class MissingToolchain(RuntimeError):
     pass
 
 
-def resolve(name: str, extra_path: str = "") -> Language:
-    """The language ``name``, checked to be runnable in the sandbox."""
+def resolve(name: str, extra_path: str = "", which=None) -> Language:
+    """The language ``name``, checked to be runnable in the sandbox (``which``: how to find an
+    executable there, for a sandbox whose root is an image)."""
     lang = LANGUAGES.get(name)
     if lang is None:
         raise UnknownLanguage(f"language: unknown {name!r} (known: {', '.join(sorted(LANGUAGES))})")
     path = os.pathsep.join(p for p in (extra_path, SANDBOX_PATH) if p)
-    missing = [exe for exe in lang.requires if shutil.which(exe, path=path) is None]
+    if which is None:
+        def which(exe):
+            return shutil.which(exe, path=path)
+    missing = [exe for exe in lang.requires if which(exe) is None]
     if missing:
         raise MissingToolchain(f"language {name!r} needs {', '.join(missing)}, which the sandbox does not have")
     return lang

@@ -19,14 +19,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from ...core.action import Action, Allocation, Outcome, Setup
 from ...core.seam import Completion, Sink
 from ..tasks import TaskSet
-from . import languages
+from . import envops, languages
 from .cgroups import CgroupRoot, open_root
+from .envops import Fork, Snapshot
+from .imagebox import ImageSandboxes, Prewarmed
+from .images import ImageError, ImageStore, resolve_in
 from .isolation import Isolation, Layout, command, detect
+from .rootfs import RootFs
 from .sandbox import Limits, Sandbox, SandboxDied
 
 log = logging.getLogger(__name__)
@@ -52,6 +56,18 @@ class SandboxConfig(BaseModel):
     session_idle_expiry_s: float = Field(600.0, gt=0, description="close a session unused for this long")
     grace_s: float = Field(5.0, gt=0, description="past an action's timeout plus this, the sandbox is killed")
     cpus: tuple[int, ...] | None = Field(None, description="host CPUs to use (default: this process's affinity)")
+    image: str | None = Field(None, description="image for sessions and one-shots that name none (default: the "
+                                                "host's system directories)")
+    image_store: str | None = Field(None, description="image cache directory (default: $TANGRAM_IMAGE_STORE, else "
+                                                      "~/.local/share/arl-tangram/images)")
+    max_idle_sandboxes: int = Field(64, ge=0, description="hard cap on idle prepared sandboxes (warm pool plus "
+                                                          "prewarmed image sandboxes)")
+
+    @model_validator(mode="after")
+    def _pool_within_cap(self) -> "SandboxConfig":
+        if self.warm_pool > self.max_idle_sandboxes:
+            raise ValueError(f"warm_pool: {self.warm_pool} is above max_idle_sandboxes ({self.max_idle_sandboxes})")
+        return self
 
 
 @dataclass
@@ -65,13 +81,14 @@ class CommandResult:
     signal: int | None = None
     display: list[dict] = field(default_factory=list)  # python cells: the final expression's value
     error: list[dict] = field(default_factory=list)  # python cells: the exception raised, if any
+    note: str = ""  # shell steps: the shell was restarted (and why)
 
     @classmethod
     def from_wire(cls, r: dict) -> "CommandResult":
         return cls(r.get("exit_code"), base64.b64decode(r.get("stdout", "")).decode("utf-8", "replace"),
                    base64.b64decode(r.get("stderr", "")).decode("utf-8", "replace"), r.get("duration_s", 0.0),
                    r.get("truncated", False), r.get("timed_out", False), r.get("signal"), r.get("display") or [],
-                   r.get("raised") or [])
+                   r.get("raised") or [], r.get("note") or "")
 
 
 @dataclass
@@ -83,6 +100,7 @@ class SandboxResult:
     files: dict[str, bytes] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     message: str = ""
+    info: dict = field(default_factory=dict)  # fork: the children; snapshot: the file and its size
 
 
 @dataclass
@@ -97,6 +115,7 @@ class RunCode:
     compile_timeout_s: float = 10.0
     run_timeout_s: float = 10.0
     memory_mb: int | None = None
+    image: str | None = None
 
 
 @dataclass
@@ -108,6 +127,7 @@ class Exec:
     stdin: bytes | None = None
     timeout_s: float = 10.0
     memory_mb: int | None = None
+    image: str | None = None
 
 
 @dataclass
@@ -116,6 +136,7 @@ class Files:
 
     put: dict[str, bytes] = field(default_factory=dict)
     get: list[str] = field(default_factory=list)
+    image: str | None = None
 
 
 _SANDBOX_IDS = itertools.count()
@@ -149,13 +170,27 @@ class SandboxManager:
         self._reaper: asyncio.Task | None = None
         self._hostdirs: list[str] = []
         self._busy: set[Sandbox] = set()  # sandboxes running an action right now
+        self.images = ImageStore(c.image_store)
+        self.imageboxes: ImageSandboxes | None = None
+        self.pending_roots: dict[str, RootFs] = {}  # forked/restored sessions: root mounted, processes on first use
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start_up(self) -> None:
+        c = self.config
         self.mode = detect(self.config.isolation, self.layout)
         if self.mode is Isolation.NONE:
             log.warning("sandbox isolation is OFF (isolation: none): only run trusted code")
         self.root = open_root()
+        self.imageboxes = ImageSandboxes(self.images, self.layout, Limits(c.memory_mb << 20, c.pids_max), self.root,
+                                         c.interpreter, tuple(c.interpreter_args), c.max_idle_sandboxes)
+        if c.image is not None:  # the default image: fail at start, not at every action
+            if self.mode is not Isolation.BWRAP:
+                raise ImageError(f"sandbox.image: sandboxes from images need bubblewrap isolation (this host uses "
+                                 f"{self.mode.value})")
+            try:
+                self.imageboxes.image(c.image)
+            except ImageError as e:
+                raise ImageError(f"sandbox.{e}") from None
         self._pool = asyncio.Queue()
         self._taken = asyncio.Event()
         self._fill = asyncio.get_running_loop().create_task(self._keep_pool_full())
@@ -167,9 +202,10 @@ class SandboxManager:
     async def shut_down(self) -> None:
         """Kill every sandbox and remove every cgroup and directory this manager made."""
         self._closing = True
-        for t in (self._fill, self._reaper):
-            if t is not None:
-                t.cancel()
+        loops = [t for t in (self._fill, self._reaper) if t is not None]
+        for t in loops:
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)  # the refill kills its half-made sandboxes
         # running actions are cancelled (their handlers kill their sandboxes); kills in flight
         # are waited for, never cancelled half-way
         await self.tasks.close(cancel_background=False)
@@ -178,12 +214,19 @@ class SandboxManager:
         while self._pool is not None and not self._pool.empty():
             doomed.append(self._pool.get_nowait())
         await asyncio.gather(*(sb.kill() for sb in doomed), return_exceptions=True)
+        for rootfs in self.pending_roots.values():
+            rootfs.release()
+        self.pending_roots.clear()
+        if self.imageboxes is not None:
+            await self.imageboxes.shut_down()
         if self.root is not None:
             self.root.cleanup()
         for d in self._hostdirs:
             shutil.rmtree(d, ignore_errors=True)
 
     async def _spawn(self) -> Sandbox:
+        if self.config.image is not None:  # the warm pool holds sandboxes of the default image
+            return await self.imageboxes.spawn(self.config.image)
         sid = f"sb-{next(_SANDBOX_IDS)}-{os.urandom(3).hex()}"  # unique across managers of a process
         workspace = None
         if self.mode is Isolation.NONE:
@@ -221,8 +264,13 @@ class SandboxManager:
                     continue
                 await sb.kill()
 
-    async def _take(self) -> Sandbox:
+    async def _take(self, image: str | None = None) -> Sandbox:
         """A prepared sandbox from the pool, or a fresh one when the pool is empty."""
+        if image is not None and image != self.config.image:
+            if self.mode is not Isolation.BWRAP:
+                raise ImageError(f"image: sandboxes from images need bubblewrap isolation (this host uses "
+                                 f"{self.mode.value})")
+            return self.imageboxes.take(image) or await self.imageboxes.spawn(image)
         self._taken.set()
         while self._pool is not None and not self._pool.empty():
             sb = self._pool.get_nowait()
@@ -235,7 +283,8 @@ class SandboxManager:
             await asyncio.sleep(min(1.0, self.config.session_idle_expiry_s / 4))
             now = time.monotonic()
             for traj, last in list(self._last_used.items()):
-                if now - last > self.config.session_idle_expiry_s and traj in self.sessions:
+                if now - last > self.config.session_idle_expiry_s and (traj in self.sessions
+                                                                      or traj in self.pending_roots):
                     log.info("session %s idle for %.0fs: closing it", traj, now - last)
                     if self.expire is not None:
                         self.expire(traj)
@@ -252,11 +301,28 @@ class SandboxManager:
     def close_session(self, trajectory: str) -> None:
         sb = self.sessions.pop(trajectory, None)
         self._last_used.pop(trajectory, None)
+        pending = self.pending_roots.pop(trajectory, None)
+        if pending is not None:
+            self.imageboxes.drop(pending)
         if sb is not None:
             self._kill_later(sb)
 
     def _kill_later(self, sb: Sandbox) -> None:
         self.tasks.spawn(sb.kill())
+
+    async def prewarm(self, image: str, n: int) -> Prewarmed:
+        """Have ``n`` more sandboxes of ``image`` ready for new sessions and one-shots, within
+        ``max_idle_sandboxes`` (the result says how many were started and why not all)."""
+        if self.mode is not Isolation.BWRAP:
+            raise ImageError(f"image: sandboxes from images need bubblewrap isolation (this host uses "
+                             f"{self.mode.value if self.mode else 'none yet'})")
+        return await self.imageboxes.prewarm(image, n, self._pool.qsize() if self._pool is not None else 0)
+
+    async def restore(self, trajectory: str, path: str) -> None:
+        """Make ``trajectory`` a session whose files are those of the snapshot ``path``."""
+        if self.mode is not Isolation.BWRAP:
+            raise ImageError("restore: sandboxes from images need bubblewrap isolation")
+        await asyncio.to_thread(envops.restore, self, trajectory, path)
 
     # -- running ---------------------------------------------------------------------------------
     async def _run(self, action: Action, allocation: Allocation) -> Completion:
@@ -265,15 +331,20 @@ class SandboxManager:
         payload = action.payload
         sb = None
         message = ""
+        image = getattr(payload, "image", None) or self.config.image
         try:
             if action.trajectory is None:
-                sb = await self._take()
+                sb = await self._take(image)
             else:
                 sb = self.sessions.get(action.trajectory)
                 if sb is None or sb.dead:
-                    if allocation.setup not in (Setup.CREATE, Setup.NONE):
-                        message = "session restarted: its sandbox had been closed or killed, state was lost"
-                    sb = await self._take()
+                    pending = self.pending_roots.pop(action.trajectory, None)
+                    if pending is not None:  # a fork child or a restored session: its files are there
+                        sb = await self.imageboxes.spawn(pending.image.name, rootfs=pending)
+                    else:
+                        if allocation.setup not in (Setup.CREATE, Setup.NONE):
+                            message = "session restarted: its sandbox had been closed or killed, state was lost"
+                        sb = await self._take(image)
                     self.sessions[action.trajectory] = sb
                 sb.thaw()
             sb.set_cpus(cores)
@@ -288,12 +359,15 @@ class SandboxManager:
             finally:
                 self._busy.discard(sb)
             exec_s = time.monotonic() - t1
-            if outcome is not Outcome.TIMEOUT and sb.oom_kills() > oom_before:
+            if outcome is not Outcome.TIMEOUT and not sb.dead and sb.oom_kills() > oom_before:
                 outcome = Outcome.OOM
                 result.message = _join(result.message, "killed: out of memory "
                                                        f"(limit {(memory_mb or self.config.memory_mb)} MB)")
         except SandboxDied as e:
             outcome, result = self._died(e, action, sb)
+            setup_s, exec_s = time.monotonic() - t0, 0.0
+        except ImageError as e:  # an unknown image, or images unsupported here: the request's problem
+            outcome, result = Outcome.REJECTED, SandboxResult(message=str(e))
             setup_s, exec_s = time.monotonic() - t0, 0.0
         except asyncio.CancelledError:
             if sb is not None:
@@ -323,8 +397,11 @@ class SandboxManager:
         n = str(len(cores))
         return {"TANGRAM_NUM_CPUS": n, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "OPENBLAS_NUM_THREADS": n}
 
-    def _base(self, cores: tuple[int, ...]) -> dict:
-        req = {"env": self._request_env(cores), "max_output": self.config.max_output_bytes}
+    def _base(self, cores: tuple[int, ...], sb: Sandbox | None = None) -> dict:
+        env = self._request_env(cores)
+        if sb is not None and sb.rootfs is not None:
+            env = {**sb.rootfs.image.env, **env}
+        req = {"env": env, "max_output": self.config.max_output_bytes}
         if self.root is None:
             req["cpus"] = list(cores)
         return req
@@ -333,16 +410,18 @@ class SandboxManager:
         grace = self.config.grace_s
         if isinstance(payload, RunCode):
             return await self._run_code(sb, payload, cores)
+        if isinstance(payload, (Fork, Snapshot)):
+            return await envops.execute(self, sb, payload)
         if isinstance(payload, Exec):
-            base = self._base(cores)
+            base = self._base(cores, sb)
             if payload.python is not None:
                 req = {**base, "op": "cell", "code": payload.python, "timeout_s": payload.timeout_s}
-            elif payload.command is not None:
-                req = {**base, "op": "run", "argv": ["bash", "-c", payload.command], "timeout_s": payload.timeout_s,
+            elif payload.command is not None:  # a step of the session's persistent shell
+                req = {**base, "op": "shell", "command": payload.command, "timeout_s": payload.timeout_s,
                        "stdin": _b64(payload.stdin)}
             else:
                 return Outcome.REJECTED, SandboxResult(message="exec: give a command or a python cell")
-            r = await sb.request(req, payload.timeout_s + grace)
+            r = await sb.request(req, payload.timeout_s + grace + 1.0)  # + the shell's own kill window
             return _outcome(r), _result(r)
         if isinstance(payload, Files):
             out = SandboxResult()
@@ -360,7 +439,10 @@ class SandboxManager:
     async def _run_code(self, sb: Sandbox, p: RunCode, cores: tuple[int, ...]) -> tuple[Outcome, SandboxResult]:
         grace = self.config.grace_s
         try:
-            lang = languages.resolve(p.language, ":".join(self.config.ro_binds))
+            if sb.rootfs is not None:
+                lang = languages.resolve(p.language, which=lambda exe: _which_in(sb.rootfs, exe))
+            else:
+                lang = languages.resolve(p.language, ":".join(self.config.ro_binds))
         except (languages.UnknownLanguage, languages.MissingToolchain) as e:
             return Outcome.REJECTED, SandboxResult(message=str(e))
         files = {**{k: _b64(v) for k, v in p.files.items()}}
@@ -370,7 +452,7 @@ class SandboxManager:
             r = await sb.request({"op": "write", "files": files}, FILES_TIMEOUT_S + grace)
             if "error" in r:
                 return Outcome.FAILED, SandboxResult(message=f"files: {r['error']}")
-        base = self._base(cores)
+        base = self._base(cores, sb)
         result = SandboxResult()
         if lang.compile:
             r = await sb.request({**base, "op": "run", "argv": list(lang.compile), "timeout_s": p.compile_timeout_s},
@@ -404,6 +486,14 @@ def _unwired(report) -> None:
     raise RuntimeError("this SandboxManager was built without a sink")
 
 
+def _which_in(rootfs: RootFs, exe: str) -> str | None:
+    path = rootfs.image.env.get("PATH") or languages.SANDBOX_PATH
+    for d in path.split(":"):
+        if d and resolve_in(rootfs.root, f"{d}/{exe}") is not None:
+            return f"{d}/{exe}"
+    return None
+
+
 def _b64(data: bytes | None) -> str | None:
     return base64.b64encode(data).decode() if data else None
 
@@ -429,4 +519,6 @@ def _result(r: dict) -> SandboxResult:
         notes.append("output truncated")
     if run.timed_out:
         notes.append("timed out")
+    if run.note:
+        notes.append(run.note)
     return SandboxResult(run=run, message=_join(*notes))

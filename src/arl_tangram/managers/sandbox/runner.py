@@ -90,8 +90,12 @@ def print_exc():
 REAP = "--reap" in sys.argv and os.getpid() <= 3
 
 
-def reap_strays():
-    """Kill every process of this sandbox but pid 1 (the namespace's init) and this runner."""
+KEEP = []  # the session's persistent shell (shell.py fills it): spared by reap_strays
+
+
+def reap_strays(keep=()):
+    """Kill every process of this sandbox but pid 1 (the namespace's init), this runner and the
+    persistent shell."""
     if not REAP:
         return
     me = os.getpid()
@@ -100,7 +104,7 @@ def reap_strays():
         for name in os.listdir("/proc"):
             if name.isdigit():
                 pid = int(name)
-                if pid not in (1, me):
+                if pid not in (1, me) and pid not in KEEP:
                     found = True
                     try:
                         os.kill(pid, SIGKILL)
@@ -380,7 +384,20 @@ def op_read(req):
     return {"files": files, "missing": missing}
 
 
-OPS = {"run": op_run, "python": op_python, "cell": op_cell, "write": op_write, "read": op_read,
+SHELL = {}
+
+
+def op_shell(req):
+    """A step of the session's persistent shell (shell.py, loaded on first use)."""
+    if not SHELL:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shell.py")
+        with open(path) as fh:
+            exec(compile(fh.read(), path, "exec"), SHELL)
+        SHELL["STATE"]["keep"] = KEEP
+    return SHELL["step"](req, env_for(req), WORKSPACE, (PROTO_IN, PROTO_OUT), reap_strays, b64, unb64)
+
+
+OPS = {"run": op_run, "shell": op_shell, "python": op_python, "cell": op_cell, "write": op_write, "read": op_read,
        "ping": lambda req: {"pid": os.getpid()}}
 
 
@@ -405,7 +422,7 @@ def main():
             result = OPS[req["op"]](req)
         except Exception as e:
             result = {"error": f"{type(e).__name__}: {e}"}
-        if req.get("reap", True) and req["op"] in ("run", "python", "cell"):
+        if req.get("reap", True) and req["op"] in ("run", "python", "cell", "shell"):
             reap_strays()
         result["id"] = req.get("id")
         data = (to_json(result) + "\n").encode()

@@ -57,6 +57,9 @@ class Sandbox:
         self._stderr = bytearray()
         self._stderr_task = asyncio.get_running_loop().create_task(self._drain_stderr())
         self.dead = False
+        self.rootfs = None  # an image sandbox's overlay root (rootfs.RootFs)
+        self.image: str | None = None
+        self.on_kill = None  # called (in a thread) once the processes are gone: releases the root
 
     @classmethod
     async def spawn(cls, sid: str, argv: list[str], root: CgroupRoot | None, limits: Limits,
@@ -198,3 +201,6 @@ class Sandbox:
         self._stderr_task.cancel()
         if self.group is not None:  # stragglers (unshare/none modes) and the directories
             await asyncio.to_thread(self.group.remove)
+        if self.on_kill is not None:
+            hook, self.on_kill = self.on_kill, None
+            await asyncio.to_thread(hook)

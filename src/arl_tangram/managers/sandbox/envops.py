@@ -1,0 +1,258 @@
+"""Fork, snapshot and restore of image sessions: copy-on-write through overlay layers.
+
+**Fork** (an action on the source session, so it is ordered with the session's other actions):
+the source's processes are stopped (it is paused only for this instant), its writable tmpfs is
+remounted read-only and becomes one more shared lower layer, and the parent and each child get a
+fresh empty writable layer on top of it. Nothing is copied: a child's disk and memory grow only
+with what it writes, and no child ever sees another's writes (or the parent's later ones).
+
+What carries over: every file of the session (the image's, and everything written since).
+What does not: processes. The persistent Python interpreter and the persistent shell of the
+parent *and* the children start afresh on their next step (their memory is re-created, not
+forked: forking a live interpreter across mount namespaces would need CRIU-like machinery; an
+interpreter starts in tens of milliseconds, and RL rollouts re-run their setup as files anyway).
+Children's sandboxes start lazily, on their first action: fork itself is only mounts.
+
+**Snapshot** writes the session's own layers (not the image's: the snapshot names the image by
+id) as one tar: ``tangram-snapshot.json`` and ``layers/<i>/...`` bottom first, whiteouts and
+opaque directories in the OCI ``.wh.`` form. **Restore** validates the whole file like an image
+import (escapes, devices, links pointing out) before unpacking anything, then stacks the layers
+on the image for a new session. The image must be in the restoring node's store under the same id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import shutil
+import stat
+import tarfile
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ...core.action import Outcome
+from .images import Checker, ImageError, Unpacker
+from .rootfs import Layer, RootFs
+
+if TYPE_CHECKING:
+    from .manager import SandboxManager, SandboxResult
+    from .sandbox import Sandbox
+
+FORMAT = "tangram-snapshot/1"
+META = "tangram-snapshot.json"
+
+
+@dataclass
+class Fork:
+    """Fork session ``source`` into new sessions ``children`` (ids chosen by the caller)."""
+
+    source: str
+    children: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class Snapshot:
+    """Write session ``source``'s filesystem state to ``path``."""
+
+    source: str
+    path: str
+
+
+async def execute(manager: "SandboxManager", sb: "Sandbox", payload) -> tuple[Outcome, "SandboxResult"]:
+    from .manager import SandboxResult
+    if sb.rootfs is None:
+        what = "fork" if isinstance(payload, Fork) else "snapshot"
+        return Outcome.REJECTED, SandboxResult(message=f"{what}: the session was not started from an image (the "
+                                                       "host-directories sandbox has no copy-on-write layer); open "
+                                                       "it with image=...")
+    if isinstance(payload, Fork):
+        return await _fork(manager, sb, payload)
+    t = time.perf_counter()
+    size = await asyncio.to_thread(write_snapshot, sb.rootfs, payload.path)
+    return Outcome.OK, SandboxResult(info={"path": payload.path, "bytes": size,
+                                           "snapshot_s": time.perf_counter() - t})
+
+
+async def _fork(manager: "SandboxManager", sb: "Sandbox", payload: Fork) -> tuple[Outcome, "SandboxResult"]:
+    from .manager import SandboxResult
+    boxes = manager.imageboxes
+    taken = [c for c in payload.children if c in manager.sessions or c in manager.pending_roots]
+    if taken or payload.source in payload.children or len(set(payload.children)) != len(payload.children):
+        return Outcome.REJECTED, SandboxResult(message=f"fork: child ids must be new and distinct ({taken or 'dup'})")
+    t0 = time.perf_counter()
+    src: RootFs = sb.rootfs
+    sb.on_kill = None  # stop the processes, keep the files
+    await sb.kill()
+    manager.sessions.pop(payload.source, None)
+    boxes.live.discard(src)
+    t1 = time.perf_counter()
+
+    def cow() -> list[RootFs]:
+        layer = src.freeze().acquire()  # held while the new roots are stacked on it
+        roots: list[RootFs] = []
+        try:
+            for _ in range(len(payload.children) + 1):
+                roots.append(boxes.new_root(src.image, [layer, *src.session_layers]))
+        except BaseException:
+            for r in roots:
+                boxes.drop(r)
+            raise
+        finally:
+            src.release()
+            layer.release()
+        return roots
+
+    try:
+        roots = await asyncio.to_thread(cow)
+    except OSError as e:
+        return Outcome.INFRA_ERROR, SandboxResult(message=f"fork: {e} (the source session's state is lost)")
+    t2 = time.perf_counter()
+    now = time.monotonic()
+    for traj, root in zip((payload.source, *payload.children), roots):
+        manager.pending_roots[traj] = root
+        manager._last_used[traj] = now
+    return Outcome.OK, SandboxResult(
+        message=f"forked into {len(payload.children)}; processes (python interpreter, shell) restart on next use",
+        info={"children": list(payload.children), "pause_s": t1 - t0, "cow_s": t2 - t1, "fork_s": t2 - t0,
+              "layers": len(roots[0].session_layers)})
+
+
+def _layer_members(top: str, prefix: str):
+    """(TarInfo, fileobj-path) for the layer directory ``top``, overlay whiteouts and opaque
+    directories turned into their ``.wh.`` entries."""
+    for dirpath, dirnames, filenames in os.walk(top):
+        dirnames.sort()
+        rel_dir = os.path.relpath(dirpath, top)
+        if rel_dir != "." and _opaque(dirpath):
+            info = tarfile.TarInfo(f"{prefix}/{rel_dir}/.wh..wh..opq")
+            yield info, None
+        for name in sorted(dirnames) + sorted(filenames):
+            full = os.path.join(dirpath, name)
+            arc = f"{prefix}/{os.path.normpath(os.path.join(rel_dir, name))}"
+            st = os.lstat(full)
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                yield tarfile.TarInfo(f"{os.path.dirname(arc)}/.wh.{name}"), None
+                continue
+            yield arc, full
+
+
+def _opaque(path: str) -> bool:
+    try:
+        return os.getxattr(path, "trusted.overlay.opaque", follow_symlinks=False) == b"y"
+    except OSError:
+        return False
+
+
+def write_snapshot(rootfs: RootFs, path: str) -> int:
+    """The session's layers (bottom first) into the tar ``path``; returns its size."""
+    layers = [*reversed(rootfs.lowers_top_first()), rootfs.upper]
+    tmp = f"{path}.partial"
+    with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
+        meta = json.dumps({"format": FORMAT, "image": rootfs.image.name, "image_id": rootfs.image.id,
+                           "layers": len(layers)}).encode()
+        info = tarfile.TarInfo(META)
+        info.size = len(meta)
+        tar.addfile(info, io.BytesIO(meta))
+        for i, top in enumerate(layers):
+            for item, full in _layer_members(top, f"layers/{i}"):
+                if isinstance(item, tarfile.TarInfo):
+                    tar.addfile(item)
+                    continue
+                info = tar.gettarinfo(full, item)
+                if info is None:
+                    continue  # sockets: not part of a filesystem's state
+                if info.isreg():
+                    with open(full, "rb") as fh:
+                        tar.addfile(info, fh)
+                else:
+                    tar.addfile(info)
+    os.replace(tmp, path)
+    return os.path.getsize(path)
+
+
+def read_snapshot(path: str, dest_dir: str) -> tuple[dict, list[str]]:
+    """Validate the whole snapshot, then unpack its layers under ``dest_dir``; returns the
+    metadata and the layer directories, top first."""
+    where = f"snapshot {path}"
+    try:
+        tar = tarfile.open(path, "r:")
+    except (tarfile.TarError, OSError) as e:
+        raise ImageError(f"{where}: not a snapshot file ({e})") from None
+    with tar:
+        try:
+            members = tar.getmembers()
+        except (tarfile.TarError, EOFError, OSError) as e:
+            raise ImageError(f"{where}: truncated or corrupt ({e})") from None
+        if not members or members[0].name != META:
+            raise ImageError(f"{where}: not a snapshot file (no {META} first)")
+        meta = json.load(tar.extractfile(members[0]))
+        if meta.get("format") != FORMAT:
+            raise ImageError(f"{where}: unsupported format {meta.get('format')!r}")
+        count = int(meta.get("layers", 0))
+        checkers = [Checker(f"{where} layer {i}") for i in range(count)]
+        plan = []
+        for m in members[1:]:
+            head, _, rest = m.name.partition("/")
+            idx, _, rel = rest.partition("/")
+            if head != "layers" or not idx.isdigit() or int(idx) >= count:
+                raise ImageError(f"{where}: unexpected member {m.name!r}")
+            if m.islnk():
+                lhead, _, lrest = m.linkname.partition("/")
+                lidx, _, lrel = lrest.partition("/")
+                if lhead != "layers" or lidx != idx:
+                    raise ImageError(f"{where}: hard link {m.name!r} -> {m.linkname!r} leaves its layer")
+                m.linkname = lrel
+            checkers[int(idx)].check(m, rel)
+            plan.append((int(idx), m, rel))
+        dirs = [os.path.join(dest_dir, str(i)) for i in range(count)]
+        for d in dirs:
+            os.makedirs(d)
+        unpackers = [Unpacker(d, f"{where} layer {i}") for i, d in enumerate(dirs)]
+        for idx, m, rel in plan:
+            unpackers[idx].add(tar, m, rel)
+        for u in unpackers:
+            u.finish()
+    return meta, list(reversed(dirs))
+
+
+def restore(manager: "SandboxManager", trajectory: str, path: str) -> RootFs:
+    """Mount a new root for session ``trajectory`` from the snapshot ``path`` (blocking I/O:
+    call it in a thread). Its processes start on the session's first action."""
+    boxes = manager.imageboxes
+    boxes._setup()
+    dest = os.path.join(boxes.run_dir, f"restore-{trajectory}-{os.urandom(3).hex()}")
+    os.makedirs(dest)
+    try:
+        with tarfile.open(path, "r:") as tar:
+            first = tar.next()
+            meta = json.load(tar.extractfile(first)) if first is not None and first.name == META else {}
+        image = boxes.image(str(meta.get("image", "")))
+        if image.id != meta.get("image_id"):
+            raise ImageError(f"snapshot {path}: made from image {meta.get('image')!r} with id "
+                             f"{str(meta.get('image_id'))[:12]}, but this store's image of that name has id "
+                             f"{image.id[:12]}")
+        _, dirs = read_snapshot(path, dest)
+    except (ImageError, tarfile.TarError, OSError, ValueError) as e:
+        shutil.rmtree(dest, ignore_errors=True)
+        if isinstance(e, ImageError):
+            raise
+        raise ImageError(f"snapshot {path}: cannot read it ({e})") from None
+    layers = [Layer(d, remove=d) for d in dirs]
+    for layer in layers:
+        layer.acquire()
+    try:
+        root = boxes.new_root(image, layers)
+    finally:
+        for layer in layers:
+            layer.release()
+        if not any(layer.refs for layer in layers):
+            shutil.rmtree(dest, ignore_errors=True)
+    if trajectory in manager.pending_roots or trajectory in manager.sessions:
+        boxes.drop(root)
+        raise ImageError(f"restore: session {trajectory!r} already exists")
+    manager.pending_roots[trajectory] = root
+    manager._last_used[trajectory] = time.monotonic()
+    return root

@@ -1,0 +1,198 @@
+"""Sandboxes whose root is an image: spawning them, prewarmed pools per image, and cleanup.
+
+Same isolation as the host-directories sandbox (bubblewrap: every namespace, no capabilities,
+an unprivileged uid, cgroup limits, a private size-limited /tmp), but the root is the image's
+overlay (``rootfs.RootFs``) bound in writable: the writes land in the sandbox's own tmpfs layer,
+limited to ``workspace_mb``, and never reach the image or another sandbox.
+
+Prewarmed sandboxes wait per image; the total of idle sandboxes (the default warm pool included)
+never exceeds ``max_idle_sandboxes``: a prewarm asking for more gets what fits and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+from .cgroups import CgroupRoot
+from .images import Image, ImageError, ImageStore
+from .isolation import RUNNER, SHELL, Layout
+from .rootfs import Interpreter, Layer, RootFs, choose_interpreter, ensure_base, overlay_supported, umount
+from .sandbox import Limits, Sandbox, SandboxDied
+
+log = logging.getLogger(__name__)
+_IDS = itertools.count()
+
+
+def bwrap_argv(layout: Layout, root: str, interp: Interpreter) -> list[str]:
+    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--uid", str(layout.uid), "--gid", str(layout.uid), "--hostname", "sandbox", "--bind", root, "/"]
+    for src, dst in interp.host_binds:
+        argv += ["--ro-bind", src, dst]
+    argv += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/tmp",
+             "--ro-bind", str(RUNNER), "/run/tangram/runner.py", "--ro-bind", str(SHELL), "/run/tangram/shell.py",
+             "--chdir", "/workspace", "--clearenv",
+             "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/workspace",
+             "--setenv", "LANG", "C.UTF-8"]
+    return argv + [*interp.argv, "/run/tangram/runner.py", "--reap"]
+
+
+def remove_stale_roots() -> int:
+    """Unmount and delete the roots left by processes that died without cleaning up (their run
+    directories carry their pid); returns how many mounts were removed."""
+    base = tempfile.gettempdir()
+    stale: list[str] = []
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            points = [line.split()[4] for line in fh]
+    except OSError:
+        return 0
+    dirs = set()
+    for point in points:
+        rel = os.path.relpath(point, base)
+        head = rel.split("/", 1)[0]
+        if head.startswith("tangram-roots-") and not rel.startswith(".."):
+            pid = head.split("-")[2]
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                stale.append(point)
+                dirs.add(os.path.join(base, head))
+    for point in sorted(stale, key=len, reverse=True):  # overlays before the tmpfs under them
+        try:
+            umount(point)
+        except OSError as e:
+            log.warning("cannot unmount a stale sandbox root %s: %s", point, e)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
+    if stale:
+        log.info("removed %d mounts left by sandboxes of dead processes", len(stale))
+    return len(stale)
+
+
+@dataclass
+class Prewarmed:
+    image: str
+    requested: int
+    ready: int
+    idle_total: int
+    cap: int
+    message: str = ""
+
+
+class ImageSandboxes:
+    """Spawns image sandboxes for one manager and keeps its per-image idle pools."""
+
+    def __init__(self, store: ImageStore, layout: Layout, limits: Limits, cgroups: CgroupRoot | None,
+                 host_python: str, python_args: tuple[str, ...], max_idle: int) -> None:
+        self.store = store
+        self.layout = layout
+        self.limits = limits
+        self.cgroups = cgroups
+        self.host_python = host_python
+        self.python_args = python_args
+        self.max_idle = max_idle
+        self.run_dir: str | None = None
+        self.pools: dict[str, list[Sandbox]] = {}
+        self._interp: dict[str, Interpreter] = {}
+        self._images: dict[str, Image] = {}
+        self._base: str | None = None
+        self.live: set[RootFs] = set()
+
+    def image(self, name: str) -> Image:
+        """The image ``name`` (cached: images are immutable once imported)."""
+        img = self._images.get(name)
+        if img is None:
+            img = self._images[name] = self.store.get(name)
+        return img
+
+    def _setup(self) -> None:
+        if self.run_dir is None:
+            why = overlay_supported()
+            if why is not None:
+                raise ImageError(f"image: {why}")
+            remove_stale_roots()
+            self.run_dir = tempfile.mkdtemp(prefix=f"tangram-roots-{os.getpid()}-")
+            self._base = ensure_base(self.store)
+
+    def new_root(self, image: Image, session_layers: list[Layer] = ()) -> RootFs:
+        """Mount a fresh root of ``image`` (on ``session_layers``, top first)."""
+        self._setup()
+        d = os.path.join(self.run_dir, f"r{next(_IDS)}")
+        os.mkdir(d)
+        rootfs = RootFs(d, image, [str(p) for p in reversed(image.layer_dirs(self.store))], self._base,
+                        list(session_layers),
+                        self.layout.workspace_bytes).mount()
+        self.live.add(rootfs)
+        return rootfs
+
+    def interpreter(self, image: Image, root: str) -> Interpreter:
+        it = self._interp.get(image.id)
+        if it is None:
+            it = self._interp[image.id] = choose_interpreter(root, self.host_python, self.python_args)
+        return it
+
+    async def spawn(self, image_name: str, session_layers: list[Layer] = (), rootfs: RootFs | None = None) -> Sandbox:
+        """A running sandbox on a new root of ``image_name`` (or on ``rootfs``, already mounted)."""
+        if rootfs is None:
+            image = self.image(image_name)
+            try:
+                rootfs = await asyncio.to_thread(self.new_root, image, list(session_layers))
+            except OSError as e:
+                raise SandboxDied(f"cannot mount the root of image {image_name!r}: {e}") from None
+        interp = self.interpreter(rootfs.image, rootfs.root)
+        sid = f"sbi-{next(_IDS)}-{os.urandom(3).hex()}"
+        try:
+            sb = await Sandbox.spawn(sid, bwrap_argv(self.layout, rootfs.root, interp), self.cgroups, self.limits)
+        except BaseException:
+            self.drop(rootfs)
+            raise
+        sb.rootfs = rootfs
+        sb.image = rootfs.image.name
+        sb.on_kill = lambda: self.drop(rootfs)
+        return sb
+
+    def drop(self, rootfs: RootFs | None) -> None:
+        if rootfs is not None:
+            self.live.discard(rootfs)
+            rootfs.release()
+
+    def idle(self) -> int:
+        return sum(len(p) for p in self.pools.values())
+
+    def take(self, image_name: str) -> Sandbox | None:
+        pool = self.pools.get(image_name)
+        while pool:
+            sb = pool.pop()
+            if not sb.dead and sb.proc.returncode is None:
+                return sb
+        return None
+
+    async def prewarm(self, image_name: str, n: int, other_idle: int) -> Prewarmed:
+        """Start up to ``n`` more idle sandboxes of ``image_name`` within the idle cap."""
+        self.image(image_name)  # unknown image: ImageError now, not n failures later
+        room = max(0, self.max_idle - other_idle - self.idle())
+        want = min(n, room)
+        made = await asyncio.gather(*(self.spawn(image_name) for _ in range(want)), return_exceptions=True)
+        ok = [sb for sb in made if isinstance(sb, Sandbox)]
+        errors = [e for e in made if isinstance(e, BaseException)]
+        self.pools.setdefault(image_name, []).extend(ok)
+        notes = []
+        if want < n:
+            notes.append(f"capped: {n - want} not started (max_idle_sandboxes {self.max_idle})")
+        if errors:
+            notes.append(f"{len(errors)} failed to start: {errors[0]}")
+        return Prewarmed(image_name, n, len(ok), self.idle() + other_idle, self.max_idle, "; ".join(notes))
+
+    async def shut_down(self) -> None:
+        doomed = [sb for pool in self.pools.values() for sb in pool]
+        self.pools.clear()
+        await asyncio.gather(*(sb.kill() for sb in doomed), return_exceptions=True)
+        for rootfs in list(self.live):
+            self.drop(rootfs)
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)

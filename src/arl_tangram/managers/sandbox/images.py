@@ -1,0 +1,546 @@
+"""Container images for sandboxes: import once, unpack each layer once, share it everywhere.
+
+``ImageStore.import_path`` takes a ``docker save`` archive (classic or the OCI-flavoured one
+Docker 25+ writes), an OCI image-layout archive, or a root filesystem directory. Every layer is
+checked completely *before* anything is written to the cache, and a bad member fails the import
+with a message naming it: paths that escape the root (``../``, absolute names), links pointing out
+of the image, hard links to files the layer does not contain, device nodes and FIFOs, truncated
+or unknown formats. Then each layer is unpacked into ``layers/<sha256 of its tar>/`` (content
+addressed: two images sharing a base share its directories) in overlayfs' own on-disk format:
+a whiteout (``.wh.NAME``) becomes a 0/0 character device, an opaque directory (``.wh..wh..opq``)
+gets ``trusted.overlay.opaque=y``. So a sandbox mounts the layers as overlay lower directories
+as they are — nothing is flattened or copied per sandbox.
+
+Unpacking never follows a link on the host: a member under a symlink of its own layer is refused,
+files are created with ``O_NOFOLLOW | O_EXCL`` in a fresh directory, and ownership, modes
+(set after the contents, so read-only directories can be filled) and mtimes are applied to the
+entry itself. Alternative dropped: ``tarfile``'s ``data`` filter — it refuses absolute symlinks
+(normal in a root filesystem: ``/etc/alternatives``) and knows nothing of whiteouts.
+
+Layer tars may be plain or gzip-compressed (zstd is refused with a clear error: no dependency).
+"""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import hashlib
+import io
+import json
+import os
+import posixpath
+import re
+import shutil
+import stat
+import tarfile
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO
+
+WHITEOUT = ".wh."
+OPAQUE = ".wh..wh..opq"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+
+
+class ImageError(ValueError):
+    """An import or lookup that cannot be done; the message names the archive member or field."""
+
+
+@dataclass(frozen=True)
+class Image:
+    """An imported image: its layers (bottom first, as directories of the cache) and the parts of
+    its config a sandbox uses."""
+
+    name: str
+    id: str
+    layers: tuple[str, ...]
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str = ""
+    source: str = ""
+    created: float = 0.0
+    size_bytes: int = 0
+
+    def layer_dirs(self, store: "ImageStore") -> list[Path]:
+        return [store.layer_dir(d) for d in self.layers]
+
+
+def default_store() -> Path:
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return Path(os.environ.get("TANGRAM_IMAGE_STORE") or base / "arl-tangram" / "images")
+
+
+def _open_layer(raw: IO[bytes], where: str) -> IO[bytes]:
+    """A layer stream, decompressed if it is gzip (sniffed, not trusted from a media type)."""
+    head = raw.read(6)
+    rest = _Prefixed(head, raw)
+    if head[:2] == b"\x1f\x8b":
+        return gzip.GzipFile(fileobj=rest, mode="rb")  # type: ignore[return-value]
+    if head[:4] == b"\x28\xb5\x2f\xfd":
+        raise ImageError(f"{where}: zstd-compressed layers are not supported (re-save the image with gzip)")
+    return rest  # type: ignore[return-value]
+
+
+class _Prefixed(io.RawIOBase):
+    """A stream that first yields ``head`` (sniffed bytes) and then the rest of ``raw``."""
+
+    def __init__(self, head: bytes, raw: IO[bytes]) -> None:
+        self.head, self.raw = head, raw
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        if self.head:
+            n = min(len(b), len(self.head))
+            b[:n] = self.head[:n]
+            self.head = self.head[n:]
+            return n
+        data = self.raw.read(len(b))
+        b[:len(data)] = data
+        return len(data)
+
+
+class _Hashing(io.RawIOBase):
+    """Passes bytes through while hashing them (the layer's id is the sha256 of its tar)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw, self.sha, self.count = raw, hashlib.sha256(), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self.raw.read(len(b))
+        self.sha.update(data)
+        self.count += len(data)
+        b[:len(data)] = data
+        return len(data)
+
+    def finish(self) -> str:
+        while True:  # the tar's trailing padding is part of its identity
+            data = self.raw.read(1 << 20)
+            if not data:
+                return self.sha.hexdigest()
+            self.sha.update(data)
+            self.count += len(data)
+
+
+def _normalise(name: str, where: str) -> str:
+    """A member's path relative to the image root, or an error if it leaves it."""
+    if name.startswith("/"):
+        raise ImageError(f"{where}: member {name!r} has an absolute path")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise ImageError(f"{where}: member {name!r} escapes the root (..)")
+    return "/".join(parts)
+
+
+def _escapes(link_dir: str, target: str) -> bool:
+    """Whether a symlink in ``link_dir`` to ``target`` resolves outside the image root (absolute
+    targets are read inside the sandbox's root, so they stay in)."""
+    if target.startswith("/"):
+        return False
+    depth = 0
+    for part in (link_dir.split("/") if link_dir else []) + target.split("/"):
+        if part in ("", "."):
+            continue
+        depth += -1 if part == ".." else 1
+        if depth < 0:
+            return True
+    return False
+
+
+@dataclass
+class _LayerPlan:
+    """What validation learnt about one layer (its id and where to read it from)."""
+
+    where: str
+    digest: str
+    open: object  # () -> IO[bytes] of the (possibly compressed) layer
+    size: int = 0
+
+
+class Checker:
+    """Validates the members of one layer, in order; the first bad one raises ``ImageError``."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.files: set[str] = set()
+        self.links: set[str] = set()
+        self.size = 0
+
+    def check(self, m: tarfile.TarInfo, name: str | None = None) -> None:
+        where, name = self.where, m.name if name is None else name
+        path = _normalise(name, where)
+        if not path:
+            return
+        parent = posixpath.dirname(path)
+        probe = parent
+        while probe:
+            if probe in self.links:
+                raise ImageError(f"{where}: member {name!r} lies under the symlink {probe!r}")
+            probe = posixpath.dirname(probe)
+        base = posixpath.basename(path)
+        if base.startswith(WHITEOUT):
+            if base != OPAQUE and (base.startswith(WHITEOUT + WHITEOUT) or base == WHITEOUT):
+                raise ImageError(f"{where}: member {name!r} is an unknown whiteout kind")
+            return
+        if m.ischr() or m.isblk():
+            raise ImageError(f"{where}: member {name!r} is a device node")
+        if m.isfifo():
+            raise ImageError(f"{where}: member {name!r} is a FIFO")
+        if m.issym():
+            if _escapes(parent, m.linkname):
+                raise ImageError(f"{where}: symlink {name!r} -> {m.linkname!r} points out of the image")
+            self.links.add(path)
+        elif m.islnk():
+            target = _normalise(m.linkname, where)
+            if target not in self.files:
+                raise ImageError(f"{where}: hard link {name!r} -> {m.linkname!r} names no earlier file of its layer")
+        elif m.isreg():
+            self.size += m.size
+        elif not m.isdir():
+            raise ImageError(f"{where}: member {name!r} has an unsupported type {m.type!r}")
+        if not m.issym():
+            self.links.discard(path)
+        if m.isreg() or m.islnk():
+            self.files.add(path)
+        else:
+            self.files.discard(path)
+
+
+def _check_layer(stream: IO[bytes], where: str) -> tuple[str, int]:
+    """Read a whole layer tar; raise ``ImageError`` on the first bad member. Returns
+    (sha256 of the uncompressed tar, total file bytes)."""
+    hashing = _Hashing(_open_layer(stream, where))
+    checker = Checker(where)
+    try:
+        with tarfile.open(fileobj=io.BufferedReader(hashing, 1 << 20), mode="r|") as tar:
+            for m in tar:
+                checker.check(m)
+            end = tar.offset
+        digest = hashing.finish()
+    except ImageError:
+        raise
+    except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile, ValueError) as e:
+        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: {e})") from None
+    # tarfile takes a cut-off header for the end of the archive: insist on whole blocks and an
+    # end-of-archive marker after the last member
+    if hashing.count % 512 or hashing.count < end + 512:
+        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: it ends inside a block or has no "
+                         "end-of-archive marker)")
+    return digest, checker.size
+
+
+def _remove(path: str) -> None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+class Unpacker:
+    """Writes validated members into the fresh directory ``dest`` in overlayfs' format."""
+
+    def __init__(self, dest: Path | str, where: str) -> None:
+        self.dest, self.where = str(dest), where
+        self.dirs: list[tuple[str, tarfile.TarInfo]] = []
+
+    def add(self, tar: tarfile.TarFile, m: tarfile.TarInfo, name: str | None = None) -> None:
+        rel = _normalise(m.name if name is None else name, self.where)
+        if not rel:
+            return
+        full = os.path.join(self.dest, rel)
+        parent, base = os.path.split(full)
+        os.makedirs(parent, exist_ok=True)
+        if base == OPAQUE:
+            os.setxattr(parent, "trusted.overlay.opaque", b"y")
+            return
+        if base.startswith(WHITEOUT):
+            target = os.path.join(parent, base[len(WHITEOUT):])
+            _remove(target)
+            os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+            return
+        if m.isdir():
+            if os.path.lexists(full) and not os.path.isdir(full):
+                _remove(full)
+            os.makedirs(full, exist_ok=True)
+            self.dirs.append((full, m))
+            return
+        _remove(full)
+        if m.issym():
+            os.symlink(m.linkname, full)
+        elif m.islnk():
+            os.link(os.path.join(self.dest, _normalise(m.linkname, self.where)), full, follow_symlinks=False)
+            return  # shares the target's inode, ownership and mode
+        else:
+            src = tar.extractfile(m)
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                shutil.copyfileobj(src, fh, 1 << 20)
+        _attrs(full, m)
+
+    def finish(self) -> None:
+        for full, m in reversed(self.dirs):  # deepest first: a read-only directory is filled before it closes
+            _attrs(full, m)
+
+
+def _unpack_layer(stream: IO[bytes], dest: Path, where: str) -> None:
+    """Unpack a validated layer into the fresh directory ``dest``."""
+    unpacker = Unpacker(dest, where)
+    with tarfile.open(fileobj=io.BufferedReader(_open_layer(stream, where), 1 << 20), mode="r|") as tar:
+        for m in tar:
+            unpacker.add(tar, m)
+    unpacker.finish()
+
+
+def _attrs(full: str, m: tarfile.TarInfo) -> None:
+    os.lchown(full, m.uid, m.gid)
+    if not m.issym():
+        os.chmod(full, m.mode & 0o7777)
+    os.utime(full, (m.mtime, m.mtime), follow_symlinks=False)
+
+
+def _tar_directory(root: Path, out: IO[bytes]) -> None:
+    """A root filesystem directory as a deterministic tar (sorted, hard links detected)."""
+    with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in sorted(dirnames) + sorted(filenames):
+                full = os.path.join(dirpath, name)
+                arc = os.path.relpath(full, root)
+                info = tar.gettarinfo(full, arc)
+                if info.isreg():
+                    with open(full, "rb") as fh:
+                        tar.addfile(info, fh)
+                else:
+                    tar.addfile(info)
+
+
+class ImageStore:
+    """The content-addressed cache of layers and the named images made of them."""
+
+    def __init__(self, root: Path | str | None = None) -> None:
+        self.root = Path(root) if root is not None else default_store()
+
+    def layer_dir(self, digest: str) -> Path:
+        return self.root / "layers" / digest
+
+    def _image_file(self, name: str) -> Path:
+        return self.root / "images" / (name.replace("/", "%2F") + ".json")
+
+    # -- queries ---------------------------------------------------------------------------------
+    def get(self, name: str) -> Image:
+        """The image ``name``; ``ImageError`` naming it if it was never imported."""
+        try:
+            data = json.loads(self._image_file(name).read_text())
+        except FileNotFoundError:
+            raise ImageError(f"image: no image named {name!r} (import it with `tangram image import`)") from None
+        data["layers"] = tuple(data["layers"])
+        img = Image(**data)
+        missing = [d for d in img.layers if not self.layer_dir(d).is_dir()]
+        if missing:
+            raise ImageError(f"image: {name!r} is damaged: layer {missing[0][:12]} is missing from the cache")
+        return img
+
+    def list(self) -> list[Image]:
+        d = self.root / "images"
+        if not d.is_dir():
+            return []
+        return sorted((self.get(json.loads(p.read_text())["name"]) for p in d.glob("*.json")), key=lambda i: i.name)
+
+    def remove(self, name: str) -> list[str]:
+        """Forget ``name`` and delete the layers no other image uses; returns the deleted layers."""
+        img = self.get(name)
+        busy = _mounted_layers(self.layer_dir(d) for d in img.layers)
+        if busy:
+            raise ImageError(f"image: {name!r} is in use by {busy} running sandbox mount(s); stop the server using "
+                             "it first")
+        self._image_file(name).unlink()
+        used = {d for other in self.list() for d in other.layers}
+        gone = [d for d in img.layers if d not in used]
+        for d in gone:
+            shutil.rmtree(self.layer_dir(d), ignore_errors=True)
+        return gone
+
+    # -- import ----------------------------------------------------------------------------------
+    def import_path(self, path: Path | str, name: str) -> Image:
+        """Import a docker-save / OCI archive or a root filesystem directory as ``name``."""
+        if not NAME_RE.match(name):
+            raise ImageError(f"--name: {name!r} is not a valid image name (letters, digits, ._:@/-)")
+        path = Path(path)
+        if path.is_dir():
+            return self._import_dir(path, name)
+        if not path.is_file():
+            raise ImageError(f"PATH: {path} does not exist")
+        try:
+            outer = tarfile.open(path, "r:*")
+        except (tarfile.TarError, OSError, EOFError) as e:
+            raise ImageError(f"PATH: {path} is not an image archive (not a tar: {e})") from None
+        with outer:
+            try:
+                names = {posixpath.normpath(m.name).lstrip("/"): m for m in outer.getmembers()}
+            except (tarfile.TarError, EOFError, OSError) as e:
+                raise ImageError(f"PATH: {path} is truncated or corrupt ({e})") from None
+            layer_names, config = self._manifest(outer, names, path)
+            plans = []
+            for i, lname in enumerate(layer_names):
+                where = f"layer {i} ({lname})"
+                member = _archive_member(names, lname)
+                if member is None or not member.isreg():
+                    raise ImageError(f"{where}: listed in the manifest but missing from the archive")
+                opener = (lambda m=member: outer.extractfile(m))
+                digest, size = _check_layer(opener(), where)
+                plans.append(_LayerPlan(where, digest, opener, size))
+            return self._commit(name, plans, config, str(path))
+
+    def _manifest(self, outer: tarfile.TarFile, names: dict, path: Path) -> tuple[list[str], dict]:
+        def read_json(name: str, what: str):
+            m = names.get(name)
+            if m is None:
+                return None
+            try:
+                return json.load(outer.extractfile(m))
+            except (json.JSONDecodeError, UnicodeDecodeError, tarfile.TarError, OSError) as e:
+                raise ImageError(f"{what}: not valid JSON ({e})") from None
+
+        manifest = read_json("manifest.json", "manifest.json")
+        if manifest is not None:  # docker save (classic and OCI-flavoured)
+            if not isinstance(manifest, list) or not manifest or not isinstance(manifest[0], dict) \
+                    or not isinstance(manifest[0].get("Layers"), list):
+                raise ImageError("manifest.json: expected a list of images with Layers")
+            if len(manifest) > 1:
+                raise ImageError(f"manifest.json: the archive holds {len(manifest)} images; save one at a time")
+            cfg = read_json(str(manifest[0].get("Config", "")).lstrip("./"), "image config") or {}
+            return [str(x) for x in manifest[0]["Layers"]], cfg
+        index = read_json("index.json", "index.json")
+        if index is not None:  # OCI image layout
+            try:
+                desc = index["manifests"][0]
+                m = read_json(_blob(desc["digest"]), "OCI manifest")
+                if m is not None and "manifests" in m:  # an index of platforms: take the first
+                    m = read_json(_blob(m["manifests"][0]["digest"]), "OCI manifest")
+                if m is None:
+                    raise ImageError("index.json: its manifest blob is missing from the archive")
+                cfg = read_json(_blob(m["config"]["digest"]), "image config") or {}
+                return [_blob(layer["digest"]) for layer in m["layers"]], cfg
+            except (KeyError, IndexError, TypeError) as e:
+                raise ImageError(f"index.json: not an OCI image index ({type(e).__name__}: {e})") from None
+        raise ImageError(f"PATH: {path} is neither a docker-save nor an OCI archive (no manifest.json or index.json)")
+
+    def _import_dir(self, root: Path, name: str) -> Image:
+        spool = tempfile.SpooledTemporaryFile(max_size=64 << 20)
+        try:
+            _tar_directory(root, spool)
+        except OSError as e:
+            raise ImageError(f"PATH: cannot read {root}: {e}") from None
+        spool.seek(0)
+        digest, size = _check_layer(spool, f"directory {root}")
+
+        def opener():
+            spool.seek(0)
+            return spool
+
+        with spool:
+            return self._commit(name, [_LayerPlan(f"directory {root}", digest, opener, size)], {}, str(root))
+
+    def _commit(self, name: str, plans: list[_LayerPlan], config: dict, source: str) -> Image:
+        """Unpack the layers not cached yet (each into a temporary directory, renamed into place
+        whole) and record the image."""
+        (self.root / "layers").mkdir(parents=True, exist_ok=True)
+        (self.root / "images").mkdir(parents=True, exist_ok=True)
+        for plan in plans:
+            final = self.layer_dir(plan.digest)
+            if final.is_dir():
+                continue
+            tmp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=self.root / "layers"))
+            try:
+                _unpack_layer(plan.open(), tmp, plan.where)
+                os.chmod(tmp, 0o755)
+                os.rename(tmp, final)
+            except OSError as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not final.is_dir():
+                    raise
+                # a concurrent import got there first
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        cfg = config.get("config") or config.get("Config") or {}
+        env = {}
+        for item in cfg.get("Env") or []:
+            k, _, v = str(item).partition("=")
+            env[k] = v
+        digests = [p.digest for p in plans]
+        img = Image(name=name, id=hashlib.sha256("\n".join(digests).encode()).hexdigest(), layers=tuple(digests),
+                    env=env, workdir=str(cfg.get("WorkingDir") or ""), source=source, created=time.time(),
+                    size_bytes=sum(p.size for p in plans))
+        tmp_json = self._image_file(name).with_suffix(".tmp")
+        tmp_json.write_text(json.dumps(asdict(img)))
+        os.replace(tmp_json, self._image_file(name))
+        return img
+
+
+def _archive_member(names: dict[str, tarfile.TarInfo], name: str) -> tarfile.TarInfo | None:
+    """A member of the outer archive by name, following symlinks inside it (``docker save``
+    writes a layer shared by two images once and links the second to it)."""
+    path = _normalise(name, "manifest.json")
+    for _ in range(8):
+        m = names.get(path)
+        if m is None or not m.issym():
+            return m
+        path = _normalise(posixpath.normpath(posixpath.join(posixpath.dirname(path), m.linkname)), "manifest.json")
+    return None
+
+
+def _mounted_layers(dirs) -> int:
+    """How many mounts on this host stack one of ``dirs`` (overlay options name their layers)."""
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            text = fh.read()
+    except OSError:
+        return 0
+    return sum(text.count(str(d)) for d in dirs)
+
+
+def _blob(digest: str) -> str:
+    algo, _, hexd = str(digest).partition(":")
+    if algo != "sha256" or not re.fullmatch(r"[0-9a-f]{64}", hexd):
+        raise ImageError(f"OCI descriptor: unsupported digest {digest!r}")
+    return f"blobs/sha256/{hexd}"
+
+
+def resolve_in(root: str, path: str, hops: int = 40) -> str | None:
+    """``path`` inside the tree ``root`` with symlinks followed *inside* it (absolute targets
+    are relative to ``root``); the host path, or None if it does not exist."""
+    parts = [p for p in path.split("/") if p]
+    cur = root
+    while parts:
+        part = parts.pop(0)
+        if part == "..":
+            cur = cur if cur == root else os.path.dirname(cur)
+            continue
+        nxt = os.path.join(cur, part)
+        try:
+            st = os.lstat(nxt)
+        except OSError:
+            return None
+        if stat.S_ISLNK(st.st_mode):
+            hops -= 1
+            if hops < 0:
+                return None
+            target = os.readlink(nxt)
+            parts = [p for p in target.split("/") if p] + parts
+            if target.startswith("/"):
+                cur = root
+            continue
+        if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+            return None  # an overlay whiteout
+        cur = nxt
+    return cur

@@ -1,0 +1,278 @@
+"""A session's persistent shell, driven by the runner inside the sandbox (standard library only).
+
+Loaded by the runner on the first shell step (so one-shot sandboxes never pay for it). One bash
+(``--noprofile --norc``; an image without bash gets its ``/bin/sh``) lives for the whole session,
+so ``cd``, exported variables, shell functions and ``set`` options carry over from step to step.
+Each step is written to a file and sourced in the shell's own process by a one-line wrapper::
+
+    { . STEP; } <IN >OUT 2>ERR 3>&-; echo "NONCE $?" >&3
+
+OUT and ERR are FIFOs the runner reads while the step runs (stdout and stderr stay apart, each
+capped like every other step's output); the step's exit status comes back on a private pipe
+(fd 3, closed for the step itself) behind a per-step random nonce. The runner also holds a
+writer of each FIFO open, so a step's end is never mistaken for the start of the next one.
+
+A step past its timeout: every process of the sandbox but the shell (and the runner) is killed;
+the shell then reports the killed command's status and lives on. A step that is busy in the shell
+itself (``while :; do :; done``) cannot be stopped that way: the shell is killed too, and the
+result says that the next step starts a fresh shell. A step that exits the shell (``exit 3``)
+returns that status and says the same. Alternatives dropped: ``bash -c`` per step (no state
+carries over); a pty (merges stdout with stderr and echoes input).
+"""
+
+import binascii
+import os
+import select
+import time
+
+DIR = "/tmp/.tangram-shell"
+STATE = {"pid": None, "cmd": None, "ctl": None, "out": None, "err": None, "keep": [], "name": ""}
+
+
+def _quote(v):
+    return "'" + str(v).replace("'", "'\\''") + "'"
+
+
+def _which_shell():
+    for path in ("/bin/bash", "/usr/bin/bash"):
+        if os.access(path, os.X_OK):
+            return path, [path, "--noprofile", "--norc"], "bash"
+    return "/bin/sh", ["/bin/sh"], "sh"
+
+
+def _fifos():
+    os.makedirs(DIR, mode=0o700, exist_ok=True)
+    fds = []
+    for name in ("out", "err"):
+        path = os.path.join(DIR, name)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        os.mkfifo(path, 0o600)
+        r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ours: no EOF between steps
+        fds.append((r, w))
+    return fds
+
+
+def alive():
+    pid = STATE["pid"]
+    if pid is None:
+        return False
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return done == 0
+
+
+def stop():
+    """Kill the shell and forget it (the next step starts a fresh one)."""
+    pid = STATE["pid"]
+    if pid is not None:
+        try:
+            os.killpg(pid, 9)  # the shell and whatever of the step still runs (its own session)
+        except OSError:
+            pass
+        try:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+    for key in ("cmd", "ctl"):
+        if STATE[key] is not None:
+            os.close(STATE[key])
+            STATE[key] = None
+    for key in ("out", "err"):
+        if STATE[key] is not None:
+            for fd in STATE[key]:
+                os.close(fd)
+            STATE[key] = None
+    STATE["pid"] = None
+    STATE["keep"].clear()
+
+
+def start(env, workspace, close_fds):
+    stop()
+    exe, argv, name = _which_shell()
+    (out_r, out_w), (err_r, err_w) = _fifos()
+    cmd_r, cmd_w = os.pipe()
+    ctl_r, ctl_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.setsid()
+            os.dup2(cmd_r, 0)
+            os.dup2(ctl_w, 3)
+            null = os.open(os.devnull, os.O_RDWR)
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            for fd in (null, cmd_r, cmd_w, ctl_r, ctl_w, out_r, out_w, err_r, err_w, *close_fds):
+                if fd > 3:
+                    os.close(fd)
+            os.chdir(workspace)
+            os.execve(exe, argv, env)
+        finally:
+            os._exit(127)
+    os.close(cmd_r)
+    os.close(ctl_w)
+    STATE.update(pid=pid, cmd=cmd_w, ctl=ctl_r, out=(out_r, out_w), err=(err_r, err_w), name=name)
+    STATE["keep"][:] = [pid]
+    return name
+
+
+def _drain(fd, buf, limit):
+    """Read what is there now; returns whether anything was dropped for the cap."""
+    dropped = False
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return dropped
+        if not chunk:
+            return dropped
+        room = limit - len(buf)
+        if room > 0:
+            buf += chunk[:room]
+        if len(chunk) > room:
+            dropped = True
+
+
+def _kill_descendants(root):
+    """SIGKILL every process below ``root`` (not ``root`` itself), found through /proc."""
+    children = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    todo = list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, ()))
+        try:
+            os.kill(pid, 9)
+        except OSError:
+            pass
+
+
+def _exit_status(pid):
+    """The status of the shell that closed its status pipe; a program it was replaced by
+    (``exec sleep 100``) gets 50 ms to finish, then is killed."""
+    for _ in range(10):
+        try:
+            done, st = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return -9
+        if done:
+            return os.WEXITSTATUS(st) if os.WIFEXITED(st) else -os.WTERMSIG(st)
+        time.sleep(0.005)
+    try:
+        os.killpg(pid, 9)
+    except OSError:
+        pass
+    try:
+        _, st = os.waitpid(pid, 0)
+    except ChildProcessError:
+        return -9
+    return os.WEXITSTATUS(st) if os.WIFEXITED(st) else -os.WTERMSIG(st)
+
+
+def step(req, env, workspace, close_fds, reap_others, b64, unb64):
+    """Run one shell step; the result has the same fields as a ``run`` request's."""
+    started = time.monotonic()
+    notes = []
+    if STATE["pid"] is None or not alive():
+        if STATE["pid"] is not None:
+            notes.append("the previous shell had died: a new one was started (cwd, variables and functions reset)")
+        start(env, workspace, close_fds)
+    limit = int(req.get("max_output") or 1 << 20)
+    timeout_s = float(req.get("timeout_s") or 10)
+    nonce = binascii.hexlify(os.urandom(8)).decode()
+    os.makedirs(DIR, mode=0o700, exist_ok=True)
+    with open(os.path.join(DIR, "step"), "w") as fh:
+        fh.write(req["command"])
+        fh.write("\n")
+    stdin = unb64(req.get("stdin"))
+    inp = os.path.join(DIR, "in")
+    with open(inp, "wb") as fh:
+        fh.write(stdin)
+    exports = "".join(f"export {k}={_quote(v)}; " for k, v in (req.get("env") or {}).items()
+                      if k.replace("_", "a").isalnum())
+    # bash: forget the step's background jobs (they are reaped after the step), or their "Killed"
+    # notices would land in the next step's stderr
+    forget = " disown -a 2>/dev/null;" if STATE["name"] == "bash" else ""
+    line = (f"{exports}{{ . {DIR}/step; }} <{inp} >{DIR}/out 2>{DIR}/err 3>&-; "
+            f"echo \"{nonce} $?\" >&3;{forget}\n").encode()
+    for fd in (STATE["out"][0], STATE["err"][0]):
+        _drain(fd, bytearray(), 0)  # late writes of an earlier step's (since reaped) background jobs
+    try:
+        os.write(STATE["cmd"], line)
+    except BrokenPipeError:  # it died between steps: start another, once
+        notes.append("the previous shell had died: a new one was started (cwd, variables and functions reset)")
+        start(env, workspace, close_fds)
+        try:
+            os.write(STATE["cmd"], line)
+        except BrokenPipeError:
+            stop()
+            return {"error": "the shell dies as soon as it starts"}
+    out_fd, err_fd, ctl = STATE["out"][0], STATE["err"][0], STATE["ctl"]
+    bufs = {out_fd: bytearray(), err_fd: bytearray()}
+    ctl_buf = b""
+    truncated = timed_out = False
+    status = None
+    shell_gone = None
+    busy = False
+    poll = select.poll()
+    for fd in (out_fd, err_fd, ctl):
+        poll.register(fd, select.POLLIN)
+    deadline = started + timeout_s
+    killed_at = None
+    while status is None:
+        left = deadline - time.monotonic()
+        if left <= 0 and killed_at is None:
+            timed_out = True
+            killed_at = time.monotonic()
+            _kill_descendants(STATE["pid"])  # the step's processes; the shell survives
+            reap_others(STATE["keep"])  # and, in a PID namespace, whatever escaped from its tree
+            deadline = killed_at + 1.0
+            continue
+        if left <= 0:  # the shell itself is busy with the step: it has to go
+            busy = True
+            notes.append("timed out inside the shell itself: the shell was killed; the next step starts a new "
+                         "one (cwd, variables and functions reset)")
+            status = -9
+            break
+        for fd, ev in poll.poll(max(0.0, left) * 1000):
+            if fd == ctl:
+                chunk = os.read(ctl, 4096)
+                if not chunk:  # the shell exited (`exit N`), or was replaced (`exec prog`)
+                    shell_gone = _exit_status(STATE["pid"])
+                    status = shell_gone
+                    break
+                ctl_buf += chunk
+                for text in ctl_buf.decode(errors="replace").splitlines():
+                    word, _, code = text.partition(" ")
+                    if word == nonce and code.strip().lstrip("-").isdigit():
+                        status = int(code)
+            elif _drain(fd, bufs[fd], limit):
+                truncated = True
+    for fd in (out_fd, err_fd):
+        if _drain(fd, bufs[fd], limit):
+            truncated = True
+    if busy:
+        stop()
+    if shell_gone is not None:
+        stop()
+        notes.append(f"the shell exited (status {shell_gone}): the next step starts a new one (cwd, variables "
+                     "and functions reset)")
+    result = {"stdout": b64(bytes(bufs[out_fd])), "stderr": b64(bytes(bufs[err_fd])), "truncated": truncated,
+              "timed_out": timed_out, "duration_s": time.monotonic() - started, "exit_code": status,
+              "shell": STATE["name"] or _which_shell()[2]}
+    if notes:
+        result["note"] = "; ".join(notes)
+    return result
