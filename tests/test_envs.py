@@ -326,7 +326,7 @@ print(sorted(os.listdir('/run/tangram')))
 
 def test_server_sessions_in_images_fork_and_prewarm(store, tmp_path):
     import httpx
-    from test_server import Server
+    from servers import Server
 
     server = Server(tmp_path, config={"sandbox": {"image_store": str(store.root), "image": "tiny-sh", "warm_pool": 0,
                                                   "max_idle_sandboxes": 2}})

@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -19,48 +18,9 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from servers import Server
+
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, tmp_path, config: dict | None = None, token: str | None = None, journal=None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.journal = str(journal or tmp_path / "journal.sqlite3")
-        argv = [sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(self.port), "--journal", self.journal]
-        if config is not None:
-            path = tmp_path / f"config-{self.port}.json"
-            path.write_text(json.dumps(config))
-            argv += ["--config", str(path)]
-        if token:
-            argv += ["--token", token]
-        self.log = open(tmp_path / f"server-{self.port}.log", "w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("server did not start")
-
-    def stop(self, sig=signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

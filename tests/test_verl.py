@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.verl,
 pytest.importorskip("verl", reason="verl is not installed: pip install -e '.[verl]'")
 
 from omegaconf import OmegaConf  # noqa: E402  (verl's dependencies, present once verl is)
-from test_server import Server  # noqa: E402
+from servers import Server  # noqa: E402
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, ToolAgentLoop  # noqa: E402
 from verl.experimental.agent_loop.tool_parser import FunctionCall  # noqa: E402
 from verl.tools.base_tool import BaseTool  # noqa: E402

@@ -1,0 +1,65 @@
+"""A live server for tests: ``tangram serve`` (or its double-backed twin) in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``tangram serve`` as a subprocess on a free loopback port; ``double=True`` serves over the
+    in-process sandbox double (``serve_double.py``) instead of real sandboxes."""
+
+    def __init__(self, tmp_path, config: dict | None = None, token: str | None = None, journal=None,
+                 double: bool = False) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.journal = str(journal or tmp_path / "journal.sqlite3")
+        path = None
+        if config is not None:
+            path = tmp_path / f"config-{self.port}.json"
+            path.write_text(json.dumps(config))
+        if double:
+            if token:
+                raise ValueError("the double server takes no token")
+            argv = [sys.executable, str(Path(__file__).parent / "serve_double.py"), str(self.port), self.journal]
+            argv += [str(path)] if path else []
+        else:
+            argv = [sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(self.port), "--journal",
+                    self.journal]
+            argv += ["--config", str(path)] if path else []
+            argv += ["--token", token] if token else []
+        self.log = open(tmp_path / f"server-{self.port}.log", "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("server did not start")
+
+    def stop(self, sig=signal.SIGTERM) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()

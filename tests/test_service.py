@@ -1,0 +1,116 @@
+"""The service, its journal and both clients, served over the in-process sandbox double: these run
+on any Linux host, bubblewrap or not (the real-sandbox twins are in test_server.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sqlite3
+import time
+
+import httpx
+import pytest
+
+from arl_tangram.client import AsyncTangramClient, TangramClient, TangramError
+
+from servers import Server
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("serve-double"), double=True)
+    yield s
+    s.stop()
+
+
+def test_both_clients_see_the_same_service(server):
+    with TangramClient(server.url) as c:
+        r = c.run_code("print(input()[::-1])", stdin="olleh", job="svc")
+        assert (r.outcome, r.run.stdout) == ("ok", "hello\n")
+        s = c.session(job="svc")
+        s.exec(python="x = 20")
+        assert s.exec(python="print(x * 2)").run.stdout == "40\n"
+        s.put_files({"in.txt": b"hello"})
+        assert s.exec("wc -c < in.txt").run.stdout.strip() == "5"
+        assert s.get_files(["in.txt", "absent"]) == {"in.txt": b"hello"}
+        s.close()
+        with pytest.raises(TangramError) as e:
+            s.exec("ls")
+        assert e.value.status == 404
+        health = c.health()
+        assert health["isolation"] is None and health["queued"] == 0
+
+    async def main():
+        async with AsyncTangramClient(server.url) as c:
+            r = await c.run_code("print(6 * 7)", job="svc")
+            stats = await c.stats("svc")
+            return r, stats
+
+    r, stats = asyncio.run(main())
+    assert r.run.stdout == "42\n"
+    assert stats.outcomes["ok"] >= 6
+
+
+def test_an_id_is_an_idempotency_key(server):
+    body = {"id": "idem-1", "job": "svc", "action": {"code": "import random; print(random.random())"}}
+    first = httpx.post(f"{server.url}/v1/actions", json=body, timeout=30).json()
+    again = httpx.post(f"{server.url}/v1/actions", json=body, timeout=30).json()
+    assert first["outcome"] == "ok" and again == first
+
+
+def test_a_full_queue_answers_429(tmp_path):
+    s = Server(tmp_path, config={"max_queue": 1, "cores": 1}, double=True)
+    try:
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as c:
+                return await asyncio.gather(*(c.post(f"{s.url}/run_code", json={
+                    "code": "import time\ntime.sleep(0.5)", "language": "python"}) for _ in range(6)))
+
+        codes = [r.status_code for r in asyncio.run(main())]
+        assert 429 in codes and 200 in codes
+    finally:
+        s.stop()
+
+
+def test_kill_9_loses_no_accepted_action(tmp_path):
+    """Recovery, on any host: one-shots accepted but unfinished are re-run, the session step
+    in flight ends infra_error, a resubmission returns the stored result."""
+    journal = tmp_path / "crash.sqlite3"
+    s = Server(tmp_path, journal=journal, double=True)
+    ids = [f"crash-{i}" for i in range(24)]
+
+    async def submit_all():
+        async with httpx.AsyncClient(timeout=60) as c:
+            acks = await asyncio.gather(*(c.post(f"{s.url}/v1/actions", json={
+                "id": i, "wait": False, "job": "crash", "action": {"code": "import time\ntime.sleep(0.5)\nprint('done')"}})
+                for i in ids))
+            sess = (await c.post(f"{s.url}/v1/sessions", json={"job": "crash"})).json()["session_id"]
+            asyncio.ensure_future(c.post(f"{s.url}/v1/sessions/{sess}/exec", json={"command": "sleep 20"}))
+            await asyncio.sleep(0.4)
+            return acks
+
+    acks = asyncio.run(submit_all())
+    assert all(r.status_code in (200, 202) for r in acks)
+    s.stop(signal.SIGKILL)
+    s2 = Server(tmp_path, journal=journal, double=True)
+    try:
+        final: dict = {}
+        deadline = time.time() + 60
+        while len(final) < len(ids) and time.time() < deadline:
+            for i in ids:
+                if i not in final:
+                    r = httpx.get(f"{s2.url}/v1/actions/{i}").json()
+                    if r["state"] == "done":
+                        final[i] = r
+            time.sleep(0.2)
+        assert len(final) == len(ids), "an acknowledged action was lost"
+        assert {r["outcome"] for r in final.values()} == {"ok"}
+        again = httpx.post(f"{s2.url}/v1/actions", json={"id": ids[0], "job": "crash", "action": {
+            "code": "print('second run')"}}, timeout=30).json()
+        assert again == final[ids[0]], "a resubmission ran the action twice"
+        assert httpx.get(f"{s2.url}/healthz").json()["recovered"]["infra_error"] == 1
+    finally:
+        s2.stop()
+    db = sqlite3.connect(journal)
+    assert db.execute("SELECT COUNT(*) FROM actions WHERE state != 'done'").fetchone()[0] == 0
+    assert db.execute("SELECT COUNT(*) FROM actions WHERE kind='exec' AND outcome='infra_error'").fetchone()[0] == 1
