@@ -86,12 +86,7 @@ class InProcessSandboxes:
                 for name, data in p.files.items():
                     (ws / name).write_bytes(data)
                 outcome, result = await self._process([*_COMMANDS[p.language], p.code], ws, p.stdin, p.run_timeout_s)
-                for name in p.fetch_files:
-                    f = ws / name
-                    if f.exists():
-                        result.files[name] = f.read_bytes()
-                    else:
-                        result.missing.append(name)
+                _fetch(ws, p.fetch_files, result)
             elif isinstance(p, Exec) and p.command is not None:
                 outcome, result = await self._process(["bash", "-c", p.command], ws, p.stdin, p.timeout_s)
             elif isinstance(p, Exec):
@@ -100,12 +95,7 @@ class InProcessSandboxes:
                 for name, data in p.put.items():
                     (ws / name).write_bytes(data)
                 result = SandboxResult()
-                for name in p.get:
-                    f = ws / name
-                    if f.exists():
-                        result.files[name] = f.read_bytes()
-                    else:
-                        result.missing.append(name)
+                _fetch(ws, p.get, result)
                 outcome = Outcome.OK
             else:
                 return Completion(action.id, Outcome.REJECTED, message="payload: not a sandbox request")
@@ -145,3 +135,12 @@ class InProcessSandboxes:
                 code_ok = False
         run = CommandResult(0 if code_ok else 1, out.getvalue(), err.getvalue(), time.monotonic() - t)
         return (Outcome.OK if code_ok else Outcome.FAILED), SandboxResult(run=run)
+
+
+def _fetch(workspace: Path, names: list[str], into: SandboxResult) -> None:
+    for name in names:
+        f = workspace / name
+        if f.exists():
+            into.files[name] = f.read_bytes()
+        else:
+            into.missing.append(name)

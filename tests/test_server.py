@@ -8,7 +8,6 @@ import base64
 import json
 import os
 import shutil
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -105,26 +104,6 @@ def test_errors_are_json_and_name_the_problem(server):
     assert r.status_code == 422 and "message" in r.json()
 
 
-def test_sessions_over_http(server):
-    from arl_tangram.client import TangramClient, TangramError
-
-    with TangramClient(server.url) as c:
-        s = c.session(job="http")
-        assert c.session(job="http", trajectory=s.id).id == s.id
-        assert s.exec(python="x = 20").outcome == "ok"
-        assert s.exec(python="print(x * 2)").run.stdout == "40\n"
-        s.put_files({"in.txt": b"hello"})
-        assert s.exec("wc -c < in.txt").run.stdout.strip() == "5"
-        assert s.get_files(["in.txt", "absent"]) == {"in.txt": b"hello"}
-        s.close()
-        with pytest.raises(TangramError) as e:
-            s.exec("ls")
-        assert e.value.status == 404
-        assert c.stats("http").outcomes["ok"] >= 3
-    metrics = httpx.get(f"{server.url}/metrics").text
-    assert "tangram_actions_total" in metrics and 'service="exec"' in metrics
-
-
 def test_async_client_batches_yield_as_they_finish(server):
     from arl_tangram.client import AsyncTangramClient
 
@@ -184,51 +163,6 @@ def test_a_thousand_concurrent_clients_all_get_their_results(server):
     results = asyncio.run(main())
     assert all(code == 200 for code, _ in results)
     assert [body["run_result"]["stdout"] for _, body in results] == [f"{i}\n" for i in range(1000)]
-
-
-@pytest.mark.slow
-def test_kill_9_with_200_actions_in_flight_loses_nothing(tmp_path):
-    journal = tmp_path / "crash.sqlite3"
-    s = Server(tmp_path, journal=journal)
-    ids = [f"crash-{i}" for i in range(200)]
-
-    async def submit_all():
-        async with httpx.AsyncClient(timeout=60) as c:
-            rs = await asyncio.gather(*(c.post(f"{s.url}/v1/actions", json={
-                "id": i, "wait": False, "job": "crash", "action": {"code": "import time\ntime.sleep(0.3)\nprint('done')"}})
-                for i in ids))
-            sess = (await c.post(f"{s.url}/v1/sessions", json={"job": "crash"})).json()["session_id"]
-            asyncio.ensure_future(c.post(f"{s.url}/v1/sessions/{sess}/exec", json={"command": "sleep 20"}))
-            await asyncio.sleep(0.5)
-            return rs
-
-    acks = asyncio.run(submit_all())
-    assert all(r.status_code in (200, 202) for r in acks)
-    s.stop(signal.SIGKILL)
-    s2 = Server(tmp_path, journal=journal)
-    try:
-        final = {}
-        deadline = time.time() + 120
-        while len(final) < len(ids) and time.time() < deadline:
-            for i in ids:
-                if i not in final:
-                    r = httpx.get(f"{s2.url}/v1/actions/{i}").json()
-                    if r["state"] == "done":
-                        final[i] = r
-            time.sleep(0.5)
-        assert len(final) == 200, "an acknowledged action was lost"
-        assert {r["outcome"] for r in final.values()} <= {"ok", "infra_error"}
-        again = httpx.post(f"{s2.url}/v1/actions", json={"id": ids[0], "job": "crash", "action": {
-            "code": "print('second run')"}}, timeout=30).json()
-        assert again == final[ids[0]], "a resubmission ran the action twice"
-        health = httpx.get(f"{s2.url}/healthz").json()
-        assert health["recovered"]["infra_error"] >= 1  # the session step could not be re-run
-    finally:
-        s2.stop()
-    db = sqlite3.connect(journal)
-    states = db.execute("SELECT state, COUNT(*) FROM actions GROUP BY state").fetchall()
-    assert states == [("done", db.execute("SELECT COUNT(*) FROM actions").fetchone()[0])]
-    assert db.execute("SELECT COUNT(*) FROM actions WHERE kind='exec' AND outcome='infra_error'").fetchone()[0] == 1
 
 
 def test_top_shows_the_jobs_of_a_live_server(server):

@@ -4,6 +4,7 @@ on any Linux host, bubblewrap or not (the real-sandbox twins are in test_server.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 import sqlite3
 import time
@@ -16,9 +17,13 @@ from arl_tangram.client import AsyncTangramClient, TangramClient, TangramError
 from servers import Server
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("serve-double"), double=True)
+REAL = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+
+@pytest.fixture(scope="module", params=["double", pytest.param("real", marks=REAL)])
+def server(request, tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp(f"serve-{request.param}"), double=request.param == "double")
+    s.double = request.param == "double"
     yield s
     s.stop()
 
@@ -38,7 +43,7 @@ def test_both_clients_see_the_same_service(server):
             s.exec("ls")
         assert e.value.status == 404
         health = c.health()
-        assert health["isolation"] is None and health["queued"] == 0
+        assert (health["isolation"] is None) == server.double and health["queued"] == 0
 
     async def main():
         async with AsyncTangramClient(server.url) as c:
@@ -48,7 +53,9 @@ def test_both_clients_see_the_same_service(server):
 
     r, stats = asyncio.run(main())
     assert r.run.stdout == "42\n"
-    assert stats.outcomes["ok"] >= 6
+    assert stats.outcomes["ok"] == 6  # two one-shots, three session steps, one file upload
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert 'tangram_actions_total{outcome="ok",service="exec"}' in metrics
 
 
 def test_an_id_is_an_idempotency_key(server):
@@ -72,12 +79,15 @@ def test_a_full_queue_answers_429(tmp_path):
         s.stop()
 
 
-def test_kill_9_loses_no_accepted_action(tmp_path):
-    """Recovery, on any host: one-shots accepted but unfinished are re-run, the session step
-    in flight ends infra_error, a resubmission returns the stored result."""
+@pytest.mark.parametrize("double,n", [(True, 24), pytest.param(False, 200, marks=[pytest.mark.slow, REAL])],
+                         ids=["double", "real"])
+def test_kill_9_loses_no_accepted_action(tmp_path, double, n):
+    """Recovery: one-shots accepted but unfinished are re-run, the session step in flight ends
+    infra_error, a resubmission returns the stored result (over the double on any host; over
+    real sandboxes with 200 in flight where bubblewrap is installed)."""
     journal = tmp_path / "crash.sqlite3"
-    s = Server(tmp_path, journal=journal, double=True)
-    ids = [f"crash-{i}" for i in range(24)]
+    s = Server(tmp_path, journal=journal, double=double)
+    ids = [f"crash-{i}" for i in range(n)]
 
     async def submit_all():
         async with httpx.AsyncClient(timeout=60) as c:
@@ -92,10 +102,10 @@ def test_kill_9_loses_no_accepted_action(tmp_path):
     acks = asyncio.run(submit_all())
     assert all(r.status_code in (200, 202) for r in acks)
     s.stop(signal.SIGKILL)
-    s2 = Server(tmp_path, journal=journal, double=True)
+    s2 = Server(tmp_path, journal=journal, double=double)
     try:
         final: dict = {}
-        deadline = time.time() + 60
+        deadline = time.time() + 120
         while len(final) < len(ids) and time.time() < deadline:
             for i in ids:
                 if i not in final:
@@ -104,7 +114,9 @@ def test_kill_9_loses_no_accepted_action(tmp_path):
                         final[i] = r
             time.sleep(0.2)
         assert len(final) == len(ids), "an acknowledged action was lost"
-        assert {r["outcome"] for r in final.values()} == {"ok"}
+        assert {r["outcome"] for r in final.values()} <= {"ok", "infra_error"}
+        if double:  # the double cannot fail: every re-run succeeds
+            assert {r["outcome"] for r in final.values()} == {"ok"}
         again = httpx.post(f"{s2.url}/v1/actions", json={"id": ids[0], "job": "crash", "action": {
             "code": "print('second run')"}}, timeout=30).json()
         assert again == final[ids[0]], "a resubmission ran the action twice"

@@ -140,7 +140,9 @@ def _drain(fd, buf, limit):
 
 
 def _kill_descendants(root):
-    """SIGKILL every process below ``root`` (not ``root`` itself), found through /proc."""
+    """SIGKILL every process below ``root`` (not ``root`` itself), found through /proc. (This file
+    runs inside the sandbox with the standard library only, so it cannot share the host side's
+    ``sandbox._descendants``.)"""
     children = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
