@@ -178,3 +178,14 @@ def test_bad_actions_are_rejected_with_the_field_named():
 
     r = run("double", body)
     assert r.outcome is Outcome.REJECTED and r.message.startswith("demand.cpu:")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_memory_limit_above_the_default_is_honoured(backend):
+    """Bug (cgroup v1): raising a sandbox's memory limit above its memory+swap limit failed, so
+    every run asking for more than the default 512 MB (verl asks 1024) was an infra_error."""
+    async def body(tg):
+        return await tg.run("x = bytearray(700 << 20); print(len(x) >> 20)", memory_mb=1024)
+
+    r = run(backend, body)
+    assert (r.outcome, r.stdout) == (Outcome.OK, "700\n")

@@ -46,13 +46,20 @@ class Group:
             if (d / "memory.swap.max").exists():
                 (d / "memory.swap.max").write_text("0" if limit_bytes else "max")
         else:
-            (d / "memory.limit_in_bytes").write_text(str(limit_bytes) if limit_bytes else "-1")
-            sw = d / "memory.memsw.limit_in_bytes"
-            if sw.exists():
+            # v1 keeps memory+swap >= memory at every instant: raise memsw first, lower it last
+            # (writing the memory limit above the old memsw limit fails with EINVAL)
+            value = str(limit_bytes) if limit_bytes else "-1"
+            mem, sw = d / "memory.limit_in_bytes", d / "memory.memsw.limit_in_bytes"
+            if not sw.exists():
+                mem.write_text(value)
+                return
+            raising = not limit_bytes or limit_bytes > int(mem.read_text())
+            for f in ((sw, mem) if raising else (mem, sw)):
                 try:
-                    sw.write_text(str(limit_bytes) if limit_bytes else "-1")
+                    f.write_text(value)
                 except OSError:
-                    pass
+                    if f is mem:
+                        raise
 
     def set_pids(self, limit: int | None) -> None:
         (self._dir("pids") / "pids.max").write_text(str(limit) if limit else "max")
