@@ -44,15 +44,31 @@ class InProcessSandboxes:
         self.sessions: dict[str, dict] = {}  # trajectory -> python namespace
         self.started: list[tuple[Action, Allocation]] = []
         self.closed: list[str] = []
+        self.last_used: dict[str, float] = {}
+        self._reaper: asyncio.Task | None = None
 
     @classmethod
     def factory(cls, **kwargs):
         return lambda sink, expire: cls(sink, expire, **kwargs)
 
     async def start_up(self) -> None:
-        pass
+        self._reaper = asyncio.get_running_loop().create_task(self._expire_idle())
+
+    async def _expire_idle(self) -> None:
+        """Sessions unused for ``session_idle_expiry_s`` are reported to ``expire``, as the real
+        manager does."""
+        limit = self.config.session_idle_expiry_s
+        while True:
+            await asyncio.sleep(min(1.0, limit / 4))
+            now = time.monotonic()
+            for traj, last in list(self.last_used.items()):
+                if now - last > limit and self.expire is not None:
+                    self.last_used.pop(traj, None)
+                    self.expire(traj)
 
     async def shut_down(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         await self.tasks.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -65,6 +81,7 @@ class InProcessSandboxes:
 
     def close_session(self, trajectory: str) -> None:
         self.closed.append(trajectory)
+        self.last_used.pop(trajectory, None)
         self.sessions.pop(trajectory, None)
         shutil.rmtree(self.root / trajectory, ignore_errors=True)
 
@@ -102,6 +119,8 @@ class InProcessSandboxes:
         finally:
             if action.trajectory is None:
                 shutil.rmtree(ws, ignore_errors=True)
+            else:
+                self.last_used[action.trajectory] = time.monotonic()
         return Completion(action.id, outcome, 0.0, time.monotonic() - t0, result.message, result)
 
     async def _process(self, argv: list[str], cwd: Path, stdin: bytes | None,

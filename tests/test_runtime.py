@@ -189,3 +189,24 @@ def test_a_memory_limit_above_the_default_is_honoured(backend):
 
     r = run(backend, body)
     assert (r.outcome, r.stdout) == (Outcome.OK, "700\n")
+
+
+def test_calls_on_an_ended_session_say_why_it_ended():
+    from arl_tangram.runtime import SessionGone
+
+    async def body(tg):
+        s = await tg.session()
+        await s.exec(python="x = 1")
+        await s.close()
+        with pytest.raises(SessionGone) as closed:
+            await s.exec(python="print(x)")
+        t = await tg.session()
+        await t.exec(python="y = 1")
+        tg.runtime.sandboxes.expire(t.id)  # what the sandbox manager does past the idle expiry
+        with pytest.raises(SessionGone) as expired:
+            await t.exec(python="print(y)")
+        return closed.value.reason, expired.value.reason, tg.runtime.sandboxes.closed
+
+    closed, expired, closed_in_manager = run("double", body)
+    assert "closed by its owner" in closed and "expired" in expired
+    assert len(closed_in_manager) == 2

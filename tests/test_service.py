@@ -126,3 +126,18 @@ def test_kill_9_loses_no_accepted_action(tmp_path, double, n):
     db = sqlite3.connect(journal)
     assert db.execute("SELECT COUNT(*) FROM actions WHERE state != 'done'").fetchone()[0] == 0
     assert db.execute("SELECT COUNT(*) FROM actions WHERE kind='exec' AND outcome='infra_error'").fetchone()[0] == 1
+
+
+def test_an_expired_session_is_404_with_the_reason(tmp_path):
+    s = Server(tmp_path, config={"sandbox": {"session_idle_expiry_s": 0.5}}, double=True)
+    try:
+        with TangramClient(s.url) as c:
+            sess = c.session(job="exp")
+            sess.exec(python="x = 1")
+            time.sleep(2.0)
+            with pytest.raises(TangramError) as e:
+                sess.exec(python="print(x)")
+            assert e.value.status == 404 and "expired" in e.value.message
+            assert c.health()["sessions"] == 0
+    finally:
+        s.stop()

@@ -252,9 +252,6 @@ def test_verls_own_sandbox_fusion_scorer_runs_against_tangram(server):
     # verl's default memory_limit_mb (reward.sandbox_fusion.memory_limit_mb) is 1024
     score, cases = sandbox_fusion.compute_score(url, None, 1024, SOLUTION, TRUTH, continuous=True)
     errors = {c["api_response"]["message"] for c in cases if c["status"] == "sandbox_error"}
-    if any("Invalid argument" in e for e in errors):
-        pytest.xfail(f"server bug, not the integration: a memory limit above the sandbox's previous one fails "
-                     f"on cgroup v1 (memory.limit_in_bytes written before memsw): {errors}")
     assert score == pytest.approx(2 / 3) and not errors
 
 

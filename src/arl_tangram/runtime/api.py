@@ -106,15 +106,17 @@ class Session:
         self.id = trajectory
         self.job = job
         self.image = image
-        self.closed = False
         self.last_fork: dict = {}
+
+    def _check(self) -> None:
+        """Raise ``SessionGone`` (with the reason: closed, expired, lost with its node)."""
+        self.runtime.check_session(self.id)
 
     async def fork(self, n: int, *, id: str | None = None) -> list["Session"]:
         """``n`` new sessions whose files start as a copy-on-write copy of this one's (an image
         session only). Files carry over; processes (the python interpreter, the shell) of this
         session and the children start afresh on their next step."""
-        if self.closed:
-            raise RuntimeError(f"session {self.id} is closed")
+        self._check()
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 256:
             raise ValueError("n: must be an integer from 1 to 256")
         from ..managers.sandbox.envops import Fork
@@ -130,8 +132,7 @@ class Session:
     async def snapshot(self, path: str | os.PathLike | None = None) -> str:
         """Write this session's filesystem state to ``path`` (default: a new file in the
         temporary directory); ``Tangram.restore(path)`` opens a new session from it."""
-        if self.closed:
-            raise RuntimeError(f"session {self.id} is closed")
+        self._check()
         from ..managers.sandbox.envops import Snapshot
         if path is None:
             import tempfile
@@ -150,8 +151,7 @@ class Session:
                    id: str | None = None) -> ActionResult:
         """Run a shell ``command`` in the workspace, or a ``python`` cell in the session's
         interpreter (its variables carry over from call to call)."""
-        if self.closed:
-            raise RuntimeError(f"session {self.id} is closed")
+        self._check()
         if (command is None) == (python is None):
             raise ValueError("exec: give exactly one of command or python")
         rng = (cpus, cpus) if isinstance(cpus, int) else cpus
@@ -174,18 +174,19 @@ class Session:
 
     async def files(self, files: Files, id: str | None = None) -> ActionResult:
         """Put and/or get workspace files as one action (``result.files``, ``result.missing``)."""
-        if self.closed:
-            raise RuntimeError(f"session {self.id} is closed")
+        self._check()
         if files.image is None:
             files.image = self.image
         action = Action(id or self.runtime.new_id("f"), "sandbox", job=self.job, trajectory=self.id,
                         operation="files", hint_s=0.005, payload=files)
         return await self.runtime.submit(action)
 
+    @property
+    def closed(self) -> bool:
+        return self.id in self.runtime.ended
+
     async def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.runtime.end_session(self.id)
+        self.runtime.end_session(self.id, f"session {self.id} was closed by its owner")
 
 
 class Tangram:
@@ -261,6 +262,8 @@ class Tangram:
         ``ImageError`` here, not at the first step."""
         if image is not None:
             self._check_image(image)
+        if trajectory is not None:
+            self.runtime.ended.pop(trajectory, None)  # a trajectory that ended may start over
         return Session(self.runtime, trajectory or self.runtime.new_id("s"), job, image)
 
     def _sandboxes(self, what: str):

@@ -14,8 +14,9 @@ import logging
 import os
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from ..core.action import CPU, Action, Finished, InvalidAction, Outcome
 from ..core.cluster import Cluster
@@ -77,6 +78,19 @@ class Snapshot:
     isolation: str | None
 
 
+#: how many ended sessions a runtime remembers, to tell a late caller why its session is gone
+ENDED_SESSIONS_KEPT = 100_000
+
+
+class SessionGone(LookupError):
+    """A call on a session that has ended; ``reason`` says how (closed, expired, lost with its node)."""
+
+    def __init__(self, session: str, reason: str) -> None:
+        super().__init__(reason)
+        self.session = session
+        self.reason = reason
+
+
 class Runtime:
     """The engine on this asyncio loop. Subclasses build the cluster and managers."""
 
@@ -89,6 +103,8 @@ class Runtime:
         self._results: dict[str, Any] = {}
         self._wake: asyncio.TimerHandle | None = None
         self._ids = itertools.count()
+        self.ended: OrderedDict[str, str] = OrderedDict()  # session -> why it ended
+        self.session_listeners: list[Callable[[str, str], None]] = []  # (session, reason) when one ends
 
     def _build(self, cluster: Cluster, policy: str | Policy, managers: Mapping[Pool, Manager], costs: Costs,
                profile: Profile | None) -> None:
@@ -156,8 +172,23 @@ class Runtime:
             return "running"
         return None
 
-    def end_session(self, trajectory: str) -> None:
+    def end_session(self, trajectory: str, reason: str = "") -> None:
+        """The session ends (its owner closed it, it expired, its node died): its state goes, and
+        later calls on it raise ``SessionGone`` with ``reason``."""
+        if trajectory in self.ended:
+            return
         self.engine.end_trajectory(trajectory)
+        self.ended[trajectory] = reason or f"session {trajectory} was closed"
+        while len(self.ended) > ENDED_SESSIONS_KEPT:
+            self.ended.popitem(last=False)
+        for listener in self.session_listeners:
+            listener(trajectory, self.ended[trajectory])
+
+    def check_session(self, trajectory: str) -> None:
+        """Raise ``SessionGone`` if the session has ended."""
+        reason = self.ended.get(trajectory)
+        if reason is not None:
+            raise SessionGone(trajectory, reason)
 
     def new_id(self, prefix: str) -> str:
         return f"{prefix}-{os.getpid()}-{next(self._ids)}-{uuid.uuid4().hex[:6]}"

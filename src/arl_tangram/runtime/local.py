@@ -49,10 +49,12 @@ class LocalRuntime(Runtime):
         self.sandboxes: Any = None
         if sandboxes:
             config = sandbox or SandboxConfig()
+            expire = self._expire
+            self._expiry_s = config.session_idle_expiry_s
             if callable(sandboxes):
-                self.sandboxes = sandboxes(sink, self.end_session)
+                self.sandboxes = sandboxes(sink, expire)
             else:
-                self.sandboxes = SandboxManager(config, sink, self.end_session)
+                self.sandboxes = SandboxManager(config, sink, expire)
             managers[Pool.CPU] = self.sandboxes
         self.models = None
         model_specs: tuple = ()
@@ -74,6 +76,10 @@ class LocalRuntime(Runtime):
                                 gpus=gpus, gpu_memory_gb=gpu_memory_gb)
         mem_gb = self.sandboxes.config.memory_mb / 1024 if self.sandboxes is not None else 1.0
         self._build(host.cluster(quotas, model_specs), policy, managers, Costs.local(mem_gb), profile)
+
+    def _expire(self, trajectory: str) -> None:
+        self.end_session(trajectory, f"session {trajectory} expired: unused for more than {self._expiry_s:g} s "
+                                     "(SandboxConfig.session_idle_expiry_s); its state is gone")
 
     async def start(self) -> None:
         if self.sandboxes is not None:

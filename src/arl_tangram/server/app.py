@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..api import sandboxfusion as sf
 from ..api import v1
+from ..runtime import SessionGone
 from .service import BadRequest, NotFound, Overloaded, Service
 
 
@@ -95,6 +96,10 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
     @app.exception_handler(Overloaded)
     async def overloaded(request: Request, exc: Overloaded):
         return JSONResponse({"message": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after_s)})
+
+    @app.exception_handler(SessionGone)
+    async def session_gone(request: Request, exc: SessionGone):
+        return JSONResponse({"message": exc.reason}, status_code=404)
 
     @app.exception_handler(NotFound)
     async def not_found(request: Request, exc: NotFound):

@@ -22,7 +22,7 @@ from ..core.action import Outcome
 from ..managers.sandbox import languages
 from ..managers.sandbox.manager import CommandResult, Files
 from ..managers.sandbox.images import ImageError
-from ..runtime import ActionResult, Runtime, Session, Tangram
+from ..runtime import ActionResult, Runtime, Session, SessionGone, Tangram
 from ..runtime.api import SessionError
 from .journal import Journal
 
@@ -82,6 +82,7 @@ class Service:
                  drain_s: float = 10.0) -> None:
         self.runtime = runtime
         self.tg = Tangram(runtime)
+        runtime.session_listeners.append(self._session_ended)
         self.journal = journal
         self.max_queue = max_queue
         self.drain_s = drain_s
@@ -243,9 +244,15 @@ class Service:
 
     def _session(self, sid: str) -> Session:
         s = self.sessions.get(sid)
-        if s is None or s.closed:
-            raise NotFound(f"no session {sid!r}")
+        if s is None:
+            why = self.runtime.ended.get(sid)
+            raise NotFound(why or f"no session {sid!r}")
         return s
+
+    def _session_ended(self, sid: str, reason: str) -> None:
+        """The runtime ended a session (expiry, its node died): it is gone for HTTP callers too."""
+        if self.sessions.pop(sid, None) is not None:
+            self.metrics.sessions.set(len(self.sessions))
 
     async def exec(self, sid: str, req: v1.ExecRequest) -> v1.ActionResult:
         s = self._session(sid)
@@ -273,9 +280,7 @@ class Service:
 
     async def close_session(self, sid: str) -> None:
         s = self._session(sid)
-        await s.close()
-        del self.sessions[sid]
-        self.metrics.sessions.set(len(self.sessions))
+        await s.close()  # the runtime tells _session_ended, which forgets it here
 
     # -- models ----------------------------------------------------------------------------------
     async def model_call(self, name: str, op: str, req: v1.ModelRequest) -> v1.ModelResult:
