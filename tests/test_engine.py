@@ -123,3 +123,32 @@ def test_a_gpu_cluster_needs_a_model_host():
     with pytest.raises(TypeError, match="ModelHost"):
         Engine(uniform_cluster(gpus=1), fifo_policy(), {Pool.GPU: CpuOnly()}, ManualClock())
     Engine(Cluster(), fifo_policy(), {}, ManualClock())  # nothing to host: fine
+
+
+def test_a_node_that_leaves_takes_its_capacity_and_sessions_with_it(harness):
+    from arl_tangram.core.cluster import CpuNode
+
+    h = harness(uniform_cluster(cpus=4, cpu_nodes=2), fifo_policy())
+    h.submit("s1-a", cpu=1, trajectory="s1")
+    h.schedule()
+    home = h.allocation("s1-a").node
+    h.complete("s1-a")
+    for i in range(4):
+        h.submit(f"x{i}", cpu=1)
+    h.schedule()
+    h.submit("s1-b", cpu=1, trajectory="s1")  # queued: the pool is full
+    assert h.schedule() == {}
+    lost = h.engine.remove_cpu_node(home, "session s1 was lost with its node")
+    assert lost == ["s1"]
+    assert [(f.action.id, f.outcome, f.message) for f in h.finished[-1:]] == [
+        ("s1-b", Outcome.INFRA_ERROR, "session s1 was lost with its node")]
+    assert (h.engine.cpu.capacity, h.engine.cpu.max_cores) == (2, 2)
+    on_dead = [i for i in h.engine.running if h.allocation(i).node == home]
+    assert len(on_dead) == 2
+    for i in on_dead:  # their manager reports them; the cores do not come back
+        h.complete(i, outcome=Outcome.INFRA_ERROR)
+    assert h.engine.cpu.total_free == 0 and h.engine.cpu.meter.held == 2
+    new = h.engine.add_cpu_node(CpuNode("n-new", 3, 12.0))
+    assert new == 2 and (h.engine.cpu.capacity, h.engine.cpu.max_cores) == (5, 3)
+    h.submit("y", cpu=3)
+    assert h.schedule()["y"].node == new

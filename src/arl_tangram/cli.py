@@ -199,8 +199,11 @@ def serve(
     token: Optional[str] = typer.Option(None, envvar="TANGRAM_TOKEN", help="Bearer token clients must send."),
     journal: Optional[Path] = typer.Option(None, help="SQLite journal of accepted actions [default: from config, "
                                                       "else ~/.local/state/arl-tangram/journal.sqlite3]."),
+    ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS",
+                                      help="Schedule the sandboxes of every node of this Ray cluster (auto or "
+                                           "HOST:PORT) instead of this machine's."),
 ) -> None:
-    """Serve the SandboxFusion-compatible and native APIs over the embedded local runtime."""
+    """Serve the SandboxFusion-compatible and native APIs over this machine or a Ray cluster."""
     import ipaddress
     import logging
 
@@ -220,7 +223,7 @@ def serve(
         raise fail(f"--token: serving on {host} (not loopback) requires a bearer token")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app = build(cfg, token=token, journal=journal)
+        app = build(cfg, token=token, journal=journal, ray=ray)
     except Exception as e:  # isolation unavailable, unwritable journal: say it, exit 2
         raise fail(str(e))
     console.print(f"ARL-Tangram serving on http://{host}:{port} (docs at /docs, SandboxFusion at /run_code)")

@@ -24,7 +24,7 @@ from typing import Callable, Iterable, Mapping
 
 from .core.action import CPU, GPU, Action, Allocation, Finished, InvalidAction, Outcome, Setup
 from .core.clock import Clock
-from .core.cluster import Cluster
+from .core.cluster import Cluster, CpuNode
 from .core.pools import CapacityError, CpuPool, GpuPool, Meter, QuotaPool
 from .core.records import Load, Reservation, Running
 from .core.seam import Completion, Loaded, Manager, ModelHost, Pool, Report
@@ -177,6 +177,26 @@ class Engine:
         for manager in {id(m): m for m in self.managers.values()}.values():
             manager.close_session(trajectory)
         self.policy.on_trajectory_end(job, step, trajectory)
+
+    # -- membership --------------------------------------------------------------------------------
+    def add_cpu_node(self, node: CpuNode) -> int:
+        """A node joins while the engine runs; returns its index (what allocations name)."""
+        i = self.cpu.add_node(node)
+        self.cluster = replace(self.cluster, cpu_nodes=self.cpu.nodes)
+        return i
+
+    def remove_cpu_node(self, index: int, reason: str) -> list[str]:
+        """A node leaves (dead or drained): its capacity leaves at once; the sessions it held are
+        lost, and their queued steps end ``infra_error`` with ``reason``. Actions running there are
+        their manager's to report. Returns the lost sessions."""
+        lost = self.cpu.remove_node(index)
+        gone = set(lost)
+        now = self.clock.now()
+        for action in [a for a in self.pending.values() if a.trajectory in gone]:
+            del self.pending[action.id]
+            self.policy.on_cancel(action)
+            self._finish_unstarted(action, Outcome.INFRA_ERROR, reason, now)
+        return lost
 
     def schedule(self) -> int:
         """One scheduling round; returns how many actions were started."""

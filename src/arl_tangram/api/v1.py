@@ -150,3 +150,29 @@ class ModelResult(BaseModel):
     message: str = ""
     value: Optional[float | list[float]] = None
     act_s: float = 0.0
+
+
+class ClusterNode(BaseModel):
+    """One node the engine schedules: its capacity, health and what runs there now."""
+
+    id: str
+    name: str
+    address: str
+    state: Literal["starting", "alive", "draining", "dead"]
+    cores: int
+    cores_free: int
+    gpus: int = 0
+    islands: list[list[int]] = Field(default_factory=list, description="GPU ids per NVLink island")
+    memory_gb: Optional[float] = None
+    sandboxes: bool = Field(..., description="whether the node runs sandboxes (isolation available)")
+    isolation: Optional[str] = None
+    cgroups: Optional[str] = None
+    problem: str = Field("", description="why the node serves no sandboxes, if it does not")
+    running: list[str] = Field(default_factory=list, description="ids of the actions running there")
+    sessions: int = 0
+
+
+class ClusterInfo(BaseModel):
+    backend: Literal["local", "ray"]
+    nodes: list[ClusterNode]
+

@@ -46,6 +46,7 @@ class CpuPool:
 
     def __init__(self, nodes: tuple[CpuNode, ...]) -> None:
         self.nodes = nodes
+        self.alive = [True] * len(nodes)
         self.capacity = sum(n.cores for n in nodes)
         self.max_cores = max((n.cores for n in nodes), default=0)
         self.free_cores: list[list[int]] = [list(range(n.cores - 1, -1, -1)) for n in nodes]
@@ -88,6 +89,8 @@ class CpuPool:
         return taken
 
     def give(self, node: int, cores: tuple[int, ...]) -> None:
+        if not self.alive[node]:
+            return  # the node has left: its cores left the pool with it
         free = self.free_cores[node]
         have = len(free)
         if have + len(cores) > self.nodes[node].cores:
@@ -96,6 +99,42 @@ class CpuPool:
         self.buckets[have + len(cores)].add(node)
         self.total_free += len(cores)
         free.extend(cores)
+
+    # -- membership: nodes join and leave while the engine runs --------------------------------
+    def add_node(self, node: CpuNode) -> int:
+        """A node joins with all its cores free; returns its index (indices are never reused)."""
+        i = len(self.nodes)
+        self.nodes = (*self.nodes, node)
+        self.alive.append(True)
+        self.free_cores.append(list(range(node.cores - 1, -1, -1)))
+        self.free_mem.append(node.memory_gb)
+        if node.cores > self.max_cores:
+            self.buckets.extend(set() for _ in range(node.cores - self.max_cores))
+            self.max_cores = node.cores
+        self.buckets[node.cores].add(i)
+        self.capacity += node.cores
+        self.total_free += node.cores
+        return i
+
+    def remove_node(self, node: int) -> list[str]:
+        """A node leaves (drained or dead): its free cores leave the pool at once, cores still
+        held there are dropped when released, and its sessions lose their home. Returns those
+        sessions."""
+        if not self.alive[node]:
+            return []
+        self.alive[node] = False
+        free = self.free_cores[node]
+        self.buckets[len(free)].discard(node)
+        self.total_free -= len(free)
+        self.capacity -= self.nodes[node].cores
+        free.clear()
+        self.free_mem[node] = 0.0
+        self.max_cores = max((n.cores for n, up in zip(self.nodes, self.alive) if up), default=0)
+        lost = [s for s, home in self.homes.items() if home == node]
+        for s in lost:
+            del self.homes[s]
+            self.session_mem.pop(s, None)
+        return lost
 
     # -- the ledger: every change of what is held goes through these ----------------------------
     def admit(self, node: int, count: int) -> tuple[int, ...]:
@@ -140,7 +179,9 @@ class CpuPool:
     def detach(self, session: str) -> None:
         node = self.homes.pop(session, None)
         if node is not None:
-            self.free_mem[node] += self.session_mem.pop(session, 0.0)
+            mem = self.session_mem.pop(session, 0.0)
+            if self.alive[node]:
+                self.free_mem[node] += mem
 
 
 @dataclass(slots=True, eq=False)

@@ -203,6 +203,14 @@ class Tangram:
         ``gpu_memory_gb``, ``apis={name: (ApiQuota, async handler)}`` (see ``LocalRuntime``)."""
         return cls(LocalRuntime(policy, sandbox, cores, profile=profile, **kwargs))
 
+    @classmethod
+    def ray(cls, address: str = "auto", policy: str | Policy = "tangram", sandbox: SandboxConfig | None = None,
+            profile: Profile | None = None) -> "Tangram":
+        """Every node of the Ray cluster at ``address`` (``auto`` or ``HOST:PORT``): one engine
+        here, a node agent with its own sandboxes on each node (see ``RayRuntime``)."""
+        from .ray_runtime import RayRuntime
+        return cls(RayRuntime(address, policy, sandbox, profile))
+
     async def __aenter__(self) -> "Tangram":
         await self.runtime.start()
         return self

@@ -94,6 +94,7 @@ class SessionGone(LookupError):
 class Runtime:
     """The engine on this asyncio loop. Subclasses build the cluster and managers."""
 
+    backend = "local"
     cluster: Cluster
     engine: Engine
     policy: Policy
@@ -105,6 +106,7 @@ class Runtime:
         self._ids = itertools.count()
         self.ended: OrderedDict[str, str] = OrderedDict()  # session -> why it ended
         self.session_listeners: list[Callable[[str, str], None]] = []  # (session, reason) when one ends
+        self._first_submitted: dict[str, float] = {}  # re-run actions: when the first run was submitted
 
     def _build(self, cluster: Cluster, policy: str | Policy, managers: Mapping[Pool, Manager], costs: Costs,
                profile: Profile | None) -> None:
@@ -132,13 +134,23 @@ class Runtime:
         self.tick()
 
     def _finished(self, f: Finished) -> None:
-        fut = self._futures.pop(f.action.id, None)
         result = self._results.pop(f.action.id, None)
+        if f.action.id in self._futures and self._retry(f, result):
+            self._first_submitted.setdefault(f.action.id, f.submitted_at)
+            return
+        fut = self._futures.pop(f.action.id, None)
+        first = self._first_submitted.pop(f.action.id, f.submitted_at)
         if result is None and f.action.pool == CPU:
             result = SandboxResult(message=f.message)
         if fut is not None and not fut.done():
-            fut.set_result(ActionResult(f.action.id, f.outcome, result, f.act_s, f.queue_s, f.setup_s, f.exec_s,
-                                        f.units, f.message))
+            fut.set_result(ActionResult(f.action.id, f.outcome, result, f.finished_at - first,
+                                        f.queue_s, f.setup_s, f.exec_s, f.units, f.message))
+
+    def _retry(self, f: Finished, result: Any) -> bool:
+        """Whether to run the action again instead of answering (a runtime whose nodes can die
+        re-runs a one-shot once); the caller then waits for the new run, ACT counted from the
+        first submission."""
+        return False
 
     # -- inputs ----------------------------------------------------------------------------------
     async def submit(self, action: Action) -> ActionResult:
@@ -200,6 +212,29 @@ class Runtime:
 
     def isolation(self) -> str | None:
         return None
+
+    def nodes(self) -> list[dict]:
+        """The nodes this runtime schedules (``GET /v1/cluster``)."""
+        pool = self.engine.cpu
+        running: dict[int | None, list[str]] = {}
+        for r in self.engine.running.values():
+            running.setdefault(r.allocation.node, []).append(r.action.id)
+        out = [{"id": n.name, "name": n.name, "address": "127.0.0.1", "state": "alive" if pool.alive[i] else "dead",
+                "cores": n.cores, "cores_free": pool.nfree(i), "gpus": 0, "islands": [], "memory_gb": n.memory_gb,
+                "sandboxes": True, "isolation": self.isolation(), "cgroups": None, "problem": "",
+                "running": sorted(running.get(i, [])),
+                "sessions": sum(1 for home in pool.homes.values() if home == i)}
+               for i, n in enumerate(pool.nodes)]
+        gpool = self.engine.gpu
+        for gi, g in enumerate(self.cluster.gpu_nodes):
+            ids = [k for k, gpu in enumerate(gpool.gpus) if gpu.node == gi]
+            out.append({"id": g.name, "name": g.name, "address": "127.0.0.1", "state": "alive", "cores": 0,
+                        "cores_free": 0, "gpus": g.gpus, "islands": [list(i) for i in gpool.islands
+                                                                   if i and gpool.gpus[i[0]].node == gi],
+                        "memory_gb": None, "sandboxes": False, "isolation": None, "cgroups": None, "problem": "",
+                        "running": sorted({gpool.gpus[k].busy for k in ids if gpool.gpus[k].busy}),
+                        "sessions": 0})
+        return out
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:

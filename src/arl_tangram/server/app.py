@@ -200,6 +200,10 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
     async def job_stats(job: str) -> v1.JobStats:
         return service.job_stats(job)
 
+    @app.get("/v1/cluster", response_model=v1.ClusterInfo, tags=["stats"], dependencies=guarded)
+    async def cluster() -> v1.ClusterInfo:
+        return service.cluster()
+
     @app.get("/metrics", tags=["stats"], dependencies=guarded)
     async def metrics() -> PlainTextResponse:
         service.refresh_gauges()

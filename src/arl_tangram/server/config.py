@@ -70,9 +70,11 @@ def default_journal() -> Path:
     return base / "arl-tangram" / "journal.sqlite3"
 
 
-def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = None, sandboxes=True):
-    """The ASGI app of ``tangram serve``; ``sandboxes`` may name another sandbox manager factory
-    (tests serve over an in-process double this way)."""
+def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = None, sandboxes=True,
+          ray: str | None = None):
+    """The ASGI app of ``tangram serve``: over this machine, or over the Ray cluster at ``ray``
+    (``auto`` or ``HOST:PORT``); ``sandboxes`` may name another sandbox manager factory (tests
+    serve over an in-process double this way)."""
     from ..runtime import LocalRuntime
     from .app import create_app
     from .journal import Journal
@@ -84,7 +86,13 @@ def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = Non
     if cfg.models:
         from ..managers.models.manager import ModelServiceConfig
         models = [ModelServiceConfig(**m.model_dump()) for m in cfg.models]
-    runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores, models=models, gpus=cfg.gpus,
-                           gpu_memory_gb=cfg.gpu_memory_gb, sandboxes=sandboxes)
+    if ray is not None:
+        if models:
+            raise ConfigError("--ray: model services run on one machine for now; serve them without --ray")
+        from ..runtime.ray_runtime import RayRuntime
+        runtime = RayRuntime(ray, cfg.policy, cfg.sandbox)
+    else:
+        runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores, models=models, gpus=cfg.gpus,
+                               gpu_memory_gb=cfg.gpu_memory_gb, sandboxes=sandboxes)
     service = Service(runtime, Journal(str(path)), cfg.max_queue, cfg.drain_s)
     return create_app(service, token=token, max_body_bytes=int(cfg.max_body_mb * (1 << 20)))

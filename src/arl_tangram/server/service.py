@@ -310,6 +310,9 @@ class Service:
     def all_jobs(self) -> list[v1.JobStats]:
         return [self.job_stats(job) for job in sorted(set(self._acts) | set(self._outcomes))]
 
+    def cluster(self) -> v1.ClusterInfo:
+        return v1.ClusterInfo(backend=self.runtime.backend, nodes=[v1.ClusterNode(**n) for n in self.runtime.nodes()])
+
     def refresh_gauges(self) -> None:
         snap = self.runtime.snapshot()
         self.metrics.queue.set(snap.queued)

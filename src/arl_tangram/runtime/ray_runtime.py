@@ -1,0 +1,310 @@
+"""The multi-node runtime on Ray: one engine in the head, one ``NodeAgent`` per node.
+
+Shape (DESIGN.md §7): the head process holds the engine and policy (the single decision maker),
+the journal and the HTTP server; every Ray node with CPUs gets a ``NodeAgent`` actor pinned to it
+(node affinity, not soft) that owns the node's sandboxes. The engine's CPU pool is the union of the
+agents' cores; an action started on node ``i`` goes to agent ``i``, and the agent's answer is its
+``Completion``. Arguments and results travel as Ray objects (large ones through the object store,
+never through the head's HTTP handler twice).
+
+Membership is polled from Ray's node table: nodes that join get an agent and join the engine's
+pool; a node that dies (raylet gone, or its agent gone) leaves the pool at once, its running
+one-shots are re-run once on another node (same id: the idempotency key), and its sessions end
+``infra_error`` with a reason that later calls get back as ``SessionGone`` (404 over HTTP).
+
+When the head dies its agents die with it (they are owned by the head's Ray driver), and with
+them their sandboxes (``bwrap --die-with-parent``); a new head starts new agents, whose sandbox
+managers reap the cgroups the old ones left. Nothing is re-attached: the journal re-runs one-shots
+and ends session steps, as on one machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..core.action import Action, Allocation, Finished, Outcome
+from ..core.cluster import Cluster, CpuNode
+from ..core.seam import Completion, Pool, Sink
+from ..managers.sandbox.manager import SandboxConfig
+from ..managers.tasks import TaskSet
+from ..policy import Costs, Policy, Profile
+from .agent import NodeAgent
+from .base import Runtime
+
+log = logging.getLogger(__name__)
+
+#: seconds between looks at Ray's node table (joins, deaths) and the agents' expired sessions
+MEMBERSHIP_POLL_S = 0.5
+
+
+class RayUnavailable(RuntimeError):
+    """Ray is missing or its cluster cannot be reached; the message names the fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLost:
+    """The result of an action whose node died under it."""
+
+    node: str
+
+
+@dataclass(eq=False)
+class Node:
+    """A Ray node as the head sees it."""
+
+    ray_id: str
+    address: str
+    cores: int
+    gpus: int
+    handle: Any = None  # the agent actor
+    index: int | None = None  # in the engine's CPU pool, once it serves sandboxes
+    info: dict = field(default_factory=dict)
+    state: str = "starting"  # starting | alive | dead
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    running: set[str] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return self.ray_id[:12]
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise RayUnavailable("Ray is not installed: pip install 'arl-tangram[ray]'") from None
+    return ray
+
+
+def connect(address: str) -> bool:
+    """Join the Ray cluster at ``address`` (``auto`` or ``HOST:PORT``) as a driver; False if this
+    process was connected already."""
+    ray = _ray()
+    if ray.is_initialized():
+        return False
+    host, _, port = address.rpartition(":")
+    if host and port.isdigit():  # Ray itself retries an unreachable address for two minutes
+        try:
+            socket.create_connection((host, int(port)), timeout=3).close()
+        except OSError as e:
+            raise RayUnavailable(f"--ray {address}: nothing answers there ({e.strerror or e}); start a cluster "
+                                 "with `ray start --head` on the head node (and `ray start --address HEAD:6379` "
+                                 "on the others), or give the address of a running one") from None
+    try:
+        ray.init(address=address, namespace="tangram", log_to_driver=False, configure_logging=False)
+    except Exception as e:  # unreachable, or no cluster at all
+        raise RayUnavailable(f"--ray {address}: cannot reach a Ray cluster ({type(e).__name__}: "
+                             f"{str(e).splitlines()[0] if str(e) else ''}); start one with `ray start --head` "
+                             "on the head node and `ray start --address HEAD:6379` on the others, or give "
+                             "the address of a running cluster") from None
+    return True
+
+
+class RemoteSandboxes:
+    """The ``Pool.CPU`` manager of the head: each action goes to the agent of its node."""
+
+    def __init__(self, runtime: "RayRuntime", sink: Sink) -> None:
+        self.runtime = runtime
+        self.tasks = TaskSet(sink, "nodes")
+        self.homes: dict[str, Node] = {}  # session -> the node holding its sandbox
+
+    def start(self, action: Action, allocation: Allocation) -> None:
+        node = self.runtime.by_index[allocation.node]
+        if action.trajectory is not None:
+            self.homes[action.trajectory] = node
+        self.tasks.run(action, lambda: self._remote(node, action, allocation))
+
+    async def _remote(self, node: Node, action: Action, allocation: Allocation) -> Completion:
+        ray = _ray()
+        node.running.add(action.id)
+        lost = asyncio.ensure_future(node.lost.wait())
+        call = asyncio.ensure_future(self._call(node, action, allocation))
+        try:
+            await asyncio.wait({lost, call}, return_when=asyncio.FIRST_COMPLETED)
+            if call.done():
+                try:
+                    return call.result()
+                except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError,
+                        ray.exceptions.ObjectLostError) as e:
+                    self.runtime.node_lost(node, f"its agent failed ({type(e).__name__})")
+            call.cancel()
+            return self._lost(node, action)
+        finally:
+            lost.cancel()
+            node.running.discard(action.id)
+
+    async def _call(self, node: Node, action: Action, allocation: Allocation) -> Completion:
+        return await node.handle.run.remote(action, allocation)
+
+    def _lost(self, node: Node, action: Action) -> Completion:
+        if action.trajectory is not None:
+            why = self.runtime.lost_reason(action.trajectory, node)
+            return Completion(action.id, Outcome.INFRA_ERROR, message=why, result=NodeLost(node.name))
+        return Completion(action.id, Outcome.INFRA_ERROR, message=f"node {node.name} was lost while the action ran",
+                          result=NodeLost(node.name))
+
+    def cancel(self, action_id: str) -> None:
+        for node in self.runtime.nodes_by_id.values():
+            if action_id in node.running and node.state == "alive":
+                node.handle.cancel.remote(action_id)
+
+    def close_session(self, trajectory: str) -> None:
+        node = self.homes.pop(trajectory, None)
+        if node is not None and node.state == "alive":
+            node.handle.close_session.remote(trajectory)
+
+    async def shut_down(self) -> None:
+        await self.tasks.close()
+
+
+class RayRuntime(Runtime):
+    """One engine for every node of a Ray cluster's sandboxes."""
+
+    backend = "ray"
+
+    def __init__(self, address: str = "auto", policy: str | Policy = "tangram", sandbox: SandboxConfig | None = None,
+                 profile: Profile | None = None, *, poll_s: float = MEMBERSHIP_POLL_S) -> None:
+        super().__init__()
+        self._owns_connection = connect(address)
+        self.address = address
+        self.config = sandbox or SandboxConfig()
+        self.poll_s = poll_s
+        self.nodes_by_id: dict[str, Node] = {}
+        self.by_index: dict[int, Node] = {}
+        self.sandboxes = RemoteSandboxes(self, self.report)
+        self._retried: set[str] = set()
+        self._monitor: asyncio.Task | None = None
+        self._agent_cls = None
+        costs = Costs.local(self.config.memory_mb / 1024)
+        self._build(Cluster(), policy, {Pool.CPU: self.sandboxes}, costs, profile)
+
+    # -- membership ------------------------------------------------------------------------------
+    def _table(self) -> list[dict]:
+        return [n for n in _ray().nodes() if n.get("Alive")]
+
+    async def _join(self, entry: dict) -> None:
+        ray = _ray()
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        res = entry.get("Resources", {})
+        node = Node(entry["NodeID"], entry.get("NodeManagerAddress", ""), int(res.get("CPU", 0)),
+                    int(res.get("GPU", 0)))
+        self.nodes_by_id[node.ray_id] = node
+        if self._agent_cls is None:
+            self._agent_cls = ray.remote(num_cpus=0, max_restarts=0)(NodeAgent)
+        offset = sum(n.cores for n in self.nodes_by_id.values() if n is not node)
+        node.handle = self._agent_cls.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node.ray_id, soft=False), max_concurrency=10_000,
+        ).remote(node.name, node.cores, self.config, offset)
+        try:
+            node.info = await node.handle.start.remote()
+        except Exception as e:
+            node.state = "dead"
+            node.info = {"problem": f"the agent did not start: {type(e).__name__}: {e}"}
+            log.error("node %s (%s): %s", node.name, node.address, node.info["problem"])
+            return
+        node.state = "alive"
+        if node.info.get("sandboxes"):
+            node.index = self.engine.add_cpu_node(CpuNode(node.name, node.cores, node.info.get("memory_gb", 8.0)))
+            self.by_index[node.index] = node
+            log.info("node %s (%s) joined: %d cores, isolation %s, cgroups %s", node.name, node.address, node.cores,
+                     node.info.get("isolation"), node.info.get("cgroups"))
+        else:
+            log.warning("node %s (%s) joined without sandboxes: %s", node.name, node.address,
+                        node.info.get("problem"))
+        self.tick()
+
+    def lost_reason(self, session: str, node: Node) -> str:
+        return f"session {session} was lost with its node {node.name} ({node.address}); its state is gone"
+
+    def node_lost(self, node: Node, why: str) -> None:
+        """A node died: its capacity leaves now, its running actions end (one-shots re-run once),
+        its sessions end with a reason later calls get back."""
+        if node.state == "dead":
+            return
+        node.state = "dead"
+        log.error("node %s (%s) lost: %s", node.name, node.address, why)
+        held = [s for s, home in self.sandboxes.homes.items() if home is node]
+        if node.index is not None:
+            lost = self.engine.remove_cpu_node(
+                node.index, f"the session was lost with its node {node.name} ({node.address}); its state is gone")
+            held = list(dict.fromkeys([*held, *lost]))
+        node.lost.set()  # running actions report now (see RemoteSandboxes._remote)
+        for s in held:
+            self.sandboxes.homes.pop(s, None)
+            self.end_session(s, self.lost_reason(s, node))
+        self.tick()
+
+    async def _watch(self) -> None:
+        while True:
+            try:
+                table = {n["NodeID"]: n for n in await asyncio.to_thread(self._table)}
+                for ray_id, entry in table.items():
+                    if ray_id not in self.nodes_by_id and entry.get("Resources", {}).get("CPU", 0) >= 1:
+                        await self._join(entry)
+                for node in list(self.nodes_by_id.values()):
+                    if node.state == "alive" and node.ray_id not in table:
+                        self.node_lost(node, "Ray reports the node dead")
+                for node in [n for n in self.nodes_by_id.values() if n.state == "alive"]:
+                    for s in await node.handle.take_expired.remote():
+                        self.sandboxes.homes.pop(s, None)
+                        self.end_session(s, f"session {s} expired: unused for more than "
+                                            f"{self.config.session_idle_expiry_s:g} s; its state is gone")
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("cluster membership check failed; trying again")
+            await asyncio.sleep(self.poll_s)
+
+    # -- one re-run of one-shots whose node died -------------------------------------------------
+    def _retry(self, f: Finished, result: Any) -> bool:
+        a = f.action
+        if not isinstance(result, NodeLost) or a.trajectory is not None or a.id in self._retried:
+            return False
+        self._retried.add(a.id)
+        log.warning("re-running %s: %s", a.id, f.message)
+        self.engine.submit(replace(a))
+        return True
+
+    # -- lifecycle and views ---------------------------------------------------------------------
+    async def start(self) -> None:
+        for entry in await asyncio.to_thread(self._table):
+            if entry.get("Resources", {}).get("CPU", 0) >= 1:
+                await self._join(entry)
+        self._monitor = asyncio.get_running_loop().create_task(self._watch())
+        await super().start()
+
+    async def _shut_down_managers(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            await asyncio.gather(self._monitor, return_exceptions=True)
+        await self.sandboxes.shut_down()
+        alive = [n for n in self.nodes_by_id.values() if n.state == "alive"]
+        await asyncio.gather(*(n.handle.shut_down.remote() for n in alive), return_exceptions=True)
+        ray = _ray()
+        for n in alive:
+            ray.kill(n.handle)
+        if self._owns_connection:
+            ray.shutdown()
+
+    def isolation(self) -> str | None:
+        modes = {n.info.get("isolation") for n in self.nodes_by_id.values() if n.state == "alive"}
+        modes.discard(None)
+        return ",".join(sorted(modes)) or None
+
+    def nodes(self) -> list[dict]:
+        pool = self.engine.cpu
+        out = []
+        for n in self.nodes_by_id.values():
+            free = pool.nfree(n.index) if n.index is not None and n.state == "alive" else 0
+            out.append({"id": n.ray_id, "name": n.name, "address": n.address, "state": n.state, "cores": n.cores,
+                        "cores_free": free, "gpus": n.gpus, "islands": [list(range(n.gpus))] if n.gpus else [],
+                        "memory_gb": n.info.get("memory_gb"), "sandboxes": bool(n.info.get("sandboxes")),
+                        "isolation": n.info.get("isolation"), "cgroups": n.info.get("cgroups"),
+                        "problem": n.info.get("problem", ""), "running": sorted(n.running),
+                        "sessions": sum(1 for home in self.sandboxes.homes.values() if home is n)})
+        return out
