@@ -285,3 +285,24 @@ Legend:
     assert [(g.index, g.island) for g in _visible(gpus)] == [(0, 0), (1, 0)]
     monkeypatch.setenv("PATH", "/nonexistent")
     assert discover_gpus("smi") == []  # a host without NVIDIA tools has no GPU pool
+
+
+def test_weights_are_laid_out_in_one_buffer_per_device_and_copied_exactly():
+    """The load path that gives each GPU one allocation and interleaves the copies over the GPUs,
+    run on two CPU "devices" (distinct keys, the same memory)."""
+    from arl_tangram.managers.models.manager import ModelManager
+
+    mm = ModelManager([], lambda report: None, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    host = {"a": torch.randn(3, 5, generator=g), "b": torch.arange(7), "c": torch.tensor(2.5),
+            "d": torch.zeros(0, 4, dtype=torch.bfloat16), "e": torch.randn(4, 4, generator=g).to(torch.bfloat16),
+            "f": torch.tensor([True, False, True])}
+    d0, d1 = torch.device("cpu", 0), torch.device("cpu", 1)
+    where = {"a": d0, "b": d1, "c": d0, "d": d1, "e": d1}  # "f" goes to the first device
+    state, nbytes = mm._copy_to_gpus(host, where, d0)
+    assert nbytes == sum(v.numel() * v.element_size() for v in host.values())
+    for k, v in host.items():
+        assert state[k].dtype == v.dtype and state[k].shape == v.shape and torch.equal(state[k], v)
+        assert v.numel() == 0 or state[k].data_ptr() != v.data_ptr()  # a copy, not the host tensor
+    bases = {k: state[k].untyped_storage().data_ptr() for k in host if state[k].numel()}
+    assert bases["a"] == bases["c"] == bases["f"] and bases["b"] == bases["e"] and bases["a"] != bases["b"]

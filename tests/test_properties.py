@@ -68,10 +68,10 @@ def check_invariants(engine) -> None:
             for g in run.allocation.units:
                 shares[g] += run.allocation.share
                 assert run.action.id in engine.gpu.gpus[g].occupants
-    for key, (inst, block, share) in engine.loading.items():
-        copies[id(inst)] += 1
-        for g in block:
-            shares[g] += share
+    for key, load in engine.loading.items():
+        copies[id(load.instance)] += 1
+        for g in load.block:
+            shares[g] += engine.cluster.model(load.model).compute_share  # a load holds its model's share
     assert all(v <= 1.0 + 1e-9 for v in shares.values()), "a GPU's compute given out more than once"
     assert all(v == 1 for v in copies.values()), "a model copy running two batches"
     for i, gpu in enumerate(engine.gpu.gpus):
