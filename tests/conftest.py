@@ -17,6 +17,7 @@ class Recorder:
         self.closed: list[str] = []
         self.loading: list[str] = []
         self.cancelled: list[str] = []
+        self.evicted: list[tuple[str, tuple]] = []
 
     def start(self, action: Action, allocation: Allocation) -> None:
         self.started.append((action, allocation))
@@ -29,6 +30,9 @@ class Recorder:
 
     def prefetch(self, load: Load) -> None:
         self.loading.append(load.key)
+
+    def evict(self, model: str, gpus) -> None:
+        self.evicted.append((model, tuple(gpus)))
 
 
 class Harness:

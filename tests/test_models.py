@@ -109,3 +109,199 @@ def test_api_quota_bounds_concurrency_and_rate():
     assert state["max"] <= 3
     assert elapsed >= (12 - 2) / 20 - 0.02  # the bucket refills at 20/s after a burst of 2
     assert boom.outcome is Outcome.INFRA_ERROR and "503" in boom.message
+
+
+# -- loaders with faults, for the fault tests (``test_models:...`` is importable: tests/ is on the path)
+class _OomOnLoad(torch.nn.Module):
+    """A model whose copy onto the device runs out of memory (as a too-big loader would on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(4))
+
+    def load_state_dict(self, state, strict=True, assign=False):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 80.00 GiB")
+
+
+def oom_loader():
+    return _OomOnLoad(), {"score": lambda m, batch: [0.0] * len(batch)}
+
+
+def raising_loader():
+    def score(m, batch):
+        raise RuntimeError("kernel exploded")
+    return torch.nn.Linear(2, 2), {"score": score}
+
+
+def rendezvous_loader(tag: str):
+    """``score`` waits until the other service's batch is running too (it cannot, if batches of the
+    two services are serialised on their GPU) and reports whether they met."""
+    events = rendezvous_loader.events
+
+    def score(m, batch):
+        events[tag].set()
+        met = events["b" if tag == "a" else "a"].wait(timeout=2.0)
+        return [1.0 if met else 0.0] * len(batch)
+    return torch.nn.Linear(2, 2), {"score": score}
+
+
+rendezvous_loader.events = {}
+
+
+def test_a_fault_fails_only_its_service_with_a_message():
+    models = [M("rm", f"{TINY}:reward_model"), M("huge", f"{TINY}:reward_model", memory_gb=100.0),
+              M("oom", "test_models:oom_loader"), M("boom", "test_models:raising_loader"),
+              M("wide", f"{TINY}:reward_model", gpus=4)]
+
+    async def body(tg):
+        rs = await asyncio.gather(tg.score("huge", [1, 2]), tg.score("oom", [1]), tg.score("boom", [1]),
+                                  tg.score("wide", [1]), tg.score("rm", [1, 2, 3]))
+        again = await asyncio.gather(tg.score("oom", [1]), tg.score("rm", [4, 5]))
+        return rs, again
+
+    (huge, oom, boom, wide, fine), (oom2, fine2) = run(body, models=models, gpus=2, gpu_memory_gb=16.0)
+    assert huge.outcome is Outcome.REJECTED and "more than any GPU holds" in huge.message and "huge" in huge.message
+    assert oom.outcome is Outcome.OOM and "out of memory loading" in oom.message and "oom" in oom.message
+    assert oom2.outcome is Outcome.OOM  # each request tries the load again, none is stuck
+    assert boom.outcome is Outcome.INFRA_ERROR and "kernel exploded" in boom.message and "running a batch" in boom.message
+    assert wide.outcome is Outcome.REJECTED and "largest island" in wide.message
+    assert fine.outcome is Outcome.OK and fine2.outcome is Outcome.OK
+
+
+def test_batches_of_services_sharing_a_gpu_run_at_the_same_time():
+    def services(share):
+        rendezvous_loader.events.clear()
+        import threading
+        rendezvous_loader.events.update(a=threading.Event(), b=threading.Event())
+        return [M(t, "test_models:rendezvous_loader", {"tag": t}, compute_share=share, memory_gb=1.0) for t in "ab"]
+
+    async def body(tg):
+        return await asyncio.gather(tg.score("a", [1]), tg.score("b", [1]))
+
+    shared = run(body, models=services(0.5), gpus=1)
+    assert [r.result for r in shared] == [1.0, 1.0], "both batches ran at once on the one device"
+    exclusive = run(body, models=services(1.0), gpus=1)
+    assert all(r.ok for r in exclusive) and sorted(r.result for r in exclusive) == [0.0, 1.0]
+
+
+def test_a_model_split_over_two_devices_scores_like_one_device():
+    from arl_tangram.managers.models.placement import stages
+    from arl_tangram.managers.models.tiny import TinyConfig, TinyTransformer
+
+    plan = {path: stage for path, _, stage in stages(TinyTransformer(TinyConfig(layers=4), "score"), 2)}
+    assert plan == {"embed": 0, "blocks.layers.0": 0, "blocks.layers.1": 0, "blocks.layers.2": 1,
+                    "blocks.layers.3": 1, "norm": 1, "out": 1}
+    seqs = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+    kw = {"layers": 4, "seed": 3}
+
+    async def body(tg):
+        return [r.result for r in await asyncio.gather(*(tg.score("rm", s) for s in seqs))], tg.runtime.models
+
+    split, mm = run(body, models=[M("rm", f"{TINY}:reward_model", kw, gpus=2)], gpus=2)
+    whole, _ = run(body, models=[M("rm", f"{TINY}:reward_model", kw)], gpus=1)
+    assert mm.load_log[0]["gpus"] == [0, 1]
+    assert split == pytest.approx(whole, abs=1e-6)
+
+
+def test_an_idle_copy_scales_to_zero_and_the_next_request_reloads_it():
+    async def body(tg):
+        rt = tg.runtime
+        first = await tg.score("rm", [1, 2, 3])
+        assert rt.engine.gpu.instances["rm"]
+        for _ in range(100):
+            if not rt.engine.gpu.instances["rm"] and rt.models.evictions:
+                break
+            await asyncio.sleep(0.02)
+        gone = not rt.engine.gpu.instances["rm"] and not rt.models.instances
+        second = await tg.score("rm", [1, 2, 3])
+        return first, gone, second, rt.models.loads, rt.models.evictions
+
+    first, gone, second, loads, evictions = run(body, models=[M("rm", f"{TINY}:reward_model", idle_s=0.2)])
+    assert gone and evictions == 1 and loads == 2
+    assert second.ok and second.setup_s > 0 and second.result == first.result
+
+
+def test_engine_shares_a_gpu_by_compute_share_and_evicts_idle_copies():
+    from arl_tangram.core import ModelSpec
+    from arl_tangram.core.cluster import Cluster, GpuNode
+    from arl_tangram.policy import make_policy
+
+    from conftest import Harness
+
+    models = (ModelSpec("a", 10.0, compute_share=0.5, idle_s=5.0), ModelSpec("b", 10.0, compute_share=0.5),
+              ModelSpec("c", 10.0, compute_share=1.0))
+    h = Harness(Cluster(gpu_nodes=(GpuNode("g", 1, 80.0, 1, 25.0),), models=models), make_policy("tangram"))
+    h.finish_loads()
+    for m in "abc":
+        h.submit(m, f"model:{m}", gpu=1)
+    started = h.schedule()
+    assert set(started) == {"a", "b"} and all(al.share == 0.5 for al in started.values())
+    assert h.engine.gpu.gpus[0].share_used == 1.0 and h.engine.gpu.total_free == 0
+    h.complete("a")
+    assert h.schedule() == {}, "c needs the whole GPU; b still holds half"
+    h.complete("b")
+    assert set(h.schedule()) == {"c"}
+    h.complete("c")
+    h.advance(4.0)
+    h.schedule()
+    assert not h.rec.evicted
+    assert h.engine.next_wakeup() == pytest.approx(5.0)
+    h.advance(1.0)
+    h.schedule()
+    assert h.rec.evicted == [("a", (0,))] and not h.engine.gpu.instances["a"]
+    h.schedule()
+    assert not h.rec.loading, "a scaled-to-zero model is not prefetched back before a request"
+
+
+def test_topology_from_nvidia_smi_and_overrides(monkeypatch):
+    from arl_tangram.managers.models.topology import (GpuInfo, discover_gpus, gpu_node, islands_of,
+                                                      parse_topo_matrix, _visible)
+    from arl_tangram.core.pools import GpuPool
+
+    topo = """\tGPU0\tGPU1\tGPU2\tGPU3\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tNV18\tSYS\tSYS\t0-31\t0
+GPU1\tNV18\t X \tSYS\tSYS\t0-31\t0
+GPU2\tSYS\tSYS\t X \tNV18\t32-63\t1
+GPU3\tSYS\tSYS\tNV18\t X \t32-63\t1
+
+Legend:
+  X    = Self
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+    assert parse_topo_matrix(topo) == {(0, 1), (2, 3)}
+    assert islands_of(4, {(0, 2), (1, 3)}) == [0, 1, 0, 1]
+    gpus = [GpuInfo(i, 85.0, isl) for i, isl in enumerate([0, 1, 0, 1])]
+    node = gpu_node(gpus)
+    assert node.groups == ((0, 2), (1, 3)) and node.gpu_memory_gb == 85.0
+    pool = GpuPool((node,))
+    assert pool.islands == [(0, 2), (1, 3)] and [g.island for g in pool.gpus] == [0, 1, 0, 1]
+    assert list(pool.blocks(2)) == [(0, 2), (1, 3)]
+    assert gpu_node(gpus, island_size=4).islands() == [[0, 1, 2, 3]]
+    assert gpu_node([], count=2, memory_gb=16.0).islands() == [[0, 1]]  # CPU devices: counted, one island
+    with pytest.raises(ValueError, match="gpu_island_size"):
+        gpu_node(gpus, island_size=3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert [(g.index, g.island) for g in _visible(gpus)] == [(0, 0), (1, 0)]
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert discover_gpus("smi") == []  # a host without NVIDIA tools has no GPU pool
+
+
+def test_weights_are_laid_out_in_one_buffer_per_device_and_copied_exactly():
+    """The load path that gives each GPU one allocation and interleaves the copies over the GPUs,
+    run on two CPU "devices" (distinct keys, the same memory)."""
+    from arl_tangram.managers.models.manager import ModelManager
+
+    mm = ModelManager([], lambda report: None, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    host = {"a": torch.randn(3, 5, generator=g), "b": torch.arange(7), "c": torch.tensor(2.5),
+            "d": torch.zeros(0, 4, dtype=torch.bfloat16), "e": torch.randn(4, 4, generator=g).to(torch.bfloat16),
+            "f": torch.tensor([True, False, True])}
+    d0, d1 = torch.device("cpu", 0), torch.device("cpu", 1)
+    where = {"a": d0, "b": d1, "c": d0, "d": d1, "e": d1}  # "f" goes to the first device
+    state, nbytes = mm._copy_to_gpus(host, where, d0)
+    assert nbytes == sum(v.numel() * v.element_size() for v in host.values())
+    for k, v in host.items():
+        assert state[k].dtype == v.dtype and state[k].shape == v.shape and torch.equal(state[k], v)
+        assert v.numel() == 0 or state[k].data_ptr() != v.data_ptr()  # a copy, not the host tensor
+    bases = {k: state[k].untyped_storage().data_ptr() for k in host if state[k].numel()}
+    assert bases["a"] == bases["c"] == bases["f"] and bases["b"] == bases["e"] and bases["a"] != bases["b"]

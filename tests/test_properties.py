@@ -25,7 +25,8 @@ def clusters(draw):
         island = draw(st.sampled_from([s for s in (1, 2, 4) if s <= gpus and gpus % s == 0]))
         mem = draw(st.sampled_from([20.0, 80.0]))
         gnodes = (GpuNode("g0", gpus, mem, island, 25.0),)
-        models = tuple(ModelSpec(f"m{i}", draw(st.sampled_from([5.0, 15.0, 30.0])) * g, g)
+        models = tuple(ModelSpec(f"m{i}", draw(st.sampled_from([5.0, 15.0, 30.0])) * g, g,
+                                 compute_share=draw(st.sampled_from([1.0, 1.0, 0.5, 0.3])))
                        for i, g in enumerate(draw(st.lists(st.sampled_from([1, 2]), min_size=1, max_size=3)))
                        if g <= island and 5.0 * g / g <= mem)
         models = tuple(m for m in models if m.per_gpu_gb() <= mem)
@@ -59,13 +60,24 @@ def check_invariants(engine) -> None:
         for c in cpu.free_cores[i]:
             assert (i, c) not in seen_cores, "a core both free and in use"
     assert cpu.total_free == sum(cpu.nfree(i) for i in range(len(cpu.nodes)))
-    busy = Counter()
+    shares = Counter()
+    copies = Counter()
     for run in engine.running.values():
         if run.allocation.pool == "gpu":
+            copies[id(run.instance)] += 1
             for g in run.allocation.units:
-                busy[g] += 1
-                assert engine.gpu.gpus[g].busy == run.action.id
-    assert all(v == 1 for v in busy.values()), "a GPU given to two actions"
+                shares[g] += run.allocation.share
+                assert run.action.id in engine.gpu.gpus[g].occupants
+    for key, load in engine.loading.items():
+        copies[id(load.instance)] += 1
+        for g in load.block:
+            shares[g] += engine.cluster.model(load.model).compute_share  # a load holds its model's share
+    assert all(v <= 1.0 + 1e-9 for v in shares.values()), "a GPU's compute given out more than once"
+    assert all(v == 1 for v in copies.values()), "a model copy running two batches"
+    for i, gpu in enumerate(engine.gpu.gpus):
+        assert abs(gpu.share_used - shares.get(i, 0.0)) < 1e-9
+    assert engine.gpu.total_free == sum(1 for g in engine.gpu.gpus if not g.occupants)
+    assert engine.gpu.spare_gpus == sum(1 for g in engine.gpu.gpus if g.share_used < 1 - 1e-9)
     for g in engine.gpu.gpus:
         assert g.used_gb <= g.memory_gb + 1e-9, "GPU memory oversubscribed"
     for q in engine.quotas.values():

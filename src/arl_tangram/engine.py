@@ -28,7 +28,7 @@ from .core.cluster import Cluster, CpuNode
 from .core.pools import CapacityError, CpuPool, GpuPool, Meter, QuotaPool
 from .core.records import Load, Reservation, Running
 from .core.seam import Completion, Loaded, Manager, ModelHost, Pool, Report
-from .policy.base import Costs, Decision, Grow, Policy, Prefetch, Profile, Release, Reserve, Start
+from .policy.base import Costs, Decision, Evict, Grow, Policy, Prefetch, Profile, Release, Reserve, Start
 
 
 class Usage:
@@ -223,6 +223,8 @@ class Engine:
                     self._reserve(d, now)
                 case Release():
                     self._release(d)
+                case Evict():
+                    self._evict(d)
                 case _:
                     raise TypeError(f"unknown decision {d!r}")
         for run in started:
@@ -238,13 +240,21 @@ class Engine:
         spec = self.cluster.model(d.model)
         if spec is None or spec.gpus != len(d.block):
             raise CapacityError(f"cannot prefetch {d.model!r} onto {d.block}")
-        if not self.gpu.idle(d.block):
-            raise CapacityError(f"GPUs {d.block} are not idle")
+        if not self.gpu.fits(d.block, spec.compute_share):
+            raise CapacityError(f"GPUs {d.block} have less than {spec.compute_share:.2f} of their compute to spare")
         key = f"prefetch:{d.model}@{','.join(map(str, d.block))}"
         inst = self.gpu.add_instance(d.model, d.block, spec.per_gpu_gb())
-        self.gpu.admit(inst, key)
+        self.gpu.admit(inst, key, share=spec.compute_share)  # a load holds the share its first batch will use
         load = self.loading[key] = Load(key, d.model, d.block, spec.per_gpu_gb(), inst)
         return load
+
+    def _evict(self, d: Evict) -> None:
+        """Scale to zero: an idle copy leaves GPU memory; its weights stay in host RAM."""
+        inst = self.gpu.instance_on(d.model, d.block)
+        if inst is None or inst.busy is not None or inst.reserved_by:
+            raise CapacityError(f"cannot evict {d.model!r} from {d.block}: not resident and idle")
+        self.gpu.evict(inst)
+        self.managers[Pool.GPU].evict(d.model, d.block)
 
     def _start(self, d: Start, now: float) -> Running:
         a = d.action
@@ -288,16 +298,19 @@ class Engine:
         for inst in d.evict:
             self.gpu.evict(inst)
         model = a.model or ""
+        spec = self.cluster.model(model)
+        share = spec.compute_share if spec is not None else 1.0
         instance = self.gpu.instance_on(model, block)
         setup = Setup.NONE
         if instance is None:
             per_gpu = self.cluster.per_gpu_gb(model, a.weights_gb, len(block))
             instance = self.gpu.add_instance(model, block, per_gpu)
             setup = Setup.LOAD
-        self.gpu.admit(instance, a.id, reserved=bool(d.reservation))
+        self.gpu.admit(instance, a.id, reserved=bool(d.reservation), share=share)
         instance.uses += 1
         node = self.gpu.gpus[block[0]].node
-        alloc = Allocation(GPU, node, block, setup, tuple((i.model, i.gpus) for i in d.evict), d.reservation)
+        alloc = Allocation(GPU, node, block, setup, tuple((i.model, i.gpus) for i in d.evict), d.reservation,
+                           share=share)
         return alloc, instance
 
     def _grow(self, d: Grow) -> None:
@@ -357,8 +370,10 @@ class Engine:
             if spec is None and a.weights_gb <= 0:
                 return f"service: unknown model {a.model!r} (register it or give weights_gb)"
             per_gpu = self.cluster.per_gpu_gb(a.model or "", a.weights_gb, g)
-            if per_gpu > min(x.memory_gb for x in self.gpu.gpus):
-                return f"weights_gb: {per_gpu:.1f} GB per GPU exceeds GPU memory"
+            largest = max(x.memory_gb for x in self.gpu.gpus)
+            if per_gpu > largest:
+                return (f"weights_gb: model {a.model!r} needs {per_gpu:.1f} GB per GPU, more than any GPU holds "
+                        f"({largest:.1f} GB)")
         elif a.pool not in self.quotas:
             return f"service: no quota is configured for {a.pool!r}"
         return None

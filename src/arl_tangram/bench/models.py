@@ -1,19 +1,29 @@
 """Model-service figures: host-to-device bandwidth, scoring throughput with and without batching,
-and a MOPD-style run — 12 teacher services of different sizes sharing one device under Tangram,
-against each service owning a dedicated device (replayed one service at a time on the same device
-with its model preloaded, which is what a dedicated GPU would give it).
+a MOPD-style run — 12 teacher services of different sizes sharing one device under Tangram, at
+several compute shares (1: one batch on the GPU at a time, as before; smaller: batches of different
+services overlap on their own CUDA streams), against each service owning a dedicated device
+(replayed one service at a time on the same device with its model preloaded, which is what a
+dedicated GPU would give it) — time to first score for a 7B model from a cold start and from host
+RAM after it scaled to zero, and a model split over 2 GPUs against the same weights on one.
 
 Runs on ``cuda`` (random-initialised transformers of 0.5B-7B parameters, bf16) or on ``cpu`` (the
-same code with tiny models). ``python -m arl_tangram.bench.models --device cuda`` needs only torch
-and pydantic, for machines without the CLI's other dependencies.
+same code with tiny models; two CPU "devices" stand in for two GPUs). ``python -m
+arl_tangram.bench.models --device cuda`` needs only torch and pydantic, for machines without the
+CLI's other dependencies. ``--sections`` picks parts; ``--merge`` adds the sections of an earlier
+JSON (so the long dedicated baseline can run in a call of its own).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import os
 import random
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Callable
 
@@ -87,6 +97,11 @@ def _arrivals(n_services: int, requests: int, duration_s: float, seed: int) -> l
     return sorted(out)
 
 
+def _stats(acts: list[float]) -> dict:
+    xs = sorted(acts)
+    return {"avg_act_s": sum(xs) / len(xs), "p50_act_s": percentile(xs, 50), "p99_act_s": percentile(xs, 99)}
+
+
 async def _replay(services: list[ModelServiceConfig], arrivals: list[tuple[float, int]], seq_len: int,
                   vocab: int, names: list[str]) -> tuple[list[float], float, float]:
     async with Tangram.local(sandboxes=False, models=services, gpus=1) as tg:
@@ -107,53 +122,276 @@ async def _replay(services: list[ModelServiceConfig], arrivals: list[tuple[float
         acts = await asyncio.gather(*(one(t, s) for t, s in arrivals))
         span = time.perf_counter() - start
         rt.engine.usage.advance(rt.engine.clock.now())
-        return list(acts), span, rt.engine.usage.gpu_held_s - held0
+        held = rt.engine.usage.gpu_held_s - held0
+    _release_memory()
+    return list(acts), span, held
 
 
-async def _mopd(device: str, requests: int, duration_s: float, seq_len: int, vocab: int) -> dict:
+def _release_memory() -> None:
+    """Free the last runtime's host and device copies before the next one loads its own."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _mopd_services(device: str, vocab: int, share: float) -> tuple[list[ModelServiceConfig], list[str]]:
     sizes = GPU_SIZES_B if device == "cuda" else (0.5,) * 12
     names = [f"teacher-{i}" for i in range(len(sizes))]
-    services = [ModelServiceConfig(n, f"{TINY}:teacher_model", _model_kwargs(device, b, i, vocab), max_batch=16,
-                                   max_wait_ms=5.0) for i, (n, b) in enumerate(zip(names, sizes))]
+    return [ModelServiceConfig(n, f"{TINY}:teacher_model", _model_kwargs(device, b, i, vocab), max_batch=16,
+                               max_wait_ms=5.0, compute_share=share)
+            for i, (n, b) in enumerate(zip(names, sizes))], names
+
+
+def _variant(spec: str) -> tuple[float, float | None]:
+    """``"0.25"`` or ``"0.25@0.2"``: a compute share, and optionally the interpreter's thread switch
+    interval in ms during that run (Python's default, 5 ms, lets a thread that comes back from a
+    CUDA call wait that long for the GIL while other batches' threads run Python)."""
+    share, _, ms = spec.partition("@")
+    return float(share), (float(ms) if ms else None)
+
+
+async def _mopd_shared(device: str, requests: int, duration_s: float, seq_len: int, vocab: int,
+                       variants: list[str], log: Callable[[str], None]) -> dict:
+    """All 12 services on one device, once per variant (compute share 1: batches one at a time)."""
+    arrivals = _arrivals(12, requests, duration_s, 0)
+    by = {}
+    for spec in variants:
+        share, switch_ms = _variant(spec)
+        services, names = _mopd_services(device, vocab, share)
+        default = sys.getswitchinterval()
+        if switch_ms is not None:
+            sys.setswitchinterval(switch_ms / 1000)
+        try:
+            acts, _, held = await _replay(services, arrivals, seq_len, vocab, names)
+        finally:
+            sys.setswitchinterval(default)
+        key = f"{share:.3g}" + (f"@{switch_ms:g}ms" if switch_ms is not None else "")
+        by[key] = {"compute_share": share, "switch_interval_ms": switch_ms if switch_ms is not None else default * 1e3,
+                   **_stats(acts), "gpu_seconds_held": held}
+        log(f"mopd shared, {key}: {by[key]}")
+    sizes = GPU_SIZES_B if device == "cuda" else (0.5,) * 12
+    return {"services": 12, "params_b": list(sizes), "requests": requests, "seq_len": seq_len,
+            "shared_devices": 1, "dedicated_devices": 12, "by_compute_share": by}
+
+
+async def _dedicated_acts(device: str, requests: int, duration_s: float, seq_len: int, vocab: int,
+                          only: range | list[int] | None = None) -> tuple[list[float], float]:
+    services, names = _mopd_services(device, vocab, 1.0)
     arrivals = _arrivals(len(services), requests, duration_s, 0)
-    shared_acts, shared_span, shared_held = await _replay(services, arrivals, seq_len, vocab, names)
-    dedicated_acts: list[float] = []
-    dedicated_span = 0.0
+    acts: list[float] = []
+    span = 0.0
     for i, svc in enumerate(services):
         mine = [(t, 0) for t, s in arrivals if s == i]
-        if mine:
-            acts, span, _ = await _replay([svc], mine, seq_len, vocab, [names[i]])
-            dedicated_acts += acts
-            dedicated_span = max(dedicated_span, span)
-    s_avg = sum(shared_acts) / len(shared_acts)
-    d_avg = sum(dedicated_acts) / len(dedicated_acts)
-    return {
-        "services": len(services), "params_b": list(sizes), "requests": requests, "seq_len": seq_len,
-        "shared_devices": 1, "dedicated_devices": len(services),
-        "tangram_shared": {"avg_act_s": s_avg, "p50_act_s": percentile(sorted(shared_acts), 50),
-                           "p99_act_s": percentile(sorted(shared_acts), 99), "gpu_seconds_held": shared_held},
-        "task_isolated_dedicated": {"avg_act_s": d_avg, "p50_act_s": percentile(sorted(dedicated_acts), 50),
-                                    "p99_act_s": percentile(sorted(dedicated_acts), 99),
-                                    "gpu_seconds_held": dedicated_span * len(services)},
-        "act_ratio_shared_over_dedicated": s_avg / d_avg,
-    }
+        if mine and (only is None or i in only):
+            a, sp, _ = await _replay([svc], mine, seq_len, vocab, [names[i]])
+            acts += a
+            span = max(span, sp)
+    return acts, span
 
 
-def run(device: str = "auto", log: Callable[[str], None] = print, requests: int | None = None) -> dict:
+def _mopd_dedicated(device: str, requests: int, duration_s: float, seq_len: int, vocab: int,
+                    gpus: int = 1) -> dict:
+    """Each service alone on a device, its own arrivals only: what a dedicated GPU gives it. With
+    ``gpus`` > 1, that many services replay at once, one per GPU (a process each, so they share
+    neither a GPU nor an interpreter)."""
+    if gpus <= 1:
+        acts, span = asyncio.run(_dedicated_acts(device, requests, duration_s, seq_len, vocab))
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = []
+            for g in range(gpus):
+                out = os.path.join(tmp, f"{g}.json")
+                cmd = [sys.executable, "-m", "arl_tangram.bench.models", "--device", device, "--requests",
+                       str(requests), "--dedicated-part", f"{g}/{gpus}", "--json", out]
+                procs.append((subprocess.Popen(cmd, env={**os.environ, "CUDA_VISIBLE_DEVICES": str(g)},
+                                               stdout=subprocess.DEVNULL), out))
+            acts, span = [], 0.0
+            for p, out in procs:
+                if p.wait() != 0:
+                    raise RuntimeError(f"dedicated replay part {out} failed (exit {p.returncode})")
+                with open(out) as fh:
+                    part = json.load(fh)
+                acts += part["acts"]
+                span = max(span, part["span_s"])
+    return {**_stats(acts), "gpu_seconds_held": span * 12, "parallel_gpus": gpus}
+
+
+def _compare(m: dict) -> None:
+    """Pick the variant with the lowest average ACT as ``tangram_shared`` (every variant
+    measured stays in ``by_compute_share``) and the ratios to the dedicated baseline."""
+    by = m.get("by_compute_share") or {}
+    d = m.get("task_isolated_dedicated")
+    if not by:
+        return
+    best = min(by, key=lambda k: by[k]["avg_act_s"])
+    m["tangram_shared"] = {"variant": best, **by[best]}
+    if d:
+        m["act_ratio_shared_over_dedicated"] = by[best]["avg_act_s"] / d["avg_act_s"]
+        m["p99_ratio_shared_over_dedicated"] = by[best]["p99_act_s"] / d["p99_act_s"]
+        m["ratios_by_compute_share"] = {k: {"avg": v["avg_act_s"] / d["avg_act_s"],
+                                            "p99": v["p99_act_s"] / d["p99_act_s"]} for k, v in by.items()}
+
+
+async def _wait_scaled_to_zero(rt, model: str, timeout_s: float = 60.0) -> None:
+    t = time.perf_counter()
+    while rt.engine.gpu.instances.get(model) or any(k[0] == model for k in rt.models.instances):
+        if time.perf_counter() - t > timeout_s:
+            raise RuntimeError(f"{model} did not scale to zero in {timeout_s} s")
+        await asyncio.sleep(0.02)
+
+
+async def _time_to_first_score(device: str, vocab: int, seq_len: int) -> dict:
+    """Cold: from nothing (the loader builds the weights — random here, where a real loader
+    reads a checkpoint — copies them to host RAM and page-locks them) to the first score. From
+    host RAM: the copy scaled to zero after ``idle_s``; the next request loads and scores."""
+    billions = 7.0 if device == "cuda" else 0.05
+    kw = _model_kwargs(device, billions, 0, vocab)
+    if device != "cuda":
+        kw.update(d_model=256, layers=4)
+    svc = ModelServiceConfig("big", f"{TINY}:reward_model", kw, idle_s=1.0)
+    seq = list(range(1, seq_len + 1))
+    t0 = time.perf_counter()
+    async with Tangram.local(sandboxes=False, models=[svc], gpus=1) as tg:
+        rt = tg.runtime
+        host_s = time.perf_counter() - t0
+        cold = await tg.score("big", seq)
+        cold_s = time.perf_counter() - t0
+        resident = await tg.score("big", seq)
+        await _wait_scaled_to_zero(rt, "big")
+        t1 = time.perf_counter()
+        warm = await tg.score("big", seq)
+        from_host_s = time.perf_counter() - t1
+        assert cold.ok and warm.ok and resident.ok, (cold.message, warm.message)
+        weights_gb = rt.models.loaded["big"].weights_gb
+    _release_memory()
+    return {"params_b": billions, "weights_gb": round(weights_gb, 2), "idle_s": svc.idle_s,
+            "cold_start_s": cold_s, "cold_host_ram_load_s": host_s, "cold_first_score_act_s": cold.act_s,
+            "from_host_ram_s": from_host_s, "from_host_ram_load_s": warm.setup_s,
+            "resident_score_act_s": resident.act_s, "same_score": warm.result == cold.result}
+
+
+def _h2d_concurrent_gbps(n: int, gb: float = 4.0) -> float:
+    """Host-to-GPU from page-locked memory onto ``n`` GPUs at once, in total."""
+    k = int(gb * (1 << 30)) // 2
+    hosts = [torch.empty(k, dtype=torch.bfloat16).pin_memory() for _ in range(n)]
+    devs = [torch.empty(k, dtype=torch.bfloat16, device=f"cuda:{i}") for i in range(n)]
+    streams = [torch.cuda.Stream(f"cuda:{i}") for i in range(n)]
+    best = None
+    for _ in range(4):
+        t = time.perf_counter()
+        for h, d, st in zip(hosts, devs, streams):
+            with torch.cuda.stream(st):
+                d.copy_(h, non_blocking=True)
+        for st in streams:
+            st.synchronize()
+        dt = time.perf_counter() - t
+        best = dt if best is None else min(best, dt)
+    return round(n * k * 2 / best / 1e9, 1)
+
+
+async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> dict:
+    """The same weights as a 1-GPU copy and as a copy split over 2 GPUs: load time from host RAM
+    (scaled to zero between rounds, so every round loads) and the scores of both."""
+    cuda = device == "cuda"
+    if cuda and torch.cuda.device_count() < 2:
+        return {"skipped": f"needs 2 GPUs, this host has {torch.cuda.device_count()}"}
+    billions = 7.0 if cuda else 0.05
+    kw = _model_kwargs(device, billions, 5, vocab)
+    if not cuda:
+        kw.update(d_model=256, layers=4)
+    # one batch of all 8 sequences on both, so the two copies compute exactly the same thing
+    services = [ModelServiceConfig("one", f"{TINY}:reward_model", kw, gpus=1, idle_s=0.2, max_batch=8,
+                                   max_wait_ms=100.0),
+                ModelServiceConfig("two", f"{TINY}:reward_model", kw, gpus=2, idle_s=0.2, max_batch=8,
+                                   max_wait_ms=100.0)]
+    rng = random.Random(2)
+    seqs = [[rng.randrange(vocab) for _ in range(seq_len - i * 7)] for i in range(8)]
+    scores: dict[str, list] = {}
+    latency: dict[str, list] = {"one": [], "two": []}
+    discovered = None
+    if cuda:
+        from ..managers.models.topology import discover_gpus
+        discovered = [g.island for g in discover_gpus()[:2]]
+    # one island of both, whatever was discovered: this measures the split itself (over PCIe when
+    # the GPUs have no NVLink between them)
+    async with Tangram.local(sandboxes=False, models=services, gpus=2, gpu_island_size=2) as tg:
+        rt = tg.runtime
+        for _ in range(rounds):
+            for name in ("one", "two"):
+                rs = await asyncio.gather(*(tg.score(name, s) for s in seqs))
+                assert all(r.ok for r in rs), rs[0].message
+                scores[name] = [r.result for r in rs]
+                resident = await tg.score(name, seqs[0])
+                latency[name].append(resident.act_s)
+                await _wait_scaled_to_zero(rt, name)
+        log_ = rt.models.load_log
+        islands = rt.cluster.gpu_nodes[0].islands()
+    _release_memory()
+    loads = {n: sorted(x["seconds"] for x in log_ if x["model"] == n) for n in ("one", "two")}
+    diff = max(abs(a - b) for a, b in zip(scores["one"], scores["two"]))
+    scale = max(abs(a) for a in scores["one"]) or 1.0
+    one, two = loads["one"][len(loads["one"]) // 2], loads["two"][len(loads["two"]) // 2]
+    out = {"params_b": billions, "gpus": 2, "islands": islands, "discovered_island_of_each_gpu": discovered,
+           "rounds": rounds,
+           "load_s_1gpu": one, "load_s_2gpu": two, "load_speedup": one / two,
+           "load_s_all": loads, "score_max_abs_diff": diff, "score_max_rel_diff": diff / scale,
+           "scores_identical": diff == 0.0,
+           "resident_act_s_1gpu": min(latency["one"]), "resident_act_s_2gpu": min(latency["two"])}
+    if cuda:
+        out["h2d_concurrent_2gpu_gbps"] = _h2d_concurrent_gbps(2)
+        out["device_names"] = [torch.cuda.get_device_name(i) for i in range(2)]
+    return out
+
+
+SECTIONS = ("h2d", "throughput", "mopd", "dedicated", "ttfs", "multigpu")
+
+
+def run(device: str = "auto", log: Callable[[str], None] = print, requests: int | None = None,
+        sections: tuple[str, ...] = SECTIONS, shares: list[str] | None = None, merge: dict | None = None,
+        dedicated_gpus: int = 1) -> dict:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"sections: unknown {', '.join(sorted(unknown))} (known: {', '.join(SECTIONS)})")
     cuda = device == "cuda"
-    result: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__}
-    result["h2d"] = h2d_gbps(device, 4.0 if cuda else 0.0)
-    log(f"h2d: {result['h2d']}")
+    result: dict = dict(merge or {})
+    result.update({"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__})
+    if cuda:
+        from ..managers.models.topology import discover_gpus
+        result["gpus_discovered"] = [{"index": g.index, "memory_gb": round(g.memory_gb, 1), "island": g.island,
+                                      "name": g.name} for g in discover_gpus()]
     vocab = 32000 if cuda else 512
-    result["throughput"] = asyncio.run(_throughput(device, 256 if cuda else 64, 512 if cuda else 96, vocab))
-    log(f"scoring throughput: {result['throughput']}")
-    result["mopd"] = asyncio.run(_mopd(device, requests or (600 if cuda else 120), 20.0 if cuda else 6.0,
-                                       512 if cuda else 64, vocab))
-    m = result["mopd"]
-    log(f"mopd: shared avg ACT {m['tangram_shared']['avg_act_s']:.3f}s vs dedicated "
-        f"{m['task_isolated_dedicated']['avg_act_s']:.3f}s (x{m['act_ratio_shared_over_dedicated']:.2f})")
+    requests = requests or (600 if cuda else 120)
+    duration_s, seq_len = (20.0, 512) if cuda else (6.0, 64)
+    if "h2d" in sections:
+        result["h2d"] = h2d_gbps(device, 4.0 if cuda else 0.0)
+        log(f"h2d: {result['h2d']}")
+    if "throughput" in sections:
+        result["throughput"] = asyncio.run(_throughput(device, 256 if cuda else 64, 512 if cuda else 96, vocab))
+        log(f"scoring throughput: {result['throughput']}")
+    if "mopd" in sections:
+        shares = shares or (["1", "0.25", "0.0833"] if cuda else ["1", "0.5"])
+        m = asyncio.run(_mopd_shared(device, requests, duration_s, seq_len, vocab, shares, log))
+        result["mopd"] = {**result.get("mopd", {}), **m}
+    if "dedicated" in sections:
+        d = _mopd_dedicated(device, requests, duration_s, seq_len, vocab, dedicated_gpus)
+        result.setdefault("mopd", {})["task_isolated_dedicated"] = d
+        log(f"mopd dedicated: {d}")
+    if "mopd" in result:
+        _compare(result["mopd"])
+        m = result["mopd"]
+        if "act_ratio_shared_over_dedicated" in m:
+            log(f"mopd: shared avg ACT {m['tangram_shared']['avg_act_s']:.3f}s ({m['tangram_shared']['variant']}) "
+                f"vs dedicated "
+                f"{m['task_isolated_dedicated']['avg_act_s']:.3f}s (x{m['act_ratio_shared_over_dedicated']:.2f}, "
+                f"p99 x{m['p99_ratio_shared_over_dedicated']:.2f})")
+    if "ttfs" in sections:
+        result["time_to_first_score"] = asyncio.run(_time_to_first_score(device, vocab, 512 if cuda else 64))
+        log(f"time to first score: {result['time_to_first_score']}")
+    if "multigpu" in sections:
+        result["multi_gpu"] = asyncio.run(_multi_gpu(device, vocab, 512 if cuda else 64))
+        log(f"multi-GPU instance: {result['multi_gpu']}")
     return result
 
 
@@ -162,8 +400,31 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--json", default=None)
     ap.add_argument("--requests", type=int, default=None)
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
+    ap.add_argument("--shares", default=None, help="shared MOPD runs: compute shares, each optionally with a "
+                    "thread switch interval in ms, e.g. 1,0.25,0.0833@0.2")
+    ap.add_argument("--merge", default=None, help="JSON of an earlier run whose sections to include")
+    ap.add_argument("--dedicated-gpus", type=int, default=1, help="replay that many dedicated services at once, "
+                    "one per GPU")
+    ap.add_argument("--dedicated-part", default=None, help=argparse.SUPPRESS)  # "i/n": a worker of the above
     args = ap.parse_args()
-    result = run(args.device, requests=args.requests)
+    if args.dedicated_part:
+        i, n = map(int, args.dedicated_part.split("/"))
+        dev = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+        cuda = dev == "cuda"
+        acts, span = asyncio.run(_dedicated_acts(dev, args.requests or (600 if cuda else 120),
+                                                 20.0 if cuda else 6.0, 512 if cuda else 64,
+                                                 32000 if cuda else 512, range(i, 12, n)))
+        with open(args.json, "w") as fh:
+            json.dump({"acts": acts, "span_s": span}, fh)
+        return
+    merge = None
+    if args.merge:
+        with open(args.merge) as fh:
+            merge = json.load(fh)
+    shares = args.shares.split(",") if args.shares else None
+    result = run(args.device, requests=args.requests, sections=tuple(x for x in args.sections.split(",") if x),
+                 shares=shares, merge=merge, dedicated_gpus=args.dedicated_gpus)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

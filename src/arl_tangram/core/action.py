@@ -168,7 +168,8 @@ class Allocation:
 
     ``setup`` names the state work the manager does first; ``evict`` lists model instances (model, gpu ids) dropped from GPU memory to make room;
     ``reservation`` names the static partition the units came from; ``unmanaged`` API calls were
-    not admitted against our quota (the client-side practice of the static baseline).
+    not admitted against our quota (the client-side practice of the static baseline); ``share`` is
+    the fraction of each GPU's compute the action was given (other actions may share the rest).
     """
 
     pool: str
@@ -178,6 +179,7 @@ class Allocation:
     evict: tuple[tuple[str, tuple[int, ...]], ...] = ()
     reservation: str = ""
     unmanaged: bool = False
+    share: float = 1.0
 
     @property
     def count(self) -> int:

@@ -25,15 +25,19 @@ class CpuNode:
 
 @dataclass(frozen=True, slots=True)
 class GpuNode:
-    """``island_size`` GPUs share one NVLink domain; ``gpus`` must be a multiple of it."""
+    """``island_size`` GPUs share one NVLink domain; ``gpus`` must be a multiple of it. Discovered
+    topologies give the islands explicitly (``groups``: local GPU indices per NVLink domain)."""
 
     name: str
     gpus: int
     gpu_memory_gb: float = 80.0
     island_size: int = 8
     h2d_gbps: float = DEFAULT_H2D_GBPS
+    groups: tuple[tuple[int, ...], ...] = ()
 
     def islands(self) -> list[list[int]]:
+        if self.groups:
+            return [list(g) for g in self.groups]
         size = min(self.island_size, self.gpus)
         return [list(range(i, min(i + size, self.gpus))) for i in range(0, self.gpus, size)]
 
@@ -55,11 +59,24 @@ class ApiQuota:
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """A model service: its weights (kept in host RAM) and GPUs per instance (1/2/4/8)."""
+    """A model service: its weights (kept in host RAM) and GPUs per instance (1/2/4/8).
+
+    ``compute_share``: the fraction of each of its GPUs' compute one batch is given; batches of
+    different services whose shares add up to at most 1 run on a GPU at the same time (1: a batch
+    has its GPUs to itself). ``idle_s``: a copy unused this long gives its GPU memory back (scale
+    to zero; None keeps copies until memory is needed)."""
 
     name: str
     weights_gb: float
     gpus: int = 1
+    compute_share: float = 1.0
+    idle_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.compute_share <= 1.0:
+            raise ValueError(f"compute_share: {self.compute_share} is not in (0, 1] (model {self.name!r})")
+        if self.idle_s is not None and self.idle_s < 0:
+            raise ValueError(f"idle_s: must be >= 0, got {self.idle_s} (model {self.name!r})")
 
     def per_gpu_gb(self) -> float:
         return self.weights_gb / self.gpus

@@ -199,13 +199,26 @@ class Instance:
 
 @dataclass(slots=True, eq=False)
 class Gpu:
+    """One GPU: memory is held per resident copy; compute is shared by the actions (and loads) in
+    ``occupants`` (id -> compute share), whose shares sum to at most 1."""
+
     node: int
     island: int
     memory_gb: float
     used_gb: float = 0.0
-    busy: str | None = None
     reserved_by: str = ""
     instances: list[Instance] = field(default_factory=list)
+    occupants: dict[str, float] = field(default_factory=dict)
+    share_used: float = 0.0
+
+    @property
+    def busy(self) -> str | None:
+        """An action running here (the first of several sharing it), or None when idle."""
+        return next(iter(self.occupants), None)
+
+    @property
+    def spare(self) -> float:
+        return 1.0 - self.share_used
 
 
 class GpuPool:
@@ -218,15 +231,20 @@ class GpuPool:
         self.h2d_gbps: list[float] = []
         for ni, node in enumerate(nodes):
             base = len(self.gpus)
+            mine: list[Gpu | None] = [None] * node.gpus
             for local in node.islands():
                 island = len(self.islands)
-                ids = tuple(base + g for g in local)
-                self.islands.append(ids)
-                for _ in ids:
-                    self.gpus.append(Gpu(ni, island, node.gpu_memory_gb))
-                    self.h2d_gbps.append(node.h2d_gbps)
+                self.islands.append(tuple(base + g for g in local))
+                for g in local:  # islands need not be contiguous ranges (discovered NVLink domains)
+                    mine[g] = Gpu(ni, island, node.gpu_memory_gb)
+            for g, gpu in enumerate(mine):
+                if gpu is None:
+                    raise ValueError(f"GPU node {node.name}: GPU {g} is in no island")
+                self.gpus.append(gpu)
+                self.h2d_gbps.append(node.h2d_gbps)
         self.capacity = len(self.gpus)
-        self.total_free = self.capacity
+        self.total_free = self.capacity  # GPUs running nothing
+        self.spare_gpus = self.capacity  # GPUs with compute to spare (idle or partly shared)
         self.instances: dict[str, list[Instance]] = {}
         self.max_island = max((len(i) for i in self.islands), default=0)
         self.meter = Meter()
@@ -240,16 +258,21 @@ class GpuPool:
 
     def idle(self, block: tuple[int, ...], owner: str = "") -> bool:
         gpus = self.gpus
-        return all(gpus[g].busy is None and gpus[g].reserved_by == owner for g in block)
+        return all(not gpus[g].occupants and gpus[g].reserved_by == owner for g in block)
 
-    def idle_instance(self, model: str, owner: str = "") -> Instance | None:
-        """A resident instance of ``model`` whose GPUs are all free (another model resident on the
-        same GPUs may be running), least recently used first."""
+    def fits(self, block: tuple[int, ...], share: float, owner: str = "") -> bool:
+        """Every GPU of ``block`` has ``share`` of its compute to spare (``share`` 1: idle)."""
+        gpus = self.gpus
+        return all(gpus[g].reserved_by == owner and gpus[g].share_used + share <= 1.0 + EPS for g in block)
+
+    def idle_instance(self, model: str, owner: str = "", share: float = 1.0) -> Instance | None:
+        """A resident instance of ``model`` running nothing whose GPUs have ``share`` of their
+        compute to spare (other models resident there may be running), least recently used first."""
         best = None
         gpus = self.gpus
         for inst in self.instances.get(model, ()):
             if (inst.busy is None and inst.reserved_by == owner and (best is None or inst.last_used < best.last_used)
-                    and all(gpus[g].busy is None for g in inst.gpus)):
+                    and all(gpus[g].share_used + share <= 1.0 + EPS for g in inst.gpus)):
                 best = inst
         return best
 
@@ -284,31 +307,59 @@ class GpuPool:
             gpu.instances.remove(inst)
         self.instances[inst.model].remove(inst)
 
-    def occupy(self, block: tuple[int, ...], action_id: str) -> None:
+    def occupy(self, block: tuple[int, ...], owner: str, share: float = 1.0) -> None:
+        """Run ``owner`` on ``block`` with ``share`` of each GPU's compute (0 < share <= 1)."""
+        if not 0.0 < share <= 1.0:
+            raise CapacityError(f"compute share {share} of {owner} is not in (0, 1]")
         for g in block:
             gpu = self.gpus[g]
-            if gpu.busy is not None:
-                raise CapacityError(f"GPU {g} is busy with {gpu.busy}")
-            gpu.busy = action_id
-        self.total_free -= len(block)
+            if gpu.share_used + share > 1.0 + EPS:
+                raise CapacityError(f"GPU {g} is busy with {', '.join(gpu.occupants)}: "
+                                    f"{gpu.spare:.2f} of its compute is spare, {owner} needs {share:.2f}")
+            if owner in gpu.occupants:
+                raise CapacityError(f"{owner} already runs on GPU {g}")
+        for g in block:
+            gpu = self.gpus[g]
+            if not gpu.occupants:
+                self.total_free -= 1
+            gpu.occupants[owner] = share
+            gpu.share_used += share
+            if gpu.share_used >= 1.0 - EPS:
+                self.spare_gpus -= 1
+
+    def vacate(self, block: tuple[int, ...], owner: str) -> float:
+        """``owner`` stops running on ``block``; returns the compute share it had."""
+        share = 0.0
+        for g in block:
+            gpu = self.gpus[g]
+            share = gpu.occupants.pop(owner)
+            was_full = gpu.share_used >= 1.0 - EPS
+            gpu.share_used = gpu.share_used - share if gpu.occupants else 0.0  # no float drift when idle
+            if not gpu.occupants:
+                self.total_free += 1
+            if was_full and gpu.share_used < 1.0 - EPS:
+                self.spare_gpus += 1
+        return share
 
     # -- the ledger ------------------------------------------------------------------------------
-    def admit(self, inst: Instance, owner: str, *, reserved: bool = False) -> None:
-        """Run ``owner`` (an action, or a prefetch's key) on the copy ``inst``: its GPUs become busy;
-        they count as held unless a reservation holds them already."""
-        self.occupy(inst.gpus, owner)
+    def admit(self, inst: Instance, owner: str, *, reserved: bool = False, share: float = 1.0) -> None:
+        """Run ``owner`` (an action, or a prefetch's key) on the copy ``inst`` with ``share`` of
+        each of its GPUs' compute (a copy runs one batch at a time; other copies on the same GPUs
+        may run beside it while the shares add up to at most 1). Held units count the share,
+        unless a reservation holds the GPUs already."""
+        if inst.busy is not None:
+            raise CapacityError(f"the copy of {inst.model} on {inst.gpus} already runs {inst.busy}")
+        self.occupy(inst.gpus, owner, share)
         inst.busy = owner
-        n = len(inst.gpus)
+        n = len(inst.gpus) * share
         self.meter.change(0 if reserved else n, n)
 
     def release(self, inst: Instance, now: float, *, reserved: bool = False) -> None:
         """``inst``'s user is done: the copy stays resident, idle since ``now``."""
-        for g in inst.gpus:
-            self.gpus[g].busy = None
-        self.total_free += len(inst.gpus)
+        share = self.vacate(inst.gpus, inst.busy)
         inst.busy = None
         inst.last_used = now
-        n = len(inst.gpus)
+        n = len(inst.gpus) * share
         self.meter.change(0 if reserved else -n, -n)
 
     def reserve(self, block: tuple[int, ...], key: str) -> None:

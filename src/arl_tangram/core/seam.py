@@ -84,9 +84,14 @@ class Manager(Protocol):
 
 @runtime_checkable
 class ModelHost(Manager, Protocol):
-    """What only GPU managers do: copy weights onto GPUs before anyone asks (evictions travel in
-    ``Allocation.evict`` of the action that needs the room)."""
+    """What only GPU managers do: copy weights onto GPUs before anyone asks, and drop a copy that
+    has been idle too long (evictions that make room travel in ``Allocation.evict`` of the action
+    that needs it)."""
 
     def prefetch(self, load: Load) -> None:
         """Copy ``load.model`` onto ``load.block``; report ``Loaded(load.key)`` when resident."""
+        ...
+
+    def evict(self, model: str, gpus: tuple[int, ...]) -> None:
+        """Drop the idle copy of ``model`` on ``gpus`` (scale to zero; no report follows)."""
         ...

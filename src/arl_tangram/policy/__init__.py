@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .action_level import FIFO, TANGRAM, ActionLevelPolicy, Options, fifo_policy, tangram_policy
-from .base import Costs, Decision, EngineView, Grow, Policy, Prefetch, Profile, Release, Reserve, Start
+from .base import Costs, Decision, EngineView, Evict, Grow, Policy, Prefetch, Profile, Release, Reserve, Start
 from .predictor import DurationPredictor
 from .static import InfeasiblePolicy, TaskIsolatedPolicy, TrajectoryStaticPolicy
 
@@ -26,6 +26,6 @@ def make_policy(name: str) -> Policy:
 
 __all__ = [
     "FIFO", "POLICIES", "TANGRAM", "ActionLevelPolicy", "Costs", "Decision", "DurationPredictor", "EngineView",
-    "Grow", "InfeasiblePolicy", "Options", "Policy", "Prefetch", "Profile", "Release", "Reserve",
+    "Evict", "Grow", "InfeasiblePolicy", "Options", "Policy", "Prefetch", "Profile", "Release", "Reserve",
     "Start", "TaskIsolatedPolicy", "TrajectoryStaticPolicy", "fifo_policy", "make_policy", "tangram_policy",
 ]

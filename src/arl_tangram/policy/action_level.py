@@ -30,7 +30,7 @@ from typing import Iterator
 from ..core.action import CPU, GPU, Action, Finished
 from ..core.cluster import DEFAULT_H2D_GBPS
 from ..core.pools import Instance
-from .base import Decision, EngineView, Grow, Prefetch, Start
+from .base import Decision, EngineView, Evict, Grow, Prefetch, Start
 from .critical import StepTracker
 from .predictor import DurationPredictor
 from .queues import JobQueues
@@ -125,7 +125,7 @@ class ActionLevelPolicy:
 
     def next_wakeup(self, now: float) -> float | None:
         view = self.view
-        wake = None
+        wake = self._next_idle_expiry()
         for pool, q in self.queues.items():
             if q.size and pool in view.quotas:
                 qp = view.quotas[pool]
@@ -155,9 +155,10 @@ class ActionLevelPolicy:
                 gpu_waiting = True
         if cpu_waiting:
             yield from self._schedule_cpu(now)
+        yield from self._scale_to_zero(now)
         if gpu_waiting:
             yield from self._schedule_gpu(now)
-        elif self.opt.prefetch and self.view.gpu.total_free:
+        elif self.opt.prefetch and self.view.gpu.spare_gpus:
             yield from self._prefetch(now)
 
     def _schedule_cpu(self, now: float) -> Iterator[Decision]:
@@ -265,7 +266,7 @@ class ActionLevelPolicy:
         pool = self.view.gpu
         order = [(q.peek_key(), model) for model, q in self.gpu_queues.items() if q.size]
         heapq.heapify(order)
-        while order and pool.total_free:
+        while order and pool.spare_gpus:
             _, model = heapq.heappop(order)
             q = self.gpu_queues[model]
             entry = q.pop(self._favoured if self.opt.fair_share and len(q.heaps) > 1 else None)
@@ -293,20 +294,25 @@ class ActionLevelPolicy:
         model = a.model or ""
         g = a.demand.ranges[GPU][0]
         per_gpu = self._per_gpu_gb(a)
-        inst = pool.idle_instance(model)
+        spec = self.view.cluster.model(model)
+        share = spec.compute_share if spec is not None else 1.0
+        inst = pool.idle_instance(model, share=share)
         if inst is not None and len(inst.gpus) == g:
             return Start(a, block=inst.gpus)
         best = None
         for block in pool.blocks(g):
-            if not pool.idle(block):
+            if not pool.fits(block, share):
                 continue
-            load = pool.load_s(block, per_gpu) if pool.instance_on(model, block) is None else 0.0
+            mine = pool.instance_on(model, block)
+            if mine is not None and mine.busy is not None:
+                continue  # a copy runs one batch at a time; its next batch waits for it
+            load = pool.load_s(block, per_gpu) if mine is None else 0.0
             plan = self._evictions(block, per_gpu, now)
             if plan is None:
                 continue
             evicted, evict_cost = plan
             # best fit among islands keeps whole islands free for big instances
-            island_free = sum(1 for x in pool.islands[pool.gpus[block[0]].island] if pool.gpus[x].busy is None)
+            island_free = sum(1 for x in pool.islands[pool.gpus[block[0]].island] if not pool.gpus[x].occupants)
             cost = (load + evict_cost, island_free)
             if best is None or cost < best[0]:
                 best = (cost, block, evicted)
@@ -331,12 +337,37 @@ class ActionLevelPolicy:
         for m in sorted(self.view.cluster.models, key=lambda m: -self._rate(m.name, now)):
             if any(not i.reserved_by for i in pool.instances.get(m.name, ())):
                 continue
+            if m.idle_s is not None and not now - self._model_rate.get(m.name, (0.0, -math.inf))[1] < m.idle_s:
+                continue  # scaled to zero: only a request brings it back
             fits = [b for b in pool.blocks(m.gpus)
-                    if pool.idle(b) and all(pool.free_gb(g) >= m.per_gpu_gb() for g in b)]
+                    if pool.fits(b, m.compute_share) and all(pool.free_gb(g) >= m.per_gpu_gb() for g in b)]
             if fits:  # the fullest memory that still fits keeps room for bigger models elsewhere
                 yield Prefetch(m.name, min(fits, key=lambda b: sum(pool.free_gb(g) for g in b)))
-                if not pool.total_free:
+                if not pool.spare_gpus:
                     return
+
+    def _scale_to_zero(self, now: float) -> Iterator[Decision]:
+        """Copies of models with an ``idle_s`` that ran nothing for that long give their GPU
+        memory back; the weights stay in host RAM for the next request."""
+        pool = self.view.gpu
+        for m in self.view.cluster.models:
+            if m.idle_s is None:
+                continue
+            for inst in list(pool.instances.get(m.name, ())):
+                if inst.busy is None and not inst.reserved_by and now - inst.last_used >= m.idle_s:
+                    yield Evict(m.name, inst.gpus)
+
+    def _next_idle_expiry(self) -> float | None:
+        pool = self.view.gpu
+        wake = None
+        for m in self.view.cluster.models:
+            if m.idle_s is None:
+                continue
+            for inst in pool.instances.get(m.name, ()):
+                if inst.busy is None and not inst.reserved_by:
+                    t = inst.last_used + m.idle_s
+                    wake = t if wake is None else min(wake, t)
+        return wake
 
     def _resident_wait(self, model: str, now: float, queued: int) -> float | None:
         """Predicted wait for a busy resident instance of ``model`` to have served this action and

@@ -48,6 +48,15 @@ class Prefetch:
 
 
 @dataclass(frozen=True, slots=True)
+class Evict:
+    """Drop the idle copy of ``model`` on ``block`` from GPU memory (scale to zero); its weights
+    stay in host RAM and the next request loads it again."""
+
+    model: str
+    block: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Reserve:
     """Set units aside for one owner (a trajectory's sandbox, a service's GPU partition): cores on
     ``node`` (``count``) or the GPUs of ``block``, preloaded with ``model`` when given."""
@@ -65,7 +74,7 @@ class Release:
     key: str
 
 
-Decision = Start | Grow | Prefetch | Reserve | Release
+Decision = Start | Grow | Prefetch | Evict | Reserve | Release
 
 
 @dataclass(frozen=True, slots=True)

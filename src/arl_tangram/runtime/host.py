@@ -43,26 +43,36 @@ class LocalHost:
     memory_gb: float
     gpus: int = 0
     gpu_memory_gb: float = 0.0
+    gpu_islands: tuple[tuple[int, ...], ...] = ()  # NVLink domains (local GPU indices); () = one island
 
     @classmethod
     def detect(cls, *, sandboxes: bool = True, cores: int | None = None, memory: float | None = None,
                models: bool = False, cuda: bool = False, gpus: int | None = None,
-               gpu_memory_gb: float | None = None) -> "LocalHost":
-        """Measure this machine; every figure given overrides what would be detected."""
+               gpu_memory_gb: float | None = None, gpu_island_size: int | None = None) -> "LocalHost":
+        """Measure this machine; every figure given overrides what would be detected. GPUs, their
+        memory and NVLink islands come from NVML or nvidia-smi (``managers.models.topology``)."""
         n_cores = (cores or len(host_cpus())) if sandboxes else 0
-        n_gpus, mem = 0, 0.0
+        n_gpus, mem, islands = 0, 0.0, ()
         if models:
-            if cuda:
+            from ..managers.models.topology import discover_gpus, gpu_node
+
+            found = discover_gpus() if cuda else []
+            if cuda and not found:  # CUDA without NVML or nvidia-smi: count through torch, one island
                 import torch
 
                 n_gpus = gpus or torch.cuda.device_count()
-                mem = gpu_memory_gb or torch.cuda.get_device_properties(0).total_memory / 1e9 * GPU_MEMORY_USABLE
+                device_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
             else:
-                n_gpus, mem = gpus or 1, gpu_memory_gb or CPU_DEVICE_MEMORY_GB
-        return cls(n_cores, memory or memory_gb(), n_gpus, mem)
+                n_gpus = gpus or len(found) or 1
+                device_gb = min((g.memory_gb for g in found[:n_gpus]), default=CPU_DEVICE_MEMORY_GB / GPU_MEMORY_USABLE)
+            mem = gpu_memory_gb or device_gb * GPU_MEMORY_USABLE
+            node = gpu_node(found, count=n_gpus, memory_gb=mem, island_size=gpu_island_size)
+            islands = tuple(tuple(i) for i in node.islands()) if node is not None else ()
+        return cls(n_cores, memory or memory_gb(), n_gpus, mem, islands)
 
     def cluster(self, quotas: tuple[ApiQuota, ...] = (), models: tuple[ModelSpec, ...] = ()) -> Cluster:
-        """One CPU node and one GPU node (a single island) named after this host."""
+        """One CPU node and one GPU node named after this host (its discovered islands)."""
         cpu = (CpuNode("local", self.cores, self.memory_gb),) if self.cores else ()
-        gpu = (GpuNode("local-gpu", self.gpus, self.gpu_memory_gb, self.gpus, DEFAULT_H2D_GBPS),) if self.gpus else ()
+        gpu = (GpuNode("local-gpu", self.gpus, self.gpu_memory_gb, max(map(len, self.gpu_islands), default=self.gpus),
+                       DEFAULT_H2D_GBPS, groups=self.gpu_islands),) if self.gpus else ()
         return Cluster(cpu, gpu, quotas, models)

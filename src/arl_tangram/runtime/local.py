@@ -39,9 +39,10 @@ class LocalRuntime(Runtime):
                  cores: int | None = None, memory_gb: float | None = None, profile: Profile | None = None, *,
                  sandboxes: bool | SandboxFactory = True, models: list | None = None, gpus: int | None = None,
                  gpu_memory_gb: float | None = None, model_device: str = "auto",
-                 apis: dict[str, tuple[ApiQuota, Handler]] | None = None) -> None:
-        """``models``: ``ModelServiceConfig``s served on this machine's GPUs (or, without CUDA, on
-        ``gpus`` CPU "devices" of ``gpu_memory_gb`` each); ``apis``: name -> (quota, async handler);
+                 apis: dict[str, tuple[ApiQuota, Handler]] | None = None, gpu_island_size: int | None = None) -> None:
+        """``models``: ``ModelServiceConfig``s served on this machine's GPUs (discovered with their
+        NVLink islands; ``gpus``, ``gpu_memory_gb``, ``gpu_island_size`` override) or, without CUDA,
+        on ``gpus`` CPU "devices" of ``gpu_memory_gb`` each; ``apis``: name -> (quota, async handler);
         ``sandboxes``: False for none, or a factory of another sandbox manager (a test double)."""
         super().__init__()
         sink = self.report
@@ -73,7 +74,7 @@ class LocalRuntime(Runtime):
             cores = len(self.sandboxes.host_cpus)
         host = LocalHost.detect(sandboxes=self.sandboxes is not None, cores=cores, memory=memory_gb,
                                 models=self.models is not None, cuda=bool(self.models and self.models.cuda),
-                                gpus=gpus, gpu_memory_gb=gpu_memory_gb)
+                                gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_island_size=gpu_island_size)
         mem_gb = self.sandboxes.config.memory_mb / 1024 if self.sandboxes is not None else 1.0
         self._build(host.cluster(quotas, model_specs), policy, managers, Costs.local(mem_gb), profile)
 

@@ -25,6 +25,10 @@ class ModelService(BaseModel):
     memory_gb: float | None = Field(None, gt=0)
     max_batch: int = Field(16, ge=1)
     max_wait_ms: float = Field(5.0, ge=0)
+    compute_share: float = Field(1.0, gt=0, le=1, description="fraction of each GPU's compute one batch gets; "
+                                 "batches of services whose shares add up to <= 1 run on a GPU at once")
+    idle_s: float | None = Field(None, ge=0, description="a copy unused this long releases its GPU memory "
+                                 "(scale to zero); default: kept while it fits")
 
 
 class ServeConfig(BaseModel):
@@ -39,6 +43,8 @@ class ServeConfig(BaseModel):
                                                                           "(or CPU devices without CUDA)")
     gpus: int | None = Field(None, ge=1, description="GPUs to schedule (default: all visible; CPU devices: 1)")
     gpu_memory_gb: float | None = Field(None, gt=0, description="memory per GPU (default: the device's)")
+    gpu_island_size: int | None = Field(None, ge=1, description="GPUs per NVLink island (default: discovered "
+                                        "from NVML or nvidia-smi)")
 
     @field_validator("policy")
     @classmethod
@@ -93,6 +99,7 @@ def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = Non
         runtime = RayRuntime(ray, cfg.policy, cfg.sandbox)
     else:
         runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores, models=models, gpus=cfg.gpus,
-                               gpu_memory_gb=cfg.gpu_memory_gb, sandboxes=sandboxes)
+                               gpu_memory_gb=cfg.gpu_memory_gb, gpu_island_size=cfg.gpu_island_size,
+                               sandboxes=sandboxes)
     service = Service(runtime, Journal(str(path)), cfg.max_queue, cfg.drain_s)
     return create_app(service, token=token, max_body_bytes=int(cfg.max_body_mb * (1 << 20)))

@@ -22,7 +22,7 @@ from ..core.action import Outcome
 from ..managers.sandbox import languages
 from ..managers.sandbox.manager import CommandResult, Files
 from ..managers.sandbox.images import ImageError
-from ..runtime import ActionResult, Runtime, Session, SessionGone, Tangram
+from ..runtime import ActionResult, Runtime, Session, Tangram
 from ..runtime.api import SessionError
 from .journal import Journal
 

@@ -91,6 +91,9 @@ class SimModelManager(_SimManager):
     def prefetch(self, load: Load) -> None:
         self.at(self.clock.now() + self.gpus.load_s(load.block, load.per_gpu_gb), lambda: self.sink(Loaded(load.key)))
 
+    def evict(self, model: str, gpus: tuple[int, ...]) -> None:
+        pass  # dropping a copy costs nothing; its next load is charged when it happens
+
 
 class SimApiManager(_SimManager):
     """The external APIs themselves, each enforcing its own quota (``QuotaPool`` as its limiter).

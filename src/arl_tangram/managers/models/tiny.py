@@ -70,12 +70,15 @@ def _pad(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     return ids.to(device), torch.tensor([len(s) for s in seqs], device=device)
 
 
+# The ops take the model's output where it comes out: on the last GPU of a multi-GPU copy.
+
 @torch.inference_mode()
 def score(model: TinyTransformer, seqs: list[list[int]]) -> list[float]:
     """Reward of each sequence: the head's value at its last token."""
     ids, lengths = _pad(seqs, model.embed.weight.device)
     out = model(ids, lengths)[:, :, 0].float()
-    return out[torch.arange(len(seqs)), lengths - 1].tolist()
+    last = (lengths - 1).to(out.device)
+    return out[torch.arange(len(seqs), device=out.device), last].tolist()
 
 
 @torch.inference_mode()
@@ -83,7 +86,7 @@ def logprobs(model: TinyTransformer, seqs: list[list[int]]) -> list[list[float]]
     """log p(token_t | tokens_<t) for t = 1..len-1 of each sequence."""
     ids, lengths = _pad(seqs, model.embed.weight.device)
     logits = model(ids, lengths).float().log_softmax(-1)
-    picked = logits[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+    picked = logits[:, :-1].gather(-1, ids[:, 1:, None].to(logits.device))[..., 0].cpu()
     return [picked[i, :int(lengths[i]) - 1].tolist() for i in range(len(seqs))]
 
 

@@ -1,0 +1,108 @@
+"""Splitting a model's layers over the GPUs of a multi-GPU instance (pipeline placement).
+
+An instance placed on k GPUs of one island keeps its stack of layers (the module's largest
+``nn.ModuleList``) in k contiguous stages of about equal bytes; what comes before the stack (an
+embedding) sits on the first GPU, what comes after it (a final norm, an output head) on the last.
+Each unit's inputs are moved to its GPU before it runs, so the model's own ``forward`` runs
+unchanged and an operation only has to expect its output on the last GPU.
+
+Why layers split rather than tensor parallel through ``torch.distributed``: a split runs any
+``nn.Module`` (no per-architecture sharding rules, no process group per instance), gives
+bit-identical results to one GPU (the same kernels on the same shapes), and its point here is the
+memory of a model too big for one GPU and loading its weights over k host links at once; a batch
+crosses each stage boundary once over NVLink. Tensor parallel would also cut a batch's latency up to
+k times; it is the next step when one model's latency, not capacity, is the bottleneck.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+
+def _stack_path(module: nn.Module) -> str | None:
+    """The dotted path of the ``nn.ModuleList`` holding the most parameters, or None."""
+    best, best_n = None, 0
+    for path, sub in module.named_modules():
+        if isinstance(sub, nn.ModuleList) and len(sub) > 1:
+            n = sum(p.numel() for p in sub.parameters())
+            if n > best_n:
+                best, best_n = path, n
+    return best
+
+
+def _units(module: nn.Module, prefix: str, stack: str) -> Iterator[tuple[str, nn.Module, bool]]:
+    """Leaves of the split in forward order: ``(path, module, in_stack)``."""
+    for name, child in module.named_children():
+        path = f"{prefix}{name}"
+        if path == stack:
+            for i, layer in enumerate(child):
+                yield f"{path}.{i}", layer, True
+        elif stack.startswith(path + "."):
+            yield from _units(child, path + ".", stack)
+        else:
+            yield path, child, False
+
+
+def stages(module: nn.Module, k: int) -> list[tuple[str, nn.Module, int]]:
+    """``(path, submodule, stage)`` for every unit of ``module`` split over ``k`` stages."""
+    stack = _stack_path(module) if k > 1 else None
+    if stack is None:
+        return [("", module, 0)]
+    units = list(_units(module, "", stack))
+    layers = [u for u in units if u[2]]
+    sizes = [sum(p.numel() * p.element_size() for p in m.parameters()) for _, m, _ in layers]
+    total, acc, out, seen_stack = sum(sizes) or 1, 0, [], False
+    bounds: dict[str, int] = {}
+    for (path, _, _), size in zip(layers, sizes):
+        # the layer's midpoint decides its stage: stages get about total/k bytes each
+        bounds[path] = min(k - 1, int((acc + size / 2) * k / total))
+        acc += size
+    for path, sub, in_stack in units:
+        if in_stack:
+            seen_stack = True
+            out.append((path, sub, bounds[path]))
+        else:
+            out.append((path, sub, k - 1 if seen_stack else 0))
+    return out
+
+
+def _move(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True) if x.device != device else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_move(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: _move(v, device) for k, v in x.items()}
+    return x
+
+
+def _follow(sub: nn.Module, dev: torch.device) -> None:
+    """Move ``sub``'s tensor inputs onto ``dev`` before its own ``forward`` runs. An instance
+    attribute, not a forward pre-hook: a hook turns off ``TransformerEncoderLayer``'s fused fast
+    path (measured: other kernels, scores no longer bit-identical to one GPU's)."""
+    inner = sub.forward
+
+    def forward(*args, **kwargs):
+        return inner(*_move(args, dev), **_move(kwargs, dev))
+
+    sub.forward = forward
+
+
+def place(module: nn.Module, devices: list[torch.device]) -> dict[str, torch.device]:
+    """Hook ``module``'s stages so their inputs follow them onto ``devices``; returns the device of
+    every parameter and buffer name (for loading its weights there)."""
+    where: dict[str, torch.device] = {}
+    plan = stages(module, len(devices))
+    for path, sub, stage in plan:
+        dev = devices[stage]
+        prefix = f"{path}." if path else ""
+        for name, _ in list(sub.named_parameters()) + list(sub.named_buffers()):
+            where[prefix + name] = dev
+        if len(devices) > 1:
+            _follow(sub, dev)
+    for name, _ in list(module.named_parameters()) + list(module.named_buffers()):
+        where.setdefault(name, devices[0])  # the root's own tensors, if any
+    return where

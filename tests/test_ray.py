@@ -1,0 +1,205 @@
+"""The Ray backend on a real multi-node Ray cluster on loopback (``ray.cluster_utils.Cluster``):
+one engine in this process, a node agent with real sandboxes on each node."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import httpx
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every Ray address on 127.0.0.1
+ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from arl_tangram.core import Outcome  # noqa: E402
+from arl_tangram.managers.sandbox.manager import SandboxConfig  # noqa: E402
+from arl_tangram.runtime import SessionGone, Tangram  # noqa: E402
+
+from servers import free_port  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.skipif(shutil.which("bwrap") is None,
+                                                   reason="bubblewrap is not installed")]
+
+
+@pytest.fixture
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
+    c.wait_for_nodes()
+    yield c, nodes
+    if ray.is_initialized():
+        ray.shutdown()
+    c.shutdown()
+
+
+def _node_of(tg, trajectory):
+    return tg.runtime.sandboxes.homes[trajectory]
+
+
+def test_work_spreads_over_nodes_and_a_dead_node_loses_no_action(cluster):
+    c, nodes = cluster
+    finished: Counter = Counter()
+
+    async def main():
+        async with Tangram.ray(c.address, sandbox=SandboxConfig(warm_pool=1)) as tg:
+            rt = tg.runtime
+            rt.engine.listeners.append(lambda f: finished.update([f.action.id]))
+            assert rt.engine.cpu.capacity == 2 and len(rt.nodes()) == 2
+            # one-shots and sessions spread over both nodes
+            seen: set[str] = set()
+
+            async def watch():
+                while True:
+                    seen.update(n["name"] for n in rt.nodes() if n["running"])
+                    await asyncio.sleep(0.02)
+
+            watcher = asyncio.ensure_future(watch())
+            rs = await asyncio.gather(*(tg.run(f"import time; time.sleep(0.3); print({i})") for i in range(6)))
+            watcher.cancel()
+            assert [r.stdout for r in rs] == [f"{i}\n" for i in range(6)] and len(seen) == 2
+            s = await tg.session()
+            await s.exec(python="x = 41")
+            assert (await s.exec(python="print(x + 1)")).stdout == "42\n"
+            home = _node_of(tg, s.id)
+
+            # a node dies with one-shots running and a session step in flight
+            longs = [asyncio.ensure_future(tg.run("import time; time.sleep(1.5); print('done')", id=f"long-{i}"))
+                     for i in range(4)]
+            step = asyncio.ensure_future(s.exec("sleep 30"))
+            await asyncio.sleep(0.8)
+            victim = next(n for n in nodes if n.node_id == home.ray_id)
+            c.remove_node(victim)
+            step_r = await asyncio.wait_for(step, 60)
+            capacity_after = rt.engine.cpu.capacity
+            long_rs = await asyncio.wait_for(asyncio.gather(*longs), 120)
+            with pytest.raises(SessionGone) as gone:
+                await s.exec("ls")
+
+            # a node that joins gets work
+            c.add_node(num_cpus=1)
+            for _ in range(200):
+                if rt.engine.cpu.capacity == 2:
+                    break
+                await asyncio.sleep(0.1)
+            joined = rt.engine.cpu.capacity
+            before = {n["name"] for n in rt.nodes() if n["state"] == "alive"}
+            seen.clear()
+            watcher = asyncio.ensure_future(watch())
+            more = await asyncio.gather(*(tg.run("import time; time.sleep(0.3)") for _ in range(6)))
+            watcher.cancel()
+            return step_r, capacity_after, long_rs, gone.value.reason, joined, before, seen, more, rt.nodes()
+
+    step_r, capacity_after, long_rs, gone, joined, alive, seen, more, table = asyncio.run(main())
+    assert step_r.outcome is Outcome.INFRA_ERROR and "lost with its node" in step_r.message
+    assert "lost with its node" in gone
+    assert capacity_after == 1, "the dead node's capacity left the engine at once"
+    assert [(r.outcome, r.stdout) for r in long_rs] == [(Outcome.OK, "done\n")] * 4  # re-run elsewhere
+    ids = [f"long-{i}" for i in range(4)]
+    # every accepted action ended, and at most one re-run each (2 records: the lost run and the re-run)
+    assert all(1 <= finished[i] <= 2 for i in ids)
+    assert joined == 2 and alive == seen and all(r.ok for r in more)
+    assert [n["state"] for n in table].count("dead") == 1
+
+
+def test_serve_with_ray_restart_recovers_and_leaks_no_sandbox(cluster, tmp_path):
+    c, _ = cluster
+    journal = tmp_path / "journal.sqlite3"
+
+    def serve() -> tuple[subprocess.Popen, str]:
+        port = free_port()
+        log = open(tmp_path / f"serve-{port}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--journal",
+                                 str(journal), "--ray", c.address], stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                    return proc, url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        proc.kill()
+        raise RuntimeError((tmp_path / f"serve-{port}.log").read_text()[-2000:])
+
+    proc, url = serve()
+    cluster_info = httpx.get(f"{url}/v1/cluster").json()
+    assert cluster_info["backend"] == "ray" and [n["cores"] for n in cluster_info["nodes"]] == [1, 1]
+    assert all(n["sandboxes"] and n["isolation"] == "bwrap" for n in cluster_info["nodes"])
+    ids = [f"crash-{i}" for i in range(6)]
+    for i in ids:
+        r = httpx.post(f"{url}/v1/actions", json={"id": i, "wait": False, "action": {
+            "code": "import time; time.sleep(1); print('ok')"}}, timeout=30)
+        assert r.status_code in (200, 202)
+    time.sleep(1.0)
+    agents = [n for n in httpx.get(f"{url}/v1/cluster").json()["nodes"]]
+    assert sum(len(n["running"]) for n in agents) >= 1
+    sandboxes = _sandbox_processes()
+    assert sandboxes, "the agents should be running sandboxes now"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 60
+    while time.time() < deadline and any(_alive(p) for p in sandboxes):
+        time.sleep(0.5)
+    assert not [p for p in sandboxes if _alive(p)], "sandboxes of the dead head leaked"
+    proc2, url2 = serve()
+    try:
+        final = {}
+        deadline = time.time() + 120
+        while len(final) < len(ids) and time.time() < deadline:
+            for i in ids:
+                if i not in final:
+                    r = httpx.get(f"{url2}/v1/actions/{i}").json()
+                    if r["state"] == "done":
+                        final[i] = r
+            time.sleep(0.3)
+        assert {i: r["outcome"] for i, r in final.items()} == {i: "ok" for i in ids}
+    finally:
+        proc2.send_signal(signal.SIGTERM)
+        proc2.wait(60)
+
+
+def test_an_unreachable_ray_address_is_one_clear_line():
+    port = free_port()
+    p = subprocess.run([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--ray",
+                        f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "ray start --head" in " ".join(p.stderr.split())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _sandbox_processes() -> list[int]:
+    """Every process below a node agent's worker (its sandboxes: bwrap and what runs inside)."""
+    children: dict[int, list[int]] = {}
+    cmd: dict[int, str] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{name}/cmdline", "rb") as fh:
+                    cmd[int(name)] = fh.read().replace(b"\0", b" ").decode(errors="replace")
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    out: list[int] = []
+    todo = [p for p, c in cmd.items() if c.startswith("ray::NodeAgent")]
+    while todo:
+        for ch in children.get(todo.pop(), ()):
+            out.append(ch)
+            todo.append(ch)
+    return out
