@@ -3,7 +3,12 @@ record what they were asked to start (test doubles at the manager seam)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# before anything imports Ray (verl does): keep every address of test clusters on 127.0.0.1
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 from arl_tangram.core import Action, Allocation, Demand, ManualClock, Outcome
 from arl_tangram.core.records import Load

@@ -171,6 +171,8 @@ def test_top_shows_the_jobs_of_a_live_server(server):
                        capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "160"})
     assert p.returncode == 0, p.stderr
     assert "sandboxfusion" in p.stdout and "queued" in p.stdout
+    cores = httpx.get(f"{server.url}/healthz").json()["cores"]
+    assert "local cluster" in p.stdout and f"{cores}/{cores}" in p.stdout and "alive" in p.stdout
     down = subprocess.run([sys.executable, "-m", "arl_tangram.cli", "top", "--url", "http://127.0.0.1:9", "--once"],
                           capture_output=True, text=True, timeout=60)
     assert down.returncode == 2 and "cannot reach" in down.stderr

@@ -237,15 +237,18 @@ def top(
     once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
     token: Optional[str] = typer.Option(None, envvar="TANGRAM_TOKEN", help="Bearer token of the server."),
 ) -> None:
-    """A live view of a running server: queue, running actions, ACT percentiles per job."""
+    """A live view of a running server: queue, ACT percentiles per job, its nodes."""
     import httpx
 
+    from .client import TangramError
     from .top import run
 
     try:
         run(url, interval, once, token)
     except httpx.TransportError as e:
         raise fail(f"--url: cannot reach {url} ({e})")
+    except TangramError as e:
+        raise fail(f"--url: {url} answered {e}")
     except KeyboardInterrupt:
         pass
 
@@ -330,6 +333,29 @@ def bench_server(
     except ValueError:
         raise fail(f"--levels: expected comma-separated integers, got {levels!r}")
     _print_json(run(parsed, log=lambda m: console.print(m)), json_out)
+
+
+@bench_app.command("cluster")
+def bench_cluster(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    nodes: str = typer.Option("1,2,3", help="Comma-separated node counts of the loopback Ray clusters."),
+    cores: int = typer.Option(1, min=1, help="CPUs each node gives the cluster."),
+    actions: int = typer.Option(150, min=1, help="One-shots per scaling run."),
+    work_ms: float = typer.Option(0.0, min=0, help="CPU time each one-shot burns (0: a trivial program)."),
+    chaos: int = typer.Option(300, min=0, help="One-shots of the chaos run (a node removed mid-run); 0 skips it."),
+) -> None:
+    """The Ray backend: scaling over nodes, a node killed mid-run, the engine's cost at 64 nodes."""
+    from .bench.cluster import run  # first: it keeps the loopback clusters' addresses on 127.0.0.1
+
+    try:
+        parsed = tuple(int(x) for x in nodes.split(","))
+    except ValueError:
+        raise fail(f"--nodes: expected comma-separated integers, got {nodes!r}")
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise fail("bench cluster needs Ray: pip install 'arl-tangram[ray]'")
+    _print_json(run(parsed, cores, actions, work_ms, chaos_actions=chaos, log=lambda m: console.print(m)), json_out)
 
 
 _STORE_HELP = "Image cache directory [default: $TANGRAM_IMAGE_STORE, else ~/.local/share/arl-tangram/images]."

@@ -14,11 +14,27 @@ from .api import v1
 from .client import TangramClient, TangramError
 
 
-def snapshot(client: TangramClient) -> tuple[dict, list[v1.JobStats]]:
-    return client.health(), client.jobs()
+def snapshot(client: TangramClient) -> tuple[dict, list[v1.JobStats], dict]:
+    return client.health(), client.jobs(), client.cluster()
 
 
-def render(url: str, health: dict, jobs: list[v1.JobStats]) -> Group:
+def nodes_table(cluster: dict) -> Table:
+    """One row per node: state, cores free of total, GPUs, isolation, what runs there."""
+    table = Table(header_style="bold", expand=True, title=f"{cluster.get('backend', 'local')} cluster")
+    for col, just in [("node", "left"), ("address", "left"), ("state", "left"), ("cores free", "right"),
+                      ("GPUs", "right"), ("isolation", "left"), ("running", "right"), ("sessions", "right"),
+                      ("problem", "left")]:
+        table.add_column(col, justify=just)
+    style = {"alive": "green", "starting": "yellow", "draining": "yellow", "dead": "red"}
+    for n in cluster.get("nodes", []):
+        state = f"[{style.get(n['state'], 'white')}]{n['state']}[/]"
+        table.add_row(n["name"], n["address"], state, f"{n['cores_free']}/{n['cores']}", str(n["gpus"]),
+                      f"{n['isolation'] or '-'}{' + cgroups ' + n['cgroups'] if n.get('cgroups') else ''}",
+                      str(len(n["running"])), str(n["sessions"]), n.get("problem") or "")
+    return table
+
+
+def render(url: str, health: dict, jobs: list[v1.JobStats], cluster: dict | None = None) -> Group:
     cores = health.get("cores") or 1
     head = (f"[bold]{url}[/]  v{health.get('version')}  isolation {health.get('isolation')}   "
             f"queued [bold]{health['queued']}[/]  running [bold]{health['running']}[/] on {cores} cores   "
@@ -37,7 +53,10 @@ def render(url: str, health: dict, jobs: list[v1.JobStats]) -> Group:
         table.add_row(j.job, f"{j.actions:,}", *(str(o.get(k, 0)) for k in
                                                  ("ok", "failed", "timeout", "oom", "infra_error")),
                       ms(j.avg_act_s), ms(j.p50_act_s), ms(j.p99_act_s))
-    return Group(Panel(head, title="ARL-Tangram"), table)
+    parts = [Panel(head, title="ARL-Tangram"), table]
+    if cluster:
+        parts.append(nodes_table(cluster))
+    return Group(*parts)
 
 
 def run(url: str, interval_s: float = 1.0, once: bool = False, token: str | None = None) -> None:

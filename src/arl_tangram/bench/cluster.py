@@ -1,0 +1,218 @@
+"""The multi-node backend measured on a real Ray cluster of loopback nodes (``tangram bench cluster``).
+
+* ``scaling``: actions/s and ACT percentiles with 1, 2, ... nodes of ``cores`` CPUs each (trivial
+  one-shots, or CPU-bound ones of ``work_ms``), at a fixed concurrency per core.
+* ``chaos``: ``actions`` one-shots in flight while a node is removed mid-run: how many were lost
+  (no terminal answer), answered twice, and how long until the dead node's one-shots had finished
+  elsewhere.
+* ``engine``: the head's own cost at scale, with simulated agents: scheduling rounds per second
+  with ``sessions`` open sessions spread over ``engine_nodes`` nodes and a queue of 10,000.
+
+Every node of a loopback cluster shares this machine's CPUs, so the scaling figures only mean
+something on a machine with at least ``nodes x cores`` CPUs (the accelerator machine's 16, say).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter, deque
+from typing import Callable
+
+from ..core.action import Action, Allocation, Demand, Outcome
+from ..core.clock import ManualClock
+from ..core.cluster import uniform_cluster
+from ..core.seam import Completion, Pool
+from ..engine import Engine
+from ..policy import tangram_policy
+
+# Ray reads this when it is imported: every address of the loopback clusters stays on 127.0.0.1
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q / 100 * len(xs)))] if xs else float("nan")
+
+
+def _program(work_ms: float) -> str:
+    if work_ms <= 0:
+        return "pass"
+    return f"import time\nt = time.process_time() + {work_ms / 1000}\nwhile time.process_time() < t:\n    pass"
+
+
+def _cluster(nodes: int, cores: int):
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    members = [c.add_node(num_cpus=cores) for _ in range(nodes)]
+    c.wait_for_nodes()
+    return c, members
+
+
+def _close(c) -> None:
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    c.shutdown()
+
+
+async def _load(tg, n: int, concurrency: int, program: str, prefix: str) -> tuple[list[float], float, Counter]:
+    sem = asyncio.Semaphore(concurrency)
+    acts: list[float] = []
+    outcomes: Counter = Counter()
+
+    async def one(i: int) -> None:
+        async with sem:
+            r = await tg.run(program, id=f"{prefix}-{i}", timeout_s=60)
+            outcomes[r.outcome.value] += 1
+            acts.append(r.act_s)
+
+    t = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    return acts, time.perf_counter() - t, outcomes
+
+
+def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: float, per_core: int,
+            log: Callable[[str], None]) -> list[dict]:
+    from ..managers.sandbox.manager import SandboxConfig
+    from ..runtime.api import Tangram
+
+    out = []
+    for n in node_counts:
+        c, _ = _cluster(n, cores)
+        try:
+            async def main() -> dict:
+                async with Tangram.ray(c.address, sandbox=SandboxConfig(warm_pool=2 * cores)) as tg:
+                    await _load(tg, 2 * n * cores, n * cores, _program(0), "warm")
+                    acts, span, outcomes = await _load(tg, actions, per_core * n * cores, _program(work_ms), "m")
+                return {"nodes": n, "cores_per_node": cores, "actions": actions, "work_ms": work_ms,
+                        "actions_per_s": round(actions / span, 1), "act_p50_ms": round(_pct(acts, 50) * 1000, 1),
+                        "act_p99_ms": round(_pct(acts, 99) * 1000, 1), "outcomes": dict(outcomes)}
+
+            row = asyncio.run(main())
+        finally:
+            _close(c)
+        log(f"{n} node(s) x {cores} core(s): {row['actions_per_s']} actions/s, ACT p50 {row['act_p50_ms']} ms, "
+            f"p99 {row['act_p99_ms']} ms")
+        out.append(row)
+    return out
+
+
+def chaos(nodes: int, cores: int, actions: int, work_ms: float, log: Callable[[str], None]) -> dict:
+    from ..managers.sandbox.manager import SandboxConfig
+    from ..runtime.api import Tangram
+
+    c, members = _cluster(nodes, cores)
+    try:
+        async def main() -> dict:
+            async with Tangram.ray(c.address, sandbox=SandboxConfig(warm_pool=cores)) as tg:
+                rt = tg.runtime
+                records: Counter = Counter()
+                rt.engine.listeners.append(lambda f: records.update([f.action.id]))
+                answers: Counter = Counter()
+                finished_at: dict[str, float] = {}
+                sem = asyncio.Semaphore(2 * nodes * cores)
+
+                async def one(i: int) -> None:
+                    async with sem:
+                        r = await tg.run(_program(work_ms), id=f"chaos-{i}", timeout_s=120)
+                        answers[(r.id, r.outcome.value)] += 1
+                        finished_at[r.id] = time.perf_counter()
+
+                tasks = [asyncio.ensure_future(one(i)) for i in range(actions)]
+                while len(finished_at) < actions // 3:
+                    await asyncio.sleep(0.05)
+                victim = next(n for n in rt.nodes_by_id.values() if n.state == "alive")
+                on_victim = set(victim.running)
+                killed_at = time.perf_counter()
+                member = next(m for m in members if m.node_id == victim.ray_id)
+                await asyncio.to_thread(c.remove_node, member)
+                done, pending = await asyncio.wait(tasks, timeout=300)
+                ids = {f"chaos-{i}" for i in range(actions)}
+                per_id: Counter = Counter()
+                for (i, _), k in answers.items():
+                    per_id[i] += k
+                answered = set(per_id)
+                rerun_done = [finished_at[i] - killed_at for i in on_victim if i in finished_at]
+                return {"nodes": nodes, "cores_per_node": cores, "actions": actions, "work_ms": work_ms,
+                        "running_on_removed_node": len(on_victim),
+                        "lost": len(ids - answered) + len(pending),
+                        "duplicated": sum(1 for k in per_id.values() if k > 1),
+                        "outcomes": dict(Counter(o for _, o in answers)),
+                        "engine_records_per_action_max": max(records.values()),
+                        "rerun_done_after_s": round(max(rerun_done), 2) if rerun_done else None}
+
+        row = asyncio.run(main())
+    finally:
+        _close(c)
+    log(f"chaos: {row['actions']} actions, node removed with {row['running_on_removed_node']} running: "
+        f"lost {row['lost']}, duplicated {row['duplicated']}, re-runs done {row['rerun_done_after_s']} s later")
+    return row
+
+
+class _Agents:
+    """Simulated node agents: record starts, never run anything."""
+
+    def __init__(self) -> None:
+        self.started: deque[str] = deque()
+
+    def start(self, action: Action, allocation: Allocation) -> None:
+        self.started.append(action.id)
+
+    def cancel(self, action_id: str) -> None:
+        pass
+
+    def close_session(self, trajectory: str) -> None:
+        pass
+
+
+def engine_cost(nodes: int = 64, cores: int = 64, sessions: int = 10_000, depth: int = 10_000,
+                seconds: float = 2.0) -> dict:
+    """Rounds of submit + schedule + complete per second with ``sessions`` open sessions (every
+    action belongs to one, sticky to its node) and ``depth`` waiting."""
+    clock = ManualClock()
+    agents = _Agents()
+    engine = Engine(uniform_cluster(cpus=nodes * cores, cpu_nodes=nodes, memory_gb_per_core=64.0), tangram_policy(),
+                    {Pool.CPU: agents}, clock)
+    n = 0
+
+    def submit() -> None:
+        nonlocal n
+        engine.submit(Action(f"a{n}", "sandbox", Demand({"cpu": (1, 1)}), trajectory=f"s{n % sessions}",
+                             operation=("shell", "test", "edit")[n % 3]))
+        n += 1
+
+    for _ in range(nodes * cores + depth):
+        submit()
+    engine.schedule()
+    done, t = 0, 0.0
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(256):
+            t += 1e-4
+            clock.advance_to(t)
+            engine.complete(Completion(agents.started.popleft(), Outcome.OK, exec_s=1.0))
+            submit()
+            engine.schedule()
+        done += 256
+    elapsed = time.perf_counter() - start
+    return {"nodes": nodes, "cores": nodes * cores, "open_sessions": len(engine.cpu.homes), "queued": len(engine.pending),
+            "decisions_per_s": round(done / elapsed)}
+
+
+def run(nodes: tuple[int, ...] = (1, 2, 3), cores: int = 1, actions: int = 150, work_ms: float = 0.0,
+        per_core: int = 4, chaos_actions: int = 300, log: Callable[[str], None] = print) -> dict:
+    result = {"machine_cpus": len(os.sched_getaffinity(0))}
+    result["engine"] = engine_cost()
+    log(f"engine: {result['engine']['decisions_per_s']:,} decisions/s with {result['engine']['open_sessions']:,} "
+        f"open sessions on {result['engine']['nodes']} nodes")
+    result["scaling"] = scaling(nodes, cores, actions, work_ms, per_core, log)
+    if len(result["scaling"]) > 1:
+        base = result["scaling"][0]["actions_per_s"]
+        result["scaling_ratio"] = {str(r["nodes"]): round(r["actions_per_s"] / base, 2) for r in result["scaling"]}
+    if chaos_actions:
+        result["chaos"] = chaos(max(nodes), cores, chaos_actions, 100.0 if work_ms <= 0 else work_ms, log)
+    return result
