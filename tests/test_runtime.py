@@ -210,3 +210,45 @@ def test_calls_on_an_ended_session_say_why_it_ended():
     closed, expired, closed_in_manager = run("double", body)
     assert "closed by its owner" in closed and "expired" in expired
     assert len(closed_in_manager) == 2
+
+
+def test_a_node_agent_without_isolation_reports_why_and_takes_no_work(monkeypatch):
+    from arl_tangram.managers.sandbox import manager as sandbox_manager
+    from arl_tangram.runtime.agent import NodeAgent
+
+    def no_isolation(*args, **kwargs):
+        raise RuntimeError("no sandbox isolation available: install bubblewrap")
+
+    monkeypatch.setattr(sandbox_manager, "detect", no_isolation)
+
+    async def main():
+        agent = NodeAgent("n1", 2)
+        info = await agent.start()
+        with pytest.raises(RuntimeError, match="runs no sandboxes"):
+            await agent.run(Action("a", "sandbox", payload=RunCode("print(1)")), None)
+        return info
+
+    info = asyncio.run(main())
+    assert info["sandboxes"] is False and info["cores"] == 2
+    assert "install bubblewrap" in info["problem"]
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_a_node_agent_runs_what_the_engine_started_on_its_node():
+    from arl_tangram.core import Allocation
+    from arl_tangram.runtime.agent import NodeAgent
+
+    async def main():
+        agent = NodeAgent("n1", 1, SandboxConfig(warm_pool=0))
+        info = await agent.start()
+        try:
+            c = await agent.run(Action("a", "sandbox", trajectory="t", payload=RunCode("print(6 * 7)")),
+                                Allocation("cpu", 0, (0,)))
+            held = agent.sessions()
+        finally:
+            await agent.shut_down()
+        return info, c, held
+
+    info, c, held = asyncio.run(main())
+    assert info["sandboxes"] and info["isolation"] == "bwrap"
+    assert c.outcome is Outcome.OK and c.result.run.stdout == "42\n" and held == ["t"]
