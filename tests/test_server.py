@@ -246,3 +246,46 @@ def test_sandboxfusion_runs_are_journaled_whole_for_recovery(server):
     assert job == "sandboxfusion"
     spec = json.loads(request)
     assert spec["job"] == "sandboxfusion" and spec["action"]["files"] == files  # a re-run is the same program
+
+
+def test_bad_cpu_ranges_are_422_naming_the_field_and_never_journaled(server, tmp_path):
+    for body in ({"action": {"code": "print(1)"}, "cpus": [3, 1]},
+                 {"action": {"code": "print(1)"}, "cpus": [0, 0]},
+                 {"action": {"code": "print(1)"}, "cpus": [10_000, 10_000]},
+                 {"id": "too-many-cores", "action": {"code": "print(1)"}, "cpus": [4000, 4000]}):
+        r = httpx.post(f"{server.url}/v1/actions", json=body, timeout=30)
+        assert r.status_code == 422, r.text
+        assert r.json()["message"].startswith("cpus"), r.text
+    assert httpx.get(f"{server.url}/v1/actions/too-many-cores").status_code == 404  # not journaled
+    sid = httpx.post(f"{server.url}/v1/sessions", json={}).json()["session_id"]
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}/exec", json={"command": "true", "cpus": [2, 1]})
+    assert r.status_code == 422 and r.json()["message"].startswith("cpus"), r.text
+    httpx.delete(f"{server.url}/v1/sessions/{sid}")
+
+
+def test_recovery_finishes_what_it_cannot_run_with_its_reason(tmp_path):
+    from arl_tangram.server.journal import Journal
+    path = tmp_path / "journal.sqlite3"
+    j = Journal(str(path))
+    j.accept("bad-range", "j", "run_code", {"action": {"code": "print(1)"}, "cpus": [3, 1]}, True)
+    j.accept("bad-file", "j", "run_code", {"action": {"code": "print(1)", "files": {"a": "%%%"}}}, True)
+    j.accept("fine", "j", "run_code", {"id": "fine", "action": {"code": "print(6 * 7)"}}, True)
+    j.close()
+    s = Server(tmp_path, journal=path)
+    try:
+        assert httpx.get(f"{s.url}/healthz").json()["recovered"] == {"rerun": 1, "infra_error": 0, "rejected": 2}
+        for id, field in (("bad-range", "cpus"), ("bad-file", "action.files.a")):
+            r = httpx.get(f"{s.url}/v1/actions/{id}").json()
+            assert r["state"] == "done" and r["outcome"] == "rejected" and field in r["message"], r["message"]
+        deadline = time.time() + 30
+        while (r := httpx.get(f"{s.url}/v1/actions/fine").json())["state"] != "done" and time.time() < deadline:
+            time.sleep(0.1)
+        assert r["outcome"] == "ok" and r["run"]["stdout"] == "42\n", r
+    finally:
+        s.stop()
+    assert "never retrieved" not in (tmp_path / f"server-{s.port}.log").read_text()
+    s2 = Server(tmp_path, journal=path)  # nothing is left to recover a second time
+    try:
+        assert httpx.get(f"{s2.url}/healthz").json()["recovered"] == {"rerun": 0, "infra_error": 0, "rejected": 0}
+    finally:
+        s2.stop()

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections import deque
 
+from pydantic import ValidationError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..api import sandboxfusion as sf
@@ -57,6 +58,14 @@ class Metrics:
         self.sessions = Gauge("tangram_sessions", "Open sessions", registry=self.registry)
 
 
+def _reason(err: Exception) -> str:
+    """``field: problem`` for a validation error (pydantic's or ours)."""
+    if isinstance(err, ValidationError):
+        first = err.errors()[0]
+        return f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}"
+    return str(err) or type(err).__name__
+
+
 def _b64decode(field: str, data: str | None) -> bytes:
     if not data:
         return b""
@@ -92,7 +101,7 @@ class Service:
         self._acts: dict[str, deque[float]] = {}
         self._outcomes: dict[str, dict[str, int]] = {}
         self.started_at = time.time()
-        self.recovered = {"rerun": 0, "infra_error": 0}
+        self.recovered = {"rerun": 0, "infra_error": 0, "rejected": 0}
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -102,20 +111,40 @@ class Service:
             self._recover()
 
     def _recover(self) -> None:
-        """Account for what a previous process accepted and never finished."""
+        """Account for what a previous process accepted and never finished: a stateless one-shot
+        that still validates is re-run; anything else ends now, with its reason (never left in the
+        journal to be "recovered" again at every start)."""
         for e in self.journal.unfinished():
             if e.safe_to_rerun and e.kind == "run_code":
-                spec = v1.ActionRequest.model_validate(e.request)
-                self._launch(e.id, self._run_code(e.id, spec))
+                try:
+                    spec = v1.ActionRequest.model_validate(e.request)
+                    self._check_cpus("cpus", spec.cpus)
+                    files = _decode_files("action.files", spec.action.files)
+                except (ValueError, BadRequest) as err:  # pydantic's ValidationError is a ValueError
+                    reason = _reason(err)
+                    self._finish_unrunnable(e.id, "rejected", f"cannot re-run after restart: {reason}")
+                    self.recovered["rejected"] += 1
+                    continue
+                self._launch(e.id, self._run_code(e.id, spec, files))
                 self.recovered["rerun"] += 1
             else:
                 msg = "the server restarted while this action was in flight; its session state is gone (retry it)"
-                self.journal.finish(e.id, "infra_error", v1.ActionResult(id=e.id, state="done", outcome="infra_error",
-                                                                         message=msg).model_dump())
+                self._finish_unrunnable(e.id, "infra_error", msg)
                 self.recovered["infra_error"] += 1
         if any(self.recovered.values()):
-            log.warning("recovered after restart: %d re-run, %d finished as infra_error", self.recovered["rerun"],
-                        self.recovered["infra_error"])
+            log.warning("recovered after restart: %d re-run, %d finished as infra_error, %d rejected",
+                        self.recovered["rerun"], self.recovered["infra_error"], self.recovered["rejected"])
+
+    def _finish_unrunnable(self, id: str, outcome: str, message: str) -> None:
+        if self.journal is not None:
+            self.journal.finish(id, outcome, v1.ActionResult(id=id, state="done", outcome=outcome,
+                                                             message=message).model_dump())
+
+    def _check_cpus(self, field: str, cpus: tuple[int, int]) -> None:
+        """The cluster-dependent part of a ``cpus`` range (the API model checks its shape)."""
+        largest = self.runtime.engine.cpu.max_cores
+        if cpus[0] > largest:
+            raise BadRequest(f"{field}: minimum {cpus[0]} exceeds the largest node ({largest} cores)")
 
     async def stop(self) -> None:
         """Drain: let running actions finish for up to ``drain_s``; what is left ends as cancelled
@@ -136,20 +165,34 @@ class Service:
     def _launch(self, id: str, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._inflight[id] = task
-        task.add_done_callback(lambda _: self._inflight.pop(id, None))
+        task.add_done_callback(lambda t: self._landed(id, t))
         return task
+
+    def _landed(self, id: str, task: asyncio.Task) -> None:
+        """Every accepted action ends in one terminal outcome: a fault of ours ends it as infra_error
+        in the journal (and is logged), instead of leaving it to be re-run at every start."""
+        self._inflight.pop(id, None)
+        if task.cancelled():
+            return
+        err = task.exception()
+        if err is not None and not isinstance(err, BadRequest):
+            log.error("action %s failed inside the server: %r", id, err)
+            self._finish_unrunnable(id, "infra_error", f"internal error: {type(err).__name__}")
 
     async def submit(self, req: v1.ActionRequest) -> v1.ActionResult:
         id = req.id or f"a-{uuid.uuid4().hex}"
         task = self._inflight.get(id)
         if task is None:
-            existing = self.journal.accept(id, req.job, "run_code", req.model_dump(), True) if self.journal else None
+            # everything that can reject the request is checked before it is journaled
+            self._check_cpus("cpus", req.cpus)
+            files = _decode_files("action.files", req.action.files)
+            existing = self.journal.get(id) if self.journal else None
             if existing is not None and existing.state == "done":
                 return v1.ActionResult.model_validate(existing.response)
-            files = None
             if existing is None:
                 self._admit()
-                files = _decode_files("action.files", req.action.files)  # a bad file fails before it is queued
+                if self.journal is not None:
+                    self.journal.accept(id, req.job, "run_code", req.model_dump(), True)
             task = self._inflight.get(id) or self._launch(id, self._run_code(id, req, files))
         if not req.wait:
             return self.status(id)
@@ -258,13 +301,18 @@ class Service:
         s = self._session(sid)
         if (req.command is None) == (req.python is None):
             raise BadRequest("command/python: give exactly one")
+        self._check_cpus("cpus", req.cpus)
         self._admit()
         id = f"x-{uuid.uuid4().hex}"
         if self.journal is not None:
             self.journal.accept(id, s.job, "exec", req.model_dump(), False)
-        r = await s.exec(req.command, python=req.python, stdin=req.stdin.encode() if req.stdin else None,
-                         timeout_s=req.timeout_s, cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction,
-                         hint_s=req.hints.work_s, operation=req.hints.operation, id=id)
+        try:
+            r = await s.exec(req.command, python=req.python, stdin=req.stdin.encode() if req.stdin else None,
+                             timeout_s=req.timeout_s, cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction,
+                             hint_s=req.hints.work_s, operation=req.hints.operation, id=id)
+        except Exception as e:
+            self._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
+            raise
         return self._record(r, s.job, "exec")
 
     async def put_files(self, sid: str, req: v1.PutFiles) -> v1.ActionResult:
@@ -325,6 +373,8 @@ class Service:
             return sf.RunCodeResponse(status=sf.RunStatus.SandboxError,
                                       message=f"language {req.language!r} is known but this server has no "
                                               "toolchain for it")
+        if 0 < req.memory_limit_MB < 16:
+            raise BadRequest("memory_limit_MB: give -1 (the default limit) or at least 16")
         self._admit()
         given = {p: d for p, d in req.files.items() if d is not None}
         files = _decode_files("files", given)
@@ -336,7 +386,8 @@ class Service:
             memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None))
         if self.journal is not None:
             self.journal.accept(id, spec.job, "run_code", spec.model_dump(), True)
-        r, _ = await self._execute(id, spec, files)
+        task = self._launch(id, self._execute(id, spec, files))
+        r, _ = await asyncio.shield(task)
         return sf_response(r)
 
     async def sf_run_jupyter(self, req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:
