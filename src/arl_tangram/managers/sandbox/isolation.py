@@ -2,7 +2,10 @@
 
 ``bwrap`` (bubblewrap) is the default: new user, pid, net, ipc, uts, cgroup and mount namespaces;
 system directories read-only; a size-limited private tmpfs for the workspace and another for /tmp;
-the root remounted read-only; no capabilities; a clean environment; an unprivileged uid. Without
+the root and /dev remounted read-only (/dev/shm is a private tmpfs); no capabilities; a clean
+environment; an unprivileged uid; the runner is the PID namespace's init (``--as-pid-1``), so
+nothing inside can signal it. The only writable places are ``WRITABLE`` (what a recycled sandbox
+wipes). Without
 bwrap, ``unshare`` gives the same namespaces with the host tree read-only and the sensitive parts
 (/root, /home, the server's own tree) hidden under empty tmpfs. ``none`` runs the runner directly:
 only for trusted code, and only when configured explicitly.
@@ -22,6 +25,10 @@ SHELL = Path(__file__).with_name("shell.py")  # loaded by the runner for persist
 SYSTEM_LINKS = ("bin", "lib", "lib64", "sbin")
 ETC_FILES = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "ssl", "java-17-openjdk",
              "gcc", "bash.bashrc")
+
+
+# the writable places inside a bwrap sandbox and their modes (a recycled sandbox is wiped back to this)
+WRITABLE = {"/workspace": 0o777, "/tmp": 0o1777, "/dev/shm": 0o1777}
 
 
 class Isolation(str, enum.Enum):
@@ -86,7 +93,7 @@ def command(mode: Isolation, layout: Layout, probe: bool = False, workspace: str
 
 
 def _bwrap(layout: Layout) -> list[str]:
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+    argv = ["bwrap", "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--uid", str(layout.uid), "--gid", str(layout.uid), "--hostname", "sandbox",
             "--ro-bind", "/usr", "/usr"]
     for name in SYSTEM_LINKS:
@@ -100,6 +107,7 @@ def _bwrap(layout: Layout) -> list[str]:
     for path in layout.ro_binds:
         argv += ["--ro-bind", path, path]
     argv += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
              "--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/tmp",
              "--perms", "0777", "--size", str(layout.workspace_bytes), "--tmpfs", "/workspace",
              "--ro-bind", str(RUNNER), "/run/tangram/runner.py", "--ro-bind", str(SHELL), "/run/tangram/shell.py",

@@ -30,6 +30,7 @@ from .envops import Fork, Snapshot
 from .imagebox import ImageSandboxes, Prewarmed
 from .images import ImageError, ImageStore, resolve_in
 from .isolation import Isolation, Layout, command, detect
+from .recycle import Recycler
 from .rootfs import RootFs
 from .sandbox import Limits, Sandbox, SandboxDied
 
@@ -53,6 +54,10 @@ class SandboxConfig(BaseModel):
     max_output_bytes: int = Field(1 << 20, ge=1024, description="stdout/stderr kept per stream; more is dropped "
                                                                 "and flagged")
     warm_pool: int = Field(4, ge=0, description="prepared sandboxes waiting for one-shot runs and new sessions")
+    recycle: bool = Field(True, description="reuse a one-shot's sandbox after a verified wipe (bubblewrap only; "
+                                            "see managers/sandbox/recycle.py for what is reset and checked)")
+    recycle_pool_max: int = Field(32, ge=0, description="idle sandboxes kept for reuse; more are killed")
+    recycle_max_uses: int = Field(1000, ge=1, description="one-shots a sandbox runs before it is replaced")
     session_idle_expiry_s: float = Field(600.0, gt=0, description="close a session unused for this long")
     grace_s: float = Field(5.0, gt=0, description="past an action's timeout plus this, the sandbox is killed")
     cpus: tuple[int, ...] | None = Field(None, description="host CPUs to use (default: this process's affinity)")
@@ -173,6 +178,7 @@ class SandboxManager:
         self.images = ImageStore(c.image_store)
         self.imageboxes: ImageSandboxes | None = None
         self.pending_roots: dict[str, RootFs] = {}  # forked/restored sessions: root mounted, processes on first use
+        self.recycler = Recycler(False, self._put_back, self.tasks.spawn)
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start_up(self) -> None:
@@ -195,6 +201,8 @@ class SandboxManager:
         self._taken = asyncio.Event()
         self._fill = asyncio.get_running_loop().create_task(self._keep_pool_full())
         self._reaper = asyncio.get_running_loop().create_task(self._expire_sessions())
+        self.recycler = Recycler(self.config.recycle and self.mode is Isolation.BWRAP, self._put_back,
+                                 self.tasks.spawn, self.config.recycle_max_uses)
         log.info("sandboxes: isolation %s, cgroups %s, %d CPUs, warm pool %d", self.mode.value,
                  "v2" if self.root and self.root.v2 else ("v1" if self.root else "unavailable"), len(self.host_cpus),
                  self.config.warm_pool)
@@ -206,8 +214,8 @@ class SandboxManager:
         for t in loops:
             t.cancel()
         await asyncio.gather(*loops, return_exceptions=True)  # the refill kills its half-made sandboxes
-        # running actions are cancelled (their handlers kill their sandboxes); kills in flight
-        # are waited for, never cancelled half-way
+        # running actions are cancelled (their handlers kill their sandboxes); kills and resets in
+        # flight are waited for, never cancelled half-way (a reset that ends now kills its sandbox)
         await self.tasks.close(cancel_background=False)
         doomed = list(self.sessions.values())
         self.sessions.clear()
@@ -234,7 +242,9 @@ class SandboxManager:
             self._hostdirs.append(workspace)
         argv = command(self.mode, self.layout, workspace=workspace)
         limits = Limits(self.config.memory_mb << 20, self.config.pids_max)
-        return await Sandbox.spawn(sid, argv, self.root, limits, cwd=workspace)
+        sb = await Sandbox.spawn(sid, argv, self.root, limits, cwd=workspace)
+        sb.recyclable = True  # our own tree (isolation.WRITABLE is all it can write), not an image's
+        return sb
 
     async def _keep_pool_full(self) -> None:
         """Refill the pool, one spawn in flight per core (spawning is CPU work: bwrap and the
@@ -263,6 +273,14 @@ class SandboxManager:
                 except BaseException:
                     continue
                 await sb.kill()
+
+    def _put_back(self, sb: Sandbox) -> bool:
+        """A recycled sandbox joins the pool (False: the pool is full or closing)."""
+        if self._closing or self._pool is None or self._pool.qsize() >= max(self.config.recycle_pool_max,
+                                                                            self.config.warm_pool):
+            return False
+        self._pool.put_nowait(sb)
+        return True
 
     async def _take(self, image: str | None = None) -> Sandbox:
         """A prepared sandbox from the pool, or a fresh one when the pool is empty."""
@@ -382,8 +400,8 @@ class SandboxManager:
             sb.freeze()
             self._last_used[action.trajectory] = time.monotonic()
         if sb is not None and action.trajectory is None:
-            # starts once this task has reported: tearing down is not part of the action's ACT
-            self._kill_later(sb)
+            # starts once this task has reported: reset or teardown is not part of the action's ACT
+            self.recycler.release(sb)
         return Completion(action.id, outcome, setup_s, exec_s, result.message, result)
 
     def _died(self, e: SandboxDied, action: Action, sb: Sandbox | None) -> tuple[Outcome, SandboxResult]:

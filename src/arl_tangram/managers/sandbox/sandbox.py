@@ -60,6 +60,8 @@ class Sandbox:
         self.rootfs = None  # an image sandbox's overlay root (rootfs.RootFs)
         self.image: str | None = None
         self.on_kill = None  # called (in a thread) once the processes are gone: releases the root
+        self.uses = 0  # one-shots run in it before (recycling)
+        self.recyclable = False  # a plain warm-pool sandbox (not an image's): recycling may reuse it
 
     @classmethod
     async def spawn(cls, sid: str, argv: list[str], root: CgroupRoot | None, limits: Limits,
