@@ -45,6 +45,11 @@ PR_SET_DUMPABLE = 4
 LIBC = ctypes.CDLL(None, use_errno=True)
 LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no ptrace, no /proc/<pid>/mem|fd from inside
 _signal.signal(SIGINT, _signal.SIG_IGN)  # Python's KeyboardInterrupt handler would let a child stop us
+try:  # POSIX message queues outlive their processes and cannot be listed without mounting mqueue
+    import resource
+    resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
+except (ImportError, ValueError, OSError):
+    pass
 PROTO_IN = os.dup(0)
 PROTO_OUT = os.dup(1)
 _null = os.open(os.devnull, os.O_RDWR)
