@@ -20,10 +20,12 @@ def test_bench_sandbox_prints_its_figures(tmp_path):
     p = tangram("bench", "sandbox", "--samples", "3", "--json", str(out))
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
-    for key in ("cold_p50_ms", "warm_p50_ms", "warm_p99_ms", "session_exec_p50_ms", "throughput_per_s",
-                "concurrency"):
-        assert r[key] > 0
-    assert r["isolation"] == "bwrap"
+    assert r["cold_p50_ms"] > 0 and r["isolation"] == "bwrap"
+    for mode in ("fresh", "recycled"):
+        for key in ("warm_p50_ms", "warm_p99_ms", "session_exec_p50_ms", "throughput_per_s", "concurrency"):
+            assert r[mode][key] > 0
+    assert r["recycled"]["recycler"]["recycled"] > 0 and not r["recycled"]["recycler"]["discarded"]
+    assert r["fresh"]["recycler"]["recycled"] == 0
     assert "environments" in r
 
 
