@@ -66,7 +66,7 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
         yield
         await service.stop()
 
-    def auth(request: Request) -> None:
+    async def auth(request: Request) -> None:  # async: a sync dependency costs a thread hand-off per request
         if token is None:
             return
         given = request.headers.get("authorization", "")

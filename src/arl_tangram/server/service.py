@@ -386,8 +386,11 @@ class Service:
             memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None))
         if self.journal is not None:
             self.journal.accept(id, spec.job, "run_code", spec.model_dump(), True)
-        task = self._launch(id, self._execute(id, spec, files))
-        r, _ = await asyncio.shield(task)
+        try:  # awaited in place (not a task): the action reaches the engine's queue before we yield
+            r, _ = await self._execute(id, spec, files)
+        except Exception as e:
+            self._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
+            raise
         return sf_response(r)
 
     async def sf_run_jupyter(self, req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:

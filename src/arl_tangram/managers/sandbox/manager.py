@@ -369,7 +369,7 @@ class SandboxManager:
             memory_mb = getattr(payload, "memory_mb", None)
             sb.set_memory((memory_mb or self.config.memory_mb) << 20)
             setup_s = time.monotonic() - t0
-            oom_before = sb.oom_kills()
+            oom_before = sb.oom_seen  # read after the sandbox's last action
             t1 = time.monotonic()
             self._busy.add(sb)
             try:
@@ -377,7 +377,7 @@ class SandboxManager:
             finally:
                 self._busy.discard(sb)
             exec_s = time.monotonic() - t1
-            if outcome is not Outcome.TIMEOUT and not sb.dead and sb.oom_kills() > oom_before:
+            if not sb.dead and sb.oom_kills() > oom_before and outcome is not Outcome.TIMEOUT:
                 outcome = Outcome.OOM
                 result.message = _join(result.message, "killed: out of memory "
                                                        f"(limit {(memory_mb or self.config.memory_mb)} MB)")
@@ -466,15 +466,15 @@ class SandboxManager:
         files = {**{k: _b64(v) for k, v in p.files.items()}}
         if not lang.in_interpreter:
             files[lang.source] = _b64(p.code.encode())
-        if files:
-            r = await sb.request({"op": "write", "files": files}, FILES_TIMEOUT_S + grace)
-            if "error" in r:
-                return Outcome.FAILED, SandboxResult(message=f"files: {r['error']}")
         base = self._base(cores, sb)
         result = SandboxResult()
+        # the files ride on the first command and fetched files on the last: one round trip per command
         if lang.compile:
-            r = await sb.request({**base, "op": "run", "argv": list(lang.compile), "timeout_s": p.compile_timeout_s},
-                                 p.compile_timeout_s + grace)
+            r = await sb.request({**base, "op": "run", "argv": list(lang.compile), "timeout_s": p.compile_timeout_s,
+                                  "files": files}, p.compile_timeout_s + grace)
+            files = {}
+            if "files_error" in r:
+                return Outcome.FAILED, SandboxResult(message=f"files: {r['files_error']}")
             result.compile = CommandResult.from_wire(r) if "error" not in r else None
             if "error" in r:
                 return Outcome.INFRA_ERROR, SandboxResult(message=f"compile: {r['error']}")
@@ -488,15 +488,18 @@ class SandboxManager:
             req = {**base, "op": "python", "code": p.code}
         else:
             req = {**base, "op": "run", "argv": list(lang.run)}
-        r = await sb.request({**req, "stdin": _b64(p.stdin), "timeout_s": p.run_timeout_s}, p.run_timeout_s + grace)
+        r = await sb.request({**req, "stdin": _b64(p.stdin), "timeout_s": p.run_timeout_s, "files": files,
+                              "fetch": list(p.fetch_files)}, p.run_timeout_s + grace)
+        if "files_error" in r:
+            return Outcome.FAILED, SandboxResult(message=f"files: {r['files_error']}")
         if "error" in r:
             return Outcome.INFRA_ERROR, SandboxResult(message=f"run: {r['error']}")
         run = _result(r)
         result.run, result.message = run.run, run.message
         if p.fetch_files:
-            fr = await sb.request({"op": "read", "paths": list(p.fetch_files)}, FILES_TIMEOUT_S + grace)
+            fr = r.get("fetched") or {}
             result.files = {k: base64.b64decode(v) for k, v in fr.get("files", {}).items()}
-            result.missing = fr.get("missing", [])
+            result.missing = fr.get("missing", list(p.fetch_files))
         return _outcome(r), result
 
 

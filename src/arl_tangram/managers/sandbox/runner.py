@@ -10,7 +10,8 @@ start so nothing the user's code prints can corrupt the channel. Requests:
 * ``python`` run ``code`` in a forked child of this warm interpreter (a one-shot python action
              without paying interpreter start-up)
 * ``cell``   run ``code`` in this process's persistent namespace (a stateful python session)
-* ``write`` / ``read`` files in the workspace
+* ``write`` / ``read`` files in the workspace (``run`` and ``python`` also take ``files`` to write
+             first and ``fetch`` paths to read afterwards: one round trip for a whole one-shot)
 
 * ``reset``  make a used one-shot sandbox pristine for the next one (see ``op_reset``) and say
              whether that could be verified
@@ -670,12 +671,21 @@ def main():
         if head is None:
             return
         req = marshal.loads(read_exact(int.from_bytes(head, "little")))
-        try:
-            result = OPS[req["op"]](req)
-        except Exception as e:
-            result = {"error": f"{type(e).__name__}: {e}"}
+        result = None
+        if req.get("files") and req["op"] in ("run", "python"):  # one round trip: write, then run
+            try:
+                op_write(req)
+            except Exception as e:
+                result = {"files_error": f"{type(e).__name__}: {e}"}
+        if result is None:
+            try:
+                result = OPS[req["op"]](req)
+            except Exception as e:
+                result = {"error": f"{type(e).__name__}: {e}"}
         if req.get("reap", True) and req["op"] in ("run", "python", "cell", "shell"):
             reap_strays()
+        if req.get("fetch") and "error" not in result and "files_error" not in result:
+            result["fetched"] = op_read({"paths": req["fetch"]})
         result["id"] = req.get("id")
         data = (to_json(result) + "\n").encode()
         while data:
