@@ -45,6 +45,9 @@ class RunCodeAction(BaseModel):
     memory_mb: Optional[int] = Field(None, ge=16)
     image: Optional[str] = Field(None, min_length=1, max_length=128, description="image to run in (default: the "
                                                                                   "server's sandbox.image)")
+    memory_as_rlimit: bool = Field(False, description="also cap the address space at memory_mb, so allocations "
+                                                      "fail inside the program (python: MemoryError) instead of "
+                                                      "an OOM kill; SandboxFusion's behaviour")
 
 
 class ActionRequest(BaseModel):

@@ -210,6 +210,7 @@ class Service:
             files = _decode_files("action.files", a.files)
         r = await self.tg.run(a.code, a.language, stdin=a.stdin, files=files, fetch_files=a.fetch_files,
                               timeout_s=a.timeout_s, compile_timeout_s=a.compile_timeout_s, memory_mb=a.memory_mb,
+                              memory_as_rlimit=a.memory_as_rlimit,
                               cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction, job=req.job,
                               hint_s=req.hints.work_s, id=id, operation=req.hints.operation, image=a.image)
         return r, self._record(r, req.job, "run_code")
@@ -383,7 +384,7 @@ class Service:
         spec = v1.ActionRequest(id=id, job="sandboxfusion", action=v1.RunCodeAction(
             code=req.code, language=req.language, stdin=req.stdin, files=given, fetch_files=req.fetch_files,
             compile_timeout_s=req.compile_timeout, timeout_s=req.run_timeout,
-            memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None))
+            memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None, memory_as_rlimit=True))
         if self.journal is not None:
             self.journal.accept(id, spec.job, "run_code", spec.model_dump(), True)
         try:  # awaited in place (not a task): the action reaches the engine's queue before we yield
@@ -399,7 +400,7 @@ class Service:
         s = await self.tg.session(job="sandboxfusion")
         start = time.monotonic()
         cells: list[sf.CellRunResult] = []
-        status, message = sf.RunStatus.Success, ""
+        status, timed_out = sf.RunStatus.Success, False
         try:
             if files:
                 r = await s.files(Files(put=files))
@@ -408,10 +409,10 @@ class Service:
             for code in req.cells:
                 left = req.total_timeout - (time.monotonic() - start)
                 if left <= 0:
-                    status, message = sf.RunStatus.Failed, "total_timeout exceeded"
+                    status, timed_out = sf.RunStatus.Failed, True
                     break
                 timeout = min(left, req.cell_timeout) if req.cell_timeout > 0 else left
-                r = await s.exec(python=code, timeout_s=timeout, operation="jupyter",
+                r = await s.exec(python=code, timeout_s=timeout, operation="jupyter", jupyter=True,
                                  memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None)
                 if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED):
                     return sf.RunJupyterResponse(status=sf.RunStatus.SandboxError, message=r.message,
@@ -420,7 +421,7 @@ class Service:
                 cells.append(sf.CellRunResult(stdout=run.stdout if run else "", stderr=run.stderr if run else "",
                                               display=run.display if run else [], error=run.error if run else []))
                 if r.outcome in (Outcome.TIMEOUT, Outcome.OOM):
-                    status, message = sf.RunStatus.Failed, r.message or r.outcome.value
+                    status, timed_out = sf.RunStatus.Failed, r.outcome is Outcome.TIMEOUT
                     break
             fetched = {}
             if req.fetch_files:
@@ -428,24 +429,32 @@ class Service:
                 fetched = {k: base64.b64encode(v).decode() for k, v in r.result.files.items()}
         finally:
             await s.close()
-        driver = sf.CommandRunResult(status=sf.CommandRunStatus.TimeLimitExceeded if message.startswith("total")
+        # as SandboxFusion: a failed run has an empty message and its driver record says why; the cells
+        # that did run are kept (SandboxFusion drops them: see the README's compatibility notes)
+        driver = sf.CommandRunResult(status=sf.CommandRunStatus.TimeLimitExceeded if timed_out
                                      else sf.CommandRunStatus.Finished, execution_time=time.monotonic() - start,
-                                     return_code=0, stdout="", stderr="")
-        return sf.RunJupyterResponse(status=status, message=message, driver=driver, cells=cells, files=fetched)
+                                     return_code=None if timed_out else 0, stdout="", stderr="")
+        return sf.RunJupyterResponse(status=status, message="", driver=driver, cells=cells, files=fetched)
 
 
 def _sf_command(c: CommandResult | None, outcome: Outcome) -> sf.CommandRunResult | None:
+    """SandboxFusion's command record: a command stopped at its time limit has no return code."""
     if c is None:
         return None
-    status = sf.CommandRunStatus.TimeLimitExceeded if c.timed_out or outcome is Outcome.TIMEOUT else \
-        sf.CommandRunStatus.Finished
-    return sf.CommandRunResult(status=status, execution_time=c.duration_s, return_code=c.exit_code,
-                               stdout=c.stdout, stderr=c.stderr)
+    if c.timed_out or outcome is Outcome.TIMEOUT:
+        return sf.CommandRunResult(status=sf.CommandRunStatus.TimeLimitExceeded, execution_time=c.duration_s,
+                                   return_code=None, stdout=c.stdout, stderr=c.stderr)
+    return sf.CommandRunResult(status=sf.CommandRunStatus.Finished, execution_time=c.duration_s,
+                               return_code=c.exit_code, stdout=c.stdout, stderr=c.stderr)
 
 
 def sf_response(r: ActionResult) -> sf.RunCodeResponse:
-    """Our outcome in SandboxFusion's terms: infrastructure trouble is SandboxError (its clients
-    retry it and never score it), anything the code did is Success or Failed."""
+    """Our outcome in SandboxFusion's terms, field by field as its ``parse_run_status`` does:
+    infrastructure trouble is SandboxError with a message (its clients retry it and never score
+    it); anything the code did is Success or Failed with an empty message (but for truncated
+    output), the details being in
+    the command records (a timeout is a TimeLimitExceeded record without return code, a compile
+    error a compile record with the compiler's stderr and no run record)."""
     res = r.result
     if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED, Outcome.CANCELLED):
         return sf.RunCodeResponse(status=sf.RunStatus.SandboxError, message=r.message or r.outcome.value)
@@ -453,10 +462,11 @@ def sf_response(r: ActionResult) -> sf.RunCodeResponse:
     run_result = _sf_command(res.run, r.outcome)
     if run_result is None and compile_result is None and r.outcome is Outcome.TIMEOUT:
         run_result = sf.CommandRunResult(status=sf.CommandRunStatus.TimeLimitExceeded, execution_time=r.exec_s)
-    if r.outcome is Outcome.OK:
-        status = sf.RunStatus.Success
-    else:
-        status = sf.RunStatus.Failed
+    status = sf.RunStatus.Success if r.outcome is Outcome.OK else sf.RunStatus.Failed
     files = {k: base64.b64encode(v).decode() for k, v in res.files.items()}
-    return sf.RunCodeResponse(status=status, message=r.message, compile_result=compile_result, run_result=run_result,
-                              executor_pod_name=None, files=files)
+    # the one deliberate difference: output past the cap is flagged (SandboxFusion cuts it silently, and a
+    # reward computed on cut output would be wrong without anyone knowing)
+    truncated = any(c is not None and c.truncated for c in (res.compile, res.run))
+    return sf.RunCodeResponse(status=status, message="output truncated" if truncated else "",
+                              compile_result=compile_result, run_result=run_result, executor_pod_name=None,
+                              files=files)

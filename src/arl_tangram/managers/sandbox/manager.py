@@ -121,6 +121,7 @@ class RunCode:
     run_timeout_s: float = 10.0
     memory_mb: int | None = None
     image: str | None = None
+    memory_as_rlimit: bool = False  # also cap address space: allocations fail (MemoryError) as in SandboxFusion
 
 
 @dataclass
@@ -133,6 +134,7 @@ class Exec:
     timeout_s: float = 10.0
     memory_mb: int | None = None
     image: str | None = None
+    jupyter: bool = False  # a python cell's traceback goes only into its error record, as in a notebook
 
 
 @dataclass
@@ -433,7 +435,8 @@ class SandboxManager:
         if isinstance(payload, Exec):
             base = self._base(cores, sb)
             if payload.python is not None:
-                req = {**base, "op": "cell", "code": payload.python, "timeout_s": payload.timeout_s}
+                req = {**base, "op": "cell", "code": payload.python, "timeout_s": payload.timeout_s,
+                       "jupyter": payload.jupyter}
             elif payload.command is not None:  # a step of the session's persistent shell
                 req = {**base, "op": "shell", "command": payload.command, "timeout_s": payload.timeout_s,
                        "stdin": _b64(payload.stdin)}
@@ -467,6 +470,8 @@ class SandboxManager:
         if not lang.in_interpreter:
             files[lang.source] = _b64(p.code.encode())
         base = self._base(cores, sb)
+        if p.memory_as_rlimit and p.memory_mb:
+            base["as_bytes"] = p.memory_mb << 20
         result = SandboxResult()
         # the files ride on the first command and fetched files on the last: one round trip per command
         if lang.compile:

@@ -101,13 +101,17 @@ def to_json(obj):
     return to_json(str(obj))
 
 
-def print_exc():
-    """The traceback of the user's code, without the runner's own frames."""
+def print_exc(quiet=False):
+    """The traceback of the user's code, without the runner's own frames; printed to stderr
+    unless ``quiet``, returned as lines either way."""
     import traceback
     etype, value, tb = sys.exc_info()
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
-    traceback.print_exception(etype, value, tb)
+    lines = traceback.format_exception(etype, value, tb)
+    if not quiet:
+        sys.stderr.write("".join(lines))
+    return [line.rstrip("\n") for line in lines]
 
 
 # Only in a PID namespace of our own (the host passes --reap, and we double-check that we are
@@ -231,6 +235,7 @@ def spawn(req, body):
             for fd in (in_r, in_w, out_r, out_w, err_r, err_w, PROTO_IN, PROTO_OUT):
                 os.close(fd)
             os.chdir(req.get("cwd") or WORKSPACE)
+            cap_address_space(req.get("as_bytes"))
             body()
         except SystemExit as e:
             code = e.code
@@ -256,6 +261,15 @@ def finish(req, start, out, err, truncated, timed_out, status):
     else:
         result["exit_code"] = os.WEXITSTATUS(status)
     return result
+
+
+def cap_address_space(limit):
+    """SandboxFusion's memory limit: address space and data segment capped, so allocations fail
+    inside the program (python raises MemoryError) instead of the kernel killing it."""
+    if limit:
+        import resource
+        for res in (resource.RLIMIT_AS, resource.RLIMIT_DATA):
+            resource.setrlimit(res, (limit, resource.getrlimit(res)[1]))
 
 
 def env_for(req):
@@ -352,6 +366,7 @@ class Zygote:
             if req.get("cpus"):
                 os.sched_setaffinity(0, req["cpus"])
             os.chdir(req.get("cwd") or WORKSPACE)
+            cap_address_space(req.get("as_bytes"))
             python_body(req["code"], env_for(req))
         except SystemExit as e:
             code = e.code
@@ -374,7 +389,7 @@ class Zygote:
             os.close(fd)
         child = int.from_bytes(recv_exact(self.sock, 4), "little")
         data = marshal.dumps({"code": req["code"], "env": req.get("env"), "cpus": req.get("cpus"),
-                              "cwd": req.get("cwd")}, 4)
+                              "cwd": req.get("cwd"), "as_bytes": req.get("as_bytes")}, 4)
         self.sock.sendall(len(data).to_bytes(4, "little") + data)
         del data
         out = collect(child, out_r, err_r, in_w, unb64(req.get("stdin")), float(req.get("timeout_s") or 10),
@@ -472,8 +487,9 @@ def op_cell(req):
         exit_code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException as e:
         exit_code = 1
-        print_exc()
-        raised.append({"ename": type(e).__name__, "evalue": str(e)})
+        # a notebook (SandboxFusion's /run_jupyter) reports the traceback in the cell's error, not stderr
+        lines = print_exc(quiet=bool(req.get("jupyter")))
+        raised.append({"ename": type(e).__name__, "evalue": str(e), "traceback": lines})
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()
