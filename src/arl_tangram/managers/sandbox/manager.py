@@ -56,7 +56,8 @@ class SandboxConfig(BaseModel):
     warm_pool: int = Field(4, ge=0, description="prepared sandboxes waiting for one-shot runs and new sessions")
     recycle: bool = Field(True, description="reuse a one-shot's sandbox after a verified wipe (bubblewrap only; "
                                             "see managers/sandbox/recycle.py for what is reset and checked)")
-    recycle_pool_max: int = Field(32, ge=0, description="idle sandboxes kept for reuse; more are killed")
+    recycle_pool_max: int = Field(32, ge=0, description="idle sandboxes kept for reuse (within max_idle_sandboxes); "
+                                                        "more are killed")
     recycle_max_uses: int = Field(1000, ge=1, description="one-shots a sandbox runs before it is replaced")
     session_idle_expiry_s: float = Field(600.0, gt=0, description="close a session unused for this long")
     grace_s: float = Field(5.0, gt=0, description="past an action's timeout plus this, the sandbox is killed")
@@ -278,8 +279,9 @@ class SandboxManager:
 
     def _put_back(self, sb: Sandbox) -> bool:
         """A recycled sandbox joins the pool (False: the pool is full or closing)."""
-        if self._closing or self._pool is None or self._pool.qsize() >= max(self.config.recycle_pool_max,
-                                                                            self.config.warm_pool):
+        c = self.config
+        cap = min(max(c.recycle_pool_max, c.warm_pool), c.max_idle_sandboxes)
+        if self._closing or self._pool is None or self._pool.qsize() >= cap:
             return False
         self._pool.put_nowait(sb)
         return True
