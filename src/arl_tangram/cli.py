@@ -333,6 +333,8 @@ def bench_server(
     cpu_jobs: int = typer.Option(32, "--cpu-jobs", min=1, help="Concurrent 200 ms CPU jobs in cpu_200ms."),
     server_cpus: Optional[str] = typer.Option(None, "--server-cpus", help="Pin tangram's server to these CPUs "
                                                                           "(taskset list, e.g. 0-1)."),
+    client_procs: int = typer.Option(1, "--client-procs", min=1, help="Load-generator processes (one Python "
+                                                                      "client tops out near 800 req/s)."),
 ) -> None:
     """/run_code latency and throughput over loopback HTTP, beside the same actions in-process or
     beside another SandboxFusion-compatible server (--against)."""
@@ -349,7 +351,7 @@ def bench_server(
     if against is not None and not against.startswith(("http://", "https://")):
         raise fail(f"--against: expected an http(s) URL, got {against!r}")
     _print_json(run(parsed, log=lambda m: console.print(m), against=against, cases=chosen, cpu_jobs=cpu_jobs,
-                    server_cpus=server_cpus), json_out)
+                    server_cpus=server_cpus, client_procs=client_procs), json_out)
 
 
 @bench_app.command("cluster")

@@ -54,9 +54,10 @@ def _body(case: str, i: int) -> dict:
     return {"code": f"print({i})", "language": "python"}
 
 
-async def _http_level(url: str, concurrency: int, case: str = "python", n: int | None = None) -> dict:
-    """``n`` requests of ``case`` to ``url``/run_code, ``concurrency`` at a time."""
-    n = n or _count(concurrency)
+async def _load(url: str, concurrency: int, case: str, n: int, offset: int = 0) -> tuple[list[float], int, float,
+                                                                                           float]:
+    """``n`` requests of ``case`` to ``url``/run_code, ``concurrency`` at a time: latencies, errors,
+    and the wall-clock start and end of the measured part."""
     sem = asyncio.Semaphore(concurrency)
     lat: list[float] = []
     errors = 0
@@ -79,9 +80,33 @@ async def _http_level(url: str, concurrency: int, case: str = "python", n: int |
         await one(-1)  # a connection and a first sandbox, outside the measurement
         lat.clear()
         errors = 0
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(n)))
-        return _summary(lat, time.perf_counter() - t0, errors)
+        t0 = time.time()
+        await asyncio.gather(*(one(offset + i) for i in range(n)))
+        return lat, errors, t0, time.time()
+
+
+def _load_in_process(args: tuple) -> tuple[list[float], int, float, float]:
+    return asyncio.run(_load(*args))
+
+
+async def _http_level(url: str, concurrency: int, case: str = "python", n: int | None = None,
+                      client_procs: int = 1) -> dict:
+    """``n`` requests of ``case`` at ``concurrency``; with ``client_procs`` > 1 the load comes from
+    that many processes (one Python client costs about 1.2 ms of CPU a request, so it tops out near 800 requests/s: on a many-core host it,
+    not the server, would set the figure)."""
+    n = n or _count(concurrency)
+    procs = max(1, min(client_procs, concurrency))
+    if procs == 1:
+        lat, errors, t0, t1 = await _load(url, concurrency, case, n)
+        return _summary(lat, t1 - t0, errors)
+    from concurrent.futures import ProcessPoolExecutor
+    shares = [(url, concurrency // procs + (k < concurrency % procs), case, n // procs + (k < n % procs), k * n)
+              for k in range(procs)]
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(procs) as pool:
+        parts = await asyncio.gather(*(loop.run_in_executor(pool, _load_in_process, a) for a in shares))
+    lat = [x for p in parts for x in p[0]]
+    return _summary(lat, max(p[3] for p in parts) - min(p[2] for p in parts), sum(p[1] for p in parts))
 
 
 async def _inproc(levels: tuple[int, ...]) -> dict:
@@ -143,7 +168,8 @@ def _ratios(ours: dict, peer: dict) -> dict:
 
 
 def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m: None, against: str | None = None,
-        cases: tuple[str, ...] = ("python",), cpu_jobs: int = 32, server_cpus: str | None = None) -> dict:
+        cases: tuple[str, ...] = ("python",), cpu_jobs: int = 32, server_cpus: str | None = None,
+        client_procs: int = 1) -> dict:
     """Measure; ``against``: a SandboxFusion-compatible base URL measured beside ours."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -166,14 +192,14 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
             for case, c, n in plan:
                 key = f"{case}@c{c}" if against or len(cases) > 1 else str(c)
                 for name, base in targets.items():
-                    r = results[name][key] = asyncio.run(_http_level(base, c, case, n))
+                    r = results[name][key] = asyncio.run(_http_level(base, c, case, n, client_procs))
                     log(f"{name:>8} {case:>10} c={c:<4}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, "
                         f"{r['throughput_per_s']} req/s, {r['errors']} errors")
                     time.sleep(0.3)
         finally:
             proc.terminate()
             proc.wait(30)
-    out: dict = {"cores": len(os.sched_getaffinity(0)), "server_cpus": server_cpus}
+    out: dict = {"cores": len(os.sched_getaffinity(0)), "server_cpus": server_cpus, "client_procs": client_procs}
     if against:
         out.update({"tangram": results["tangram"], "against": {"url": against, **results["against"]},
                     "tangram_vs_against": _ratios(results["tangram"], results["against"])})
