@@ -92,8 +92,8 @@ def _load_in_process(args: tuple) -> tuple[list[float], int, float, float]:
 async def _http_level(url: str, concurrency: int, case: str = "python", n: int | None = None,
                       client_procs: int = 1) -> dict:
     """``n`` requests of ``case`` at ``concurrency``; with ``client_procs`` > 1 the load comes from
-    that many processes (one Python client costs about 1.2 ms of CPU a request, so it tops out near 800 requests/s: on a many-core host it,
-    not the server, would set the figure)."""
+    that many processes (one Python client costs about 1.2 ms of CPU a request, so it tops out
+    near 800 requests/s: on a many-core host it, not the server, would set the figure)."""
     n = n or _count(concurrency)
     procs = max(1, min(client_procs, concurrency))
     if procs == 1:
