@@ -143,7 +143,7 @@ class Service:
     def _check_cpus(self, field: str, cpus: tuple[int, int]) -> None:
         """The cluster-dependent part of a ``cpus`` range (the API model checks its shape)."""
         largest = self.runtime.engine.cpu.max_cores
-        if cpus[0] > largest:
+        if largest and cpus[0] > largest:  # no nodes (yet, on a cluster): the engine's own answer says so
             raise BadRequest(f"{field}: minimum {cpus[0]} exceeds the largest node ({largest} cores)")
 
     async def stop(self) -> None:
