@@ -30,9 +30,7 @@ own request after the fork.
 """
 
 import _signal
-import _socket
 import binascii
-import ctypes
 import io
 import marshal
 import os
@@ -43,8 +41,13 @@ import time
 SIGKILL = 9  # Linux numbers: importing signal pulls in enum, a fifth of our start-up
 SIGINT = 2
 PR_SET_DUMPABLE = 4
-LIBC = ctypes.CDLL(None, use_errno=True)
-LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no ptrace, no /proc/<pid>/mem|fd from inside
+try:  # an image's minimal python may lack these: then no zygote and no verified reset (no recycling)
+    import _socket
+    import ctypes
+    LIBC = ctypes.CDLL(None, use_errno=True)
+    LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no ptrace, no /proc/<pid>/mem|fd from inside
+except (ImportError, OSError, AttributeError):
+    _socket = ctypes = LIBC = None
 _signal.signal(SIGINT, _signal.SIG_IGN)  # Python's KeyboardInterrupt handler would let a child stop us
 try:  # POSIX message queues outlive their processes and cannot be listed without mounting mqueue
     import resource
@@ -362,7 +365,7 @@ class Zygote:
             head = recv_exact(sock, 4)
             req = marshal.loads(recv_exact(sock, int.from_bytes(head, "little")))
             sock.close()
-            LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # the user's process is ordinary again
+            LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # the user's process is ordinary again (zygote: LIBC is set)
             if req.get("cpus"):
                 os.sched_setaffinity(0, req["cpus"])
             os.chdir(req.get("cwd") or WORKSPACE)
@@ -580,6 +583,8 @@ def wipe(path):
 
 def ipc_clear():
     """Remove every System V IPC object of this sandbox's IPC namespace (they outlive processes)."""
+    if LIBC is None:
+        return 1  # cannot look: not verifiably clean
     left = 0
     for kind, ctl in (("shm", LIBC.shmctl), ("msg", LIBC.msgctl), ("sem", LIBC.semctl)):
         try:
@@ -596,8 +601,8 @@ def ipc_clear():
 
 def keys_clear():
     """Empty the keyrings that outlive a process: the user's, the user-session and persistent ones."""
-    if KEYCTL is None:
-        return True
+    if LIBC is None or KEYCTL is None:
+        return False  # cannot clear them here (no ctypes, or an architecture we have no syscall number for)
     ok = True
     c = ctypes.c_long
     rings = []
@@ -679,7 +684,7 @@ def main():
     global ZYGOTE
     os.chdir(WORKSPACE)
     snapshot()
-    if REAP:
+    if REAP and LIBC is not None:
         ZYGOTE = Zygote()
         SNAPSHOT[ZYGOTE.pid] = process_state(ZYGOTE.pid)
     while True:
