@@ -20,10 +20,12 @@ def test_bench_sandbox_prints_its_figures(tmp_path):
     p = tangram("bench", "sandbox", "--samples", "3", "--json", str(out))
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
-    for key in ("cold_p50_ms", "warm_p50_ms", "warm_p99_ms", "session_exec_p50_ms", "throughput_per_s",
-                "concurrency"):
-        assert r[key] > 0
-    assert r["isolation"] == "bwrap"
+    assert r["cold_p50_ms"] > 0 and r["isolation"] == "bwrap"
+    for mode in ("fresh", "recycled"):
+        for key in ("warm_p50_ms", "warm_p99_ms", "session_exec_p50_ms", "throughput_per_s", "concurrency"):
+            assert r[mode][key] > 0
+    assert r["recycled"]["recycler"]["recycled"] > 0 and not r["recycled"]["recycler"]["discarded"]
+    assert r["fresh"]["recycler"]["recycled"] == 0
     assert "environments" in r
 
 
@@ -65,3 +67,40 @@ def test_bench_models_runs_on_cpu(tmp_path):
     m = r["mopd"]
     assert m["services"] == 12 and m["tangram_shared"]["avg_act_s"] > 0
     assert m["task_isolated_dedicated"]["gpu_seconds_held"] > m["tangram_shared"]["gpu_seconds_held"]
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_bench_server_against_another_endpoint_prints_both(tmp_path):
+    """Our own server is SandboxFusion-compatible, so it can stand in for the peer here."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    peer = subprocess.Popen([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--journal",
+                             str(tmp_path / "peer.sqlite3")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/ping", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        out = tmp_path / "b.json"
+        p = tangram("bench", "server", "--against", f"http://127.0.0.1:{port}", "--levels", "1",
+                    "--cpu-jobs", "2", "--json", str(out))
+        assert p.returncode == 0, p.stderr
+        r = json.loads(out.read_text())
+        for side in ("tangram", "against"):
+            for key in ("python@c1", "bash@c1", "cpu_200ms@c2"):
+                assert r[side][key]["errors"] == 0 and r[side][key]["throughput_per_s"] > 0, (side, key, r)
+        assert r["tangram_vs_against"]["python@c1"]["throughput_x"] > 0
+    finally:
+        peer.terminate()
+        peer.wait(30)
+    bad = tangram("bench", "server", "--against", "localhost:1")
+    assert bad.returncode != 0 and "--against" in bad.stderr + bad.stdout

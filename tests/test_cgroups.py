@@ -1,17 +1,48 @@
 """The cgroup layer's logic on a v2 layout, against a directory tree shaped like cgroupfs (a test
 double at the filesystem seam: this host is v1, and the v1 path is exercised by the sandbox tests)."""
 
+import errno
 from pathlib import Path
 
-from arl_tangram.managers.sandbox.cgroups import _own_cgroups, open_root
+import pytest
+
+from arl_tangram.managers.sandbox import cgroups
+from arl_tangram.managers.sandbox.cgroups import LEAF, _own_cgroups, open_root
 
 
-def fake_v2(tmp_path: Path) -> Path:
+def fake_v2(tmp_path: Path, svc_controllers: str = "cpuset cpu memory pids") -> Path:
     root = tmp_path / "cg"
     (root / "svc").mkdir(parents=True)
     (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
-    (root / "svc" / "cgroup.controllers").write_text("cpuset cpu memory pids\n")
+    (root / "cgroup.subtree_control").write_text("")
+    (root / "svc" / "cgroup.controllers").write_text(svc_controllers + "\n")
+    (root / "svc" / "cgroup.subtree_control").write_text("")
+    (root / "svc" / "cgroup.procs").write_text("")
     return root
+
+
+class FakeKernel:
+    """The two cgroupfs behaviours delegation depends on, at the module's seams: enabling
+    controllers in a group makes them available to its children, and is refused while the group
+    (not the root) has processes of its own; moving a process takes it out of its old group."""
+
+    def __init__(self, mount: Path) -> None:
+        self.mount = mount
+
+    def enable(self, d: Path, controllers: set[str]) -> None:
+        if d != self.mount and (d / "cgroup.procs").read_text().split():
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        on = set((d / "cgroup.subtree_control").read_text().split()) | controllers
+        (d / "cgroup.subtree_control").write_text(" ".join(sorted(on)))
+        for child in d.iterdir():
+            if child.is_dir():
+                (child / "cgroup.controllers").write_text(" ".join(sorted(on)))
+
+    def move(self, pid: str, dest: Path) -> None:
+        for procs in self.mount.rglob("cgroup.procs"):
+            procs.write_text("".join(p + "\n" for p in procs.read_text().split() if p != pid))
+        (dest / "cgroup.procs").write_text(((dest / "cgroup.procs").read_text() if (dest / "cgroup.procs").exists()
+                                            else "") + pid + "\n")
 
 
 def test_v2_root_is_made_under_our_own_cgroup_with_controllers_enabled(tmp_path):
@@ -20,7 +51,7 @@ def test_v2_root_is_made_under_our_own_cgroup_with_controllers_enabled(tmp_path)
     assert root is not None and root.v2
     parent = mount / "svc" / "tangram-test"
     assert root.dirs == {"unified": parent}
-    assert (parent / "cgroup.subtree_control").read_text() == "+cpuset +memory +pids"
+    assert (parent / "cgroup.subtree_control").read_text() == "+cpu +cpuset +memory +pids"
     g = root.create("sb1")
     assert (parent / "sb1").is_dir()
     g.set_memory(64 << 20)
@@ -37,11 +68,39 @@ def test_v2_root_is_made_under_our_own_cgroup_with_controllers_enabled(tmp_path)
     assert g.cpu_seconds() == 1.5
 
 
-def test_missing_controllers_mean_no_cgroups_and_a_warning(tmp_path, caplog):
-    mount = fake_v2(tmp_path)
-    (mount / "svc" / "cgroup.controllers").write_text("cpu io\n")
+def test_missing_controllers_without_root_mean_no_cgroups_and_a_warning_saying_why(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(cgroups, "euid", lambda: 1000)
+    mount = fake_v2(tmp_path, "cpu io")
     assert open_root(mount, self_cgroup="0::/svc\n", tag="t") is None
-    assert "falling back to rlimits" in caplog.text
+    assert "falling back to rlimits" in caplog.text and "not root to delegate" in caplog.text
+
+
+@pytest.mark.parametrize("own", ["/svc", "/svc/" + LEAF])
+def test_as_root_our_cgroup_becomes_a_delegated_subtree(tmp_path, monkeypatch, own):
+    """The accelerator host's case: cpuset and pids not delegated to our cgroup, which has
+    processes of its own (us, the shell that started us)."""
+    monkeypatch.setattr(cgroups, "euid", lambda: 0)
+    mount = fake_v2(tmp_path, "cpu memory")
+    kernel = FakeKernel(mount)
+    monkeypatch.setattr(cgroups, "_enable", kernel.enable)
+    monkeypatch.setattr(cgroups, "_move", kernel.move)
+    (mount / "svc" / "cgroup.procs").write_text("100\n101\n")
+    root = open_root(mount, self_cgroup=f"0::{own}\n", tag="tangram-test")
+    assert root is not None and root.dirs == {"unified": mount / "svc" / "tangram-test"}
+    assert set((mount / "cgroup.subtree_control").read_text().split()) == {"cpu", "cpuset", "memory", "pids"}
+    assert set((mount / "svc" / "cgroup.subtree_control").read_text().split()) == {"cpu", "cpuset", "memory",
+                                                                                 "pids"}
+    assert (mount / "svc" / "cgroup.procs").read_text().split() == []
+    assert (mount / "svc" / LEAF / "cgroup.procs").read_text().split() == ["100", "101"]
+    assert (mount / "svc" / "tangram-test" / "cgroup.subtree_control").read_text() == "+cpu +cpuset +memory +pids"
+
+
+def test_a_kernel_without_the_controllers_is_a_clear_fallback(tmp_path, caplog, monkeypatch):
+    monkeypatch.setattr(cgroups, "euid", lambda: 0)
+    mount = fake_v2(tmp_path, "cpu memory")
+    (mount / "cgroup.controllers").write_text("cpu io memory\n")
+    assert open_root(mount, self_cgroup="0::/svc\n", tag="t") is None
+    assert "offers no cpuset, pids controller" in caplog.text
 
 
 def test_parsing_proc_self_cgroup():

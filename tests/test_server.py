@@ -246,3 +246,97 @@ def test_sandboxfusion_runs_are_journaled_whole_for_recovery(server):
     assert job == "sandboxfusion"
     spec = json.loads(request)
     assert spec["job"] == "sandboxfusion" and spec["action"]["files"] == files  # a re-run is the same program
+
+
+def test_bad_cpu_ranges_are_422_naming_the_field_and_never_journaled(server, tmp_path):
+    for body in ({"action": {"code": "print(1)"}, "cpus": [3, 1]},
+                 {"action": {"code": "print(1)"}, "cpus": [0, 0]},
+                 {"action": {"code": "print(1)"}, "cpus": [10_000, 10_000]},
+                 {"id": "too-many-cores", "action": {"code": "print(1)"}, "cpus": [4000, 4000]}):
+        r = httpx.post(f"{server.url}/v1/actions", json=body, timeout=30)
+        assert r.status_code == 422, r.text
+        assert r.json()["message"].startswith("cpus"), r.text
+    assert httpx.get(f"{server.url}/v1/actions/too-many-cores").status_code == 404  # not journaled
+    sid = httpx.post(f"{server.url}/v1/sessions", json={}).json()["session_id"]
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}/exec", json={"command": "true", "cpus": [2, 1]})
+    assert r.status_code == 422 and r.json()["message"].startswith("cpus"), r.text
+    httpx.delete(f"{server.url}/v1/sessions/{sid}")
+
+
+def test_recovery_finishes_what_it_cannot_run_with_its_reason(tmp_path):
+    from arl_tangram.server.journal import Journal
+    path = tmp_path / "journal.sqlite3"
+    j = Journal(str(path))
+    j.accept("bad-range", "j", "run_code", {"action": {"code": "print(1)"}, "cpus": [3, 1]}, True)
+    j.accept("bad-file", "j", "run_code", {"action": {"code": "print(1)", "files": {"a": "%%%"}}}, True)
+    j.accept("fine", "j", "run_code", {"id": "fine", "action": {"code": "print(6 * 7)"}}, True)
+    j.close()
+    s = Server(tmp_path, journal=path)
+    try:
+        assert httpx.get(f"{s.url}/healthz").json()["recovered"] == {"rerun": 1, "infra_error": 0, "rejected": 2}
+        for id, field in (("bad-range", "cpus"), ("bad-file", "action.files.a")):
+            r = httpx.get(f"{s.url}/v1/actions/{id}").json()
+            assert r["state"] == "done" and r["outcome"] == "rejected" and field in r["message"], r["message"]
+        deadline = time.time() + 30
+        while (r := httpx.get(f"{s.url}/v1/actions/fine").json())["state"] != "done" and time.time() < deadline:
+            time.sleep(0.1)
+        assert r["outcome"] == "ok" and r["run"]["stdout"] == "42\n", r
+    finally:
+        s.stop()
+    assert "never retrieved" not in (tmp_path / f"server-{s.port}.log").read_text()
+    s2 = Server(tmp_path, journal=path)  # nothing is left to recover a second time
+    try:
+        assert httpx.get(f"{s2.url}/healthz").json()["recovered"] == {"rerun": 0, "infra_error": 0, "rejected": 0}
+    finally:
+        s2.stop()
+
+
+# -- SandboxFusion's exact answers (read from its source: sandbox/server/sandbox_api.py's
+# parse_run_status, runners/base.py's run_command_bare, runtime/jupyter/main.py) -----------------------
+
+def test_sandboxfusion_timeout_answer(server):
+    r = httpx.post(f"{server.url}/run_code", json={"code": "print('started', flush=True)\nwhile True: pass",
+                                                   "language": "python", "run_timeout": 0.5}, timeout=60).json()
+    assert r["status"] == "Failed" and r["message"] == ""
+    run = r["run_result"]
+    assert run["status"] == "TimeLimitExceeded" and run["return_code"] is None and run["stdout"] == "started\n"
+    assert r["compile_result"] is None
+
+
+def test_sandboxfusion_memory_limit_is_a_memory_error_inside_the_program(server):
+    r = httpx.post(f"{server.url}/run_code", json={"code": "x = bytearray(400 << 20)\nprint('no')",
+                                                   "language": "python", "memory_limit_MB": 128}, timeout=60).json()
+    assert r["status"] == "Failed" and r["message"] == ""
+    assert r["run_result"]["status"] == "Finished" and r["run_result"]["return_code"] == 1
+    assert r["run_result"]["stderr"].rstrip().endswith("MemoryError"), r["run_result"]["stderr"]
+    ok = httpx.post(f"{server.url}/run_code", json={"code": "x = bytearray(16 << 20)\nprint('yes')",
+                                                    "language": "python", "memory_limit_MB": 128}, timeout=60).json()
+    assert ok["status"] == "Success" and ok["run_result"]["stdout"] == "yes\n", ok
+
+
+def test_sandboxfusion_notebook_errors_go_in_the_cell_error_not_stderr(server):
+    r = httpx.post(f"{server.url}/run_jupyter", json={"cells": ["print('before')\n1 / 0", "print('after')"]},
+                   timeout=60).json()
+    assert r["status"] == "Success" and r["message"] == ""
+    first, second = r["cells"]
+    assert first["stdout"] == "before\n" and first["stderr"] == ""
+    err = first["error"][0]
+    assert err["ename"] == "ZeroDivisionError" and err["evalue"] == "division by zero"
+    assert any("ZeroDivisionError" in line for line in err["traceback"])
+    assert second["stdout"] == "after\n"  # later cells still run, as in SandboxFusion
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ toolchain")
+def test_sandboxfusion_compile_error_answer(server):
+    r = httpx.post(f"{server.url}/run_code", json={"code": "int main() { return x; }", "language": "cpp"},
+                   timeout=60).json()
+    assert r["status"] == "Failed" and r["message"] == "" and r["run_result"] is None
+    c = r["compile_result"]
+    assert c["status"] == "Finished" and c["return_code"] != 0 and "error" in c["stderr"]
+
+
+def test_http_method_and_route_errors_have_fastapis_body(server):
+    r = httpx.get(f"{server.url}/run_code")
+    assert r.status_code == 405 and r.json() == {"detail": "Method Not Allowed"}
+    r = httpx.get(f"{server.url}/no/such/route")
+    assert r.status_code == 404 and r.json() == {"detail": "Not Found"}

@@ -323,16 +323,35 @@ def bench_models(
 @bench_app.command("server")
 def bench_server(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
-    levels: str = typer.Option("1,8,32,1000", help="Comma-separated concurrencies."),
+    levels: Optional[str] = typer.Option(None, help="Comma-separated concurrencies (default 1,8,32,1000; "
+                                                    "with --against 1,8)."),
+    against: Optional[str] = typer.Option(None, "--against", help="Base URL of another SandboxFusion-compatible "
+                                                                  "server: the same cases run against it in "
+                                                                  "the same run and both are printed."),
+    cases: Optional[str] = typer.Option(None, help="Comma-separated cases: python, bash, cpu_200ms (default "
+                                                  "python; with --against all three)."),
+    cpu_jobs: int = typer.Option(32, "--cpu-jobs", min=1, help="Concurrent 200 ms CPU jobs in cpu_200ms."),
+    server_cpus: Optional[str] = typer.Option(None, "--server-cpus", help="Pin tangram's server to these CPUs "
+                                                                          "(taskset list, e.g. 0-1)."),
+    client_procs: int = typer.Option(1, "--client-procs", min=1, help="Load-generator processes (one Python "
+                                                                      "client tops out near 800 req/s)."),
 ) -> None:
-    """/run_code latency and throughput over loopback HTTP, beside the same actions in-process."""
+    """/run_code latency and throughput over loopback HTTP, beside the same actions in-process or
+    beside another SandboxFusion-compatible server (--against)."""
     from .bench.server import run
 
     try:
-        parsed = tuple(int(x) for x in levels.split(","))
+        parsed = tuple(int(x) for x in (levels or ("1,8" if against else "1,8,32,1000")).split(","))
     except ValueError:
         raise fail(f"--levels: expected comma-separated integers, got {levels!r}")
-    _print_json(run(parsed, log=lambda m: console.print(m)), json_out)
+    chosen = tuple((cases or ("python,bash,cpu_200ms" if against else "python")).split(","))
+    unknown = set(chosen) - {"python", "bash", "cpu_200ms"}
+    if unknown:
+        raise fail(f"--cases: unknown {', '.join(sorted(unknown))} (known: python, bash, cpu_200ms)")
+    if against is not None and not against.startswith(("http://", "https://")):
+        raise fail(f"--against: expected an http(s) URL, got {against!r}")
+    _print_json(run(parsed, log=lambda m: console.print(m), against=against, cases=chosen, cpu_jobs=cpu_jobs,
+                    server_cpus=server_cpus, client_procs=client_procs), json_out)
 
 
 @bench_app.command("cluster")

@@ -5,15 +5,30 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
+from typing_extensions import Annotated
 
 OutcomeName = Literal["ok", "failed", "timeout", "oom", "rejected", "cancelled", "infra_error"]
+
+
+MAX_CPUS = 4096
+
+
+def _cpu_range(v: tuple[int, int]) -> tuple[int, int]:
+    """Checked where it enters, so a bad range is a 422 naming ``cpus``, never an engine fault."""
+    lo, hi = v
+    if lo < 1 or hi < lo or hi > MAX_CPUS:
+        raise ValueError(f"need integers 1 <= min <= max <= {MAX_CPUS}, got [{lo}, {hi}]")
+    return v
+
+
+CpuRange = Annotated[tuple[int, int], AfterValidator(_cpu_range)]
 
 
 class Hints(BaseModel):
     """What the client knows: work in seconds at the minimum cores, how it scales, what it is."""
 
-    work_s: Optional[float] = Field(None, ge=0)
+    work_s: Optional[float] = Field(None, ge=0, le=1e7)
     parallel_fraction: float = Field(0.0, ge=0, le=1)
     operation: str = Field("", max_length=128)
 
@@ -30,6 +45,9 @@ class RunCodeAction(BaseModel):
     memory_mb: Optional[int] = Field(None, ge=16)
     image: Optional[str] = Field(None, min_length=1, max_length=128, description="image to run in (default: the "
                                                                                   "server's sandbox.image)")
+    memory_as_rlimit: bool = Field(False, description="also cap the address space at memory_mb, so allocations "
+                                                      "fail inside the program (python: MemoryError) instead of "
+                                                      "an OOM kill; SandboxFusion's behaviour")
 
 
 class ActionRequest(BaseModel):
@@ -38,7 +56,7 @@ class ActionRequest(BaseModel):
 
     id: Optional[str] = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$")
     job: str = Field("default", min_length=1, max_length=200)
-    cpus: tuple[int, int] = (1, 1)
+    cpus: CpuRange = Field((1, 1), description="[min, max] cores; elastic when max > min")
     hints: Hints = Field(default_factory=Hints)
     wait: bool = Field(True, description="answer when the action has finished (else at once, with its id)")
     action: RunCodeAction
@@ -113,7 +131,7 @@ class ExecRequest(BaseModel):
     python: Optional[str] = None
     stdin: Optional[str] = None
     timeout_s: float = Field(10, gt=0, le=3600)
-    cpus: tuple[int, int] = (1, 1)
+    cpus: CpuRange = Field((1, 1), description="[min, max] cores; elastic when max > min")
     hints: Hints = Field(default_factory=Hints)
 
 

@@ -1,7 +1,8 @@
 """Sandbox latencies and throughput on this machine, through the real local runtime.
 
 * cold: every action spawns its own sandbox (isolation + interpreter start-up in the ACT)
-* warm: the action takes a prepared sandbox from the pool (measured with the pool full)
+* warm: the action takes a prepared sandbox from the pool (measured with the pool full), both
+  with a fresh sandbox per one-shot (``fresh``) and with used ones reset and reused (``recycled``)
 * session exec: a python cell in a live session (thaw, run, freeze)
 * throughput: trivial one-shots at a concurrency of 4 per core, the pool refilling as it goes
 * interpreter start-up: what starting each candidate interpreter costs, for choosing one
@@ -50,7 +51,7 @@ async def _wait_pool(tg: Tangram, size: int) -> None:
 async def _measure(samples: int, log: Callable[[str], None]) -> dict:
     cores = len(os.sched_getaffinity(0))
     result: dict = {"cores": cores}
-    async with Tangram.local(sandbox=SandboxConfig(warm_pool=0)) as tg:
+    async with Tangram.local(sandbox=SandboxConfig(warm_pool=0, recycle=False)) as tg:
         await tg.run("pass")
         cold = []
         for _ in range(samples):
@@ -62,7 +63,14 @@ async def _measure(samples: int, log: Callable[[str], None]) -> dict:
         result["isolation"] = tg.runtime.sandboxes.mode.value
     log(f"cold one-shot p50 {result['cold_p50_ms']} ms")
     pool = max(4, 2 * cores)
-    async with Tangram.local(sandbox=SandboxConfig(warm_pool=pool)) as tg:
+    for mode, recycle in (("fresh", False), ("recycled", True)):
+        result[mode] = await _warm(samples, pool, cores, recycle, lambda m: log(f"{mode}: {m}"))
+    return result
+
+
+async def _warm(samples: int, pool: int, cores: int, recycle: bool, log: Callable[[str], None]) -> dict:
+    result: dict = {}
+    async with Tangram.local(sandbox=SandboxConfig(warm_pool=pool, recycle=recycle)) as tg:
         warm, python_op = [], []
         for _ in range(samples):
             await _wait_pool(tg, pool)
@@ -90,17 +98,24 @@ async def _measure(samples: int, log: Callable[[str], None]) -> dict:
         concurrency = 4 * cores
         total = 40 * cores
         sem = asyncio.Semaphore(concurrency)
+        lat: list[float] = []
 
         async def one() -> bool:
             async with sem:
-                return (await tg.run("print('hi')")).ok
+                t0 = time.perf_counter()
+                ok = (await tg.run("print('hi')")).ok
+                lat.append((time.perf_counter() - t0) * 1000)
+                return ok
 
         t = time.perf_counter()
         ok = await asyncio.gather(*(one() for _ in range(total)))
         elapsed = time.perf_counter() - t
         result["throughput_per_s"] = round(sum(ok) / elapsed, 1)
+        result["throughput_p50_ms"] = round(_pct(lat, 50), 2)
+        result["throughput_p99_ms"] = round(_pct(lat, 99), 2)
         result["concurrency"] = concurrency
         result["throughput_actions"] = total
+        result["recycler"] = tg.runtime.sandboxes.recycler.stats()
         log(f"throughput {result['throughput_per_s']} trivial actions/s at concurrency {concurrency}")
     return result
 

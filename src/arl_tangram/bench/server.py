@@ -1,8 +1,16 @@
-"""``/run_code`` over HTTP against the same actions run in-process, at several concurrencies.
+"""``/run_code`` over HTTP: tangram's server, optionally beside another SandboxFusion-compatible
+endpoint (``--against URL``) measured with the same load generator in the same run.
 
-A server is started on a free loopback port for the measurement and stopped after it. Each level
-sends a bounded number of trivial python programs (``print``) and reports latency percentiles and
-completed actions per second; the in-process side submits the same programs to an embedded runtime.
+A tangram server is started on a free loopback port for the measurement and stopped after it.
+Cases (each a bounded number of requests at a fixed concurrency, latency percentiles and
+completed requests per second):
+
+* ``python`` / ``bash``: trivial programs (``print(i)`` / ``echo i``) at each concurrency level
+* ``cpu_200ms``: python burning 200 ms of CPU, ``cpu_jobs`` of them all at once
+
+Per case and level the targets are measured back to back (tangram first, then the peer), so slow
+drift of a shared machine hits both alike. Without ``--against`` the same actions also run
+in-process through the embedded runtime, to show what HTTP adds.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from ..runtime import Tangram
 from ..sim.metrics import percentile
 
 LEVELS = (1, 8, 32, 1000)
+CPU_200MS = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.2:\n    pass\nprint('done')"
 
 
 def _count(concurrency: int) -> int:
@@ -31,12 +40,24 @@ def _count(concurrency: int) -> int:
 
 def _summary(latencies: list[float], elapsed: float, errors: int) -> dict:
     lat = sorted(latencies)
+    if not lat:
+        return {"n": 0, "errors": errors, "p50_ms": None, "p99_ms": None, "throughput_per_s": 0.0}
     return {"n": len(lat), "errors": errors, "p50_ms": round(percentile(lat, 50) * 1000, 2),
             "p99_ms": round(percentile(lat, 99) * 1000, 2), "throughput_per_s": round(len(lat) / elapsed, 1)}
 
 
-async def _http_level(url: str, concurrency: int) -> dict:
-    n = _count(concurrency)
+def _body(case: str, i: int) -> dict:
+    if case == "bash":
+        return {"code": f"echo {i}", "language": "bash"}
+    if case == "cpu_200ms":
+        return {"code": CPU_200MS, "language": "python", "run_timeout": 30}
+    return {"code": f"print({i})", "language": "python"}
+
+
+async def _load(url: str, concurrency: int, case: str, n: int, offset: int = 0) -> tuple[list[float], int, float,
+                                                                                           float]:
+    """``n`` requests of ``case`` to ``url``/run_code, ``concurrency`` at a time: latencies, errors,
+    and the wall-clock start and end of the measured part."""
     sem = asyncio.Semaphore(concurrency)
     lat: list[float] = []
     errors = 0
@@ -46,16 +67,46 @@ async def _http_level(url: str, concurrency: int) -> dict:
             nonlocal errors
             async with sem:
                 t = time.perf_counter()
-                r = await c.post(f"{url}/run_code", json={"code": f"print({i})", "language": "python"})
-                ok = r.status_code == 200 and r.json()["status"] == "Success"
+                try:
+                    r = await c.post(f"{url}/run_code", json=_body(case, i))
+                    ok = r.status_code == 200 and r.json()["status"] == "Success"
+                except httpx.HTTPError:
+                    ok = False
                 if ok:
                     lat.append(time.perf_counter() - t)
                 else:
                     errors += 1
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(one(i) for i in range(n)))
-        return _summary(lat, time.perf_counter() - t0, errors)
+        await one(-1)  # a connection and a first sandbox, outside the measurement
+        lat.clear()
+        errors = 0
+        t0 = time.time()
+        await asyncio.gather(*(one(offset + i) for i in range(n)))
+        return lat, errors, t0, time.time()
+
+
+def _load_in_process(args: tuple) -> tuple[list[float], int, float, float]:
+    return asyncio.run(_load(*args))
+
+
+async def _http_level(url: str, concurrency: int, case: str = "python", n: int | None = None,
+                      client_procs: int = 1) -> dict:
+    """``n`` requests of ``case`` at ``concurrency``; with ``client_procs`` > 1 the load comes from
+    that many processes (one Python client costs about 1.2 ms of CPU a request, so it tops out
+    near 800 requests/s: on a many-core host it, not the server, would set the figure)."""
+    n = n or _count(concurrency)
+    procs = max(1, min(client_procs, concurrency))
+    if procs == 1:
+        lat, errors, t0, t1 = await _load(url, concurrency, case, n)
+        return _summary(lat, t1 - t0, errors)
+    from concurrent.futures import ProcessPoolExecutor
+    shares = [(url, concurrency // procs + (k < concurrency % procs), case, n // procs + (k < n % procs), k * n)
+              for k in range(procs)]
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(procs) as pool:
+        parts = await asyncio.gather(*(loop.run_in_executor(pool, _load_in_process, a) for a in shares))
+    lat = [x for p in parts for x in p[0]]
+    return _summary(lat, max(p[3] for p in parts) - min(p[2] for p in parts), sum(p[1] for p in parts))
 
 
 async def _inproc(levels: tuple[int, ...]) -> dict:
@@ -85,34 +136,81 @@ async def _inproc(levels: tuple[int, ...]) -> dict:
     return out
 
 
-def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m: None) -> dict:
+def _serve(port: int, journal: str, cpus: str | None = None) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--journal", journal]
+    if cpus:
+        argv = ["taskset", "-c", cpus, *argv]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait_up(url: str, path: str) -> None:
+    for _ in range(300):
+        try:
+            if httpx.get(f"{url}{path}", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def _ratios(ours: dict, peer: dict) -> dict:
+    out = {}
+    for key in ours:
+        a, b = ours[key], peer.get(key)
+        if not b:
+            continue
+        out[key] = {"throughput_x": round(a["throughput_per_s"] / b["throughput_per_s"], 2)
+                    if b["throughput_per_s"] else None,
+                    "p50_x": round(a["p50_ms"] / b["p50_ms"], 2) if a["p50_ms"] and b["p50_ms"] else None,
+                    "p99_x": round(a["p99_ms"] / b["p99_ms"], 2) if a["p99_ms"] and b["p99_ms"] else None}
+    return out
+
+
+def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m: None, against: str | None = None,
+        cases: tuple[str, ...] = ("python",), cpu_jobs: int = 32, server_cpus: str | None = None,
+        client_procs: int = 1) -> dict:
+    """Measure; ``against``: a SandboxFusion-compatible base URL measured beside ours."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
+    targets = {"tangram": url}
+    if against:
+        targets["against"] = against.rstrip("/")
+    results: dict[str, dict] = {name: {} for name in targets}
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--journal",
-                                 os.path.join(tmp, "journal.sqlite3")], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        proc = _serve(port, os.path.join(tmp, "journal.sqlite3"), server_cpus)
         try:
-            for _ in range(300):
-                try:
-                    if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.1)
-            http = {}
-            for c in levels:
-                http[str(c)] = asyncio.run(_http_level(url, c))
-                log(f"http concurrency {c:>4}: p50 {http[str(c)]['p50_ms']} ms, "
-                    f"{http[str(c)]['throughput_per_s']} actions/s")
-                time.sleep(0.5)
+            _wait_up(url, "/healthz")
+            if against:
+                _wait_up(targets["against"], "/v1/ping")
+            time.sleep(0.5)  # the warm pool fills
+            plan = [(case, c, None) for case in cases if case != "cpu_200ms" for c in levels]
+            if "cpu_200ms" in cases:
+                plan.append(("cpu_200ms", cpu_jobs, cpu_jobs))
+            for case, c, n in plan:
+                key = f"{case}@c{c}" if against or len(cases) > 1 else str(c)
+                for name, base in targets.items():
+                    r = results[name][key] = asyncio.run(_http_level(base, c, case, n, client_procs))
+                    log(f"{name:>8} {case:>10} c={c:<4}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, "
+                        f"{r['throughput_per_s']} req/s, {r['errors']} errors")
+                    time.sleep(0.3)
         finally:
             proc.terminate()
             proc.wait(30)
-    inproc = asyncio.run(_inproc(levels))
-    for c in levels:
-        log(f"in-process concurrency {c:>4}: p50 {inproc[str(c)]['p50_ms']} ms, "
-            f"{inproc[str(c)]['throughput_per_s']} actions/s")
-    return {"http": http, "in_process": inproc, "cores": len(os.sched_getaffinity(0)),
-            "overhead_p50_ms": {c: round(http[c]["p50_ms"] - inproc[c]["p50_ms"], 2) for c in http}}
+    out: dict = {"cores": len(os.sched_getaffinity(0)), "server_cpus": server_cpus, "client_procs": client_procs}
+    if against:
+        out.update({"tangram": results["tangram"], "against": {"url": against, **results["against"]},
+                    "tangram_vs_against": _ratios(results["tangram"], results["against"])})
+        return out
+    http = results["tangram"]
+    out["http"] = http
+    if cases == ("python",):
+        inproc = asyncio.run(_inproc(levels))
+        for c in levels:
+            log(f"in-process concurrency {c:>4}: p50 {inproc[str(c)]['p50_ms']} ms, "
+                f"{inproc[str(c)]['throughput_per_s']} actions/s")
+        out["in_process"] = inproc
+        out["overhead_p50_ms"] = {c: round(http[c]["p50_ms"] - inproc[c]["p50_ms"], 2) for c in http}
+    return out

@@ -148,15 +148,16 @@ class Session:
     async def exec(self, command: str | None = None, *, python: str | None = None, stdin: bytes | None = None,
                    timeout_s: float = 10.0, cpus: int | tuple[int, int] = 1, parallel_fraction: float = 0.0,
                    hint_s: float | None = None, operation: str = "", memory_mb: int | None = None,
-                   id: str | None = None) -> ActionResult:
+                   id: str | None = None, jupyter: bool = False) -> ActionResult:
         """Run a shell ``command`` in the workspace, or a ``python`` cell in the session's
-        interpreter (its variables carry over from call to call)."""
+        interpreter (its variables carry over from call to call; ``jupyter``: an exception's
+        traceback goes only into the cell's error record, as in a notebook)."""
         self._check()
         if (command is None) == (python is None):
             raise ValueError("exec: give exactly one of command or python")
         rng = (cpus, cpus) if isinstance(cpus, int) else cpus
         payload = Exec(command=command, python=python, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb,
-                       image=self.image)
+                       image=self.image, jupyter=jupyter)
         action = Action(id or self.runtime.new_id("x"), "sandbox", Demand({"cpu": rng}), job=self.job,
                         trajectory=self.id,
                         operation=operation or ("python" if python is not None else command.split()[0]
@@ -223,13 +224,14 @@ class Tangram:
                   timeout_s: float = 10.0, compile_timeout_s: float = 10.0, memory_mb: int | None = None,
                   cpus: int | tuple[int, int] = 1, parallel_fraction: float = 0.0, job: str = "default",
                   hint_s: float | None = None, id: str | None = None, operation: str = "",
-                  image: str | None = None) -> ActionResult:
-        """Run a one-shot program in a fresh sandbox (of ``image``, if given)."""
+                  image: str | None = None, memory_as_rlimit: bool = False) -> ActionResult:
+        """Run a one-shot program in a fresh or verified-pristine recycled sandbox (of ``image``, if
+        given); ``memory_as_rlimit`` also caps its address space (SandboxFusion's MemoryError)."""
         if isinstance(stdin, str):
             stdin = stdin.encode()
         rng = (cpus, cpus) if isinstance(cpus, int) else cpus
         payload = RunCode(code, language, stdin, dict(files or {}), list(fetch_files or []), compile_timeout_s,
-                          timeout_s, memory_mb, image)
+                          timeout_s, memory_mb, image, memory_as_rlimit)
         action = Action(id or self.runtime.new_id("r"), "sandbox", Demand({"cpu": rng}), job=job,
                         operation=operation or language,
                         hint_s=hint_s, parallel_fraction=parallel_fraction,

@@ -66,7 +66,7 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
         yield
         await service.stop()
 
-    def auth(request: Request) -> None:
+    async def auth(request: Request) -> None:  # async: a sync dependency costs a thread hand-off per request
         if token is None:
             return
         given = request.headers.get("authorization", "")
@@ -91,6 +91,8 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code in (404, 405):  # routing errors: FastAPI's (and so SandboxFusion's) exact body
+            return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
         return JSONResponse({"message": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Overloaded)

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections import deque
 
+from pydantic import ValidationError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ..api import sandboxfusion as sf
@@ -57,6 +58,14 @@ class Metrics:
         self.sessions = Gauge("tangram_sessions", "Open sessions", registry=self.registry)
 
 
+def _reason(err: Exception) -> str:
+    """``field: problem`` for a validation error (pydantic's or ours)."""
+    if isinstance(err, ValidationError):
+        first = err.errors()[0]
+        return f"{'.'.join(str(x) for x in first['loc'])}: {first['msg']}"
+    return str(err) or type(err).__name__
+
+
 def _b64decode(field: str, data: str | None) -> bytes:
     if not data:
         return b""
@@ -92,7 +101,7 @@ class Service:
         self._acts: dict[str, deque[float]] = {}
         self._outcomes: dict[str, dict[str, int]] = {}
         self.started_at = time.time()
-        self.recovered = {"rerun": 0, "infra_error": 0}
+        self.recovered = {"rerun": 0, "infra_error": 0, "rejected": 0}
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -102,20 +111,40 @@ class Service:
             self._recover()
 
     def _recover(self) -> None:
-        """Account for what a previous process accepted and never finished."""
+        """Account for what a previous process accepted and never finished: a stateless one-shot
+        that still validates is re-run; anything else ends now, with its reason (never left in the
+        journal to be "recovered" again at every start)."""
         for e in self.journal.unfinished():
             if e.safe_to_rerun and e.kind == "run_code":
-                spec = v1.ActionRequest.model_validate(e.request)
-                self._launch(e.id, self._run_code(e.id, spec))
+                try:
+                    spec = v1.ActionRequest.model_validate(e.request)
+                    self._check_cpus("cpus", spec.cpus)
+                    files = _decode_files("action.files", spec.action.files)
+                except (ValueError, BadRequest) as err:  # pydantic's ValidationError is a ValueError
+                    reason = _reason(err)
+                    self._finish_unrunnable(e.id, "rejected", f"cannot re-run after restart: {reason}")
+                    self.recovered["rejected"] += 1
+                    continue
+                self._launch(e.id, self._run_code(e.id, spec, files))
                 self.recovered["rerun"] += 1
             else:
                 msg = "the server restarted while this action was in flight; its session state is gone (retry it)"
-                self.journal.finish(e.id, "infra_error", v1.ActionResult(id=e.id, state="done", outcome="infra_error",
-                                                                         message=msg).model_dump())
+                self._finish_unrunnable(e.id, "infra_error", msg)
                 self.recovered["infra_error"] += 1
         if any(self.recovered.values()):
-            log.warning("recovered after restart: %d re-run, %d finished as infra_error", self.recovered["rerun"],
-                        self.recovered["infra_error"])
+            log.warning("recovered after restart: %d re-run, %d finished as infra_error, %d rejected",
+                        self.recovered["rerun"], self.recovered["infra_error"], self.recovered["rejected"])
+
+    def _finish_unrunnable(self, id: str, outcome: str, message: str) -> None:
+        if self.journal is not None:
+            self.journal.finish(id, outcome, v1.ActionResult(id=id, state="done", outcome=outcome,
+                                                             message=message).model_dump())
+
+    def _check_cpus(self, field: str, cpus: tuple[int, int]) -> None:
+        """The cluster-dependent part of a ``cpus`` range (the API model checks its shape)."""
+        largest = self.runtime.engine.cpu.max_cores
+        if largest and cpus[0] > largest:  # no nodes (yet, on a cluster): the engine's own answer says so
+            raise BadRequest(f"{field}: minimum {cpus[0]} exceeds the largest node ({largest} cores)")
 
     async def stop(self) -> None:
         """Drain: let running actions finish for up to ``drain_s``; what is left ends as cancelled
@@ -136,20 +165,34 @@ class Service:
     def _launch(self, id: str, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._inflight[id] = task
-        task.add_done_callback(lambda _: self._inflight.pop(id, None))
+        task.add_done_callback(lambda t: self._landed(id, t))
         return task
+
+    def _landed(self, id: str, task: asyncio.Task) -> None:
+        """Every accepted action ends in one terminal outcome: a fault of ours ends it as infra_error
+        in the journal (and is logged), instead of leaving it to be re-run at every start."""
+        self._inflight.pop(id, None)
+        if task.cancelled():
+            return
+        err = task.exception()
+        if err is not None and not isinstance(err, BadRequest):
+            log.error("action %s failed inside the server: %r", id, err)
+            self._finish_unrunnable(id, "infra_error", f"internal error: {type(err).__name__}")
 
     async def submit(self, req: v1.ActionRequest) -> v1.ActionResult:
         id = req.id or f"a-{uuid.uuid4().hex}"
         task = self._inflight.get(id)
         if task is None:
-            existing = self.journal.accept(id, req.job, "run_code", req.model_dump(), True) if self.journal else None
+            # everything that can reject the request is checked before it is journaled
+            self._check_cpus("cpus", req.cpus)
+            files = _decode_files("action.files", req.action.files)
+            existing = self.journal.get(id) if self.journal else None
             if existing is not None and existing.state == "done":
                 return v1.ActionResult.model_validate(existing.response)
-            files = None
             if existing is None:
                 self._admit()
-                files = _decode_files("action.files", req.action.files)  # a bad file fails before it is queued
+                if self.journal is not None:
+                    self.journal.accept(id, req.job, "run_code", req.model_dump(), True)
             task = self._inflight.get(id) or self._launch(id, self._run_code(id, req, files))
         if not req.wait:
             return self.status(id)
@@ -167,6 +210,7 @@ class Service:
             files = _decode_files("action.files", a.files)
         r = await self.tg.run(a.code, a.language, stdin=a.stdin, files=files, fetch_files=a.fetch_files,
                               timeout_s=a.timeout_s, compile_timeout_s=a.compile_timeout_s, memory_mb=a.memory_mb,
+                              memory_as_rlimit=a.memory_as_rlimit,
                               cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction, job=req.job,
                               hint_s=req.hints.work_s, id=id, operation=req.hints.operation, image=a.image)
         return r, self._record(r, req.job, "run_code")
@@ -258,13 +302,18 @@ class Service:
         s = self._session(sid)
         if (req.command is None) == (req.python is None):
             raise BadRequest("command/python: give exactly one")
+        self._check_cpus("cpus", req.cpus)
         self._admit()
         id = f"x-{uuid.uuid4().hex}"
         if self.journal is not None:
             self.journal.accept(id, s.job, "exec", req.model_dump(), False)
-        r = await s.exec(req.command, python=req.python, stdin=req.stdin.encode() if req.stdin else None,
-                         timeout_s=req.timeout_s, cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction,
-                         hint_s=req.hints.work_s, operation=req.hints.operation, id=id)
+        try:
+            r = await s.exec(req.command, python=req.python, stdin=req.stdin.encode() if req.stdin else None,
+                             timeout_s=req.timeout_s, cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction,
+                             hint_s=req.hints.work_s, operation=req.hints.operation, id=id)
+        except Exception as e:
+            self._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
+            raise
         return self._record(r, s.job, "exec")
 
     async def put_files(self, sid: str, req: v1.PutFiles) -> v1.ActionResult:
@@ -325,6 +374,8 @@ class Service:
             return sf.RunCodeResponse(status=sf.RunStatus.SandboxError,
                                       message=f"language {req.language!r} is known but this server has no "
                                               "toolchain for it")
+        if 0 < req.memory_limit_MB < 16:
+            raise BadRequest("memory_limit_MB: give -1 (the default limit) or at least 16")
         self._admit()
         given = {p: d for p, d in req.files.items() if d is not None}
         files = _decode_files("files", given)
@@ -333,10 +384,14 @@ class Service:
         spec = v1.ActionRequest(id=id, job="sandboxfusion", action=v1.RunCodeAction(
             code=req.code, language=req.language, stdin=req.stdin, files=given, fetch_files=req.fetch_files,
             compile_timeout_s=req.compile_timeout, timeout_s=req.run_timeout,
-            memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None))
+            memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None, memory_as_rlimit=True))
         if self.journal is not None:
             self.journal.accept(id, spec.job, "run_code", spec.model_dump(), True)
-        r, _ = await self._execute(id, spec, files)
+        try:  # awaited in place (not a task): the action reaches the engine's queue before we yield
+            r, _ = await self._execute(id, spec, files)
+        except Exception as e:
+            self._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
+            raise
         return sf_response(r)
 
     async def sf_run_jupyter(self, req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:
@@ -345,7 +400,7 @@ class Service:
         s = await self.tg.session(job="sandboxfusion")
         start = time.monotonic()
         cells: list[sf.CellRunResult] = []
-        status, message = sf.RunStatus.Success, ""
+        status, timed_out = sf.RunStatus.Success, False
         try:
             if files:
                 r = await s.files(Files(put=files))
@@ -354,10 +409,10 @@ class Service:
             for code in req.cells:
                 left = req.total_timeout - (time.monotonic() - start)
                 if left <= 0:
-                    status, message = sf.RunStatus.Failed, "total_timeout exceeded"
+                    status, timed_out = sf.RunStatus.Failed, True
                     break
                 timeout = min(left, req.cell_timeout) if req.cell_timeout > 0 else left
-                r = await s.exec(python=code, timeout_s=timeout, operation="jupyter",
+                r = await s.exec(python=code, timeout_s=timeout, operation="jupyter", jupyter=True,
                                  memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None)
                 if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED):
                     return sf.RunJupyterResponse(status=sf.RunStatus.SandboxError, message=r.message,
@@ -366,7 +421,7 @@ class Service:
                 cells.append(sf.CellRunResult(stdout=run.stdout if run else "", stderr=run.stderr if run else "",
                                               display=run.display if run else [], error=run.error if run else []))
                 if r.outcome in (Outcome.TIMEOUT, Outcome.OOM):
-                    status, message = sf.RunStatus.Failed, r.message or r.outcome.value
+                    status, timed_out = sf.RunStatus.Failed, r.outcome is Outcome.TIMEOUT
                     break
             fetched = {}
             if req.fetch_files:
@@ -374,24 +429,32 @@ class Service:
                 fetched = {k: base64.b64encode(v).decode() for k, v in r.result.files.items()}
         finally:
             await s.close()
-        driver = sf.CommandRunResult(status=sf.CommandRunStatus.TimeLimitExceeded if message.startswith("total")
+        # as SandboxFusion: a failed run has an empty message and its driver record says why; the cells
+        # that did run are kept (SandboxFusion drops them: see the README's compatibility notes)
+        driver = sf.CommandRunResult(status=sf.CommandRunStatus.TimeLimitExceeded if timed_out
                                      else sf.CommandRunStatus.Finished, execution_time=time.monotonic() - start,
-                                     return_code=0, stdout="", stderr="")
-        return sf.RunJupyterResponse(status=status, message=message, driver=driver, cells=cells, files=fetched)
+                                     return_code=None if timed_out else 0, stdout="", stderr="")
+        return sf.RunJupyterResponse(status=status, message="", driver=driver, cells=cells, files=fetched)
 
 
 def _sf_command(c: CommandResult | None, outcome: Outcome) -> sf.CommandRunResult | None:
+    """SandboxFusion's command record: a command stopped at its time limit has no return code."""
     if c is None:
         return None
-    status = sf.CommandRunStatus.TimeLimitExceeded if c.timed_out or outcome is Outcome.TIMEOUT else \
-        sf.CommandRunStatus.Finished
-    return sf.CommandRunResult(status=status, execution_time=c.duration_s, return_code=c.exit_code,
-                               stdout=c.stdout, stderr=c.stderr)
+    if c.timed_out or outcome is Outcome.TIMEOUT:
+        return sf.CommandRunResult(status=sf.CommandRunStatus.TimeLimitExceeded, execution_time=c.duration_s,
+                                   return_code=None, stdout=c.stdout, stderr=c.stderr)
+    return sf.CommandRunResult(status=sf.CommandRunStatus.Finished, execution_time=c.duration_s,
+                               return_code=c.exit_code, stdout=c.stdout, stderr=c.stderr)
 
 
 def sf_response(r: ActionResult) -> sf.RunCodeResponse:
-    """Our outcome in SandboxFusion's terms: infrastructure trouble is SandboxError (its clients
-    retry it and never score it), anything the code did is Success or Failed."""
+    """Our outcome in SandboxFusion's terms, field by field as its ``parse_run_status`` does:
+    infrastructure trouble is SandboxError with a message (its clients retry it and never score
+    it); anything the code did is Success or Failed with an empty message (but for truncated
+    output), the details being in
+    the command records (a timeout is a TimeLimitExceeded record without return code, a compile
+    error a compile record with the compiler's stderr and no run record)."""
     res = r.result
     if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED, Outcome.CANCELLED):
         return sf.RunCodeResponse(status=sf.RunStatus.SandboxError, message=r.message or r.outcome.value)
@@ -399,10 +462,11 @@ def sf_response(r: ActionResult) -> sf.RunCodeResponse:
     run_result = _sf_command(res.run, r.outcome)
     if run_result is None and compile_result is None and r.outcome is Outcome.TIMEOUT:
         run_result = sf.CommandRunResult(status=sf.CommandRunStatus.TimeLimitExceeded, execution_time=r.exec_s)
-    if r.outcome is Outcome.OK:
-        status = sf.RunStatus.Success
-    else:
-        status = sf.RunStatus.Failed
+    status = sf.RunStatus.Success if r.outcome is Outcome.OK else sf.RunStatus.Failed
     files = {k: base64.b64encode(v).decode() for k, v in res.files.items()}
-    return sf.RunCodeResponse(status=status, message=r.message, compile_result=compile_result, run_result=run_result,
-                              executor_pod_name=None, files=files)
+    # the one deliberate difference: output past the cap is flagged (SandboxFusion cuts it silently, and a
+    # reward computed on cut output would be wrong without anyone knowing)
+    truncated = any(c is not None and c.truncated for c in (res.compile, res.run))
+    return sf.RunCodeResponse(status=status, message="output truncated" if truncated else "",
+                              compile_result=compile_result, run_result=run_result, executor_pod_name=None,
+                              files=files)

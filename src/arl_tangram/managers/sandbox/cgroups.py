@@ -17,6 +17,73 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 V1_CONTROLLERS = ("cpuset", "memory", "pids", "freezer", "cpuacct")
+V2_REQUIRED = ("cpuset", "memory", "pids")
+V2_WANTED = ("cpu", "cpuset", "memory", "pids")
+LEAF = "tangram-leaf"  # where the processes of our own cgroup go, so that it may have controllers below
+
+
+def euid() -> int:
+    return os.geteuid()
+
+
+def _enable(d: Path, controllers: set[str]) -> None:
+    on = set((d / "cgroup.subtree_control").read_text().split())
+    need = sorted(controllers - on)
+    if need:
+        (d / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in need))
+
+
+def _move(pid: str, dest: Path) -> None:
+    (dest / "cgroup.procs").write_text(pid)
+
+
+def delegate_v2(mount: Path, own: Path, root: bool) -> set[str]:
+    """Make our own cgroup a delegated subtree on cgroup v2. As root, enable the controllers in
+    every ancestor's ``subtree_control`` from the mount down (where our cgroup lacks them); then
+    enable them in our cgroup's own ``subtree_control`` for the groups we create below it. A cgroup
+    with processes of its own cannot do that (the no-internal-process rule; the root cgroup is
+    exempt), so every process of our cgroup is first moved into a leaf below it. Returns the
+    controllers our cgroup has; raises OSError saying why where this is impossible."""
+    parts = own.relative_to(mount).parts
+    top = set((mount / "cgroup.controllers").read_text().split())
+    absent = set(V2_REQUIRED) - top
+    if absent:
+        raise OSError(f"the kernel offers no {', '.join(sorted(absent))} controller")
+    want = set(V2_WANTED) & top
+    have = set((own / "cgroup.controllers").read_text().split())
+    if set(V2_REQUIRED) - have:
+        if not root:
+            raise OSError(f"controllers {', '.join(sorted(set(V2_REQUIRED) - have))} are not delegated to us and "
+                          "we are not root to delegate them")
+        for parent in [mount] + [mount.joinpath(*parts[:i]) for i in range(1, len(parts))]:
+            try:
+                _enable(parent, want)
+            except OSError as e:
+                raise OSError(f"cannot enable {', '.join(sorted(want))} in {parent} ({e.strerror or e}): it "
+                              "has processes of its own") from e
+        have = set((own / "cgroup.controllers").read_text().split())
+    want &= have
+    if not parts:
+        _enable(own, want)
+        return have
+    try:
+        _enable(own, want)
+    except OSError:  # processes of our cgroup (us among them) first go to a leaf
+        leaf = own / LEAF
+        leaf.mkdir(exist_ok=True)
+        for _ in range(5):
+            pids = (own / "cgroup.procs").read_text().split()
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    _move(pid, leaf)
+                except OSError:
+                    pass  # exited meanwhile
+        _enable(own, want)
+        log.info("cgroups: moved the processes of %s into %s to enable %s below it", own, leaf,
+                 ", ".join(sorted(want)))
+    return have
 
 
 class Group:
@@ -209,7 +276,8 @@ def _reap_stale(parent_dir: Path, v2: bool) -> None:
 
 def open_root(mount: str | Path = "/sys/fs/cgroup", self_cgroup: str | None = None,
               tag: str | None = None) -> CgroupRoot | None:
-    """A writable place for sandbox groups, or None (with a warning) where there is none."""
+    """A writable place for sandbox groups, or None (with a warning saying why) where there is none.
+    On cgroup v2 our own cgroup is made a delegated subtree first (see ``delegate_v2``)."""
     mount = Path(mount)
     if self_cgroup is None:
         try:
@@ -220,16 +288,14 @@ def open_root(mount: str | Path = "/sys/fs/cgroup", self_cgroup: str | None = No
     tag = tag or f"tangram-{os.getpid()}"
     try:
         if (mount / "cgroup.controllers").exists():  # pure v2
-            available = (mount / own.get("", "/").lstrip("/") / "cgroup.controllers").read_text().split()
-            missing = {"cpuset", "memory", "pids"} - set(available)
-            if missing:
-                raise OSError(f"controllers {sorted(missing)} are not delegated to us")
             base = mount / own.get("", "/").lstrip("/")
+            if base.name == LEAF:  # started from inside the leaf an earlier server made
+                base = base.parent
+            available = delegate_v2(mount, base, euid() == 0)
             _reap_stale(base, True)
             parent = base / tag
             parent.mkdir(exist_ok=True)
-            (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in ("cpuset", "memory", "pids")
-                                                                    if c in available))
+            (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in V2_WANTED if c in available))
             return CgroupRoot({"unified": parent}, v2=True)
         dirs = {}
         for c in V1_CONTROLLERS:

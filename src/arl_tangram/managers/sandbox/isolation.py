@@ -2,9 +2,12 @@
 
 ``bwrap`` (bubblewrap) is the default: new user, pid, net, ipc, uts, cgroup and mount namespaces;
 system directories read-only; a size-limited private tmpfs for the workspace and another for /tmp;
-the root remounted read-only; no capabilities; a clean environment; an unprivileged uid. Without
-bwrap, ``unshare`` gives the same namespaces with the host tree read-only and the sensitive parts
-(/root, /home, the server's own tree) hidden under empty tmpfs. ``none`` runs the runner directly:
+the root and /dev remounted read-only (/dev/shm is a private tmpfs); no capabilities; a clean
+environment; an unprivileged uid; the runner is the PID namespace's init (``--as-pid-1``), so
+nothing inside can signal it. The only writable places are ``WRITABLE`` (what a recycled sandbox
+wipes). Without bwrap, ``unshare`` gives the same namespaces and builds the same tree (the same
+paths: the workspace is ``/workspace`` in every isolating mode) on a tmpfs it pivots into, but the
+code runs as root of its user namespace. ``none`` runs the runner directly:
 only for trusted code, and only when configured explicitly.
 """
 
@@ -14,7 +17,7 @@ import enum
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 RUNNER = Path(__file__).with_name("runner.py")
@@ -22,6 +25,10 @@ SHELL = Path(__file__).with_name("shell.py")  # loaded by the runner for persist
 SYSTEM_LINKS = ("bin", "lib", "lib64", "sbin")
 ETC_FILES = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "ssl", "java-17-openjdk",
              "gcc", "bash.bashrc")
+
+
+# the writable places inside a bwrap sandbox and their modes (a recycled sandbox is wiped back to this)
+WRITABLE = {"/workspace": 0o777, "/tmp": 0o1777, "/dev/shm": 0o1777}
 
 
 class Isolation(str, enum.Enum):
@@ -46,7 +53,6 @@ class Layout:
     workspace_bytes: int = 256 << 20
     tmp_bytes: int = 64 << 20
     uid: int = 1000
-    hide: tuple[str, ...] = field(default_factory=lambda: ("/root", "/home"))
 
 
 def _works(argv: list[str]) -> bool:
@@ -86,7 +92,7 @@ def command(mode: Isolation, layout: Layout, probe: bool = False, workspace: str
 
 
 def _bwrap(layout: Layout) -> list[str]:
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+    argv = ["bwrap", "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--uid", str(layout.uid), "--gid", str(layout.uid), "--hostname", "sandbox",
             "--ro-bind", "/usr", "/usr"]
     for name in SYSTEM_LINKS:
@@ -100,6 +106,7 @@ def _bwrap(layout: Layout) -> list[str]:
     for path in layout.ro_binds:
         argv += ["--ro-bind", path, path]
     argv += ["--proc", "/proc", "--dev", "/dev",
+             "--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
              "--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/tmp",
              "--perms", "0777", "--size", str(layout.workspace_bytes), "--tmpfs", "/workspace",
              "--ro-bind", str(RUNNER), "/run/tangram/runner.py", "--ro-bind", str(SHELL), "/run/tangram/shell.py",
@@ -110,19 +117,38 @@ def _bwrap(layout: Layout) -> list[str]:
 
 
 def _unshare(layout: Layout, tail: list[str]) -> list[str]:
-    """Namespaces by unshare(1); the mount setup runs as root of the new user namespace."""
-    project = str(Path(__file__).resolve().parents[4])
-    hide = " ".join(f"mount -t tmpfs -o size=4k,mode=000 none {p} 2>/dev/null;" for p in (*layout.hide, project)
-                    if os.path.isdir(p))
-    script = (
-        f"mount -t tmpfs -o size=1m none /opt && cp {RUNNER} {SHELL} /opt/ && mount -o remount,ro /opt && "
-        f"mkdir -p /tmp/.tangram-ws-$$ && mount -t tmpfs -o size={layout.workspace_bytes},mode=0777 none "
-        f"/tmp/.tangram-ws-$$ && mount --bind /tmp/.tangram-ws-$$ /mnt && "
-        f"mount -t tmpfs -o size={layout.tmp_bytes},mode=1777 none /tmp && {hide} "
-        f"mount -o remount,bind,ro / 2>/dev/null; cd /mnt && "
-        "exec env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/mnt LANG=C.UTF-8 \"$@\"")
-    runner = [a.replace("/run/tangram/runner.py", "/opt/runner.py") for a in tail]
-    if "--reap" in runner:
-        runner += ["--workspace", "/mnt"]
-    return ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--mount-proc", "--net",
-            "--ipc", "--uts", "--mount", "--", "sh", "-c", script, "sh", *runner]
+    """Namespaces by unshare(1): the mount setup runs as root of the new user namespace and builds
+    the same tree as bubblewrap's (read-only system directories, the chosen /etc files, private
+    /tmp, /dev/shm and /workspace tmpfs, the runner at /run/tangram) on a tmpfs, then pivots into
+    it, so a program sees the same paths in both modes and nothing of the host beyond them."""
+    size_tmp, size_ws = layout.tmp_bytes, layout.workspace_bytes
+    steps = ["set -e", "mount -t tmpfs -o size=8m,mode=755 none /mnt", "cd /mnt",
+             "mkdir -p usr etc proc dev/shm tmp workspace run/tangram .old",
+             "mount --rbind /usr usr", "mount -o remount,bind,ro usr"]
+    for name in SYSTEM_LINKS:
+        host = Path("/") / name
+        if host.is_symlink():
+            steps.append(f"ln -s {os.readlink(host)} {name}")
+        elif host.is_dir():
+            steps += [f"mkdir {name}", f"mount --rbind /{name} {name}", f"mount -o remount,bind,ro {name}"]
+    for name in ETC_FILES:
+        host = Path("/etc") / name
+        if host.exists():
+            steps += [f"mkdir -p etc/{name}" if host.is_dir() else f"touch etc/{name}",
+                      f"mount --rbind /etc/{name} etc/{name}", f"mount -o remount,bind,ro etc/{name}"]
+    for path in layout.ro_binds:
+        steps += [f"mkdir -p .{path}", f"mount --rbind {path} .{path}", f"mount -o remount,bind,ro .{path}"]
+    for dev in ("null", "zero", "full", "random", "urandom", "tty"):
+        steps += [f"touch dev/{dev}", f"mount --bind /dev/{dev} dev/{dev}"]
+    steps += ["ln -s /proc/self/fd dev/fd", "ln -s /proc/self/fd/0 dev/stdin", "ln -s /proc/self/fd/1 dev/stdout",
+              "ln -s /proc/self/fd/2 dev/stderr",
+              f"mount -t tmpfs -o size={size_tmp},mode=1777 none dev/shm",
+              f"mount -t tmpfs -o size={size_tmp},mode=1777 none tmp",
+              f"mount -t tmpfs -o size={size_ws},mode=0777 none workspace",
+              "mount -t proc proc proc",
+              f"cp {RUNNER} {SHELL} run/tangram/",
+              "pivot_root . .old", "umount -l /.old", "rmdir /.old", "mount -o remount,ro,bind /",
+              "cd /workspace",
+              'exec /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/workspace LANG=C.UTF-8 "$@"']
+    return ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "--net", "--ipc", "--uts",
+            "--mount", "--", "sh", "-c", "\n".join(steps), "sh", *tail]

@@ -54,15 +54,22 @@ class MissingToolchain(RuntimeError):
 
 def resolve(name: str, extra_path: str = "", which=None) -> Language:
     """The language ``name``, checked to be runnable in the sandbox (``which``: how to find an
-    executable there, for a sandbox whose root is an image)."""
+    executable there, for a sandbox whose root is an image). Toolchains found on the host's paths
+    are remembered: the lookup is a PATH scan per action otherwise."""
+    key = (name, extra_path)
+    if which is None and key in _RESOLVED:
+        return _RESOLVED[key]
     lang = LANGUAGES.get(name)
     if lang is None:
         raise UnknownLanguage(f"language: unknown {name!r} (known: {', '.join(sorted(LANGUAGES))})")
     path = os.pathsep.join(p for p in (extra_path, SANDBOX_PATH) if p)
-    if which is None:
-        def which(exe):
-            return shutil.which(exe, path=path)
-    missing = [exe for exe in lang.requires if which(exe) is None]
+    find = which or (lambda exe: shutil.which(exe, path=path))
+    missing = [exe for exe in lang.requires if find(exe) is None]
     if missing:
         raise MissingToolchain(f"language {name!r} needs {', '.join(missing)}, which the sandbox does not have")
+    if which is None:
+        _RESOLVED[key] = lang
     return lang
+
+
+_RESOLVED: dict[tuple[str, str], Language] = {}

@@ -30,6 +30,7 @@ from .envops import Fork, Snapshot
 from .imagebox import ImageSandboxes, Prewarmed
 from .images import ImageError, ImageStore, resolve_in
 from .isolation import Isolation, Layout, command, detect
+from .recycle import Recycler
 from .rootfs import RootFs
 from .sandbox import Limits, Sandbox, SandboxDied
 
@@ -53,6 +54,11 @@ class SandboxConfig(BaseModel):
     max_output_bytes: int = Field(1 << 20, ge=1024, description="stdout/stderr kept per stream; more is dropped "
                                                                 "and flagged")
     warm_pool: int = Field(4, ge=0, description="prepared sandboxes waiting for one-shot runs and new sessions")
+    recycle: bool = Field(True, description="reuse a one-shot's sandbox after a verified wipe (bubblewrap only; "
+                                            "see managers/sandbox/recycle.py for what is reset and checked)")
+    recycle_pool_max: int = Field(32, ge=0, description="idle sandboxes kept for reuse (within max_idle_sandboxes); "
+                                                        "more are killed")
+    recycle_max_uses: int = Field(1000, ge=1, description="one-shots a sandbox runs before it is replaced")
     session_idle_expiry_s: float = Field(600.0, gt=0, description="close a session unused for this long")
     grace_s: float = Field(5.0, gt=0, description="past an action's timeout plus this, the sandbox is killed")
     cpus: tuple[int, ...] | None = Field(None, description="host CPUs to use (default: this process's affinity)")
@@ -116,6 +122,7 @@ class RunCode:
     run_timeout_s: float = 10.0
     memory_mb: int | None = None
     image: str | None = None
+    memory_as_rlimit: bool = False  # also cap address space: allocations fail (MemoryError) as in SandboxFusion
 
 
 @dataclass
@@ -128,6 +135,7 @@ class Exec:
     timeout_s: float = 10.0
     memory_mb: int | None = None
     image: str | None = None
+    jupyter: bool = False  # a python cell's traceback goes only into its error record, as in a notebook
 
 
 @dataclass
@@ -173,6 +181,7 @@ class SandboxManager:
         self.images = ImageStore(c.image_store)
         self.imageboxes: ImageSandboxes | None = None
         self.pending_roots: dict[str, RootFs] = {}  # forked/restored sessions: root mounted, processes on first use
+        self.recycler = Recycler(False, self._put_back, self.tasks.spawn)
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start_up(self) -> None:
@@ -195,6 +204,8 @@ class SandboxManager:
         self._taken = asyncio.Event()
         self._fill = asyncio.get_running_loop().create_task(self._keep_pool_full())
         self._reaper = asyncio.get_running_loop().create_task(self._expire_sessions())
+        self.recycler = Recycler(self.config.recycle and self.mode is Isolation.BWRAP, self._put_back,
+                                 self.tasks.spawn, self.config.recycle_max_uses)
         log.info("sandboxes: isolation %s, cgroups %s, %d CPUs, warm pool %d", self.mode.value,
                  "v2" if self.root and self.root.v2 else ("v1" if self.root else "unavailable"), len(self.host_cpus),
                  self.config.warm_pool)
@@ -206,8 +217,8 @@ class SandboxManager:
         for t in loops:
             t.cancel()
         await asyncio.gather(*loops, return_exceptions=True)  # the refill kills its half-made sandboxes
-        # running actions are cancelled (their handlers kill their sandboxes); kills in flight
-        # are waited for, never cancelled half-way
+        # running actions are cancelled (their handlers kill their sandboxes); kills and resets in
+        # flight are waited for, never cancelled half-way (a reset that ends now kills its sandbox)
         await self.tasks.close(cancel_background=False)
         doomed = list(self.sessions.values())
         self.sessions.clear()
@@ -234,7 +245,9 @@ class SandboxManager:
             self._hostdirs.append(workspace)
         argv = command(self.mode, self.layout, workspace=workspace)
         limits = Limits(self.config.memory_mb << 20, self.config.pids_max)
-        return await Sandbox.spawn(sid, argv, self.root, limits, cwd=workspace)
+        sb = await Sandbox.spawn(sid, argv, self.root, limits, cwd=workspace)
+        sb.recyclable = True  # our own tree (isolation.WRITABLE is all it can write), not an image's
+        return sb
 
     async def _keep_pool_full(self) -> None:
         """Refill the pool, one spawn in flight per core (spawning is CPU work: bwrap and the
@@ -263,6 +276,15 @@ class SandboxManager:
                 except BaseException:
                     continue
                 await sb.kill()
+
+    def _put_back(self, sb: Sandbox) -> bool:
+        """A recycled sandbox joins the pool (False: the pool is full or closing)."""
+        c = self.config
+        cap = min(max(c.recycle_pool_max, c.warm_pool), c.max_idle_sandboxes)
+        if self._closing or self._pool is None or self._pool.qsize() >= cap:
+            return False
+        self._pool.put_nowait(sb)
+        return True
 
     async def _take(self, image: str | None = None) -> Sandbox:
         """A prepared sandbox from the pool, or a fresh one when the pool is empty."""
@@ -351,7 +373,7 @@ class SandboxManager:
             memory_mb = getattr(payload, "memory_mb", None)
             sb.set_memory((memory_mb or self.config.memory_mb) << 20)
             setup_s = time.monotonic() - t0
-            oom_before = sb.oom_kills()
+            oom_before = sb.oom_seen  # read after the sandbox's last action
             t1 = time.monotonic()
             self._busy.add(sb)
             try:
@@ -359,7 +381,7 @@ class SandboxManager:
             finally:
                 self._busy.discard(sb)
             exec_s = time.monotonic() - t1
-            if outcome is not Outcome.TIMEOUT and not sb.dead and sb.oom_kills() > oom_before:
+            if not sb.dead and sb.oom_kills() > oom_before and outcome is not Outcome.TIMEOUT:
                 outcome = Outcome.OOM
                 result.message = _join(result.message, "killed: out of memory "
                                                        f"(limit {(memory_mb or self.config.memory_mb)} MB)")
@@ -382,8 +404,8 @@ class SandboxManager:
             sb.freeze()
             self._last_used[action.trajectory] = time.monotonic()
         if sb is not None and action.trajectory is None:
-            # starts once this task has reported: tearing down is not part of the action's ACT
-            self._kill_later(sb)
+            # starts once this task has reported: reset or teardown is not part of the action's ACT
+            self.recycler.release(sb)
         return Completion(action.id, outcome, setup_s, exec_s, result.message, result)
 
     def _died(self, e: SandboxDied, action: Action, sb: Sandbox | None) -> tuple[Outcome, SandboxResult]:
@@ -415,7 +437,8 @@ class SandboxManager:
         if isinstance(payload, Exec):
             base = self._base(cores, sb)
             if payload.python is not None:
-                req = {**base, "op": "cell", "code": payload.python, "timeout_s": payload.timeout_s}
+                req = {**base, "op": "cell", "code": payload.python, "timeout_s": payload.timeout_s,
+                       "jupyter": payload.jupyter}
             elif payload.command is not None:  # a step of the session's persistent shell
                 req = {**base, "op": "shell", "command": payload.command, "timeout_s": payload.timeout_s,
                        "stdin": _b64(payload.stdin)}
@@ -448,15 +471,17 @@ class SandboxManager:
         files = {**{k: _b64(v) for k, v in p.files.items()}}
         if not lang.in_interpreter:
             files[lang.source] = _b64(p.code.encode())
-        if files:
-            r = await sb.request({"op": "write", "files": files}, FILES_TIMEOUT_S + grace)
-            if "error" in r:
-                return Outcome.FAILED, SandboxResult(message=f"files: {r['error']}")
         base = self._base(cores, sb)
+        if p.memory_as_rlimit and p.memory_mb:
+            base["as_bytes"] = p.memory_mb << 20
         result = SandboxResult()
+        # the files ride on the first command and fetched files on the last: one round trip per command
         if lang.compile:
-            r = await sb.request({**base, "op": "run", "argv": list(lang.compile), "timeout_s": p.compile_timeout_s},
-                                 p.compile_timeout_s + grace)
+            r = await sb.request({**base, "op": "run", "argv": list(lang.compile), "timeout_s": p.compile_timeout_s,
+                                  "files": files}, p.compile_timeout_s + grace)
+            files = {}
+            if "files_error" in r:
+                return Outcome.FAILED, SandboxResult(message=f"files: {r['files_error']}")
             result.compile = CommandResult.from_wire(r) if "error" not in r else None
             if "error" in r:
                 return Outcome.INFRA_ERROR, SandboxResult(message=f"compile: {r['error']}")
@@ -470,15 +495,18 @@ class SandboxManager:
             req = {**base, "op": "python", "code": p.code}
         else:
             req = {**base, "op": "run", "argv": list(lang.run)}
-        r = await sb.request({**req, "stdin": _b64(p.stdin), "timeout_s": p.run_timeout_s}, p.run_timeout_s + grace)
+        r = await sb.request({**req, "stdin": _b64(p.stdin), "timeout_s": p.run_timeout_s, "files": files,
+                              "fetch": list(p.fetch_files)}, p.run_timeout_s + grace)
+        if "files_error" in r:
+            return Outcome.FAILED, SandboxResult(message=f"files: {r['files_error']}")
         if "error" in r:
             return Outcome.INFRA_ERROR, SandboxResult(message=f"run: {r['error']}")
         run = _result(r)
         result.run, result.message = run.run, run.message
         if p.fetch_files:
-            fr = await sb.request({"op": "read", "paths": list(p.fetch_files)}, FILES_TIMEOUT_S + grace)
+            fr = r.get("fetched") or {}
             result.files = {k: base64.b64decode(v) for k, v in fr.get("files", {}).items()}
-            result.missing = fr.get("missing", [])
+            result.missing = fr.get("missing", list(p.fetch_files))
         return _outcome(r), result
 
 

@@ -10,13 +10,26 @@ start so nothing the user's code prints can corrupt the channel. Requests:
 * ``python`` run ``code`` in a forked child of this warm interpreter (a one-shot python action
              without paying interpreter start-up)
 * ``cell``   run ``code`` in this process's persistent namespace (a stateful python session)
-* ``write`` / ``read`` files in the workspace
+* ``write`` / ``read`` files in the workspace (``run`` and ``python`` also take ``files`` to write
+             first and ``fetch`` paths to read afterwards: one round trip for a whole one-shot)
+
+* ``reset``  make a used one-shot sandbox pristine for the next one (see ``op_reset``) and say
+             whether that could be verified
 
 Every child gets ``timeout_s``; output is captured up to ``max_output`` bytes per stream (the rest
 is drained and dropped, and flagged). After each request every other process in the sandbox is
 killed, so nothing an action started outlives it (the runner itself is the persistent state).
+
+Recycling one-shot sandboxes means hostile code must not be able to reach anything that outlives
+its run. The runner is PID 1 of the sandbox's PID namespace (bwrap ``--as-pid-1``), so nothing
+inside can kill or stop it, and it is non-dumpable, so nothing inside can ptrace it or open its
+``/proc`` files. Python one-shots are not forked from the runner itself, whose heap holds earlier
+requests' code, stdin and output (a child could read them back from its copy), but from a
+*zygote* forked before the first request: it receives only descriptors, and the child reads its
+own request after the fork.
 """
 
+import _signal
 import binascii
 import io
 import marshal
@@ -26,6 +39,21 @@ import sys
 import time
 
 SIGKILL = 9  # Linux numbers: importing signal pulls in enum, a fifth of our start-up
+SIGINT = 2
+PR_SET_DUMPABLE = 4
+try:  # an image's minimal python may lack these: then no zygote and no verified reset (no recycling)
+    import _socket
+    import ctypes
+    LIBC = ctypes.CDLL(None, use_errno=True)
+    LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # no ptrace, no /proc/<pid>/mem|fd from inside
+except (ImportError, OSError, AttributeError):
+    _socket = ctypes = LIBC = None
+_signal.signal(SIGINT, _signal.SIG_IGN)  # Python's KeyboardInterrupt handler would let a child stop us
+try:  # POSIX message queues outlive their processes and cannot be listed without mounting mqueue
+    import resource
+    resource.setrlimit(resource.RLIMIT_MSGQUEUE, (0, 0))
+except (ImportError, ValueError, OSError):
+    pass
 PROTO_IN = os.dup(0)
 PROTO_OUT = os.dup(1)
 _null = os.open(os.devnull, os.O_RDWR)
@@ -76,13 +104,17 @@ def to_json(obj):
     return to_json(str(obj))
 
 
-def print_exc():
-    """The traceback of the user's code, without the runner's own frames."""
+def print_exc(quiet=False):
+    """The traceback of the user's code, without the runner's own frames; printed to stderr
+    unless ``quiet``, returned as lines either way."""
     import traceback
     etype, value, tb = sys.exc_info()
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
-    traceback.print_exception(etype, value, tb)
+    lines = traceback.format_exception(etype, value, tb)
+    if not quiet:
+        sys.stderr.write("".join(lines))
+    return [line.rstrip("\n") for line in lines]
 
 
 # Only in a PID namespace of our own (the host passes --reap, and we double-check that we are
@@ -94,17 +126,18 @@ KEEP = []  # the session's persistent shell (shell.py fills it): spared by reap_
 
 
 def reap_strays(keep=()):
-    """Kill every process of this sandbox but pid 1 (the namespace's init), this runner and the
-    persistent shell."""
+    """Kill every process of this sandbox but pid 1 (the namespace's init), this runner, the
+    zygote and the persistent shell; True when none is left (a fork bomb can outrun a few
+    passes: the host then discards the sandbox instead of recycling it)."""
     if not REAP:
-        return
-    me = os.getpid()
-    for _ in range(3):
+        return True
+    keep = {1, os.getpid(), ZYGOTE.pid if ZYGOTE else 0, *KEEP, *keep}
+    for attempt in range(20):
         found = False
         for name in os.listdir("/proc"):
             if name.isdigit():
                 pid = int(name)
-                if pid not in (1, me) and pid not in KEEP:
+                if pid not in keep:
                     found = True
                     try:
                         os.kill(pid, SIGKILL)
@@ -118,12 +151,14 @@ def reap_strays(keep=()):
             if pid == 0:
                 break
         if not found:
-            return
-        time.sleep(0.002)
+            return True
+        time.sleep(0.002 * (attempt + 1))
+    return False
 
 
-def collect(child, out_fd, err_fd, in_fd, stdin, timeout_s, max_output):
-    """Feed stdin, read both streams up to the cap, kill the group at the deadline."""
+def collect(child, out_fd, err_fd, in_fd, stdin, timeout_s, max_output, wait=None):
+    """Feed stdin, read both streams up to the cap, kill the group at the deadline; ``wait``
+    returns the child's wait status (default: waitpid, for our own children)."""
     poll = select.poll()
     open_fds = {out_fd, err_fd}
     bufs = {out_fd: bytearray(), err_fd: bytearray()}
@@ -180,7 +215,7 @@ def collect(child, out_fd, err_fd, in_fd, stdin, timeout_s, max_output):
             os.close(fd)
         except OSError:
             pass
-    _, status = os.waitpid(child, 0)
+    status = wait() if wait is not None else os.waitpid(child, 0)[1]
     return bufs[out_fd], bufs[err_fd], truncated, timed_out, status
 
 
@@ -194,6 +229,7 @@ def spawn(req, body):
     if pid == 0:
         try:
             os.setsid()
+            _signal.signal(SIGINT, _signal.SIG_DFL)
             if req.get("cpus"):  # no cgroups on the host: pin by affinity instead of cpuset
                 os.sched_setaffinity(0, req["cpus"])
             os.dup2(in_r, 0)
@@ -202,6 +238,7 @@ def spawn(req, body):
             for fd in (in_r, in_w, out_r, out_w, err_r, err_w, PROTO_IN, PROTO_OUT):
                 os.close(fd)
             os.chdir(req.get("cwd") or WORKSPACE)
+            cap_address_space(req.get("as_bytes"))
             body()
         except SystemExit as e:
             code = e.code
@@ -212,17 +249,30 @@ def spawn(req, body):
         os._exit(0)
     for fd in (in_r, out_w, err_w):
         os.close(fd)
-    out, err, truncated, timed_out, status = collect(
-        pid, out_r, err_r, in_w, unb64(req.get("stdin")), float(req.get("timeout_s") or 10), int(req.get("max_output")
-                                                                                               or 1 << 20))
+    return finish(req, start, *collect(pid, out_r, err_r, in_w, unb64(req.get("stdin")),
+                                       float(req.get("timeout_s") or 10), int(req.get("max_output") or 1 << 20)))
+
+
+def finish(req, start, out, err, truncated, timed_out, status):
     result = {"stdout": b64(bytes(out)), "stderr": b64(bytes(err)), "truncated": truncated,
               "timed_out": timed_out, "duration_s": time.monotonic() - start}
-    if os.WIFSIGNALED(status):
+    if status is None:  # the zygote did not report (it was tampered with): the sandbox is discarded
+        result["exit_code"] = None
+    elif os.WIFSIGNALED(status):
         result["signal"] = os.WTERMSIG(status)
         result["exit_code"] = -os.WTERMSIG(status)
     else:
         result["exit_code"] = os.WEXITSTATUS(status)
     return result
+
+
+def cap_address_space(limit):
+    """SandboxFusion's memory limit: address space and data segment capped, so allocations fail
+    inside the program (python raises MemoryError) instead of the kernel killing it."""
+    if limit:
+        import resource
+        for res in (resource.RLIMIT_AS, resource.RLIMIT_DATA):
+            resource.setrlimit(res, (limit, resource.getrlimit(res)[1]))
 
 
 def env_for(req):
@@ -241,27 +291,129 @@ def op_run(req):
     return spawn(req, body)
 
 
+def python_body(code, env):
+    """What a python one-shot child runs (after its descriptors are in place)."""
+    os.environ.clear()
+    os.environ.update(env)
+    sys.stdin = stream(0, "r")
+    sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), encoding="utf-8")
+    sys.stderr = stream(2, "w")
+    sys.argv = ["main.py"]
+    try:
+        exec(compile(code, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        except Exception:
+            pass
+
+
 def op_python(req):
+    if ZYGOTE is not None:
+        return ZYGOTE.run(req)
     code = req["code"]
     env = env_for(req)
+    return spawn(req, lambda: python_body(code, env))
 
-    def body():
-        os.environ.clear()
-        os.environ.update(env)
-        sys.stdin = stream(0, "r")
-        sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), encoding="utf-8")
-        sys.stderr = stream(2, "w")
-        sys.argv = ["main.py"]
-        try:
-            exec(compile(code, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
-        finally:
+
+class Zygote:
+    """A clean template for python one-shots: forked before this runner reads any request, it
+    forks one child per run and reports the child's pid and wait status; the child reads its own
+    request from the socket, so no request ever enters the zygote's (or a later child's) memory."""
+
+    def __init__(self):
+        here, there = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        pid = os.fork()
+        if pid == 0:
+            here.close()
+            for fd in (PROTO_IN, PROTO_OUT):
+                os.close(fd)
             try:
-                sys.stdout.flush()
-                sys.stderr.flush()
-            except Exception:
-                pass
+                self.serve(there)
+            finally:
+                os._exit(0)
+        there.close()
+        self.pid, self.sock = pid, here
 
-    return spawn(req, body)
+    # -- in the zygote ---------------------------------------------------------------------------
+    @staticmethod
+    def serve(sock):
+        while True:
+            msg, anc, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(3 * 4))
+            if not msg:
+                return
+            fds = [int.from_bytes(data[i:i + 4], sys.byteorder, signed=True) for level, kind, data in anc
+                   if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS for i in range(0, len(data), 4)]
+            pid = os.fork()
+            if pid == 0:
+                Zygote.child(sock, fds)
+            for fd in fds:
+                os.close(fd)
+            sock.sendall(pid.to_bytes(4, "little"))
+            _, status = os.waitpid(pid, 0)
+            sock.sendall(status.to_bytes(4, "little", signed=True))
+
+    @staticmethod
+    def child(sock, fds):
+        try:
+            os.setsid()
+            _signal.signal(SIGINT, _signal.default_int_handler)
+            for target, fd in zip((0, 1, 2), fds):
+                os.dup2(fd, target)
+                os.close(fd)
+            head = recv_exact(sock, 4)
+            req = marshal.loads(recv_exact(sock, int.from_bytes(head, "little")))
+            sock.close()
+            LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # the user's process is ordinary again (zygote: LIBC is set)
+            if req.get("cpus"):
+                os.sched_setaffinity(0, req["cpus"])
+            os.chdir(req.get("cwd") or WORKSPACE)
+            cap_address_space(req.get("as_bytes"))
+            python_body(req["code"], env_for(req))
+        except SystemExit as e:
+            code = e.code
+            os._exit(code if isinstance(code, int) else (0 if code is None else 1))
+        except BaseException:
+            print_exc()
+            os._exit(1)
+        os._exit(0)
+
+    # -- in the runner ---------------------------------------------------------------------------
+    def run(self, req):
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        start = time.monotonic()
+        fds = (in_r, out_w, err_w)
+        anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds))]
+        self.sock.sendmsg([b"g"], anc)
+        for fd in fds:
+            os.close(fd)
+        child = int.from_bytes(recv_exact(self.sock, 4), "little")
+        data = marshal.dumps({"code": req["code"], "env": req.get("env"), "cpus": req.get("cpus"),
+                              "cwd": req.get("cwd"), "as_bytes": req.get("as_bytes")}, 4)
+        self.sock.sendall(len(data).to_bytes(4, "little") + data)
+        del data
+        out = collect(child, out_r, err_r, in_w, unb64(req.get("stdin")), float(req.get("timeout_s") or 10),
+                      int(req.get("max_output") or 1 << 20), wait=self.status)
+        return finish(req, start, *out)
+
+    def status(self):
+        if not select.select([self.sock], [], [], 2.0)[0]:
+            return None
+        data = recv_exact(self.sock, 4)
+        return int.from_bytes(data, "little", signed=True) if data else None
+
+
+def recv_exact(sock, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
 
 
 class Capture:
@@ -338,8 +490,9 @@ def op_cell(req):
         exit_code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException as e:
         exit_code = 1
-        print_exc()
-        raised.append({"ename": type(e).__name__, "evalue": str(e)})
+        # a notebook (SandboxFusion's /run_jupyter) reports the traceback in the cell's error, not stderr
+        lines = print_exc(quiet=bool(req.get("jupyter")))
+        raised.append({"ename": type(e).__name__, "evalue": str(e), "traceback": lines})
     for s in (sys.stdout, sys.stderr):
         try:
             s.flush()
@@ -383,7 +536,6 @@ def op_read(req):
             missing.append(path)
     return {"files": files, "missing": missing}
 
-
 SHELL = {}
 
 
@@ -397,7 +549,121 @@ def op_shell(req):
     return SHELL["step"](req, env_for(req), WORKSPACE, (PROTO_IN, PROTO_OUT), reap_strays, b64, unb64)
 
 
+# -- recycling --------------------------------------------------------------------------------------
+
+SNAPSHOT = {}
+KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+
+
+def process_state(pid):
+    """What a same-uid process could change about ``pid`` without ptrace: rlimits (prlimit),
+    nice and scheduling policy, CPU affinity; and whether it is stopped."""
+    with open(f"/proc/{pid}/stat") as fh:
+        f = fh.read().rsplit(")", 1)[1].split()
+    with open(f"/proc/{pid}/limits") as fh:
+        limits = fh.read()
+    return {"limits": limits, "nice": f[16], "policy": f[38], "cpus": sorted(os.sched_getaffinity(pid)),
+            "stopped": f[0] in "Tt"}
+
+
+def snapshot():
+    SNAPSHOT[os.getpid()] = process_state(os.getpid())
+
+
+def wipe(path):
+    """Remove everything under ``path`` (entries the user's code made unreadable included)."""
+    for entry in os.scandir(path):
+        if entry.is_dir(follow_symlinks=False):
+            os.chmod(entry.path, 0o700)
+            wipe(entry.path)
+            os.rmdir(entry.path)
+        else:
+            os.unlink(entry.path)
+
+
+def ipc_clear():
+    """Remove every System V IPC object of this sandbox's IPC namespace (they outlive processes)."""
+    if LIBC is None:
+        return 1  # cannot look: not verifiably clean
+    left = 0
+    for kind, ctl in (("shm", LIBC.shmctl), ("msg", LIBC.msgctl), ("sem", LIBC.semctl)):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            ident = int(row.split()[1])
+            if (ctl(ident, 0, 0, 0) if kind == "sem" else ctl(ident, 0, None)) != 0:  # IPC_RMID
+                left += 1
+    return left
+
+
+def keys_clear():
+    """Empty the keyrings that outlive a process: the user's, the user-session and persistent ones."""
+    if LIBC is None or KEYCTL is None:
+        return False  # cannot clear them here (no ctypes, or an architecture we have no syscall number for)
+    ok = True
+    c = ctypes.c_long
+    rings = []
+    persistent = LIBC.syscall(c(KEYCTL), c(22), c(-1), c(-4))  # KEYCTL_GET_PERSISTENT, linked to @u
+    if persistent > 0:
+        rings.append(persistent)
+    rings += [-4, -5]  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
+    for ring in rings:
+        if LIBC.syscall(c(KEYCTL), c(7), c(ring)) != 0 and ctypes.get_errno() not in (38, 1, 13, 126):
+            ok = False  # KEYCTL_CLEAR failed for another reason than "no keyrings here"
+        size = LIBC.syscall(c(KEYCTL), c(11), c(ring), None, c(0))  # KEYCTL_READ: 4 bytes a linked key
+        if size > 0:
+            ok = False
+    return ok
+
+
+def op_reset(req):
+    """Make this one-shot sandbox pristine for the next one, and check it: no process but us and
+    the zygote, every writable place (``req["dirs"]``: path -> mode) empty with its mode back and
+    no extended attributes, no System V IPC object, empty keyrings, and our and the zygote's
+    rlimits, priority and affinity as they were at start. ``clean`` False: discard the sandbox."""
+    why = []
+    if not reap_strays():
+        why.append("processes survived the reaping")
+    for path, mode in (req.get("dirs") or {}).items():
+        try:
+            os.chmod(path, mode)
+            wipe(path)
+            for name in os.listxattr(path):
+                os.removexattr(path, name)
+            os.utime(path)
+            if os.listdir(path):
+                why.append(f"{path} is not empty")
+        except OSError as e:
+            why.append(f"{path}: {e}")
+    if ipc_clear():
+        why.append("System V IPC objects are left")
+    if not keys_clear():
+        why.append("keyrings could not be emptied")
+    for pid, want in SNAPSHOT.items():
+        if ZYGOTE is None and pid != os.getpid():
+            continue
+        try:
+            now = process_state(pid)
+        except OSError:
+            why.append(f"process {pid} is gone")
+            continue
+        if now["cpus"] != want["cpus"]:
+            try:
+                os.sched_setaffinity(pid, want["cpus"])
+                now["cpus"] = want["cpus"]
+            except OSError:
+                pass
+        changed = [k for k in want if now[k] != want[k]]
+        if changed:
+            why.append(f"process {pid}: {', '.join(changed)} changed")
+    return {"clean": not why, "why": "; ".join(why)}
+
+
 OPS = {"run": op_run, "shell": op_shell, "python": op_python, "cell": op_cell, "write": op_write, "read": op_read,
+       "reset": op_reset,
        "ping": lambda req: {"pid": os.getpid()}}
 
 
@@ -411,19 +677,36 @@ def read_exact(n):
     return buf
 
 
+ZYGOTE = None
+
+
 def main():
+    global ZYGOTE
     os.chdir(WORKSPACE)
+    snapshot()
+    if REAP and LIBC is not None:
+        ZYGOTE = Zygote()
+        SNAPSHOT[ZYGOTE.pid] = process_state(ZYGOTE.pid)
     while True:
         head = read_exact(4)
         if head is None:
             return
         req = marshal.loads(read_exact(int.from_bytes(head, "little")))
-        try:
-            result = OPS[req["op"]](req)
-        except Exception as e:
-            result = {"error": f"{type(e).__name__}: {e}"}
+        result = None
+        if req.get("files") and req["op"] in ("run", "python"):  # one round trip: write, then run
+            try:
+                op_write(req)
+            except Exception as e:
+                result = {"files_error": f"{type(e).__name__}: {e}"}
+        if result is None:
+            try:
+                result = OPS[req["op"]](req)
+            except Exception as e:
+                result = {"error": f"{type(e).__name__}: {e}"}
         if req.get("reap", True) and req["op"] in ("run", "python", "cell", "shell"):
             reap_strays()
+        if req.get("fetch") and "error" not in result and "files_error" not in result:
+            result["fetched"] = op_read({"paths": req["fetch"]})
         result["id"] = req.get("id")
         data = (to_json(result) + "\n").encode()
         while data:

@@ -60,6 +60,11 @@ class Sandbox:
         self.rootfs = None  # an image sandbox's overlay root (rootfs.RootFs)
         self.image: str | None = None
         self.on_kill = None  # called (in a thread) once the processes are gone: releases the root
+        self.uses = 0  # one-shots run in it before (recycling)
+        self.recyclable = False  # a plain warm-pool sandbox (not an image's): recycling may reuse it
+        self.oom_seen = 0  # the group's OOM-kill count when last read
+        self._cpus: tuple[int, ...] | None = None  # what the group was last set to: a write costs a
+        self._memory: int | None = -1  # cgroupfs round trip per action, and mostly nothing changes
 
     @classmethod
     async def spawn(cls, sid: str, argv: list[str], root: CgroupRoot | None, limits: Limits,
@@ -153,15 +158,19 @@ class Sandbox:
         self.frozen = False
 
     def set_cpus(self, cpus: tuple[int, ...]) -> None:
-        if self.group is not None:
+        if self.group is not None and cpus != self._cpus:
             self.group.set_cpus(cpus)
+            self._cpus = cpus
 
     def set_memory(self, limit_bytes: int | None) -> None:
-        if self.group is not None:
+        if self.group is not None and limit_bytes != self._memory:
             self.group.set_memory(limit_bytes)
+            self._memory = limit_bytes
 
     def oom_kills(self) -> int:
-        return self.group.oom_kills() if self.group is not None else 0
+        """The group's OOM-kill count now (also remembered in ``oom_seen``)."""
+        self.oom_seen = self.group.oom_kills() if self.group is not None else 0
+        return self.oom_seen
 
     def cpu_seconds(self) -> float:
         if self.group is not None:

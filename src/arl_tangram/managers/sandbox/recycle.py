@@ -1,0 +1,83 @@
+"""Recycling one-shot sandboxes: a used sandbox is wiped, checked and put back in the warm pool.
+
+Making a sandbox (bubblewrap, namespaces, an interpreter start) is most of a trivial one-shot's
+CPU cost; a recycled one costs a reset request (~0.5 ms) instead. It is only acceptable if no
+one-shot can influence a later one, so the runner's ``reset`` kills every process but itself and
+its zygote, empties every writable place (``isolation.WRITABLE``), removes System V IPC objects
+and keyrings, and checks that its own and the zygote's rlimits, priority and affinity are as at
+start; anything it cannot verify makes the sandbox be discarded, never reused. The runner is the
+namespace's init and non-dumpable, and python one-shots fork from a zygote that never held a
+request (see ``runner.py``). Recycling is on only under bubblewrap: there the user's code has no
+capabilities at all. Under ``unshare`` it is root of its user namespace (it could ptrace the
+runner despite the dumpable flag) and under ``none`` there is no namespace to reset, so those
+modes keep a fresh sandbox per one-shot.
+
+Left as they are (low-bandwidth signals a later run could read, but nothing that changes what
+a later program does unless it looks for them): the PID and tmpfs inode counters advance, and
+timing. Alternative considered and dropped: a fresh user+mount+PID namespace per run inside the
+sandbox (closes those counters too, but needs capability dropping by hand in every child).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Awaitable, Callable
+
+from .isolation import WRITABLE
+from .sandbox import Sandbox, SandboxDied
+
+log = logging.getLogger(__name__)
+
+
+class Recycler:
+    """Resets used one-shot sandboxes off the latency path and hands the clean ones to ``put``
+    (which returns False when the pool is full); everything else is killed."""
+
+    def __init__(self, enabled: bool, put: Callable[[Sandbox], bool], spawn: Callable[[Awaitable], object],
+                 max_uses: int = 1000, timeout_s: float = 10.0) -> None:
+        """``spawn`` runs a background coroutine that shutdown waits for (the manager's TaskSet)."""
+        self.enabled = enabled
+        self.put = put
+        self.spawn = spawn
+        self.max_uses = max_uses
+        self.timeout_s = timeout_s
+        self.recycled = 0
+        self.discarded: Counter[str] = Counter()
+
+    def release(self, sb: Sandbox) -> None:
+        """A one-shot is done with ``sb`` (its result already reported)."""
+        self.spawn(self._release(sb))
+
+    async def _release(self, sb: Sandbox) -> None:
+        reason = await self._verdict(sb)
+        if reason is None and self.put(sb):
+            self.recycled += 1
+            return
+        if reason is not None:
+            self.discarded[reason] += 1
+            if reason.startswith("unclean"):
+                log.warning("sandbox %s not recycled: %s", sb.id, reason)
+        await sb.kill()
+
+    async def _verdict(self, sb: Sandbox) -> str | None:
+        """None when ``sb`` is verified pristine, else why not."""
+        if not self.enabled:
+            return "recycling off"
+        if not sb.recyclable:
+            return "not recyclable"  # an image's sandbox: its root may be writable
+        if sb.dead or sb.proc.returncode is not None:
+            return "dead"
+        if sb.uses + 1 >= self.max_uses:
+            return "worn out"
+        try:
+            r = await sb.request({"op": "reset", "dirs": WRITABLE}, self.timeout_s)
+        except SandboxDied as e:
+            return f"unclean: reset failed ({e})"
+        if not r.get("clean"):
+            return f"unclean: {r.get('why') or r.get('error') or 'unknown'}"
+        sb.uses += 1
+        return None
+
+    def stats(self) -> dict:
+        return {"enabled": self.enabled, "recycled": self.recycled, "discarded": dict(self.discarded)}

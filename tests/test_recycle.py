@@ -1,0 +1,276 @@
+"""Recycled one-shot sandboxes: every attack a one-shot can make on a later one, then a check
+that the next run sees exactly what a run in a fresh sandbox sees.
+
+Model-written code is hostile: an RL policy that can leave something for the next episode's
+reward check will learn to. Each test runs an attack, waits for the recycler's verdict, and
+takes an inventory of everything a program can observe (files and extended attributes in every
+writable place, processes, System V IPC, keyrings, where ``json`` imports from, rlimits,
+priority, affinity) in the next one-shot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import shutil
+import time
+
+import pytest
+
+from arl_tangram.core import Outcome
+from arl_tangram.managers.sandbox.isolation import Isolation
+from arl_tangram.managers.sandbox.manager import SandboxConfig
+from arl_tangram.runtime import Tangram
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+INVENTORY = r'''
+import ctypes, json as j, os, resource
+def walk(root):
+    out = []
+    for d, dirs, files in os.walk(root):
+        out += [os.path.join(d, x) for x in dirs + files]
+    return sorted(out)
+libc = ctypes.CDLL(None, use_errno=True)
+keys = libc.syscall(ctypes.c_long(250), ctypes.c_long(11), ctypes.c_long(-4), None, ctypes.c_long(0))
+pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+inv = {"files": {r: walk(r) for r in ("/workspace", "/tmp", "/dev/shm")},
+       "modes": {r: oct(os.stat(r).st_mode) for r in ("/workspace", "/tmp", "/dev/shm")},
+       "xattrs": {r: os.listxattr(r) for r in ("/workspace", "/tmp", "/dev/shm")},
+       "others": [p for p in pids if p not in (1, 2, os.getpid())],
+       "ipc": {k: open(f"/proc/sysvipc/{k}").read().splitlines()[1:] for k in ("shm", "msg", "sem")},
+       "keys": keys, "json": j.__file__, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
+       "nice": os.getpriority(os.PRIO_PROCESS, 0), "cpus": sorted(os.sched_getaffinity(0)),
+       "free_tmp": os.statvfs("/tmp").f_bavail > 1000}
+print(j.dumps(inv))
+'''
+
+
+async def _settle(tg, before: int) -> dict:
+    """Wait for the recycler's verdict on the last one-shot's sandbox."""
+    rec = tg.runtime.sandboxes.recycler
+    deadline = time.monotonic() + 10
+    while rec.recycled + sum(rec.discarded.values()) == before and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return rec.stats()
+
+
+async def _inventory(tg) -> tuple[dict, int]:
+    r = await tg.run(INVENTORY)
+    assert r.outcome is Outcome.OK, r.stderr
+    inv = json.loads(r.stdout)
+    return inv, r
+
+
+def attack_then_inspect(attack: str, language: str = "python", timeout_s: float = 5.0) -> dict:
+    cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1)
+
+    async def main():
+        async with Tangram.local(sandbox=cfg, cores=2) as tg:
+            assert tg.runtime.sandboxes.mode is Isolation.BWRAP
+            rec = tg.runtime.sandboxes.recycler
+            fresh, _ = await _inventory(tg)  # a fresh sandbox, which is then recycled
+            await _settle(tg, 0)
+            assert rec.recycled == 1, rec.stats()
+            a = await tg.run(attack, language, timeout_s=timeout_s)
+            stats = await _settle(tg, 1)
+            after, _ = await _inventory(tg)
+            return {"fresh": fresh, "after": after, "attack": a, "stats": stats}
+
+    return asyncio.run(main())
+
+
+def assert_pristine(out: dict, reused: bool) -> None:
+    assert out["after"] == out["fresh"]
+    if reused:
+        assert out["stats"]["recycled"] == 2 and not out["stats"]["discarded"], out["stats"]
+    else:
+        assert out["stats"]["recycled"] == 1 and out["stats"]["discarded"], out["stats"]
+
+
+def test_files_left_in_every_writable_place_are_gone():
+    attack = r'''
+import os
+open(os.path.join(os.environ["HOME"], ".bashrc"), "w").write("echo planted\n")
+for root in ("/workspace", "/tmp", "/dev/shm"):
+    os.makedirs(f"{root}/.hidden/deeper", exist_ok=True)
+    open(f"{root}/.hidden/deeper/note", "w").write("left for the next run")
+    os.symlink("/etc/passwd", f"{root}/link")
+    os.chmod(f"{root}/.hidden/deeper", 0)
+    os.chmod(f"{root}/.hidden", 0)
+    os.setxattr(root, "user.left", b"1")
+    os.chmod(root, 0o700)
+print("planted")
+'''
+    out = attack_then_inspect(attack)
+    assert out["attack"].stdout == "planted\n", out["attack"].stderr
+    assert_pristine(out, reused=True)
+
+
+def test_planted_modules_are_not_imported_later():
+    attack = r'''
+for name in ("json.py", "sitecustomize.py", "usercustomize.py", "x.pth"):
+    for root in ("/workspace", "/tmp", "/dev/shm"):
+        open(f"{root}/{name}", "w").write("import os; os._exit(3)\n")
+import os
+os.makedirs("/workspace/json", exist_ok=True)
+open("/workspace/json/__init__.py", "w").write("raise SystemExit(3)\n")
+print("planted")
+'''
+    out = attack_then_inspect(attack)
+    assert out["after"]["json"].startswith("/usr/"), out["after"]["json"]
+    assert_pristine(out, reused=True)
+
+
+def test_a_detached_background_process_does_not_survive():
+    attack = r'''
+import os, subprocess, time
+subprocess.Popen(["sleep", "600"], start_new_session=True)
+subprocess.Popen(["bash", "-c", "while true; do date >> /tmp/beat; sleep 0.01; done"], start_new_session=True,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(600)
+    os._exit(0)
+print("detached")
+'''
+    out = attack_then_inspect(attack)
+    assert out["after"]["others"] == [] and out["after"]["files"]["/tmp"] == []
+    assert_pristine(out, reused=True)
+
+
+PTRACE = r'''
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+results = {}
+for pid in (1, 2):
+    results[f"attach {pid}"] = libc.ptrace(16, pid, None, None) == 0
+    try:
+        with open(f"/proc/{pid}/mem", "r+b") as fh:
+            results[f"mem {pid}"] = True
+    except OSError:
+        results[f"mem {pid}"] = False
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):  # the numbers may show; the descriptors must not open
+            os.close(os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_NONBLOCK))
+            results[f"fds {pid}"] = True
+    except OSError:
+        pass
+    buf = ctypes.create_string_buffer(8)
+    class Iov(ctypes.Structure):
+        _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+    local, remote = Iov(ctypes.addressof(buf), 8), Iov(0x400000, 8)
+    results[f"vm_write {pid}"] = libc.process_vm_writev(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0) > 0
+print(sorted(k for k, v in results.items() if v))
+'''
+
+
+def test_the_runner_and_zygote_cannot_be_ptraced_or_written():
+    out = attack_then_inspect(PTRACE)
+    assert out["attack"].stdout == "[]\n", out["attack"].stdout + out["attack"].stderr
+    assert_pristine(out, reused=True)
+
+
+def test_signals_to_the_runner_are_ignored():
+    attack = "import os\nfor sig in (2, 15, 19, 10, 9):\n    os.kill(1, sig)\nprint('still here')"
+    out = attack_then_inspect(attack)
+    assert out["attack"].outcome is Outcome.OK and out["attack"].stdout == "still here\n"
+    assert_pristine(out, reused=True)
+
+
+@pytest.mark.parametrize("attack", [
+    "import os\nos.kill(2, 9)",                                             # kill the zygote
+    "import os\nos.kill(2, 19)",                                            # stop it
+    "import resource\nresource.prlimit(1, resource.RLIMIT_NOFILE, (64, 64))",   # shrink the runner's limits
+    "import resource\nresource.prlimit(2, resource.RLIMIT_NOFILE, (64, 64))",   # ... or the zygote's
+    "import os\nos.setpriority(os.PRIO_PROCESS, 2, 19)",                    # deprioritise the zygote
+], ids=["kill-zygote", "stop-zygote", "prlimit-runner", "prlimit-zygote", "nice-zygote"])
+def test_tampering_with_the_runner_or_zygote_discards_the_sandbox(attack):
+    out = attack_then_inspect(attack)
+    assert_pristine(out, reused=False)
+
+
+def test_a_changed_affinity_is_put_back():
+    out = attack_then_inspect("import os\nos.sched_setaffinity(1, {0})\nos.sched_setaffinity(2, {0})")
+    assert_pristine(out, reused=True)
+
+
+def test_filling_tmp_and_shm_leaves_the_next_run_room():
+    attack = r'''
+for root in ("/tmp", "/dev/shm", "/workspace"):
+    try:
+        with open(f"{root}/fill", "wb") as f:
+            while True:
+                f.write(b"x" * (1 << 20))
+    except OSError as e:
+        print(root, e.errno)
+'''
+    out = attack_then_inspect(attack, timeout_s=20)
+    assert "/tmp 28" in out["attack"].stdout, out["attack"].stdout + out["attack"].stderr
+    assert_pristine(out, reused=True)
+
+
+def test_ipc_objects_and_keys_do_not_carry_over():
+    attack = r'''
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+print("shm", libc.shmget(0x1234, 4096, 0o1600) >= 0)
+print("msg", libc.msgget(0x1235, 0o1600) >= 0)
+print("sem", libc.semget(0x1236, 1, 0o1600) >= 0)
+c = ctypes.c_long
+print("key", libc.syscall(c(248), b"user", b"leak", b"secret", c(6), c(-4)) > 0)
+print("mq", libc.mq_open(b"/leak", os.O_CREAT | os.O_RDWR, 0o600, None) >= 0)
+'''
+    out = attack_then_inspect(attack)
+    assert "shm True" in out["attack"].stdout and "key True" in out["attack"].stdout, out["attack"].stdout
+    assert "mq False" in out["attack"].stdout  # POSIX queues cannot be created at all (RLIMIT_MSGQUEUE 0)
+    assert_pristine(out, reused=True)
+
+
+def test_a_bash_one_shot_is_recycled_too():
+    out = attack_then_inspect("mkdir -p /tmp/a && echo hi > /tmp/a/b && (sleep 600 &) && echo ok", language="bash")
+    assert out["attack"].stdout == "ok\n"
+    assert_pristine(out, reused=True)
+
+
+def test_later_runs_cannot_read_earlier_requests_from_memory():
+    """A one-shot's code and stdin never enter the memory a later one-shot is forked from."""
+    secret = "expected-answer-7f3a9c"
+    digest = hashlib.sha256(secret.encode()).hexdigest()
+    probe = f"""
+import hashlib
+prefix, found = b"expected-answer-", False  # the whole secret never appears in this program
+with open("/proc/self/maps") as fh:
+    maps = fh.read().splitlines()
+with open("/proc/self/mem", "rb", 0) as mem:
+    for line in maps:
+        addr, perms = line.split()[:2]
+        if "r" not in perms:
+            continue
+        lo, hi = (int(x, 16) for x in addr.split("-"))
+        try:
+            mem.seek(lo)
+            data = mem.read(hi - lo)
+        except OSError:
+            continue
+        at = data.find(prefix)
+        while at >= 0:
+            found |= hashlib.sha256(data[at:at + {len(secret)}]).hexdigest() == {digest!r}
+            at = data.find(prefix, at + 1)
+print(found)
+"""
+    cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1)
+
+    async def main():
+        async with Tangram.local(sandbox=cfg, cores=2) as tg:
+            rec = tg.runtime.sandboxes.recycler
+            # a reward check whose code, stdin and output all hold the expected answer
+            await tg.run(f"got = input()\nprint('expected', {secret!r}, 'got', got)", stdin=secret + "\n")
+            await _settle(tg, 0)
+            return await tg.run(probe), rec.stats()
+
+    r, stats = asyncio.run(main())
+    assert stats["recycled"] == 1 and r.outcome is Outcome.OK
+    assert r.stdout == "False\n", r.stderr
