@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.skipif(shutil.which("bwrap") is None,
 
 @pytest.fixture
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     nodes = [c.add_node(num_cpus=1) for _ in range(2)]
     c.wait_for_nodes()
     yield c, nodes
@@ -98,7 +98,7 @@ def test_work_spreads_over_nodes_and_a_dead_node_loses_no_action(cluster):
             watcher.cancel()
             return step_r, capacity_after, long_rs, gone.value.reason, joined, before, seen, more, rt.nodes()
 
-    step_r, capacity_after, long_rs, gone, joined, alive, seen, more, table = asyncio.run(main())
+    step_r, capacity_after, long_rs, gone, joined, alive, seen, more, table = asyncio.run(asyncio.wait_for(main(), 300))
     assert step_r.outcome is Outcome.INFRA_ERROR and "lost with its node" in step_r.message
     assert "lost with its node" in gone
     assert capacity_after == 1, "the dead node's capacity left the engine at once"

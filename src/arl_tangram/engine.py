@@ -145,18 +145,17 @@ class Engine:
         self.usage.advance(now)
         alloc = run.allocation
         a = run.action
-        match Pool.of(alloc.pool):
-            case Pool.CPU:
-                res = self.reservations.get(alloc.reservation) if alloc.reservation else None
-                if res is not None:
-                    self.cpu.release_reserved(res, alloc.units)
-                else:
-                    self.cpu.release(alloc.node, alloc.units)
-            case Pool.GPU:
-                self.gpu.release(run.instance, now, reserved=bool(alloc.reservation))
-            case Pool.API:
-                if not alloc.unmanaged:
-                    self.quotas[alloc.pool].release()
+        pool = alloc.pool
+        if pool == CPU:
+            res = self.reservations.get(alloc.reservation) if alloc.reservation else None
+            if res is not None:
+                self.cpu.release_reserved(res, alloc.units)
+            else:
+                self.cpu.release(alloc.node, alloc.units)
+        elif pool == GPU:
+            self.gpu.release(run.instance, now, reserved=bool(alloc.reservation))
+        elif not alloc.unmanaged:
+            self.quotas[pool].release()
         units = alloc.count if alloc.pool in (CPU, GPU) else 1
         finished = Finished(a, c.outcome, a.submitted_at, run.started_at, now, c.setup_s, c.exec_s, units, c.message)
         self.policy.on_finish(finished)
@@ -211,10 +210,11 @@ class Engine:
         self.usage.advance(now)
         started: list[Running] = []
         loads: list[Load] = []
+        start = self._start
         for d in decisions:
             match d:
                 case Start():
-                    started.append(self._start(d, now))
+                    started.append(start(d, now))
                 case Prefetch():
                     loads.append(self._prefetch(d))
                 case Grow():
@@ -260,16 +260,16 @@ class Engine:
         a = d.action
         if self.pending.pop(a.id, None) is None:
             raise CapacityError(f"policy started {a.id!r}, which is not waiting")
-        match Pool.of(a.pool):
-            case Pool.CPU:
-                run = Running(a, self._start_cpu(d), now)
-            case Pool.GPU:
-                alloc, instance = self._start_gpu(d)
-                run = Running(a, alloc, now, instance)
-            case Pool.API:
-                if not d.unmanaged:
-                    self.quotas[a.pool].admit(now)
-                run = Running(a, Allocation(a.pool, unmanaged=d.unmanaged), now)
+        pool = a.pool
+        if pool == CPU:
+            run = Running(a, self._start_cpu(d), now)
+        elif pool == GPU:
+            alloc, instance = self._start_gpu(d)
+            run = Running(a, alloc, now, instance)
+        else:
+            if not d.unmanaged:
+                self.quotas[pool].admit(now)
+            run = Running(a, Allocation(pool, unmanaged=d.unmanaged), now)
         self.running[a.id] = run
         return run
 

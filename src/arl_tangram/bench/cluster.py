@@ -45,7 +45,7 @@ def _program(work_ms: float) -> str:
 def _cluster(nodes: int, cores: int):
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     members = [c.add_node(num_cpus=cores) for _ in range(nodes)]
     c.wait_for_nodes()
     return c, members

@@ -140,12 +140,16 @@ class CpuPool:
     def admit(self, node: int, count: int) -> tuple[int, ...]:
         """``count`` free cores of ``node`` for an action (or more cores for a running one)."""
         cores = self.take(node, count)
-        self.meter.change(count, count)
+        m = self.meter  # inlined Meter.change: this is the engine's hot path
+        m.held += count
+        m.running += count
         return cores
 
     def release(self, node: int, cores: tuple[int, ...]) -> None:
         self.give(node, cores)
-        self.meter.change(-len(cores), -len(cores))
+        m = self.meter
+        m.held -= len(cores)
+        m.running -= len(cores)
 
     def reserve(self, node: int, count: int) -> tuple[int, ...]:
         """Cores set aside for one owner: held, not running."""

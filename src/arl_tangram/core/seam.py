@@ -30,19 +30,23 @@ class Pool(str, enum.Enum):
     @classmethod
     def of(cls, pool: str) -> "Pool":
         """The manager pool of an action's ``pool`` (``cpu``, ``gpu`` or ``api:<name>``)."""
-        if pool == CPU:
-            return cls.CPU
-        if pool == GPU:
-            return cls.GPU
+        found = _POOL_OF.get(pool)
+        if found is not None:
+            return found
         if pool.startswith(API_PREFIX):
+            _POOL_OF[pool] = cls.API  # on the engine's hot path: remembered
             return cls.API
         raise ValueError(f"no manager pool for {pool!r}")
 
 
-@dataclass(frozen=True, slots=True)
+_POOL_OF: dict[str, Pool] = {CPU: Pool.CPU, GPU: Pool.GPU}
+
+
+@dataclass(slots=True)
 class Completion:
     """A started action ended: its outcome, the seconds of state work (``setup_s``) and of
-    execution, a message explaining anything unusual, and what it produced (``result``)."""
+    execution, a message explaining anything unusual, and what it produced (``result``). Not
+    frozen: one is made per action, and a frozen dataclass costs twice as much to build."""
 
     action_id: str
     outcome: Outcome
