@@ -104,3 +104,18 @@ def test_bench_server_against_another_endpoint_prints_both(tmp_path):
         peer.wait(30)
     bad = tangram("bench", "server", "--against", "localhost:1")
     assert bad.returncode != 0 and "--against" in bad.stderr + bad.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_bench_cluster_prints_scaling_chaos_and_engine_figures(tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "c.json"
+    p = tangram("bench", "cluster", "--nodes", "1,2", "--actions", "20", "--chaos", "40", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert [row["nodes"] for row in r["scaling"]] == [1, 2]
+    assert all(row["outcomes"] == {"ok": 20} for row in r["scaling"])
+    assert r["chaos"]["lost"] == 0 and r["chaos"]["duplicated"] == 0 and r["chaos"]["outcomes"] == {"ok": 40}
+    assert r["engine"]["open_sessions"] == 10_000 and r["engine"]["queued"] == 10_000
