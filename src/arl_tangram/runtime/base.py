@@ -213,6 +213,10 @@ class Runtime:
     def isolation(self) -> str | None:
         return None
 
+    def cgroups(self) -> str | None:
+        """``v1``/``v2`` where sandbox limits use cgroups, None where they fall back."""
+        return None
+
     def nodes(self) -> list[dict]:
         """The nodes this runtime schedules (``GET /v1/cluster``)."""
         pool = self.engine.cpu
@@ -221,7 +225,7 @@ class Runtime:
             running.setdefault(r.allocation.node, []).append(r.action.id)
         out = [{"id": n.name, "name": n.name, "address": "127.0.0.1", "state": "alive" if pool.alive[i] else "dead",
                 "cores": n.cores, "cores_free": pool.nfree(i), "gpus": 0, "islands": [], "memory_gb": n.memory_gb,
-                "sandboxes": True, "isolation": self.isolation(), "cgroups": None, "problem": "",
+                "sandboxes": True, "isolation": self.isolation(), "cgroups": self.cgroups(), "problem": "",
                 "running": sorted(running.get(i, [])),
                 "sessions": sum(1 for home in pool.homes.values() if home == i)}
                for i, n in enumerate(pool.nodes)]

@@ -95,3 +95,7 @@ class LocalRuntime(Runtime):
     def isolation(self) -> str | None:
         mode = getattr(self.sandboxes, "mode", None)
         return mode.value if mode is not None else None
+
+    def cgroups(self) -> str | None:
+        v2 = getattr(getattr(self.sandboxes, "root", None), "v2", None)  # a CgroupRoot, where there is one
+        return None if v2 is None else ("v2" if v2 else "v1")
