@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .core.cluster import Cluster, scale_cluster, uniform_cluster
+from .waits import DEFAULT_MAX_QUEUE_S
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="ARL-Tangram: action-level resource management for agentic RL.")
@@ -84,6 +85,8 @@ def simulate(
                                        help="Find each policy's smallest pool matching trajectory-static's "
                                             "step time at scale 1."),
     export_trace: Optional[Path] = typer.Option(None, help="Also write the workload as a JSONL trace here."),
+    max_queue_s: float = typer.Option(DEFAULT_MAX_QUEUE_S, help="An action not started this many (simulated) "
+                                                               "seconds after submission ends rejected."),
 ) -> None:
     """Compare scheduling policies on a simulated cluster (the real engine on a virtual clock)."""
     from .sim.compare import BASELINES, comparison, run_policy
@@ -95,6 +98,8 @@ def simulate(
         raise fail("--workload and --trace: give one or the other")
     if scale <= 0 or scale != scale:
         raise fail(f"--scale: must be > 0, got {scale}")
+    if not max_queue_s > 0:
+        raise fail(f"--max-queue-s: must be > 0, got {max_queue_s}")
     t0 = time.perf_counter()
     if trace is not None:
         if steps is not None or trajectories is not None:
@@ -127,7 +132,8 @@ def simulate(
         for p in policies:
             task = progress.add_task(p, total=wl.num_actions)
             runs.append(run_policy(wl, cluster, p, seed,
-                                   progress=lambda n, task=task: progress.update(task, completed=n)))
+                                   progress=lambda n, task=task: progress.update(task, completed=n),
+                                   max_queue_s=max_queue_s))
             progress.update(task, completed=wl.num_actions)
     rows = [r.summary for r in runs]
     cmp = comparison(rows)

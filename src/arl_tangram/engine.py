@@ -25,10 +25,11 @@ from typing import Callable, Iterable, Mapping
 from .core.action import CPU, GPU, Action, Allocation, Finished, InvalidAction, Outcome, Setup
 from .core.clock import Clock
 from .core.cluster import Cluster, CpuNode
-from .core.pools import CapacityError, CpuPool, GpuPool, Meter, QuotaPool
+from .core.pools import EPS, CapacityError, CpuPool, GpuPool, Meter, QuotaPool
 from .core.records import Load, Reservation, Running
 from .core.seam import Completion, Loaded, Manager, ModelHost, Pool, Report
 from .policy.base import Costs, Decision, Evict, Grow, Policy, Prefetch, Profile, Release, Reserve, Start
+from .waits import DEFAULT_MAX_QUEUE_S, QueueDeadlines, why_waiting
 
 
 class Usage:
@@ -77,7 +78,12 @@ class Engine:
         costs: Costs | None = None,
         profile: Profile | None = None,
         sample_every_s: float = 1.0,
+        max_queue_s: float | None = DEFAULT_MAX_QUEUE_S,
+        session_headroom_gb: float = 0.0,
     ) -> None:
+        """``max_queue_s``: an action not started this long after it was submitted ends
+        ``rejected`` (None: no bound); ``session_headroom_gb``: reserved for an idle session on top
+        of the memory it was measured to use (``Completion.session_mem_gb``)."""
         self.cluster = cluster
         self.policy = policy
         self.managers = dict(managers)
@@ -94,6 +100,8 @@ class Engine:
         self.loading: dict[str, Load] = {}
         self.usage = Usage(self.cpu.meter, self.gpu.meter, now, sample_every_s)
         self.listeners: list[Callable[[Finished], None]] = []
+        self.deadlines = QueueDeadlines(max_queue_s)
+        self.session_headroom_gb = session_headroom_gb
         if self.gpu.capacity and not isinstance(self.managers.get(Pool.GPU), ModelHost):
             raise TypeError("a cluster with GPUs needs a ModelHost manager for Pool.GPU")
         self._apply_all(policy.bind(self, now), now)
@@ -112,6 +120,7 @@ class Engine:
         if problem is not None:
             return self._finish_unstarted(action, Outcome.REJECTED, problem, now, register=False)
         self.pending[action.id] = action
+        self.deadlines.add(action)
         self.policy.on_submit(action, now)
         return None
 
@@ -156,6 +165,8 @@ class Engine:
             self.gpu.release(run.instance, now, reserved=bool(alloc.reservation))
         elif not alloc.unmanaged:
             self.quotas[pool].release()
+        if c.session_mem_gb is not None and a.trajectory is not None:
+            self.cpu.settle_session(a.trajectory, c.session_mem_gb, self.session_headroom_gb)
         units = alloc.count if alloc.pool in (CPU, GPU) else 1
         finished = Finished(a, c.outcome, a.submitted_at, run.started_at, now, c.setup_s, c.exec_s, units, c.message)
         self.policy.on_finish(finished)
@@ -200,10 +211,38 @@ class Engine:
     def schedule(self) -> int:
         """One scheduling round; returns how many actions were started."""
         now = self.clock.now()
+        self._expire_queued(now)
         return self._apply_all(self.policy.schedule(now), now)
 
     def next_wakeup(self) -> float | None:
-        return self.policy.next_wakeup(self.clock.now())
+        """When to run a round even if nothing happens: the policy's wish or the earliest queue
+        deadline, whichever comes first."""
+        wake = self.policy.next_wakeup(self.clock.now())
+        deadline = self.deadlines.earliest(self.pending)
+        if deadline is None:
+            return wake
+        return deadline if wake is None else min(wake, deadline)
+
+    # -- bounded queue time (issue #15) ----------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        """The earliest time a queued action will be rejected for waiting too long, or None."""
+        return self.deadlines.earliest(self.pending)
+
+    def queue_head(self) -> Action | None:
+        """The action waiting longest (``pending`` keeps submission order)."""
+        return next(iter(self.pending.values()), None)
+
+    def why_waiting(self, action: Action) -> str:
+        return why_waiting(self, action)
+
+    def _expire_queued(self, now: float) -> None:
+        for action in list(self.deadlines.due(self.pending, now, EPS)):
+            why = why_waiting(self, action)  # before it leaves the queue
+            del self.pending[action.id]
+            self.policy.on_cancel(action)
+            self._finish_unstarted(action, Outcome.REJECTED,
+                                   f"capacity: not started within {self.deadlines.max_queue_s:g} s of queueing "
+                                   f"(max_queue_s); it was waiting for {why}", now)
 
     # -- applying decisions ----------------------------------------------------------------------
     def _apply_all(self, decisions: Iterable[Decision], now: float) -> int:
@@ -290,6 +329,8 @@ class Engine:
                 self.cpu.attach(a.trajectory, node, self.costs.session_mem_gb)
             elif not d.reservation:
                 setup = Setup.THAW
+            if home == node:
+                self.cpu.grow_session(a.trajectory, self.costs.session_mem_gb)
         return Allocation(CPU, node, units, setup, reservation=d.reservation)
 
     def _start_gpu(self, d: Start):

@@ -57,6 +57,7 @@ class CpuPool:
         self.total_free = self.capacity
         self.homes: dict[str, int] = {}
         self.session_mem: dict[str, float] = {}
+        self.session_used: dict[str, float] = {}  # measured when each session last went idle
         self.meter = Meter()
 
     def nfree(self, node: int) -> int:
@@ -134,6 +135,7 @@ class CpuPool:
         for s in lost:
             del self.homes[s]
             self.session_mem.pop(s, None)
+            self.session_used.pop(s, None)
         return lost
 
     # -- the ledger: every change of what is held goes through these ----------------------------
@@ -186,6 +188,44 @@ class CpuPool:
             mem = self.session_mem.pop(session, 0.0)
             if self.alive[node]:
                 self.free_mem[node] += mem
+        self.session_used.pop(session, None)
+
+    # -- session memory by use (issue #15) -------------------------------------------------------
+    # A session's reservation is the running action's estimate while it runs and, once it goes
+    # idle, what it was measured to use plus headroom (requests vs limits: the hard limit stays
+    # its cgroup's). Reserving the whole limit for an idle session admitted ~47 sessions on 24 GB.
+
+    def grow_session(self, session: str, mem_gb: float) -> None:
+        """Raise ``session``'s reservation towards ``mem_gb`` (an action of it starts), as far as
+        its node has memory free: never more than free, never raises (its cgroup limit is the
+        hard bound; this keeps new sessions out of memory a running step may use)."""
+        node = self.homes.get(session)
+        if node is None:
+            return
+        have = self.session_mem.get(session, 0.0)
+        extra = min(mem_gb - have, max(0.0, self.free_mem[node]))
+        if extra > EPS:
+            self.free_mem[node] -= extra
+            self.session_mem[session] = have + extra
+
+    def settle_session(self, session: str, used_gb: float, headroom_gb: float) -> None:
+        """``session`` went idle using ``used_gb`` (measured): reserve that plus ``headroom_gb``.
+        What is measured is in use whether or not it fits, so this never raises: a node's free
+        memory may go negative, and then no new session is placed there."""
+        node = self.homes.get(session)
+        if node is None:
+            return
+        want = used_gb + headroom_gb
+        self.free_mem[node] -= want - self.session_mem.get(session, 0.0)
+        self.session_mem[session] = want
+        self.session_used[session] = used_gb
+
+    def session_reserved_gb(self) -> float:
+        return sum(self.session_mem.values())
+
+    def session_used_gb(self) -> float:
+        """Memory idle sessions were measured to use (sessions never measured count 0)."""
+        return sum(self.session_used.values())
 
 
 @dataclass(slots=True, eq=False)

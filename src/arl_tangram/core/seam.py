@@ -54,6 +54,10 @@ class Completion:
     exec_s: float = 0.0
     message: str = ""
     result: Any = None
+    #: memory the action's session was measured to use once it went idle (GB; cgroup usage or
+    #: RSS), None when not measured (one-shot actions, simulated managers); the engine reserves
+    #: that plus headroom for the idle session instead of its estimate
+    session_mem_gb: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,7 @@ from typing import Callable
 from ..core.cluster import Cluster, scale_cluster
 from ..policy import InfeasiblePolicy, make_policy
 from .metrics import summarize
+from ..waits import DEFAULT_MAX_QUEUE_S
 from .simulator import SimResult, Simulator
 from .workload import Workload
 
@@ -22,10 +23,11 @@ class PolicyRun:
 
 
 def run_policy(workload: Workload, cluster: Cluster, policy: str, seed: int = 0,
-               progress: Callable[[int], None] | None = None) -> PolicyRun:
+               progress: Callable[[int], None] | None = None,
+               max_queue_s: float | None = DEFAULT_MAX_QUEUE_S) -> PolicyRun:
     """One simulation; a static plan that cannot be laid out comes back as ``infeasible``."""
     try:
-        sim = Simulator(workload, cluster, make_policy(policy), seed=seed, progress=progress)
+        sim = Simulator(workload, cluster, make_policy(policy), seed=seed, progress=progress, max_queue_s=max_queue_s)
     except InfeasiblePolicy as e:
         r = SimResult(policy, workload.name, cluster, [], [], 0.0, 0.0, 0.0, [], infeasible=str(e))
         return PolicyRun(policy, summarize(r), None)

@@ -12,7 +12,9 @@ from ..core.clock import ManualClock
 from ..core.cluster import Cluster
 from ..core.seam import Pool, Report
 from ..driver import Driver
+from ..core.pools import EPS
 from ..engine import Engine
+from ..waits import DEFAULT_MAX_QUEUE_S
 from ..policy import Costs, Policy, Profile
 from .managers import SimApiManager, SimModelManager, SimSandboxManager
 from .workload import ActionSpec, TrajectorySpec, Workload
@@ -51,7 +53,8 @@ class Simulator:
 
     def __init__(self, workload: Workload, cluster: Cluster, policy: Policy, *, seed: int = 0,
                  costs: Costs = Costs(), sample_every_s: float = 1.0,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None,
+                 max_queue_s: float | None = DEFAULT_MAX_QUEUE_S) -> None:
         self.workload = workload
         self.cluster = cluster
         self.policy = policy
@@ -65,8 +68,8 @@ class Simulator:
         managers = {Pool.CPU: SimSandboxManager(at, clock, sink, costs),
                     Pool.GPU: SimModelManager(at, clock, sink, cluster), Pool.API: self.api}
         self.engine = Engine(cluster, policy, managers, self.clock, costs=costs, profile=profile,
-                             sample_every_s=sample_every_s)
-        self.driver = Driver(self.engine, lambda t: self.at(t, _noop))
+                             sample_every_s=sample_every_s, max_queue_s=max_queue_s)
+        self.driver = Driver(self.engine, self._arm)
         self.engine.listeners.append(self._on_finished)
         self.finished: list[Finished] = []
         self.steps: list[tuple[str, int, float, float]] = []
@@ -77,6 +80,14 @@ class Simulator:
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), fn))
+
+    def _arm(self, t: float) -> None:
+        """The driver's wake-up. One armed only for a queue deadline (not the policy's wish) is
+        dropped when it comes due with nothing to expire: otherwise the wake-ups of actions that
+        did start would add events and stretch the run past its last real event."""
+        policy_wake = self.policy.next_wakeup(self.clock.now())
+        deadline_only = policy_wake is None or policy_wake > t + EPS
+        self.at(t, _deadline if deadline_only else _noop)
 
     def _report(self, r: Report) -> None:
         """The managers' sink: reports apply at once; the round runs once the instant is over."""
@@ -91,15 +102,22 @@ class Simulator:
         tick = self.driver.tick
         n = 0
         progress = self.progress
+        due = False  # a real event ran at this instant: a round follows once the instant is over
         while events:
             t, _, fn = heapq.heappop(events)
-            clock.advance_to(t)
-            fn()
-            n += 1
-            if progress is not None and n % 4096 == 0:
-                progress(len(self.finished))
-            if not events or events[0][0] > t:
+            if fn is _deadline and ((d := engine.next_deadline()) is None or d > t + EPS):
+                if d is not None:  # that action started; the next deadline still needs a wake-up
+                    self.at(d, _deadline)
+            else:
+                clock.advance_to(t)
+                fn()
+                n += 1
+                due = True
+                if progress is not None and n % 4096 == 0:
+                    progress(len(self.finished))
+            if due and (not events or events[0][0] > t):
                 tick()
+                due = False
         engine.usage.advance(clock.now())
         if progress is not None:
             progress(len(self.finished))
@@ -163,6 +181,10 @@ class Simulator:
             now = self.clock.now()
             self.steps.append((run.job, run.step, self._step_start[j], now))
             self._start_step(j, run.step + 1)
+
+
+def _deadline() -> None:
+    """A queue deadline's wake-up (the round after it rejects what waited too long)."""
 
 
 def _noop() -> None:

@@ -1,0 +1,121 @@
+"""Session density and bounded queue time (issue #15), at the engine and in the simulator."""
+
+from __future__ import annotations
+
+import pytest
+
+from arl_tangram.core import Outcome, uniform_cluster
+from arl_tangram.core.cluster import Cluster, CpuNode
+from arl_tangram.core.seam import Completion
+from arl_tangram.policy import Costs, fifo_policy, tangram_policy
+from arl_tangram.sim.simulator import simulate
+from arl_tangram.sim.workloads import generate
+
+MB = 1 / 1024
+
+
+def test_an_action_queued_past_max_queue_s_ends_rejected_saying_what_it_waited_for(harness):
+    h = harness(uniform_cluster(cpus=1), tangram_policy(), max_queue_s=30.0)
+    h.submit("a", cpu=1)
+    h.schedule()
+    h.advance(5)
+    h.submit("b", cpu=1)
+    assert h.engine.next_wakeup() == pytest.approx(35.0)  # the engine wakes for the deadline
+    h.advance(29.9)
+    h.schedule()
+    assert h.finished == [] and "b" in h.engine.pending
+    h.advance(0.2)
+    h.schedule()
+    [f] = h.finished
+    assert f.action.id == "b" and f.outcome is Outcome.REJECTED
+    assert "max_queue_s" in f.message and "30 s" in f.message and "1 free core" in f.message
+    assert h.engine.pending == {} and h.engine.next_wakeup() is None
+    h.complete("a")  # the running one is not touched by the bound
+    assert [f.outcome for f in h.finished] == [Outcome.REJECTED, Outcome.OK]
+
+
+def test_an_action_that_started_in_time_is_never_rejected_by_its_old_deadline(harness):
+    h = harness(uniform_cluster(cpus=1), fifo_policy(), max_queue_s=10.0)
+    h.submit("a", cpu=1)
+    h.schedule()
+    h.submit("b", cpu=1)
+    h.advance(9)
+    h.complete("a")
+    assert "b" in h.schedule()
+    h.advance(5)
+    h.submit("c", cpu=1)
+    assert h.engine.next_deadline() == pytest.approx(24.0)  # b's deadline is gone
+    h.advance(10)
+    h.schedule()
+    assert [(f.action.id, f.outcome) for f in h.finished] == [("a", Outcome.OK), ("c", Outcome.REJECTED)]
+    h.complete("b")
+    assert len(h.finished) == 3
+
+
+def test_max_queue_s_must_be_positive(harness):
+    with pytest.raises(ValueError, match="max_queue_s"):
+        harness(uniform_cluster(cpus=1), fifo_policy(), max_queue_s=0)
+
+
+def _mem_cluster(memory_gb: float) -> Cluster:
+    return Cluster((CpuNode("n0", 2, memory_gb),), (), (), ())
+
+
+def test_idle_sessions_reserve_what_they_use_so_many_more_fit(harness):
+    """2 GB, 512 MB per session estimate: by limits four sessions fit; by use (10 MB measured +
+    6 MB headroom) the fifth and later sessions find room once the first ones went idle."""
+    h = harness(_mem_cluster(2.0), tangram_policy(), costs=Costs.local(0.5), session_headroom_gb=6 * MB)
+    for i in range(40):
+        h.submit(f"s{i}", cpu=1, trajectory=f"t{i}")
+        assert f"s{i}" in h.schedule(), f"session {i} did not start"
+        h.engine.complete(Completion(f"s{i}", Outcome.OK, session_mem_gb=10 * MB))
+    cpu = h.engine.cpu
+    assert len(cpu.homes) == 40
+    assert cpu.session_reserved_gb() == pytest.approx(40 * 16 * MB)
+    assert cpu.session_used_gb() == pytest.approx(40 * 10 * MB)
+    assert cpu.free_mem[0] == pytest.approx(2.0 - 40 * 16 * MB)
+
+
+def test_a_running_step_holds_its_estimate_and_an_idle_session_its_use(harness):
+    h = harness(_mem_cluster(1.0), tangram_policy(), costs=Costs.local(0.5), session_headroom_gb=0.0)
+    h.submit("a1", cpu=1, trajectory="t")
+    h.schedule()
+    h.engine.complete(Completion("a1", Outcome.OK, session_mem_gb=20 * MB))
+    cpu = h.engine.cpu
+    assert cpu.session_mem["t"] == pytest.approx(20 * MB)
+    h.submit("a2", cpu=1, trajectory="t")
+    h.schedule()
+    assert cpu.session_mem["t"] == pytest.approx(0.5)  # thawed: the step's estimate again
+    h.engine.complete(Completion("a2", Outcome.OK))  # not measured: the reservation stays
+    assert cpu.session_mem["t"] == pytest.approx(0.5)
+    h.engine.end_trajectory("t")
+    assert cpu.free_mem[0] == pytest.approx(1.0) and cpu.session_used == {}
+
+
+def test_a_session_measured_above_free_memory_is_counted_and_blocks_new_sessions(harness):
+    h = harness(_mem_cluster(1.0), fifo_policy(), costs=Costs.local(0.5), max_queue_s=60.0)
+    h.submit("a", cpu=1, trajectory="t")
+    h.schedule()
+    h.engine.complete(Completion("a", Outcome.OK, session_mem_gb=0.8))
+    h.submit("b", cpu=1, trajectory="u")
+    assert h.schedule() == {}
+    assert "memory for a new session" in h.engine.why_waiting(h.engine.queue_head())
+    h.advance(61)
+    h.schedule()
+    assert h.finished[-1].outcome is Outcome.REJECTED and "memory for a new session" in h.finished[-1].message
+
+
+def test_the_simulator_applies_the_same_bound_and_every_action_still_ends_once():
+    wl = generate("code_agent", seed=1, steps=1, trajectories=16)
+    cluster = uniform_cluster(cpus=4)
+    r = simulate(wl, cluster, fifo_policy(), max_queue_s=1.0)
+    ids = [f.action.id for f in r.finished]
+    assert len(ids) == len(set(ids)) == wl.num_actions
+    rejected = [f for f in r.finished if f.outcome is Outcome.REJECTED]
+    assert rejected and all("max_queue_s" in f.message for f in rejected)
+    assert all(f.queue_s == pytest.approx(1.0) for f in rejected)
+    unbounded = simulate(wl, cluster, fifo_policy(), max_queue_s=None)
+    assert all(f.outcome is Outcome.OK for f in unbounded.finished)
+    # deadline wake-ups of actions that started in time add no events and do not stretch the run
+    roomy = simulate(wl, cluster, fifo_policy(), max_queue_s=1e6)
+    assert (roomy.makespan_s, roomy.events) == (unbounded.makespan_s, unbounded.events)
