@@ -35,8 +35,11 @@ class InProcessSandboxes:
     """``SandboxManager``'s seam without its mechanisms (no bubblewrap, no cgroups)."""
 
     def __init__(self, sink: Sink, expire: Callable[[str], None] | None = None,
-                 config: SandboxConfig | None = None) -> None:
+                 config: SandboxConfig | None = None, session_mem_mb: float | None = None) -> None:
+        """``session_mem_mb``: what each idle session reports it uses (None: not measured, as
+        under ``session_memory = 'limit'``)."""
         self.config = config or SandboxConfig()
+        self.session_mem_mb = session_mem_mb
         self.mode = None
         self.tasks = TaskSet(sink, "in-process sandboxes")
         self.expire = expire
@@ -121,7 +124,8 @@ class InProcessSandboxes:
                 shutil.rmtree(ws, ignore_errors=True)
             else:
                 self.last_used[action.trajectory] = time.monotonic()
-        return Completion(action.id, outcome, 0.0, time.monotonic() - t0, result.message, result)
+        mem = self.session_mem_mb / 1024 if self.session_mem_mb is not None and action.trajectory else None
+        return Completion(action.id, outcome, 0.0, time.monotonic() - t0, result.message, result, mem)
 
     async def _process(self, argv: list[str], cwd: Path, stdin: bytes | None,
                        timeout_s: float) -> tuple[Outcome, SandboxResult]:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import shutil
+
+import httpx
 import pytest
 
 from arl_tangram.core import Outcome, uniform_cluster
@@ -119,3 +123,108 @@ def test_the_simulator_applies_the_same_bound_and_every_action_still_ends_once()
     # deadline wake-ups of actions that started in time add no events and do not stretch the run
     roomy = simulate(wl, cluster, fifo_policy(), max_queue_s=1e6)
     assert (roomy.makespan_s, roomy.events) == (unbounded.makespan_s, unbounded.events)
+
+
+# -- the runtime and the service: refusals name the limit ---------------------------------------
+
+def _tangram(memory_gb: float, session_mem_mb: float | None, **sandbox):
+    from doubles import InProcessSandboxes
+
+    from arl_tangram.managers.sandbox.manager import SandboxConfig
+    from arl_tangram.runtime import Tangram
+
+    config = SandboxConfig(**sandbox)
+    return Tangram.local(sandbox=config, cores=2, memory_gb=memory_gb,
+                         sandboxes=InProcessSandboxes.factory(config=config, session_mem_mb=session_mem_mb))
+
+
+def test_measured_sessions_fit_by_use_and_the_next_is_refused_naming_memory():
+    from arl_tangram.runtime import NoRoom
+
+    async def main():
+        async with _tangram(1.0, 10.0, session_headroom_mb=6, min_free_memory_mb=0) as tg:
+            sessions = []
+            with pytest.raises(NoRoom) as e:
+                for i in range(100):
+                    s = await tg.session(job="dense")
+                    r = await s.exec(python=f"xs = list(range({i}))")
+                    assert r.ok, r.message
+                    sessions.append(s)
+            assert e.value.limit == "memory" and "no room for a new session" in str(e.value)
+            # a first step needs 512 MB of the 1024: while that fits, a session opens and then holds
+            # only 10 + 6 MB, so 33 fit (not 2); all keep their state
+            assert len(sessions) == 33
+            for i, s in enumerate(sessions):
+                r = await s.exec(python="print(len(xs))")
+                assert r.stdout.strip() == str(i)
+            snap = tg.runtime.snapshot()
+            assert snap.sessions == 33 and snap.session_mem_used_gb == pytest.approx(33 * 10 / 1024)
+            assert snap.session_mem_reserved_gb == pytest.approx(33 * 16 / 1024)
+            await sessions[0].close()
+            await tg.session(job="dense")  # room again
+
+    asyncio.run(main())
+
+
+def test_without_measurements_a_session_keeps_its_whole_limit():
+    from arl_tangram.runtime import NoRoom
+
+    async def main():
+        async with _tangram(1.0, None, min_free_memory_mb=0) as tg:
+            for _ in range(2):
+                assert (await (await tg.session()).exec(python="x = 1")).ok
+            with pytest.raises(NoRoom, match="512 MB"):
+                await tg.session()
+
+    asyncio.run(main())
+
+
+def test_a_host_below_its_free_memory_floor_refuses_new_sessions():
+    from arl_tangram.runtime import NoRoom
+
+    async def main():
+        async with _tangram(1.0, 10.0, min_free_memory_mb=1 << 30) as tg:
+            with pytest.raises(NoRoom) as e:
+                await tg.session()
+            assert e.value.limit == "host memory" and "min_free_memory_mb" in str(e.value)
+
+    asyncio.run(main())
+
+
+def test_the_service_answers_503_naming_the_limit_and_reports_session_memory(tmp_path):
+    from servers import Server
+
+    s = Server(tmp_path, config={"cores": 1, "memory_gb": 1.0, "sandbox": {"min_free_memory_mb": 0}}, double=True)
+    try:
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            for _ in range(2):
+                sid = c.post("/v1/sessions", json={"job": "d"}).json()["session_id"]
+                assert c.post(f"/v1/sessions/{sid}/exec", json={"python": "x = 1"}).json()["outcome"] == "ok"
+            r = c.post("/v1/sessions", json={"job": "d"})
+            assert r.status_code == 503 and r.json()["limit"] == "memory" and "Retry-After" in r.headers
+            health = c.get("/healthz").json()
+            assert health["sessions_placed"] == 2 and health["session_mem_reserved_mb"] == 1024
+            assert health["head_waits_for"] == ""
+            metrics = c.get("/metrics").text
+            assert 'tangram_sessions_refused_total{limit="memory"} 1.0' in metrics
+            assert "tangram_session_memory_reserved_bytes 1.073741824e+09" in metrics
+    finally:
+        s.stop()
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_a_real_idle_session_is_measured_and_reserves_its_use_plus_headroom():
+    from arl_tangram.managers.sandbox.manager import SandboxConfig
+    from arl_tangram.runtime import Tangram
+
+    async def main():
+        async with Tangram.local(sandbox=SandboxConfig(warm_pool=1, session_headroom_mb=8), cores=1) as tg:
+            s = await tg.session()
+            assert (await s.exec(python="import json, re\nxs = list(range(1000))")).ok
+            cpu = tg.runtime.engine.cpu
+            used = cpu.session_used[s.id] * 1024
+            assert 1 < used < 100, used  # an idle interpreter: a few MB, not its 512 MB limit
+            assert cpu.session_mem[s.id] * 1024 == pytest.approx(used + 8)
+            assert (await s.exec(python="print(len(xs))")).stdout.strip() == "1000"
+
+    asyncio.run(main())

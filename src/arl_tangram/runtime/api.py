@@ -269,9 +269,10 @@ class Tangram:
 
     async def session(self, job: str = "default", trajectory: str | None = None, image: str | None = None) -> Session:
         """A new session (its sandbox starts with its first action). An unknown ``image`` raises
-        ``ImageError`` here, not at the first step."""
+        ``ImageError`` here, not at the first step; ``NoRoom`` when memory for it has run out."""
         if image is not None:
             self._check_image(image)
+        self.runtime.admit_session()  # NoRoom rather than a first step that waits for memory
         if trajectory is not None:
             self.runtime.ended.pop(trajectory, None)  # a trajectory that ended may start over
         return Session(self.runtime, trajectory or self.runtime.new_id("s"), job, image)

@@ -23,6 +23,7 @@ from ..core.cluster import Cluster
 from ..core.seam import Completion, Manager, Pool, Report
 from ..driver import Driver
 from ..engine import Engine
+from ..waits import DEFAULT_MAX_QUEUE_S
 from ..managers.sandbox.manager import SandboxResult
 from ..policy import Costs, Policy, Profile, make_policy
 
@@ -76,10 +77,27 @@ class Snapshot:
     cores_held: int
     gpus_held: int
     isolation: str | None
+    # session density (issue #15)
+    sessions: int = 0  # sessions with state on a node
+    session_mem_used_gb: float = 0.0  # what idle sessions were measured to use
+    session_mem_reserved_gb: float = 0.0  # what the engine reserves for sessions
+    memory_gb: float = 0.0  # memory of the CPU nodes the engine plans with
+    head_waited_s: float = 0.0  # how long the head of the queue has waited
+    head_waits_for: str = ""  # and what for ("" when nothing is queued)
 
 
 #: how many ended sessions a runtime remembers, to tell a late caller why its session is gone
 ENDED_SESSIONS_KEPT = 100_000
+
+
+class NoRoom(RuntimeError):
+    """A new session is refused: no memory for it (``limit`` names the limit that is reached).
+    Raised at once rather than letting the session's first step queue with no end in sight."""
+
+    def __init__(self, limit: str, message: str, retry_after_s: int = 5) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after_s = retry_after_s
 
 
 class SessionGone(LookupError):
@@ -109,10 +127,12 @@ class Runtime:
         self._first_submitted: dict[str, float] = {}  # re-run actions: when the first run was submitted
 
     def _build(self, cluster: Cluster, policy: str | Policy, managers: Mapping[Pool, Manager], costs: Costs,
-               profile: Profile | None) -> None:
+               profile: Profile | None, *, max_queue_s: float | None = DEFAULT_MAX_QUEUE_S,
+               session_headroom_gb: float = 0.0) -> None:
         self.cluster = cluster
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        self.engine = Engine(cluster, self.policy, managers, MonotonicClock(), costs=costs, profile=profile)
+        self.engine = Engine(cluster, self.policy, managers, MonotonicClock(), costs=costs, profile=profile,
+                             max_queue_s=max_queue_s, session_headroom_gb=session_headroom_gb)
         self.engine.listeners.append(self._finished)
         self.driver = Driver(self.engine, self._arm)
 
@@ -207,8 +227,31 @@ class Runtime:
 
     def snapshot(self) -> Snapshot:
         e = self.engine
+        head = e.queue_head()
+        now = e.clock.now()
         return Snapshot(len(e.pending), len(e.running), self.cluster.total_cores, self.cluster.total_gpus,
-                        e.cpu.meter.held, e.gpu.meter.held, self.isolation())
+                        e.cpu.meter.held, e.gpu.meter.held, self.isolation(), len(e.cpu.homes),
+                        e.cpu.session_used_gb(), e.cpu.session_reserved_gb(),
+                        sum(n.memory_gb for n in self.cluster.cpu_nodes),
+                        now - head.submitted_at if head is not None else 0.0,
+                        e.why_waiting(head) if head is not None else "")
+
+    # -- admitting sessions (issue #15) ----------------------------------------------------------
+    def admit_session(self) -> None:
+        """Raise ``NoRoom`` if a new session's first step could not find memory: no CPU node has
+        room for its estimate (``Costs.session_mem_gb``) after what open sessions reserve.
+        Runtimes add what their hosts really have (``LocalRuntime``: ``MemAvailable``)."""
+        e = self.engine
+        need = e.costs.session_mem_gb
+        if not e.cpu.nodes:
+            return  # no sandboxes here: the first step is rejected with its own message
+        best = max(e.cpu.free_mem)
+        if best < need:
+            raise NoRoom("memory", f"no room for a new session: it needs {need * 1024:.0f} MB for its first step and "
+                                   f"the most any node has left is {max(0.0, best) * 1024:.0f} MB "
+                                   f"({len(e.cpu.homes)} sessions reserve {e.cpu.session_reserved_gb():.1f} GB of "
+                                   f"{sum(n.memory_gb for n in self.cluster.cpu_nodes):.1f} GB); close sessions or "
+                                   "retry later")
 
     def isolation(self) -> str | None:
         return None

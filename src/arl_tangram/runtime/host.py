@@ -29,6 +29,18 @@ def memory_gb() -> float:
     return 8.0
 
 
+def mem_available_mb() -> float | None:
+    """Memory the kernel says can be had without swapping (``MemAvailable``), None if unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
 def host_cpus() -> tuple[int, ...]:
     """The CPUs this process may run on."""
     return tuple(sorted(os.sched_getaffinity(0)))

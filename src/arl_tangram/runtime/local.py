@@ -22,8 +22,9 @@ from ..core.seam import Manager, Pool, Sink
 from ..managers.quota import ApiManager, Handler
 from ..managers.sandbox.manager import SandboxConfig, SandboxManager
 from ..policy import Costs, Policy, Profile
-from .base import Runtime
-from .host import LocalHost
+from ..waits import DEFAULT_MAX_QUEUE_S
+from .base import NoRoom, Runtime
+from .host import LocalHost, mem_available_mb
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,14 @@ class LocalRuntime(Runtime):
                  cores: int | None = None, memory_gb: float | None = None, profile: Profile | None = None, *,
                  sandboxes: bool | SandboxFactory = True, models: list | None = None, gpus: int | None = None,
                  gpu_memory_gb: float | None = None, model_device: str = "auto",
-                 apis: dict[str, tuple[ApiQuota, Handler]] | None = None, gpu_island_size: int | None = None) -> None:
+                 apis: dict[str, tuple[ApiQuota, Handler]] | None = None, gpu_island_size: int | None = None,
+                 max_queue_s: float | None = DEFAULT_MAX_QUEUE_S) -> None:
         """``models``: ``ModelServiceConfig``s served on this machine's GPUs (discovered with their
         NVLink islands; ``gpus``, ``gpu_memory_gb``, ``gpu_island_size`` override) or, without CUDA,
         on ``gpus`` CPU "devices" of ``gpu_memory_gb`` each; ``apis``: name -> (quota, async handler);
-        ``sandboxes``: False for none, or a factory of another sandbox manager (a test double)."""
+        ``sandboxes``: False for none, or a factory of another sandbox manager (a test double);
+        ``memory_gb``: the memory sessions may reserve (default: this machine's); ``max_queue_s``: an
+        action not started this long after submission ends ``rejected``."""
         super().__init__()
         sink = self.report
         managers: dict[Pool, Manager] = {}
@@ -76,7 +80,9 @@ class LocalRuntime(Runtime):
                                 models=self.models is not None, cuda=bool(self.models and self.models.cuda),
                                 gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_island_size=gpu_island_size)
         mem_gb = self.sandboxes.config.memory_mb / 1024 if self.sandboxes is not None else 1.0
-        self._build(host.cluster(quotas, model_specs), policy, managers, Costs.local(mem_gb), profile)
+        headroom_gb = self.sandboxes.config.session_headroom_mb / 1024 if self.sandboxes is not None else 0.0
+        self._build(host.cluster(quotas, model_specs), policy, managers, Costs.local(mem_gb), profile,
+                    max_queue_s=max_queue_s, session_headroom_gb=headroom_gb)
 
     def _expire(self, trajectory: str) -> None:
         self.end_session(trajectory, f"session {trajectory} expired: unused for more than {self._expiry_s:g} s "
@@ -91,6 +97,15 @@ class LocalRuntime(Runtime):
         for manager in (self.sandboxes, self.models, self.apis):
             if manager is not None:
                 await manager.shut_down()
+
+    def admit_session(self) -> None:
+        """The engine's accounting, then the ground truth: this host's available memory."""
+        super().admit_session()
+        floor = self.sandboxes.config.min_free_memory_mb if self.sandboxes is not None else 0
+        avail = mem_available_mb()
+        if floor and avail is not None and avail < floor:
+            raise NoRoom("host memory", f"no room for a new session: this host has {avail:.0f} MB of memory "
+                                        f"available, below sandbox.min_free_memory_mb ({floor} MB)")
 
     def isolation(self) -> str | None:
         mode = getattr(self.sandboxes, "mode", None)

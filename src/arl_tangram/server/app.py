@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..api import sandboxfusion as sf
 from ..api import v1
-from ..runtime import SessionGone
+from ..runtime import NoRoom, SessionGone
 from .service import BadRequest, NotFound, Overloaded, Service
 
 
@@ -99,6 +99,11 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
     async def overloaded(request: Request, exc: Overloaded):
         return JSONResponse({"message": str(exc)}, status_code=429, headers={"Retry-After": str(exc.retry_after_s)})
 
+    @app.exception_handler(NoRoom)
+    async def no_room(request: Request, exc: NoRoom):
+        return JSONResponse({"message": str(exc), "limit": exc.limit}, status_code=503,
+                            headers={"Retry-After": str(exc.retry_after_s)})
+
     @app.exception_handler(SessionGone)
     async def session_gone(request: Request, exc: SessionGone):
         return JSONResponse({"message": exc.reason}, status_code=404)
@@ -148,6 +153,7 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
         return await service.cancel(action_id)
 
     @app.post("/v1/sessions", response_model=v1.SessionInfo, status_code=201, tags=["sessions"],
+              responses={503: {"model": v1.Error, "description": "no memory for a new session (the limit is named)"}},
               dependencies=guarded)
     async def open_session(req: v1.SessionRequest) -> v1.SessionInfo:
         return await service.open_session(req)
@@ -217,6 +223,10 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
         snap = service.runtime.snapshot()
         return {"status": "ok", "version": __version__, "queued": snap.queued, "running": snap.running,
                 "cores": snap.cores, "sessions": len(service.sessions), "isolation": snap.isolation,
-                "recovered": service.recovered}
+                "recovered": service.recovered, "sessions_placed": snap.sessions,
+                "session_mem_used_mb": round(snap.session_mem_used_gb * 1024, 1),
+                "session_mem_reserved_mb": round(snap.session_mem_reserved_gb * 1024, 1),
+                "memory_mb": round(snap.memory_gb * 1024), "head_waited_s": round(snap.head_waited_s, 3),
+                "head_waits_for": snap.head_waits_for}
 
     return app

@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from ..managers.sandbox.manager import SandboxConfig
 from ..policy import POLICIES
+from ..waits import DEFAULT_MAX_QUEUE_S
 
 
 class ConfigError(ValueError):
@@ -36,6 +37,10 @@ class ServeConfig(BaseModel):
     cores: int | None = Field(None, ge=1, description="cores to schedule (default: this process's CPUs)")
     journal: str | None = Field(None, description="SQLite journal path (default ~/.local/state/arl-tangram/...)")
     max_queue: int = Field(10_000, ge=1, description="waiting actions before new ones get HTTP 429")
+    max_queue_s: float = Field(DEFAULT_MAX_QUEUE_S, gt=0, description="an action not started this many seconds "
+                                                                     "after submission ends rejected, saying what it "
+                                                                     "waited for")
+    memory_gb: float | None = Field(None, gt=0, description="memory sessions may reserve (default: this machine's)")
     max_body_mb: float = Field(32, gt=0, description="largest request body accepted (HTTP 413 above)")
     drain_s: float = Field(10.0, ge=0, description="on shutdown, how long running actions may finish")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
@@ -98,8 +103,8 @@ def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = Non
         from ..runtime.ray_runtime import RayRuntime
         runtime = RayRuntime(ray, cfg.policy, cfg.sandbox)
     else:
-        runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores, models=models, gpus=cfg.gpus,
+        runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores, cfg.memory_gb, models=models, gpus=cfg.gpus,
                                gpu_memory_gb=cfg.gpu_memory_gb, gpu_island_size=cfg.gpu_island_size,
-                               sandboxes=sandboxes)
+                               sandboxes=sandboxes, max_queue_s=cfg.max_queue_s)
     service = Service(runtime, Journal(str(path)), cfg.max_queue, cfg.drain_s)
     return create_app(service, token=token, max_body_bytes=int(cfg.max_body_mb * (1 << 20)))

@@ -23,7 +23,7 @@ from ..core.action import Outcome
 from ..managers.sandbox import languages
 from ..managers.sandbox.manager import CommandResult, Files
 from ..managers.sandbox.images import ImageError
-from ..runtime import ActionResult, Runtime, Session, Tangram
+from ..runtime import ActionResult, NoRoom, Runtime, Session, Tangram
 from ..runtime.api import SessionError
 from .journal import Journal
 
@@ -56,6 +56,20 @@ class Metrics:
         self.cores_held = Gauge("tangram_cpu_cores_held", "Cores allocated to running actions", registry=self.registry)
         self.cores = Gauge("tangram_cpu_cores", "Cores in the pool", registry=self.registry)
         self.sessions = Gauge("tangram_sessions", "Open sessions", registry=self.registry)
+        # session density (issue #15)
+        self.sessions_placed = Gauge("tangram_sessions_placed", "Sessions with state on a node",
+                                     registry=self.registry)
+        self.session_mem_used = Gauge("tangram_session_memory_used_bytes", "Memory idle sessions were measured "
+                                      "to use", registry=self.registry)
+        self.session_mem_reserved = Gauge("tangram_session_memory_reserved_bytes", "Memory the scheduler reserves "
+                                          "for sessions (use + headroom idle, the estimate while running)",
+                                          registry=self.registry)
+        self.memory = Gauge("tangram_cpu_memory_bytes", "Memory of the CPU nodes the scheduler plans with",
+                            registry=self.registry)
+        self.head_wait = Gauge("tangram_queue_head_wait_seconds", "How long the head of the queue has waited "
+                               "(what for: /healthz head_waits_for)", registry=self.registry)
+        self.refused = Counter("tangram_sessions_refused_total", "New sessions refused, by the limit reached",
+                               ["limit"], registry=self.registry)
 
 
 def _reason(err: Exception) -> str:
@@ -260,6 +274,9 @@ class Service:
                 self.sessions[sid] = await self.tg.session(job=req.job, trajectory=sid, image=req.image)
             except ImageError as e:
                 raise BadRequest(str(e)) from None
+            except NoRoom as e:
+                self.metrics.refused.labels(e.limit).inc()
+                raise
             self.metrics.sessions.set(len(self.sessions))
         s = self.sessions[sid]
         return v1.SessionInfo(session_id=sid, job=s.job, image=s.image)
@@ -367,6 +384,11 @@ class Service:
         self.metrics.queue.set(snap.queued)
         self.metrics.running.set(snap.running)
         self.metrics.cores_held.set(snap.cores_held)
+        self.metrics.sessions_placed.set(snap.sessions)
+        self.metrics.session_mem_used.set(snap.session_mem_used_gb * (1 << 30))
+        self.metrics.session_mem_reserved.set(snap.session_mem_reserved_gb * (1 << 30))
+        self.metrics.memory.set(snap.memory_gb * (1 << 30))
+        self.metrics.head_wait.set(snap.head_waited_s)
 
     # -- SandboxFusion ---------------------------------------------------------------------------
     async def sf_run_code(self, req: sf.RunCodeRequest) -> sf.RunCodeResponse:

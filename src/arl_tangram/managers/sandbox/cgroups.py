@@ -146,6 +146,13 @@ class Group:
                 return int(v)
         return int((d / "memory.failcnt").read_text())
 
+    def memory_bytes(self) -> int:
+        """Memory charged to the group now (``memory.current`` on v2, ``memory.usage_in_bytes``
+        on v1): its processes' anonymous memory, its tmpfs files and the page cache it touched
+        first. Page cache is reclaimable, so this errs on the safe side."""
+        d = self._dir("memory")
+        return int((d / ("memory.current" if self.v2 else "memory.usage_in_bytes")).read_text())
+
     def cpu_seconds(self) -> float:
         if self.v2:
             for line in (self.dirs["unified"] / "cpu.stat").read_text().splitlines():

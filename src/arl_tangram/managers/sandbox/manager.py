@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
@@ -60,6 +60,14 @@ class SandboxConfig(BaseModel):
                                                         "more are killed")
     recycle_max_uses: int = Field(1000, ge=1, description="one-shots a sandbox runs before it is replaced")
     session_idle_expiry_s: float = Field(600.0, gt=0, description="close a session unused for this long")
+    session_memory: Literal["use", "limit"] = Field("use", description="what an idle session reserves on its node: "
+                                                   "'use' = its measured memory (cgroup charge, refreshed each time "
+                                                   "it goes idle) plus session_headroom_mb; 'limit' = its whole "
+                                                   "memory limit (no overcommit: far fewer sessions fit)")
+    session_headroom_mb: int = Field(8, ge=0, description="reserved for an idle session on top of its measured "
+                                                          "memory")
+    min_free_memory_mb: int = Field(1024, ge=0, description="new sessions are refused (HTTP 503) while the host's "
+                                                            "available memory (MemAvailable) is below this")
     grace_s: float = Field(5.0, gt=0, description="past an action's timeout plus this, the sandbox is killed")
     cpus: tuple[int, ...] | None = Field(None, description="host CPUs to use (default: this process's affinity)")
     image: str | None = Field(None, description="image for sessions and one-shots that name none (default: the "
@@ -400,13 +408,26 @@ class SandboxManager:
                 await sb.kill()
             raise  # the task set reports it as infra_error
         result.message = _join(message, result.message)
+        session_mem_gb = None
         if sb is not None and not sb.dead and action.trajectory is not None:
             sb.freeze()
             self._last_used[action.trajectory] = time.monotonic()
+            session_mem_gb = self._idle_memory_gb(sb)
         if sb is not None and action.trajectory is None:
             # starts once this task has reported: reset or teardown is not part of the action's ACT
             self.recycler.release(sb)
-        return Completion(action.id, outcome, setup_s, exec_s, result.message, result)
+        return Completion(action.id, outcome, setup_s, exec_s, result.message, result, session_mem_gb)
+
+    def _idle_memory_gb(self, sb: Sandbox) -> float | None:
+        """An idle (frozen) session's memory, for the engine to reserve by use; None under
+        ``session_memory = 'limit'`` or when it cannot be read (the reservation then stays)."""
+        if self.config.session_memory != "use":
+            return None
+        try:
+            return sb.memory_bytes() / (1 << 30)
+        except (OSError, ValueError) as e:
+            log.warning("cannot read the memory of sandbox %s: %s", sb.id, e)
+            return None
 
     def _died(self, e: SandboxDied, action: Action, sb: Sandbox | None) -> tuple[Outcome, SandboxResult]:
         if action.trajectory is not None:

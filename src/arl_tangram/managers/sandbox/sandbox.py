@@ -172,6 +172,21 @@ class Sandbox:
         self.oom_seen = self.group.oom_kills() if self.group is not None else 0
         return self.oom_seen
 
+    def memory_bytes(self) -> int:
+        """What the sandbox uses now: its cgroup's charge, or (without cgroups) the resident
+        memory of its processes (shared library pages then count once per process: an upper
+        bound)."""
+        if self.group is not None:
+            return self.group.memory_bytes()
+        total = 0
+        for pid in _descendants(self.proc.pid):
+            try:
+                with open(f"/proc/{pid}/statm") as fh:
+                    total += int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            except (OSError, IndexError, ValueError):
+                pass
+        return total
+
     def cpu_seconds(self) -> float:
         if self.group is not None:
             return self.group.cpu_seconds()
