@@ -228,3 +228,15 @@ def test_a_real_idle_session_is_measured_and_reserves_its_use_plus_headroom():
             assert (await s.exec(python="print(len(xs))")).stdout.strip() == "1000"
 
     asyncio.run(main())
+
+
+def test_a_running_step_of_a_measured_session_counts_as_idle_when_admitting_sessions(harness):
+    h = harness(_mem_cluster(1.0), tangram_policy(), costs=Costs.local(0.5), session_headroom_gb=0.0)
+    h.submit("a1", cpu=1, trajectory="t")
+    h.schedule()
+    assert h.engine.session_room_gb() == pytest.approx(0.5)  # not measured yet: no credit
+    h.engine.complete(Completion("a1", Outcome.OK, session_mem_gb=20 * MB))
+    h.submit("a2", cpu=1, trajectory="t")
+    h.schedule()
+    assert h.engine.cpu.free_mem[0] == pytest.approx(0.5)
+    assert h.engine.session_room_gb() == pytest.approx(1.0 - 20 * MB)

@@ -383,6 +383,20 @@ def bench_cluster(
     _print_json(run(parsed, cores, actions, work_ms, chaos_actions=chaos, log=lambda m: console.print(m)), json_out)
 
 
+@bench_app.command("sessions")
+def bench_sessions(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    sessions: int = typer.Option(1000, min=1, help="Sessions to open and keep."),
+    concurrency: int = typer.Option(16, min=1, help="Concurrent clients when opening and revisiting."),
+    over: int = typer.Option(150, min=1, help="Session attempts against a 1 GB server, past its capacity."),
+) -> None:
+    """Session density over HTTP: open N sessions with a small state, revisit each (one at a time,
+    then concurrently), idle memory per session, and refusals past capacity."""
+    from .bench.sessions import run
+
+    _print_json(run(sessions, concurrency, over, log=lambda m: console.print(m)), json_out)
+
+
 _STORE_HELP = "Image cache directory [default: $TANGRAM_IMAGE_STORE, else ~/.local/share/arl-tangram/images]."
 
 

@@ -235,6 +235,22 @@ class Engine:
     def why_waiting(self, action: Action) -> str:
         return why_waiting(self, action)
 
+    def session_room_gb(self) -> float:
+        """The most memory a new session could find on one CPU node once the steps running now
+        end: free memory plus what running steps of measured sessions hold above their idle
+        reservation (their estimate goes back when they end). Sessions not yet measured are
+        given no such credit."""
+        cpu = self.cpu
+        room = list(cpu.free_mem)
+        for run in self.running.values():
+            traj = run.action.trajectory
+            if traj is not None and traj in cpu.session_used and run.allocation.pool == CPU:
+                node = cpu.homes.get(traj)
+                if node is not None:
+                    idle = cpu.session_used[traj] + self.session_headroom_gb
+                    room[node] += max(0.0, cpu.session_mem.get(traj, 0.0) - idle)
+        return max(room, default=0.0)
+
     def _expire_queued(self, now: float) -> None:
         for action in list(self.deadlines.due(self.pending, now, EPS)):
             why = why_waiting(self, action)  # before it leaves the queue

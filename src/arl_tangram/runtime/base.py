@@ -239,13 +239,14 @@ class Runtime:
     # -- admitting sessions (issue #15) ----------------------------------------------------------
     def admit_session(self) -> None:
         """Raise ``NoRoom`` if a new session's first step could not find memory: no CPU node has
-        room for its estimate (``Costs.session_mem_gb``) after what open sessions reserve.
+        room for its estimate (``Costs.session_mem_gb``) after what open sessions reserve (a step
+        running now counts as its idle session, ``Engine.session_room_gb``).
         Runtimes add what their hosts really have (``LocalRuntime``: ``MemAvailable``)."""
         e = self.engine
         need = e.costs.session_mem_gb
         if not e.cpu.nodes:
             return  # no sandboxes here: the first step is rejected with its own message
-        best = max(e.cpu.free_mem)
+        best = e.session_room_gb()
         if best < need:
             raise NoRoom("memory", f"no room for a new session: it needs {need * 1024:.0f} MB for its first step and "
                                    f"the most any node has left is {max(0.0, best) * 1024:.0f} MB "

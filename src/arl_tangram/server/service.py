@@ -173,7 +173,7 @@ class Service:
 
     # -- actions ---------------------------------------------------------------------------------
     def _admit(self) -> None:
-        if self.runtime.snapshot().queued >= self.max_queue:
+        if len(self.runtime.engine.pending) >= self.max_queue:  # per action: not a whole snapshot
             raise Overloaded(retry_after_s=1)
 
     def _launch(self, id: str, coro) -> asyncio.Task:

@@ -1,0 +1,251 @@
+"""``tangram bench sessions``: session density over HTTP (issue #15).
+
+A server is started on a free loopback port. ``n`` sessions are opened at ``concurrency`` clients,
+each running one step that leaves a small state (a few imports and a list); then every session
+is revisited one at a time (a step that checks its state, latency per step over HTTP), and again
+at ``concurrency`` clients (throughput). Idle memory per session is measured three ways: what the
+sessions' cgroups are charged (the scheduler's figure), the proportional set size of the
+sandbox processes (shared pages split among their users), and the drop of the host's
+``MemAvailable`` (includes the server's own growth and the kernel's; noisy on a shared host).
+
+Then a second server with little memory for sessions (``memory_gb`` of 1 GB: the machine's real
+capacity is not filled, so as not to starve its other users) is pushed past it at the same
+concurrency: every attempt must end in a session that works, a 503 naming the limit, or a step
+``rejected`` after ``max_queue_s``; a request still unanswered after ``hang_s`` counts as a hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import httpx
+
+from ..managers.sandbox.sandbox import _descendants
+from ..runtime.host import mem_available_mb
+from ..sim.metrics import percentile
+
+FIRST = "import json, re, collections\nxs = list(range(100))\nstate = {{'i': {i}}}"
+CHECK = "assert state['i'] == {i}, state\nstate['visits'] = state.get('visits', 0) + 1\nprint(len(xs))"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """``tangram serve`` in a subprocess with ``config``."""
+
+    def __init__(self, tmp: str, config: dict) -> None:
+        self.port = _port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        path = os.path.join(tmp, f"config-{self.port}.json")
+        with open(path, "w") as fh:
+            json.dump(config, fh)
+        self.proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(self.port),
+                                      "--journal", os.path.join(tmp, f"journal-{self.port}.sqlite3"), "--config",
+                                      path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(600):
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        self.stop()
+        raise RuntimeError("the server did not start")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _pss_mb(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as fh:
+                for line in fh:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:
+            pass
+    return total / 1024
+
+
+def _rss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+    except OSError:
+        return 0.0
+
+
+def _lat(lat: list[float]) -> dict:
+    lat = sorted(lat)
+    return {"n": len(lat), "p50_ms": round(percentile(lat, 50) * 1000, 2) if lat else None,
+            "p99_ms": round(percentile(lat, 99) * 1000, 2) if lat else None}
+
+
+async def _open(c: httpx.AsyncClient, i: int) -> tuple[str | None, str]:
+    """Open a session and run its first step: (session id, "ok") or (None, what happened)."""
+    r = await c.post("/v1/sessions", json={"job": "density"})
+    if r.status_code != 201:
+        return None, f"http {r.status_code}: {r.json().get('message', '')[:200]}"
+    sid = r.json()["session_id"]
+    r = await c.post(f"/v1/sessions/{sid}/exec", json={"python": FIRST.format(i=i), "timeout_s": 30})
+    body = r.json()
+    if r.status_code != 200 or body.get("outcome") != "ok":
+        return None, f"step {r.status_code} {body.get('outcome')}: {str(body.get('message', ''))[:200]}"
+    return sid, "ok"
+
+
+async def _visit(c: httpx.AsyncClient, sid: str, i: int) -> bool:
+    r = await c.post(f"/v1/sessions/{sid}/exec", json={"python": CHECK.format(i=i), "timeout_s": 30})
+    body = r.json()
+    return (r.status_code == 200 and body.get("outcome") == "ok"
+            and ((body.get("run") or {}).get("stdout") or "").strip() == "100")
+
+
+async def _density(url: str, n: int, concurrency: int, log: Callable[[str], None]) -> tuple[dict, list[str]]:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    out: dict = {}
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as c:
+        sem = asyncio.Semaphore(concurrency)
+        sids: list[str | None] = [None] * n
+        failures: dict[str, int] = {}
+
+        async def open_one(i: int) -> None:
+            async with sem:
+                sid, what = await _open(c, i)
+                sids[i] = sid
+                if sid is None:
+                    failures[what] = failures.get(what, 0) + 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(open_one(i) for i in range(n)))
+        open_s = time.perf_counter() - t0
+        opened = [(i, s) for i, s in enumerate(sids) if s is not None]
+        out["open"] = {"sessions": n, "concurrency": concurrency, "opened": len(opened), "seconds": round(open_s, 2),
+                       "sessions_per_s": round(len(opened) / open_s, 1), "failures": failures}
+        log(f"opened {len(opened)}/{n} sessions (first step run) in {open_s:.1f} s at {concurrency} clients")
+
+        lat: list[float] = []
+        correct = 0
+        for i, sid in opened:  # one at a time
+            t = time.perf_counter()
+            ok = await _visit(c, sid, i)
+            lat.append(time.perf_counter() - t)
+            correct += ok
+        out["revisit_sequential"] = {**_lat(lat), "state_intact": correct}
+        log(f"revisited one at a time: p50 {out['revisit_sequential']['p50_ms']} ms, p99 "
+            f"{out['revisit_sequential']['p99_ms']} ms, {correct}/{len(opened)} with their state")
+
+        lat = []
+        correct = 0
+
+        async def visit(i: int, sid: str) -> None:
+            nonlocal correct
+            async with sem:
+                t = time.perf_counter()
+                ok = await _visit(c, sid, i)
+                lat.append(time.perf_counter() - t)
+                correct += ok
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(visit(i, s) for i, s in opened))
+        el = time.perf_counter() - t0
+        out["revisit_concurrent"] = {**_lat(lat), "concurrency": concurrency, "state_intact": correct,
+                                     "steps_per_s": round(len(lat) / el, 1)}
+        log(f"revisited at {concurrency} clients: {out['revisit_concurrent']['steps_per_s']} steps/s, p50 "
+            f"{out['revisit_concurrent']['p50_ms']} ms, {correct}/{len(opened)} with their state")
+    return out, [s for _, s in opened]
+
+
+async def _past_capacity(url: str, attempts: int, concurrency: int, hang_s: float) -> dict:
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    counts = {"working": 0, "refused_503": 0, "rejected_after_queueing": 0, "hangs": 0, "other": 0}
+    limits_named: dict[str, int] = {}
+    example = ""
+    async with httpx.AsyncClient(base_url=url, timeout=hang_s, limits=limits) as c:
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> None:
+            nonlocal example
+            async with sem:
+                try:
+                    r = await c.post("/v1/sessions", json={"job": "over"})
+                    if r.status_code == 503:
+                        counts["refused_503"] += 1
+                        limit = r.json().get("limit", "")
+                        limits_named[limit] = limits_named.get(limit, 0) + 1
+                        example = example or r.json().get("message", "")
+                        return
+                    sid = r.json()["session_id"]
+                    r = await c.post(f"/v1/sessions/{sid}/exec", json={"python": FIRST.format(i=i)})
+                    outcome = r.json().get("outcome")
+                    key = {"ok": "working", "rejected": "rejected_after_queueing"}.get(outcome, "other")
+                    counts[key] += 1
+                except httpx.TimeoutException:
+                    counts["hangs"] += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(attempts)))
+        el = time.perf_counter() - t0
+    return {"attempts": attempts, "concurrency": concurrency, "hang_timeout_s": hang_s, **counts,
+            "limits_named": limits_named, "seconds": round(el, 2), "example_refusal": example}
+
+
+def run(n: int = 1000, concurrency: int = 16, over_attempts: int = 150, log: Callable[[str], None] = lambda m: None,
+        ) -> dict:
+    result: dict = {"cores": len(os.sched_getaffinity(0)), "sessions_target": n}
+    with tempfile.TemporaryDirectory() as tmp:
+        avail0 = mem_available_mb()
+        server = _Server(tmp, {"sandbox": {"session_idle_expiry_s": 3600, "warm_pool": 8}})
+        try:
+            time.sleep(1.0)
+            rss0 = _rss_mb(server.proc.pid)
+            avail1 = mem_available_mb()
+            density, sids = asyncio.run(_density(server.url, n, concurrency, log))
+            result.update(density)
+            time.sleep(1.0)
+            health = httpx.get(f"{server.url}/healthz", timeout=30).json()
+            sandboxes = [p for p in _descendants(server.proc.pid) if p != server.proc.pid]
+            avail2 = mem_available_mb()
+            k = max(1, len(sids))
+            result["idle_memory_per_session_mb"] = {
+                "cgroup_charge": round(health["session_mem_used_mb"] / k, 2),
+                "sandbox_pss": round(_pss_mb(sandboxes) / k, 2),
+                "server_rss_growth": round((_rss_mb(server.proc.pid) - rss0) / k, 2),
+                "host_available_drop": round((avail1 - avail2) / k, 2) if avail1 and avail2 else None,
+                "goal": 15}
+            result["server"] = {"sessions_placed": health["sessions_placed"],
+                                "session_mem_reserved_mb": health["session_mem_reserved_mb"],
+                                "session_mem_used_mb": health["session_mem_used_mb"],
+                                "sandbox_processes": len(sandboxes), "host_available_mb_before": avail0}
+            log(f"idle memory per session: {result['idle_memory_per_session_mb']}")
+        finally:
+            server.stop()
+        small = _Server(tmp, {"memory_gb": 1.0, "max_queue_s": 20,
+                              "sandbox": {"session_idle_expiry_s": 3600, "warm_pool": 4}})
+        try:
+            result["past_capacity"] = {"memory_gb": 1.0, "max_queue_s": 20,
+                                       **asyncio.run(_past_capacity(small.url, over_attempts, concurrency, 120.0))}
+            log(f"past capacity: {result['past_capacity']}")
+        finally:
+            small.stop()
+    return result
