@@ -240,3 +240,18 @@ def test_a_running_step_of_a_measured_session_counts_as_idle_when_admitting_sess
     h.schedule()
     assert h.engine.cpu.free_mem[0] == pytest.approx(0.5)
     assert h.engine.session_room_gb() == pytest.approx(1.0 - 20 * MB)
+
+
+def test_top_shows_session_memory_and_why_the_head_of_the_queue_waits():
+    from rich.console import Console
+
+    from arl_tangram.top import render
+
+    health = {"version": "x", "isolation": "bwrap", "queued": 1, "running": 2, "cores": 2, "sessions": 1000,
+              "sessions_placed": 1000, "session_mem_used_mb": 6600.0, "session_mem_reserved_mb": 14600.0,
+              "memory_mb": 24000, "head_waited_s": 3.25, "head_waits_for": "1 free core(s) on one node"}
+    console = Console(width=200, record=True)
+    console.print(render("http://x", health, []))
+    text = console.export_text()
+    assert "6,600 MB in use, 14,600 MB reserved of 24,000 MB (1000 sessions placed)" in text
+    assert "waiting 3.2 s for 1 free core(s) on one node" in text

@@ -39,6 +39,13 @@ def render(url: str, health: dict, jobs: list[v1.JobStats], cluster: dict | None
     head = (f"[bold]{url}[/]  v{health.get('version')}  isolation {health.get('isolation')}   "
             f"queued [bold]{health['queued']}[/]  running [bold]{health['running']}[/] on {cores} cores   "
             f"sessions {health['sessions']}")
+    if "session_mem_reserved_mb" in health:  # servers since issue #15
+        head += (f"\nsession memory: {health['session_mem_used_mb']:,.0f} MB in use, "
+                 f"{health['session_mem_reserved_mb']:,.0f} MB reserved of {health['memory_mb']:,} MB "
+                 f"({health['sessions_placed']} sessions placed)")
+        if health.get("head_waits_for"):
+            head += (f"\nhead of the queue: waiting {health['head_waited_s']:.1f} s for "
+                     f"{health['head_waits_for']}")
     table = Table(header_style="bold", expand=True)
     for col, just in [("job", "left"), ("actions", "right"), ("ok", "right"), ("failed", "right"),
                       ("timeout", "right"), ("oom", "right"), ("infra_error", "right"), ("avg ACT", "right"),
