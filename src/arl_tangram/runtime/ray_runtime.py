@@ -180,7 +180,8 @@ class RayRuntime(Runtime):
         self._monitor: asyncio.Task | None = None
         self._agent_cls = None
         costs = Costs.local(self.config.memory_mb / 1024)
-        self._build(Cluster(), policy, {Pool.CPU: self.sandboxes}, costs, profile)
+        self._build(Cluster(), policy, {Pool.CPU: self.sandboxes}, costs, profile,
+                    session_headroom_gb=self.config.session_headroom_mb / 1024)  # agents measure idle sessions
 
     # -- membership ------------------------------------------------------------------------------
     def _table(self) -> list[dict]:
