@@ -240,6 +240,10 @@ def test_a_running_step_of_a_measured_session_counts_as_idle_when_admitting_sess
     h.schedule()
     assert h.engine.cpu.free_mem[0] == pytest.approx(0.5)
     assert h.engine.session_room_gb() == pytest.approx(1.0 - 20 * MB)
+    h.submit("b1", cpu=1, trajectory="u")  # a new session: expected to settle like "t"
+    h.schedule()
+    assert h.engine.cpu.free_mem[0] == pytest.approx(0.0)
+    assert h.engine.session_room_gb() == pytest.approx(1.0 - 40 * MB)
 
 
 def test_top_shows_session_memory_and_why_the_head_of_the_queue_waits():
