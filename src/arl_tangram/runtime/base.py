@@ -144,7 +144,16 @@ class Runtime:
     def _arm(self, at: float) -> None:
         if self._wake is not None:
             self._wake.cancel()
-        self._wake = asyncio.get_running_loop().call_later(max(0.0, at - time.monotonic()), self.tick)
+        self._wake = asyncio.get_running_loop().call_later(max(0.0, at - time.monotonic()), self._woken)
+
+    def _woken(self) -> None:
+        """The armed wake-up fired. asyncio may run a timer up to its clock resolution early;
+        the driver must then arm the same instant again, not take it for still armed (it did,
+        and a queue deadline a hair in the future then never fired: found by
+        ``tangram bench sessions``)."""
+        self._wake = None
+        self.driver.armed_at = None
+        self.tick()
 
     def report(self, r: Report) -> None:
         """The managers' sink: an action ended or a model copy is resident."""
