@@ -319,3 +319,28 @@ def test_a_wake_up_that_fires_early_arms_the_deadline_again():
             assert (await busy).ok and (await waiting).ok
 
     asyncio.run(main())
+
+
+def test_a_deadline_that_falls_due_during_a_round_is_not_lost(harness):
+    """A real clock moves while the policy decides: the driver must not take a deadline that
+    passed during the round for one that was armed or expired."""
+    from arl_tangram.driver import Driver
+
+    h = harness(uniform_cluster(cpus=1), fifo_policy(), max_queue_s=10.0)
+    armed: list[float] = []
+    driver = Driver(h.engine, armed.append)
+    h.submit("a", cpu=1)
+    driver.tick()
+    h.submit("b", cpu=1)
+    driver.tick()
+    assert armed == [10.0]
+    h.advance(9.95)
+    schedule = h.engine.policy.schedule
+
+    def slow_round(now):
+        h.advance(0.1)  # the round takes a while: b's deadline passes meanwhile
+        return schedule(now)
+
+    h.engine.policy.schedule = slow_round
+    driver.tick()
+    assert [(f.action.id, f.outcome) for f in h.finished] == [("b", Outcome.REJECTED)]
