@@ -257,7 +257,10 @@ class Engine:
         return max(room, default=0.0)
 
     def _expire_queued(self, now: float) -> None:
-        for action in list(self.deadlines.due(self.pending, now, EPS)):
+        deadline = self.deadlines.earliest(self.pending)  # drops the entries of started actions
+        if deadline is None or deadline > now + EPS:  # the common case, once per round
+            return
+        for action in self.deadlines.due(self.pending, now, EPS):
             why = why_waiting(self, action)  # before it leaves the queue
             del self.pending[action.id]
             self.policy.on_cancel(action)
@@ -350,7 +353,7 @@ class Engine:
                 self.cpu.attach(a.trajectory, node, self.costs.session_mem_gb)
             elif not d.reservation:
                 setup = Setup.THAW
-            if home == node:
+            if home == node and a.trajectory in self.cpu.session_used:  # only measured ones shrank
                 self.cpu.grow_session(a.trajectory, self.costs.session_mem_gb)
         return Allocation(CPU, node, units, setup, reservation=d.reservation)
 
