@@ -32,6 +32,7 @@ from ..core.seam import Completion, Pool, Sink
 from ..managers.sandbox.manager import SandboxConfig
 from ..managers.tasks import TaskSet
 from ..policy import Costs, Policy, Profile
+from ..waits import DEFAULT_MAX_QUEUE_S
 from .agent import NodeAgent
 from .base import Runtime
 
@@ -167,7 +168,8 @@ class RayRuntime(Runtime):
     backend = "ray"
 
     def __init__(self, address: str = "auto", policy: str | Policy = "tangram", sandbox: SandboxConfig | None = None,
-                 profile: Profile | None = None, *, poll_s: float = MEMBERSHIP_POLL_S) -> None:
+                 profile: Profile | None = None, *, poll_s: float = MEMBERSHIP_POLL_S,
+                 max_queue_s: float | None = DEFAULT_MAX_QUEUE_S) -> None:
         super().__init__()
         self._owns_connection = connect(address)
         self.address = address
@@ -180,7 +182,7 @@ class RayRuntime(Runtime):
         self._monitor: asyncio.Task | None = None
         self._agent_cls = None
         costs = Costs.local(self.config.memory_mb / 1024)
-        self._build(Cluster(), policy, {Pool.CPU: self.sandboxes}, costs, profile,
+        self._build(Cluster(), policy, {Pool.CPU: self.sandboxes}, costs, profile, max_queue_s=max_queue_s,
                     session_headroom_gb=self.config.session_headroom_mb / 1024)  # agents measure idle sessions
 
     # -- membership ------------------------------------------------------------------------------

@@ -101,7 +101,7 @@ def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = Non
         if models:
             raise ConfigError("--ray: model services run on one machine for now; serve them without --ray")
         from ..runtime.ray_runtime import RayRuntime
-        runtime = RayRuntime(ray, cfg.policy, cfg.sandbox)
+        runtime = RayRuntime(ray, cfg.policy, cfg.sandbox, max_queue_s=cfg.max_queue_s)
     else:
         runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores, cfg.memory_gb, models=models, gpus=cfg.gpus,
                                gpu_memory_gb=cfg.gpu_memory_gb, gpu_island_size=cfg.gpu_island_size,
