@@ -367,3 +367,41 @@ def test_an_id_in_flight_cannot_be_submitted_twice(harness):
     h.complete("same")
     h.submit("same")  # finished ids are the journal's business, not the engine's memory
     assert "same" in h.engine.pending
+
+
+# -- static baselines with fewer sandboxes than trajectories (issue 13) ---------------------------
+
+def _two_slot_cluster():
+    """One node whose memory holds two sessions (2 GB each): two sandbox slots, many trajectories."""
+    return Cluster((CpuNode("n0", 8, memory_gb=4.0),))
+
+
+def test_task_isolated_trajectories_wait_for_a_sandbox_slot_instead_of_deadlocking(harness):
+    h = harness(_two_slot_cluster(), TaskIsolatedPolicy())
+    for t in range(20):  # more new trajectories queued than the policy's lookahead
+        h.submit(f"t{t}#0", trajectory=f"t{t}")
+    assert set(h.schedule()) == {"t0#0", "t1#0"}  # two slots
+    h.complete("t0#0")
+    h.submit("t0#1", trajectory="t0")  # a trajectory that holds a slot goes on
+    assert set(h.schedule()) == {"t0#1"}
+    h.complete("t0#1")
+    h.complete("t1#0")
+    h.engine.end_trajectory("t0")
+    h.engine.end_trajectory("t1")
+    assert set(h.schedule()) == {"t2#0", "t3#0"}  # slots are handed on first come, first served
+
+
+def test_every_static_baseline_finishes_code_agent_at_an_eighth_of_the_pool():
+    """The issue's reproduction: ``tangram simulate --workload code_agent --scale 0.125`` aborted
+    because task-isolated deadlocked; at this scale the memory of 64 cores holds 128 of the 256
+    trajectories' sessions at once."""
+    from arl_tangram.core import scale_cluster
+    from arl_tangram.sim.compare import run_policy
+    from arl_tangram.sim.workloads import generate
+
+    wl = generate("code_agent", seed=0, trajectories=160, steps=1)
+    cluster = scale_cluster(wl.default_cluster, 0.125)
+    for policy in ("task-isolated", "trajectory-static", "fifo", "tangram"):
+        run = run_policy(wl, cluster, policy)
+        assert run.summary.get("infeasible") is None, run.summary.get("infeasible")
+        assert run.summary["num_actions"] == wl.num_actions

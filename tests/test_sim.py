@@ -149,3 +149,16 @@ def test_large_code_agent_run_completes():
     s = summarize(simulate(wl, cluster, make_policy("tangram")))
     assert s["num_actions"] == wl.num_actions > 60_000
     json.dumps(s)
+
+
+def test_a_policy_that_cannot_run_is_reported_infeasible_and_the_comparison_goes_on():
+    """Sessions need 2 GB and the node has 1: no policy can ever start a sandbox action. Each run
+    comes back infeasible with the reason instead of raising out of the comparison."""
+    from arl_tangram.core.cluster import Cluster, CpuNode
+
+    wl = small("code_agent")
+    tiny = Cluster((CpuNode("n0", 8, memory_gb=1.0),))
+    rows = [run_policy(wl, tiny, p).summary for p in ("tangram", "trajectory-static", "task-isolated", "fifo")]
+    assert all(r["avg_act_s"] is None for r in rows)
+    assert all("waiting" in r["infeasible"] for r in rows)
+    assert comparison(rows) == {}

@@ -105,12 +105,20 @@ def _shares(view: EngineView, pool: str) -> dict[str, float]:
 
 
 class TaskIsolatedPolicy(StaticPartitions):
+    """Per-job CPU partitions; inside one, actions of trajectories whose sandbox already lives on
+    a node (``cpu_waiting``) go before trajectories that still need a sandbox (``cpu_new``). The
+    latter wait first come, first served for a slot — memory for their session — like the
+    semaphore a framework puts in front of a fixed sandbox fleet. (One queue with a bounded
+    lookahead deadlocked when more trajectories than slots were queued ahead of the ones holding
+    the slots: issue 13, code_agent at 0.125x.)"""
+
     name = "task-isolated"
 
     def __init__(self) -> None:
         super().__init__()
         self.cpu_parts: dict[str, list[str]] = {}
         self.cpu_waiting: dict[str, deque[Action]] = {}
+        self.cpu_new: dict[str, deque[Action]] = {}
         self.api_caps: dict[tuple[str, str], int] = {}
         self.api_in_use: dict[tuple[str, str], int] = {}
 
@@ -156,7 +164,9 @@ class TaskIsolatedPolicy(StaticPartitions):
 
     def on_submit(self, action: Action, now: float) -> None:
         if action.pool == CPU:
-            self.cpu_waiting.setdefault(self._part(action.job), deque()).append(action)
+            # a trajectory's actions are sequential, so whether it has a sandbox cannot change while it waits
+            new = action.trajectory is not None and action.trajectory not in self.view.cpu.homes
+            (self.cpu_new if new else self.cpu_waiting).setdefault(self._part(action.job), deque()).append(action)
         elif action.pool == GPU:
             self.gpu_waiting.setdefault(action.model or "", deque()).append(action)
         else:
@@ -164,9 +174,11 @@ class TaskIsolatedPolicy(StaticPartitions):
 
     def on_cancel(self, action: Action) -> None:
         super().on_cancel(action)
-        waiting = self.cpu_waiting.get(self._part(action.job)) if action.pool == CPU else None
-        if waiting is not None and action in waiting:
-            waiting.remove(action)
+        if action.pool == CPU:
+            for queues in (self.cpu_waiting, self.cpu_new):
+                waiting = queues.get(self._part(action.job))
+                if waiting is not None and action in waiting:
+                    waiting.remove(action)
 
     def on_finish(self, finished: Finished) -> None:
         a = finished.action
@@ -190,6 +202,13 @@ class TaskIsolatedPolicy(StaticPartitions):
                     i += 1
                     continue
                 del waiting[i]
+                yield Start(a, node=res.node, count=a.demand.ranges[CPU][0], reservation=res.key)
+        for part, new in self.cpu_new.items():
+            while new:  # the semaphore: the longest-waiting trajectory takes the next free slot
+                res = self._cpu_reservation(part, new[0])
+                if res is None:
+                    break
+                a = new.popleft()
                 yield Start(a, node=res.node, count=a.demand.ranges[CPU][0], reservation=res.key)
         yield from self._schedule_gpu()
         for pool, waiting in self.api_waiting.items():

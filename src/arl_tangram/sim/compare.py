@@ -9,7 +9,7 @@ from ..core.cluster import Cluster, scale_cluster
 from ..policy import InfeasiblePolicy, make_policy
 from .metrics import summarize
 from ..waits import DEFAULT_MAX_QUEUE_S
-from .simulator import SimResult, Simulator
+from .simulator import Deadlock, SimResult, Simulator
 from .workload import Workload
 
 BASELINES = ("trajectory-static", "task-isolated", "fifo")
@@ -25,13 +25,15 @@ class PolicyRun:
 def run_policy(workload: Workload, cluster: Cluster, policy: str, seed: int = 0,
                progress: Callable[[int], None] | None = None,
                max_queue_s: float | None = DEFAULT_MAX_QUEUE_S) -> PolicyRun:
-    """One simulation; a static plan that cannot be laid out comes back as ``infeasible``."""
+    """One simulation; a policy that cannot run here — a static plan that cannot be laid out, or
+    a run that stalls with actions no allocation can ever serve — comes back as ``infeasible``
+    with the reason, so a comparison of several policies always completes."""
     try:
-        sim = Simulator(workload, cluster, make_policy(policy), seed=seed, progress=progress, max_queue_s=max_queue_s)
-    except InfeasiblePolicy as e:
+        r = Simulator(workload, cluster, make_policy(policy), seed=seed, progress=progress,
+                      max_queue_s=max_queue_s).run()
+    except (InfeasiblePolicy, Deadlock) as e:
         r = SimResult(policy, workload.name, cluster, [], [], 0.0, 0.0, 0.0, [], infeasible=str(e))
         return PolicyRun(policy, summarize(r), None)
-    r = sim.run()
     return PolicyRun(policy, summarize(r), r)
 
 

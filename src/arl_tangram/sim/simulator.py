@@ -20,6 +20,12 @@ from .managers import SimApiManager, SimModelManager, SimSandboxManager
 from .workload import ActionSpec, TrajectorySpec, Workload
 
 
+class Deadlock(RuntimeError):
+    """The simulation ran out of events with actions still waiting: the policy cannot finish this
+    workload on this cluster (a session that fits no node's memory, say). ``run_policy`` reports
+    it as infeasible with this message instead of aborting a comparison."""
+
+
 @dataclass
 class SimResult:
     policy: str
@@ -123,7 +129,7 @@ class Simulator:
             progress(len(self.finished))
         stuck = len(engine.pending) + len(engine.running)
         if stuck:
-            raise RuntimeError(f"simulation ended with {len(engine.pending)} actions waiting and "
+            raise Deadlock(f"simulation ended with {len(engine.pending)} actions waiting and "
                                f"{len(engine.running)} running under {self.policy.name}: the policy deadlocked")
         u = engine.usage
         return SimResult(self.policy.name, self.workload.name, self.cluster, self.finished, self.steps, clock.now(),
@@ -202,4 +208,4 @@ def outcome_counts(finished: list[Finished]) -> dict[str, int]:
     return out
 
 
-__all__ = ["SimResult", "Simulator", "outcome_counts", "simulate", "Outcome"]
+__all__ = ["Deadlock", "SimResult", "Simulator", "outcome_counts", "simulate", "Outcome"]
