@@ -197,6 +197,90 @@ def _progress() -> Progress:
                     console=console, transient=True, disable=not console.is_terminal)
 
 
+def _floats(text: str, name: str) -> tuple[float, ...]:
+    try:
+        vals = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise fail(f"--{name}: expected comma-separated numbers, got {text!r}")
+    if not vals or any(not v > 0 for v in vals):
+        raise fail(f"--{name}: expected numbers > 0, got {text!r}")
+    return vals
+
+
+@app.command()
+def evaluate(
+    out_dir: Path = typer.Option(Path("tangram-report"), "--out", help="Directory for report.md/.html, PNGs, JSON."),
+    quick: bool = typer.Option(False, "--quick", help="Small workloads, 2 scales, 2 seeds: a smoke run for CI."),
+    workloads: Optional[str] = typer.Option(None, help="Comma-separated built-in workloads [default: all]."),
+    trace: Optional[list[Path]] = typer.Option(None, help="Also evaluate a JSONL trace (repeatable)."),
+    scales: Optional[str] = typer.Option(None, help="Comma-separated pool scales [default: 0.125,0.25,0.5,1,2]."),
+    seeds: Optional[int] = typer.Option(None, min=1, help="Seeds 0..N-1 per point [default: 3]."),
+    workers: Optional[int] = typer.Option(None, min=1, help="Worker processes [default: min(2, cores)]."),
+    min_resources: bool = typer.Option(True, " /--no-min-resources",
+                                       help="Skip the smallest-pool searches (resources at equal step time)."),
+) -> None:
+    """Every workload x pool scale x seed x policy, in parallel; writes a report directory."""
+    from dataclasses import replace
+
+    from .report import write_evaluation_report
+    from .sim.evaluate import QUICK, Plan, default_workers, evaluate as run_evaluation
+    from .sim.trace import TraceError, load_trace
+    from .sim.workloads import WORKLOADS
+
+    plan = QUICK if quick else Plan()
+    changes: dict = {"min_resources": min_resources}
+    names = list(plan.workloads)
+    if workloads is not None:
+        names = [w.strip() for w in workloads.split(",") if w.strip()]
+        unknown = [w for w in names if w not in WORKLOADS]
+        if unknown or not names:
+            raise fail(f"--workloads: unknown {', '.join(unknown) or '(none given)'} (known: {', '.join(WORKLOADS)})")
+    for t in trace or ():
+        try:
+            load_trace(t)
+        except TraceError as e:
+            raise fail(f"--trace {e}")
+        names.append(str(t.resolve()))
+    changes["workloads"] = tuple(names)
+    if scales is not None:
+        changes["scales"] = _floats(scales, "scales")
+    if seeds is not None:
+        changes["seeds"] = tuple(range(seeds))
+    plan = replace(plan, **changes)
+    n_workers = workers or default_workers()
+    cells = len(plan.workloads) * len(plan.scales) * len(plan.seeds) * len(plan.policies)
+    console.print(f"[bold]evaluate[/]: {len(plan.workloads)} workloads x {len(plan.scales)} scales x "
+                  f"{len(plan.seeds)} seeds x {len(plan.policies)} policies = {cells} simulations"
+                  f"{' + min-resource searches' if plan.min_resources else ''} on {n_workers} processes")
+    with _progress() as progress:
+        tasks: dict[str, int] = {}
+
+        def update(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = progress.add_task(phase, total=total)
+            progress.update(tasks[phase], completed=done)
+
+        ev = run_evaluation(plan, n_workers, progress=update)
+    data = ev.to_json()
+    paths = write_evaluation_report(data, out_dir)
+    h = data["headline"]
+    from .report import headline_rows
+    from rich.table import Table
+
+    table = Table(title=f"Headline ({ev.wall_s:.0f} s on {n_workers} processes)", title_justify="left",
+                  header_style="bold")
+    for col in ("figure", "paper", "this sweep", "where"):
+        table.add_column(col)
+    for row in headline_rows(h):
+        table.add_row(*row[:4])
+    out.print(table)
+    console.print(f"wrote {', '.join(str(p) for p in paths)}")
+    if ev.errors:
+        for e in ev.errors:
+            console.print(f"[red]error:[/] {e}", highlight=False)
+        raise typer.Exit(1)
+
+
 @app.command()
 def serve(
     host: str = typer.Option("127.0.0.1", help="Address to bind (a token is required off loopback)."),
