@@ -1,5 +1,7 @@
 """The real policies' decisions on small hand-built pools."""
 
+import pytest
+
 from arl_tangram.core import ApiQuota, ModelSpec, Outcome, uniform_cluster
 from arl_tangram.core.cluster import Cluster, CpuNode, GpuNode
 from arl_tangram.policy import Costs, TaskIsolatedPolicy, TrajectoryStaticPolicy, fifo_policy, tangram_policy
@@ -405,3 +407,61 @@ def test_every_static_baseline_finishes_code_agent_at_an_eighth_of_the_pool():
         run = run_policy(wl, cluster, policy)
         assert run.summary.get("infeasible") is None, run.summary.get("infeasible")
         assert run.summary["num_actions"] == wl.num_actions
+
+
+# -- the step's critical path (issue 13) ------------------------------------------------------------
+
+def _api_cluster(concurrency=1):
+    return Cluster(quotas=(ApiQuota("web", 1000.0, concurrency),))
+
+
+def test_the_trajectory_projected_to_finish_last_goes_first(harness):
+    """One quota slot; trajectory 'long' has 20 turns left, 'short' none. Once the job's seconds per
+    turn are known, 'long' is on the step's critical path and overtakes the shorter action."""
+    h = harness(_api_cluster(), tangram_policy())
+    for traj in ("long", "short"):
+        h.submit(f"{traj}#0", "api:web", trajectory=traj, step=0, hint_s=1.0, remaining_turns=5)
+    h.schedule()
+    started = next(iter(h.engine.running))
+    h.advance(1.0)
+    h.complete(started)
+    h.schedule()
+    h.advance(1.0)
+    h.complete(next(iter(h.engine.running)))
+    h.advance(4.0)  # both trajectories come back: seconds per turn are now observed
+    h.submit("short#1", "api:web", trajectory="short", step=0, hint_s=0.5, remaining_turns=0)
+    h.submit("long#1", "api:web", trajectory="long", step=0, hint_s=2.0, remaining_turns=20)
+    assert list(h.schedule()) == ["long#1"]
+
+
+def test_without_the_signal_shortest_predicted_goes_first(harness):
+    h = harness(_api_cluster(), tangram_policy(critical_path=False))
+    h.submit("blocker", "api:web", hint_s=1.0)
+    h.schedule()
+    h.submit("long#1", "api:web", trajectory="long", step=0, hint_s=2.0, remaining_turns=20)
+    h.submit("short#1", "api:web", trajectory="short", step=0, hint_s=0.5, remaining_turns=0)
+    h.complete("blocker")
+    assert list(h.schedule()) == ["short#1"]
+
+
+def test_remaining_turns_are_learned_from_ended_trajectories_of_the_job():
+    from arl_tangram.core import Action
+    from arl_tangram.policy.remaining import CriticalPath
+
+    cp = CriticalPath()
+    for t, turns in (("a", 2), ("b", 4), ("c", 6)):
+        for k in range(turns):
+            cp.on_submit(Action(f"{t}{k}", "sandbox", job="j", trajectory=t, step=0), float(k), 0.1)
+        cp.on_end(t)
+    assert cp._learned("j", 0) == pytest.approx((1 + 3 + 5) / 3)
+    assert cp._learned("j", 3) == pytest.approx((0 + 2) / 2)  # b (4 turns) and c (6) are longer than 3
+    assert cp._learned("j", 6) == 0.0
+    assert cp._learned("other", 0) is None  # nothing ended in that job: no guess
+
+
+def test_remaining_turns_must_be_a_count():
+    from arl_tangram.core import Action, InvalidAction
+
+    with pytest.raises(InvalidAction) as e:
+        Action("x", "sandbox", remaining_turns=-1)
+    assert e.value.field == "remaining_turns"

@@ -92,6 +92,8 @@ class Action:
     ``hint_s`` is the client's guess of the work in seconds at the minimum demand (a prior for the
     predictor, never trusted blindly); ``parallel_fraction`` or ``speedup`` describe how the work
     shrinks with more units (``speedup[i]`` is the speed-up at ``min + i`` units, ``speedup[0] == 1``).
+    ``remaining_turns`` is the client's count of actions its trajectory will still send after this
+    one (0: the last); the policy learns it per job when absent.
     """
 
     id: str
@@ -109,6 +111,7 @@ class Action:
     payload: Any = None
     submitted_at: float = 0.0
     pool: str = ""
+    remaining_turns: int | None = None
 
     def __post_init__(self) -> None:
         if not self.id:
@@ -124,6 +127,9 @@ class Action:
             raise InvalidAction("hint_s", f"must be >= 0, got {self.hint_s}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise InvalidAction("timeout_s", f"must be > 0, got {self.timeout_s}")
+        if self.remaining_turns is not None and (int(self.remaining_turns) != self.remaining_turns
+                                                 or self.remaining_turns < 0):
+            raise InvalidAction("remaining_turns", f"must be an integer >= 0, got {self.remaining_turns}")
         if self.weights_gb < 0:
             raise InvalidAction("weights_gb", f"must be >= 0, got {self.weights_gb}")
         if self.speedup is not None:

@@ -34,6 +34,7 @@ from .base import Decision, EngineView, Evict, Grow, Prefetch, Start
 from .critical import StepTracker
 from .predictor import DurationPredictor
 from .queues import JobQueues
+from .remaining import CriticalPath
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,8 @@ class Options:
     aging_per_s: float = 0.1
     critical_boost_s: float = 30.0
     straggler_fraction: float = 0.8
+    critical_path: bool = True  # boost trajectories projected to finish their step last (remaining.py)
+    critical_window: float = 0.1
     elastic_reserve_fraction: float = 0.05
     elastic_quiet_s: float = 10.0
     min_gain_fraction: float = 0.01
@@ -60,7 +63,7 @@ CPU_NEW = "cpu:new"  # the queue of sandbox actions that need a new session
 
 TANGRAM = Options()
 FIFO = Options(ordering="fifo", elastic=False, migrate=False, fair_share=False, residency_aware=False, prefetch=False,
-               critical_boost_s=0.0)
+               critical_boost_s=0.0, critical_path=False)
 
 
 class ActionLevelPolicy:
@@ -78,6 +81,7 @@ class ActionLevelPolicy:
         self.predicted: dict[str, float] = {}
         self.job_units: dict[str, dict[str, int]] = {}
         self.steps = StepTracker()
+        self.critical = CriticalPath(options.critical_window)
         self._model_rate: dict[str, tuple[float, float]] = {}
         self._cpu_queued_at = -math.inf
 
@@ -100,8 +104,10 @@ class ActionLevelPolicy:
             key = action.submitted_at
         else:
             key = pred + self._setup_estimate(action) + self.opt.aging_per_s * action.submitted_at
-            if self.opt.critical_boost_s and self.steps.is_straggler(action, self.opt.straggler_fraction):
-                key -= self.opt.critical_boost_s
+            if self.opt.critical_boost_s:
+                critical = self.opt.critical_path and self.critical.on_submit(action, now, pred)
+                if self.steps.is_straggler(action, self.opt.straggler_fraction) or critical:
+                    key -= self.opt.critical_boost_s
         if action.pool == GPU:
             self._note_model_request(action.model or "", now)
         q.push(action, key)
@@ -122,6 +128,7 @@ class ActionLevelPolicy:
 
     def on_trajectory_end(self, job: str, step: int | None, trajectory: str) -> None:
         self.steps.on_end(trajectory)
+        self.critical.on_end(trajectory)
 
     def next_wakeup(self, now: float) -> float | None:
         view = self.view

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -60,7 +61,8 @@ class Simulator:
     def __init__(self, workload: Workload, cluster: Cluster, policy: Policy, *, seed: int = 0,
                  costs: Costs = Costs(), sample_every_s: float = 1.0,
                  progress: Callable[[int], None] | None = None,
-                 max_queue_s: float | None = DEFAULT_MAX_QUEUE_S) -> None:
+                 max_queue_s: float | None = DEFAULT_MAX_QUEUE_S,
+                 client_remaining: bool = True, remaining_sigma: float = 0.0) -> None:
         self.workload = workload
         self.cluster = cluster
         self.policy = policy
@@ -68,6 +70,9 @@ class Simulator:
         self._events: list = []
         self._seq = itertools.count()
         self.progress = progress
+        self.client_remaining = client_remaining
+        self.remaining_sigma = remaining_sigma
+        self._remaining_rng = random.Random(seed * 7919 + 1)
         profile = Profile(workload.unit_seconds(), workload.model_seconds(), workload.concurrent_trajectories())
         at, clock, sink = self.at, self.clock, self._report
         self.api = SimApiManager(at, clock, sink, cluster.quotas, seed)
@@ -167,8 +172,18 @@ class Simulator:
             id=f"{run.spec.id}#{spec.seq}", service=spec.service, demand=Demand(spec.demand), job=run.job,
             trajectory=run.spec.id, step=run.step, operation=spec.operation, hint_s=spec.hint_s,
             parallel_fraction=spec.parallel_fraction, weights_gb=spec.weights_gb, timeout_s=spec.timeout_s,
-            payload=spec)
+            payload=spec, remaining_turns=self._remaining(run))
         self.engine.submit(action)  # a rejection comes back through the listener like any outcome
+
+    def _remaining(self, run: _TrajectoryRun) -> int | None:
+        """What the simulated client says is left of its trajectory after this action: nothing,
+        or the true count blurred by a lognormal factor of ``remaining_sigma``."""
+        if not self.client_remaining:
+            return None
+        left = len(run.spec.actions) - run.next
+        if self.remaining_sigma > 0:
+            left = round(left * self._remaining_rng.lognormvariate(0.0, self.remaining_sigma))
+        return left
 
     def _on_finished(self, f: Finished) -> None:
         self.finished.append(f)
