@@ -446,7 +446,7 @@ def test_without_the_signal_shortest_predicted_goes_first(harness):
 
 def test_remaining_turns_are_learned_from_ended_trajectories_of_the_job():
     from arl_tangram.core import Action
-    from arl_tangram.policy.remaining import CriticalPath
+    from arl_tangram.policy.critical import CriticalPath
 
     cp = CriticalPath()
     for t, turns in (("a", 2), ("b", 4), ("c", 6)):

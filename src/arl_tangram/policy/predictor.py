@@ -22,11 +22,13 @@ class DurationPredictor:
         self.default_s = default_s
         self.decay = decay
         self.hint_weight = hint_weight
-        self._stats: dict[tuple[str, str, str], list[float]] = {}
+        # job -> service -> _Service; nested rather than keyed by (job, service, operation) tuples,
+        # which cost a tuple per lookup on the scheduler's hot path (two per submit, two per finish)
+        self._jobs: dict[str, dict[str, _Service]] = {}
 
     def predict(self, action: Action) -> float:
-        stats = self._stats
-        coarse = stats.get((action.job, action.service, ""))
+        svc = self._jobs.get(action.job, _NONE).get(action.service)
+        coarse = svc.coarse if svc is not None else None
         if action.hint_s is not None:
             prior, w0 = action.hint_s, self.hint_weight
         elif coarse is not None:
@@ -34,7 +36,7 @@ class DurationPredictor:
         else:
             prior, w0 = self.default_s, 0.5
         if action.operation:
-            seen = stats.get((action.job, action.service, action.operation))
+            seen = svc.ops.get(action.operation) if svc is not None else None
         else:
             seen = coarse if action.hint_s is not None else None
         if seen is None:
@@ -42,18 +44,41 @@ class DurationPredictor:
         return (w0 * prior + seen[0]) / (w0 + seen[1])
 
     def observe(self, finished: Finished) -> None:
-        if finished.outcome not in (Outcome.OK, Outcome.FAILED) or finished.exec_s <= 0:
+        if finished.outcome not in _LEARN or finished.exec_s <= 0:
             return
         a = finished.action
-        at_min = finished.exec_s / a.speed_factor(finished.units)
-        keys = [(a.job, a.service, "")]
-        if a.operation:
-            keys.append((a.job, a.service, a.operation))
+        at_min = finished.exec_s / a.speed_factor(finished.units) if finished.units > 1 else finished.exec_s
+        services = self._jobs.get(a.job)
+        if services is None:
+            services = self._jobs[a.job] = {}
+        svc = services.get(a.service)
+        if svc is None:
+            svc = services[a.service] = _Service()
         d = self.decay
-        for key in keys:
-            s = self._stats.get(key)
-            if s is None:
-                self._stats[key] = [at_min, 1.0]
+        c = svc.coarse
+        if c is None:
+            svc.coarse = [at_min, 1.0]
+        else:
+            c[0] = c[0] * d + at_min
+            c[1] = c[1] * d + 1.0
+        if a.operation:
+            f = svc.ops.get(a.operation)
+            if f is None:
+                svc.ops[a.operation] = [at_min, 1.0]
             else:
-                s[0] = s[0] * d + at_min
-                s[1] = s[1] * d + 1.0
+                f[0] = f[0] * d + at_min
+                f[1] = f[1] * d + 1.0
+
+
+class _Service:
+    """Decayed [sum of seconds, count] for one (job, service), overall and per operation."""
+
+    __slots__ = ("coarse", "ops")
+
+    def __init__(self) -> None:
+        self.coarse: list[float] | None = None
+        self.ops: dict[str, list[float]] = {}
+
+
+_NONE: dict[str, _Service] = {}
+_LEARN = (Outcome.OK, Outcome.FAILED)
