@@ -90,3 +90,29 @@ def test_scale_cluster_halves_every_pool():
     assert small.total_gpus == 2 and small.gpu_nodes[0].island_size == 2
     with pytest.raises(ValueError):
         scale_cluster(c, 0)
+
+
+def test_best_node_is_the_node_with_most_free_cores_through_any_take_and_give():
+    """best_node keeps a lazily lowered pointer to the fullest bucket (the scheduler's hot path);
+    it must agree with a scan of every node after any sequence of takes and gives."""
+    import random
+
+    from arl_tangram.core.pools import CpuPool
+
+    rng = random.Random(3)
+    pool = CpuPool(uniform_cluster(cpus=40, cpu_nodes=5).cpu_nodes)
+    held: list[tuple[int, tuple[int, ...]]] = []
+    for _ in range(2000):
+        if held and rng.random() < 0.5:
+            pool.give(*held.pop(rng.randrange(len(held))))
+        else:
+            node = rng.randrange(5)
+            n = rng.randint(0, pool.nfree(node))
+            held.append((node, pool.take(node, n)))
+        need = rng.randint(1, 8)
+        best = pool.best_node(need)
+        most = max(pool.nfree(i) for i in range(5))
+        if most < need:
+            assert best is None
+        else:
+            assert pool.nfree(best) == most

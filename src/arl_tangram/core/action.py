@@ -168,7 +168,7 @@ class Setup(str, enum.Enum):
     LOAD = "load"  # a model's weights copied host -> GPU
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~3x (bench scheduler)
 class Allocation:
     """Where and with what an action runs: ``units`` are core ids (cpu) or global GPU ids (gpu).
 
@@ -192,7 +192,7 @@ class Allocation:
         return len(self.units) if self.units else 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~3x (bench scheduler)
 class Finished:
     """The record of one action's terminal outcome, with the timings ACT is made of."""
 

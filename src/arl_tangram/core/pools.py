@@ -55,6 +55,7 @@ class CpuPool:
         for i, n in enumerate(nodes):
             self.buckets[n.cores].add(i)
         self.total_free = self.capacity
+        self.top = self.max_cores  # no node has more free cores than this (lowered lazily by best_node)
         self.homes: dict[str, int] = {}
         self.session_mem: dict[str, float] = {}
         self.session_used: dict[str, float] = {}  # measured when each session last went idle
@@ -67,7 +68,9 @@ class CpuPool:
         """The node with the most free cores that has at least ``need`` of them and ``mem_gb``
         memory to spare (spreading leaves room for elastic growth), or None."""
         buckets = self.buckets
-        for k in range(self.max_cores, need - 1, -1):
+        while self.top > 0 and not buckets[self.top]:
+            self.top -= 1
+        for k in range(self.top, need - 1, -1):
             b = buckets[k]
             if b:
                 if mem_gb <= 0:
@@ -100,6 +103,8 @@ class CpuPool:
         self.buckets[have + len(cores)].add(node)
         self.total_free += len(cores)
         free.extend(cores)
+        if have + len(cores) > self.top:
+            self.top = have + len(cores)
 
     # -- membership: nodes join and leave while the engine runs --------------------------------
     def add_node(self, node: CpuNode) -> int:

@@ -16,7 +16,7 @@ from ..core.pools import CpuPool, GpuPool, Instance, QuotaPool
 from ..core.records import Load, Reservation, Running
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~3x (bench scheduler)
 class Start:
     """Run ``action`` now: on CPU ``node`` with ``count`` cores, on GPU ``block`` (after evicting
     ``evict``), or on an API quota; ``reservation`` draws the units from a reserved partition;
