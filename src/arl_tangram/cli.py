@@ -218,6 +218,9 @@ def evaluate(
     workers: Optional[int] = typer.Option(None, min=1, help="Worker processes [default: min(2, cores)]."),
     min_resources: bool = typer.Option(True, " /--no-min-resources",
                                        help="Skip the smallest-pool searches (resources at equal step time)."),
+    client_remaining: bool = typer.Option(True, " /--no-client-remaining",
+                                          help="Simulated clients do not send their remaining turns (the policy "
+                                               "learns them per job)."),
 ) -> None:
     """Every workload x pool scale x seed x policy, in parallel; writes a report directory."""
     from dataclasses import replace
@@ -228,7 +231,7 @@ def evaluate(
     from .sim.workloads import WORKLOADS
 
     plan = QUICK if quick else Plan()
-    changes: dict = {"min_resources": min_resources}
+    changes: dict = {"min_resources": min_resources, "client_remaining": client_remaining}
     names = list(plan.workloads)
     if workloads is not None:
         names = [w.strip() for w in workloads.split(",") if w.strip()]

@@ -195,7 +195,11 @@ def evaluation_blocks(data: dict, images: dict[str, str]) -> list[tuple]:
                    f"{len(data['searches'])} min-resource searches in {data['wall_s']:.0f} s on {data['workers']} "
                    f"worker processes. Every figure below is computed from results.json, which holds each "
                    f"simulation's summary; the simulator runs the same engine and policy code as the real "
-                   f"runtime on a virtual clock."))
+                   f"runtime on a virtual clock. Simulated clients "
+                   + ("send each action's exact remaining turns in its trajectory (Action.remaining_turns), "
+                      "which Tangram uses to find each step's critical path; the baselines ignore it."
+                      if plan.get("client_remaining", True) else
+                      "send no remaining turns: Tangram learns them per job from the trajectories that ended.")))
     if data.get("errors"):
         b.append(("p", "ERRORS (cells that raised; their figures are missing): " + "; ".join(data["errors"])))
     b.append(("h", 2, "Headline: the paper's figures beside this sweep"))

@@ -24,13 +24,13 @@ class PolicyRun:
 
 def run_policy(workload: Workload, cluster: Cluster, policy: str, seed: int = 0,
                progress: Callable[[int], None] | None = None,
-               max_queue_s: float | None = DEFAULT_MAX_QUEUE_S) -> PolicyRun:
+               max_queue_s: float | None = DEFAULT_MAX_QUEUE_S, **sim_options) -> PolicyRun:
     """One simulation; a policy that cannot run here — a static plan that cannot be laid out, or
     a run that stalls with actions no allocation can ever serve — comes back as ``infeasible``
     with the reason, so a comparison of several policies always completes."""
     try:
         r = Simulator(workload, cluster, make_policy(policy), seed=seed, progress=progress,
-                      max_queue_s=max_queue_s).run()
+                      max_queue_s=max_queue_s, **sim_options).run()
     except (InfeasiblePolicy, Deadlock) as e:
         r = SimResult(policy, workload.name, cluster, [], [], 0.0, 0.0, 0.0, [], infeasible=str(e))
         return PolicyRun(policy, summarize(r), None)
@@ -61,13 +61,13 @@ def comparison(rows: list[dict]) -> dict:
 
 def min_scale(workload: Workload, cluster: Cluster, policy: str, target_step_s: float, *, seed: int = 0,
               lo: float = 0.05, hi: float = 2.0, iterations: int = 8,
-              on_try: Callable[[str, float, float | None], None] | None = None) -> float | None:
+              on_try: Callable[[str, float, float | None], None] | None = None, **sim_options) -> float | None:
     """Smallest scale in [lo, hi] at which ``policy``'s average step time is within ``target``,
     by bisection (step time falls as pools grow; noise makes the answer good to ~1/2**iterations).
     None when even ``hi`` does not match."""
 
     def step_at(scale: float) -> float | None:
-        run = run_policy(workload, scale_cluster(cluster, scale), policy, seed)
+        run = run_policy(workload, scale_cluster(cluster, scale), policy, seed, **sim_options)
         step = run.summary.get("avg_step_s")
         if on_try is not None:
             on_try(policy, scale, step)
