@@ -32,7 +32,7 @@ from ..core.action import CPU, GPU, Action, Finished
 from ..core.cluster import DEFAULT_H2D_GBPS
 from ..core.pools import Instance
 from .base import Decision, EngineView, Evict, Grow, Prefetch, Start
-from .critical import CriticalPath
+from .critical import STRAGGLER, CriticalPath
 from .predictor import DurationPredictor
 from .queues import JobQueues
 
@@ -49,7 +49,8 @@ class Options:
     critical_boost_s: float = 30.0
     straggler_fraction: float = 0.8
     critical_path: bool = True  # boost trajectories projected to finish their step last (critical.py)
-    critical_window: float = 0.1
+    critical_window: float = 0.05
+    projected_boost_s: float = 30.0
     elastic_reserve_fraction: float = 0.05
     elastic_quiet_s: float = 10.0
     min_gain_fraction: float = 0.01
@@ -108,8 +109,10 @@ class ActionLevelPolicy:
             key = pred + opt.aging_per_s * action.submitted_at
             if pool == GPU:
                 key += self._setup_estimate(action)
-            if opt.critical_boost_s and self.critical.on_submit(action, now, pred):
-                key -= opt.critical_boost_s
+            if opt.critical_boost_s:
+                critical = self.critical.on_submit(action, now, pred)
+                if critical:
+                    key -= opt.critical_boost_s if critical == STRAGGLER else opt.projected_boost_s
         if pool == GPU:
             self._note_model_request(action.model or "", now)
         q.push(action, key)

@@ -17,8 +17,11 @@ have slack. Two signals mark an action critical (the policy then boosts its prio
   previous action's ACT), decayed so that it follows the run.
 
 Why: shortest-first ordering (SRPT) alone is blind to the step and, on a quota-bound pool, moved
-waiting onto exactly the long trajectories (search: step time 4-7% behind fifo at 0.5x and 1x,
-issue 13). With the clients' remaining turns it is 3-16% ahead there, at 2% of ACT on search 0.5x.
+waiting onto exactly the long trajectories (search, seeds 0-4: step time up to 7% behind the best
+baseline at 0.5x and 1x, issue 13). With the clients' remaining turns it is 4-6% ahead on the worst
+seed and 9-12% on the mean, for 1.8% of average ACT on search at 0.5x (0.6% at 1x). A window of
+0.05 was kept over 0.1 and 0.2, which gained more step time on search (up to 21%) but gave up ACT
+there and on mopd (measured: window 0.2 cost 4% of ACT on search at 0.5x).
 
 Measured and dropped: ordering every action by remaining trajectory time (``key -= w * remaining``)
 gives up SRPT's ACT; the learned residual alone cannot tell a long search trajectory from a short
@@ -36,6 +39,8 @@ from dataclasses import dataclass
 from ..core.action import Action
 
 StepKey = tuple[str, "int | None"]
+STRAGGLER = 2
+PROJECTED = 1
 
 
 @dataclass(slots=True)
@@ -64,7 +69,7 @@ class CriticalPath:
     __slots__ = ("straggler_fraction", "window", "use_projection", "decay", "_runs", "_steps", "_cycle",
                  "_lengths", "_residual", "_seq")
 
-    def __init__(self, straggler_fraction: float = 0.8, window: float = 0.1, use_projection: bool = True,
+    def __init__(self, straggler_fraction: float = 0.8, window: float = 0.05, use_projection: bool = True,
                  decay: float = 0.02) -> None:
         self.straggler_fraction = straggler_fraction
         self.window = window
@@ -77,11 +82,12 @@ class CriticalPath:
         self._residual: dict[tuple[str, int], float | None] = {}
         self._seq = itertools.count()
 
-    def on_submit(self, a: Action, now: float, predicted_s: float) -> bool:
-        """Record ``a``'s turn; whether its trajectory is on its step's critical path."""
+    def on_submit(self, a: Action, now: float, predicted_s: float) -> int:
+        """Record ``a``'s turn; whether its trajectory is on its step's critical path: ``STRAGGLER``,
+        ``PROJECTED`` (last by its projected finish) or 0."""
         traj = a.trajectory
         if traj is None:
-            return False
+            return 0
         run = self._runs.get(traj)
         job = a.job
         if run is None:
@@ -101,13 +107,13 @@ class CriticalPath:
         run.turns = k + 1
         run.last_submit = now
         if step.seen >= 4 and step.ended >= self.straggler_fraction * step.seen:
-            return True
+            return STRAGGLER
         if not self.use_projection:
-            return False
+            return 0
         remaining = a.remaining_turns if a.remaining_turns is not None else self._learned(job, k)
         cycle = self._cycle.get(job)
         if remaining is None or cycle is None:
-            return False
+            return 0
         run.finish = now + predicted_s + remaining * cycle
         run.version += 1
         if not run.projected:
@@ -115,9 +121,9 @@ class CriticalPath:
             step.projected += 1
         heapq.heappush(step.heap, (-run.finish, next(self._seq), traj, run.version))
         if step.projected < 2:  # the first projection of a step has nothing to be compared with
-            return False
+            return 0
         latest = self._latest(step.heap)
-        return run.finish >= latest - self.window * max(0.0, latest - now)
+        return PROJECTED if run.finish >= latest - self.window * max(0.0, latest - now) else 0
 
     def _latest(self, heap: list) -> float:
         runs = self._runs
