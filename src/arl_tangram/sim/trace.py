@@ -4,6 +4,8 @@ Required: ``step``, ``trajectory``, ``seq``, ``service``, ``gap_s``, ``work_s``.
 ``job`` (default ``"default"``), ``demand`` (``{"cpu": [min, max]}`` / ``{"gpu": [n, n]}``),
 ``parallel_fraction``, ``weights_gb`` (model services), ``operation``, ``hint_s``, ``timeout_s``,
 and for ``api:<name>`` services ``quota`` (``{"rate_per_s": .., "concurrency": ..}``, once per API).
+A recorded run (``sim/record.py``) adds what it measured — ``outcome``, ``act_s``, ``setup_s`` —
+which the replay ignores.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class TraceLine(BaseModel):
     hint_s: float | None = Field(default=None, ge=0)
     timeout_s: float | None = Field(default=None, gt=0)
     quota: QuotaLine | None = None
+    outcome: Literal["ok", "failed", "timeout", "oom", "rejected", "cancelled", "infra_error"] | None = None
+    act_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
+    setup_s: float | None = Field(default=None, ge=0, allow_inf_nan=False)
 
     @field_validator("service")
     @classmethod
