@@ -41,15 +41,19 @@ def test_headline_is_the_best_point_and_names_the_worst_seed():
     assert h["paper"] == {"act_speedup": 4.3, "step_speedup": 1.5, "resource_savings": 0.712}
 
 
-def test_resource_savings_average_only_the_seeds_that_matched():
+def test_resource_savings_average_only_the_seeds_that_matched_and_compare_with_the_baselines_own_minimum():
     searches = [{"workload": "w", "seed": 0, "policy": "tangram", "target_step_s": 10.0, "min_scale": 0.25},
                 {"workload": "w", "seed": 1, "policy": "tangram", "target_step_s": 12.0, "min_scale": 0.35},
+                {"workload": "w", "seed": 0, "policy": "trajectory-static", "target_step_s": 10.0, "min_scale": 1.0},
+                {"workload": "w", "seed": 1, "policy": "trajectory-static", "target_step_s": 12.0, "min_scale": 0.5},
                 {"workload": "w", "seed": 0, "policy": "fifo", "target_step_s": 10.0, "min_scale": None}]
     s = summarize_searches(searches)
     assert s["w"]["tangram"]["savings"]["mean"] == pytest.approx(0.7)
+    assert s["w"]["tangram"]["vs_trajectory_static"]["mean"] == pytest.approx((0.75 + 0.3) / 2)
     assert s["w"]["tangram"]["matched"] == 2 and s["w"]["fifo"]["matched"] == 0
     assert s["w"]["fifo"]["savings"] is None
-    assert headline([], searches)["resource_savings"]["value"] == pytest.approx(0.7)
+    h = headline([], searches)["resource_savings"]
+    assert h["value"] == pytest.approx(0.525) and h["baseline_min_scale"] == pytest.approx(0.75)
 
 
 def test_a_plan_rejects_bad_input_naming_the_field():

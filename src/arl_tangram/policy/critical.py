@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..core.action import Action
 
@@ -48,10 +48,7 @@ class _Step:
     seen: int = 0
     ended: int = 0
     projected: int = 0  # trajectories with a projected finish
-    heap: list = None  # (-finish, seq, trajectory, version), stale entries dropped lazily
-
-    def __post_init__(self) -> None:
-        self.heap = []
+    heap: list = field(default_factory=list)  # (-finish, seq, trajectory, version); stale ones dropped lazily
 
 
 @dataclass(slots=True)
