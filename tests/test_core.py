@@ -99,19 +99,24 @@ def test_best_node_is_the_node_with_most_free_cores_through_any_take_and_give():
 
     from arl_tangram.core.pools import CpuPool
 
+    from arl_tangram.core.cluster import CpuNode
+
     rng = random.Random(3)
     pool = CpuPool(uniform_cluster(cpus=40, cpu_nodes=5).cpu_nodes)
     held: list[tuple[int, tuple[int, ...]]] = []
-    for _ in range(2000):
+    for step in range(2000):
+        if step == 1000:  # a bigger node joins while the pool is in use
+            pool.add_node(CpuNode("big", 16, 64.0))
+        nodes = len(pool.nodes)
         if held and rng.random() < 0.5:
             pool.give(*held.pop(rng.randrange(len(held))))
         else:
-            node = rng.randrange(5)
+            node = rng.randrange(nodes)
             n = rng.randint(0, pool.nfree(node))
             held.append((node, pool.take(node, n)))
-        need = rng.randint(1, 8)
+        need = rng.randint(1, 16)
         best = pool.best_node(need)
-        most = max(pool.nfree(i) for i in range(5))
+        most = max(pool.nfree(i) for i in range(nodes))
         if most < need:
             assert best is None
         else:

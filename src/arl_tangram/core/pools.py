@@ -118,6 +118,7 @@ class CpuPool:
             self.buckets.extend(set() for _ in range(node.cores - self.max_cores))
             self.max_cores = node.cores
         self.buckets[node.cores].add(i)
+        self.top = max(self.top, node.cores)
         self.capacity += node.cores
         self.total_free += node.cores
         return i
