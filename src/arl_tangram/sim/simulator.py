@@ -56,7 +56,12 @@ class _TrajectoryRun:
 
 
 class Simulator:
-    """Runs ``workload`` on ``cluster`` under ``policy``; deterministic for a given seed."""
+    """Runs ``workload`` on ``cluster`` under ``policy``; deterministic for a given seed.
+
+    ``client_remaining``: the simulated clients send each action's exact remaining turns in its
+    trajectory (``Action.remaining_turns``, which Tangram uses to find each step's critical path;
+    the baselines ignore it), blurred by a lognormal factor of ``remaining_sigma`` when given.
+    Off, the policy learns remaining turns per job (policy/critical.py says what each costs)."""
 
     def __init__(self, workload: Workload, cluster: Cluster, policy: Policy, *, seed: int = 0,
                  costs: Costs = Costs(), sample_every_s: float = 1.0,
