@@ -152,16 +152,20 @@ def test_large_code_agent_run_completes():
 
 
 def test_a_policy_that_cannot_run_is_reported_infeasible_and_the_comparison_goes_on():
-    """Sessions need 2 GB and the node has 1: no policy can ever start a sandbox action. Each run
-    comes back infeasible with the reason instead of raising out of the comparison."""
+    """Sessions need 2 GB and the node has 1: no policy can ever start a sandbox action. Without a
+    bound on queue time each run comes back infeasible with the reason instead of raising out of
+    the comparison; with the engine's bound, every action ends rejected, naming what it waited for."""
     from arl_tangram.core.cluster import Cluster, CpuNode
 
     wl = small("code_agent")
     tiny = Cluster((CpuNode("n0", 8, memory_gb=1.0),))
-    rows = [run_policy(wl, tiny, p).summary for p in ("tangram", "trajectory-static", "task-isolated", "fifo")]
+    policies = ("tangram", "trajectory-static", "task-isolated", "fifo")
+    rows = [run_policy(wl, tiny, p, max_queue_s=None).summary for p in policies]
     assert all(r["avg_act_s"] is None for r in rows)
     assert all("waiting" in r["infeasible"] for r in rows)
     assert comparison(rows) == {}
+    bounded = [run_policy(wl, tiny, p, max_queue_s=60.0) for p in policies]
+    assert all(r.summary["outcomes"] == {"rejected": len(r.result.finished)} for r in bounded)
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -201,7 +201,9 @@ def evaluation_blocks(data: dict, images: dict[str, str]) -> list[tuple]:
                    + ("send each action's exact remaining turns in its trajectory (Action.remaining_turns), "
                       "which Tangram uses to find each step's critical path; the baselines ignore it."
                       if plan.get("client_remaining", True) else
-                      "send no remaining turns: Tangram learns them per job from the trajectories that ended.")))
+                      "send no remaining turns: Tangram learns them per job from the trajectories that ended.")
+                   + (" Queue time is unbounded (no action is rejected for waiting)." if plan.get("max_queue_s") is None
+                      else f" Actions queued longer than {plan['max_queue_s']:g} s are rejected and leave the figures.")))
     if data.get("errors"):
         b.append(("p", "ERRORS (cells that raised; their figures are missing): " + "; ".join(data["errors"])))
     b.append(("h", 2, "Headline: the paper's figures beside this sweep"))

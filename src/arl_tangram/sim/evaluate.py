@@ -54,6 +54,10 @@ class Plan:
     #: simulated clients send each action's exact remaining turns (``Action.remaining_turns``);
     #: off, the policy learns them per job from ended trajectories
     client_remaining: bool = True
+    #: the engine's bound on queue time (``waits.py``); None: unbounded. A sweep measures queueing,
+    #: and at small pools static baselines queue past the service's default 600 s, where their
+    #: actions would be rejected and drop out of the figures
+    max_queue_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.workloads:
@@ -88,11 +92,12 @@ def workload_label(name: str) -> str:
 
 # -- the work a process does -----------------------------------------------------------------------
 def run_cell(name: str, scale: float, seed: int, policy: str, sizes: dict | None = None,
-             client_remaining: bool = True) -> dict:
+             client_remaining: bool = True, max_queue_s: float | None = None) -> dict:
     """One simulation; its summary plus ACT quantiles (for CDFs) and wall time."""
     t0 = time.perf_counter()
     wl = load_workload(name, seed, sizes)
-    run = run_policy(wl, scale_cluster(wl.default_cluster, scale), policy, seed, client_remaining=client_remaining)
+    run = run_policy(wl, scale_cluster(wl.default_cluster, scale), policy, seed, max_queue_s=max_queue_s,
+                     client_remaining=client_remaining)
     quantiles: list[float] = []
     if run.result is not None:
         acts = sorted(f.act_s for f in run.result.finished if f.outcome is not Outcome.REJECTED)
@@ -106,12 +111,12 @@ def run_cell(name: str, scale: float, seed: int, policy: str, sizes: dict | None
 
 
 def run_search(name: str, seed: int, policy: str, target_step_s: float, iterations: int,
-               sizes: dict | None = None, client_remaining: bool = True) -> dict:
+               sizes: dict | None = None, client_remaining: bool = True, max_queue_s: float | None = None) -> dict:
     """The smallest pool scale at which ``policy`` matches ``target_step_s`` (bisection)."""
     t0 = time.perf_counter()
     wl = load_workload(name, seed, sizes)
     s = min_scale(wl, wl.default_cluster, policy, target_step_s, seed=seed, iterations=iterations,
-                  client_remaining=client_remaining)
+                  max_queue_s=max_queue_s, client_remaining=client_remaining)
     return {"workload": workload_label(name), "seed": seed, "policy": policy, "target_step_s": target_step_s,
             "min_scale": s, "wall_s": time.perf_counter() - t0}
 
@@ -148,7 +153,8 @@ def evaluate(plan: Plan, workers: int = 2, progress: Callable[[str, int, int], N
     cells: list[dict] = []
     searches: list[dict] = []
     with ProcessPoolExecutor(max_workers=max(1, workers)) as pool:
-        futures = {pool.submit(run_cell, *c, plan.sizes, plan.client_remaining): c for c in cells_todo}
+        futures = {pool.submit(run_cell, *c, plan.sizes, plan.client_remaining, plan.max_queue_s): c
+                   for c in cells_todo}
         for f in _collect(futures, "cells", progress, errors):
             cells.append(f)
         if plan.min_resources and "trajectory-static" in plan.policies:
@@ -160,8 +166,8 @@ def evaluate(plan: Plan, workers: int = 2, progress: Callable[[str, int, int], N
                     if target is None:
                         continue
                     todo += [(w, seed, p, target) for p in plan.policies]
-            futures = {pool.submit(run_search, *t, plan.search_iterations, plan.sizes, plan.client_remaining): t
-                       for t in todo}
+            futures = {pool.submit(run_search, *t, plan.search_iterations, plan.sizes, plan.client_remaining,
+                                   plan.max_queue_s): t for t in todo}
             for f in _collect(futures, "min-resources", progress, errors):
                 searches.append(f)
     order = {(workload_label(w)): i for i, w in enumerate(plan.workloads)}
