@@ -141,3 +141,30 @@ def test_an_expired_session_is_404_with_the_reason(tmp_path):
             assert c.health()["sessions"] == 0
     finally:
         s.stop()
+
+
+def test_a_served_run_is_recorded_and_replays_in_the_simulator(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    trace = tmp_path / "served.jsonl"
+    s = Server(tmp_path, config={"record": str(trace)}, double=True)
+    try:
+        with TangramClient(s.url) as c:
+            for i in range(3):
+                assert c.run_code(f"print({i})", job="rec").outcome == "ok"
+            sess = c.session(job="rec")
+            sess.exec(python="x = 1")
+            sess.exec("true")
+            sess.close()
+    finally:
+        s.stop()
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(rows) == 5 and all(r["service"] == "sandbox" and r["outcome"] == "ok" for r in rows)
+    p = subprocess.run([sys.executable, "-m", "arl_tangram.cli", "simulate", "--trace", str(trace), "--policy",
+                        "tangram", "--json", str(tmp_path / "replay.json")], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    replay = json.loads((tmp_path / "replay.json").read_text())
+    assert replay["num_actions"] == 5

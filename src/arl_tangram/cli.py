@@ -292,6 +292,8 @@ def serve(
     token: Optional[str] = typer.Option(None, envvar="TANGRAM_TOKEN", help="Bearer token clients must send."),
     journal: Optional[Path] = typer.Option(None, help="SQLite journal of accepted actions [default: from config, "
                                                       "else ~/.local/state/arl-tangram/journal.sqlite3]."),
+    record: Optional[Path] = typer.Option(None, help="Write every finished action to this JSONL trace (replay it "
+                                                     "with tangram simulate --trace)."),
     ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS",
                                       help="Schedule the sandboxes of every node of this Ray cluster (auto or "
                                            "HOST:PORT) instead of this machine's."),
@@ -316,7 +318,7 @@ def serve(
         raise fail(f"--token: serving on {host} (not loopback) requires a bearer token")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        app = build(cfg, token=token, journal=journal, ray=ray)
+        app = build(cfg, token=token, journal=journal, ray=ray, record=record)
     except Exception as e:  # isolation unavailable, unwritable journal: say it, exit 2
         raise fail(str(e))
     console.print(f"ARL-Tangram serving on http://{host}:{port} (docs at /docs, SandboxFusion at /run_code)")

@@ -199,10 +199,15 @@ class Tangram:
 
     @classmethod
     def local(cls, policy: str | Policy = "tangram", sandbox: SandboxConfig | None = None,
-              cores: int | None = None, profile: Profile | None = None, **kwargs) -> "Tangram":
-        """``kwargs``: ``sandboxes=False``, ``models=[ModelServiceConfig...]``, ``gpus``,
-        ``gpu_memory_gb``, ``apis={name: (ApiQuota, async handler)}`` (see ``LocalRuntime``)."""
-        return cls(LocalRuntime(policy, sandbox, cores, profile=profile, **kwargs))
+              cores: int | None = None, profile: Profile | None = None, record: str | None = None,
+              **kwargs) -> "Tangram":
+        """``record``: write every finished action to this JSONL trace (replay it with ``tangram
+        simulate --trace``); ``kwargs``: ``sandboxes=False``, ``models=[ModelServiceConfig...]``,
+        ``gpus``, ``gpu_memory_gb``, ``apis={name: (ApiQuota, async handler)}`` (see ``LocalRuntime``)."""
+        runtime = LocalRuntime(policy, sandbox, cores, profile=profile, **kwargs)
+        if record is not None:
+            runtime.record(record)
+        return cls(runtime)
 
     @classmethod
     def ray(cls, address: str = "auto", policy: str | Policy = "tangram", sandbox: SandboxConfig | None = None,

@@ -124,6 +124,7 @@ class Runtime:
         self._ids = itertools.count()
         self.ended: OrderedDict[str, str] = OrderedDict()  # session -> why it ended
         self.session_listeners: list[Callable[[str, str], None]] = []  # (session, reason) when one ends
+        self._recorders: list = []  # TraceRecorders, closed with the runtime
         self._first_submitted: dict[str, float] = {}  # re-run actions: when the first run was submitted
 
     def _build(self, cluster: Cluster, policy: str | Policy, managers: Mapping[Pool, Manager], costs: Costs,
@@ -293,6 +294,15 @@ class Runtime:
                         "sessions": 0})
         return out
 
+    def record(self, path) -> None:
+        """Write every finished action to ``path`` in the public trace format (JSONL), so the run
+        can be replayed under every policy (``tangram simulate --trace``); closed with the runtime."""
+        from ..sim.record import TraceRecorder
+
+        recorder = TraceRecorder(path, self.cluster.quotas)
+        self.engine.listeners.append(recorder)
+        self._recorders.append(recorder)
+
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the managers, then a first round (it lets the policy prefetch models)."""
@@ -305,6 +315,8 @@ class Runtime:
         for fut in self._futures.values():
             if not fut.done():
                 fut.cancel()
+        for recorder in self._recorders:
+            recorder.close()
 
     async def _shut_down_managers(self) -> None:
         pass

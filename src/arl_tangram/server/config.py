@@ -36,6 +36,8 @@ class ServeConfig(BaseModel):
     policy: str = Field("tangram", description=f"scheduling policy ({', '.join(POLICIES)})")
     cores: int | None = Field(None, ge=1, description="cores to schedule (default: this process's CPUs)")
     journal: str | None = Field(None, description="SQLite journal path (default ~/.local/state/arl-tangram/...)")
+    record: str | None = Field(None, description="write every finished action to this JSONL trace (replay it "
+                                                 "under every policy with tangram simulate --trace)")
     max_queue: int = Field(10_000, ge=1, description="waiting actions before new ones get HTTP 429")
     max_queue_s: float = Field(DEFAULT_MAX_QUEUE_S, gt=0, description="an action not started this many seconds "
                                                                      "after submission ends rejected, saying what it "
@@ -82,7 +84,7 @@ def default_journal() -> Path:
 
 
 def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = None, sandboxes=True,
-          ray: str | None = None):
+          ray: str | None = None, record: Path | None = None):
     """The ASGI app of ``tangram serve``: over this machine, or over the Ray cluster at ``ray``
     (``auto`` or ``HOST:PORT``); ``sandboxes`` may name another sandbox manager factory (tests
     serve over an in-process double this way)."""
@@ -106,5 +108,7 @@ def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = Non
         runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores, cfg.memory_gb, models=models, gpus=cfg.gpus,
                                gpu_memory_gb=cfg.gpu_memory_gb, gpu_island_size=cfg.gpu_island_size,
                                sandboxes=sandboxes, max_queue_s=cfg.max_queue_s)
+    if record is not None or cfg.record is not None:
+        runtime.record(record or cfg.record)
     service = Service(runtime, Journal(str(path)), cfg.max_queue, cfg.drain_s)
     return create_app(service, token=token, max_body_bytes=int(cfg.max_body_mb * (1 << 20)))
