@@ -212,7 +212,7 @@ def test_an_infra_error_run_is_rerun_under_derived_ids_until_it_is_not():
 
     with TangramClient(URL, transport=httpx.MockTransport(handle), backoff_s=0) as c:
         r = c.run_code("print(1)", id="job-7")
-    assert r.outcome == "ok" and log == ["job-7", "job-7~1", "job-7~2"]
+    assert r.outcome == "ok" and log == ["job-7", "job-7:retry-1", "job-7:retry-2"]
 
     outcomes[:] = ["infra_error"] * 3
     log.clear()
@@ -221,7 +221,7 @@ def test_an_infra_error_run_is_rerun_under_derived_ids_until_it_is_not():
         async with AsyncTangramClient(URL, transport=httpx.MockTransport(handle), retries=2, backoff_s=0) as c:
             return await c.run_code("print(1)", id="job-8")
 
-    assert asyncio.run(main()).outcome == "infra_error" and log == ["job-8", "job-8~1", "job-8~2"]
+    assert asyncio.run(main()).outcome == "infra_error" and log == ["job-8", "job-8:retry-1", "job-8:retry-2"]
 
 
 def test_an_unknown_option_names_itself():

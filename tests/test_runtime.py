@@ -252,3 +252,13 @@ def test_a_node_agent_runs_what_the_engine_started_on_its_node():
     info, c, held = asyncio.run(main())
     assert info["sandboxes"] and info["isolation"] == "bwrap"
     assert c.outcome is Outcome.OK and c.result.run.stdout == "42\n" and held == ["t"]
+
+
+def test_remaining_turns_reach_the_engine():
+    async def body(tg):
+        await tg.run("print(1)", remaining_turns=4)
+        s = await tg.session()
+        await s.exec("true", remaining_turns=1)
+        return [a.remaining_turns for a, _ in tg.runtime.sandboxes.started]
+
+    assert run("double", body) == [4, 1]

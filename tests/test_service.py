@@ -168,3 +168,23 @@ def test_a_served_run_is_recorded_and_replays_in_the_simulator(tmp_path):
     assert p.returncode == 0, p.stderr
     replay = json.loads((tmp_path / "replay.json").read_text())
     assert replay["num_actions"] == 5
+
+
+def test_remaining_turns_travel_from_the_client_and_bad_ones_name_the_field(server):
+    with TangramClient(server.url) as c:
+        assert c.run_code("print(1)", job="turns", remaining_turns=3).outcome == "ok"
+        s = c.session(job="turns")
+        assert s.exec("true", remaining_turns=0).outcome == "ok"
+        s.close()
+    bad = httpx.post(f"{server.url}/v1/actions", json={"hints": {"remaining_turns": -1}, "action": {"code": "1"}})
+    assert bad.status_code == 422 and "remaining_turns" in bad.json()["message"]
+
+
+def test_a_client_re_run_id_is_one_the_server_accepts(server):
+    """Bug: re-runs of an infra_error one-shot were sent as ``ID~N``, which the server's id
+    pattern refuses (422), so no re-run ever ran."""
+    from arl_tangram.client.base import attempt_id
+
+    rid = attempt_id(attempt_id("first.id", 1), 2)
+    r = httpx.post(f"{server.url}/v1/actions", json={"id": rid, "action": {"code": "print(1)"}}, timeout=30)
+    assert r.status_code == 200 and r.json()["id"] == rid == "first.id:retry-2"

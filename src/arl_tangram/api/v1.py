@@ -31,6 +31,9 @@ class Hints(BaseModel):
     work_s: Optional[float] = Field(None, ge=0, le=1e7)
     parallel_fraction: float = Field(0.0, ge=0, le=1)
     operation: str = Field("", max_length=128)
+    remaining_turns: Optional[int] = Field(None, ge=0, le=1_000_000, description="actions the trajectory will "
+                                           "still send after this one (lets the scheduler favour the step's "
+                                           "last finishers)")
 
 
 class RunCodeAction(BaseModel):

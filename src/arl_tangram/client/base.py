@@ -150,6 +150,7 @@ class RunOptions(TypedDict, total=False):
     hint_s: float | None
     parallel_fraction: float
     operation: str
+    remaining_turns: int
 
 
 def b64(files: dict[str, bytes] | None) -> dict[str, str]:
@@ -168,13 +169,22 @@ def action_body(code: str, language: str, id: str | None, job: str, wait: bool, 
               "memory_mb": o.get("memory_mb")}
     return {"id": id or f"c-{uuid.uuid4().hex}", "job": job, "wait": wait, "cpus": list(o.get("cpus", (1, 1))),
             "hints": {"work_s": o.get("hint_s"), "parallel_fraction": o.get("parallel_fraction", 0.0),
-                      "operation": o.get("operation", "")}, "action": action}
+                      "operation": o.get("operation", ""), "remaining_turns": o.get("remaining_turns")},
+            "action": action}
+
+
+RETRY_MARK = ":retry-"  # within the ids the server accepts (letters, digits and ._:@-)
+
+
+def first_id(id: str) -> str:
+    """The id a re-run's id was derived from."""
+    return id.rsplit(RETRY_MARK, 1)[0]
 
 
 def attempt_id(id: str, attempt: int) -> str:
     """The id of re-run number ``attempt`` of a one-shot program: derived, so that it really runs
     again (the first id's infra_error result is final for that id), yet traceable to the first."""
-    return f"{id.split('~')[0]}~{attempt}"
+    return f"{first_id(id)}{RETRY_MARK}{attempt}"
 
 
 class Methods:
@@ -281,12 +291,14 @@ class SessionMethods:
 
     def exec(self, command: str | None = None, *, python: str | None = None, stdin: str | None = None,
              timeout_s: float = 10.0, cpus: tuple[int, int] = (1, 1), hint_s: float | None = None,
-             parallel_fraction: float = 0.0, operation: str = "") -> v1.ActionResult:
+             parallel_fraction: float = 0.0, operation: str = "", remaining_turns: int | None = None
+             ) -> v1.ActionResult:
         """Run a shell ``command`` or ``python`` in the session's persistent interpreter (exactly
         one). Not idempotent, so never re-sent once it may have reached the server; an
         ``infra_error`` is returned, not retried: the session's state may be gone."""
         body = {"command": command, "python": python, "stdin": stdin, "timeout_s": timeout_s, "cpus": list(cpus),
-                "hints": {"work_s": hint_s, "parallel_fraction": parallel_fraction, "operation": operation}}
+                "hints": {"work_s": hint_s, "parallel_fraction": parallel_fraction, "operation": operation,
+                          "remaining_turns": remaining_turns}}
         request = Request("POST", f"/v1/sessions/{self.id}/exec", body, idempotent=False)
         return self.client._carry_out(typed(v1.ActionResult, request, self.policy))
 

@@ -47,6 +47,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..client import AsyncSession, AsyncTangramClient, TangramClient, TangramError
+from ..client.base import first_id
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str | dict,
                 for k, i in enumerate(inputs)]
     try:
         with TangramClient(url or _env_url(), token=os.environ.get("TANGRAM_TOKEN"), retries=retries) as client:
-            results = {r.id.split("~")[0]: r for r in client.run_batch(programs, concurrency=concurrency)}
+            results = {first_id(r.id): r for r in client.run_batch(programs, concurrency=concurrency)}
     except httpx.TransportError as e:
         raise InfraError(f"cannot reach the sandbox service while scoring: {e!r}") from e
     except TangramError as e:

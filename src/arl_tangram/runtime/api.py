@@ -148,10 +148,12 @@ class Session:
     async def exec(self, command: str | None = None, *, python: str | None = None, stdin: bytes | None = None,
                    timeout_s: float = 10.0, cpus: int | tuple[int, int] = 1, parallel_fraction: float = 0.0,
                    hint_s: float | None = None, operation: str = "", memory_mb: int | None = None,
-                   id: str | None = None, jupyter: bool = False) -> ActionResult:
+                   id: str | None = None, jupyter: bool = False, remaining_turns: int | None = None) -> ActionResult:
         """Run a shell ``command`` in the workspace, or a ``python`` cell in the session's
         interpreter (its variables carry over from call to call; ``jupyter``: an exception's
-        traceback goes only into the cell's error record, as in a notebook)."""
+        traceback goes only into the cell's error record, as in a notebook). ``remaining_turns``:
+        how many more actions the trajectory will send (the scheduler favours the step's last
+        finishers)."""
         self._check()
         if (command is None) == (python is None):
             raise ValueError("exec: give exactly one of command or python")
@@ -163,7 +165,7 @@ class Session:
                         operation=operation or ("python" if python is not None else command.split()[0]
                                                 if command.split() else "shell"),
                         hint_s=hint_s, parallel_fraction=parallel_fraction, timeout_s=timeout_s + ACTION_TIMEOUT_SLACK_S,
-                        payload=payload)
+                        payload=payload, remaining_turns=remaining_turns)
         return await self.runtime.submit(action)
 
     async def put(self, files: dict[str, bytes], id: str | None = None) -> ActionResult:
@@ -229,7 +231,8 @@ class Tangram:
                   timeout_s: float = 10.0, compile_timeout_s: float = 10.0, memory_mb: int | None = None,
                   cpus: int | tuple[int, int] = 1, parallel_fraction: float = 0.0, job: str = "default",
                   hint_s: float | None = None, id: str | None = None, operation: str = "",
-                  image: str | None = None, memory_as_rlimit: bool = False) -> ActionResult:
+                  image: str | None = None, memory_as_rlimit: bool = False,
+                  remaining_turns: int | None = None) -> ActionResult:
         """Run a one-shot program in a fresh or verified-pristine recycled sandbox (of ``image``, if
         given); ``memory_as_rlimit`` also caps its address space (SandboxFusion's MemoryError)."""
         if isinstance(stdin, str):
@@ -240,7 +243,8 @@ class Tangram:
         action = Action(id or self.runtime.new_id("r"), "sandbox", Demand({"cpu": rng}), job=job,
                         operation=operation or language,
                         hint_s=hint_s, parallel_fraction=parallel_fraction,
-                        timeout_s=timeout_s + compile_timeout_s + ACTION_TIMEOUT_SLACK_S, payload=payload)
+                        timeout_s=timeout_s + compile_timeout_s + ACTION_TIMEOUT_SLACK_S, payload=payload,
+                        remaining_turns=remaining_turns)
         return await self.runtime.submit(action)
 
     async def score(self, model: str, tokens: list[int], *, job: str = "default",

@@ -226,7 +226,8 @@ class Service:
                               timeout_s=a.timeout_s, compile_timeout_s=a.compile_timeout_s, memory_mb=a.memory_mb,
                               memory_as_rlimit=a.memory_as_rlimit,
                               cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction, job=req.job,
-                              hint_s=req.hints.work_s, id=id, operation=req.hints.operation, image=a.image)
+                              hint_s=req.hints.work_s, id=id, operation=req.hints.operation, image=a.image,
+                              remaining_turns=req.hints.remaining_turns)
         return r, self._record(r, req.job, "run_code")
 
     def _record(self, r: ActionResult, job: str, service: str) -> v1.ActionResult:
@@ -327,7 +328,8 @@ class Service:
         try:
             r = await s.exec(req.command, python=req.python, stdin=req.stdin.encode() if req.stdin else None,
                              timeout_s=req.timeout_s, cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction,
-                             hint_s=req.hints.work_s, operation=req.hints.operation, id=id)
+                             hint_s=req.hints.work_s, operation=req.hints.operation, id=id,
+                             remaining_turns=req.hints.remaining_turns)
         except Exception as e:
             self._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
             raise
