@@ -52,12 +52,30 @@ def run(store: ImageStore, coro_fn, **config):
     return asyncio.run(main())
 
 
-def _mounts(pid: int | None = None) -> int:
-    """Image roots still mounted by process ``pid`` (default: this one); other processes' roots
-    (another test run on the same machine) are not ours to count."""
-    tag = f"tangram-roots-{pid or os.getpid()}-"
+def _mount_points(pid: int) -> set[str]:
+    tag = f"tangram-roots-{pid}-"
     with open("/proc/self/mountinfo") as fh:
-        return sum(tag in line for line in fh)
+        return {line.split()[4] for line in fh if tag in line}
+
+
+_before: set[str] = set()
+
+
+@pytest.fixture(autouse=True)
+def _mount_baseline():
+    """Mounts of a dead process whose pid this one reuses (pids wrap at 32,768 here) are not this
+    test's leaks: each test counts only what appeared while it ran."""
+    global _before
+    _before = _mount_points(os.getpid())
+    yield
+
+
+def _mounts(pid: int | None = None) -> int:
+    """Image roots mounted by process ``pid`` (default: this one, since this test began); other
+    processes' roots (another test run on the same machine) are not ours to count."""
+    if pid is None:
+        return len(_mount_points(os.getpid()) - _before)
+    return len(_mount_points(pid))
 
 
 # -- images --------------------------------------------------------------------------------------
