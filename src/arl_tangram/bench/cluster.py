@@ -17,15 +17,10 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Callable
 
-from ..core.action import Action, Allocation, Demand, Outcome
-from ..core.clock import ManualClock
-from ..core.cluster import uniform_cluster
-from ..core.seam import Completion, Pool
-from ..engine import Engine
-from ..policy import tangram_policy
+from .scheduler import measure
 
 # Ray reads this when it is imported: every address of the loopback clusters stays on 127.0.0.1
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -153,54 +148,13 @@ def chaos(nodes: int, cores: int, actions: int, work_ms: float, log: Callable[[s
     return row
 
 
-class _Agents:
-    """Simulated node agents: record starts, never run anything."""
-
-    def __init__(self) -> None:
-        self.started: deque[str] = deque()
-
-    def start(self, action: Action, allocation: Allocation) -> None:
-        self.started.append(action.id)
-
-    def cancel(self, action_id: str) -> None:
-        pass
-
-    def close_session(self, trajectory: str) -> None:
-        pass
-
-
-def engine_cost(nodes: int = 64, cores: int = 64, sessions: int = 10_000, depth: int = 10_000,
-                seconds: float = 2.0) -> dict:
-    """Rounds of submit + schedule + complete per second with ``sessions`` open sessions (every
-    action belongs to one, sticky to its node) and ``depth`` waiting."""
-    clock = ManualClock()
-    agents = _Agents()
-    engine = Engine(uniform_cluster(cpus=nodes * cores, cpu_nodes=nodes, memory_gb_per_core=64.0), tangram_policy(),
-                    {Pool.CPU: agents}, clock)
-    n = 0
-
-    def submit() -> None:
-        nonlocal n
-        engine.submit(Action(f"a{n}", "sandbox", Demand({"cpu": (1, 1)}), trajectory=f"s{n % sessions}",
-                             operation=("shell", "test", "edit")[n % 3]))
-        n += 1
-
-    for _ in range(nodes * cores + depth):
-        submit()
-    engine.schedule()
-    done, t = 0, 0.0
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        for _ in range(256):
-            t += 1e-4
-            clock.advance_to(t)
-            engine.complete(Completion(agents.started.popleft(), Outcome.OK, exec_s=1.0))
-            submit()
-            engine.schedule()
-        done += 256
-    elapsed = time.perf_counter() - start
-    return {"nodes": nodes, "cores": nodes * cores, "open_sessions": len(engine.cpu.homes), "queued": len(engine.pending),
-            "decisions_per_s": round(done / elapsed)}
+def engine_cost(nodes: int = 64, sessions: int = 10_000, depth: int = 10_000, seconds: float = 2.0) -> dict:
+    """The head's engine with simulated agents: scheduling rounds (complete + submit + schedule)
+    per second with ``sessions`` open sessions over ``nodes`` nodes of 64 cores and ``depth``
+    waiting (the scheduler bench's loop, with as many sessions as a big cluster holds)."""
+    rate = measure(depth, nodes, seconds, sessions=sessions, memory_gb_per_core=64.0)
+    return {"nodes": nodes, "cores": nodes * 64, "open_sessions": rate.open_sessions, "queued": rate.queued,
+            "decisions_per_s": round(rate.wall_per_s), "decisions_per_cpu_s": round(rate.cpu_per_s)}
 
 
 def run(nodes: tuple[int, ...] = (1, 2, 3), cores: int = 1, actions: int = 150, work_ms: float = 0.0,

@@ -13,6 +13,7 @@ waited for a core (it still pays for the caches they share).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from collections import deque
 from typing import Callable
 
@@ -40,11 +41,22 @@ class _Recorder:
         pass
 
 
-def measure(depth: int, nodes: int = 1000, seconds: float = 2.0) -> tuple[float, float]:
-    """(actions per wall-clock second, actions per CPU second of this process)."""
-    sessions = nodes * 32  # sandbox sessions whose memory the nodes hold comfortably
+@dataclass(frozen=True)
+class Rate:
+    wall_per_s: float  # actions per wall-clock second
+    cpu_per_s: float  # actions per CPU second of this process
+    open_sessions: int
+    queued: int
+
+
+def measure(depth: int, nodes: int = 1000, seconds: float = 2.0, sessions: int | None = None,
+            memory_gb_per_core: float = 4.0) -> Rate:
+    """Rounds of complete + submit + schedule with the pool full and ``depth`` waiting; every
+    action belongs to one of ``sessions`` sessions (default: as many as the nodes' memory holds
+    comfortably, 32 a node), sticky to its node."""
+    sessions = sessions or nodes * 32
     clock = ManualClock()
-    cluster = uniform_cluster(cpus=nodes * 64, cpu_nodes=nodes)
+    cluster = uniform_cluster(cpus=nodes * 64, cpu_nodes=nodes, memory_gb_per_core=memory_gb_per_core)
     rec = _Recorder()
     engine = Engine(cluster, tangram_policy(), {Pool.CPU: rec}, clock)
     ops = ("shell", "script", "test")
@@ -83,14 +95,14 @@ def measure(depth: int, nodes: int = 1000, seconds: float = 2.0) -> tuple[float,
     cpu = time.process_time() - cpu_start
     if len(engine.pending) != depth:
         raise RuntimeError(f"queue depth drifted to {len(engine.pending)} (expected {depth})")
-    return done / elapsed, done / cpu
+    return Rate(done / elapsed, done / cpu, len(engine.cpu.homes), len(engine.pending))
 
 
 def run(nodes: int = 1000, seconds: float = 2.0, log: Callable[[str], None] | None = None) -> dict:
     rates, cpu_rates = {}, {}
     for depth in DEPTHS:
-        wall, cpu = measure(depth, nodes, seconds)
-        rates[str(depth)], cpu_rates[str(depth)] = round(wall), round(cpu)
+        rate = measure(depth, nodes, seconds)
+        rates[str(depth)], cpu_rates[str(depth)] = round(rate.wall_per_s), round(rate.cpu_per_s)
         if log:
             log(f"queue depth {depth:>7,}: {rates[str(depth)]:>9,} actions/s ({cpu_rates[str(depth)]:,} per CPU second)")
     return {"actions_per_s": rates, "actions_per_cpu_s": cpu_rates, "nodes": nodes, "cores": nodes * 64,
