@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from ..managers.models import manager
 from ..managers.models.manager import ModelServiceConfig
 from ..runtime import Tangram
 from ..sim.metrics import percentile
@@ -143,9 +144,10 @@ def _mopd_services(device: str, vocab: int, share: float) -> tuple[list[ModelSer
 
 
 def _variant(spec: str) -> tuple[float, float | None]:
-    """``"0.25"`` or ``"0.25@0.2"``: a compute share, and optionally the interpreter's thread switch
-    interval in ms during that run (Python's default, 5 ms, lets a thread that comes back from a
-    CUDA call wait that long for the GIL while other batches' threads run Python)."""
+    """``"0.25"`` or ``"0.25@5"``: a compute share, and optionally the interpreter's thread switch
+    interval in ms during that run instead of the model manager's (``GPU_SWITCH_INTERVAL_S``, 0.2 ms
+    on CUDA; Python's default, 5 ms, lets a thread that comes back from a CUDA call wait that long
+    for the GIL while other batches' threads run Python)."""
     share, _, ms = spec.partition("@")
     return float(share), (float(ms) if ms else None)
 
@@ -158,16 +160,17 @@ async def _mopd_shared(device: str, requests: int, duration_s: float, seq_len: i
     for spec in variants:
         share, switch_ms = _variant(spec)
         services, names = _mopd_services(device, vocab, share)
-        default = sys.getswitchinterval()
+        chosen = manager.GPU_SWITCH_INTERVAL_S
         if switch_ms is not None:
-            sys.setswitchinterval(switch_ms / 1000)
+            manager.GPU_SWITCH_INTERVAL_S = switch_ms / 1000  # what the manager sets while it serves
+        effective = manager.GPU_SWITCH_INTERVAL_S if device == "cuda" else sys.getswitchinterval()
         try:
             acts, _, held = await _replay(services, arrivals, seq_len, vocab, names)
         finally:
-            sys.setswitchinterval(default)
+            manager.GPU_SWITCH_INTERVAL_S = chosen
         key = f"{share:.3g}" + (f"@{switch_ms:g}ms" if switch_ms is not None else "")
-        by[key] = {"compute_share": share, "switch_interval_ms": switch_ms if switch_ms is not None else default * 1e3,
-                   **_stats(acts), "gpu_seconds_held": held}
+        by[key] = {"compute_share": share, "switch_interval_ms": effective * 1e3, **_stats(acts),
+                   "gpu_seconds_held": held}
         log(f"mopd shared, {key}: {by[key]}")
     sizes = GPU_SIZES_B if device == "cuda" else (0.5,) * 12
     return {"services": 12, "params_b": list(sizes), "requests": requests, "seq_len": seq_len,
@@ -402,7 +405,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     ap.add_argument("--shares", default=None, help="shared MOPD runs: compute shares, each optionally with a "
-                    "thread switch interval in ms, e.g. 1,0.25,0.0833@0.2")
+                    "thread switch interval in ms, e.g. 1,1@5,0.25 (default interval: the manager's 0.2 ms on CUDA)")
     ap.add_argument("--merge", default=None, help="JSON of an earlier run whose sections to include")
     ap.add_argument("--dedicated-gpus", type=int, default=1, help="replay that many dedicated services at once, "
                     "one per GPU")
