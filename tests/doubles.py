@@ -130,10 +130,22 @@ class InProcessSandboxes:
     async def _process(self, argv: list[str], cwd: Path, stdin: bytes | None,
                        timeout_s: float) -> tuple[Outcome, SandboxResult]:
         t = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(*argv, cwd=cwd, stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(
+            *argv, cwd=cwd, stdin=asyncio.subprocess.PIPE if stdin else asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+
+        async def talk() -> tuple[bytes, bytes]:
+            if stdin:
+                try:  # a program may exit before reading its input (uvloop then refuses the write)
+                    proc.stdin.write(stdin)
+                    await proc.stdin.drain()
+                    proc.stdin.close()
+                except (BrokenPipeError, ConnectionResetError, RuntimeError):
+                    pass
+            return await proc.communicate()
+
         try:
-            out, err = await asyncio.wait_for(proc.communicate(stdin or b""), timeout_s)
+            out, err = await asyncio.wait_for(talk(), timeout_s)
         except asyncio.TimeoutError:
             proc.kill()
             out, err = await proc.communicate()
