@@ -4,27 +4,20 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from arl_tangram.bench.server import free_port, wait_up
 
 
 class Server:
     """``tangram serve`` as a subprocess on a free loopback port; ``double=True`` serves over the
-    in-process sandbox double (``serve_double.py``) instead of real sandboxes."""
+    in-process sandbox double (``serve_double.py``) instead of real sandboxes; ``args``: more
+    ``tangram serve`` flags (``--ray ADDRESS``)."""
 
     def __init__(self, tmp_path, config: dict | None = None, token: str | None = None, journal=None,
-                 double: bool = False) -> None:
+                 double: bool = False, args: tuple[str, ...] = (), start_timeout_s: float = 30.0) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.journal = str(journal or tmp_path / "journal.sqlite3")
@@ -42,17 +35,14 @@ class Server:
                     self.journal]
             argv += ["--config", str(path)] if path else []
             argv += ["--token", token] if token else []
+            argv += list(args)
         self.log = open(tmp_path / f"server-{self.port}.log", "w")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("server did not start")
+        try:
+            wait_up(self.url, timeout_s=start_timeout_s)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stop(self, sig=signal.SIGTERM) -> None:
         if self.proc.poll() is None:

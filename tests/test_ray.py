@@ -24,7 +24,7 @@ from arl_tangram.core import Outcome  # noqa: E402
 from arl_tangram.managers.sandbox.manager import SandboxConfig  # noqa: E402
 from arl_tangram.runtime import SessionGone, Tangram  # noqa: E402
 
-from servers import free_port  # noqa: E402
+from servers import Server, free_port  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(shutil.which("bwrap") is None,
                                                    reason="bubblewrap is not installed")]
@@ -114,23 +114,11 @@ def test_serve_with_ray_restart_recovers_and_leaks_no_sandbox(cluster, tmp_path)
     c, _ = cluster
     journal = tmp_path / "journal.sqlite3"
 
-    def serve() -> tuple[subprocess.Popen, str]:
-        port = free_port()
-        log = open(tmp_path / f"serve-{port}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--journal",
-                                 str(journal), "--ray", c.address], stdout=log, stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                    return proc, url
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        proc.kill()
-        raise RuntimeError((tmp_path / f"serve-{port}.log").read_text()[-2000:])
+    def serve() -> Server:
+        return Server(tmp_path, journal=journal, args=("--ray", c.address), start_timeout_s=60)
 
-    proc, url = serve()
+    head = serve()
+    url = head.url
     cluster_info = httpx.get(f"{url}/v1/cluster").json()
     assert cluster_info["backend"] == "ray" and [n["cores"] for n in cluster_info["nodes"]] == [1, 1]
     assert all(n["sandboxes"] and n["isolation"] == "bwrap" for n in cluster_info["nodes"])
@@ -144,13 +132,13 @@ def test_serve_with_ray_restart_recovers_and_leaks_no_sandbox(cluster, tmp_path)
     assert sum(len(n["running"]) for n in agents) >= 1
     sandboxes = _sandbox_processes()
     assert sandboxes, "the agents should be running sandboxes now"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    head.stop(signal.SIGKILL)
     deadline = time.time() + 60
     while time.time() < deadline and any(_alive(p) for p in sandboxes):
         time.sleep(0.5)
     assert not [p for p in sandboxes if _alive(p)], "sandboxes of the dead head leaked"
-    proc2, url2 = serve()
+    head2 = serve()
+    url2 = head2.url
     try:
         final = {}
         deadline = time.time() + 120
@@ -163,8 +151,7 @@ def test_serve_with_ray_restart_recovers_and_leaks_no_sandbox(cluster, tmp_path)
             time.sleep(0.3)
         assert {i: r["outcome"] for i, r in final.items()} == {i: "ok" for i in ids}
     finally:
-        proc2.send_signal(signal.SIGTERM)
-        proc2.wait(60)
+        head2.stop()
 
 
 def test_an_unreachable_ray_address_is_one_clear_line():

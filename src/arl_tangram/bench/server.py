@@ -143,8 +143,17 @@ def _serve(port: int, journal: str, cpus: str | None = None) -> subprocess.Popen
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _wait_up(url: str, path: str) -> None:
-    for _ in range(300):
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a server started by a bench or a test)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_up(url: str, path: str = "/healthz", timeout_s: float = 30.0) -> None:
+    """Return once ``url + path`` answers 200; ``RuntimeError`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         try:
             if httpx.get(f"{url}{path}", timeout=1).status_code == 200:
                 return
@@ -171,9 +180,7 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
         cases: tuple[str, ...] = ("python",), cpu_jobs: int = 32, server_cpus: str | None = None,
         client_procs: int = 1) -> dict:
     """Measure; ``against``: a SandboxFusion-compatible base URL measured beside ours."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     targets = {"tangram": url}
     if against:
@@ -182,9 +189,9 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
     with tempfile.TemporaryDirectory() as tmp:
         proc = _serve(port, os.path.join(tmp, "journal.sqlite3"), server_cpus)
         try:
-            _wait_up(url, "/healthz")
+            wait_up(url, "/healthz")
             if against:
-                _wait_up(targets["against"], "/v1/ping")
+                wait_up(targets["against"], "/v1/ping")
             time.sleep(0.5)  # the warm pool fills
             plan = [(case, c, None) for case in cases if case != "cpu_200ms" for c in levels]
             if "cpu_200ms" in cases:

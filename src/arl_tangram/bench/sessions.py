@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,22 +30,17 @@ import httpx
 from ..managers.sandbox.sandbox import _descendants
 from ..runtime.host import mem_available_mb
 from ..sim.metrics import percentile
+from .server import free_port, wait_up
 
 FIRST = "import json, re, collections\nxs = list(range(100))\nstate = {{'i': {i}}}"
 CHECK = "assert state['i'] == {i}, state\nstate['visits'] = state.get('visits', 0) + 1\nprint(len(xs))"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Server:
     """``tangram serve`` in a subprocess with ``config``."""
 
     def __init__(self, tmp: str, config: dict) -> None:
-        self.port = _port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         path = os.path.join(tmp, f"config-{self.port}.json")
         with open(path, "w") as fh:
@@ -54,14 +48,11 @@ class _Server:
         self.proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(self.port),
                                       "--journal", os.path.join(tmp, f"journal-{self.port}.sqlite3"), "--config",
                                       path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(600):
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.1)
-        self.stop()
-        raise RuntimeError("the server did not start")
+        try:
+            wait_up(self.url, timeout_s=60)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def stop(self) -> None:
         if self.proc.poll() is None:
