@@ -14,7 +14,7 @@ from arl_tangram.bench.server import free_port, wait_up
 class Server:
     """``tangram serve`` as a subprocess on a free loopback port; ``double=True`` serves over the
     in-process sandbox double (``serve_double.py``) instead of real sandboxes; ``args``: more
-    ``tangram serve`` flags (``--ray ADDRESS``)."""
+    ``tangram serve`` flags (``--ray ADDRESS``, ``--fronts N``; the double takes ``--fronts``)."""
 
     def __init__(self, tmp_path, config: dict | None = None, token: str | None = None, journal=None,
                  double: bool = False, args: tuple[str, ...] = (), start_timeout_s: float = 30.0) -> None:
@@ -30,6 +30,7 @@ class Server:
                 raise ValueError("the double server takes no token")
             argv = [sys.executable, str(Path(__file__).parent / "serve_double.py"), str(self.port), self.journal]
             argv += [str(path)] if path else []
+            argv += list(args)  # --fronts N
         else:
             argv = [sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(self.port), "--journal",
                     self.journal]
@@ -44,6 +45,10 @@ class Server:
             self.stop()
             raise
 
+    def children(self) -> list[int]:
+        """Pids of the server's direct child processes (its HTTP fronts, sandbox helpers)."""
+        return children_of(self.proc.pid)
+
     def stop(self, sig=signal.SIGTERM) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -53,3 +58,22 @@ class Server:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""

@@ -20,10 +20,15 @@ from servers import Server
 REAL = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
 
-@pytest.fixture(scope="module", params=["double", pytest.param("real", marks=REAL)])
+@pytest.fixture(scope="module", params=["double", "double-fronts", pytest.param("real", marks=REAL)])
 def server(request, tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp(f"serve-{request.param}"), double=request.param == "double")
-    s.double = request.param == "double"
+    """Over the double in one process, over the double with two HTTP front processes (every
+    call crosses the front link, and consecutive requests land on different fronts), and over
+    real sandboxes."""
+    double = request.param.startswith("double")
+    s = Server(tmp_path_factory.mktemp(f"serve-{request.param}"), double=double,
+               args=("--fronts", "2") if request.param.endswith("fronts") else ())
+    s.double = double
     yield s
     s.stop()
 
@@ -65,16 +70,20 @@ def test_an_id_is_an_idempotency_key(server):
     assert first["outcome"] == "ok" and again == first
 
 
-def test_a_full_queue_answers_429(tmp_path):
-    s = Server(tmp_path, config={"max_queue": 1, "cores": 1}, double=True)
+@pytest.mark.parametrize("fronts", [0, 2])
+def test_a_full_queue_answers_429(tmp_path, fronts):
+    s = Server(tmp_path, config={"max_queue": 1, "cores": 1}, double=True, args=("--fronts", str(fronts)))
     try:
         async def main():
             async with httpx.AsyncClient(timeout=60) as c:
                 return await asyncio.gather(*(c.post(f"{s.url}/run_code", json={
                     "code": "import time\ntime.sleep(0.5)", "language": "python"}) for _ in range(6)))
 
-        codes = [r.status_code for r in asyncio.run(main())]
+        answers = asyncio.run(main())
+        codes = [r.status_code for r in answers]
         assert 429 in codes and 200 in codes
+        refused = next(r for r in answers if r.status_code == 429)
+        assert refused.headers["retry-after"] == "1" and "queue is full" in refused.json()["message"]
     finally:
         s.stop()
 

@@ -7,6 +7,7 @@ measured figures as JSON. Bad input exits with code 2 and one line naming the pr
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from enum import Enum
@@ -297,6 +298,9 @@ def serve(
     ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS",
                                       help="Schedule the sandboxes of every node of this Ray cluster (auto or "
                                            "HOST:PORT) instead of this machine's."),
+    fronts: Optional[int] = typer.Option(None, min=0, max=64, help="HTTP front processes beside the engine "
+                                         "process (0: one process) [default: from config, else 0 on 2 cores or "
+                                         "fewer, one per 4 cores up to 8]."),
 ) -> None:
     """Serve the SandboxFusion-compatible and native APIs over this machine or a Ray cluster."""
     import ipaddress
@@ -304,7 +308,9 @@ def serve(
 
     import uvicorn
 
-    from .server.config import ConfigError, ServeConfig, build, load
+    from .server.config import ConfigError, ServeConfig, build, build_service, load
+    from .server.fronts import default_fronts, listen
+    from .server.fronts import serve as serve_with_fronts
 
     try:
         cfg = load(config) if config is not None else ServeConfig()
@@ -317,12 +323,28 @@ def serve(
     if not loopback and not token:
         raise fail(f"--token: serving on {host} (not loopback) requires a bearer token")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    n = fronts if fronts is not None else cfg.fronts
+    if n is None:
+        n = default_fronts(len(os.sched_getaffinity(0)))
+    if n == 0:
+        try:
+            app = build(cfg, token=token, journal=journal, ray=ray, record=record)
+        except Exception as e:  # isolation unavailable, unwritable journal: say it, exit 2
+            raise fail(str(e))
+        console.print(f"ARL-Tangram serving on http://{host}:{port} (docs at /docs, SandboxFusion at /run_code)")
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(cfg.drain_s) + 5)
+        return
     try:
-        app = build(cfg, token=token, journal=journal, ray=ray, record=record)
-    except Exception as e:  # isolation unavailable, unwritable journal: say it, exit 2
+        sock = listen(host, port)
+    except OSError as e:
+        raise fail(f"--port: cannot listen on {host}:{port}: {e.strerror}")
+    try:
+        service = build_service(cfg, journal=journal, ray=ray, record=record)
+    except Exception as e:
         raise fail(str(e))
-    console.print(f"ARL-Tangram serving on http://{host}:{port} (docs at /docs, SandboxFusion at /run_code)")
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(cfg.drain_s) + 5)
+    console.print(f"ARL-Tangram serving on http://{host}:{port} with {n} HTTP front processes (docs at /docs, "
+                  "SandboxFusion at /run_code)")
+    serve_with_fronts(service, sock, n, token, int(cfg.max_body_mb * (1 << 20)), cfg.drain_s)
 
 
 @app.command()
@@ -430,10 +452,20 @@ def bench_server(
                                                                           "(taskset list, e.g. 0-1)."),
     client_procs: int = typer.Option(1, "--client-procs", min=1, help="Load-generator processes (one Python "
                                                                       "client tops out near 800 req/s)."),
+    variant: Optional[list[str]] = typer.Option(None, "--variant", help="NAME=CPUS:FRONTS, repeatable: several "
+                                                "tangram servers measured in turn in one run (e.g. --variant "
+                                                "two=0-1: --variant all=:), the first being the reference."),
+    requests: Optional[int] = typer.Option(None, min=1, help="Requests per case and level (default: 5 per "
+                                           "concurrent client, at least 40)."),
 ) -> None:
     """/run_code latency and throughput over loopback HTTP, beside the same actions in-process or
     beside another SandboxFusion-compatible server (--against)."""
-    from .bench.server import run
+    from .bench.server import parse_variant, run
+
+    try:
+        variants = [parse_variant(v) for v in variant or ()]
+    except ValueError as e:
+        raise fail(f"--variant: {e}")
 
     try:
         parsed = tuple(int(x) for x in (levels or ("1,8" if against else "1,8,32,1000")).split(","))
@@ -446,7 +478,8 @@ def bench_server(
     if against is not None and not against.startswith(("http://", "https://")):
         raise fail(f"--against: expected an http(s) URL, got {against!r}")
     _print_json(run(parsed, log=lambda m: console.print(m), against=against, cases=chosen, cpu_jobs=cpu_jobs,
-                    server_cpus=server_cpus, client_procs=client_procs), json_out)
+                    server_cpus=server_cpus, client_procs=client_procs, variants=variants or None, requests=requests),
+                json_out)
 
 
 @bench_app.command("cluster")

@@ -136,8 +136,10 @@ async def _inproc(levels: tuple[int, ...]) -> dict:
     return out
 
 
-def _serve(port: int, journal: str, cpus: str | None = None) -> subprocess.Popen:
+def _serve(port: int, journal: str, cpus: str | None = None, fronts: int | None = None) -> subprocess.Popen:
     argv = [sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--journal", journal]
+    if fronts is not None:
+        argv += ["--fronts", str(fronts)]
     if cpus:
         argv = ["taskset", "-c", cpus, *argv]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -176,24 +178,38 @@ def _ratios(ours: dict, peer: dict) -> dict:
     return out
 
 
+def parse_variant(text: str) -> tuple[str, str | None, int | None]:
+    """``NAME=CPUS:FRONTS`` (either part may be empty: the server's default) -> its parts."""
+    name, eq, spec = text.partition("=")
+    cpus, colon, fronts = spec.partition(":")
+    if not eq or not colon or not name or (fronts and not fronts.isdigit()):
+        raise ValueError(f"expected NAME=CPUS:FRONTS (e.g. two=0-1: or fronts4=:4), got {text!r}")
+    return name, cpus or None, int(fronts) if fronts else None
+
+
 def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m: None, against: str | None = None,
         cases: tuple[str, ...] = ("python",), cpu_jobs: int = 32, server_cpus: str | None = None,
-        client_procs: int = 1) -> dict:
-    """Measure; ``against``: a SandboxFusion-compatible base URL measured beside ours."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    targets = {"tangram": url}
+        client_procs: int = 1, variants: list[tuple[str, str | None, int | None]] | None = None,
+        requests: int | None = None) -> dict:
+    """Measure; ``against``: a SandboxFusion-compatible base URL measured beside ours;
+    ``variants``: several tangram servers (name, CPUs to pin it to, HTTP fronts), all running
+    at once and measured in turn per case, so that they compare within the same minutes."""
+    variants = variants or [("tangram", server_cpus, None)]
+    ports = {name: free_port() for name, _, _ in variants}
+    targets = {name: f"http://127.0.0.1:{ports[name]}" for name, _, _ in variants}
     if against:
         targets["against"] = against.rstrip("/")
     results: dict[str, dict] = {name: {} for name in targets}
     with tempfile.TemporaryDirectory() as tmp:
-        proc = _serve(port, os.path.join(tmp, "journal.sqlite3"), server_cpus)
+        procs = [_serve(ports[name], os.path.join(tmp, f"journal-{name}.sqlite3"), cpus, fronts)
+                 for name, cpus, fronts in variants]
         try:
-            wait_up(url, "/healthz")
+            for name, _, _ in variants:
+                wait_up(targets[name], "/healthz", timeout_s=60)
             if against:
                 wait_up(targets["against"], "/v1/ping")
             time.sleep(0.5)  # the warm pool fills
-            plan = [(case, c, None) for case in cases if case != "cpu_200ms" for c in levels]
+            plan = [(case, c, requests) for case in cases if case != "cpu_200ms" for c in levels]
             if "cpu_200ms" in cases:
                 plan.append(("cpu_200ms", cpu_jobs, cpu_jobs))
             for case, c, n in plan:
@@ -204,9 +220,19 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
                         f"{r['throughput_per_s']} req/s, {r['errors']} errors")
                     time.sleep(0.3)
         finally:
-            proc.terminate()
-            proc.wait(30)
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(60)
     out: dict = {"cores": len(os.sched_getaffinity(0)), "server_cpus": server_cpus, "client_procs": client_procs}
+    if len(variants) > 1:
+        first = variants[0][0]
+        out["servers"] = {name: {"cpus": cpus, "fronts": fronts, **results[name]} for name, cpus, fronts in variants}
+        out[f"vs_{first}"] = {name: _ratios(results[name], results[first]) for name, _, _ in variants[1:]}
+        if against:
+            out["against"] = {"url": against, **results["against"]}
+            out["vs_against"] = {name: _ratios(results[name], results["against"]) for name, _, _ in variants}
+        return out
     if against:
         out.update({"tangram": results["tangram"], "against": {"url": against, **results["against"]},
                     "tangram_vs_against": _ratios(results["tangram"], results["against"])})

@@ -99,6 +99,9 @@ class NoRoom(RuntimeError):
         self.limit = limit
         self.retry_after_s = retry_after_s
 
+    def __reduce__(self):  # crosses the server's front link (server/wire.py) as itself
+        return NoRoom, (self.limit, str(self), self.retry_after_s)
+
 
 class SessionGone(LookupError):
     """A call on a session that has ended; ``reason`` says how (closed, expired, lost with its node)."""
@@ -107,6 +110,9 @@ class SessionGone(LookupError):
         super().__init__(reason)
         self.session = session
         self.reason = reason
+
+    def __reduce__(self):
+        return SessionGone, (self.session, self.reason)
 
 
 class Runtime:

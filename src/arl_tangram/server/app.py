@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import hmac
+import inspect
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
@@ -16,6 +17,10 @@ from ..api import sandboxfusion as sf
 from ..api import v1
 from ..runtime import NoRoom, SessionGone
 from .service import BadRequest, NotFound, Overloaded, Service
+from .wire import EngineGone, RemoteFault
+
+if TYPE_CHECKING:
+    from .front import RemoteService
 
 
 class BodyLimit:
@@ -59,7 +64,7 @@ async def _too_large(limit: int, send) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def create_app(service: Service, token: str | None = None, max_body_bytes: int = 32 << 20) -> FastAPI:
+def create_app(service: "Service | RemoteService", token: str | None = None, max_body_bytes: int = 32 << 20) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await service.start()
@@ -116,9 +121,14 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
     async def bad_request(request: Request, exc: BadRequest):
         return JSONResponse({"message": str(exc)}, status_code=422)
 
+    @app.exception_handler(EngineGone)
+    async def engine_gone(request: Request, exc: EngineGone):
+        return JSONResponse({"message": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception):
-        return JSONResponse({"message": f"internal error: {type(exc).__name__}"}, status_code=500)
+        name = exc.type_name if isinstance(exc, RemoteFault) else type(exc).__name__
+        return JSONResponse({"message": f"internal error: {name}"}, status_code=500)
 
     # -- SandboxFusion-compatible --------------------------------------------------------------------
     @app.get("/v1/ping", tags=["sandboxfusion"])
@@ -145,7 +155,7 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
     @app.get("/v1/actions/{action_id}", response_model=v1.ActionResult, tags=["actions"], dependencies=guarded,
              responses={404: {"model": v1.Error}})
     async def get_action(action_id: str) -> v1.ActionResult:
-        return service.status(action_id)
+        return await answer(service.status(action_id))
 
     @app.post("/v1/actions/{action_id}/cancel", response_model=v1.ActionResult, tags=["actions"],
               dependencies=guarded, responses={404: {"model": v1.Error}})
@@ -201,32 +211,29 @@ def create_app(service: Service, token: str | None = None, max_body_bytes: int =
 
     @app.get("/v1/jobs", response_model=list[v1.JobStats], tags=["stats"], dependencies=guarded)
     async def jobs() -> list[v1.JobStats]:
-        return service.all_jobs()
+        return await answer(service.all_jobs())
 
     @app.get("/v1/jobs/{job}/stats", response_model=v1.JobStats, tags=["stats"], dependencies=guarded,
              responses={404: {"model": v1.Error}})
     async def job_stats(job: str) -> v1.JobStats:
-        return service.job_stats(job)
+        return await answer(service.job_stats(job))
 
     @app.get("/v1/cluster", response_model=v1.ClusterInfo, tags=["stats"], dependencies=guarded)
     async def cluster() -> v1.ClusterInfo:
-        return service.cluster()
+        return await answer(service.cluster())
 
     @app.get("/metrics", tags=["stats"], dependencies=guarded)
     async def metrics() -> PlainTextResponse:
-        service.refresh_gauges()
-        return PlainTextResponse(generate_latest(service.metrics.registry).decode(),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(await answer(service.metrics_text()), media_type="text/plain; version=0.0.4")
 
     @app.get("/healthz", tags=["stats"])
     async def healthz() -> dict:
-        snap = service.runtime.snapshot()
-        return {"status": "ok", "version": __version__, "queued": snap.queued, "running": snap.running,
-                "cores": snap.cores, "sessions": len(service.sessions), "isolation": snap.isolation,
-                "recovered": service.recovered, "sessions_placed": snap.sessions,
-                "session_mem_used_mb": round(snap.session_mem_used_gb * 1024, 1),
-                "session_mem_reserved_mb": round(snap.session_mem_reserved_gb * 1024, 1),
-                "memory_mb": round(snap.memory_gb * 1024), "head_waited_s": round(snap.head_waited_s, 3),
-                "head_waits_for": snap.head_waits_for}
+        return await answer(service.health())
 
     return app
+
+
+async def answer(value):
+    """The in-process ``Service`` answers reads at once; its twin across the front link
+    (``server/front.py``) always awaits. Routes take either."""
+    return await value if inspect.isawaitable(value) else value

@@ -44,6 +44,9 @@ class ServeConfig(BaseModel):
                                                                      "waited for")
     memory_gb: float | None = Field(None, gt=0, description="memory sessions may reserve (default: this machine's)")
     max_body_mb: float = Field(32, gt=0, description="largest request body accepted (HTTP 413 above)")
+    fronts: int | None = Field(None, ge=0, le=64, description="HTTP front processes beside the engine process "
+                               "(0: HTTP in the engine process; default: 0 on 2 cores or fewer, else one per 4 "
+                               "cores, at most 8)")
     drain_s: float = Field(10.0, ge=0, description="on shutdown, how long running actions may finish")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     models: list[ModelService] = Field(default_factory=list, description="model services to serve on the GPUs "
@@ -85,11 +88,19 @@ def default_journal() -> Path:
 
 def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = None, sandboxes=True,
           ray: str | None = None, record: Path | None = None):
-    """The ASGI app of ``tangram serve``: over this machine, or over the Ray cluster at ``ray``
+    """The ASGI app of ``tangram serve`` in one process (``build_service``'s service behind it)."""
+    from .app import create_app
+
+    return create_app(build_service(cfg, journal, sandboxes, ray, record), token=token,
+                      max_body_bytes=int(cfg.max_body_mb * (1 << 20)))
+
+
+def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True, ray: str | None = None,
+                  record: Path | None = None):
+    """The service of ``tangram serve``: over this machine, or over the Ray cluster at ``ray``
     (``auto`` or ``HOST:PORT``); ``sandboxes`` may name another sandbox manager factory (tests
     serve over an in-process double this way)."""
     from ..runtime import LocalRuntime
-    from .app import create_app
     from .journal import Journal
     from .service import Service
 
@@ -110,5 +121,4 @@ def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = Non
                                sandboxes=sandboxes, max_queue_s=cfg.max_queue_s)
     if record is not None or cfg.record is not None:
         runtime.record(record or cfg.record)
-    service = Service(runtime, Journal(str(path)), cfg.max_queue, cfg.drain_s)
-    return create_app(service, token=token, max_body_bytes=int(cfg.max_body_mb * (1 << 20)))
+    return Service(runtime, Journal(str(path)), cfg.max_queue, cfg.drain_s)

@@ -15,7 +15,9 @@ import uuid
 from collections import deque
 
 from pydantic import ValidationError
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .. import __version__
 
 from ..api import sandboxfusion as sf
 from ..api import v1
@@ -34,6 +36,9 @@ class Overloaded(Exception):
     def __init__(self, retry_after_s: int) -> None:
         super().__init__(f"the queue is full: retry in {retry_after_s}s")
         self.retry_after_s = retry_after_s
+
+    def __reduce__(self):  # crosses the front link (server/wire.py) as itself
+        return Overloaded, (self.retry_after_s,)
 
 
 class NotFound(LookupError):
@@ -380,6 +385,22 @@ class Service:
 
     def cluster(self) -> v1.ClusterInfo:
         return v1.ClusterInfo(backend=self.runtime.backend, nodes=[v1.ClusterNode(**n) for n in self.runtime.nodes()])
+
+    def health(self) -> dict:
+        """``GET /healthz``: liveness plus the figures a person checks first."""
+        snap = self.runtime.snapshot()
+        return {"status": "ok", "version": __version__, "queued": snap.queued, "running": snap.running,
+                "cores": snap.cores, "sessions": len(self.sessions), "isolation": snap.isolation,
+                "recovered": self.recovered, "sessions_placed": snap.sessions,
+                "session_mem_used_mb": round(snap.session_mem_used_gb * 1024, 1),
+                "session_mem_reserved_mb": round(snap.session_mem_reserved_gb * 1024, 1),
+                "memory_mb": round(snap.memory_gb * 1024), "head_waited_s": round(snap.head_waited_s, 3),
+                "head_waits_for": snap.head_waits_for}
+
+    def metrics_text(self) -> str:
+        """``GET /metrics``: the Prometheus exposition of this process's registry."""
+        self.refresh_gauges()
+        return generate_latest(self.metrics.registry).decode()
 
     def refresh_gauges(self) -> None:
         snap = self.runtime.snapshot()
