@@ -63,6 +63,29 @@ def test_python_bash_and_cpp_one_shots():
     assert crash.outcome is Outcome.FAILED and "ValueError: boom" in crash.stderr
 
 
+def test_programs_start_with_default_signals_and_stdin_and_as_the_language_says():
+    """Programs are spawned without a fork of the runner where they can be (posix_spawn): what
+    they see must not change — SIGPIPE and SIGINT at their defaults (``yes | head`` ends
+    quietly, as in a terminal and under SandboxFusion), stdin fed, their own session, and a
+    program that does not exist fails as before."""
+    async def body(tg):
+        pipe = await tg.run("yes | head -2; echo rc=${PIPESTATUS[0]}", "bash")
+        sigs = await tg.run("grep -E '^Sig(Ign|Blk):' /proc/self/status; ps -o sid= -p $$ | tr -d ' '; echo $$", "bash")
+        stdin = await tg.run("read a b; echo $((a * b))", "bash", stdin="6 7")
+        missing = await tg.run("exec no-such-program-here", "bash")
+        return pipe, sigs, stdin, missing
+
+    pipe, sigs, stdin, missing = run(body)
+    assert (pipe.outcome, pipe.stdout, pipe.stderr) == (Outcome.OK, "y\ny\nrc=141\n", "")  # 128 + SIGPIPE
+    lines = sigs.stdout.split()
+    ignored = int(lines[1], 16)
+    assert ignored & (1 << (13 - 1)) == 0 and ignored & (1 << (2 - 1)) == 0, sigs.stdout  # SIGPIPE, SIGINT
+    if len(lines) >= 6 and lines[4].isdigit():
+        assert lines[4] == lines[5], "the program leads a session of its own"
+    assert stdin.stdout == "42\n"
+    assert missing.outcome is Outcome.FAILED and missing.result.run.exit_code == 127 and "no-such-program" in missing.stderr
+
+
 def test_files_in_and_out_of_a_one_shot():
     async def body(tg):
         return await tg.run("open('out.txt','w').write(open('in.txt').read()[::-1])", files={"in.txt": b"abc"},

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import asynccontextmanager
 from typing import Callable
 
 import httpx
@@ -54,25 +55,63 @@ def _body(case: str, i: int) -> dict:
     return {"code": f"print({i})", "language": "python"}
 
 
-async def _load(url: str, concurrency: int, case: str, n: int, offset: int = 0) -> tuple[list[float], int, float,
-                                                                                           float]:
+CLIENTS = ("aiohttp", "httpx")
+
+
+def default_client() -> str:
+    """aiohttp where installed: the load generator then costs ~0.1 ms of CPU a request against
+    httpx's ~1.6 ms (measured on this 2-core VM, /v1/ping at 16 concurrent), which on a small
+    machine is CPU taken from the servers under test, not a property of either."""
+    try:
+        import aiohttp  # noqa: F401
+        return "aiohttp"
+    except ImportError:
+        return "httpx"
+
+
+@asynccontextmanager
+async def _poster(kind: str, concurrency: int):
+    """``post(url, body) -> (status, json or None)`` over one pooled client of ``kind``."""
+    if kind == "aiohttp":
+        import aiohttp
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
+                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
+            async def post(url: str, body: dict) -> tuple[int, dict | None]:
+                try:
+                    async with session.post(url, json=body) as r:
+                        return r.status, await r.json() if r.status == 200 else None
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    return 0, None
+
+            yield post
+        return
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as c:
+        async def post(url: str, body: dict) -> tuple[int, dict | None]:
+            try:
+                r = await c.post(url, json=body)
+                return r.status_code, r.json() if r.status_code == 200 else None
+            except httpx.HTTPError:
+                return 0, None
+
+        yield post
+
+
+async def _load(url: str, concurrency: int, case: str, n: int, offset: int = 0,
+                client: str = "httpx") -> tuple[list[float], int, float, float]:
     """``n`` requests of ``case`` to ``url``/run_code, ``concurrency`` at a time: latencies, errors,
     and the wall-clock start and end of the measured part."""
     sem = asyncio.Semaphore(concurrency)
     lat: list[float] = []
     errors = 0
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as c:
+    async with _poster(client, concurrency) as post:
         async def one(i: int) -> None:
             nonlocal errors
             async with sem:
                 t = time.perf_counter()
-                try:
-                    r = await c.post(f"{url}/run_code", json=_body(case, i))
-                    ok = r.status_code == 200 and r.json()["status"] == "Success"
-                except httpx.HTTPError:
-                    ok = False
-                if ok:
+                status, body = await post(f"{url}/run_code", _body(case, i))
+                if status == 200 and body is not None and body.get("status") == "Success":
                     lat.append(time.perf_counter() - t)
                 else:
                     errors += 1
@@ -90,18 +129,18 @@ def _load_in_process(args: tuple) -> tuple[list[float], int, float, float]:
 
 
 async def _http_level(url: str, concurrency: int, case: str = "python", n: int | None = None,
-                      client_procs: int = 1) -> dict:
+                      client_procs: int = 1, client: str = "httpx") -> dict:
     """``n`` requests of ``case`` at ``concurrency``; with ``client_procs`` > 1 the load comes from
-    that many processes (one Python client costs about 1.2 ms of CPU a request, so it tops out
-    near 800 requests/s: on a many-core host it, not the server, would set the figure)."""
+    that many processes (one httpx client costs about 1.6 ms of CPU a request, so it tops out
+    near 600 requests/s: on a many-core host it, not the server, would set the figure)."""
     n = n or _count(concurrency)
     procs = max(1, min(client_procs, concurrency))
     if procs == 1:
-        lat, errors, t0, t1 = await _load(url, concurrency, case, n)
+        lat, errors, t0, t1 = await _load(url, concurrency, case, n, 0, client)
         return _summary(lat, t1 - t0, errors)
     from concurrent.futures import ProcessPoolExecutor
-    shares = [(url, concurrency // procs + (k < concurrency % procs), case, n // procs + (k < n % procs), k * n)
-              for k in range(procs)]
+    shares = [(url, concurrency // procs + (k < concurrency % procs), case, n // procs + (k < n % procs), k * n,
+               client) for k in range(procs)]
     loop = asyncio.get_running_loop()
     with ProcessPoolExecutor(procs) as pool:
         parts = await asyncio.gather(*(loop.run_in_executor(pool, _load_in_process, a) for a in shares))
@@ -190,11 +229,12 @@ def parse_variant(text: str) -> tuple[str, str | None, int | None]:
 def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m: None, against: str | None = None,
         cases: tuple[str, ...] = ("python",), cpu_jobs: int = 32, server_cpus: str | None = None,
         client_procs: int = 1, variants: list[tuple[str, str | None, int | None]] | None = None,
-        requests: int | None = None) -> dict:
+        requests: int | None = None, client: str | None = None) -> dict:
     """Measure; ``against``: a SandboxFusion-compatible base URL measured beside ours;
     ``variants``: several tangram servers (name, CPUs to pin it to, HTTP fronts), all running
     at once and measured in turn per case, so that they compare within the same minutes."""
     variants = variants or [("tangram", server_cpus, None)]
+    client = client or default_client()
     ports = {name: free_port() for name, _, _ in variants}
     targets = {name: f"http://127.0.0.1:{ports[name]}" for name, _, _ in variants}
     if against:
@@ -215,7 +255,7 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
             for case, c, n in plan:
                 key = f"{case}@c{c}" if against or len(cases) > 1 else str(c)
                 for name, base in targets.items():
-                    r = results[name][key] = asyncio.run(_http_level(base, c, case, n, client_procs))
+                    r = results[name][key] = asyncio.run(_http_level(base, c, case, n, client_procs, client))
                     log(f"{name:>8} {case:>10} c={c:<4}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, "
                         f"{r['throughput_per_s']} req/s, {r['errors']} errors")
                     time.sleep(0.3)
@@ -224,7 +264,8 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
                 proc.terminate()
             for proc in procs:
                 proc.wait(60)
-    out: dict = {"cores": len(os.sched_getaffinity(0)), "server_cpus": server_cpus, "client_procs": client_procs}
+    out: dict = {"cores": len(os.sched_getaffinity(0)), "server_cpus": server_cpus, "client_procs": client_procs,
+                 "client": client}
     if len(variants) > 1:
         first = variants[0][0]
         out["servers"] = {name: {"cpus": cpus, "fronts": fronts, **results[name]} for name, cpus, fronts in variants}

@@ -40,6 +40,12 @@ import time
 
 SIGKILL = 9  # Linux numbers: importing signal pulls in enum, a fifth of our start-up
 SIGINT = 2
+SIGPIPE = 13
+SIGXFSZ = 25
+# what an exec'd program starts with at its default disposition, as Python's subprocess does
+# (restore_signals): this interpreter ignores SIGINT (see below) and SIGPIPE (Python's start-up),
+# and `yes | head -1` must end quietly, as in a terminal and under SandboxFusion
+RESTORED = (SIGINT, SIGPIPE, SIGXFSZ)
 PR_SET_DUMPABLE = 4
 try:  # an image's minimal python may lack these: then no zygote and no verified reset (no recycling)
     import _socket
@@ -284,11 +290,42 @@ def env_for(req):
 def op_run(req):
     argv = req["argv"]
     env = env_for(req)
+    if not (req.get("cpus") or req.get("as_bytes") or req.get("cwd") not in (None, WORKSPACE)):
+        result = spawn_exec(req, argv, env)
+        if result is not None:
+            return result
 
     def body():
+        for sig in RESTORED:
+            _signal.signal(sig, _signal.SIG_DFL)
         os.execvpe(argv[0], argv, env)
 
     return spawn(req, body)
+
+
+def spawn_exec(req, argv, env):
+    """``spawn`` for a program without per-run process settings, by ``posix_spawn``: glibc's
+    vfork-and-exec copies none of this interpreter's page tables, which a ``fork`` does (measured
+    inside a sandbox on the 2-core VM: /bin/true 0.85 ms of CPU against 1.25 ms; a trivial bash
+    one-shot ~1 ms less). None when it cannot be used here (the caller forks instead, which then
+    reports whatever the failure was exactly as before)."""
+    if not hasattr(os, "posix_spawnp"):
+        return None
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    start = time.monotonic()
+    actions = [(os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
+    try:
+        pid = os.posix_spawnp(argv[0], argv, env, file_actions=actions, setsid=True, setsigdef=RESTORED)
+    except (OSError, ValueError, TypeError):
+        for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+            os.close(fd)
+        return None
+    for fd in (in_r, out_w, err_w):
+        os.close(fd)
+    return finish(req, start, *collect(pid, out_r, err_r, in_w, unb64(req.get("stdin")),
+                                       float(req.get("timeout_s") or 10), int(req.get("max_output") or 1 << 20)))
 
 
 def python_body(code, env):
