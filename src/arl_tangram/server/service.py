@@ -214,6 +214,7 @@ class Service:
                     self.journal.accept(id, req.job, "run_code", req.model_dump(), True)
             task = self._inflight.get(id) or self._launch(id, self._run_code(id, req, files))
         if not req.wait:
+            await self._durable()  # the 202 is an acknowledgement: the action is on disk first
             return self.status(id)
         return await asyncio.shield(task)
 
@@ -233,7 +234,13 @@ class Service:
                               cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction, job=req.job,
                               hint_s=req.hints.work_s, id=id, operation=req.hints.operation, image=a.image,
                               remaining_turns=req.hints.remaining_turns)
-        return r, self._record(r, req.job, "run_code")
+        out = self._record(r, req.job, "run_code")
+        await self._durable()  # answered only once the result is on disk: a restart cannot run it again
+        return r, out
+
+    async def _durable(self) -> None:
+        if self.journal is not None:
+            await self.journal.durable()
 
     def _record(self, r: ActionResult, job: str, service: str) -> v1.ActionResult:
         out = v1.ActionResult(
@@ -338,7 +345,9 @@ class Service:
         except Exception as e:
             self._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
             raise
-        return self._record(r, s.job, "exec")
+        out = self._record(r, s.job, "exec")
+        await self._durable()
+        return out
 
     async def put_files(self, sid: str, req: v1.PutFiles) -> v1.ActionResult:
         s = self._session(sid)

@@ -1,0 +1,63 @@
+"""The journal's group commit: reads see writes at once, ``durable()`` means on disk, and a burst
+of writes costs a few commits on the writer thread, not one each."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+
+from arl_tangram.server.journal import Journal
+
+
+def _rows(path) -> dict[str, str]:
+    db = sqlite3.connect(path)  # another connection: only what is committed
+    try:
+        return dict(db.execute("SELECT id, state FROM actions").fetchall())
+    finally:
+        db.close()
+
+
+def test_writes_are_visible_at_once_and_on_disk_after_durable(tmp_path):
+    path = str(tmp_path / "j.sqlite3")
+    j = Journal(path)
+
+    async def main():
+        assert j.accept("a", "job", "run_code", {"x": 1}, True) is None
+        assert j.get("a").state == "accepted"  # queued, already readable
+        again = j.accept("a", "job", "run_code", {"x": 2}, True)
+        assert again is not None and again.request == {"x": 1}  # the id is the idempotency key
+        j.finish("a", "ok", {"out": 42})
+        assert (j.get("a").state, j.get("a").response) == ("done", {"out": 42})
+        await j.durable()
+        assert _rows(path) == {"a": "done"}
+
+    asyncio.run(main())
+    j.close()
+    j2 = Journal(path)
+    assert j2.get("a").response == {"out": 42} and j2.unfinished() == []
+    j2.close()
+
+
+def test_a_burst_is_committed_in_a_few_transactions(tmp_path):
+    path = str(tmp_path / "j.sqlite3")
+    j = Journal(path)
+
+    async def main():
+        for i in range(500):
+            j.accept(f"a{i}", "job", "run_code", {"i": i}, True)
+        await j.durable()
+        return j.commits
+
+    commits = asyncio.run(main())
+    assert len(_rows(path)) == 500 and commits < 100, commits
+    assert len(j.unfinished()) == 500
+    j.close()
+
+
+def test_close_commits_what_is_queued(tmp_path):
+    path = str(tmp_path / "j.sqlite3")
+    j = Journal(path)
+    for i in range(50):
+        j.accept(f"b{i}", "job", "exec", {}, False)
+    j.close()
+    assert len(_rows(path)) == 50
