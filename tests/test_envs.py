@@ -130,10 +130,10 @@ def test_the_default_image_comes_from_the_config_and_fills_the_warm_pool(store):
     async def body(tg):
         pool = tg.runtime.sandboxes._pool
         for _ in range(500):
-            if pool.qsize() >= 1:
+            if len(pool) >= 1:
                 break
             await asyncio.sleep(0.01)
-        pooled = [sb.image for sb in list(pool._queue)]
+        pooled = [sb.image for sb in list(pool)]
         return pooled, await tg.run("import os\nprint(os.path.exists('/repo/app.py'))")
 
     pooled, r = run(store, body, image="tiny-sh", warm_pool=1)

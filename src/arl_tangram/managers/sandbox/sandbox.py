@@ -157,6 +157,11 @@ class Sandbox:
             self._signal_all(signal.SIGCONT)
         self.frozen = False
 
+    @property
+    def cpus(self) -> tuple[int, ...] | None:
+        """The cores the group is pinned to (None: not yet pinned, or no cgroups)."""
+        return self._cpus
+
     def set_cpus(self, cpus: tuple[int, ...]) -> None:
         if self.group is not None and cpus != self._cpus:
             self.group.set_cpus(cpus)
