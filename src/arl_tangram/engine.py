@@ -34,17 +34,30 @@ from .waits import DEFAULT_MAX_QUEUE_S, QueueDeadlines, why_waiting
 
 class Usage:
     """Integrals of units held over time (held = allocated to an action or reserved), read off
-    the pools' meters, and a bounded series of samples for plots."""
+    the pools' meters, and a bounded series of samples for plots.
+
+    The first sample is taken when it is built, so ``advance`` at the time of the last one is a
+    no-op (the interval is positive): callers skip the call when ``now == usage.t`` (the engine's
+    hot path: a completion and the round after it come at the same time; measured ~0.2 µs of ~20
+    per action in ``tangram bench scheduler``)."""
 
     __slots__ = ("t", "cpu", "gpu", "series", "sample_every_s", "_next_sample")
 
     def __init__(self, cpu: Meter, gpu: Meter, now: float, sample_every_s: float = 1.0) -> None:
+        if not sample_every_s > 0:
+            raise ValueError(f"sample_every_s: must be positive, got {sample_every_s!r}")
         self.t = now
         self.cpu = cpu
         self.gpu = gpu
         self.series: deque[tuple[float, int, int, int, int]] = deque(maxlen=1_000_000)  # bounded for servers
         self.sample_every_s = sample_every_s
         self._next_sample = 0.0
+        if now >= self._next_sample:
+            self._sample(now)
+
+    def _sample(self, now: float) -> None:
+        self.series.append((now, self.cpu.held, self.cpu.running, self.gpu.held, self.gpu.running))
+        self._next_sample = now + self.sample_every_s
 
     def advance(self, now: float) -> None:
         dt = now - self.t
@@ -53,8 +66,7 @@ class Usage:
             self.gpu.held_s += self.gpu.held * dt
             self.t = now
         if now >= self._next_sample:
-            self.series.append((now, self.cpu.held, self.cpu.running, self.gpu.held, self.gpu.running))
-            self._next_sample = now + self.sample_every_s
+            self._sample(now)
 
     @property
     def cpu_held_s(self) -> float:
@@ -102,6 +114,7 @@ class Engine:
         self.listeners: list[Callable[[Finished], None]] = []
         self.deadlines = QueueDeadlines(max_queue_s)
         self.session_headroom_gb = session_headroom_gb
+        self._manager_of: dict[str, Manager] = {}
         if self.gpu.capacity and not isinstance(self.managers.get(Pool.GPU), ModelHost):
             raise TypeError("a cluster with GPUs needs a ModelHost manager for Pool.GPU")
         self._apply_all(policy.bind(self, now), now)
@@ -113,13 +126,14 @@ class Engine:
         An id already in flight raises ``InvalidAction`` (the caller's bug: ids are idempotency
         keys, and the first caller must keep its result)."""
         now = self.clock.now()
-        if action.id in self.pending or action.id in self.running:
-            raise InvalidAction("id", f"action {action.id!r} is already in flight")
+        aid = action.id
+        if aid in self.pending or aid in self.running:
+            raise InvalidAction("id", f"action {aid!r} is already in flight")
         action.submitted_at = now
         problem = self._validate(action)
         if problem is not None:
             return self._finish_unstarted(action, Outcome.REJECTED, problem, now, register=False)
-        self.pending[action.id] = action
+        self.pending[aid] = action
         self.deadlines.add(action)
         self.policy.on_submit(action, now)
         return None
@@ -151,23 +165,24 @@ class Engine:
         """A started action ended; its units go back to their pool (or reservation)."""
         run = self.running.pop(c.action_id)
         now = self.clock.now()
-        self.usage.advance(now)
+        if now != self.usage.t:
+            self.usage.advance(now)
         alloc = run.allocation
         a = run.action
         pool = alloc.pool
         if pool == CPU:
             res = self.reservations.get(alloc.reservation) if alloc.reservation else None
-            if res is not None:
-                self.cpu.release_reserved(res, alloc.units)
-            else:
+            if res is None:
                 self.cpu.release(alloc.node, alloc.units)
+            else:
+                self.cpu.release_reserved(res, alloc.units)
         elif pool == GPU:
             self.gpu.release(run.instance, now, reserved=bool(alloc.reservation))
         elif not alloc.unmanaged:
             self.quotas[pool].release()
         if c.session_mem_gb is not None and a.trajectory is not None:
             self.cpu.settle_session(a.trajectory, c.session_mem_gb, self.session_headroom_gb)
-        units = alloc.count if alloc.pool in (CPU, GPU) else 1
+        units = len(alloc.units) or 1  # ``Allocation.count``; an API call counts one
         finished = Finished(a, c.outcome, a.submitted_at, run.started_at, now, c.setup_s, c.exec_s, units, c.message)
         self.policy.on_finish(finished)
         for listener in self.listeners:
@@ -211,7 +226,9 @@ class Engine:
     def schedule(self) -> int:
         """One scheduling round; returns how many actions were started."""
         now = self.clock.now()
-        self._expire_queued(now)
+        deadline = self.deadlines.earliest(self.pending)  # drops the entries of started actions
+        if deadline is not None and deadline <= now + EPS:  # not the common case, once per round
+            self._expire_queued(now)
         return self._apply_all(self.policy.schedule(now), now)
 
     def next_wakeup(self) -> float | None:
@@ -257,9 +274,6 @@ class Engine:
         return max(room, default=0.0)
 
     def _expire_queued(self, now: float) -> None:
-        deadline = self.deadlines.earliest(self.pending)  # drops the entries of started actions
-        if deadline is None or deadline > now + EPS:  # the common case, once per round
-            return
         for action in self.deadlines.due(self.pending, now, EPS):
             why = why_waiting(self, action)  # before it leaves the queue
             del self.pending[action.id]
@@ -270,11 +284,16 @@ class Engine:
 
     # -- applying decisions ----------------------------------------------------------------------
     def _apply_all(self, decisions: Iterable[Decision], now: float) -> int:
-        self.usage.advance(now)
+        """The one apply path: every decision of every policy passes here, in order."""
+        if now != self.usage.t:
+            self.usage.advance(now)
         started: list[Running] = []
         loads: list[Load] = []
         start = self._start
         for d in decisions:
+            if type(d) is Start:  # nearly every decision: one type test before the match below
+                started.append(start(d, now))
+                continue
             match d:
                 case Start():
                     started.append(start(d, now))
@@ -290,14 +309,24 @@ class Engine:
                     self._evict(d)
                 case _:
                     raise TypeError(f"unknown decision {d!r}")
+        manager_of = self._manager_of
         for run in started:
-            manager = self.managers.get(Pool.of(run.allocation.pool))
-            if manager is None:
-                raise RuntimeError(f"no manager for pool {run.allocation.pool}")
-            manager.start(run.action, run.allocation)
+            alloc = run.allocation
+            manager = manager_of.get(alloc.pool) or self._manager_for(alloc.pool)
+            manager.start(run.action, alloc)
         for load in loads:
             self.managers[Pool.GPU].prefetch(load)
         return len(started)
+
+    def _manager_for(self, pool: str) -> Manager:
+        """The manager of an allocation's ``pool`` (``cpu``, ``gpu`` or ``api:<name>``),
+        remembered in ``_manager_of`` (one dict lookup per start instead of ``Pool.of`` and a
+        lookup by enum)."""
+        manager = self.managers.get(Pool.of(pool))
+        if manager is None:
+            raise RuntimeError(f"no manager for pool {pool}")
+        self._manager_of[pool] = manager
+        return manager
 
     def _prefetch(self, d: Prefetch) -> Load:
         spec = self.cluster.model(d.model)
@@ -321,8 +350,9 @@ class Engine:
 
     def _start(self, d: Start, now: float) -> Running:
         a = d.action
-        if self.pending.pop(a.id, None) is None:
-            raise CapacityError(f"policy started {a.id!r}, which is not waiting")
+        aid = a.id
+        if self.pending.pop(aid, None) is None:
+            raise CapacityError(f"policy started {aid!r}, which is not waiting")
         pool = a.pool
         if pool == CPU:
             run = Running(a, self._start_cpu(d), now)
@@ -333,29 +363,32 @@ class Engine:
             if not d.unmanaged:
                 self.quotas[pool].admit(now)
             run = Running(a, Allocation(pool, unmanaged=d.unmanaged), now)
-        self.running[a.id] = run
+        self.running[aid] = run
         return run
 
     def _start_cpu(self, d: Start) -> Allocation:
-        a = d.action
-        if d.reservation:
-            res = self.reservations[d.reservation]
+        cpu = self.cpu
+        reservation = d.reservation
+        if reservation:
+            res = self.reservations[reservation]
             node = res.node
-            units = self.cpu.admit_reserved(res, d.count)
+            units = cpu.admit_reserved(res, d.count)
         else:
             node = d.node
-            units = self.cpu.admit(node, d.count)
+            units = cpu.admit(node, d.count)
         setup = Setup.NONE
-        if a.trajectory is not None:
-            home = self.cpu.homes.get(a.trajectory)
-            if home is None or home != node:
+        traj = d.action.trajectory
+        if traj is not None:
+            home = cpu.homes.get(traj)
+            if home != node:
                 setup = Setup.CREATE if home is None else Setup.RESTORE
-                self.cpu.attach(a.trajectory, node, self.costs.session_mem_gb)
-            elif not d.reservation:
-                setup = Setup.THAW
-            if home == node and a.trajectory in self.cpu.session_used:  # only measured ones shrank
-                self.cpu.grow_session(a.trajectory, self.costs.session_mem_gb)
-        return Allocation(CPU, node, units, setup, reservation=d.reservation)
+                cpu.attach(traj, node, self.costs.session_mem_gb)
+            else:
+                if not reservation:
+                    setup = Setup.THAW
+                if traj in cpu.session_used:  # only measured ones shrank
+                    cpu.grow_session(traj, self.costs.session_mem_gb)
+        return Allocation(CPU, node, units, setup, (), reservation)
 
     def _start_gpu(self, d: Start):
         a = d.action
@@ -416,7 +449,7 @@ class Engine:
     # -- helpers ---------------------------------------------------------------------------------
     def _validate(self, a: Action) -> str | None:
         if a.pool == CPU:
-            lo = a.demand.min(CPU)
+            lo = a.demand.ranges[CPU][0]  # an action of the CPU pool always has a CPU range
             if not self.cpu.capacity:
                 return "service: this cluster has no CPU nodes for sandbox actions"
             if lo > self.cpu.max_cores:

@@ -58,13 +58,13 @@ class JobQueues:
         """The entry with the smallest key; among several jobs, the smallest key of the jobs that
         ``favoured`` accepts (those below their fair share) when there is one."""
         if len(self.heaps) == 1:  # one job: no fair share to weigh
-            for heap in self.heaps.values():
-                if self._cancelled:
-                    self._clean_head(heap)
-                if not heap:
-                    return None
-                self.size -= 1
-                return heapq.heappop(heap)
+            (heap,) = self.heaps.values()
+            if self._cancelled:
+                self._clean_head(heap)
+            if not heap:
+                return None
+            self.size -= 1
+            return heapq.heappop(heap)
         best = None
         best_fav = None
         for job, heap in self.heaps.items():
