@@ -145,19 +145,44 @@ class CpuPool:
         return lost
 
     # -- the ledger: every change of what is held goes through these ----------------------------
+    # ``admit`` and ``release`` are the engine's hot path (once per action each): they repeat the
+    # bodies of ``take``/``give`` and ``Meter.change`` instead of calling them (~0.3 µs of ~20 an
+    # action in ``bench scheduler``); the checks are the same.
+
     def admit(self, node: int, count: int) -> tuple[int, ...]:
         """``count`` free cores of ``node`` for an action (or more cores for a running one)."""
-        cores = self.take(node, count)
-        m = self.meter  # inlined Meter.change: this is the engine's hot path
+        free = self.free_cores[node]
+        have = len(free)
+        if count > have or count < 0:
+            raise CapacityError(f"node {node} has {have} free cores, {count} asked")
+        buckets = self.buckets
+        buckets[have].discard(node)
+        buckets[have - count].add(node)
+        self.total_free -= count
+        cores = tuple(free[have - count:])
+        del free[have - count:]
+        m = self.meter
         m.held += count
         m.running += count
         return cores
 
     def release(self, node: int, cores: tuple[int, ...]) -> None:
-        self.give(node, cores)
+        n = len(cores)
+        if self.alive[node]:  # else the node has left: its cores left the pool with it
+            free = self.free_cores[node]
+            have = len(free)
+            if have + n > self.nodes[node].cores:
+                raise CapacityError(f"node {node} would have more free cores than it owns")
+            buckets = self.buckets
+            buckets[have].discard(node)
+            buckets[have + n].add(node)
+            self.total_free += n
+            free.extend(cores)
+            if have + n > self.top:
+                self.top = have + n
         m = self.meter
-        m.held -= len(cores)
-        m.running -= len(cores)
+        m.held -= n
+        m.running -= n
 
     def reserve(self, node: int, count: int) -> tuple[int, ...]:
         """Cores set aside for one owner: held, not running."""
