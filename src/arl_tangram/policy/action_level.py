@@ -106,7 +106,8 @@ class ActionLevelPolicy:
                 self._new_session.add(action.id)
             else:
                 qkey = CPU
-            if action.demand.ranges[CPU][1] > action.demand.ranges[CPU][0]:
+            lo, hi = action.demand.ranges[CPU]
+            if hi > lo:
                 self.predicted[action.id] = pred
         else:
             qkey = action.service if pool == GPU else pool
@@ -253,7 +254,7 @@ class ActionLevelPolicy:
             return pool.best_node(lo)
         home = pool.homes.get(traj)
         if home is not None:
-            if pool.nfree(home) >= lo:
+            if len(pool.free_cores[home]) >= lo:  # ``nfree``, read once per round
                 return home
             if not self.opt.migrate:
                 return None

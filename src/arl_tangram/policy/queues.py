@@ -11,13 +11,19 @@ from ..core.action import Action
 
 
 class JobQueues:
-    __slots__ = ("heaps", "size", "_seq", "_cancelled")
+    """``_only`` is the heap of the one job while there is only one (jobs are never forgotten, so
+    it stays None once a second job has queued here): ``pop`` then needs no fair-share look and
+    no walk of ``heaps`` (unpacking ``heaps.values()`` cost ~0.2 µs a round in ``bench
+    scheduler``)."""
+
+    __slots__ = ("heaps", "size", "_seq", "_cancelled", "_only")
 
     def __init__(self) -> None:
         self.heaps: dict[str, list[tuple[float, int, Action]]] = {}
         self.size = 0
         self._seq = itertools.count()
         self._cancelled: set[str] = set()
+        self._only: list[tuple[float, int, Action]] | None = None
 
     def __len__(self) -> int:
         return self.size
@@ -26,6 +32,7 @@ class JobQueues:
         heap = self.heaps.get(action.job)
         if heap is None:
             heap = self.heaps[action.job] = []
+            self._only = heap if len(self.heaps) == 1 else None
         heapq.heappush(heap, (key, next(self._seq), action))
         self.size += 1
 
@@ -57,8 +64,8 @@ class JobQueues:
     def pop(self, favoured: Callable[[str], bool] | None = None) -> tuple[float, int, Action] | None:
         """The entry with the smallest key; among several jobs, the smallest key of the jobs that
         ``favoured`` accepts (those below their fair share) when there is one."""
-        if len(self.heaps) == 1:  # one job: no fair share to weigh
-            (heap,) = self.heaps.values()
+        heap = self._only
+        if heap is not None:  # one job: no fair share to weigh
             if self._cancelled:
                 self._clean_head(heap)
             if not heap:
