@@ -159,8 +159,11 @@ class CpuPool:
         buckets[have].discard(node)
         buckets[have - count].add(node)
         self.total_free -= count
-        cores = tuple(free[have - count:])
-        del free[have - count:]
+        if count == 1:  # most actions: a pop is cheaper than a slice copied and deleted
+            cores = (free.pop(),)
+        else:
+            cores = tuple(free[have - count:])
+            del free[have - count:]
         m = self.meter
         m.held += count
         m.running += count

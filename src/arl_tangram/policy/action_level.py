@@ -213,7 +213,7 @@ class ActionLevelPolicy:
             queues.append(homed)
         if new is not None and new.size:
             queues.append(new)
-        admitted: list[tuple[Action, int, int]] = []
+        admitted: list[tuple[Action, int, int]] = []  # the elastic ones (to grow if nothing waits)
         skipped: dict[int, list] | None = None
         fair = self._favoured if self.opt.fair_share else None
         while queues and pool.total_free:
@@ -223,7 +223,7 @@ class ActionLevelPolicy:
                 queues.remove(q)
                 continue
             a = entry[2]
-            lo = a.demand.ranges[CPU][0]
+            lo, hi = a.demand.ranges[CPU]
             node = self._cpu_node(a, lo)
             if node is None:
                 if skipped is None:
@@ -235,7 +235,8 @@ class ActionLevelPolicy:
                 continue
             self._charge(a.job, CPU, lo)
             yield Start(a, node, lo)
-            admitted.append((a, node, lo))
+            if hi > lo:  # only elastic actions can be grown below
+                admitted.append((a, node, lo))
             if not q.size:
                 queues.remove(q)
         if skipped:
