@@ -3,7 +3,7 @@ the general paths do: validation, cancel from either CPU queue, one job's queue,
 
 import pytest
 
-from arl_tangram.bench.scheduler import breakdown, measure
+from arl_tangram.bench.scheduler import breakdown, floor, measure
 from arl_tangram.core import Action, Demand, InvalidAction, Outcome, uniform_cluster
 from arl_tangram.core.pools import Meter
 from arl_tangram.engine import Usage
@@ -95,3 +95,4 @@ def test_the_bench_keeps_the_queue_at_depth_and_breaks_an_action_down():
     parts = breakdown(100, nodes=2, iterations=200)
     assert set(parts) == {"report", "complete", "build", "submit", "schedule", "total"}
     assert parts["total"] >= parts["schedule"] > 0
+    assert floor(100, nodes=2, iterations=200) > 0

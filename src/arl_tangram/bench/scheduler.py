@@ -7,23 +7,33 @@ action adds to the engine. Managers record starts and do nothing else.
 
 Both wall-clock and CPU-time rates are reported: on a shared machine the wall-clock rate measures
 the neighbours as much as the scheduler, while this process's CPU time does not count the time it
-waited for a core (it still pays for the caches they share).
+waited for a core (it still pays for the caches they share). ``breakdown`` times the parts of one
+iteration (the bench's own records, complete, submit, schedule) so a change can be placed.
+
+``floor`` runs the same iteration with the engine and policy reduced to their records and their
+dict and heap operations (no validation, prediction, critical path, ledger or managers): 7-9 µs
+on the 2-core VM where the whole one ran at ~16 µs (issue 13). 100,000 a second (10 µs) would
+leave 1-3 µs for all the decision logic, which this data layout in CPython does not allow.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import platform
 import time
 from dataclasses import dataclass
 from collections import deque
 from typing import Callable
 
-from ..core.action import Action, Allocation, Demand, Outcome
+from ..core.action import CPU, Action, Allocation, Demand, Finished, Outcome, Setup
 from ..core.clock import ManualClock
 from ..core.cluster import uniform_cluster
+from ..core.records import Running
 from ..core.seam import Completion, Pool
 from ..engine import Engine
 from ..policy import tangram_policy
+from ..policy.base import Start
 
 DEPTHS = (1_000, 10_000, 100_000)
 
@@ -147,6 +157,67 @@ def breakdown(depth: int = 10_000, nodes: int = 1000, iterations: int = 50_000) 
     return us
 
 
+def floor(depth: int = 10_000, nodes: int = 1000, iterations: int = 100_000) -> float:
+    """Microseconds per iteration of ``measure``'s loop with the engine and policy reduced to the
+    records they build and their dict and heap operations on structures of the same sizes
+    (pending, running, session homes, the queue's heap and deadline FIFO): no validation,
+    prediction, critical path, ledger, placement or managers. A lower bound for this data layout
+    in CPython, to say how much of an action's cost is decision logic."""
+    sessions = nodes * 32
+    n = 0
+
+    def action() -> Action:
+        nonlocal n
+        i = n
+        n += 1
+        return Action(f"a{i}", "sandbox", Demand({"cpu": (1, 4) if i % 10 == 0 else (1, 1)}),
+                      trajectory=f"s{i % sessions}", operation=_OPS[i % 3], parallel_fraction=0.5)
+
+    pending: dict[str, Action] = {}
+    running: dict[str, Running] = {}
+    homes: dict[str, int] = {}
+    heap: list[tuple[float, int, Action]] = []
+    fifo: deque[Action] = deque()
+    started: deque[str] = deque()
+    seq = itertools.count()
+
+    def start(a: Action, now: float) -> None:
+        del pending[a.id]
+        node = homes.setdefault(a.trajectory or "", len(homes) % nodes)
+        running[a.id] = Running(a, Allocation(CPU, node, (0,), Setup.THAW), now)
+        started.append(a.id)
+
+    for _ in range(nodes * 64):
+        a = action()
+        pending[a.id] = a
+        start(a, 0.0)
+    for _ in range(depth):
+        a = action()
+        pending[a.id] = a
+        fifo.append(a)
+        heapq.heappush(heap, (1.0, next(seq), a))
+    t = 0.0
+    cpu_start = time.process_time()
+    for _ in range(iterations):
+        t += 1e-4
+        c = Completion(started.popleft(), Outcome.OK, exec_s=1.0)
+        run = running.pop(c.action_id)
+        Finished(run.action, c.outcome, run.action.submitted_at, run.started_at, t, c.setup_s, c.exec_s, 1)
+        a = action()
+        if a.id in pending or a.id in running:
+            raise RuntimeError("ids repeat")
+        pending[a.id] = a
+        fifo.append(a)
+        _ = a.trajectory in homes
+        heapq.heappush(heap, (1.0 + 0.1 * t, next(seq), a))
+        while fifo and pending.get(fifo[0].id) is not fifo[0]:
+            fifo.popleft()
+        b = heapq.heappop(heap)[2]
+        homes.get(b.trajectory or "")
+        start(Start(b, 0, 1).action, t)
+    return round((time.process_time() - cpu_start) / iterations * 1e6, 2)
+
+
 def run(nodes: int = 1000, seconds: float = 2.0, log: Callable[[str], None] | None = None) -> dict:
     rates, cpu_rates = {}, {}
     for depth in DEPTHS:
@@ -155,8 +226,11 @@ def run(nodes: int = 1000, seconds: float = 2.0, log: Callable[[str], None] | No
         if log:
             log(f"queue depth {depth:>7,}: {rates[str(depth)]:>9,} actions/s ({cpu_rates[str(depth)]:,} per CPU second)")
     parts = breakdown(10_000, nodes, iterations=max(1_000, int(seconds * 20_000)))
+    bound = floor(10_000, nodes, iterations=max(1_000, int(seconds * 40_000)))
     if log:
         log("µs per action at 10,000 queued: " + ", ".join(f"{k} {v}" for k, v in parts.items()))
+        log(f"the same loop reduced to its records, dicts and heap: {bound} µs per action (CPU)")
     return {"actions_per_s": rates, "actions_per_cpu_s": cpu_rates, "us_per_action_at_10000": parts,
+            "floor_us_per_action_at_10000": bound,
             "nodes": nodes, "cores": nodes * 64, "policy": "tangram", "seconds_per_depth": seconds,
             "python": platform.python_version()}
