@@ -11,9 +11,9 @@ waited for a core (it still pays for the caches they share). ``breakdown`` times
 iteration (the bench's own records, complete, submit, schedule) so a change can be placed.
 
 ``floor`` runs the same iteration with the engine and policy reduced to their records and their
-dict and heap operations (no validation, prediction, critical path, ledger or managers): 7-9 µs
+dict and heap operations (no validation, prediction, critical path, ledger or managers): 6-9 µs
 on the 2-core VM where the whole one ran at ~16 µs (issue 13). 100,000 a second (10 µs) would
-leave 1-3 µs for all the decision logic, which this data layout in CPython does not allow.
+leave 1-4 µs for all the decision logic, which this data layout in CPython does not allow.
 """
 
 from __future__ import annotations

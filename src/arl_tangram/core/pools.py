@@ -146,8 +146,9 @@ class CpuPool:
 
     # -- the ledger: every change of what is held goes through these ----------------------------
     # ``admit`` and ``release`` are the engine's hot path (once per action each): they repeat the
-    # bodies of ``take``/``give`` and ``Meter.change`` instead of calling them (~0.3 µs of ~20 an
-    # action in ``bench scheduler``); the checks are the same.
+    # bodies of ``take``/``give`` and ``Meter.change`` instead of calling them (two calls fewer an
+    # action; within the noise alone), with the same checks. One core is popped, not sliced: with
+    # the CPU round keeping only elastic admissions, 1.04x in ``bench scheduler``.
 
     def admit(self, node: int, count: int) -> tuple[int, ...]:
         """``count`` free cores of ``node`` for an action (or more cores for a running one)."""

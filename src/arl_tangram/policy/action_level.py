@@ -78,8 +78,8 @@ class ActionLevelPolicy:
         self.view: EngineView | None = None
         self.queues: dict[str, JobQueues] = {}  # per pool; per model service for GPUs
         self.gpu_queues: dict[str, JobQueues] = {}
-        # Per-action bookkeeping is kept only where it is read (a dict insert and pop per action
-        # on dicts of every action in flight was ~0.3 µs of ~20 in ``bench scheduler``):
+        # Per-action bookkeeping is kept only where it is read, not as a dict insert and pop per
+        # action on dicts of every action in flight (74,000 in ``bench scheduler``):
         self._new_session: set[str] = set()  # ids waiting in ``CPU_NEW`` (cancel must find their queue)
         self.predicted: dict[str, float] = {}  # elastic and GPU actions (``_gain``, ``_resident_wait``)
         self.job_units: dict[str, dict[str, int]] = {}
