@@ -182,3 +182,29 @@ def test_the_token_is_checked_by_every_front(tmp_path):
         assert all("s3cret" not in cmdline(p) for p in _fronts(s))
     finally:
         s.stop()
+
+
+@REAL
+def test_fronts_and_sandbox_workers_together_and_nothing_outlives_sigterm(tmp_path):
+    s = Server(tmp_path, args=("--fronts", "2", "--sandbox-workers", "2"))
+    kids = s.children()
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as c:
+            rs = await asyncio.gather(*(c.post(f"{s.url}/run_code", json={"code": f"print({i})", "language": "python"})
+                                        for i in range(24)))
+            sid = (await c.post(f"{s.url}/v1/sessions", json={})).json()["session_id"]
+            await c.post(f"{s.url}/v1/sessions/{sid}/exec", json={"python": "y = 7"})
+            step = (await c.post(f"{s.url}/v1/sessions/{sid}/exec", json={"python": "print(y * 6)"})).json()
+            return rs, step
+
+    rs, step = asyncio.run(main())
+    assert [r.json()["run_result"]["stdout"] for r in rs] == [f"{i}\n" for i in range(24)]
+    assert step["run"]["stdout"] == "42\n"
+    assert sum("runtime.workers" in cmdline(p) for p in kids) == 2
+    s.stop()
+    assert s.proc.returncode == 0
+    deadline = time.time() + 10
+    while time.time() < deadline and any(_alive(p) for p in kids):
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in kids), [cmdline(p) for p in kids if _alive(p)]

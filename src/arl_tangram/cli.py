@@ -301,6 +301,9 @@ def serve(
     fronts: Optional[int] = typer.Option(None, min=0, max=64, help="HTTP front processes beside the engine "
                                          "process (0: one process) [default: from config, else 0 on 2 cores or "
                                          "fewer, one per 4 cores up to 8]."),
+    sandbox_workers: Optional[int] = typer.Option(None, "--sandbox-workers", min=0, max=64,
+                                                  help="Processes that carry out one-shot runs beside the engine "
+                                                       "process [default: from config, else as --fronts]."),
 ) -> None:
     """Serve the SandboxFusion-compatible and native APIs over this machine or a Ray cluster."""
     import ipaddress
@@ -323,6 +326,8 @@ def serve(
     if not loopback and not token:
         raise fail(f"--token: serving on {host} (not loopback) requires a bearer token")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if sandbox_workers is not None:
+        cfg = cfg.model_copy(update={"sandbox_workers": sandbox_workers})
     n = fronts if fronts is not None else cfg.fronts
     if n is None:
         n = default_fronts(len(os.sched_getaffinity(0)))
@@ -452,9 +457,10 @@ def bench_server(
                                                                           "(taskset list, e.g. 0-1)."),
     client_procs: int = typer.Option(1, "--client-procs", min=1, help="Load-generator processes (one Python "
                                                                       "client tops out near 800 req/s)."),
-    variant: Optional[list[str]] = typer.Option(None, "--variant", help="NAME=CPUS:FRONTS, repeatable: several "
-                                                "tangram servers measured in turn in one run (e.g. --variant "
-                                                "two=0-1: --variant all=:), the first being the reference."),
+    variant: Optional[list[str]] = typer.Option(None, "--variant", help="NAME=CPUS:FRONTS[:WORKERS], repeatable: "
+                                                "several tangram servers measured in turn in one run (e.g. --variant "
+                                                "two=0-1: --variant all=:), the first being the reference; an empty "
+                                                "part is the server's default."),
     requests: Optional[int] = typer.Option(None, min=1, help="Requests per case and level (default: 5 per "
                                            "concurrent client, at least 40)."),
     client: Optional[str] = typer.Option(None, help="Load generator: aiohttp (default where installed: ~0.1 ms "

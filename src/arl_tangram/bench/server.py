@@ -175,10 +175,13 @@ async def _inproc(levels: tuple[int, ...]) -> dict:
     return out
 
 
-def _serve(port: int, journal: str, cpus: str | None = None, fronts: int | None = None) -> subprocess.Popen:
+def _serve(port: int, journal: str, cpus: str | None = None, fronts: int | None = None,
+           workers: int | None = None) -> subprocess.Popen:
     argv = [sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--journal", journal]
     if fronts is not None:
         argv += ["--fronts", str(fronts)]
+    if workers is not None:
+        argv += ["--sandbox-workers", str(workers)]
     if cpus:
         argv = ["taskset", "-c", cpus, *argv]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -217,35 +220,36 @@ def _ratios(ours: dict, peer: dict) -> dict:
     return out
 
 
-def parse_variant(text: str) -> tuple[str, str | None, int | None]:
-    """``NAME=CPUS:FRONTS`` (either part may be empty: the server's default) -> its parts."""
+def parse_variant(text: str) -> tuple[str, str | None, int | None, int | None]:
+    """``NAME=CPUS:FRONTS[:WORKERS]`` (any part may be empty: the server's default) -> its parts."""
     name, eq, spec = text.partition("=")
-    cpus, colon, fronts = spec.partition(":")
-    if not eq or not colon or not name or (fronts and not fronts.isdigit()):
-        raise ValueError(f"expected NAME=CPUS:FRONTS (e.g. two=0-1: or fronts4=:4), got {text!r}")
-    return name, cpus or None, int(fronts) if fronts else None
+    parts = spec.split(":")
+    if not eq or not name or len(parts) not in (2, 3) or any(p and not p.isdigit() for p in parts[1:]):
+        raise ValueError(f"expected NAME=CPUS:FRONTS[:WORKERS] (e.g. two=0-1: or big=:4:4), got {text!r}")
+    cpus, fronts, workers = (parts + [""])[:3]
+    return name, cpus or None, int(fronts) if fronts else None, int(workers) if workers else None
 
 
 def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m: None, against: str | None = None,
         cases: tuple[str, ...] = ("python",), cpu_jobs: int = 32, server_cpus: str | None = None,
-        client_procs: int = 1, variants: list[tuple[str, str | None, int | None]] | None = None,
+        client_procs: int = 1, variants: list[tuple[str, str | None, int | None, int | None]] | None = None,
         requests: int | None = None, client: str | None = None) -> dict:
     """Measure; ``against``: a SandboxFusion-compatible base URL measured beside ours;
-    ``variants``: several tangram servers (name, CPUs to pin it to, HTTP fronts), all running
+    ``variants``: several tangram servers (name, CPUs to pin it to, HTTP fronts, sandbox workers), all running
     at once and measured in turn per case, so that they compare within the same minutes."""
-    variants = variants or [("tangram", server_cpus, None)]
+    variants = variants or [("tangram", server_cpus, None, None)]
     client = client or default_client()
-    ports = {name: free_port() for name, _, _ in variants}
-    targets = {name: f"http://127.0.0.1:{ports[name]}" for name, _, _ in variants}
+    ports = {v[0]: free_port() for v in variants}
+    targets = {v[0]: f"http://127.0.0.1:{ports[v[0]]}" for v in variants}
     if against:
         targets["against"] = against.rstrip("/")
     results: dict[str, dict] = {name: {} for name in targets}
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [_serve(ports[name], os.path.join(tmp, f"journal-{name}.sqlite3"), cpus, fronts)
-                 for name, cpus, fronts in variants]
+        procs = [_serve(ports[name], os.path.join(tmp, f"journal-{name}.sqlite3"), cpus, fronts, workers)
+                 for name, cpus, fronts, workers in variants]
         try:
-            for name, _, _ in variants:
-                wait_up(targets[name], "/healthz", timeout_s=60)
+            for v in variants:
+                wait_up(targets[v[0]], "/healthz", timeout_s=60)
             if against:
                 wait_up(targets["against"], "/v1/ping")
             time.sleep(0.5)  # the warm pool fills
@@ -268,11 +272,12 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
                  "client": client}
     if len(variants) > 1:
         first = variants[0][0]
-        out["servers"] = {name: {"cpus": cpus, "fronts": fronts, **results[name]} for name, cpus, fronts in variants}
-        out[f"vs_{first}"] = {name: _ratios(results[name], results[first]) for name, _, _ in variants[1:]}
+        out["servers"] = {name: {"cpus": cpus, "fronts": fronts, "sandbox_workers": workers, **results[name]}
+                          for name, cpus, fronts, workers in variants}
+        out[f"vs_{first}"] = {v[0]: _ratios(results[v[0]], results[first]) for v in variants[1:]}
         if against:
             out["against"] = {"url": against, **results["against"]}
-            out["vs_against"] = {name: _ratios(results[name], results["against"]) for name, _, _ in variants}
+            out["vs_against"] = {v[0]: _ratios(results[v[0]], results["against"]) for v in variants}
         return out
     if against:
         out.update({"tangram": results["tangram"], "against": {"url": against, **results["against"]},

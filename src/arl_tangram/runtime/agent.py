@@ -27,11 +27,14 @@ class NodeAgent:
     this node (Ray's ``CPU`` resource); ``cpu_offset`` spreads several agents of one machine (test
     clusters) over its CPUs."""
 
-    def __init__(self, name: str, cores: int, config: SandboxConfig | None = None, cpu_offset: int = 0) -> None:
+    def __init__(self, name: str, cores: int, config: SandboxConfig | None = None, cpu_offset: int = 0,
+                 cpus: tuple[int, ...] | None = None) -> None:
+        """``cpus``: exactly these host CPUs (a sandbox worker of one machine uses its engine's)."""
         self.name = name
         self.cores = cores
         self.config = config or SandboxConfig()
         self.cpu_offset = cpu_offset
+        self.cpus = cpus
         self.manager: SandboxManager | None = None
         self._waiting: dict[str, asyncio.Future] = {}
         self._expired: list[str] = []
@@ -41,7 +44,7 @@ class NodeAgent:
         """Start the sandbox manager; returns what the head shows of this node. A node where
         sandboxes cannot run (no bubblewrap, say) reports why and gets no sandbox actions."""
         mine = host_cpus()
-        cpus = tuple(mine[(self.cpu_offset + i) % len(mine)] for i in range(max(1, self.cores)))
+        cpus = self.cpus or tuple(mine[(self.cpu_offset + i) % len(mine)] for i in range(max(1, self.cores)))
         config = self.config.model_copy(update={"cpus": cpus})
         info = {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(), "cores": self.cores,
                 "memory_gb": round(memory_gb(), 1), "host_cpus": list(cpus)}

@@ -205,7 +205,8 @@ class Tangram:
               **kwargs) -> "Tangram":
         """``record``: write every finished action to this JSONL trace (replay it with ``tangram
         simulate --trace``); ``kwargs``: ``sandboxes=False``, ``models=[ModelServiceConfig...]``,
-        ``gpus``, ``gpu_memory_gb``, ``apis={name: (ApiQuota, async handler)}`` (see ``LocalRuntime``)."""
+        ``gpus``, ``gpu_memory_gb``, ``apis={name: (ApiQuota, async handler)}``, ``workers=N`` (sandbox
+        worker processes for one-shots; see ``LocalRuntime``)."""
         runtime = LocalRuntime(policy, sandbox, cores, profile=profile, **kwargs)
         if record is not None:
             runtime.record(record)

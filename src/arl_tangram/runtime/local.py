@@ -41,13 +41,14 @@ class LocalRuntime(Runtime):
                  sandboxes: bool | SandboxFactory = True, models: list | None = None, gpus: int | None = None,
                  gpu_memory_gb: float | None = None, model_device: str = "auto",
                  apis: dict[str, tuple[ApiQuota, Handler]] | None = None, gpu_island_size: int | None = None,
-                 max_queue_s: float | None = DEFAULT_MAX_QUEUE_S) -> None:
+                 max_queue_s: float | None = DEFAULT_MAX_QUEUE_S, workers: int = 0) -> None:
         """``models``: ``ModelServiceConfig``s served on this machine's GPUs (discovered with their
         NVLink islands; ``gpus``, ``gpu_memory_gb``, ``gpu_island_size`` override) or, without CUDA,
         on ``gpus`` CPU "devices" of ``gpu_memory_gb`` each; ``apis``: name -> (quota, async handler);
         ``sandboxes``: False for none, or a factory of another sandbox manager (a test double);
         ``memory_gb``: the memory sessions may reserve (default: this machine's); ``max_queue_s``: an
-        action not started this long after submission ends ``rejected``."""
+        action not started this long after submission ends ``rejected``; ``workers``: processes that
+        carry out one-shots beside this one (``runtime/workers.py``; 0: all in this process)."""
         super().__init__()
         sink = self.report
         managers: dict[Pool, Manager] = {}
@@ -60,6 +61,9 @@ class LocalRuntime(Runtime):
                 self.sandboxes = sandboxes(sink, expire)
             else:
                 self.sandboxes = SandboxManager(config, sink, expire)
+                if workers:
+                    from .workers import SandboxWorkers
+                    self.sandboxes = SandboxWorkers(self.sandboxes, workers, sink)
             managers[Pool.CPU] = self.sandboxes
         self.models = None
         model_specs: tuple = ()
@@ -74,7 +78,8 @@ class LocalRuntime(Runtime):
             self.apis = ApiManager({name: handler for name, (_, handler) in apis.items()}, sink)
             quotas = tuple(ApiQuota(name, q.rate_per_s, q.concurrency, q.burst) for name, (q, _) in apis.items())
             managers[Pool.API] = self.apis
-        if self.sandboxes is not None and cores is None and isinstance(self.sandboxes, SandboxManager):
+        if self.sandboxes is not None and cores is None and isinstance(getattr(self.sandboxes, "local", self.sandboxes),
+                                                                       SandboxManager):
             cores = len(self.sandboxes.host_cpus)
         host = LocalHost.detect(sandboxes=self.sandboxes is not None, cores=cores, memory=memory_gb,
                                 models=self.models is not None, cuda=bool(self.models and self.models.cuda),

@@ -44,6 +44,9 @@ class ServeConfig(BaseModel):
                                                                      "waited for")
     memory_gb: float | None = Field(None, gt=0, description="memory sessions may reserve (default: this machine's)")
     max_body_mb: float = Field(32, gt=0, description="largest request body accepted (HTTP 413 above)")
+    sandbox_workers: int | None = Field(None, ge=0, le=64, description="processes that carry out one-shot runs "
+                                        "beside the engine process (0: none; default: 0 on 2 cores or fewer, else "
+                                        "one per 4 cores, at most 8)")
     fronts: int | None = Field(None, ge=0, le=64, description="HTTP front processes beside the engine process "
                                "(0: HTTP in the engine process; default: 0 on 2 cores or fewer, else one per 4 "
                                "cores, at most 8)")
@@ -116,9 +119,13 @@ def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True,
         from ..runtime.ray_runtime import RayRuntime
         runtime = RayRuntime(ray, cfg.policy, cfg.sandbox, max_queue_s=cfg.max_queue_s)
     else:
+        workers = cfg.sandbox_workers
+        if workers is None:
+            from ..runtime.workers import default_workers
+            workers = default_workers(len(cfg.sandbox.cpus or os.sched_getaffinity(0)))
         runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores, cfg.memory_gb, models=models, gpus=cfg.gpus,
                                gpu_memory_gb=cfg.gpu_memory_gb, gpu_island_size=cfg.gpu_island_size,
-                               sandboxes=sandboxes, max_queue_s=cfg.max_queue_s)
+                               sandboxes=sandboxes, max_queue_s=cfg.max_queue_s, workers=workers)
     if record is not None or cfg.record is not None:
         runtime.record(record or cfg.record)
     return Service(runtime, Journal(str(path)), cfg.max_queue, cfg.drain_s)

@@ -2,7 +2,7 @@
 
 Only the methods in ``CALLS`` can be called (what the HTTP routes use). A call that awaits runs
 as a task, so one front's slow action never holds up another's quick read; each answer is sent
-when its call ends. An error the routes map to a status (``RELAYED``) crosses the link as itself;
+when its call ends. An error the routes map to a status (``relayed()``) crosses the link as itself;
 any other is logged here with its traceback and crosses as ``RemoteFault`` naming its type.
 """
 
@@ -14,8 +14,6 @@ import logging
 import pickle
 from typing import Any
 
-from ..runtime import NoRoom, SessionGone
-from .service import BadRequest, NotFound, Overloaded, Service
 from .wire import FrameProtocol, RemoteFault
 
 log = logging.getLogger(__name__)
@@ -25,14 +23,22 @@ CALLS = frozenset({
     "get_files", "fork", "prewarm", "close_session", "model_call", "all_jobs", "job_stats", "cluster",
     "health", "metrics_text",
 })
-RELAYED = (Overloaded, NotFound, BadRequest, NoRoom, SessionGone)
+
+
+def relayed() -> tuple[type[BaseException], ...]:
+    """The errors that cross as themselves (imported late: the runtime imports this module too)."""
+    from ..runtime import NoRoom, SessionGone
+    from .service import BadRequest, NotFound, Overloaded
+    return (Overloaded, NotFound, BadRequest, NoRoom, SessionGone)
 
 
 class Hub:
-    """Serves ``service`` on a Unix socket at ``path`` to any number of fronts."""
+    """Serves ``service`` on a Unix socket at ``path`` to any number of fronts (or, with ``calls``,
+    another object's methods: a sandbox worker serves its agent this way, ``runtime/workers.py``)."""
 
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Any, calls: frozenset[str] = CALLS) -> None:
         self.service = service
+        self.calls = calls
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
         self._links: set[FrameProtocol] = set()
@@ -40,6 +46,10 @@ class Hub:
     async def listen(self, path: str) -> None:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(self._link, path)
+
+    async def attach(self, sock) -> None:
+        """Serve one already-connected socket (one end of a socket pair)."""
+        await asyncio.get_running_loop().connect_accepted_socket(self._link, sock)
 
     @property
     def links(self) -> int:
@@ -59,7 +69,7 @@ class Hub:
         return proto
 
     def _call(self, proto: FrameProtocol, rid: int, method: str, args: tuple[Any, ...]) -> None:
-        if method not in CALLS:
+        if method not in self.calls:
             proto.send((rid, False, RemoteFault("UnknownCall", f"no such call {method!r}")))
             return
         try:
@@ -103,7 +113,7 @@ def _send(proto: FrameProtocol, rid: int, method: str, ok: bool, value: Any) -> 
 
 
 def _relayable(method: str, e: BaseException) -> BaseException:
-    if isinstance(e, RELAYED):
+    if isinstance(e, relayed()):
         return e
     log.error("%s failed in the engine process", method, exc_info=e)
     return RemoteFault(type(e).__name__, str(e))

