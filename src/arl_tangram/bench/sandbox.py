@@ -43,7 +43,7 @@ def interpreter_startup_ms(candidates: list[list[str]], runs: int = 15) -> dict[
 async def _wait_pool(tg: Tangram, size: int) -> None:
     pool = tg.runtime.sandboxes._pool
     for _ in range(2000):
-        if pool.qsize() >= size:
+        if len(pool) >= size:
             return
         await asyncio.sleep(0.005)
 
