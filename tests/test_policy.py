@@ -276,21 +276,24 @@ def test_without_fair_share_srpt_would_pick_the_other_job(harness):
     assert list(h.schedule()) == ["a4"]
 
 
-def test_stragglers_of_a_step_get_the_critical_path_boost(harness):
-    h = harness(cpu_cluster(1), tangram_policy(fair_share=False), costs=Costs(session_mem_gb=0.1))
-    for i in range(5):  # job S, step 0: four of five trajectories end
-        h.submit(f"s{i}", job="S", step=0, trajectory=f"t{i}", hint_s=0.1)
-    for i in range(5):
-        h.schedule()
-        h.complete(f"s{i}")
-    for i in range(4):
+def test_a_steps_last_trajectories_do_not_overtake_each_others_queued_actions(harness):
+    """The straggler boost is gone (critical.py says why): once most of a step's trajectories have
+    ended, a straggler's new action keeps its SRPT place behind the shorter one another straggler
+    queued before the threshold (the boost, fixed at submission, put the newer one first)."""
+    h = harness(_api_cluster(), tangram_policy(fair_share=False))
+    for i in range(10):  # job S, step 0: ten trajectories, one call each so far
+        h.submit(f"s{i}", "api:web", job="S", step=0, trajectory=f"t{i}", hint_s=0.1)
+    for i in range(10):
+        h.complete(next(iter(h.schedule())))
+    for i in range(7):
         h.engine.end_trajectory(f"t{i}", "S", 0)
-    h.submit("blocker", job="X", hint_s=1)
+    h.submit("blocker", "api:web", job="S", hint_s=1)
     h.schedule()
-    h.submit("other", job="X", hint_s=5)
-    h.submit("straggler", job="S", step=0, trajectory="t4", hint_s=20)
+    h.submit("older", "api:web", job="S", step=0, trajectory="t8", hint_s=5)  # 7 of 10 ended
+    h.engine.end_trajectory("t7", "S", 0)
+    h.submit("newer", "api:web", job="S", step=0, trajectory="t9", hint_s=20)  # 8 of 10 ended
     h.complete("blocker")
-    assert list(h.schedule()) == ["straggler"]
+    assert list(h.schedule()) == ["older"]
 
 
 # -- outcomes ---------------------------------------------------------------------------------------
@@ -465,3 +468,67 @@ def test_remaining_turns_must_be_a_count():
     with pytest.raises(InvalidAction) as e:
         Action("x", "sandbox", remaining_turns=-1)
     assert e.value.field == "remaining_turns"
+
+
+# -- the waiting credit on quota pools (issue 13, clients that send no remaining turns) -------------
+
+def _one_turn_each(h, trajs, wait_s):
+    """Each of ``trajs`` runs one call; the one named first waits ``wait_s`` for the slot."""
+    for t in trajs:
+        h.submit(f"{t}#0", "api:web", trajectory=t, step=0, hint_s=1.0)
+    for t in trajs:
+        started = list(h.schedule())
+        h.advance(wait_s if t == trajs[0] else 0.0)
+        h.complete(started[0])
+
+
+def test_on_a_quota_pool_the_trajectory_that_waited_more_goes_first(harness):
+    """One slot, no remaining turns sent. 'patient' waited 20 s behind 'lucky' for its first call,
+    so its next call overtakes lucky's although lucky's is predicted shorter (SRPT alone would pick
+    lucky's, as the next test shows): waiting is handed back to whoever took more than its share."""
+    h = harness(_api_cluster(), tangram_policy())
+    _one_turn_each(h, ["lucky", "patient"], 20.0)
+    h.submit("blocker", "api:web", hint_s=1.0)
+    h.schedule()
+    h.submit("lucky#1", "api:web", trajectory="lucky", step=0, hint_s=0.5)
+    h.submit("patient#1", "api:web", trajectory="patient", step=0, hint_s=2.0)
+    h.complete("blocker")
+    assert list(h.schedule()) == ["patient#1"]
+
+
+@pytest.mark.parametrize("remaining", [True, False])
+def test_no_waiting_credit_with_the_clients_counts_or_without_critical_path(harness, remaining):
+    """With the client's remaining turns the projection decides (the credit would fight it); with
+    ``critical_boost_s=0`` nothing of critical.py applies: SRPT picks the shorter call."""
+    policy = tangram_policy(critical_path=False) if remaining else tangram_policy(critical_boost_s=0.0)
+    h = harness(_api_cluster(), policy)
+    extra = {"remaining_turns": 1} if remaining else {}
+    for t in ("lucky", "patient"):
+        h.submit(f"{t}#0", "api:web", trajectory=t, step=0, hint_s=1.0, **extra)
+    for t in ("lucky", "patient"):
+        started = list(h.schedule())
+        h.advance(20.0 if t == "lucky" else 0.0)
+        h.complete(started[0])
+    h.submit("blocker", "api:web", hint_s=1.0)
+    h.schedule()
+    h.submit("lucky#1", "api:web", trajectory="lucky", step=0, hint_s=0.5, **extra)
+    h.submit("patient#1", "api:web", trajectory="patient", step=0, hint_s=2.0, **extra)
+    h.complete("blocker")
+    assert list(h.schedule()) == ["lucky#1"]
+
+
+def test_the_waiting_credit_is_the_mean_queue_time_per_finished_action():
+    from arl_tangram.core import Action, Finished, Outcome
+    from arl_tangram.policy.critical import CriticalPath
+
+    cp = CriticalPath(wait_credit=0.5)
+    first = Action("t#0", "api:web", trajectory="t", step=0)
+    assert cp.on_submit(first, 0.0, 1.0) == 0.0  # nothing finished yet
+    cp.on_finish(Finished(first, Outcome.OK, 0.0, 6.0, 7.0))
+    second = Action("t#1", "api:web", trajectory="t", step=0)
+    assert cp.on_submit(second, 9.0, 1.0) == pytest.approx(0.5 * 6.0)
+    cp.on_finish(Finished(second, Outcome.OK, 9.0, 11.0, 12.0))
+    assert cp.on_submit(Action("t#2", "api:web", trajectory="t", step=0), 13.0, 1.0) == pytest.approx(0.5 * 4.0)
+    # a sandbox action of the same trajectory gets none (only quota pools), nor one that never started
+    cp.on_finish(Finished(Action("t#3", "api:web", trajectory="t"), Outcome.REJECTED, 13.0, None, 14.0))
+    assert cp.on_submit(Action("t#4", "sandbox", trajectory="t", step=0), 15.0, 1.0) == 0.0

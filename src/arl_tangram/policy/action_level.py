@@ -32,7 +32,7 @@ from ..core.action import CPU, GPU, Action, Finished
 from ..core.cluster import DEFAULT_H2D_GBPS
 from ..core.pools import Instance
 from .base import Decision, EngineView, Evict, Grow, Prefetch, Start
-from .critical import STRAGGLER, CriticalPath
+from .critical import CriticalPath
 from .predictor import DurationPredictor
 from .queues import JobQueues
 
@@ -46,8 +46,7 @@ class Options:
     residency_aware: bool = True  # cost-aware eviction + wait for a busy resident instance
     prefetch: bool = True  # load registered models onto idle GPUs before they are asked for
     aging_per_s: float = 0.1
-    critical_boost_s: float = 30.0
-    straggler_fraction: float = 0.8
+    critical_boost_s: float = 30.0  # 0: no priority from critical.py at all
     critical_path: bool = True  # boost trajectories projected to finish their step last (critical.py)
     critical_window: float = 0.05
     projected_boost_s: float = 30.0
@@ -83,7 +82,7 @@ class ActionLevelPolicy:
         self._new_session: set[str] = set()  # ids waiting in ``CPU_NEW`` (cancel must find their queue)
         self.predicted: dict[str, float] = {}  # elastic and GPU actions (``_gain``, ``_resident_wait``)
         self.job_units: dict[str, dict[str, int]] = {}
-        self.critical = CriticalPath(options.straggler_fraction, options.critical_window, options.critical_path)
+        self.critical = CriticalPath(options.critical_window, options.critical_path, options.projected_boost_s)
         self._model_rate: dict[str, tuple[float, float]] = {}
         self._cpu_queued_at = -math.inf
         self._cpu_only = False  # the cluster has CPU nodes only (set by ``bind``)
@@ -126,9 +125,7 @@ class ActionLevelPolicy:
             if pool == GPU:
                 key += self._setup_estimate(action)
             if opt.critical_boost_s:
-                critical = self.critical.on_submit(action, now, pred)
-                if critical:
-                    key -= opt.critical_boost_s if critical == STRAGGLER else opt.projected_boost_s
+                key -= self.critical.on_submit(action, now, pred)  # seconds of priority (critical.py)
         if pool == GPU:
             self._note_model_request(action.model or "", now)
         q.push(action, key)
@@ -149,6 +146,7 @@ class ActionLevelPolicy:
         if finished.started_at is not None:
             self.job_units[a.job][a.pool] -= finished.units  # charged when it started
         self.predictor.observe(finished)
+        self.critical.on_finish(finished)
 
     def on_trajectory_end(self, job: str, step: int | None, trajectory: str) -> None:
         self.critical.on_end(trajectory)

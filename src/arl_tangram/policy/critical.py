@@ -1,33 +1,58 @@
-"""Which trajectories decide when their step ends.
+"""Which trajectories decide when their step ends, and how much priority that is worth.
 
-A synchronous RL step ends when its last trajectory ends, so the trajectories that will finish last
-are its critical path: every second their actions wait is a second of step time, while the others
-have slack. Two signals mark an action critical (the policy then boosts its priority):
+A synchronous RL step ends when its last trajectory ends, so every second the longest trajectories
+wait is a second of step time, while the others have slack. ``CriticalPath.on_submit`` returns, per
+submitted action, seconds of priority (taken off its SRPT key) from two signals:
 
-* *stragglers*: once ``fraction`` of a (job, step)'s trajectories (at least four seen) have ended,
-  the ones still running decide the step. Only trajectory identity and end are needed, which every
-  client reports (closing a session ends a trajectory).
-* *projected last*: each action's trajectory gets a projected finish ``now + predicted work +
-  remaining turns x seconds per turn``, and the action is critical when that lies within ``window``
-  (a fraction of the step's remaining horizon) of the latest projected finish of its step.
-  Remaining turns are the client's ``Action.remaining_turns`` when sent; otherwise learned per job
-  from the lengths (in turns) of the trajectories that ended, as the expected residual
-  ``E[L - k - 1 | L > k]`` after ``k`` turns (unknown until one has ended). Seconds per turn are
-  learned per job: the mean interval between a trajectory's consecutive submissions (LLM gap + the
-  previous action's ACT), decayed so that it follows the run.
+* *projected last* (the boost): each trajectory gets a projected finish ``now + predicted work +
+  remaining turns x seconds per turn``; an action whose trajectory lies within ``window`` (a
+  fraction of the step's remaining horizon) of its step's latest projected finish gets
+  ``boost_s``. Remaining turns are the client's ``Action.remaining_turns``. Without them, only a
+  sandbox action (CPU pool) is projected, from the expected residual ``E[L - k - 1 | L > k]``
+  learned per job from the lengths (in turns) of the trajectories that ended. Seconds per turn are
+  learned per job: the decayed mean interval between a trajectory's consecutive submissions.
+* *waiting credit*: an action on a quota pool (``api:*``) that carries no remaining turns gets
+  ``wait_credit`` x its trajectory's mean queue wait per finished action so far. On a quota pool
+  every call costs about the same, so SRPT's gain there is small and its price is that some
+  trajectories wait much more than others; the step waits for the unluckiest long one. The credit
+  hands waiting back to the trajectories that took more than their share, turn by turn.
 
-Why: shortest-first ordering (SRPT) alone is blind to the step and, on a quota-bound pool, moved
-waiting onto exactly the long trajectories (search, seeds 0-4: step time up to 7% behind the best
-baseline at 0.5x and 1x, issue 13). With the clients' remaining turns it is 4-6% ahead on the worst
-seed and 9-12% on the mean, for 1.8% of average ACT on search at 0.5x (0.6% at 1x). A window of
-0.05 was kept over 0.1 and 0.2, which gained more step time on search (up to 21%) but gave up ACT
-there and on mopd (measured: window 0.2 cost 4% of ACT on search at 0.5x).
+Why (issue 13; seeds 0-4 at pool scales 1, 0.5, 0.25, Tangram's step time over the best baseline's
+per seed, worst seed / mean; ``sim.evaluate`` with ``client_remaining`` off):
 
-Measured and dropped: ordering every action by remaining trajectory time (``key -= w * remaining``)
-gives up SRPT's ACT; the learned residual alone cannot tell a long search trajectory from a short
-one at its start (lengths are independent of everything a policy sees), so without the client's
-count the step time stays behind on search (worst seed 0.93x); a client count blurred by a
-lognormal factor (sigma 0.5) also fell to 0.93x, so the signal is only as good as the client's plan.
+* Before, without the client's counts: search 0.939 / 0.968 (1x), 0.920 / 0.980 (0.5x), 0.966 /
+  0.986 (0.25x); mopd 0.892 / 0.952 at 0.25x. With them, mopd was also behind at 0.25x (0.931 /
+  0.991).
+* A *straggler* boost (once 80% of a step's trajectories had ended, the rest were boosted) was
+  dropped: its key is fixed at submission, so it only let the stragglers' new actions overtake
+  their own older queued ones (LIFO among the stragglers) and, on GPU pools, pull model loads
+  forward. Measured without it: mopd 0.25x 0.892 -> 0.987 worst seed (no hints) and 0.931 -> 0.997
+  (hints); no workload lost step time.
+* The learned projection was dropped on GPU and quota pools: on mopd it boosted LIFO-like among
+  trajectories with equal turn counts (equal residuals; the latest submission projects latest)
+  and cost 0.985 -> 0.969 on the worst seed at 0.5x; on search it gained nothing. On code_agent
+  (CPU) it gains about 1% of step time at 0.5x and 0.25x, so it stays there.
+* The waiting credit, search without counts (20 seeds, step vs fifo mean / worst seed; ACT vs
+  fifo): SRPT alone 0.992 / 0.959 at 1x, 0.992 / 0.971 at 0.5x, +7.5% / +3.4% ACT; with the credit
+  (x1.0) 1.002 / 0.976 and 1.003 / 0.980, +7.9% / +11.4% / +14.5% ACT at 1x / 0.5x / 0.25x. It is
+  not applied when the client sends counts: it then fights the boost (search 0.5x worst seed 1.064
+  -> 0.970). On GPU pools it reorders across models and pays loads (mopd 0.25x 0.993 -> 0.874).
+
+What remains: without counts, search's step time stays up to ~7% behind trajectory-static on
+single seeds. That baseline's calls hit the API's limiter directly and back off at random, a
+random service order whose step time spreads about +-10% around fifo's; even exact submission
+order (fifo) is >1% behind it on 7 of 20 seeds at 1x (worst 0.89). Search trajectory lengths are
+independent of everything a scheduler sees (after ~7 turns their hazard is flat, ~0.2 a turn), so
+no order that uses only what was observed can find the long ones; the client's counts can.
+
+Measured and dropped as well: ordering every action by remaining trajectory time
+(``key -= w * remaining``) gives up SRPT's ACT; with no counts on search, least-attained service
+(fewest turns first, 5 s a turn) = fifo's step time (mean 0.999 / 1.000 / 1.000 of fifo) with
+fifo's ACT; inverted (most turns first) 0.966 / 0.969 / 0.991 of the best baseline on the mean;
+submission order within the job = fifo exactly (ACT -7% against SRPT at 1x); stronger aging
+(1/s) 0.999 / 1.000 of fifo, +1.3% ACT; a credit for the mean interval per turn (gaps included)
+instead of the queue wait: +13% ACT but 0.909 of fifo on one seed at 1x. A client count blurred
+by a lognormal factor (sigma 0.5) fell to 0.93x: the boost is only as good as the client's plan.
 """
 
 from __future__ import annotations
@@ -36,11 +61,9 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 
-from ..core.action import Action
+from ..core.action import CPU, GPU, Action, Finished
 
 StepKey = tuple[str, "int | None"]
-STRAGGLER = 2
-PROJECTED = 1
 
 
 @dataclass(slots=True)
@@ -54,37 +77,39 @@ class _Step:
 @dataclass(slots=True)
 class _Run:
     key: StepKey
-    step: "_Step"
+    step: _Step
     turns: int = 0
     last_submit: float = 0.0
     finish: float = 0.0
     version: int = 0
     projected: bool = False
+    waited_s: float = 0.0  # queue time of its finished actions
+    finished: int = 0
 
 
 class CriticalPath:
-    __slots__ = ("straggler_fraction", "window", "use_projection", "decay", "_runs", "_steps", "_cycle",
+    __slots__ = ("window", "use_projection", "boost_s", "wait_credit", "decay", "_runs", "_steps", "_cycle",
                  "_lengths", "_residual", "_seq")
 
-    def __init__(self, straggler_fraction: float = 0.8, window: float = 0.05, use_projection: bool = True,
-                 decay: float = 0.02) -> None:
-        self.straggler_fraction = straggler_fraction
+    def __init__(self, window: float = 0.05, use_projection: bool = True, boost_s: float = 30.0,
+                 wait_credit: float = 1.0, decay: float = 0.02) -> None:
         self.window = window
         self.use_projection = use_projection
+        self.boost_s = boost_s
+        self.wait_credit = wait_credit
         self.decay = decay
         self._runs: dict[str, _Run] = {}
         self._steps: dict[StepKey, _Step] = {}
         self._cycle: dict[str, float] = {}  # job -> seconds per turn
         self._lengths: dict[str, dict[int, int]] = {}  # job -> {turns: trajectories that ended after them}
-        self._residual: dict[tuple[str, int], float | None] = {}
+        self._residual: dict[str, dict[int, float]] = {}  # job -> {turns done: expected turns left}
         self._seq = itertools.count()
 
-    def on_submit(self, a: Action, now: float, predicted_s: float) -> int:
-        """Record ``a``'s turn; whether its trajectory is on its step's critical path: ``STRAGGLER``,
-        ``PROJECTED`` (last by its projected finish) or 0."""
+    def on_submit(self, a: Action, now: float, predicted_s: float) -> float:
+        """Record ``a``'s turn; the seconds of priority it gets (0.0: none)."""
         traj = a.trajectory
         if traj is None:
-            return 0
+            return 0.0
         run = self._runs.get(traj)
         job = a.job
         if run is None:
@@ -103,14 +128,21 @@ class CriticalPath:
         k = run.turns
         run.turns = k + 1
         run.last_submit = now
-        if step.seen >= 4 and step.ended >= self.straggler_fraction * step.seen:
-            return STRAGGLER
-        if not self.use_projection:
-            return 0
-        remaining = a.remaining_turns if a.remaining_turns is not None else self._learned(job, k)
+        remaining = a.remaining_turns
+        if remaining is None:
+            pool = a.pool
+            if pool != CPU and pool != GPU:  # a quota pool: the waiting credit
+                return self.wait_credit * run.waited_s / run.finished if run.finished else 0.0
+            if pool != CPU or not self.use_projection:
+                return 0.0
+            remaining = self._learned(job, k)
+            if remaining is None:
+                return 0.0
+        elif not self.use_projection:
+            return 0.0
         cycle = self._cycle.get(job)
-        if remaining is None or cycle is None:
-            return 0
+        if cycle is None:
+            return 0.0
         run.finish = now + predicted_s + remaining * cycle
         run.version += 1
         if not run.projected:
@@ -118,9 +150,35 @@ class CriticalPath:
             step.projected += 1
         heapq.heappush(step.heap, (-run.finish, next(self._seq), traj, run.version))
         if step.projected < 2:  # the first projection of a step has nothing to be compared with
-            return 0
+            return 0.0
         latest = self._latest(step.heap)
-        return PROJECTED if run.finish >= latest - self.window * max(0.0, latest - now) else 0
+        return self.boost_s if run.finish >= latest - self.window * max(0.0, latest - now) else 0.0
+
+    def on_finish(self, f: Finished) -> None:
+        """Count the queue time of a trajectory's finished action (for the waiting credit)."""
+        if f.started_at is None:
+            return
+        run = self._runs.get(f.action.trajectory) if f.action.trajectory is not None else None
+        if run is not None:
+            run.waited_s += f.started_at - f.submitted_at
+            run.finished += 1
+
+    def on_end(self, trajectory: str) -> None:
+        run = self._runs.pop(trajectory, None)
+        if run is None:
+            return
+        job = run.key[0]
+        lengths = self._lengths.get(job)
+        if lengths is None:
+            lengths = self._lengths[job] = {}
+        lengths[run.turns] = lengths.get(run.turns, 0) + 1
+        self._residual.pop(job, None)
+        step = run.step
+        step.ended += 1
+        if run.projected:
+            step.projected -= 1
+        if step.ended == step.seen and self._steps.get(run.key) is step:  # the step is over
+            del self._steps[run.key]
 
     def _latest(self, heap: list) -> float:
         runs = self._runs
@@ -133,32 +191,17 @@ class CriticalPath:
         return float("-inf")
 
     def _learned(self, job: str, k: int) -> float | None:
-        """Expected turns left after this one, given ``k`` turns before it, from ended trajectories."""
+        """Expected turns left after this one, given ``k`` turns before it, from ended trajectories
+        of ``job`` (None until one has ended)."""
         lengths = self._lengths.get(job)
         if not lengths:
             return None
-        key = (job, k)
-        if key in self._residual:
-            return self._residual[key]
-        value = None
-        if lengths:
+        cache = self._residual.get(job)
+        if cache is None:
+            cache = self._residual[job] = {}
+        value = cache.get(k)
+        if value is None:
             longer = [(n, c) for n, c in lengths.items() if n > k]
             total = sum(c for _, c in longer)
-            value = sum((n - k - 1) * c for n, c in longer) / total if total else 0.0
-        self._residual[key] = value
+            value = cache[k] = sum((n - k - 1) * c for n, c in longer) / total if total else 0.0
         return value
-
-    def on_end(self, trajectory: str) -> None:
-        run = self._runs.pop(trajectory, None)
-        if run is None:
-            return
-        job = run.key[0]
-        lengths = self._lengths.setdefault(job, {})
-        lengths[run.turns] = lengths.get(run.turns, 0) + 1
-        self._residual = {k: v for k, v in self._residual.items() if k[0] != job}
-        step = run.step
-        step.ended += 1
-        if run.projected:
-            step.projected -= 1
-        if step.ended == step.seen and self._steps.get(run.key) is step:  # the step is over
-            del self._steps[run.key]
