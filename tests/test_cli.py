@@ -12,6 +12,16 @@ def tangram(*args, timeout=300):
                           timeout=timeout)
 
 
+def test_simulate_without_client_remaining_turns(tmp_path):
+    """``--no-client-remaining``: the simulated clients send no remaining turns (issue 13)."""
+    out = tmp_path / "r.json"
+    p = tangram("simulate", "--workload", "search", "--trajectories", "16", "--steps", "1", "--policy", "tangram",
+                "--no-client-remaining", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    report = json.loads(out.read_text())
+    assert report["client_remaining"] is False and report["results"][0]["policy"] == "tangram"
+
+
 def test_simulate_writes_json_and_plot(tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     p = tangram("simulate", "--workload", "rlvr", "--trajectories", "60", "--steps", "1",

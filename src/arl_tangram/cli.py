@@ -88,6 +88,9 @@ def simulate(
     export_trace: Optional[Path] = typer.Option(None, help="Also write the workload as a JSONL trace here."),
     max_queue_s: float = typer.Option(DEFAULT_MAX_QUEUE_S, help="An action not started this many (simulated) "
                                                                "seconds after submission ends rejected."),
+    client_remaining: bool = typer.Option(True, " /--no-client-remaining",
+                                          help="Simulated clients do not send their remaining turns (the policy "
+                                               "learns what it can per job)."),
 ) -> None:
     """Compare scheduling policies on a simulated cluster (the real engine on a virtual clock)."""
     from .sim.compare import BASELINES, comparison, run_policy
@@ -134,7 +137,7 @@ def simulate(
             task = progress.add_task(p, total=wl.num_actions)
             runs.append(run_policy(wl, cluster, p, seed,
                                    progress=lambda n, task=task: progress.update(task, completed=n),
-                                   max_queue_s=max_queue_s))
+                                   max_queue_s=max_queue_s, client_remaining=client_remaining))
             progress.update(task, completed=wl.num_actions)
     rows = [r.summary for r in runs]
     cmp = comparison(rows)
@@ -143,9 +146,9 @@ def simulate(
     print_summary(out, rows, cmp)
     console.print(f"simulated in {sim_wall:.1f} s wall time")
     report = {"workload": wl.name, "cluster": desc, "scale": scale, "seed": seed, "num_actions": wl.num_actions,
-              "wall_s": sim_wall, "results": rows, "comparison": cmp}
+              "client_remaining": client_remaining, "wall_s": sim_wall, "results": rows, "comparison": cmp}
     if min_resources:
-        report["min_resources"] = _min_resources(wl, base, policies, seed)
+        report["min_resources"] = _min_resources(wl, base, policies, seed, client_remaining)
     if json_out is not None:
         json_out.write_text(json.dumps(report, indent=2))
         console.print(f"wrote {json_out}")
@@ -163,10 +166,10 @@ def _missing_pools(wl, cluster: Cluster) -> str | None:
     return None
 
 
-def _min_resources(wl, base: Cluster, policies: list[str], seed: int) -> dict:
+def _min_resources(wl, base: Cluster, policies: list[str], seed: int, client_remaining: bool = True) -> dict:
     from .sim.compare import min_scale, run_policy
 
-    ref = run_policy(wl, base, "trajectory-static", seed).summary
+    ref = run_policy(wl, base, "trajectory-static", seed, client_remaining=client_remaining).summary
     target = ref.get("avg_step_s")
     result = {"reference": "trajectory-static", "reference_step_s": target, "policies": {}}
     if target is None:
@@ -176,7 +179,7 @@ def _min_resources(wl, base: Cluster, policies: list[str], seed: int) -> dict:
         task = progress.add_task("min-resources", total=None)
         for p in policies:
             progress.update(task, description=f"min-resources: {p}")
-            s = min_scale(wl, base, p, target, seed=seed,
+            s = min_scale(wl, base, p, target, seed=seed, client_remaining=client_remaining,
                           on_try=lambda pol, sc, st: progress.update(task, description=f"{pol} @ {sc:.3f}"))
             result["policies"][p] = {"min_scale": s, "resource_savings": None if s is None else round(1 - s, 4)}
     from rich.table import Table

@@ -52,7 +52,7 @@ class Plan:
     min_resources: bool = True
     search_iterations: int = 6
     #: simulated clients send each action's exact remaining turns (``Action.remaining_turns``);
-    #: off, the policy learns them per job from ended trajectories
+    #: off, Tangram does without (policy/critical.py: what it learns instead, and what that costs)
     client_remaining: bool = True
     #: the engine's bound on queue time (``waits.py``); None: unbounded. A sweep measures queueing,
     #: and at small pools static baselines queue past the service's default 600 s, where their

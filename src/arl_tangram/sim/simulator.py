@@ -61,7 +61,8 @@ class Simulator:
     ``client_remaining``: the simulated clients send each action's exact remaining turns in its
     trajectory (``Action.remaining_turns``, which Tangram uses to find each step's critical path;
     the baselines ignore it), blurred by a lognormal factor of ``remaining_sigma`` when given.
-    Off, the policy learns remaining turns per job (policy/critical.py says what each costs)."""
+    Off (``tangram simulate/evaluate --no-client-remaining``), as from SandboxFusion-style clients:
+    Tangram then learns what it can per job (policy/critical.py says what each signal costs)."""
 
     def __init__(self, workload: Workload, cluster: Cluster, policy: Policy, *, seed: int = 0,
                  costs: Costs = Costs(), sample_every_s: float = 1.0,
