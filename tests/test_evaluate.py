@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from arl_tangram.sim.evaluate import Plan, aggregate, headline, summarize_searches
+from arl_tangram.sim.evaluate import Plan, aggregate, headline, summarize_searches, vs_best_baseline
 
 
 def cell(workload, scale, seed, policy, act, step, held=100.0):
@@ -39,6 +39,17 @@ def test_headline_is_the_best_point_and_names_the_worst_seed():
     assert h["act_vs_best_baseline"]["value"] == pytest.approx(3.0)
     assert h["step_vs_best_baseline"]["worst_seed"] == {"value": pytest.approx(0.9), "workload": "a", "scale": 1.0}
     assert h["paper"] == {"act_speedup": 4.3, "step_speedup": 1.5, "resource_savings": 0.712}
+
+
+def test_vs_best_baseline_takes_the_best_baseline_of_each_seed():
+    cells = []
+    for seed, (t_step, f_step, s_step) in enumerate([(10.0, 9.0, 12.0), (10.0, 12.0, 11.0)]):
+        cells += [cell("a", 1.0, seed, "tangram", 1.0, t_step), cell("a", 1.0, seed, "fifo", 2.0, f_step),
+                  cell("a", 1.0, seed, "trajectory-static", 4.0, s_step)]
+    step = vs_best_baseline(cells)["step"]
+    assert len(step) == 1 and step[0]["workload"] == "a" and step[0]["scale"] == 1.0
+    assert step[0]["min"] == pytest.approx(0.9) and step[0]["mean"] == pytest.approx((0.9 + 1.1) / 2)
+    assert vs_best_baseline(cells)["act"][0]["mean"] == pytest.approx(2.0)
 
 
 def test_resource_savings_average_only_the_seeds_that_matched_and_compare_with_the_baselines_own_minimum():
