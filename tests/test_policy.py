@@ -528,7 +528,9 @@ def test_the_waiting_credit_is_the_mean_queue_time_per_finished_action():
     second = Action("t#1", "api:web", trajectory="t", step=0)
     assert cp.on_submit(second, 9.0, 1.0) == pytest.approx(0.5 * 6.0)
     cp.on_finish(Finished(second, Outcome.OK, 9.0, 11.0, 12.0))
-    assert cp.on_submit(Action("t#2", "api:web", trajectory="t", step=0), 13.0, 1.0) == pytest.approx(0.5 * 4.0)
-    # a sandbox action of the same trajectory gets none (only quota pools), nor one that never started
-    cp.on_finish(Finished(Action("t#3", "api:web", trajectory="t"), Outcome.REJECTED, 13.0, None, 14.0))
-    assert cp.on_submit(Action("t#4", "sandbox", trajectory="t", step=0), 15.0, 1.0) == 0.0
+    third = Action("t#2", "api:web", trajectory="t", step=0)
+    assert cp.on_submit(third, 13.0, 1.0) == pytest.approx(0.5 * 4.0)
+    cp.on_finish(Finished(third, Outcome.REJECTED, 13.0, None, 14.0))  # never started: no wait to count
+    assert cp.on_submit(Action("t#3", "api:web", trajectory="t", step=0), 15.0, 1.0) == pytest.approx(0.5 * 4.0)
+    # only quota pools get the credit
+    assert cp.on_submit(Action("t#4", "sandbox", trajectory="t", step=0), 16.0, 1.0) == 0.0

@@ -17,42 +17,56 @@ submitted action, seconds of priority (taken off its SRPT key) from two signals:
   trajectories wait much more than others; the step waits for the unluckiest long one. The credit
   hands waiting back to the trajectories that took more than their share, turn by turn.
 
-Why (issue 13; seeds 0-4 at pool scales 1, 0.5, 0.25, Tangram's step time over the best baseline's
-per seed, worst seed / mean; ``sim.evaluate`` with ``client_remaining`` off):
+Why (issue 13). Figures: Tangram's step time over the best baseline's of the same seed, worst of
+seeds 0-4 / mean, at pool scales 1 / 0.5 / 0.25 (``tangram evaluate --scales 1,0.5,0.25 --seeds 5
+--no-min-resources [--no-client-remaining]``, ``vs_best_baseline`` in results.json):
 
-* Before, without the client's counts: search 0.939 / 0.968 (1x), 0.920 / 0.980 (0.5x), 0.966 /
-  0.986 (0.25x); mopd 0.892 / 0.952 at 0.25x. With them, mopd was also behind at 0.25x (0.931 /
-  0.991).
-* A *straggler* boost (once 80% of a step's trajectories had ended, the rest were boosted) was
-  dropped: its key is fixed at submission, so it only let the stragglers' new actions overtake
-  their own older queued ones (LIFO among the stragglers) and, on GPU pools, pull model loads
-  forward. Measured without it: mopd 0.25x 0.892 -> 0.987 worst seed (no hints) and 0.931 -> 0.997
-  (hints); no workload lost step time.
-* The learned projection was dropped on GPU and quota pools: on mopd it boosted LIFO-like among
-  trajectories with equal turn counts (equal residuals; the latest submission projects latest)
-  and cost 0.985 -> 0.969 on the worst seed at 0.5x; on search it gained nothing. On code_agent
-  (CPU) it gains about 1% of step time at 0.5x and 0.25x, so it stays there.
-* The waiting credit, search without counts (20 seeds, step vs fifo mean / worst seed; ACT vs
-  fifo): SRPT alone 0.992 / 0.959 at 1x, 0.992 / 0.971 at 0.5x, +7.5% / +3.4% ACT; with the credit
-  (x1.0) 1.002 / 0.976 and 1.003 / 0.980, +7.9% / +11.4% / +14.5% ACT at 1x / 0.5x / 0.25x. It is
-  not applied when the client sends counts: it then fights the boost (search 0.5x worst seed 1.064
-  -> 0.970). On GPU pools it reorders across models and pays loads (mopd 0.25x 0.993 -> 0.874).
+* Clients without counts, before: search 0.939/0.968, 0.920/0.980, 0.966/0.986; mopd 0.997/1.002,
+  0.969/0.989, 0.892/0.952. After: search 0.953/0.993, 0.936/0.991, 0.991/0.998; mopd
+  0.996/1.001, 0.985/1.006, 0.993/1.018; against each baseline's own mean Tangram is now ahead on
+  every workload and scale (search vs fifo 1.006 / 1.007 / 1.002). Search's ACT against the best
+  baseline 1.049 / 0.985 / 0.986 -> 1.046 / 1.065 / 1.138.
+* With counts: mopd at 0.25x 0.931/0.991 -> 0.997/1.048; search's worst seed 1.043 / 1.064 /
+  1.046 -> 1.043 / 1.064 / 1.069.
+* The *straggler* boost (once 80% of a step's trajectories had ended, the rest were boosted) was
+  dropped: fixed at submission, it only let the stragglers' new actions overtake older queued ones
+  of the same step (LIFO among them) and pulled model loads forward on GPU pools. It is what cost
+  mopd at 0.25x above; no workload lost step time without it. It did buy mopd some ACT: 1.054 ->
+  1.020 of the best baseline's at 0.25x with counts.
+* The learned projection is kept for sandbox actions only: on mopd (GPU) it boosted LIFO-like
+  among trajectories with equal turn counts (equal residuals, so the latest submission projects
+  latest) and cost 0.985 -> 0.969 at 0.5x (for +2% ACT at 1x); on search it gained nothing; on
+  code_agent it gains ~1% of step time at 0.5x and 0.25x.
+* The waiting credit on search without counts, 20 seeds, step time over fifo's mean / worst seed:
+  before 0.992/0.959, 0.992/0.971, 1.002/0.971 with +7.5 / 3.4 / 1.2% ACT over fifo (SRPT alone:
+  0.991/0.945, 0.997/0.962, 0.996/0.974); with the credit 1.002/0.976, 1.003/0.980, 1.001/0.993
+  with +7.9 / 11.4 / 14.5% ACT. Weight 0.5 gave the same step time for +7.5 / 6.6 / 5.9% ACT;
+  weight 2 more ACT (+25% at 0.25x) for 0.993 of fifo's step time on the mean. Not applied when
+  the client sends counts: it then fights the boost (search 0.5x worst seed 1.064 -> 0.970). On
+  GPU pools it reorders across models and pays loads (mopd 0.25x worst seed 0.993 -> 0.874).
 
-What remains: without counts, search's step time stays up to ~7% behind trajectory-static on
-single seeds. That baseline's calls hit the API's limiter directly and back off at random, a
-random service order whose step time spreads about +-10% around fifo's; even exact submission
-order (fifo) is >1% behind it on 7 of 20 seeds at 1x (worst 0.89). Search trajectory lengths are
-independent of everything a scheduler sees (after ~7 turns their hazard is flat, ~0.2 a turn), so
-no order that uses only what was observed can find the long ones; the client's counts can.
+What remains: without counts, search's step time is up to 6.4% behind trajectory-static on single
+seeds (seed 1 at 1x and 0.5x), and mopd 1.5% behind fifo on one (seed 4 at 0.5x). That baseline's
+calls hit the API's limiter directly and back off at random: a random service order whose step
+time spreads about +-10% around fifo's; even exact submission order (fifo) is >1% behind it on 7
+of 20 seeds at 1x (worst 0.89). Search trajectory lengths are independent of everything a
+scheduler sees (after ~7 turns their hazard is flat, ~0.2 a turn), so no order that uses only what
+was observed finds the long ones; the client's counts do. mopd's seed is the GPU round's (no
+critical-path signal reaches GPUs without counts).
 
 Measured and dropped as well: ordering every action by remaining trajectory time
-(``key -= w * remaining``) gives up SRPT's ACT; with no counts on search, least-attained service
-(fewest turns first, 5 s a turn) = fifo's step time (mean 0.999 / 1.000 / 1.000 of fifo) with
-fifo's ACT; inverted (most turns first) 0.966 / 0.969 / 0.991 of the best baseline on the mean;
-submission order within the job = fifo exactly (ACT -7% against SRPT at 1x); stronger aging
-(1/s) 0.999 / 1.000 of fifo, +1.3% ACT; a credit for the mean interval per turn (gaps included)
-instead of the queue wait: +13% ACT but 0.909 of fifo on one seed at 1x. A client count blurred
-by a lognormal factor (sigma 0.5) fell to 0.93x: the boost is only as good as the client's plan.
+(``key -= w * remaining``) gives up SRPT's ACT; with no counts on search (20 seeds, vs fifo):
+least-attained service (fewest turns first, 5 s a turn) = fifo's step time and ACT; submission
+order within the job = fifo exactly (ACT -7% against SRPT at 1x); stronger aging (1/s) 0.999 /
+1.000 of fifo, +1.3% ACT; aging 0.3/s with the credit 0.988 worst, +3.7% ACT; a credit for the
+mean interval per turn (gaps included) instead of the queue wait: +13% ACT but 0.909 of fifo on
+one seed at 1x; (seeds 0-4, vs the best baseline) most-turns-first 0.966 / 0.969 / 0.991 on the
+mean; random order, for scale, 0.86-0.95 on the worst seed. On mopd without counts, boosting the
+trajectories with the most expected turns left (least attained, by class): 20 seeds 1.003 /
+1.007 / 1.019 of fifo on the mean (vs 1.001 / 1.003 / 1.017) but 0.958 on the worst seed at 0.25x
+(vs 0.965), and a scan of the step's runs per submit. A client count blurred by a lognormal factor
+(sigma 0.5) fell to 0.93x (measured before this change): the boost is only as good as the
+client's plan.
 """
 
 from __future__ import annotations
