@@ -145,13 +145,14 @@ class CriticalPath:
         remaining = a.remaining_turns
         if remaining is None:
             pool = a.pool
-            if pool != CPU and pool != GPU:  # a quota pool: the waiting credit
+            if pool == CPU:
+                if not self.use_projection or job not in self._lengths:
+                    return 0.0
+                remaining = self._learned(job, k)  # a trajectory of the job has ended
+            elif pool == GPU:
+                return 0.0
+            else:  # a quota pool: the waiting credit
                 return self.wait_credit * run.waited_s / run.finished if run.finished else 0.0
-            if pool != CPU or not self.use_projection:
-                return 0.0
-            remaining = self._learned(job, k)
-            if remaining is None:
-                return 0.0
         elif not self.use_projection:
             return 0.0
         cycle = self._cycle.get(job)
@@ -169,10 +170,13 @@ class CriticalPath:
         return self.boost_s if run.finish >= latest - self.window * max(0.0, latest - now) else 0.0
 
     def on_finish(self, f: Finished) -> None:
-        """Count the queue time of a trajectory's finished action (for the waiting credit)."""
-        if f.started_at is None:
+        """Count the queue time of a trajectory's finished call on a quota pool (the waiting
+        credit's only input)."""
+        a = f.action
+        pool = a.pool
+        if pool == CPU or pool == GPU or f.started_at is None or a.trajectory is None:
             return
-        run = self._runs.get(f.action.trajectory) if f.action.trajectory is not None else None
+        run = self._runs.get(a.trajectory)
         if run is not None:
             run.waited_s += f.started_at - f.submitted_at
             run.finished += 1
@@ -205,8 +209,8 @@ class CriticalPath:
         return float("-inf")
 
     def _learned(self, job: str, k: int) -> float | None:
-        """Expected turns left after this one, given ``k`` turns before it, from ended trajectories
-        of ``job`` (None until one has ended)."""
+        """Expected turns left after this one, given ``k`` turns before it, from the trajectories
+        of ``job`` that ended (None until one has)."""
         lengths = self._lengths.get(job)
         if not lengths:
             return None
