@@ -36,6 +36,7 @@ from ..policy import tangram_policy
 from ..policy.base import Start
 
 DEPTHS = (1_000, 10_000, 100_000)
+COALESCED = (4, 16)  # events per scheduling round, as a loaded runtime coalesces them
 
 
 class _Recorder:
@@ -90,10 +91,12 @@ _OPS = ("shell", "script", "test")
 
 
 def measure(depth: int, nodes: int = 1000, seconds: float = 2.0, sessions: int | None = None,
-            memory_gb_per_core: float = 4.0) -> Rate:
+            memory_gb_per_core: float = 4.0, batch: int = 1) -> Rate:
     """Rounds of complete + submit + schedule with the pool full and ``depth`` waiting; every
     action belongs to one of ``sessions`` sessions (default: as many as the nodes' memory holds
-    comfortably, 32 a node), sticky to its node."""
+    comfortably, 32 a node), sticky to its node. ``batch``: completions and submissions per
+    scheduling round (1: a round per event; more: the rounds a runtime coalesces when several
+    events arrive in one loop iteration, ``Runtime.tick``)."""
     b = _Setup(depth, nodes, sessions, memory_gb_per_core)
     engine, clock, rec = b.engine, b.clock, b.rec
 
@@ -105,14 +108,16 @@ def measure(depth: int, nodes: int = 1000, seconds: float = 2.0, sessions: int |
     start = time.perf_counter()
     cpu_start = time.process_time()
     deadline = start + seconds
+    rounds = max(1, 256 // batch)
     while True:
-        for _ in range(256):
+        for _ in range(rounds):
             t += 1e-4
             clock.advance_to(t)
-            engine.complete(Completion(rec.started.popleft(), Outcome.OK, exec_s=1.0))
-            submit()
+            for _ in range(batch):
+                engine.complete(Completion(rec.started.popleft(), Outcome.OK, exec_s=1.0))
+                submit()
             engine.schedule()
-        done += 256
+        done += rounds * batch
         if time.perf_counter() >= deadline:
             break
     elapsed = time.perf_counter() - start
@@ -225,12 +230,19 @@ def run(nodes: int = 1000, seconds: float = 2.0, log: Callable[[str], None] | No
         rates[str(depth)], cpu_rates[str(depth)] = round(rate.wall_per_s), round(rate.cpu_per_s)
         if log:
             log(f"queue depth {depth:>7,}: {rates[str(depth)]:>9,} actions/s ({cpu_rates[str(depth)]:,} per CPU second)")
+    coalesced = {}
+    for batch in COALESCED:
+        rate = measure(10_000, nodes, seconds, batch=batch)
+        coalesced[str(batch)] = round(rate.cpu_per_s)
+        if log:
+            log(f"queue depth  10,000, {batch:>2} events a round: {coalesced[str(batch)]:>9,} actions per CPU second")
     parts = breakdown(10_000, nodes, iterations=max(1_000, int(seconds * 20_000)))
     bound = floor(10_000, nodes, iterations=max(1_000, int(seconds * 40_000)))
     if log:
         log("µs per action at 10,000 queued: " + ", ".join(f"{k} {v}" for k, v in parts.items()))
         log(f"the same loop reduced to its records, dicts and heap: {bound} µs per action (CPU)")
-    return {"actions_per_s": rates, "actions_per_cpu_s": cpu_rates, "us_per_action_at_10000": parts,
+    return {"actions_per_s": rates, "actions_per_cpu_s": cpu_rates,
+            "coalesced_actions_per_cpu_s_at_10000": coalesced, "us_per_action_at_10000": parts,
             "floor_us_per_action_at_10000": bound,
             "nodes": nodes, "cores": nodes * 64, "policy": "tangram", "seconds_per_depth": seconds,
             "python": platform.python_version()}
