@@ -13,7 +13,7 @@ import asyncio
 import json
 import sqlite3
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Journal:
         self.commits = 0
 
     # -- writes ----------------------------------------------------------------------------------
-    def accept(self, id: str, job: str, kind: str, request: dict, safe_to_rerun: bool) -> Entry | None:
+    def accept(self, id: str, job: str, kind: str, request: dict | str, safe_to_rerun: bool) -> Entry | None:
         """Record a new action; returns the existing entry instead when ``id`` is still queued (a
         committed one is left as it is by the insert). No read of the database here: the ids the
         server makes are new, and callers with a client's id look it up with ``get`` first (a read
@@ -69,19 +69,21 @@ class Journal:
         entry = Entry(id, job, kind, request, "accepted", None, None, safe_to_rerun, now)
         self._write(id, entry, ("INSERT OR IGNORE INTO actions (id, job, kind, request, state, safe, accepted_at) "
                                 "VALUES (?, ?, ?, ?, 'accepted', ?, ?)",
-                                (id, job, kind, json.dumps(request), int(safe_to_rerun), now)))
+                                (id, job, kind, _text(request), int(safe_to_rerun), now)))
         return None
 
-    def finish(self, id: str, outcome: str, response: dict) -> None:
+    def finish(self, id: str, outcome: str, response: dict | str) -> None:
         """Record an action's result. Until it is committed, ``get`` shows the result with the
         request's fields as queued with it, or empty (readers of a finished entry use its state,
-        outcome and response; a read of the committed row per finish cost as much as the write)."""
+        outcome and response; a read of the committed row per finish cost as much as the write).
+        ``response`` (and ``accept``'s ``request``) may come as JSON text already (pydantic's
+        ``model_dump_json`` is ~3x quicker than ``json.dumps(model_dump())``)."""
         before = self._pending.get(id)
         entry = Entry(id, before.job if before else "", before.kind if before else "", before.request if before else {},
                       "done", outcome, response, before.safe_to_rerun if before else False,
                       before.accepted_at if before else 0.0)
         self._write(id, entry, ("UPDATE actions SET state='done', outcome=?, response=?, finished_at=? "
-                                "WHERE id=? AND state!='done'", (outcome, json.dumps(response), time.time(), id)))
+                                "WHERE id=? AND state!='done'", (outcome, _text(response), time.time(), id)))
 
     def _write(self, id: str, entry: Entry, statement: tuple) -> None:
         if self.error is not None:
@@ -140,6 +142,8 @@ class Journal:
     def get(self, id: str) -> Entry | None:
         queued = self._pending.get(id)
         if queued is not None:
+            if isinstance(queued.response, str) or isinstance(queued.request, str):
+                queued = replace(queued, request=_obj(queued.request), response=_obj(queued.response))
             return queued
         row = self._db.execute("SELECT id, job, kind, request, state, outcome, response, safe, accepted_at "
                                "FROM actions WHERE id=?", (id,)).fetchone()
@@ -155,6 +159,14 @@ class Journal:
         """Commit what is queued, then close."""
         self.flush()
         self._db.close()
+
+
+def _text(value: dict | str) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _obj(value):
+    return json.loads(value) if isinstance(value, str) else value
 
 
 class JournalError(RuntimeError):

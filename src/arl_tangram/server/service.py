@@ -75,6 +75,17 @@ class Metrics:
                                "(what for: /healthz head_waits_for)", registry=self.registry)
         self.refused = Counter("tangram_sessions_refused_total", "New sessions refused, by the limit reached",
                                ["limit"], registry=self.registry)
+        self._children: dict[tuple[str, str], tuple] = {}
+
+    def count(self, service: str, outcome: str, act_s: float) -> None:
+        """One finished action (the labelled children are kept: ``labels()`` is a lookup with
+        locking and validation, twice per request otherwise)."""
+        pair = self._children.get((service, outcome))
+        if pair is None:
+            pair = self._children[(service, outcome)] = (self.actions.labels(service, outcome),
+                                                         self.act.labels(service))
+        pair[0].inc()
+        pair[1].observe(act_s)
 
 
 def _reason(err: Exception) -> str:
@@ -211,7 +222,7 @@ class Service:
             if existing is None:
                 self._admit()
                 if self.journal is not None:
-                    self.journal.accept(id, req.job, "run_code", req.model_dump(), True)
+                    self.journal.accept(id, req.job, "run_code", req.model_dump_json(), True)
             task = self._inflight.get(id) or self._launch(id, self._run_code(id, req, files))
         if not req.wait:
             await self._durable()  # the 202 is an acknowledgement: the action is on disk first
@@ -249,9 +260,8 @@ class Service:
             files={k: base64.b64encode(v).decode() for k, v in r.result.files.items()}, act_s=r.act_s,
             queue_s=r.queue_s, setup_s=r.setup_s, exec_s=r.exec_s, cores=r.cores)
         if self.journal is not None:
-            self.journal.finish(r.id, r.outcome.value, out.model_dump())
-        self.metrics.actions.labels(service, r.outcome.value).inc()
-        self.metrics.act.labels(service).observe(r.act_s)
+            self.journal.finish(r.id, r.outcome.value, out.model_dump_json())
+        self.metrics.count(service, r.outcome.value, r.act_s)
         self._acts.setdefault(job, deque(maxlen=100_000)).append(r.act_s)
         counts = self._outcomes.setdefault(job, {})
         counts[r.outcome.value] = counts.get(r.outcome.value, 0) + 1
@@ -336,7 +346,7 @@ class Service:
         self._admit()
         id = f"x-{uuid.uuid4().hex}"
         if self.journal is not None:
-            self.journal.accept(id, s.job, "exec", req.model_dump(), False)
+            self.journal.accept(id, s.job, "exec", req.model_dump_json(), False)
         try:
             r = await s.exec(req.command, python=req.python, stdin=req.stdin.encode() if req.stdin else None,
                              timeout_s=req.timeout_s, cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction,
@@ -440,7 +450,7 @@ class Service:
             compile_timeout_s=req.compile_timeout, timeout_s=req.run_timeout,
             memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None, memory_as_rlimit=True))
         if self.journal is not None:
-            self.journal.accept(id, spec.job, "run_code", spec.model_dump(), True)
+            self.journal.accept(id, spec.job, "run_code", spec.model_dump_json(), True)
         try:  # awaited in place (not a task): the action reaches the engine's queue before we yield
             r, _ = await self._execute(id, spec, files)
         except Exception as e:
