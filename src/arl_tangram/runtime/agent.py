@@ -67,12 +67,17 @@ class NodeAgent:
 
     async def run(self, action: Action, allocation: Allocation) -> Completion:
         """Run one action the head's engine started on this node; its ``Completion``."""
+        return await self.run_future(action, allocation)
+
+    def run_future(self, action: Action, allocation: Allocation) -> asyncio.Future:
+        """``run`` without a coroutine around it: the action starts now and the future holds its
+        ``Completion`` (a sandbox worker answers from the future's callback, a loop pass sooner)."""
         if self.manager is None:
             raise RuntimeError(f"node {self.name} runs no sandboxes: {self.problem}")
         fut = asyncio.get_running_loop().create_future()
         self._waiting[action.id] = fut
         self.manager.start(action, allocation)
-        return await fut
+        return fut
 
     def cancel(self, action_id: str) -> None:
         if self.manager is not None:

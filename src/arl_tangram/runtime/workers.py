@@ -125,6 +125,7 @@ class SandboxWorkers:
 
     async def shut_down(self) -> None:
         self._closing = True
+        self.where.clear()  # runs in flight go unreported: the runtime is going away
         await self.tasks.close()
         live = [w for w in self.workers if w.up]
         await asyncio.gather(*(w.caller.call("shut_down") for w in live), return_exceptions=True)
@@ -148,22 +149,31 @@ class SandboxWorkers:
         return None
 
     def start(self, action: Action, allocation: Allocation) -> None:
+        """The run's frame is queued now and its answer reported from the future's callback: no
+        task per run (each task costs a pass of the loop on the way out and on the way back, and
+        the core is held for all of it)."""
         w = self._worker_for(action, allocation)
         if w is None:
             self.local.start(action, allocation)
             return
+        fut = w.caller.request("run", action, allocation)
         self.where[action.id] = w
-        self.tasks.run(action, lambda: self._remote(w, action, allocation))
+        fut.add_done_callback(lambda f: self._answered(w, action, f))
 
-    async def _remote(self, w: _Worker, action: Action, allocation: Allocation) -> Completion:
-        try:
-            return await w.caller.call("run", action, allocation)
-        except EngineGone:
+    def _answered(self, w: _Worker, action: Action, fut: asyncio.Future) -> None:
+        err = None if fut.cancelled() else fut.exception()  # read even when unreported
+        if self.where.pop(action.id, None) is None:
+            return  # cancelled (already reported) or shutting down
+        if fut.cancelled() or isinstance(err, EngineGone):
             self._lost(w)
-            return Completion(action.id, Outcome.INFRA_ERROR,
-                              message=f"sandbox worker {w.index} exited while the action ran (it is restarted)")
-        finally:
-            self.where.pop(action.id, None)
+            c = Completion(action.id, Outcome.INFRA_ERROR,
+                           message=f"sandbox worker {w.index} exited while the action ran (it is restarted)")
+        elif err is not None:  # a bug on either side: never the program's failure
+            log.error("sandbox worker %d: action %s failed: %r", w.index, action.id, err)
+            c = Completion(action.id, Outcome.INFRA_ERROR, message=f"internal error: {type(err).__name__}: {err}")
+        else:
+            c = fut.result()
+        self.sink(c)
 
     def _lost(self, w: _Worker) -> None:
         if not w.up or self._closing:
@@ -173,16 +183,22 @@ class SandboxWorkers:
         self.tasks.spawn(self._start(w))
 
     def cancel(self, action_id: str) -> None:
-        w = self.where.get(action_id)
+        w = self.where.pop(action_id, None)
         if w is None:
             self.local.cancel(action_id)
             return
-        self.tasks.cancel(action_id)  # reported cancelled here; the worker stops the run
-        if w.up:
-            self.tasks.spawn(w.caller.call("cancel", action_id))
+        self.sink(Completion(action_id, Outcome.CANCELLED, message="cancelled while running"))
+        if w.up:  # the worker stops the run; its late answer finds no entry and is dropped
+            w.caller.request("cancel", action_id).add_done_callback(_quiet)
 
     def close_session(self, trajectory: str) -> None:
         self.local.close_session(trajectory)
+
+
+def _quiet(fut: asyncio.Future) -> None:
+    """A fire-and-forget request's answer: read, so a lost worker is not logged twice."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 # -- the worker process ------------------------------------------------------------------------------
@@ -231,8 +247,8 @@ class _Served:
     async def start(self) -> dict:
         return await self.agent.start()
 
-    async def run(self, action: Action, allocation: Allocation) -> Completion:
-        return await self.agent.run(action, allocation)
+    def run(self, action: Action, allocation: Allocation) -> asyncio.Future:
+        return self.agent.run_future(action, allocation)
 
     def cancel(self, action_id: str) -> None:
         self.agent.cancel(action_id)

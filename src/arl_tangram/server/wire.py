@@ -123,13 +123,18 @@ class Caller:
                                                            path, sock=sock)
 
     async def call(self, method: str, *args: Any) -> Any:
-        if self.gone is not None or self._proto is None:
-            raise EngineGone("the engine process is not reachable (it stopped or restarts): retry")
-        rid = next(self._ids)
+        return await self.request(method, *args)
+
+    def request(self, method: str, *args: Any) -> asyncio.Future:
+        """``call`` without a coroutine: the frame is queued now; the future holds the answer."""
         fut = asyncio.get_running_loop().create_future()
+        if self.gone is not None or self._proto is None:
+            fut.set_exception(EngineGone("the engine process is not reachable (it stopped or restarts): retry"))
+            return fut
+        rid = next(self._ids)
         self._waiting[rid] = fut
         self._proto.send((rid, method, args))
-        return await fut
+        return fut
 
     def _answer(self, msg: tuple[int, bool, Any]) -> None:
         rid, ok, value = msg
