@@ -36,7 +36,7 @@ from ..policy import tangram_policy
 from ..policy.base import Start
 
 DEPTHS = (1_000, 10_000, 100_000)
-COALESCED = (4, 16)  # events per scheduling round, as a loaded runtime coalesces them
+COALESCED = (4, 16)  # events per scheduling round, were a runtime to coalesce them
 
 
 class _Recorder:
@@ -95,8 +95,8 @@ def measure(depth: int, nodes: int = 1000, seconds: float = 2.0, sessions: int |
     """Rounds of complete + submit + schedule with the pool full and ``depth`` waiting; every
     action belongs to one of ``sessions`` sessions (default: as many as the nodes' memory holds
     comfortably, 32 a node), sticky to its node. ``batch``: completions and submissions per
-    scheduling round (1: a round per event; more: the rounds a runtime coalesces when several
-    events arrive in one loop iteration, ``Runtime.tick``)."""
+    scheduling round (1: a round per event, as the runtimes do; more: what coalescing the events
+    of one loop iteration would gain, which ``Runtime.tick`` says why it does not do)."""
     b = _Setup(depth, nodes, sessions, memory_gb_per_core)
     engine, clock, rec = b.engine, b.clock, b.rec
 
