@@ -156,23 +156,21 @@ class SandboxWorkers:
         if w is None:
             self.local.start(action, allocation)
             return
-        fut = w.caller.request("run", action, allocation)
         self.where[action.id] = w
-        fut.add_done_callback(lambda f: self._answered(w, action, f))
+        w.caller.request_cb("run", (action, allocation), lambda ok, value: self._answered(w, action, ok, value))
 
-    def _answered(self, w: _Worker, action: Action, fut: asyncio.Future) -> None:
-        err = None if fut.cancelled() else fut.exception()  # read even when unreported
+    def _answered(self, w: _Worker, action: Action, ok: bool, value: Any) -> None:
         if self.where.pop(action.id, None) is None:
             return  # cancelled (already reported) or shutting down
-        if fut.cancelled() or isinstance(err, EngineGone):
+        if ok:
+            c = value
+        elif isinstance(value, EngineGone):
             self._lost(w)
             c = Completion(action.id, Outcome.INFRA_ERROR,
                            message=f"sandbox worker {w.index} exited while the action ran (it is restarted)")
-        elif err is not None:  # a bug on either side: never the program's failure
-            log.error("sandbox worker %d: action %s failed: %r", w.index, action.id, err)
-            c = Completion(action.id, Outcome.INFRA_ERROR, message=f"internal error: {type(err).__name__}: {err}")
-        else:
-            c = fut.result()
+        else:  # a bug on either side: never the program's failure
+            log.error("sandbox worker %d: action %s failed: %r", w.index, action.id, value)
+            c = Completion(action.id, Outcome.INFRA_ERROR, message=f"internal error: {type(value).__name__}: {value}")
         self.sink(c)
 
     def _lost(self, w: _Worker) -> None:

@@ -112,7 +112,7 @@ class Caller:
 
     def __init__(self) -> None:
         self._ids = itertools.count()
-        self._waiting: dict[int, asyncio.Future] = {}
+        self._waiting: dict[int, asyncio.Future | Callable[[bool, Any], None]] = {}
         self._proto: FrameProtocol | None = None
         self.gone: Exception | None = None
 
@@ -136,22 +136,39 @@ class Caller:
         self._proto.send((rid, method, args))
         return fut
 
+    def request_cb(self, method: str, args: tuple, done: Callable[[bool, Any], None]) -> None:
+        """``request`` with a callback, called as the answer is read: ``done(True, value)`` or
+        ``done(False, error)``. A future's callbacks run a loop pass later; a sandbox worker's
+        answer frees a core, and every pass in between keeps it held (issue 10)."""
+        if self.gone is not None or self._proto is None:
+            done(False, EngineGone("the link is down (its peer stopped or died)"))
+            return
+        rid = next(self._ids)
+        self._waiting[rid] = done
+        self._proto.send((rid, method, args))
+
     def _answer(self, msg: tuple[int, bool, Any]) -> None:
         rid, ok, value = msg
-        fut = self._waiting.pop(rid, None)
-        if fut is None or fut.done():
+        waiter = self._waiting.pop(rid, None)
+        if waiter is None:
             return
-        if ok:
-            fut.set_result(value)
+        if not isinstance(waiter, asyncio.Future):
+            waiter(ok, value)
+        elif waiter.done():
+            return
+        elif ok:
+            waiter.set_result(value)
         else:
-            fut.set_exception(value)
+            waiter.set_exception(value)
 
     def _lost(self, exc: Exception | None) -> None:
         self.gone = EngineGone("the engine process closed the link (it stopped or died): retry")
         waiting, self._waiting = self._waiting, {}
-        for fut in waiting.values():
-            if not fut.done():
-                fut.set_exception(self.gone)
+        for waiter in waiting.values():
+            if not isinstance(waiter, asyncio.Future):
+                waiter(False, self.gone)
+            elif not waiter.done():
+                waiter.set_exception(self.gone)
 
     def close(self) -> None:
         if self._proto is not None and self._proto.transport is not None:
