@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from typing import Callable
 
 from ..core.action import Action, Allocation
 from ..core.seam import Completion, Report
@@ -36,7 +37,7 @@ class NodeAgent:
         self.cpu_offset = cpu_offset
         self.cpus = cpus
         self.manager: SandboxManager | None = None
-        self._waiting: dict[str, asyncio.Future] = {}
+        self._waiting: dict[str, asyncio.Future | Callable[[Completion], None]] = {}
         self._expired: list[str] = []
         self.problem = ""
 
@@ -61,9 +62,19 @@ class NodeAgent:
 
     def _report(self, r: Report) -> None:
         if isinstance(r, Completion):
-            fut = self._waiting.pop(r.action_id, None)
-            if fut is not None and not fut.done():
-                fut.set_result(r)
+            waiter = self._waiting.pop(r.action_id, None)
+            if callable(waiter) and not isinstance(waiter, asyncio.Future):
+                waiter(r)
+            elif waiter is not None and not waiter.done():
+                waiter.set_result(r)
+
+    def run_cb(self, action: Action, allocation: Allocation, done) -> None:
+        """``run`` that calls ``done(completion)`` from the manager's report itself (a sandbox
+        worker answers its engine a loop pass sooner than through a future)."""
+        if self.manager is None:
+            raise RuntimeError(f"node {self.name} runs no sandboxes: {self.problem}")
+        self._waiting[action.id] = done
+        self.manager.start(action, allocation)
 
     async def run(self, action: Action, allocation: Allocation) -> Completion:
         """Run one action the head's engine started on this node; its ``Completion``."""

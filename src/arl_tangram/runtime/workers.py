@@ -245,8 +245,10 @@ class _Served:
     async def start(self) -> dict:
         return await self.agent.start()
 
-    def run(self, action: Action, allocation: Allocation) -> asyncio.Future:
-        return self.agent.run_future(action, allocation)
+    REPLIES = frozenset({"run"})  # answered through the hub's reply callback (server/hub.py)
+
+    def run(self, action: Action, allocation: Allocation, reply) -> None:
+        self.agent.run_cb(action, allocation, lambda c: reply(True, c))
 
     def cancel(self, action_id: str) -> None:
         self.agent.cancel(action_id)

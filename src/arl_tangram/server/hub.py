@@ -72,8 +72,13 @@ class Hub:
         if method not in self.calls:
             proto.send((rid, False, RemoteFault("UnknownCall", f"no such call {method!r}")))
             return
+        fn = getattr(self.service, method)
         try:
-            value = getattr(self.service, method)(*args)
+            if method in getattr(self.service, "REPLIES", ()):  # answers through a callback, when ready
+                fn(*args, reply=lambda ok, value: _send(proto, rid, method, ok,
+                                                         value if ok else _relayable(method, value)))
+                return
+            value = fn(*args)
         except Exception as e:
             proto.send((rid, False, _relayable(method, e)))
             return
