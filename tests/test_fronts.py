@@ -199,6 +199,8 @@ def test_fronts_and_sandbox_workers_together_and_nothing_outlives_sigterm(tmp_pa
             return rs, step
 
     rs, step = asyncio.run(main())
+    health = httpx.get(f"{s.url}/healthz").json()
+    assert (health["fronts"], health["sandbox_workers"]) == (2, {"up": 2, "total": 2})
     assert [r.json()["run_result"]["stdout"] for r in rs] == [f"{i}\n" for i in range(24)]
     assert step["run"]["stdout"] == "42\n"
     assert sum("runtime.workers" in cmdline(p) for p in kids) == 2
@@ -208,3 +210,20 @@ def test_fronts_and_sandbox_workers_together_and_nothing_outlives_sigterm(tmp_pa
     while time.time() < deadline and any(_alive(p) for p in kids):
         time.sleep(0.1)
     assert not any(_alive(p) for p in kids), [cmdline(p) for p in kids if _alive(p)]
+
+
+def test_top_shows_the_helper_processes_and_hides_them_when_there_are_none():
+    from rich.console import Console
+
+    from arl_tangram.top import render
+
+    base = {"version": "x", "isolation": "bwrap", "queued": 0, "running": 0, "cores": 16, "sessions": 0,
+            "sessions_placed": 0, "session_mem_used_mb": 0.0, "session_mem_reserved_mb": 0.0, "memory_mb": 1000,
+            "head_waited_s": 0.0, "head_waits_for": ""}
+    for health, line in ((dict(base, fronts=4, sandbox_workers={"up": 3, "total": 4}),
+                          "processes: 4 HTTP fronts, sandbox workers 3/4 up"),
+                         (dict(base, fronts=0, sandbox_workers=None), None)):
+        console = Console(width=200, record=True)
+        console.print(render("http://x", health, []))
+        text = console.export_text()
+        assert (line in text) if line else ("processes:" not in text)

@@ -43,6 +43,11 @@ def render(url: str, health: dict, jobs: list[v1.JobStats], cluster: dict | None
         head += (f"\nsession memory: {health['session_mem_used_mb']:,.0f} MB in use, "
                  f"{health['session_mem_reserved_mb']:,.0f} MB reserved of {health['memory_mb']:,} MB "
                  f"({health['sessions_placed']} sessions placed)")
+        workers = health.get("sandbox_workers")
+        if health.get("fronts") or workers:  # servers with helper processes (issue #10)
+            head += f"\nprocesses: {health.get('fronts', 0)} HTTP fronts"
+            if workers:
+                head += f", sandbox workers {workers['up']}/{workers['total']} up"
         if health.get("head_waits_for"):
             head += (f"\nhead of the queue: waiting {health['head_waited_s']:.1f} s for "
                      f"{health['head_waits_for']}")

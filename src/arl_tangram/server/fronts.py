@@ -120,6 +120,7 @@ async def _run(service: Service, sock: socket.socket, n: int, token: str | None,
     tmp = tempfile.mkdtemp(prefix="tangram-link-")  # mode 0700: only this user reaches the link
     hub = Hub(service)
     fronts = Fronts(sock, os.path.join(tmp, "engine.sock"), n, token, max_body_bytes, drain_s)
+    service.fronts = n
     await service.start()
     try:
         await hub.listen(fronts.link)

@@ -132,6 +132,7 @@ class Service:
         self._outcomes: dict[str, dict[str, int]] = {}
         self.started_at = time.time()
         self.recovered = {"rerun": 0, "infra_error": 0, "rejected": 0}
+        self.fronts = 0  # HTTP front processes (server/fronts.py sets it; 0: HTTP in this process)
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -414,7 +415,14 @@ class Service:
                 "session_mem_used_mb": round(snap.session_mem_used_gb * 1024, 1),
                 "session_mem_reserved_mb": round(snap.session_mem_reserved_gb * 1024, 1),
                 "memory_mb": round(snap.memory_gb * 1024), "head_waited_s": round(snap.head_waited_s, 3),
-                "head_waits_for": snap.head_waits_for}
+                "head_waits_for": snap.head_waits_for, "fronts": self.fronts, "sandbox_workers": self._workers()}
+
+    def _workers(self) -> dict | None:
+        """Sandbox worker processes up / started (None: one-shots run in this process)."""
+        workers = getattr(getattr(self.runtime, "sandboxes", None), "workers", None)
+        if not isinstance(workers, list):
+            return None
+        return {"up": sum(1 for w in workers if w.up), "total": len(workers)}
 
     def metrics_text(self) -> str:
         """``GET /metrics``: the Prometheus exposition of this process's registry."""
