@@ -79,3 +79,26 @@ def test_a_dead_worker_ends_its_runs_as_infra_error_and_is_replaced():
             assert (await cancelled).outcome is Outcome.CANCELLED
 
     asyncio.run(main())
+
+
+def test_a_worker_that_dies_idle_costs_no_run_and_a_cancel_at_once_ends_the_action():
+    async def main():
+        async with Tangram.local(workers=1) as tg:
+            w = tg.runtime.sandboxes.workers[0]
+            first = w.proc.pid
+            os.kill(first, signal.SIGKILL)  # nothing running: noticed from the link, not from a run
+            for _ in range(100):
+                if not w.up or w.proc.pid != first:
+                    break
+                await asyncio.sleep(0.05)
+            r = await tg.run("print('fine')")
+            assert (r.outcome, r.stdout) == (Outcome.OK, "fine\n"), r.message
+            for local in (False, True):  # cancelled in the very loop pass that started it
+                if local:
+                    w.up = False  # marked down: the run goes to the engine process's own manager
+                task = asyncio.ensure_future(tg.run("import time\ntime.sleep(3)", id=f"early-{local}"))
+                await asyncio.sleep(0)
+                assert tg.runtime.cancel(f"early-{local}")
+                assert (await asyncio.wait_for(task, 10)).outcome is Outcome.CANCELLED
+
+    asyncio.run(main())

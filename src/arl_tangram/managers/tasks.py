@@ -28,6 +28,7 @@ class TaskSet:
         self.actions: dict[str, asyncio.Task] = {}
         self.background: set[asyncio.Task] = set()
         self._cancelling: set[str] = set()
+        self._started: set[str] = set()  # actions whose guard has begun
         self.closing = False
 
     def run(self, action: Action, body: Callable[[], Awaitable[Completion]]) -> None:
@@ -36,6 +37,7 @@ class TaskSet:
         self.actions[action.id] = task
 
     async def _guard(self, action: Action, body: Callable[[], Awaitable[Completion]]) -> None:
+        self._started.add(action.id)
         try:
             c = await body()
         except asyncio.CancelledError:
@@ -48,13 +50,22 @@ class TaskSet:
         finally:
             self.actions.pop(action.id, None)
             self._cancelling.discard(action.id)
+            self._started.discard(action.id)
         self.sink(c)
 
     def cancel(self, action_id: str) -> None:
         task = self.actions.get(action_id)
-        if task is not None and not task.done():
-            self._cancelling.add(action_id)
+        if task is None or task.done():
+            return
+        if action_id not in self._started:
+            # cancelled in the loop pass that started it: the task's body never runs, so its
+            # guard cannot report; report here (else the action never ends and holds its cores)
+            del self.actions[action_id]
             task.cancel()
+            self.sink(Completion(action_id, Outcome.CANCELLED, message="cancelled before it started running"))
+            return
+        self._cancelling.add(action_id)
+        task.cancel()
 
     def spawn(self, coro: Awaitable, report: Callable[[], Report] | None = None) -> asyncio.Task:
         """A background task kept alive until done; ``report()`` is sent to the sink after it

@@ -102,7 +102,7 @@ class SandboxWorkers:
         w.proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.runtime.workers"], env=env,
                                   pass_fds=(theirs.fileno(),))
         theirs.close()
-        w.caller = Caller()
+        w.caller = Caller(on_lost=lambda: self._lost(w))  # noticed at once, idle or not
         await w.caller.connect(sock=mine)
         try:
             info = await asyncio.wait_for(w.caller.call("start"), 60)
@@ -128,7 +128,8 @@ class SandboxWorkers:
         self.where.clear()  # runs in flight go unreported: the runtime is going away
         await self.tasks.close()
         live = [w for w in self.workers if w.up]
-        await asyncio.gather(*(w.caller.call("shut_down") for w in live), return_exceptions=True)
+        await asyncio.gather(*(asyncio.wait_for(w.caller.call("shut_down"), 10) for w in live),
+                             return_exceptions=True)  # a stuck worker is killed below
         for w in self.workers:
             self._stop(w)
             if w.proc is not None:
@@ -144,7 +145,7 @@ class SandboxWorkers:
         first = allocation.units[0] if allocation.units else 0
         for k in range(self.n):
             w = self.workers[(first + k) % self.n]
-            if w.up:
+            if w.up and w.caller is not None and w.caller.gone is None:
                 return w
         return None
 

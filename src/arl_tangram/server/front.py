@@ -39,7 +39,7 @@ class RemoteService:
 
     def __init__(self, link: str) -> None:
         self.link = link
-        self._caller = Caller()
+        self._caller = Caller(on_lost=_stop_front)
         self.call = self._caller.call
 
     async def start(self) -> None:
@@ -101,6 +101,13 @@ class RemoteService:
 
     async def metrics_text(self) -> str:
         return await self.call("metrics_text")
+
+
+def _stop_front() -> None:
+    """The link to the engine process dropped: stop (gracefully) instead of answering 503 for
+    ever; a live engine process starts another front, a dead one takes us with it anyway."""
+    log.error("front: the link to the engine process dropped; stopping")
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _die_with_parent() -> None:

@@ -128,6 +128,11 @@ class Journal:
                 self.commits += 1
             except sqlite3.Error as e:
                 self.error = e
+                try:
+                    self._db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+                self._pending.clear()  # not on disk: reads must not serve it
                 err = JournalError(f"the journal cannot be written: {e}")
                 for fut in waiters:
                     if not fut.done():

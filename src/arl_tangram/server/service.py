@@ -219,6 +219,7 @@ class Service:
             files = _decode_files("action.files", req.action.files)
             existing = self.journal.get(id) if self.journal and req.id else None  # ids we make are new
             if existing is not None and existing.state == "done":
+                await self._durable()  # it may still be queued for this loop pass's commit
                 return v1.ActionResult.model_validate(existing.response)
             if existing is None:
                 self._admit()

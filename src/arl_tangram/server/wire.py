@@ -112,11 +112,20 @@ class FrameProtocol(asyncio.Protocol):
         self._on_lost(exc)
 
 
+def _guarded(callback: Callable[[bool, Any], None], ok: bool, value: Any) -> None:
+    try:
+        callback(ok, value)
+    except Exception:
+        log.exception("a link callback failed")
+
+
 class Caller:
     """The front's end: ``await call(method, *args)`` returns the engine process's answer or
     raises its error."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_lost: Callable[[], None] | None = None) -> None:
+        """``on_lost``: called once when the link goes down (its peer stopped or died)."""
+        self.on_lost = on_lost
         self._ids = itertools.count()
         self._waiting: dict[int, asyncio.Future | Callable[[bool, Any], None]] = {}
         self._proto: FrameProtocol | None = None
@@ -159,7 +168,7 @@ class Caller:
         if waiter is None:
             return
         if not isinstance(waiter, asyncio.Future):
-            waiter(ok, value)
+            _guarded(waiter, ok, value)  # a raise here would close the link under every other call
         elif waiter.done():
             return
         elif ok:
@@ -172,9 +181,11 @@ class Caller:
         waiting, self._waiting = self._waiting, {}
         for waiter in waiting.values():
             if not isinstance(waiter, asyncio.Future):
-                waiter(False, self.gone)
+                _guarded(waiter, False, self.gone)  # one that raises must not strand the rest
             elif not waiter.done():
                 waiter.set_exception(self.gone)
+        if self.on_lost is not None:
+            self.on_lost()
 
     def close(self) -> None:
         if self._proto is not None and self._proto.transport is not None:
