@@ -35,6 +35,14 @@ def _runners_of(pid: int) -> int:
     return n
 
 
+async def _until(condition, timeout_s: float = 10.0) -> bool:
+    for _ in range(int(timeout_s / 0.05)):
+        if condition():
+            return True
+        await asyncio.sleep(0.05)
+    return condition()
+
+
 def test_one_shots_run_in_workers_and_sessions_stay_here():
     async def main():
         async with Tangram.local(workers=2) as tg:
@@ -67,11 +75,7 @@ def test_a_dead_worker_ends_its_runs_as_infra_error_and_is_replaced():
             os.kill(first, signal.SIGKILL)
             r = await slow
             assert r.outcome is Outcome.INFRA_ERROR and "worker" in r.message
-            for _ in range(100):
-                if w.up and w.proc.pid != first:
-                    break
-                await asyncio.sleep(0.1)
-            assert w.up and w.proc.pid != first
+            assert await _until(lambda: w.up and w.proc.pid != first), "the dead worker was not replaced"
             assert (await tg.run("print('again')")).stdout == "again\n"
             cancelled = asyncio.ensure_future(tg.run("import time\ntime.sleep(5)", id="to-cancel"))
             await asyncio.sleep(0.5)
@@ -87,10 +91,7 @@ def test_a_worker_that_dies_idle_costs_no_run_and_a_cancel_at_once_ends_the_acti
             w = tg.runtime.sandboxes.workers[0]
             first = w.proc.pid
             os.kill(first, signal.SIGKILL)  # nothing running: noticed from the link, not from a run
-            for _ in range(100):
-                if not w.up or w.proc.pid != first:
-                    break
-                await asyncio.sleep(0.05)
+            assert await _until(lambda: not w.up or w.proc.pid != first), "the idle death went unnoticed"
             r = await tg.run("print('fine')")
             assert (r.outcome, r.stdout) == (Outcome.OK, "fine\n"), r.message
             for local in (False, True):  # cancelled in the very loop pass that started it
