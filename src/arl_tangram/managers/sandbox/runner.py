@@ -225,11 +225,24 @@ def collect(child, out_fd, err_fd, in_fd, stdin, timeout_s, max_output, wait=Non
     return bufs[out_fd], bufs[err_fd], truncated, timed_out, status
 
 
+def pipes():
+    """stdin, stdout and stderr pipes for a child: (in_r, in_w, out_r, out_w, err_r, err_w)."""
+    return (*os.pipe(), *os.pipe(), *os.pipe())
+
+
+def parent_side(req, start, pid, fds):
+    """What the runner does once the child exists, however it was made: drop the child's ends of
+    the pipes, feed its stdin, read its output up to the cap until it ends or times out."""
+    in_r, in_w, out_r, out_w, err_r, err_w = fds
+    for fd in (in_r, out_w, err_w):
+        os.close(fd)
+    return finish(req, start, *collect(pid, out_r, err_r, in_w, unb64(req.get("stdin")),
+                                       float(req.get("timeout_s") or 10), int(req.get("max_output") or 1 << 20)))
+
+
 def spawn(req, body):
     """Fork a child in its own process group with fresh pipes; ``body`` runs in the child."""
-    in_r, in_w = os.pipe()
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
+    fds = in_r, in_w, out_r, out_w, err_r, err_w = pipes()
     start = time.monotonic()
     pid = os.fork()
     if pid == 0:
@@ -253,10 +266,7 @@ def spawn(req, body):
             print_exc()
             os._exit(1)
         os._exit(0)
-    for fd in (in_r, out_w, err_w):
-        os.close(fd)
-    return finish(req, start, *collect(pid, out_r, err_r, in_w, unb64(req.get("stdin")),
-                                       float(req.get("timeout_s") or 10), int(req.get("max_output") or 1 << 20)))
+    return parent_side(req, start, pid, fds)
 
 
 def finish(req, start, out, err, truncated, timed_out, status):
@@ -321,28 +331,19 @@ def spawn_exec(req, argv, env):
     inside a sandbox on the 2-core VM: /bin/true 0.85 ms of CPU against 1.25 ms; a trivial bash
     one-shot ~1 ms less). None when it cannot be used here (the caller forks instead, which then
     reports whatever the failure was exactly as before)."""
-    if not hasattr(os, "posix_spawn"):
+    path = resolve(argv[0], env.get("PATH", "")) if hasattr(os, "posix_spawn") else None
+    if path is None:  # not found (or no posix_spawn): the fork path reports it as it always did
         return None
-    in_r, in_w = os.pipe()
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
+    fds = in_r, _, _, out_w, _, err_w = pipes()
     start = time.monotonic()
     actions = [(os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
-    path = resolve(argv[0], env.get("PATH", ""))
-    if path is None:  # not found: the fork path reports it as it always did
-        for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
-            os.close(fd)
-        return None
     try:
         pid = os.posix_spawn(path, argv, env, file_actions=actions, setsid=True, setsigdef=RESTORED)
     except (OSError, ValueError, TypeError, NotImplementedError):  # no POSIX_SPAWN_SETSID in this libc
-        for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+        for fd in fds:
             os.close(fd)
         return None
-    for fd in (in_r, out_w, err_w):
-        os.close(fd)
-    return finish(req, start, *collect(pid, out_r, err_r, in_w, unb64(req.get("stdin")),
-                                       float(req.get("timeout_s") or 10), int(req.get("max_output") or 1 << 20)))
+    return parent_side(req, start, pid, fds)
 
 
 def python_body(code, env):
