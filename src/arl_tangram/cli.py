@@ -315,7 +315,8 @@ def serve(
     import uvicorn
 
     from .server.config import ConfigError, ServeConfig, build, build_service, load
-    from .server.fronts import default_fronts, listen
+    from .runtime.host import helper_processes
+    from .server.fronts import listen
     from .server.fronts import serve as serve_with_fronts
 
     try:
@@ -333,7 +334,7 @@ def serve(
         cfg = cfg.model_copy(update={"sandbox_workers": sandbox_workers})
     n = fronts if fronts is not None else cfg.fronts
     if n is None:
-        n = default_fronts(len(os.sched_getaffinity(0)))
+        n = helper_processes(len(os.sched_getaffinity(0)))
     if n == 0:
         try:
             app = build(cfg, token=token, journal=journal, ray=ray, record=record)

@@ -6,6 +6,7 @@ detected, configured or (with Ray) assembled from many nodes.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -15,6 +16,31 @@ from ..core.cluster import DEFAULT_H2D_GBPS, ApiQuota, Cluster, CpuNode, GpuNode
 GPU_MEMORY_USABLE = 0.9
 #: memory of a CPU "device" when model services run without CUDA and no size is given
 CPU_DEVICE_MEMORY_GB = 16.0
+
+
+log = logging.getLogger(__name__)
+
+
+def helper_processes(cores: int) -> int:
+    """How many HTTP fronts, and how many sandbox workers, a server on ``cores`` CPUs starts by
+    default: none on a small machine (another process competes for the same cores and the link
+    adds a hop: 1 front + 1 worker measured 0.88x of none on 2 cores), else one per 4 cores, at
+    most 8 (8 + 8 measured no better than 4 + 4 on 16 cores)."""
+    return 0 if cores <= 2 else min(8, max(1, cores // 4))
+
+
+def die_with_parent(what: str) -> None:
+    """Ask the kernel to end this helper process when its parent (the engine process) dies
+    (``PR_SET_PDEATHSIG``), so a killed server leaves no front or worker behind."""
+    import ctypes
+    import signal
+    import sys
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, signal.SIGTERM, 0, 0, 0) != 0:  # 1: PR_SET_PDEATHSIG
+        log.warning("%s: cannot ask to die with the engine process (errno %d)", what, ctypes.get_errno())
+    if os.getppid() == 1:  # the engine process died before we asked
+        sys.exit(1)
 
 
 def memory_gb() -> float:

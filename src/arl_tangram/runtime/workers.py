@@ -43,12 +43,6 @@ ENV = "TANGRAM_SANDBOX_WORKER"  # JSON: fd, index, config, cpus
 CALLS = frozenset({"start", "run", "cancel", "shut_down"})
 
 
-def default_workers(cores: int) -> int:
-    """None on a small machine (a worker competes with the sandboxes for the same cores and adds
-    a hop); else one per 4 cores, at most 8."""
-    return 0 if cores <= 2 else min(8, max(1, cores // 4))
-
-
 class _Worker:
     def __init__(self, index: int) -> None:
         self.index = index
@@ -203,10 +197,10 @@ def _quiet(fut: asyncio.Future) -> None:
 # -- the worker process ------------------------------------------------------------------------------
 
 def main() -> None:
-    from ..server.front import _die_with_parent
     from .agent import NodeAgent
+    from .host import die_with_parent
 
-    _die_with_parent()
+    die_with_parent("sandbox worker")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the engine process's to handle
     spec = json.loads(os.environ.pop(ENV))
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s worker{spec['index']} %(name)s: "

@@ -121,8 +121,8 @@ def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True,
     else:
         workers = cfg.sandbox_workers
         if workers is None:
-            from ..runtime.workers import default_workers
-            workers = default_workers(len(cfg.sandbox.cpus or os.sched_getaffinity(0)))
+            from ..runtime.host import helper_processes
+            workers = helper_processes(len(cfg.sandbox.cpus or os.sched_getaffinity(0)))
         runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores, cfg.memory_gb, models=models, gpus=cfg.gpus,
                                gpu_memory_gb=cfg.gpu_memory_gb, gpu_island_size=cfg.gpu_island_size,
                                sandboxes=sandboxes, max_queue_s=cfg.max_queue_s, workers=workers)

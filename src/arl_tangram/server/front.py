@@ -15,13 +15,11 @@ holding the port.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 import signal
 import socket
-import sys
 from typing import Any
 
 from ..api import sandboxfusion as sf
@@ -31,7 +29,6 @@ from .wire import Caller
 log = logging.getLogger(__name__)
 
 ENV = "TANGRAM_FRONT"  # JSON: fd, link, max_body_bytes, drain_s, index
-PR_SET_PDEATHSIG = 1
 
 
 class RemoteService:
@@ -110,20 +107,13 @@ def _stop_front() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
-        log.warning("front: cannot ask to die with the engine process (errno %d)", ctypes.get_errno())
-    if os.getppid() == 1:  # the engine process died before we asked
-        sys.exit(1)
-
-
 def main() -> None:
     import uvicorn
 
+    from ..runtime.host import die_with_parent
     from .app import create_app
 
-    _die_with_parent()
+    die_with_parent("front")
     spec: dict[str, Any] = json.loads(os.environ.pop(ENV))
     token = os.environ.pop("TANGRAM_TOKEN", None) or None
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s front{spec['index']} %(name)s: "

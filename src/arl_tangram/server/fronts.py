@@ -49,13 +49,6 @@ def listen(host: str, port: int, backlog: int = 4096) -> socket.socket:
     return sock
 
 
-def default_fronts(cores: int) -> int:
-    """No fronts on a small machine (one more process competes for the same cores and the link
-    adds a hop); else one per 4 cores, at most 8 (the engine process becomes the limit well
-    before that: see the README's measured table)."""
-    return 0 if cores <= 2 else min(8, max(1, cores // 4))
-
-
 class Fronts:
     """Starts, watches and stops the front processes."""
 
