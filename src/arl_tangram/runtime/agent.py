@@ -37,7 +37,7 @@ class NodeAgent:
         self.cpu_offset = cpu_offset
         self.cpus = cpus
         self.manager: SandboxManager | None = None
-        self._waiting: dict[str, asyncio.Future | Callable[[Completion], None]] = {}
+        self._waiting: dict[str, Callable[[Completion], None]] = {}  # action id -> where its completion goes
         self._expired: list[str] = []
         self.problem = ""
 
@@ -62,13 +62,11 @@ class NodeAgent:
 
     def _report(self, r: Report) -> None:
         if isinstance(r, Completion):
-            waiter = self._waiting.pop(r.action_id, None)
-            if callable(waiter) and not isinstance(waiter, asyncio.Future):
-                waiter(r)
-            elif waiter is not None and not waiter.done():
-                waiter.set_result(r)
+            done = self._waiting.pop(r.action_id, None)
+            if done is not None:
+                done(r)
 
-    def run_cb(self, action: Action, allocation: Allocation, done) -> None:
+    def run_cb(self, action: Action, allocation: Allocation, done: Callable[[Completion], None]) -> None:
         """``run`` that calls ``done(completion)`` from the manager's report itself (a sandbox
         worker answers its engine a loop pass sooner than through a future)."""
         if self.manager is None:
@@ -78,17 +76,9 @@ class NodeAgent:
 
     async def run(self, action: Action, allocation: Allocation) -> Completion:
         """Run one action the head's engine started on this node; its ``Completion``."""
-        return await self.run_future(action, allocation)
-
-    def run_future(self, action: Action, allocation: Allocation) -> asyncio.Future:
-        """``run`` without a coroutine around it: the action starts now and the future holds its
-        ``Completion`` (a sandbox worker answers from the future's callback, a loop pass sooner)."""
-        if self.manager is None:
-            raise RuntimeError(f"node {self.name} runs no sandboxes: {self.problem}")
         fut = asyncio.get_running_loop().create_future()
-        self._waiting[action.id] = fut
-        self.manager.start(action, allocation)
-        return fut
+        self.run_cb(action, allocation, lambda c: fut.done() or fut.set_result(c))  # done: the caller gave up
+        return await fut
 
     def cancel(self, action_id: str) -> None:
         if self.manager is not None:

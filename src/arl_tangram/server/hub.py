@@ -39,6 +39,7 @@ class Hub:
     def __init__(self, service: Any, calls: frozenset[str] = CALLS) -> None:
         self.service = service
         self.calls = calls
+        self.replies = frozenset(getattr(service, "REPLIES", ()))  # answered through a reply callback
         self._server: asyncio.AbstractServer | None = None
         self._tasks: set[asyncio.Task] = set()
         self._links: set[FrameProtocol] = set()
@@ -74,7 +75,7 @@ class Hub:
             return
         fn = getattr(self.service, method)
         try:
-            if method in getattr(self.service, "REPLIES", ()):  # answers through a callback, when ready
+            if method in self.replies:  # the method answers later through ``reply``
                 fn(*args, reply=lambda ok, value: _send(proto, rid, method, ok,
                                                          value if ok else _relayable(method, value)))
                 return
