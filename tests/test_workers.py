@@ -8,31 +8,21 @@ import asyncio
 import os
 import shutil
 import signal
-from pathlib import Path
 
 import pytest
 
 from arl_tangram.core import Outcome
 from arl_tangram.runtime import Tangram
 
+from servers import children_of
+
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
 
 def _runners_of(pid: int) -> int:
     """Processes under ``pid`` (its sandboxes' runners and their children)."""
-    kids: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError):
-            continue
-        kids.setdefault(ppid, []).append(int(stat.parent.name))
-    todo, n = [pid], 0
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            n += 1
-            todo.append(k)
-    return n
+    kids = children_of(pid)
+    return len(kids) + sum(_runners_of(k) for k in kids)
 
 
 async def _until(condition, timeout_s: float = 10.0) -> bool:
