@@ -337,6 +337,14 @@ def evaluation_plots(data: dict, out_dir: Path) -> dict[str, str]:
             ax.axis("off")
         return fig, flat
 
+    def save(fig, axes, name: str) -> None:
+        """Legend, layout, ``name``.png into ``out_dir``, and its place in the report."""
+        axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{name}.png", dpi=100)
+        plt.close(fig)
+        images[name] = f"{name}.png"
+
     for metric, name, label in (("avg_act_s", "act_vs_scale", "average ACT (s)"),
                                 ("avg_step_s", "step_vs_scale", "average step time (s)")):
         fig, axes = grid(len(workloads))
@@ -359,11 +367,7 @@ def evaluation_plots(data: dict, out_dir: Path) -> dict[str, str]:
             ax.set_xlabel("pool scale")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / f"{name}.png", dpi=100)
-        plt.close(fig)
-        images[name] = f"{name}.png"
+        save(fig, axes, name)
 
     panels = []
     for w in workloads:
@@ -386,11 +390,7 @@ def evaluation_plots(data: dict, out_dir: Path) -> dict[str, str]:
             ax.set_xlabel("average step time (s)")
             ax.set_ylabel(f"{kind} {unit} held")
             ax.grid(alpha=0.3)
-        axes[0].legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "held_vs_step.png", dpi=100)
-        plt.close(fig)
-        images["held_vs_step"] = "held_vs_step.png"
+        save(fig, axes, "held_vs_step")
 
     seed = plan["seeds"][0]
     scale = 1.0 if 1.0 in plan["scales"] else plan["scales"][-1]
@@ -406,11 +406,7 @@ def evaluation_plots(data: dict, out_dir: Path) -> dict[str, str]:
         ax.set_xlabel("action completion time (s)")
         ax.set_ylabel("fraction of actions")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "act_cdf.png", dpi=100)
-    plt.close(fig)
-    images["act_cdf"] = "act_cdf.png"
+    save(fig, axes, "act_cdf")
     return images
 
 
