@@ -8,6 +8,7 @@ import marshal
 import os
 import signal
 from dataclasses import dataclass
+from typing import Callable
 
 from .cgroups import CgroupRoot, Group
 
@@ -183,24 +184,28 @@ class Sandbox:
         bound)."""
         if self.group is not None:
             return self.group.memory_bytes()
-        total = 0
-        for pid in _descendants(self.proc.pid):
-            try:
-                with open(f"/proc/{pid}/statm") as fh:
-                    total += int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-            except (OSError, IndexError, ValueError):
-                pass
-        return total
+        page = os.sysconf("SC_PAGE_SIZE")
+        return int(self._per_process("statm", lambda text: int(text.split()[1]) * page))
 
     def cpu_seconds(self) -> float:
         if self.group is not None:
             return self.group.cpu_seconds()
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def used(text: str) -> float:
+            f = text.rsplit(")", 1)[1].split()
+            return (int(f[11]) + int(f[12])) / tick  # utime + stime
+
+        return self._per_process("stat", used)
+
+    def _per_process(self, name: str, value: Callable[[str], float]) -> float:
+        """``value`` of ``/proc/<pid>/<name>`` summed over the sandbox's processes (without
+        cgroups, the only account there is); one that exits meanwhile counts nothing."""
         total = 0.0
         for pid in _descendants(self.proc.pid):
             try:
-                with open(f"/proc/{pid}/stat") as fh:
-                    f = fh.read().rsplit(")", 1)[1].split()
-                total += (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+                with open(f"/proc/{pid}/{name}") as fh:
+                    total += value(fh.read())
             except (OSError, IndexError, ValueError):
                 pass
         return total
