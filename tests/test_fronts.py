@@ -227,3 +227,17 @@ def test_top_shows_the_helper_processes_and_hides_them_when_there_are_none():
         console.print(render("http://x", health, []))
         text = console.export_text()
         assert (line in text) if line else ("processes:" not in text)
+
+
+def test_the_front_calls_exactly_what_the_hub_serves_and_the_service_has():
+    """RemoteService's methods, hub.CALLS and Service's methods are three lists of one thing."""
+    import inspect
+
+    from arl_tangram.server.front import RemoteService
+    from arl_tangram.server.hub import CALLS
+    from arl_tangram.server.service import Service
+
+    remote = {n for n, f in inspect.getmembers(RemoteService, inspect.isfunction)
+              if not n.startswith("_") and n not in ("start", "stop")}
+    assert remote == set(CALLS)
+    assert all(callable(getattr(Service, n, None)) for n in CALLS)
