@@ -15,7 +15,9 @@ from arl_tangram.policy.queues import JobQueues
 @pytest.mark.parametrize("ranges", [{"cpu": (1, 1)}, {"cpu": [2, 4]}, {"cpu": (1.0, 2.0)}, {"gpu": (True, 1)},
                                     {"cpu": (1, 2), "gpu": (1, 1)}])
 def test_valid_ranges_pass_by_the_fast_path_or_the_full_check(ranges):
-    assert Demand(ranges).ranges == ranges
+    got = Demand(ranges).ranges
+    assert got == {k: (int(lo), int(hi)) for k, (lo, hi) in ranges.items()}
+    assert all(type(r) is tuple and all(type(n) is int for n in r) for r in got.values())
 
 
 @pytest.mark.parametrize("ranges, words", [({"cpu": (0, 1)}, "1 <= min <= max"), ({"cpu": (3, 2)}, "1 <= min"),

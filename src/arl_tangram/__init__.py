@@ -6,3 +6,8 @@ weights) outlives the action; compute (cores, GPUs) does not.
 """
 
 __version__ = "0.1.0"
+
+from .build import pure_requested as _pure_requested, use_sources as _use_sources
+
+if _pure_requested():  # ARL_TANGRAM_PURE=1: the sources, even where compiled modules exist (build.py)
+    _use_sources()

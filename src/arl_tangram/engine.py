@@ -42,7 +42,7 @@ from typing import Callable, Iterable, Mapping
 from .core.action import CPU, GPU, Action, Allocation, Finished, InvalidAction, Outcome, Setup
 from .core.clock import Clock
 from .core.cluster import Cluster, CpuNode
-from .core.pools import EPS, CapacityError, CpuPool, GpuPool, Meter, QuotaPool
+from .core.pools import EPS, CapacityError, CpuPool, GpuPool, Meter, QuotaPool, Units
 from .core.records import Load, Reservation, Running
 from .core.seam import Completion, Loaded, Manager, ModelHost, Pool, Report
 from .policy.base import Costs, Decision, Evict, Grow, Policy, Prefetch, Profile, Release, Reserve, Start
@@ -71,7 +71,7 @@ class Usage:
         self.t = now
         self.cpu = cpu
         self.gpu = gpu
-        self.series: deque[tuple[float, int, int, int, int]] = deque(maxlen=1_000_000)  # bounded for servers
+        self.series: deque[tuple[float, Units, Units, Units, Units]] = deque(maxlen=1_000_000)  # bounded for servers
         self.sample_every_s = sample_every_s
         self._next_sample = 0.0
         if now >= self._next_sample:
@@ -137,8 +137,10 @@ class Engine:
         self.deadlines = QueueDeadlines(max_queue_s)
         self.session_headroom_gb = session_headroom_gb
         self._manager_of: dict[str, Manager] = {}
-        if self.gpu.capacity and not isinstance(self.managers.get(Pool.GPU), ModelHost):
+        host = self.managers.get(Pool.GPU)
+        if self.gpu.capacity and not isinstance(host, ModelHost):
             raise TypeError("a cluster with GPUs needs a ModelHost manager for Pool.GPU")
+        self._model_host: ModelHost | None = host if isinstance(host, ModelHost) else None
         self._apply_all(policy.bind(self, now), now)
 
     # -- inputs ----------------------------------------------------------------------------------
@@ -195,10 +197,13 @@ class Engine:
         if pool == CPU:
             res = self.reservations.get(alloc.reservation) if alloc.reservation else None
             if res is None:
-                self.cpu.release(alloc.node, alloc.units)
+                node = alloc.node
+                assert node is not None, "a CPU allocation names its node"
+                self.cpu.release(node, alloc.units)
             else:
                 self.cpu.release_reserved(res, alloc.units)
         elif pool == GPU:
+            assert run.instance is not None, "a GPU action runs on a model copy"
             self.gpu.release(run.instance, now, reserved=bool(alloc.reservation))
         elif not alloc.unmanaged:
             self.quotas[pool].release()
@@ -311,14 +316,13 @@ class Engine:
             self.usage.advance(now)
         started: list[Running] = []
         loads: list[Load] = []
-        start = self._start
         for d in decisions:
             if type(d) is Start:  # nearly every decision: one type test before the match below
-                started.append(start(d, now))
+                started.append(self._start(d, now))  # a direct call: compiled, a native one
                 continue
             match d:
                 case Start():
-                    started.append(start(d, now))
+                    started.append(self._start(d, now))
                 case Prefetch():
                     loads.append(self._prefetch(d))
                 case Grow():
@@ -337,7 +341,7 @@ class Engine:
             manager = manager_of.get(alloc.pool) or self._manager_for(alloc.pool)
             manager.start(run.action, alloc)
         for load in loads:
-            self.managers[Pool.GPU].prefetch(load)
+            self._host().prefetch(load)
         return len(started)
 
     def _manager_for(self, pool: str) -> Manager:
@@ -368,7 +372,12 @@ class Engine:
         if inst is None or inst.busy is not None or inst.reserved_by:
             raise CapacityError(f"cannot evict {d.model!r} from {d.block}: not resident and idle")
         self.gpu.evict(inst)
-        self.managers[Pool.GPU].evict(d.model, d.block)
+        self._host().evict(d.model, d.block)
+
+    def _host(self) -> ModelHost:
+        if self._model_host is None:
+            raise CapacityError("a GPU decision, and no ModelHost manages Pool.GPU")
+        return self._model_host
 
     def _start(self, d: Start, now: float) -> Running:
         a = d.action
@@ -396,6 +405,8 @@ class Engine:
             node = res.node
             units = cpu.admit_reserved(res, d.count)
         else:
+            if d.node is None:
+                raise CapacityError(f"policy started {d.action.id!r} on the CPU pool without a node")
             node = d.node
             units = cpu.admit(node, d.count)
         setup = _NO_SETUP
@@ -438,6 +449,7 @@ class Engine:
         alloc = run.allocation
         if alloc.pool != CPU:
             raise CapacityError(f"only CPU actions grow, {d.action_id} is on {alloc.pool}")
+        assert alloc.node is not None, "a CPU allocation names its node"
         extra = self.cpu.admit(alloc.node, d.count)
         run.allocation = replace(alloc, units=alloc.units + extra)
 
@@ -445,6 +457,8 @@ class Engine:
         if d.key in self.reservations:
             raise CapacityError(f"reservation {d.key} exists")
         if d.pool == CPU:
+            if d.node is None:
+                raise CapacityError(f"reservation {d.key} of the CPU pool names no node")
             units = self.cpu.reserve(d.node, d.count)
             self.reservations[d.key] = Reservation(d.key, CPU, d.node, units, list(units), now)
         elif d.pool == GPU:

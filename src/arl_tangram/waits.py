@@ -52,20 +52,24 @@ class QueueDeadlines:
     def earliest(self, pending: dict[str, Action]) -> float | None:
         """The earliest deadline of an action still in ``pending`` (started ones are dropped)."""
         fifo = self._fifo
+        max_queue_s = self.max_queue_s
+        if max_queue_s is None:  # nothing was queued
+            return None
         while fifo:
             a = fifo[0]
             if pending.get(a.id) is a:
-                return a.submitted_at + self.max_queue_s
+                return a.submitted_at + max_queue_s
             fifo.popleft()
         return None
 
     def due(self, pending: dict[str, Action], now: float, eps: float) -> list[Action]:
         """Remove and return the actions of ``pending`` whose deadline is at or before ``now``."""
-        out = []
+        out: list[Action] = []
         fifo = self._fifo
-        if self.max_queue_s is None:
+        max_queue_s = self.max_queue_s
+        if max_queue_s is None:
             return out
-        until = now + eps - self.max_queue_s
+        until = now + eps - max_queue_s
         while fifo and fifo[0].submitted_at <= until:
             a = fifo.popleft()
             if pending.get(a.id) is a:

@@ -20,12 +20,17 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import json
+import os
 import platform
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from collections import deque
 from typing import Callable
 
+from .. import build
 from ..core.action import CPU, Action, Allocation, Demand, Finished, Outcome, Setup
 from ..core.clock import ManualClock
 from ..core.cluster import uniform_cluster
@@ -223,7 +228,28 @@ def floor(depth: int = 10_000, nodes: int = 1000, iterations: int = 100_000) -> 
     return round((time.process_time() - cpu_start) / iterations * 1e6, 2)
 
 
+def pure_rate(depth: int, nodes: int, seconds: float) -> float:
+    """``measure``'s CPU rate with the sources imported instead of the compiled modules (a child
+    process with ``ARL_TANGRAM_PURE=1``: ``arl_tangram.build``)."""
+    code = ("import json, sys; from arl_tangram.bench.scheduler import measure; from arl_tangram import build; "
+            f"r = measure({depth}, {nodes}, {seconds}); "
+            "print(json.dumps({'cpu_per_s': r.cpu_per_s, 'compiled': build.compiled()}))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ARL_TANGRAM_PURE": "1"},
+                         capture_output=True, text=True, check=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    if got["compiled"]:
+        raise RuntimeError("ARL_TANGRAM_PURE=1 still imported the compiled modules")
+    return float(got["cpu_per_s"])
+
+
 def run(nodes: int = 1000, seconds: float = 2.0, log: Callable[[str], None] | None = None) -> dict:
+    stale = build.stale()
+    if stale:
+        raise RuntimeError(f"the compiled modules are older than {', '.join(stale)}: run `pip install -e .` "
+                           "again, or measure the sources with ARL_TANGRAM_PURE=1")
+    compiled = build.compiled()
+    if log:
+        log("hot path: " + ("compiled (mypyc)" if compiled else "pure Python"))
     rates, cpu_rates = {}, {}
     for depth in DEPTHS:
         rate = measure(depth, nodes, seconds)
@@ -241,7 +267,15 @@ def run(nodes: int = 1000, seconds: float = 2.0, log: Callable[[str], None] | No
     if log:
         log("µs per action at 10,000 queued: " + ", ".join(f"{k} {v}" for k, v in parts.items()))
         log(f"the same loop reduced to its records, dicts and heap: {bound} µs per action (CPU)")
-    return {"actions_per_s": rates, "actions_per_cpu_s": cpu_rates,
+    versus = {}
+    if compiled:  # the same figure from the sources, measured right after, for a ratio of one run
+        pure = pure_rate(10_000, nodes, seconds)
+        versus = {"pure_actions_per_cpu_s_at_10000": round(pure),
+                  "compiled_over_pure_at_10000": round(cpu_rates["10000"] / pure, 2)}
+        if log:
+            log(f"queue depth  10,000, sources (ARL_TANGRAM_PURE=1): {round(pure):>9,} actions per CPU second "
+                f"({versus['compiled_over_pure_at_10000']}x compiled)")
+    return {"compiled": compiled, **versus, "actions_per_s": rates, "actions_per_cpu_s": cpu_rates,
             "coalesced_actions_per_cpu_s_at_10000": coalesced, "us_per_action_at_10000": parts,
             "floor_us_per_action_at_10000": bound,
             "nodes": nodes, "cores": nodes * 64, "policy": "tangram", "seconds_per_depth": seconds,

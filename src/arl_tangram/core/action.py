@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 #: resource kinds a demand may name; API quotas are implied by an ``api:<name>`` service.
@@ -41,23 +41,45 @@ class InvalidAction(ValueError):
         self.message = message
 
 
-@dataclass(slots=True)  # not frozen: one is built per request, and frozen cost 0.13 µs more a build (timeit)
+def by_fields(record: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``__reduce__`` of the records built on the hot path: rebuilt by ``__init__`` from their
+    fields in order (pickle's default needs a ``__dict__``, which a compiled record lacks).
+
+    Why their ``__init__``s are written out: ``@dataclass`` generates one as Python source even in
+    a compiled module (``setup.py``), ~0.3 µs a record; written out it compiles, ~0.1 µs (timeit),
+    and an action passes through six of them. They are still dataclasses (repr, eq, ``fields``,
+    ``replace``). Not frozen: a frozen dataclass's ``__init__`` costs ~3x."""
+    return type(record), tuple([getattr(record, f.name) for f in fields(record)])
+
+
+@dataclass(init=False)
 class Demand:
     """Per resource kind an inclusive ``(min, max)`` range of units; elastic when max > min.
     Treated as immutable (nothing assigns to it once built; ``Action`` replaces it whole)."""
 
-    ranges: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    ranges: Mapping[str, tuple[int, int]]
 
-    def __post_init__(self) -> None:
+    def __init__(self, ranges: Mapping[str, Any] | None = None) -> None:
         # One is built per request, so the common shape (a tuple of two ints) is checked with
         # type tests only; anything else (lists from JSON, floats, bad values) takes the full check
-        # below. (The full check for every range cost 0.08 µs more a build, timeit.)
-        for kind, rng in self.ranges.items():
+        # below and, when valid, is stored as a tuple of two ints, the type the field declares.
+        # (The full check for every range cost 0.08 µs more a build, timeit.)
+        given: Mapping[str, Any] = {} if ranges is None else ranges
+        self.ranges = given
+        odd: dict[str, tuple[int, int]] | None = None
+        for kind, rng in given.items():
             if kind in RESOURCE_KINDS and type(rng) is tuple and len(rng) == 2:
                 lo, hi = rng
                 if type(lo) is int and type(hi) is int and 1 <= lo <= hi:
                     continue
-            _check_range(kind, rng)
+            if odd is None:
+                odd = {}
+            odd[kind] = _check_range(kind, rng)
+        if odd is not None:
+            self.ranges = {**given, **odd}
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)
 
     @classmethod
     def of(cls, **ranges: int | tuple[int, int]) -> "Demand":
@@ -76,8 +98,8 @@ class Demand:
         return rng[1] if rng else 0
 
 
-def _check_range(kind: str, rng: Any) -> None:
-    """Raise ``InvalidAction`` naming ``demand.<kind>`` unless ``rng`` is a valid ``(min, max)``."""
+def _check_range(kind: str, rng: Any) -> tuple[int, int]:
+    """``rng`` as a ``(min, max)`` tuple of ints, or ``InvalidAction`` naming ``demand.<kind>``."""
     if kind not in RESOURCE_KINDS:
         raise InvalidAction(f"demand.{kind}", f"unknown resource kind (known: {', '.join(RESOURCE_KINDS)})")
     if len(rng) != 2:
@@ -85,6 +107,7 @@ def _check_range(kind: str, rng: Any) -> None:
     lo, hi = rng
     if int(lo) != lo or int(hi) != hi or lo < 1 or hi < lo:
         raise InvalidAction(f"demand.{kind}", f"need integers 1 <= min <= max, got [{lo}, {hi}]")
+    return int(lo), int(hi)
 
 
 def pool_of(service: str) -> str:
@@ -98,7 +121,7 @@ def pool_of(service: str) -> str:
     raise InvalidAction("service", f"unknown service {service!r} (expected 'sandbox', 'model:<name>' or 'api:<name>')")
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(init=False, eq=False)
 class Action:
     """One external call of a rollout, scheduled on its own.
 
@@ -111,28 +134,50 @@ class Action:
 
     id: str
     service: str
-    demand: Demand = field(default_factory=Demand)
-    job: str = "default"
-    trajectory: str | None = None
-    step: int | None = None
-    operation: str = ""
-    hint_s: float | None = None
-    parallel_fraction: float = 0.0
-    speedup: tuple[float, ...] | None = None
-    weights_gb: float = 0.0
-    timeout_s: float | None = None
-    payload: Any = None
-    submitted_at: float = 0.0
-    pool: str = ""
-    remaining_turns: int | None = None
+    demand: Demand
+    job: str
+    trajectory: str | None
+    step: int | None
+    operation: str
+    hint_s: float | None
+    parallel_fraction: float
+    speedup: tuple[float, ...] | None
+    weights_gb: float
+    timeout_s: float | None
+    payload: Any
+    submitted_at: float
+    pool: str  # set from ``service``; the argument is ignored (kept for ``replace`` and pickle)
+    remaining_turns: int | None
 
-    def __post_init__(self) -> None:
-        if not self.id:
+    def __init__(self, id: str, service: str, demand: Demand | None = None, job: str = "default",
+                 trajectory: str | None = None, step: int | None = None, operation: str = "",
+                 hint_s: float | None = None, parallel_fraction: float = 0.0,
+                 speedup: tuple[float, ...] | None = None, weights_gb: float = 0.0,
+                 timeout_s: float | None = None, payload: Any = None, submitted_at: float = 0.0,
+                 pool: str = "", remaining_turns: int | None = None) -> None:
+        self.id = id
+        self.service = service
+        self.job = job
+        self.trajectory = trajectory
+        self.step = step
+        self.operation = operation
+        self.hint_s = hint_s
+        self.parallel_fraction = parallel_fraction
+        self.speedup = speedup
+        self.weights_gb = weights_gb
+        self.timeout_s = timeout_s
+        self.payload = payload
+        self.submitted_at = submitted_at
+        self.remaining_turns = remaining_turns
+        if not id:
             raise InvalidAction("id", "must be a non-empty string")
         # one is built per request: the common service is compared before ``pool_of`` is called
-        pool = self.pool = CPU if self.service == SANDBOX else pool_of(self.service)
-        if (pool == CPU or pool == GPU) and pool not in self.demand.ranges:  # a pool's kind names its unit
-            self.demand = Demand({**self.demand.ranges, pool: (1, 1)})
+        pool = self.pool = CPU if service == SANDBOX else pool_of(service)
+        if demand is None:
+            demand = Demand()
+        if (pool == CPU or pool == GPU) and pool not in demand.ranges:  # a pool's kind names its unit
+            demand = Demand({**demand.ranges, pool: (1, 1)})
+        self.demand = demand
         if not 0.0 <= self.parallel_fraction <= 1.0:
             raise InvalidAction("parallel_fraction", f"must lie in [0, 1], got {self.parallel_fraction}")
         if self.hint_s is not None and self.hint_s < 0:
@@ -148,6 +193,9 @@ class Action:
             lo, hi = self.demand.get(self.units_kind) or (1, 1)
             if len(self.speedup) != hi - lo + 1 or abs(self.speedup[0] - 1.0) > 1e-9:
                 raise InvalidAction("speedup", f"needs {hi - lo + 1} entries (min..max units) starting at 1.0")
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)
 
     @property
     def units_kind(self) -> str:
@@ -180,7 +228,7 @@ class Setup(str, enum.Enum):
     LOAD = "load"  # a model's weights copied host -> GPU
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~3x (bench scheduler)
+@dataclass(init=False)  # ``__init__`` written out: ``by_fields``
 class Allocation:
     """Where and with what an action runs: ``units`` are core ids (cpu) or global GPU ids (gpu).
 
@@ -191,20 +239,35 @@ class Allocation:
     """
 
     pool: str
-    node: int | None = None
-    units: tuple[int, ...] = ()
-    setup: Setup = Setup.NONE
-    evict: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    reservation: str = ""
-    unmanaged: bool = False
-    share: float = 1.0
+    node: int | None
+    units: tuple[int, ...]
+    setup: Setup
+    evict: tuple[tuple[str, tuple[int, ...]], ...]
+    reservation: str
+    unmanaged: bool
+    share: float
+
+    def __init__(self, pool: str, node: int | None = None, units: tuple[int, ...] = (), setup: Setup = Setup.NONE,
+                 evict: tuple[tuple[str, tuple[int, ...]], ...] = (), reservation: str = "",
+                 unmanaged: bool = False, share: float = 1.0) -> None:
+        self.pool = pool
+        self.node = node
+        self.units = units
+        self.setup = setup
+        self.evict = evict
+        self.reservation = reservation
+        self.unmanaged = unmanaged
+        self.share = share
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)
 
     @property
     def count(self) -> int:
         return len(self.units) if self.units else 1
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~3x (bench scheduler)
+@dataclass(init=False)  # ``__init__`` written out: ``by_fields``
 class Finished:
     """The record of one action's terminal outcome, with the timings ACT is made of."""
 
@@ -213,10 +276,26 @@ class Finished:
     submitted_at: float
     started_at: float | None
     finished_at: float
-    setup_s: float = 0.0
-    exec_s: float = 0.0
-    units: int = 0
-    message: str = ""
+    setup_s: float
+    exec_s: float
+    units: int
+    message: str
+
+    def __init__(self, action: Action, outcome: Outcome, submitted_at: float, started_at: float | None,
+                 finished_at: float, setup_s: float = 0.0, exec_s: float = 0.0, units: int = 0,
+                 message: str = "") -> None:
+        self.action = action
+        self.outcome = outcome
+        self.submitted_at = submitted_at
+        self.started_at = started_at
+        self.finished_at = finished_at
+        self.setup_s = setup_s
+        self.exec_s = exec_s
+        self.units = units
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)
 
     @property
     def act_s(self) -> float:

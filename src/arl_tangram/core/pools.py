@@ -11,28 +11,32 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .cluster import ApiQuota, CpuNode, GpuNode
+from .errors import CapacityError
+
+__all__ = ["EPS", "CapacityError", "CpuPool", "GpuPool", "Gpu", "Instance", "Meter", "QuotaPool", "Units"]
 
 
 #: slack for float comparisons of memory and quota tokens (GB, tokens)
 EPS = 1e-9
 
-
-class CapacityError(RuntimeError):
-    """A decision asked for more than a pool has: always a bug in the policy, never user error."""
+#: units a meter counts: whole cores (int) or GPU compute shares (float)
+Units = int | float
 
 
 class Meter:
     """Units of one pool held (allocated to an action or reserved) and running, and the integral
-    of held units over time (unit-seconds), advanced by the engine's clock."""
+    of held units over time (unit-seconds), advanced by the engine's clock. Cores count whole
+    units (ints); GPUs count compute shares (floats): the type says both, so that a compiled
+    build (``setup.py``) keeps an int an int."""
 
     __slots__ = ("held", "running", "held_s")
 
     def __init__(self) -> None:
-        self.held = 0
-        self.running = 0
+        self.held: Units = 0
+        self.running: Units = 0
         self.held_s = 0.0
 
-    def change(self, held: int, running: int) -> None:
+    def change(self, held: Units, running: Units) -> None:
         self.held += held
         self.running += running
 
@@ -160,6 +164,7 @@ class CpuPool:
         buckets[have].discard(node)
         buckets[have - count].add(node)
         self.total_free -= count
+        cores: tuple[int, ...]
         if count == 1:  # most actions: a pop is cheaper than a slice copied and deleted
             cores = (free.pop(),)
         else:
@@ -435,6 +440,8 @@ class GpuPool:
 
     def release(self, inst: Instance, now: float, *, reserved: bool = False) -> None:
         """``inst``'s user is done: the copy stays resident, idle since ``now``."""
+        if inst.busy is None:
+            raise CapacityError(f"the copy of {inst.model} on {inst.gpus} runs nothing to release")
         share = self.vacate(inst.gpus, inst.busy)
         inst.busy = None
         inst.last_used = now

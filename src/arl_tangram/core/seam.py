@@ -13,11 +13,12 @@ keys for managers made the engine special-case ``"api"``.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
-from .action import API_PREFIX, CPU, GPU, Action, Allocation, Outcome
-from .records import Load
+from .action import API_PREFIX, CPU, GPU, Action, Allocation
+from .records import Completion, Load, Loaded
+
+__all__ = ["Completion", "Loaded", "Load", "Manager", "ModelHost", "Pool", "Report", "Sink"]
 
 
 class Pool(str, enum.Enum):
@@ -42,31 +43,8 @@ class Pool(str, enum.Enum):
 _POOL_OF: dict[str, Pool] = {CPU: Pool.CPU, GPU: Pool.GPU}
 
 
-@dataclass(slots=True)
-class Completion:
-    """A started action ended: its outcome, the seconds of state work (``setup_s``) and of
-    execution, a message explaining anything unusual, and what it produced (``result``). Not
-    frozen: one is made per action, and a frozen dataclass costs twice as much to build."""
-
-    action_id: str
-    outcome: Outcome
-    setup_s: float = 0.0
-    exec_s: float = 0.0
-    message: str = ""
-    result: Any = None
-    #: memory the action's session was measured to use once it went idle (GB; cgroup usage or
-    #: RSS), None when not measured (one-shot actions, simulated managers); the engine reserves
-    #: that plus headroom for the idle session instead of its estimate
-    session_mem_gb: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Loaded:
-    """A prefetch finished: the copy named ``key`` is resident and idle."""
-
-    key: str
-
-
+# The two reports are defined with the engine's other records (``core.records``, compiled with
+# it: ``setup.py``; this module's runtime-checkable protocols cannot be) and are part of this seam.
 Report = Completion | Loaded
 Sink = Callable[[Report], None]
 

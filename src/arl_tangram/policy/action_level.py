@@ -74,7 +74,7 @@ class ActionLevelPolicy:
         self.name = name
         self.opt = options
         self.predictor = predictor or DurationPredictor()
-        self.view: EngineView | None = None
+        self.view: EngineView  # set by ``bind``, before any other call
         self.queues: dict[str, JobQueues] = {}  # per pool; per model service for GPUs
         self.gpu_queues: dict[str, JobQueues] = {}
         # Per-action bookkeeping is kept only where it is read, not as a dict insert and pop per
@@ -238,9 +238,9 @@ class ActionLevelPolicy:
             if not q.size:
                 queues.remove(q)
         if skipped:
-            for q in (homed, new):
-                if q is not None and id(q) in skipped:
-                    q.push_back(skipped[id(q)])
+            for sq in (homed, new):
+                if sq is not None and id(sq) in skipped:
+                    sq.push_back(skipped[id(sq)])
         if (homed is not None and homed.size) or (new is not None and new.size):
             self._cpu_queued_at = now
         elif self.opt.elastic and admitted and now - self._cpu_queued_at >= self.opt.elastic_quiet_s:
@@ -425,10 +425,13 @@ class ActionLevelPolicy:
         soonest = math.inf
         per_action = 0.0
         for inst in insts:
-            r = running.get(inst.busy)
+            busy = inst.busy
+            if busy is None:  # not among ``insts``; says so to the type checker
+                continue
+            r = running.get(busy)
             if r is None:
                 continue
-            pred = self.predicted.get(inst.busy, 0.0)
+            pred = self.predicted.get(busy, 0.0)
             soonest = min(soonest, max(0.0, r.started_at + pred - now))
             per_action = max(per_action, pred)
         if soonest == math.inf:

@@ -8,27 +8,40 @@ to the managers once the round is over. Nothing here touches a clock, a thread o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Protocol
+from typing import Any, Iterable, Mapping, Protocol
 
-from ..core.action import Action, Finished
+from ..core.action import Action, Finished, by_fields
 from ..core.cluster import Cluster
 from ..core.pools import CpuPool, GpuPool, Instance, QuotaPool
 from ..core.records import Load, Reservation, Running
 
 
-@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs ~3x (bench scheduler)
+@dataclass(init=False)  # one per action: ``__init__`` written out (``core.action.by_fields`` says why)
 class Start:
     """Run ``action`` now: on CPU ``node`` with ``count`` cores, on GPU ``block`` (after evicting
     ``evict``), or on an API quota; ``reservation`` draws the units from a reserved partition;
     ``unmanaged`` API calls bypass our quota (the client-side practice the static baseline models)."""
 
     action: Action
-    node: int | None = None
-    count: int = 1
-    block: tuple[int, ...] = ()
-    evict: tuple[Instance, ...] = ()
-    reservation: str = ""
-    unmanaged: bool = False
+    node: int | None
+    count: int
+    block: tuple[int, ...]
+    evict: tuple[Instance, ...]
+    reservation: str
+    unmanaged: bool
+
+    def __init__(self, action: Action, node: int | None = None, count: int = 1, block: tuple[int, ...] = (),
+                 evict: tuple[Instance, ...] = (), reservation: str = "", unmanaged: bool = False) -> None:
+        self.action = action
+        self.node = node
+        self.count = count
+        self.block = block
+        self.evict = evict
+        self.reservation = reservation
+        self.unmanaged = unmanaged
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)
 
 
 @dataclass(frozen=True, slots=True)

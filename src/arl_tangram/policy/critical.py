@@ -142,13 +142,15 @@ class CriticalPath:
         k = run.turns
         run.turns = k + 1
         run.last_submit = now
-        remaining = a.remaining_turns
+        remaining: float | None = a.remaining_turns
         if remaining is None:
             pool = a.pool
             if pool == CPU:
                 if not self.use_projection or job not in self._lengths:
                     return 0.0
                 remaining = self._learned(job, k)  # a trajectory of the job has ended
+                if remaining is None:
+                    return 0.0
             elif pool == GPU:
                 return 0.0
             else:  # a quota pool: the waiting credit

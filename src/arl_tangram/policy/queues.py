@@ -4,7 +4,6 @@ in O(jobs) while each job's order stays O(log n)."""
 from __future__ import annotations
 
 import heapq
-import itertools
 from typing import Callable
 
 from ..core.action import Action
@@ -20,7 +19,7 @@ class JobQueues:
     def __init__(self) -> None:
         self.heaps: dict[str, list[tuple[float, int, Action]]] = {}
         self.size = 0
-        self._seq = itertools.count()
+        self._seq = 0  # ties in key keep submission order (an int: compiled, ``+= 1`` is native)
         self._cancelled: set[str] = set()
         self._only: list[tuple[float, int, Action]] | None = None
 
@@ -32,7 +31,8 @@ class JobQueues:
         if heap is None:
             heap = self.heaps[action.job] = []
             self._only = heap if len(self.heaps) == 1 else None
-        heapq.heappush(heap, (key, next(self._seq), action))
+        self._seq += 1
+        heapq.heappush(heap, (key, self._seq, action))
         self.size += 1
 
     def push_back(self, entries: list[tuple[float, int, Action]]) -> None:

@@ -31,7 +31,7 @@ class StaticPartitions:
     name = "static"
 
     def __init__(self) -> None:
-        self.view: EngineView | None = None
+        self.view: EngineView  # set by ``bind``, before any other call
         self.gpu_waiting: dict[str, deque[Action]] = {}
         self.api_waiting: dict[str, deque[Action]] = {}
 
@@ -142,7 +142,7 @@ class TaskIsolatedPolicy(StaticPartitions):
             raise InfeasiblePolicy(f"{self.name}: {len(jobs)} jobs cannot split {pool.capacity} cores")
         targets = {j: max(1, round(pool.capacity * shares[j])) for j in jobs}
         while sum(targets.values()) > pool.capacity:
-            biggest = max(targets, key=targets.get)
+            biggest = max(targets, key=targets.__getitem__)
             targets[biggest] -= 1
         node = 0
         for j in jobs:

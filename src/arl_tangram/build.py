@@ -1,0 +1,72 @@
+"""Which build of the scheduler's hot path this process runs, and the switch to the other one.
+
+``setup.py`` compiles the modules of ``HOT_PATH`` with mypyc where it can. Their sources stay the
+one truth and run as they are wherever the compiled modules are absent, or when
+``ARL_TANGRAM_PURE=1`` is set before ``arl_tangram`` is first imported: then ``use_sources``
+(called by the package's ``__init__``) makes Python import this package's ``.py`` files even where
+a compiled module sits beside them. ``tangram bench scheduler`` measures both builds in one run
+that way, and a test checks that they decide the same.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Sequence
+
+PACKAGE = __name__.rpartition(".")[0]
+ROOT = Path(__file__).resolve().parent
+
+#: the modules one action passes through from submit to finish, compiled by ``setup.py``
+HOT_PATH = ("core/action", "core/clock", "core/cluster", "core/pools", "core/records", "policy/base",
+            "policy/queues", "policy/predictor", "policy/critical", "policy/action_level", "waits", "engine")
+
+
+def pure_requested() -> bool:
+    return os.environ.get("ARL_TANGRAM_PURE", "") not in ("", "0")
+
+
+class _Sources(importlib.abc.MetaPathFinder):
+    """Finds this package's modules as ``.py`` files (the default finder prefers an extension
+    module of the same name)."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith(PACKAGE + ".") or not path:
+            return None
+        leaf = fullname.rpartition(".")[2]
+        for folder in path:
+            source = os.path.join(folder, leaf + ".py")
+            if os.path.isfile(source):
+                return importlib.util.spec_from_file_location(fullname, source)
+        return None
+
+
+def use_sources() -> None:
+    """Import this package's modules from their sources from now on (before any is imported)."""
+    if not any(isinstance(f, _Sources) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Sources())
+
+
+def compiled() -> bool:
+    """True when the engine (and the rest of ``HOT_PATH``) was imported as a compiled module."""
+    from . import engine
+
+    return any(str(engine.__file__).endswith(s) for s in importlib.machinery.EXTENSION_SUFFIXES)
+
+
+def stale() -> list[str]:
+    """Sources of ``HOT_PATH`` edited after their compiled module was built: an editable install
+    not rebuilt since, whose edits Python does not see."""
+    out = []
+    for name in HOT_PATH:
+        source = ROOT / f"{name}.py"
+        built = [p for p in source.parent.glob(source.stem + ".*") if p.suffix in (".so", ".pyd")]
+        if built and source.stat().st_mtime > max(p.stat().st_mtime for p in built):
+            out.append(f"{name}.py")
+    return out

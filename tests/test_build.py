@@ -1,0 +1,98 @@
+"""The compiled hot path (``setup.py``, ``arl_tangram.build``) and its sources are one program:
+the same decisions, records that travel between processes, and a switch that really switches."""
+
+import dataclasses
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+from arl_tangram import build
+from arl_tangram.core.action import Action, Allocation, Demand, Finished, Outcome, Setup
+from arl_tangram.core.records import Completion, Running
+from arl_tangram.policy.base import Start
+from arl_tangram.sim.compare import run_policy
+from arl_tangram.sim.workloads import generate
+
+CASES = [("code_agent", 24, 0.5), ("mopd", 48, 0.5), ("search", 24, 1.0), ("mixed", 12, 0.5)]
+POLICIES = ("tangram", "trajectory-static", "fifo")
+
+
+def summaries() -> dict:
+    """What ``tangram simulate`` reports, for a few workloads, scales and policies."""
+    from arl_tangram.core import scale_cluster
+
+    out = {}
+    for name, n, scale in CASES:
+        wl = generate(name, seed=3, trajectories=n, steps=1)
+        for policy in POLICIES:
+            run = run_policy(wl, scale_cluster(wl.default_cluster, scale), policy, 3)
+            out[f"{name}/{scale}/{policy}"] = run.summary
+    return out
+
+
+def in_sources(code: str) -> str:
+    env = {**os.environ, "ARL_TANGRAM_PURE": "1"}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
+                          timeout=300).stdout
+
+
+def test_the_switch_imports_the_sources():
+    out = in_sources("from arl_tangram import build, engine; print(build.compiled(), engine.__file__)")
+    compiled, path = out.split()
+    assert compiled == "False" and path.endswith("engine.py")
+
+
+@pytest.mark.skipif(not build.compiled(), reason="this install runs the sources only (nothing compiled to compare)")
+def test_compiled_and_sources_decide_the_same():
+    here = json.loads(json.dumps(summaries()))
+    there = json.loads(in_sources("import json, sys; sys.path.insert(0, 'tests'); from test_build import summaries; "
+                                  "print(json.dumps(summaries()))").strip().splitlines()[-1])
+    assert there == here
+
+
+RECORDS = [
+    Demand({"cpu": (1, 4)}),
+    Action("a1", "sandbox", Demand({"cpu": (1, 2)}), job="j", trajectory="t", step=3, operation="shell",
+           hint_s=0.5, parallel_fraction=0.5, timeout_s=9.0, payload={"code": "x"}, remaining_turns=2),
+    Allocation("cpu", 2, (4, 5), Setup.THAW, (), "r", False, 1.0),
+    Completion("a1", Outcome.OK, 0.1, 0.2, "m", {"stdout": "x"}, 0.3),
+]
+RECORDS += [Running(RECORDS[1], RECORDS[2], 1.5), Start(RECORDS[1], 2, 2),
+            Finished(RECORDS[1], Outcome.FAILED, 1.0, 1.5, 2.0, 0.1, 0.4, 2, "exit 1")]
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda r: type(r).__name__)
+def test_records_travel_between_processes_whole(record):
+    back = pickle.loads(pickle.dumps(record))
+    assert type(back) is type(record)
+    for f in dataclasses.fields(record):
+        mine, theirs = getattr(record, f.name), getattr(back, f.name)
+        if isinstance(mine, Action):
+            assert dataclasses.astuple(mine) == dataclasses.astuple(theirs)
+        else:
+            assert theirs == mine, f.name
+    assert dataclasses.replace(record) is not record
+
+
+def test_an_action_rebuilt_is_validated_again():
+    a = Action("x", "model:m")
+    assert a.pool == "gpu" and a.demand.ranges == {"gpu": (1, 1)}
+    assert dataclasses.replace(a, service="sandbox").pool == "cpu"
+
+
+def test_stale_names_a_source_newer_than_its_compiled_module(tmp_path, monkeypatch):
+    (tmp_path / "core").mkdir()
+    so = tmp_path / "core" / "pools.cpython-311-x86_64-linux-gnu.so"
+    src = tmp_path / "core" / "pools.py"
+    so.write_bytes(b"")
+    src.write_text("")
+    os.utime(so, (1000, 1000))
+    os.utime(src, (2000, 2000))
+    monkeypatch.setattr(build, "ROOT", tmp_path)
+    assert build.stale() == ["core/pools.py"]
+    os.utime(so, (3000, 3000))
+    assert build.stale() == []
