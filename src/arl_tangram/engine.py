@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import replace
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Final, Iterable, Mapping
 
 from .core.action import CPU, GPU, Action, Allocation, Finished, InvalidAction, Outcome, Setup
 from .core.clock import Clock
@@ -50,8 +50,8 @@ from .waits import DEFAULT_MAX_QUEUE_S, QueueDeadlines, why_waiting
 
 # an enum member read costs ~0.1 µs on Python 3.11 (a descriptor call); the two the CPU start
 # path reads for nearly every action are read once here
-_NO_SETUP = Setup.NONE
-_THAW = Setup.THAW
+_NO_SETUP: Final = Setup.NONE
+_THAW: Final = Setup.THAW
 
 
 class Usage:

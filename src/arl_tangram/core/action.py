@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Final, Mapping
 
+# ``Final``: compiled (``setup.py``), a constant is built in instead of read from the module's
+# dict at every use
 #: resource kinds a demand may name; API quotas are implied by an ``api:<name>`` service.
-CPU = "cpu"
-GPU = "gpu"
-RESOURCE_KINDS = (CPU, GPU)
+CPU: Final = "cpu"
+GPU: Final = "gpu"
+RESOURCE_KINDS: Final = (CPU, GPU)
 
-SANDBOX = "sandbox"
-MODEL_PREFIX = "model:"
-API_PREFIX = "api:"
+SANDBOX: Final = "sandbox"
+MODEL_PREFIX: Final = "model:"
+API_PREFIX: Final = "api:"
 
 
 class Outcome(str, enum.Enum):

@@ -9,6 +9,7 @@ bug surfaces as ``CapacityError`` instead of an oversubscribed pool.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Final
 
 from .cluster import ApiQuota, CpuNode, GpuNode
 from .errors import CapacityError
@@ -17,7 +18,7 @@ __all__ = ["EPS", "CapacityError", "CpuPool", "GpuPool", "Gpu", "Instance", "Met
 
 
 #: slack for float comparisons of memory and quota tokens (GB, tokens)
-EPS = 1e-9
+EPS: Final = 1e-9
 
 #: units a meter counts: whole cores (int) or GPU compute shares (float)
 Units = int | float

@@ -26,11 +26,11 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Iterator
+from typing import Final, Iterator
 
 from ..core.action import CPU, GPU, Action, Finished
 from ..core.cluster import DEFAULT_H2D_GBPS
-from ..core.pools import Instance
+from ..core.pools import CpuPool, Instance
 from .base import Decision, EngineView, Evict, Grow, Prefetch, Start
 from .critical import CriticalPath
 from .predictor import DurationPredictor
@@ -59,7 +59,7 @@ class Options:
     job_weights: dict[str, float] = field(default_factory=dict)
 
 
-CPU_NEW = "cpu:new"  # the queue of sandbox actions that need a new session
+CPU_NEW: Final = "cpu:new"  # the queue of sandbox actions that need a new session
 
 TANGRAM = Options()
 FIFO = Options(ordering="fifo", elastic=False, migrate=False, fair_share=False, residency_aware=False, prefetch=False,
@@ -75,6 +75,7 @@ class ActionLevelPolicy:
         self.opt = options
         self.predictor = predictor or DurationPredictor()
         self.view: EngineView  # set by ``bind``, before any other call
+        self._cpus: CpuPool  # ``view.cpu``, typed: compiled, read without a lookup by name (3 an action)
         self.queues: dict[str, JobQueues] = {}  # per pool; per model service for GPUs
         self.gpu_queues: dict[str, JobQueues] = {}
         # Per-action bookkeeping is kept only where it is read, not as a dict insert and pop per
@@ -90,6 +91,7 @@ class ActionLevelPolicy:
     # -- lifecycle -------------------------------------------------------------------------------
     def bind(self, view: EngineView, now: float) -> Iterator[Decision]:
         self.view = view
+        self._cpus = view.cpu
         # no quotas, models or GPUs: actions of other pools are rejected by the engine, so the CPU
         # round is the whole round (and ``schedule`` skips the dispatch below)
         self._cpu_only = not view.quotas and not view.cluster.models and not view.gpu.capacity
@@ -100,7 +102,7 @@ class ActionLevelPolicy:
         pool = action.pool
         if pool == CPU:
             traj = action.trajectory
-            if traj is not None and traj not in self.view.cpu.homes:
+            if traj is not None and traj not in self._cpus.homes:
                 qkey = CPU_NEW
                 self._new_session.add(action.id)
             else:
@@ -204,7 +206,7 @@ class ActionLevelPolicy:
         that do not fit, separately, so sessions waiting for memory can never starve the sessions
         whose progress would free it. (This is the scheduler's hot path: one round per event, so
         it allocates nothing until something is skipped or started.)"""
-        pool = self.view.cpu
+        pool = self._cpus
         homed, new = self.queues.get(CPU), self.queues.get(CPU_NEW)
         queues = []
         if homed is not None and homed.size:
@@ -247,7 +249,7 @@ class ActionLevelPolicy:
             yield from self._water_fill(admitted, now)
 
     def _cpu_node(self, a: Action, lo: int) -> int | None:
-        pool = self.view.cpu
+        pool = self._cpus
         traj = a.trajectory
         if traj is None:
             return pool.best_node(lo)
@@ -269,7 +271,7 @@ class ActionLevelPolicy:
         may not last, so a reserve stays free and nothing grows unless the pool has had no queue
         for ``elastic_quiet_s`` (the caller checks): growing into a burst delays the burst more
         than it speeds up the grown action (measured on rlvr at 0.5x and 0.25x)."""
-        pool = self.view.cpu
+        pool = self._cpus
         heap = []
         for a, node, lo in admitted:
             if a.demand.ranges[CPU][1] > lo:

@@ -7,6 +7,8 @@ Recent history weighs more (exponential decay) because workloads drift within an
 
 from __future__ import annotations
 
+from typing import Final
+
 from ..core.action import Action, Finished, Outcome
 
 
@@ -32,7 +34,7 @@ class DurationPredictor:
         if action.hint_s is not None:
             prior, w0 = action.hint_s, self.hint_weight
         elif coarse is not None:
-            prior, w0 = coarse[0] / coarse[1], 0.5
+            prior, w0 = coarse.total / coarse.weight, 0.5
         else:
             prior, w0 = self.default_s, 0.5
         if action.operation:
@@ -41,7 +43,7 @@ class DurationPredictor:
             seen = coarse if action.hint_s is not None else None
         if seen is None:
             return prior
-        return (w0 * prior + seen[0]) / (w0 + seen[1])
+        return (w0 * prior + seen.total) / (w0 + seen.weight)
 
     def observe(self, finished: Finished) -> None:
         if finished.outcome not in _LEARN or finished.exec_s <= 0:
@@ -57,28 +59,41 @@ class DurationPredictor:
         d = self.decay
         c = svc.coarse
         if c is None:
-            svc.coarse = [at_min, 1.0]
+            svc.coarse = _Decayed(at_min)
         else:
-            c[0] = c[0] * d + at_min
-            c[1] = c[1] * d + 1.0
+            c.add(at_min, d)
         if a.operation:
             f = svc.ops.get(a.operation)
             if f is None:
-                svc.ops[a.operation] = [at_min, 1.0]
+                svc.ops[a.operation] = _Decayed(at_min)
             else:
-                f[0] = f[0] * d + at_min
-                f[1] = f[1] * d + 1.0
+                f.add(at_min, d)
+
+
+class _Decayed:
+    """A decayed sum of seconds and its decayed count. (Was a two-item list: compiled, the floats
+    of a class are unboxed and a list's are not.)"""
+
+    __slots__ = ("total", "weight")
+
+    def __init__(self, first: float) -> None:
+        self.total = first
+        self.weight = 1.0
+
+    def add(self, seconds: float, decay: float) -> None:
+        self.total = self.total * decay + seconds
+        self.weight = self.weight * decay + 1.0
 
 
 class _Service:
-    """Decayed [sum of seconds, count] for one (job, service), overall and per operation."""
+    """Decayed seconds for one (job, service), overall and per operation."""
 
     __slots__ = ("coarse", "ops")
 
     def __init__(self) -> None:
-        self.coarse: list[float] | None = None
-        self.ops: dict[str, list[float]] = {}
+        self.coarse: _Decayed | None = None
+        self.ops: dict[str, _Decayed] = {}
 
 
-_NONE: dict[str, _Service] = {}
-_LEARN = (Outcome.OK, Outcome.FAILED)
+_NONE: Final[dict[str, _Service]] = {}
+_LEARN: Final = (Outcome.OK, Outcome.FAILED)
