@@ -45,6 +45,22 @@ def test_aging_lets_a_long_action_overtake_newcomers(harness):
     assert list(h.schedule()) == ["long"]
 
 
+
+@pytest.mark.parametrize("gpu_aging, first", [(0.6, "long"), (0.1, "short")])
+def test_a_model_call_ages_at_the_gpu_rate(harness, gpu_aging, first):
+    """A queued 8 s teacher call and a 0.5 s one submitted 20 s later: at the GPU rate (0.6/s,
+    the default) the old call has waited long enough (8 + 0 < 0.5 + 0.6*20); at the sandbox rate
+    (0.1/s) the newcomer would still pass it (8 > 0.5 + 0.1*20)."""
+    h = harness(gpu_cluster(1, island=1, models=[ModelSpec("m", 10, 1)]), tangram_policy(gpu_aging_per_s=gpu_aging))
+    h.submit("blocker", "model:m", gpu=1, hint_s=1)
+    h.schedule()
+    h.submit("long", "model:m", gpu=1, hint_s=8)
+    h.advance(20)
+    h.submit("short", "model:m", gpu=1, hint_s=0.5)
+    assert h.schedule() == {}
+    h.complete("blocker")
+    assert list(h.schedule()) == [first]
+
 def test_predictor_learns_from_history_per_operation(harness):
     h = harness(cpu_cluster(1), tangram_policy())
     for i in range(5):  # "test" runs take 30 s, "ls" 0.1 s

@@ -46,6 +46,9 @@ class Options:
     residency_aware: bool = True  # cost-aware eviction + wait for a busy resident instance
     prefetch: bool = True  # load registered models onto idle GPUs before they are asked for
     aging_per_s: float = 0.1
+    #: model calls age faster: a 235B teacher's call (8 GPUs, seconds of work) behind 1-GPU calls
+    #: of small models waits (its work - theirs) / aging seconds, and its trajectories end the step
+    gpu_aging_per_s: float = 0.6
     critical_boost_s: float = 30.0  # 0: no priority from critical.py at all
     critical_path: bool = True  # boost trajectories projected to finish their step last (critical.py)
     critical_window: float = 0.05
@@ -123,9 +126,10 @@ class ActionLevelPolicy:
         if opt.ordering == "fifo":
             key = action.submitted_at
         else:
-            key = pred + opt.aging_per_s * action.submitted_at
             if pool == GPU:
-                key += self._setup_estimate(action)
+                key = pred + opt.gpu_aging_per_s * action.submitted_at + self._setup_estimate(action)
+            else:
+                key = pred + opt.aging_per_s * action.submitted_at
             if opt.critical_boost_s:
                 key -= self.critical.on_submit(action, now, pred)  # seconds of priority (critical.py)
         if pool == GPU:
