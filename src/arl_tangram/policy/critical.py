@@ -45,14 +45,26 @@ seeds 0-4 / mean, at pool scales 1 / 0.5 / 0.25 (``tangram evaluate --scales 1,0
   the client sends counts: it then fights the boost (search 0.5x worst seed 1.064 -> 0.970). On
   GPU pools it reorders across models and pays loads (mopd 0.25x worst seed 0.993 -> 0.874).
 
+mopd's last seed behind fifo without counts (seed 4 at 0.5x, 0.985) was not a critical-path
+matter: model calls now age faster (``action_level.Options.gpu_aging_per_s``, figures there).
+Signals for the GPU round measured first and dropped (mopd, no counts, step time over the best
+baseline's at 1x / 0.5x / 0.25x): the waiting credit, ordering only within a model's queue
+(models by their head's key without it): seeds 0-4 worst 0.919 / 0.800 / 0.846 — it favours the
+trajectories that have run turns over first turns, whose remaining gaps then start late; the
+expected remaining turns x seconds per turn taken off the key (x0.1; least attained,
+continuous): 20 seeds mean 1.002 / 1.008 / 1.023 but seed 4 at 0.5x 0.977, x0.3 and x1 worse,
+within a model's queue only worse (worst 0.960 at 0.5x); holding the block the best blocked
+wide call waits for (EASY backfilling: frontier-235b at 0.25x had calls queued but none running
+235 of 440 s, small models backfilled its island; others ran there only if predicted to end
+before it drained): held GPUs idled, 20 seeds 0.5x / 0.25x mean 0.981 / 0.825, ACT 0.81 / 0.32.
+
 What remains: without counts, search's step time is up to 6.4% behind trajectory-static on single
-seeds (seed 1 at 1x and 0.5x), and mopd 1.5% behind fifo on one (seed 4 at 0.5x). That baseline's
-calls hit the API's limiter directly and back off at random: a random service order whose step
+seeds (seed 1 at 1x and 0.5x). That baseline's calls hit the API's limiter directly and back off
+at random: a random service order whose step
 time spreads about +-10% around fifo's; even exact submission order (fifo) is >1% behind it on 7
 of 20 seeds at 1x (worst 0.89). Search trajectory lengths are independent of everything a
 scheduler sees (after ~7 turns their hazard is flat, ~0.2 a turn), so no order that uses only what
-was observed finds the long ones; the client's counts do. mopd's seed is the GPU round's (no
-critical-path signal reaches GPUs without counts).
+was observed finds the long ones; the client's counts do.
 
 Measured and dropped as well: ordering every action by remaining trajectory time
 (``key -= w * remaining``) gives up SRPT's ACT; with no counts on search (20 seeds, vs fifo):
