@@ -64,7 +64,16 @@ at random: a random service order whose step
 time spreads about +-10% around fifo's; even exact submission order (fifo) is >1% behind it on 7
 of 20 seeds at 1x (worst 0.89). Search trajectory lengths are independent of everything a
 scheduler sees (after ~7 turns their hazard is flat, ~0.2 a turn), so no order that uses only what
-was observed finds the long ones; the client's counts do.
+was observed finds the long ones; the client's counts do. Seed 1, mean step at 1x / 0.5x: Tangram
+227.5 / 315.1 s, fifo 227.0 / 314.4, trajectory-static 216.9 / 294.9 (fifo 0.955 / 0.938 of it).
+At 1x both steps end with a 30-turn trajectory (the generator's cap) that waited 29.7 + 27.5 s
+under Tangram, 22.9 + 33.3 under fifo, 14.7 + 21.2 under the baseline's backoff, all in the
+step's first 60 s (its turns 1-7, the start-of-step burst), before its length shows. Tangram's
+part of it is one browse call (2.9 s predicted, no credit yet) passed by ~600 newer 0.9 s search
+calls carrying ~1.7 s of credit: 29 s on that call (the window's mean wait was 4.6 s). Bounding
+such pass-overs by aging quota calls at 0.3 / 0.6 per s: seed 1 0.962 / 0.960 at 1x, 0.936 /
+0.936 at 0.5x, 20 seeds' mean unchanged (0.984 at 1x) for ACT 1.05 -> 1.01 / 0.99 of the best
+baseline's; a credit only for waiting above the step's mean: 0.964 / 0.927.
 
 Measured and dropped as well: ordering every action by remaining trajectory time
 (``key -= w * remaining``) gives up SRPT's ACT; with no counts on search (20 seeds, vs fifo):
