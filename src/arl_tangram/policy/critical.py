@@ -68,7 +68,7 @@ was observed finds the long ones; the client's counts do. Seed 1, mean step at 1
 227.5 / 315.1 s, fifo 227.0 / 314.4, trajectory-static 216.9 / 294.9 (fifo 0.955 / 0.938 of it).
 At 1x both steps end with a 30-turn trajectory (the generator's cap) that waited 29.7 + 27.5 s
 under Tangram, 22.9 + 33.3 under fifo, 14.7 + 21.2 under the baseline's backoff, all in the
-step's first 60 s (its turns 1-7, the start-of-step burst), before its length shows. Tangram's
+step's first 80 s (its first 10 turns, the start-of-step burst), before its length shows. Tangram's
 part of it is one browse call (2.9 s predicted, no credit yet) passed by ~600 newer 0.9 s search
 calls carrying ~1.7 s of credit: 29 s on that call (the window's mean wait was 4.6 s). Bounding
 such pass-overs by aging quota calls at 0.3 / 0.6 per s: seed 1 0.962 / 0.960 at 1x, 0.936 /
