@@ -27,7 +27,7 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Final, Iterator
+from typing import Callable, Final, Iterator
 
 from ..core.action import CPU, GPU, Action, Finished
 from ..core.cluster import DEFAULT_H2D_GBPS
@@ -102,6 +102,8 @@ class ActionLevelPolicy:
         self._model_rate: dict[str, tuple[float, float]] = {}
         self._cpu_queued_at = -math.inf
         self._cpu_only = False  # the cluster has CPU nodes only (set by ``bind``)
+        # the fair-share test the queues call, bound once (not a new bound method every round)
+        self._fair: Callable[[str], bool] | None = self._favoured if options.fair_share else None
 
     # -- lifecycle -------------------------------------------------------------------------------
     def bind(self, view: EngineView, now: float) -> Iterator[Decision]:
@@ -231,7 +233,7 @@ class ActionLevelPolicy:
             queues.append(new)
         admitted: list[tuple[Action, int, int]] = []  # the elastic ones (to grow if nothing waits)
         skipped: dict[int, list] | None = None
-        fair = self._favoured if self.opt.fair_share else None
+        fair = self._fair
         while queues and pool.total_free:
             q = queues[0] if len(queues) == 1 else min(queues, key=JobQueues.peek_key)
             entry = q.pop(fair)

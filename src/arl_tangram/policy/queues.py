@@ -3,7 +3,7 @@ in O(jobs) while each job's order stays O(log n)."""
 
 from __future__ import annotations
 
-import heapq
+from heapq import heappop, heappush  # names, not ``heapq.x``: compiled, no module lookup a call
 from typing import Callable
 
 from ..core.action import Action
@@ -32,13 +32,13 @@ class JobQueues:
             heap = self.heaps[action.job] = []
             self._only = heap if len(self.heaps) == 1 else None
         self._seq += 1
-        heapq.heappush(heap, (key, self._seq, action))
+        heappush(heap, (key, self._seq, action))
         self.size += 1
 
     def push_back(self, entries: list[tuple[float, int, Action]]) -> None:
         """Return popped entries unchanged (their original order is kept by their sequence)."""
         for entry in entries:
-            heapq.heappush(self.heaps[entry[2].job], entry)
+            heappush(self.heaps[entry[2].job], entry)
             self.size += 1
 
     def cancel(self, action: Action) -> None:
@@ -49,7 +49,7 @@ class JobQueues:
     def _clean_head(self, heap: list) -> None:
         cancelled = self._cancelled
         while heap and cancelled and heap[0][2].id in cancelled:
-            cancelled.discard(heapq.heappop(heap)[2].id)
+            cancelled.discard(heappop(heap)[2].id)
 
     def peek_key(self) -> float:
         """The smallest key waiting (inf when empty)."""
@@ -70,7 +70,7 @@ class JobQueues:
             if not heap:
                 return None
             self.size -= 1
-            return heapq.heappop(heap)
+            return heappop(heap)
         best = None
         best_fav = None
         for job, heap in self.heaps.items():
@@ -87,4 +87,4 @@ class JobQueues:
         if best_fav is not None:
             best = best_fav
         self.size -= 1
-        return heapq.heappop(best[1])
+        return heappop(best[1])
