@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mypy_extensions import mypyc_attr
+
 from .action import Action, Allocation, Outcome, by_fields
 from .pools import CapacityError, Instance
 
 
+@mypyc_attr(acyclic=True, free_list_len=1)
 @dataclass(init=False, eq=False)  # ``__init__`` written out: ``action.by_fields``
 class Running:
     """A started action: where it runs and, on GPUs, the model copy it uses."""
@@ -69,6 +72,7 @@ class Load:
     instance: Instance
 
 
+@mypyc_attr(acyclic=True, free_list_len=1)
 @dataclass(init=False)  # one per action: ``__init__`` written out (``action.by_fields`` says why)
 class Completion:
     """A manager's report that a started action ended (``core.seam``): its outcome, the seconds of

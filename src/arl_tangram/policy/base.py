@@ -10,12 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Protocol
 
+from mypy_extensions import mypyc_attr
+
 from ..core.action import Action, Finished, by_fields
 from ..core.cluster import Cluster
 from ..core.pools import CpuPool, GpuPool, Instance, QuotaPool
 from ..core.records import Load, Reservation, Running
 
 
+@mypyc_attr(acyclic=True, free_list_len=1)
 @dataclass(init=False)  # one per action: ``__init__`` written out (``core.action.by_fields`` says why)
 class Start:
     """Run ``action`` now: on CPU ``node`` with ``count`` cores, on GPU ``block`` (after evicting
