@@ -86,12 +86,17 @@ def test_min_resources_reports_a_scale_per_policy(tmp_path):
 
 def test_bench_scheduler_prints_rates_per_depth(tmp_path):
     out = tmp_path / "b.json"
-    p = tangram("bench", "scheduler", "--nodes", "4", "--seconds", "0.05", "--json", str(out))
+    p = tangram("bench", "scheduler", "--nodes", "4", "--seconds", "0.05", "--repeats", "3", "--json", str(out))
     assert p.returncode == 0, p.stderr
     report = json.loads(out.read_text())
     for key in ("actions_per_s", "actions_per_cpu_s"):
         rates = report[key]
         assert set(rates) == {"1000", "10000", "100000"} and all(v > 0 for v in rates.values())
+    for depth, runs in report["actions_per_cpu_s_runs"].items():  # the figure is the median of the runs
+        assert len(runs) == 3 and report["actions_per_cpu_s"][depth] == sorted(runs)[1]
+    if report["compiled"]:  # the sources were measured too, in a child process
+        assert len(report["pure_actions_per_cpu_s_at_10000_runs"]) == 3
+        assert report["compiled_over_pure_at_10000"] > 0
 
 
 def test_ci_runs_the_readme_test_command():

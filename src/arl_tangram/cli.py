@@ -383,12 +383,13 @@ def top(
 def bench_scheduler(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
     nodes: int = typer.Option(1000, min=1, help="CPU nodes in the pool (64 cores each)."),
-    seconds: float = typer.Option(2.0, min=0.01, help="Measuring time per queue depth."),
+    seconds: float = typer.Option(2.0, min=0.01, help="Measuring time per run."),
+    repeats: int = typer.Option(3, min=1, help="Runs per queue depth; the rates are their median."),
 ) -> None:
     """Policy + engine decisions per second at queue depths 1,000 / 10,000 / 100,000."""
     from .bench.scheduler import run
 
-    _print_json(run(nodes=nodes, seconds=seconds, log=lambda m: console.print(m)), json_out)
+    _print_json(run(nodes=nodes, seconds=seconds, log=lambda m: console.print(m), repeats=repeats), json_out)
 
 
 @bench_app.command("sandbox")

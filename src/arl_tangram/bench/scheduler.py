@@ -35,6 +35,7 @@ import itertools
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -115,11 +116,10 @@ def measure(depth: int, nodes: int = 1000, seconds: float = 2.0, sessions: int |
     scheduling round (1: a round per event, as the runtimes do; more: what coalescing the events
     of one loop iteration would gain, which ``Runtime.tick`` says why it does not do)."""
     b = _Setup(depth, nodes, sessions, memory_gb_per_core)
-    engine, clock, rec = b.engine, b.clock, b.rec
-
-    def submit() -> None:
-        engine.submit(b.action())
-
+    engine = b.engine
+    # the loop's own names bound once (it is the harness, not what is measured)
+    complete, submit, schedule, build = engine.complete, engine.submit, engine.schedule, b.action
+    ended, advance, ok = b.rec.started.popleft, b.clock.advance_to, Outcome.OK
     done = 0
     t = 0.0
     start = time.perf_counter()
@@ -129,11 +129,11 @@ def measure(depth: int, nodes: int = 1000, seconds: float = 2.0, sessions: int |
     while True:
         for _ in range(rounds):
             t += 1e-4
-            clock.advance_to(t)
+            advance(t)
             for _ in range(batch):
-                engine.complete(Completion(rec.started.popleft(), Outcome.OK, exec_s=1.0))
-                submit()
-            engine.schedule()
+                complete(Completion(ended(), ok, exec_s=1.0))
+                submit(build())
+            schedule()
         done += rounds * batch
         if time.perf_counter() >= deadline:
             break
@@ -240,21 +240,25 @@ def floor(depth: int = 10_000, nodes: int = 1000, iterations: int = 100_000) -> 
     return round((time.process_time() - cpu_start) / iterations * 1e6, 2)
 
 
-def pure_rate(depth: int, nodes: int, seconds: float) -> float:
-    """``measure``'s CPU rate with the sources imported instead of the compiled modules (a child
+def pure_rates(depth: int, nodes: int, seconds: float, repeats: int) -> list[float]:
+    """``measure``'s CPU rates with the sources imported instead of the compiled modules (a child
     process with ``ARL_TANGRAM_PURE=1``: ``arl_tangram.build``)."""
     code = ("import json, sys; from arl_tangram.bench.scheduler import measure; from arl_tangram import build; "
-            f"r = measure({depth}, {nodes}, {seconds}); "
-            "print(json.dumps({'cpu_per_s': r.cpu_per_s, 'compiled': build.compiled()}))")
+            f"r = [measure({depth}, {nodes}, {seconds}).cpu_per_s for _ in range({repeats})]; "
+            "print(json.dumps({'cpu_per_s': r, 'compiled': build.compiled()}))")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "ARL_TANGRAM_PURE": "1"},
                          capture_output=True, text=True, check=True).stdout
     got = json.loads(out.strip().splitlines()[-1])
     if got["compiled"]:
         raise RuntimeError("ARL_TANGRAM_PURE=1 still imported the compiled modules")
-    return float(got["cpu_per_s"])
+    return [float(x) for x in got["cpu_per_s"]]
 
 
-def run(nodes: int = 1000, seconds: float = 2.0, log: Callable[[str], None] | None = None) -> dict:
+def run(nodes: int = 1000, seconds: float = 2.0, log: Callable[[str], None] | None = None,
+        repeats: int = 3) -> dict:
+    """Every figure of the module docstring. The rates per queue depth are the median of
+    ``repeats`` runs of ``seconds`` each (all of them under ``*_runs``): a shared machine moves a
+    single run by +-5%."""
     stale = build.stale()
     if stale:
         raise RuntimeError(f"the compiled modules are older than {', '.join(stale)}: run `pip install -e .` "
@@ -262,12 +266,16 @@ def run(nodes: int = 1000, seconds: float = 2.0, log: Callable[[str], None] | No
     compiled = build.compiled()
     if log:
         log("hot path: " + ("compiled (mypyc)" if compiled else "pure Python"))
-    rates, cpu_rates = {}, {}
+    rates, cpu_rates, cpu_runs = {}, {}, {}
     for depth in DEPTHS:
-        rate = measure(depth, nodes, seconds)
-        rates[str(depth)], cpu_rates[str(depth)] = round(rate.wall_per_s), round(rate.cpu_per_s)
+        runs = [measure(depth, nodes, seconds) for _ in range(repeats)]
+        key = str(depth)
+        rates[key] = round(statistics.median(r.wall_per_s for r in runs))
+        cpu_rates[key] = round(statistics.median(r.cpu_per_s for r in runs))
+        cpu_runs[key] = [round(r.cpu_per_s) for r in runs]
         if log:
-            log(f"queue depth {depth:>7,}: {rates[str(depth)]:>9,} actions/s ({cpu_rates[str(depth)]:,} per CPU second)")
+            log(f"queue depth {depth:>7,}: {rates[key]:>9,} actions/s ({cpu_rates[key]:,} per CPU second; "
+                f"median of {', '.join(f'{x:,}' for x in cpu_runs[key])})")
     coalesced = {}
     for batch in COALESCED:
         rate = measure(10_000, nodes, seconds, batch=batch)
@@ -281,13 +289,16 @@ def run(nodes: int = 1000, seconds: float = 2.0, log: Callable[[str], None] | No
         log(f"the same loop reduced to its records, dicts and heap: {bound} µs per action (CPU)")
     versus = {}
     if compiled:  # the same figure from the sources, measured right after, for a ratio of one run
-        pure = pure_rate(10_000, nodes, seconds)
+        pure_runs = pure_rates(10_000, nodes, seconds, repeats)
+        pure = statistics.median(pure_runs)
         versus = {"pure_actions_per_cpu_s_at_10000": round(pure),
+                  "pure_actions_per_cpu_s_at_10000_runs": [round(x) for x in pure_runs],
                   "compiled_over_pure_at_10000": round(cpu_rates["10000"] / pure, 2)}
         if log:
             log(f"queue depth  10,000, sources (ARL_TANGRAM_PURE=1): {round(pure):>9,} actions per CPU second "
                 f"({versus['compiled_over_pure_at_10000']}x compiled)")
     return {"compiled": compiled, **versus, "actions_per_s": rates, "actions_per_cpu_s": cpu_rates,
+            "actions_per_cpu_s_runs": cpu_runs, "repeats": repeats,
             "coalesced_actions_per_cpu_s_at_10000": coalesced, "us_per_action_at_10000": parts,
             "floor_us_per_action_at_10000": bound,
             "nodes": nodes, "cores": nodes * 64, "policy": "tangram", "seconds_per_depth": seconds,
