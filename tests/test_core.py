@@ -27,6 +27,16 @@ def test_action_validation_names_the_field():
     with pytest.raises(InvalidAction) as e:
         Action("", "sandbox")
     assert e.value.field == "id"
+    for bad in (2.5, -1):
+        with pytest.raises(InvalidAction) as e:
+            Action("a", "sandbox", remaining_turns=bad)
+        assert e.value.field == "remaining_turns"
+
+
+def test_an_integral_count_of_turns_is_stored_as_an_int():
+    # a float from JSON (2.0) is the int it equals, compiled or not (the compiled field is an int)
+    a = Action("a", "sandbox", remaining_turns=2.0)
+    assert a.remaining_turns == 2 and type(a.remaining_turns) is int
 
 
 def test_pools_and_default_demands():

@@ -164,7 +164,7 @@ class Action:
                  hint_s: float | None = None, parallel_fraction: float = 0.0,
                  speedup: tuple[float, ...] | None = None, weights_gb: float = 0.0,
                  timeout_s: float | None = None, payload: Any = None, submitted_at: float = 0.0,
-                 pool: str = "", remaining_turns: int | None = None) -> None:
+                 pool: str = "", remaining_turns: int | float | None = None) -> None:
         self.id = id
         self.service = service
         self.job = job
@@ -178,7 +178,6 @@ class Action:
         self.timeout_s = timeout_s
         self.payload = payload
         self.submitted_at = submitted_at
-        self.remaining_turns = remaining_turns
         if not id:
             raise InvalidAction("id", "must be a non-empty string")
         # one is built per request: the common service is compared before ``pool_of`` is called
@@ -194,9 +193,10 @@ class Action:
             raise InvalidAction("hint_s", f"must be >= 0, got {self.hint_s}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise InvalidAction("timeout_s", f"must be > 0, got {self.timeout_s}")
-        if self.remaining_turns is not None and (int(self.remaining_turns) != self.remaining_turns
-                                                 or self.remaining_turns < 0):
-            raise InvalidAction("remaining_turns", f"must be an integer >= 0, got {self.remaining_turns}")
+        if remaining_turns is not None and (int(remaining_turns) != remaining_turns or remaining_turns < 0):
+            raise InvalidAction("remaining_turns", f"must be an integer >= 0, got {remaining_turns}")
+        # an integral float (2.0) counts as the int it equals: the field is an int
+        self.remaining_turns = None if remaining_turns is None else int(remaining_turns)
         if self.weights_gb < 0:
             raise InvalidAction("weights_gb", f"must be >= 0, got {self.weights_gb}")
         if self.speedup is not None:
