@@ -96,3 +96,17 @@ def test_stale_names_a_source_newer_than_its_compiled_module(tmp_path, monkeypat
     assert build.stale() == ["core/pools.py"]
     os.utime(so, (3000, 3000))
     assert build.stale() == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not build.compiled(), reason="the rest of the suite already runs the sources here")
+def test_the_engine_and_policy_tests_pass_on_the_sources_too():
+    """The suite runs the compiled build where there is one; the plain one is what a machine
+    without a compiler gets, so its core tests run as well."""
+    tests = os.path.dirname(__file__)
+    files = [os.path.join(tests, f) for f in ("test_core.py", "test_engine.py", "test_policy.py", "test_hot_path.py",
+                                              "test_properties.py")]
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow", *files],
+                       env={**os.environ, "ARL_TANGRAM_PURE": "1"}, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:]
+    assert " passed" in p.stdout
