@@ -96,6 +96,10 @@ def test_stale_names_a_source_newer_than_its_compiled_module(tmp_path, monkeypat
     assert build.stale() == ["core/pools.py"]
     os.utime(so, (3000, 3000))
     assert build.stale() == []
+    # a module compiled by an older build and no longer in HOT_PATH shadows its source too
+    (tmp_path / "core" / "seam.py").write_text("")
+    (tmp_path / "core" / "seam.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    assert build.stale() == ["core/seam.py"]
 
 
 @pytest.mark.slow

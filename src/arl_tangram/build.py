@@ -61,12 +61,15 @@ def compiled() -> bool:
 
 
 def stale() -> list[str]:
-    """Sources of ``HOT_PATH`` edited after their compiled module was built: an editable install
-    not rebuilt since, whose edits Python does not see."""
+    """Sources whose compiled module Python would import instead of them, wrongly: edited after
+    it was built (an editable install not rebuilt since), or no longer in ``HOT_PATH`` (a module
+    left over from an older build)."""
     out = []
-    for name in HOT_PATH:
+    for built in sorted(ROOT.rglob("*")):
+        if built.suffix not in (".so", ".pyd"):
+            continue
+        name = built.relative_to(ROOT).parent.joinpath(built.name.split(".", 1)[0]).as_posix()
         source = ROOT / f"{name}.py"
-        built = [p for p in source.parent.glob(source.stem + ".*") if p.suffix in (".so", ".pyd")]
-        if built and source.stat().st_mtime > max(p.stat().st_mtime for p in built):
+        if source.exists() and (name not in HOT_PATH or source.stat().st_mtime > built.stat().st_mtime):
             out.append(f"{name}.py")
-    return out
+    return sorted(set(out))

@@ -261,8 +261,8 @@ def run(nodes: int = 1000, seconds: float = 2.0, log: Callable[[str], None] | No
     single run by +-5%."""
     stale = build.stale()
     if stale:
-        raise RuntimeError(f"the compiled modules are older than {', '.join(stale)}: run `pip install -e .` "
-                           "again, or measure the sources with ARL_TANGRAM_PURE=1")
+        raise RuntimeError(f"compiled modules stale or left over would be measured instead of {', '.join(stale)}: "
+                           "run `pip install -e .` again, or measure the sources with ARL_TANGRAM_PURE=1")
     compiled = build.compiled()
     if log:
         log("hot path: " + ("compiled (mypyc)" if compiled else "pure Python"))
