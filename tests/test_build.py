@@ -5,8 +5,10 @@ import dataclasses
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -85,7 +87,9 @@ def test_an_action_rebuilt_is_validated_again():
 
 
 def test_stale_names_a_source_newer_than_its_compiled_module(tmp_path, monkeypatch):
-    (tmp_path / "core").mkdir()
+    (tmp_path / "setup.py").write_text("")  # a source checkout: <root>/setup.py, <root>/src/<package>
+    tmp_path = tmp_path / "src" / "arl_tangram"
+    (tmp_path / "core").mkdir(parents=True)
     so = tmp_path / "core" / "pools.cpython-311-x86_64-linux-gnu.so"
     src = tmp_path / "core" / "pools.py"
     so.write_bytes(b"")
@@ -100,6 +104,24 @@ def test_stale_names_a_source_newer_than_its_compiled_module(tmp_path, monkeypat
     (tmp_path / "core" / "seam.py").write_text("")
     (tmp_path / "core" / "seam.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
     assert build.stale() == ["core/seam.py"]
+    (tmp_path.parent.parent / "setup.py").unlink()  # an installed wheel: never stale
+    assert build.stale() == []
+
+
+@pytest.mark.skipif(not build.compiled(), reason="nothing compiled to be stale")
+def test_a_checkout_edited_since_its_build_runs_its_sources(tmp_path):
+    src = os.path.dirname(os.path.dirname(build.__file__))
+    shutil.copytree(src, tmp_path / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    (tmp_path / "setup.py").write_text("")
+    edited = tmp_path / "src" / "arl_tangram" / "engine.py"
+    os.utime(edited, (time.time() + 5, time.time() + 5))  # edited after the build
+    code = "from arl_tangram import build, engine; print(build.compiled(), engine.__file__)"
+    p = subprocess.run([sys.executable, "-W", "always", "-c", code], env={**os.environ, "PYTHONPATH": str(tmp_path / "src")},
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    compiled, path = p.stdout.split()
+    assert compiled == "False" and path == str(edited)
+    assert "older than their sources (engine.py)" in p.stderr
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@
 one truth and run as they are wherever the compiled modules are absent, or when
 ``ARL_TANGRAM_PURE=1`` is set before ``arl_tangram`` is first imported: then ``use_sources``
 (called by the package's ``__init__``) makes Python import this package's ``.py`` files even where
-a compiled module sits beside them. ``tangram bench scheduler`` measures both builds in one run
+a compiled module sits beside them. The package does the same, with a warning, in a checkout whose
+compiled modules are older than their sources (``stale``), so an edit or a pull is never shadowed
+by an older build. ``tangram bench scheduler`` measures both builds in one run
 that way, and a test checks that they decide the same.
 """
 
@@ -63,7 +65,10 @@ def compiled() -> bool:
 def stale() -> list[str]:
     """Sources whose compiled module Python would import instead of them, wrongly: edited after
     it was built (an editable install not rebuilt since), or no longer in ``HOT_PATH`` (a module
-    left over from an older build)."""
+    left over from an older build). Only a source checkout (``setup.py`` two folders up) can be
+    stale: an installed wheel's files all come from one build, whatever their times."""
+    if not (ROOT.parent.parent / "setup.py").exists():
+        return []
     out = []
     for built in sorted(ROOT.rglob("*")):
         if built.suffix not in (".so", ".pyd"):
