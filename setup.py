@@ -49,7 +49,13 @@ def _ext_modules() -> list:
     except ImportError:
         print("arl-tangram: mypyc not importable; the scheduler runs as plain Python", file=sys.stderr)
         return []
-    return mypycify(_hot_path(), opt_level="3", debug_level="0")
+    try:
+        return mypycify(_hot_path(), opt_level="3", debug_level="0")
+    except SystemExit as e:  # mypyc type-checks first and exits on an error (printed above)
+        # e.g. a newer mypy in the isolated build environment than the one the sources were
+        # checked with: the same hint as a failed compile, not a bare mypy error
+        raise SystemExit(f"arl-tangram: mypyc rejected the scheduler's hot path (exit {e.code}; mypy's errors "
+                         "are above); ARL_TANGRAM_PURE=1 installs it as plain Python") from None
 
 
 class _BuildExt(build_ext):

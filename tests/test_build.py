@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,22 @@ def test_the_engine_and_policy_tests_pass_on_the_sources_too():
                        env={**os.environ, "ARL_TANGRAM_PURE": "1"}, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:]
     assert " passed" in p.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not build.compiled(), reason="this machine does not compile the hot path")
+def test_a_hot_path_mypy_rejects_fails_the_install_naming_the_way_out(tmp_path):
+    """mypyc type-checks before it compiles, and exits on an error: the build environment's mypy
+    (``pyproject.toml`` asks for ``mypy>=1.10``) may be newer than the one the sources were
+    checked with. The install then says how to install anyway, as for a failed compile."""
+    root = Path(__file__).resolve().parents[1]
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(root / name, tmp_path)
+    shutil.copytree(root / "src", tmp_path / "src", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    with open(tmp_path / "src" / "arl_tangram" / "waits.py", "a") as f:
+        f.write('\nNOT_AN_INT: int = "x"  # what a stricter mypy might find\n')
+    env = {k: v for k, v in os.environ.items() if k != "ARL_TANGRAM_PURE"}
+    r = subprocess.run([sys.executable, "setup.py", "--name"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode != 0
+    assert "ARL_TANGRAM_PURE=1 installs it as plain Python" in r.stderr, r.stderr[-2000:]
