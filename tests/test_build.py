@@ -1,6 +1,7 @@
 """The compiled hot path (``setup.py``, ``arl_tangram.build``) and its sources are one program:
 the same decisions, records that travel between processes, and a switch that really switches."""
 
+import copy
 import dataclasses
 import json
 import os
@@ -15,8 +16,11 @@ import pytest
 
 from arl_tangram import build
 from arl_tangram.core.action import Action, Allocation, Demand, Finished, Outcome, Setup
-from arl_tangram.core.records import Completion, Running
-from arl_tangram.policy.base import Start
+from arl_tangram.core.cluster import ApiQuota, Cluster, CpuNode, GpuNode, ModelSpec
+from arl_tangram.core.pools import Instance
+from arl_tangram.core.records import Completion, Load, Loaded, Running
+from arl_tangram.policy.action_level import Options, tangram_policy
+from arl_tangram.policy.base import Costs, Evict, Grow, Prefetch, Release, Reserve, Start
 from arl_tangram.sim.compare import run_policy
 from arl_tangram.sim.workloads import generate
 
@@ -79,6 +83,31 @@ def test_records_travel_between_processes_whole(record):
         else:
             assert theirs == mine, f.name
     assert dataclasses.replace(record) is not record
+
+
+FROZEN = [
+    CpuNode("c", 2, 8.0), GpuNode("g", 2, 40.0, 2, 20.0, ((0, 1),)), ApiQuota("s", 2.0, 3, 1.0),
+    ModelSpec("m", 4.0, 2, 0.5, 10.0),
+    Cluster((CpuNode("c", 2),), (GpuNode("g", 2),), (ApiQuota("s", 2.0, 3),), (ModelSpec("m", 4.0),)),
+    Load("k", "m", (0, 1), 2.0, Instance("m", (0, 1), 2.0)), Loaded("k"), Grow("a1", 1), Prefetch("m", (0,)),
+    Evict("m", (0,)), Reserve("k", "cpu", 0, 2), Release("k"), Costs(session_mem_gb=1.0),
+    Options(ordering="fifo", job_weights={"j": 2.0}),
+]
+
+
+@pytest.mark.parametrize("value", FROZEN, ids=lambda r: type(r).__name__)
+def test_frozen_records_and_settings_pickle_and_copy(value):
+    """Compiled, a frozen dataclass's default pickling sets its fields through the frozen
+    ``__setattr__`` and fails (``FrozenInstanceError``): ``Loaded`` is a report of the manager seam,
+    a ``Cluster`` or ``Options`` is what a caller ships to another process or copies."""
+    for back in (pickle.loads(pickle.dumps(value)), copy.copy(value), copy.deepcopy(value)):
+        assert type(back) is type(value)
+        assert repr(back) == repr(value)  # ``Load`` holds an ``Instance``, compared by identity
+
+
+def test_a_policy_deep_copies():
+    policy = tangram_policy(aging_per_s=0.2)
+    assert copy.deepcopy(policy).opt == policy.opt
 
 
 def test_an_action_rebuilt_is_validated_again():
@@ -156,3 +185,4 @@ def test_a_hot_path_mypy_rejects_fails_the_install_naming_the_way_out(tmp_path):
                        text=True, timeout=600)
     assert r.returncode != 0
     assert "ARL_TANGRAM_PURE=1 installs it as plain Python" in r.stderr, r.stderr[-2000:]
+

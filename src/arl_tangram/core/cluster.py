@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
+
+from .action import by_fields
 
 #: host-to-GPU copy bandwidth (GB/s) assumed where none is measured: PCIe 4.0 x16 in practice;
 #: `tangram bench models --device cuda` measures ~55 GB/s from pinned memory on PCIe 5.0 (H100/H200)
@@ -21,6 +24,9 @@ class CpuNode:
     name: str
     cores: int
     memory_gb: float = 256.0
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +40,9 @@ class GpuNode:
     island_size: int = 8
     h2d_gbps: float = DEFAULT_H2D_GBPS
     groups: tuple[tuple[int, ...], ...] = ()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
 
     def islands(self) -> list[list[int]]:
         if self.groups:
@@ -51,6 +60,9 @@ class ApiQuota:
     rate_per_s: float
     concurrency: int
     burst: float = 0.0
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
 
     @property
     def bucket(self) -> float:
@@ -72,6 +84,9 @@ class ModelSpec:
     compute_share: float = 1.0
     idle_s: float | None = None
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
+
     def __post_init__(self) -> None:
         if not 0.0 < self.compute_share <= 1.0:
             raise ValueError(f"compute_share: {self.compute_share} is not in (0, 1] (model {self.name!r})")
@@ -88,6 +103,9 @@ class Cluster:
     gpu_nodes: tuple[GpuNode, ...] = ()
     quotas: tuple[ApiQuota, ...] = ()
     models: tuple[ModelSpec, ...] = ()
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
 
     @property
     def total_cores(self) -> int:

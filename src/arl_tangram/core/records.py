@@ -71,6 +71,9 @@ class Load:
     per_gpu_gb: float
     instance: Instance
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
+
 
 @mypyc_attr(acyclic=True, free_list_len=1)
 @dataclass(init=False)  # one per action: ``__init__`` written out (``action.by_fields`` says why)
@@ -109,3 +112,6 @@ class Loaded:
     """A manager's report that a prefetch finished: the copy named ``key`` is resident and idle."""
 
     key: str
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails

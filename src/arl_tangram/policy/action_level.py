@@ -27,9 +27,9 @@ import heapq
 import itertools
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Final, Iterator
+from typing import Any, Callable, Final, Iterator
 
-from ..core.action import CPU, GPU, Action, Finished
+from ..core.action import CPU, GPU, Action, Finished, by_fields
 from ..core.cluster import DEFAULT_H2D_GBPS
 from ..core.pools import CpuPool, Instance
 from .base import Decision, EngineView, Evict, Grow, Prefetch, Start
@@ -72,6 +72,9 @@ class Options:
     lookahead: int = 16
     reuse_horizon_s: float = 30.0
     job_weights: dict[str, float] = field(default_factory=dict)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
 
 
 CPU_NEW: Final = "cpu:new"  # the queue of sandbox actions that need a new session

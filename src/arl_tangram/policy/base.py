@@ -54,6 +54,9 @@ class Grow:
     action_id: str
     count: int
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
+
 
 @dataclass(frozen=True, slots=True)
 class Prefetch:
@@ -61,6 +64,9 @@ class Prefetch:
 
     model: str
     block: tuple[int, ...]
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +76,9 @@ class Evict:
 
     model: str
     block: tuple[int, ...]
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +93,16 @@ class Reserve:
     block: tuple[int, ...] = ()
     model: str = ""
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
+
 
 @dataclass(frozen=True, slots=True)
 class Release:
     key: str
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
 
 
 Decision = Start | Grow | Prefetch | Evict | Reserve | Release
@@ -104,6 +119,9 @@ class Costs:
     session_thaw_s: float = 0.005
     session_restore_s: float = 2.0
     session_mem_gb: float = 2.0
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
 
     @classmethod
     def local(cls, session_mem_gb: float) -> "Costs":
