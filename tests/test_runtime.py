@@ -262,3 +262,31 @@ def test_remaining_turns_reach_the_engine():
         return [a.remaining_turns for a, _ in tg.runtime.sandboxes.started]
 
     assert run("double", body) == [4, 1]
+
+
+def test_numpy_numbers_reach_the_compiled_action_and_bad_ones_name_their_field():
+    """Compiled (``setup.py``), ``Action`` takes exactly the types it declares: a numpy int for
+    ``hint_s`` or ``remaining_turns`` (an RL loop's counters) was a ``TypeError`` naming no field,
+    and 3.0 turns, which the sources take, too. The embedded API converts; what is no number is
+    ``InvalidAction`` naming the field."""
+    np = pytest.importorskip("numpy")
+    from arl_tangram.core.cluster import ApiQuota
+
+    async def echo(payload):
+        return payload
+
+    async def body(tg):
+        one_shot = await tg.run("print(1)", remaining_turns=np.int64(2), hint_s=np.int64(1))
+        session = await tg.session()
+        step = await session.exec(python="x = 1", remaining_turns=3.0, hint_s=np.float32(0.5))
+        call = await tg.call_api("echo", 7, hint_s=np.int64(1), timeout_s=np.int64(5))
+        fields = []
+        for kw in ({"remaining_turns": 2.5}, {"remaining_turns": "2"}, {"hint_s": "fast"}):
+            with pytest.raises(InvalidAction) as e:
+                await tg.run("print(1)", **kw)
+            fields.append(e.value.field)
+        return one_shot, step, call, fields
+
+    one_shot, step, call, fields = run("double", body, apis={"echo": (ApiQuota("echo", 100.0, 4), echo)})
+    assert (one_shot.outcome, step.outcome, call.outcome, call.result) == (Outcome.OK, Outcome.OK, Outcome.OK, 7)
+    assert fields == ["remaining_turns", "remaining_turns", "hint_s"]
