@@ -186,3 +186,26 @@ def test_a_hot_path_mypy_rejects_fails_the_install_naming_the_way_out(tmp_path):
     assert r.returncode != 0
     assert "ARL_TANGRAM_PURE=1 installs it as plain Python" in r.stderr, r.stderr[-2000:]
 
+
+
+def test_a_rebuild_that_leaves_the_shim_as_it_was_is_not_stale(tmp_path, monkeypatch):
+    """mypyc puts a group's code in one shared library beside the package; ``setup.py build_ext
+    --inplace`` after an edit rebuilds it but not the per-module shims, whose C never changes
+    (measured: shim 12:49:18, source edited 12:57:29, library 12:57:56). Counted by the shim
+    alone, the fresh build was stale, and the package ran its sources."""
+    (tmp_path / "setup.py").write_text("")
+    pkg = tmp_path / "src" / "arl_tangram"
+    (pkg / "core").mkdir(parents=True)
+    shim = pkg / "core" / "pools.cpython-311-x86_64-linux-gnu.so"
+    src = pkg / "core" / "pools.py"
+    lib = tmp_path / "src" / "b1dd19a5c282d436d25d__mypyc.cpython-311-x86_64-linux-gnu.so"
+    other = tmp_path / "src" / "81d243bd2c585b0f4821__mypyc.cpython-311-x86_64-linux-gnu.so"  # another group's
+    shim.write_bytes(b"\0b1dd19a5c282d436d25d__mypyc\0init_arl_tangram___core___pools\0")
+    for path, t in ((shim, 1000), (src, 2000), (lib, 3000), (other, 5000)):
+        if not path.exists():
+            path.write_bytes(b"")
+        os.utime(path, (t, t))
+    monkeypatch.setattr(build, "ROOT", pkg)
+    assert build.stale() == []
+    os.utime(src, (4000, 4000))  # edited after the library's build
+    assert build.stale() == ["core/pools.py"]

@@ -16,6 +16,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -75,6 +76,19 @@ def stale() -> list[str]:
             continue
         name = built.relative_to(ROOT).parent.joinpath(built.name.split(".", 1)[0]).as_posix()
         source = ROOT / f"{name}.py"
-        if source.exists() and (name not in HOT_PATH or source.stat().st_mtime > built.stat().st_mtime):
+        if source.exists() and (name not in HOT_PATH or source.stat().st_mtime > _built_at(built)):
             out.append(f"{name}.py")
     return sorted(set(out))
+
+
+def _built_at(shim: Path) -> float:
+    """When a compiled module was last built. Its code is in its group's shared library
+    (``<hash>__mypyc.*`` beside the package, named inside the module); the module itself is a shim
+    that imports it, whose C never changes, and ``setup.py build_ext --inplace`` leaves it as it
+    was, old mtime and all, while the library is rebuilt: the newer of the two counts."""
+    t = shim.stat().st_mtime
+    found = re.search(rb"([0-9a-f]{20})__mypyc", shim.read_bytes())
+    if found is not None:
+        for lib in ROOT.parent.glob(found.group(1).decode() + "__mypyc.*"):
+            t = max(t, lib.stat().st_mtime)
+    return t
