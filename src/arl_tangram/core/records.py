@@ -12,7 +12,7 @@ from .action import Action, Allocation, Outcome, by_fields
 from .pools import CapacityError, Instance
 
 
-@mypyc_attr(acyclic=True, free_list_len=1)
+@mypyc_attr(free_list_len=1)
 @dataclass(init=False, eq=False)  # ``__init__`` written out: ``action.by_fields``
 class Running:
     """A started action: where it runs and, on GPUs, the model copy it uses."""
@@ -75,7 +75,7 @@ class Load:
         return by_fields(self)  # compiled, a frozen class's default pickling fails
 
 
-@mypyc_attr(acyclic=True, free_list_len=1)
+@mypyc_attr(free_list_len=1)
 @dataclass(init=False)  # one per action: ``__init__`` written out (``action.by_fields`` says why)
 class Completion:
     """A manager's report that a started action ended (``core.seam``): its outcome, the seconds of

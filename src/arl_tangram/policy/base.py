@@ -18,7 +18,7 @@ from ..core.pools import CpuPool, GpuPool, Instance, QuotaPool
 from ..core.records import Load, Reservation, Running
 
 
-@mypyc_attr(acyclic=True, free_list_len=1)
+@mypyc_attr(free_list_len=1)
 @dataclass(init=False)  # one per action: ``__init__`` written out (``core.action.by_fields`` says why)
 class Start:
     """Run ``action`` now: on CPU ``node`` with ``count`` cores, on GPU ``block`` (after evicting
