@@ -24,7 +24,6 @@ from .local import LocalRuntime
 ACTION_TIMEOUT_SLACK_S = 30.0
 
 
-
 def _seconds(field: str, value: Any) -> float | None:
     """A caller's number of seconds as the float ``Action`` declares (numpy scalars included).
     The compiled ``Action`` (``setup.py``) takes nothing else for an optional float: a numpy int
