@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any, Final, Mapping
 
@@ -124,6 +125,24 @@ def _check_range(kind: str, rng: Any) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
+def seconds(field: str, value: Any) -> Any:
+    """A caller's number of seconds for ``field``: None, an int or a float as it is, another real
+    number (a numpy scalar) as a float; anything else ``InvalidAction`` naming ``field``."""
+    if value is None or type(value) is float or type(value) is int:
+        return value
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise InvalidAction(field, f"must be a number of seconds, got {value!r}")
+
+
+def _count(field: str, value: Any) -> int:
+    """A count given as another real number than an int (2.0, a numpy int), as the int it equals;
+    anything else ``InvalidAction`` naming ``field``."""
+    if isinstance(value, numbers.Real) and (whole := float(value)).is_integer():
+        return int(whole)
+    raise InvalidAction(field, f"must be an integer >= 0, got {value!r}")
+
+
 def pool_of(service: str) -> str:
     """The pool an action of ``service`` draws from: ``cpu``, ``gpu`` or ``api:<name>``."""
     if service == SANDBOX:
@@ -165,10 +184,19 @@ class Action:
 
     def __init__(self, id: str, service: str, demand: Demand | None = None, job: str = "default",
                  trajectory: str | None = None, step: int | None = None, operation: str = "",
-                 hint_s: float | None = None, parallel_fraction: float = 0.0,
+                 hint_s: Any = None, parallel_fraction: float = 0.0,
                  speedup: tuple[float, ...] | None = None, weights_gb: float = 0.0,
-                 timeout_s: float | None = None, payload: Any = None, submitted_at: float = 0.0,
-                 pool: str = "", remaining_turns: int | float | None = None) -> None:
+                 timeout_s: Any = None, payload: Any = None, submitted_at: float = 0.0,
+                 pool: str = "", remaining_turns: Any = None) -> None:
+        # ``hint_s``, ``timeout_s`` and ``remaining_turns`` take any real number (numpy scalars,
+        # 2.0 turns: an RL loop's counters), checked here so that anything else names its field:
+        # compiled, an argument of another type than the one declared is a bare ``TypeError``
+        if hint_s is not None and type(hint_s) is not float:
+            hint_s = seconds("hint_s", hint_s)
+        if timeout_s is not None and type(timeout_s) is not float:
+            timeout_s = seconds("timeout_s", timeout_s)
+        if remaining_turns is not None and type(remaining_turns) is not int:
+            remaining_turns = _count("remaining_turns", remaining_turns)
         self.id = id
         self.service = service
         self.job = job
@@ -197,10 +225,9 @@ class Action:
             raise InvalidAction("hint_s", f"must be >= 0, got {self.hint_s}")
         if self.timeout_s is not None and self.timeout_s <= 0:
             raise InvalidAction("timeout_s", f"must be > 0, got {self.timeout_s}")
-        if remaining_turns is not None and (int(remaining_turns) != remaining_turns or remaining_turns < 0):
+        if remaining_turns is not None and remaining_turns < 0:
             raise InvalidAction("remaining_turns", f"must be an integer >= 0, got {remaining_turns}")
-        # an integral float (2.0) counts as the int it equals: the field is an int
-        self.remaining_turns = None if remaining_turns is None else int(remaining_turns)
+        self.remaining_turns = remaining_turns
         if self.weights_gb < 0:
             raise InvalidAction("weights_gb", f"must be >= 0, got {self.weights_gb}")
         if self.speedup is not None:

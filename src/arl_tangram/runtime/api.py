@@ -7,11 +7,10 @@ becomes one action that the runtime's engine schedules.
 from __future__ import annotations
 
 import asyncio
-import numbers
 import os
 from typing import Any
 
-from ..core.action import Action, Demand, InvalidAction, Outcome
+from ..core.action import Action, Demand, Outcome, seconds
 from ..managers.models.manager import ModelCall
 from ..managers.sandbox.images import ImageError
 from ..managers.sandbox.manager import Exec, Files, RunCode, SandboxConfig
@@ -22,30 +21,6 @@ from .local import LocalRuntime
 #: seconds the engine lets a sandbox action run past the program's own limits (compile + run)
 #: before it counts as lost: the sandbox's own kill (``SandboxConfig.grace_s``) comes first
 ACTION_TIMEOUT_SLACK_S = 30.0
-
-
-def _seconds(field: str, value: Any) -> float | None:
-    """A caller's number of seconds as the float ``Action`` declares (numpy scalars included).
-    The compiled ``Action`` (``setup.py``) takes nothing else for an optional float: a numpy int
-    was a ``TypeError`` that named no field."""
-    if value is None or type(value) is float:
-        return value
-    if isinstance(value, numbers.Real):
-        return float(value)
-    raise InvalidAction(field, f"must be a number of seconds, got {value!r}")
-
-
-def _turns(value: Any) -> int | None:
-    """``remaining_turns`` as an int (numpy ints, and floats such as 3.0, as the sources took
-    them); anything else ``InvalidAction`` naming the field, not the compiled ``Action``'s bare
-    ``TypeError``."""
-    if value is None or type(value) is int:
-        return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real) and float(value).is_integer():
-        return int(value)
-    raise InvalidAction("remaining_turns", f"must be an integer >= 0, got {value!r}")
 
 
 class _ModelFront:
@@ -189,9 +164,9 @@ class Session:
                         trajectory=self.id,
                         operation=operation or ("python" if python is not None else command.split()[0]
                                                 if command.split() else "shell"),
-                        hint_s=_seconds("hint_s", hint_s), parallel_fraction=parallel_fraction,
+                        hint_s=hint_s, parallel_fraction=parallel_fraction,
                         timeout_s=timeout_s + ACTION_TIMEOUT_SLACK_S, payload=payload,
-                        remaining_turns=_turns(remaining_turns))
+                        remaining_turns=remaining_turns)
         return await self.runtime.submit(action)
 
     async def put(self, files: dict[str, bytes], id: str | None = None) -> ActionResult:
@@ -269,9 +244,9 @@ class Tangram:
                           timeout_s, memory_mb, image, memory_as_rlimit)
         action = Action(id or self.runtime.new_id("r"), "sandbox", Demand({"cpu": rng}), job=job,
                         operation=operation or language,
-                        hint_s=_seconds("hint_s", hint_s), parallel_fraction=parallel_fraction,
+                        hint_s=hint_s, parallel_fraction=parallel_fraction,
                         timeout_s=timeout_s + compile_timeout_s + ACTION_TIMEOUT_SLACK_S, payload=payload,
-                        remaining_turns=_turns(remaining_turns))
+                        remaining_turns=remaining_turns)
         return await self.runtime.submit(action)
 
     async def score(self, model: str, tokens: list[int], *, job: str = "default",
@@ -294,13 +269,14 @@ class Tangram:
         if front is None:
             spec = mm.services[model]
             front = self.fronts[(model, op)] = _ModelFront(rt, model, op, spec.max_batch, spec.max_wait_ms, spec.gpus)
-        return await front.call(list(tokens), job, _seconds("hint_s", hint_s))
+        # checked now: the batch's action is built later, in a timer callback
+        return await front.call(list(tokens), job, seconds("hint_s", hint_s))
 
     async def call_api(self, name: str, payload: Any = None, *, job: str = "default", timeout_s: float = 60.0,
                        operation: str = "", hint_s: float | None = None) -> ActionResult:
         """Call an external API through its quota (waits in the queue rather than over-calling)."""
         action = Action(self.runtime.new_id("q"), f"api:{name}", job=job, operation=operation,
-                        hint_s=_seconds("hint_s", hint_s), timeout_s=_seconds("timeout_s", timeout_s), payload=payload)
+                        hint_s=hint_s, timeout_s=timeout_s, payload=payload)
         return await self.runtime.submit(action)
 
     async def session(self, job: str = "default", trajectory: str | None = None, image: str | None = None) -> Session:
