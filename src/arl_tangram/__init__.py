@@ -11,9 +11,9 @@ from .build import pure_requested as _pure_requested, stale as _stale, use_sourc
 
 if _pure_requested():  # ARL_TANGRAM_PURE=1: the sources, even where compiled modules exist (build.py)
     _use_sources()
-elif _stale():  # a checkout edited (or pulled) since its last build: its compiled modules are older code
+elif _older := _stale():  # a checkout edited (or pulled) since its last build: its compiled modules are older code
     import warnings as _warnings
 
-    _warnings.warn("arl_tangram: compiled modules older than their sources (" + ", ".join(_stale()) + "); "
+    _warnings.warn("arl_tangram: compiled modules older than their sources (" + ", ".join(_older) + "); "
                    "running the sources. `pip install -e .` rebuilds them.", RuntimeWarning, stacklevel=2)
     _use_sources()

@@ -19,8 +19,8 @@ Hot path (issue 13, ``tangram bench scheduler``: one round per event, 10,000 que
 VM, CPython 3.11). This module and the rest of ``build.HOT_PATH`` are compiled with mypyc at install
 (``setup.py``): ~10 µs an action compiled against ~17 µs as plain Python, ~2.4 µs of either the
 bench's own action and completion (built by interpreted code). What follows was measured on the
-sources, before they were compiled: ~6.5 µs are the records and the dict and heap operations themselves (``bench.scheduler.floor``),
-~1.5 µs the critical-path check of each submission (``policy.critical``, stubbed out to measure),
+sources, before they were compiled: ~6.5 µs are the records and the dict and heap operations
+themselves (``bench.scheduler.floor``), ~1.5 µs the critical-path check of each submission (``policy.critical``, stubbed out to measure),
 the rest is spread over prediction, placement, the ledger, deadlines and bookkeeping. Kept (the
 figures next to the code): validation fast paths (``core.action``), ``Usage.advance`` skipped when time did not move,
 managers found by pool string, the CPU ledger without inner calls and a pop for one core
