@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from ..core.action import Action, Demand, Outcome, seconds
-from ..managers.models.manager import ModelCall
+from ..managers.models.spec import ModelCall
 from ..managers.sandbox.images import ImageError
 from ..managers.sandbox.manager import Exec, Files, RunCode, SandboxConfig
 from ..policy import Policy, Profile

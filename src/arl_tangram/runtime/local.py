@@ -68,6 +68,8 @@ class LocalRuntime(Runtime):
         self.models = None
         model_specs: tuple = ()
         if models:
+            from ..managers.models.spec import require_torch
+            require_torch()
             from ..managers.models.manager import ModelManager
             self.models = ModelManager(models, sink, model_device)
             model_specs = tuple(self.models.load_all())

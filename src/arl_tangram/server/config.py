@@ -111,7 +111,7 @@ def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True,
     path.parent.mkdir(parents=True, exist_ok=True)
     models = None
     if cfg.models:
-        from ..managers.models.manager import ModelServiceConfig
+        from ..managers.models.spec import ModelServiceConfig
         models = [ModelServiceConfig(**m.model_dump()) for m in cfg.models]
     if ray is not None:
         if models:
