@@ -119,3 +119,18 @@ def test_the_readme_python_example_runs():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "olleh" in p.stdout and "42" in p.stdout
+
+
+def test_help_keeps_every_default_it_names():
+    """Rich markup ate hand-written "[default: ...]" texts ("SQLite journal of accepted actions .")."""
+    env_cols = {"COLUMNS": "200"}
+    import os
+    p = subprocess.run([sys.executable, "-m", "arl_tangram.cli", "serve", "--help"], capture_output=True, text=True,
+                       timeout=60, env={**os.environ, **env_cols})
+    assert p.returncode == 0, p.stderr
+    text = " ".join(p.stdout.replace("│", " ").split())
+    assert "~/.local/state/arl-tangram/journal.sqlite3" in text, text
+    assert "one per 4 cores up to 8" in text and "as --fronts" in text and " ." not in text, text
+    q = subprocess.run([sys.executable, "-m", "arl_tangram.cli", "evaluate", "--help"], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, **env_cols})
+    assert "0.125,0.25,0.5,1,2" in " ".join(q.stdout.replace("│", " ").split()), q.stdout

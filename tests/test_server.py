@@ -148,6 +148,37 @@ def test_a_token_is_required_when_configured(tmp_path):
     assert p.returncode == 2 and "token" in p.stderr
 
 
+def test_a_second_server_on_a_busy_journal_refuses_to_start_and_the_first_runs_its_job_once(tmp_path):
+    """Two servers on one journal ran a job twice: the second "recovered" the first one's running
+    action. Now the second refuses, naming the journal, the holder's pid and ``--journal``."""
+    a = Server(tmp_path)
+    try:
+        r = httpx.post(f"{a.url}/v1/actions", json={"id": "slow-once", "wait": False, "action": {
+            "code": "import time\ntime.sleep(3)\nprint('done')", "language": "python"}}, timeout=30)
+        assert r.status_code in (200, 202), r.text
+        second = subprocess.run([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", "9",
+                                 "--journal", a.journal], capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2, second.stdout + second.stderr
+        err = " ".join((second.stdout + second.stderr).split())
+        assert a.journal in err and f"pid {a.proc.pid}" in err and "--journal" in err, err
+        deadline = time.time() + 30
+        while (r := httpx.get(f"{a.url}/v1/actions/slow-once").json())["state"] != "done" and time.time() < deadline:
+            time.sleep(0.2)
+        assert r["outcome"] == "ok" and r["run"]["stdout"] == "done\n", r
+    finally:
+        a.stop()
+    db = sqlite3.connect(a.journal)
+    try:
+        assert db.execute("SELECT count(*) FROM actions WHERE id='slow-once'").fetchone() == (1,)
+    finally:
+        db.close()
+    b = Server(tmp_path, journal=a.journal)  # the lock went with the first server: a restart is not blocked
+    try:
+        assert httpx.get(f"{b.url}/healthz").json()["recovered"] == {"rerun": 0, "infra_error": 0, "rejected": 0}
+    finally:
+        b.stop()
+
+
 # -- load and crash ---------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -173,6 +204,15 @@ def test_top_shows_the_jobs_of_a_live_server(server):
     assert "sandboxfusion" in p.stdout and "queued" in p.stdout
     cores = httpx.get(f"{server.url}/healthz").json()["cores"]
     assert "local cluster" in p.stdout and f"{cores}/{cores}" in p.stdout and "alive" in p.stdout
+    # not on a terminal (a pipe, a log file): plain timestamped snapshots, one per interval, as it goes
+    try:  # it runs until stopped: what it printed in 4 s
+        out = subprocess.run([sys.executable, "-m", "arl_tangram.cli", "top", "--url", server.url, "--interval", "0.2"],
+                             capture_output=True, text=True, timeout=4, env={**os.environ, "COLUMNS": "160"}).stdout
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+    lines = out.splitlines()
+    frames = [line for line in lines if line.startswith("--- ") and server.url in line]
+    assert len(frames) >= 2 and any("queued" in line for line in lines), "".join(lines)[-2000:]
     down = subprocess.run([sys.executable, "-m", "arl_tangram.cli", "top", "--url", "http://127.0.0.1:9", "--once"],
                           capture_output=True, text=True, timeout=60)
     assert down.returncode == 2 and "cannot reach" in down.stderr

@@ -69,16 +69,16 @@ def _cluster(base: Cluster, cpus, cpu_nodes, gpus, gpus_per_node) -> Cluster:
 
 @app.command()
 def simulate(
-    workload: Optional[WorkloadName] = typer.Option(None, help="Built-in workload [default: code_agent]."),
+    workload: Optional[WorkloadName] = typer.Option(None, help="Built-in workload.", show_default="code_agent"),
     trace: Optional[Path] = typer.Option(None, help="Replay a JSONL trace instead of a built-in workload."),
     policy: PolicyName = typer.Option(PolicyName.all, help="Policy to run, or all of them side by side."),
-    cpus: Optional[int] = typer.Option(None, min=0, help="CPU cores in the pool [default: per workload]."),
+    cpus: Optional[int] = typer.Option(None, min=0, help="CPU cores in the pool.", show_default="per workload"),
     cpu_nodes: Optional[int] = typer.Option(None, min=1, help="CPU nodes the cores are spread over."),
-    gpus: Optional[int] = typer.Option(None, min=0, help="GPUs in the pool [default: per workload]."),
+    gpus: Optional[int] = typer.Option(None, min=0, help="GPUs in the pool.", show_default="per workload"),
     gpus_per_node: Optional[int] = typer.Option(None, min=1, help="GPUs per node (one NVLink island each)."),
     scale: float = typer.Option(1.0, help="Multiply every pool by this (the paper compares 1x and 0.5x)."),
-    steps: Optional[int] = typer.Option(None, min=1, help="RL steps per job [default: 2]."),
-    trajectories: Optional[int] = typer.Option(None, min=1, help="Trajectories per step [default: per workload]."),
+    steps: Optional[int] = typer.Option(None, min=1, help="RL steps per job.", show_default="2"),
+    trajectories: Optional[int] = typer.Option(None, min=1, help="Trajectories per step.", show_default="per workload"),
     seed: int = typer.Option(0, help="Seed of the workload generator and the simulation."),
     json_out: Optional[Path] = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot_out: Optional[Path] = typer.Option(None, "--plot", help="Write ACT CDFs and utilisation (PNG) here."),
@@ -215,11 +215,11 @@ def _floats(text: str, name: str) -> tuple[float, ...]:
 def evaluate(
     out_dir: Path = typer.Option(Path("tangram-report"), "--out", help="Directory for report.md/.html, PNGs, JSON."),
     quick: bool = typer.Option(False, "--quick", help="Small workloads, 2 scales, 2 seeds: a smoke run for CI."),
-    workloads: Optional[str] = typer.Option(None, help="Comma-separated built-in workloads [default: all]."),
+    workloads: Optional[str] = typer.Option(None, help="Comma-separated built-in workloads.", show_default="all"),
     trace: Optional[list[Path]] = typer.Option(None, help="Also evaluate a JSONL trace (repeatable)."),
-    scales: Optional[str] = typer.Option(None, help="Comma-separated pool scales [default: 0.125,0.25,0.5,1,2]."),
-    seeds: Optional[int] = typer.Option(None, min=1, help="Seeds 0..N-1 per point [default: 3]."),
-    workers: Optional[int] = typer.Option(None, min=1, help="Worker processes [default: min(2, cores)]."),
+    scales: Optional[str] = typer.Option(None, help="Comma-separated pool scales.", show_default="0.125,0.25,0.5,1,2"),
+    seeds: Optional[int] = typer.Option(None, min=1, help="Seeds 0..N-1 per point.", show_default="3"),
+    workers: Optional[int] = typer.Option(None, min=1, help="Worker processes.", show_default="min(2, cores)"),
     min_resources: bool = typer.Option(True, " /--no-min-resources",
                                        help="Skip the smallest-pool searches (resources at equal step time)."),
     client_remaining: bool = typer.Option(True, " /--no-client-remaining",
@@ -294,19 +294,20 @@ def serve(
     port: int = typer.Option(8080, min=1, max=65535, help="Port to listen on."),
     config: Optional[Path] = typer.Option(None, help="A TOML or JSON file with a ServeConfig."),
     token: Optional[str] = typer.Option(None, envvar="TANGRAM_TOKEN", help="Bearer token clients must send."),
-    journal: Optional[Path] = typer.Option(None, help="SQLite journal of accepted actions [default: from config, "
-                                                      "else ~/.local/state/arl-tangram/journal.sqlite3]."),
+    journal: Optional[Path] = typer.Option(None, help="SQLite journal of accepted actions.",
+                                           show_default="from config, else ~/.local/state/arl-tangram/journal.sqlite3"),
     record: Optional[Path] = typer.Option(None, help="Write every finished action to this JSONL trace (replay it "
                                                      "with tangram simulate --trace)."),
     ray: Optional[str] = typer.Option(None, "--ray", metavar="ADDRESS",
                                       help="Schedule the sandboxes of every node of this Ray cluster (auto or "
                                            "HOST:PORT) instead of this machine's."),
-    fronts: Optional[int] = typer.Option(None, min=0, max=64, help="HTTP front processes beside the engine "
-                                         "process (0: one process) [default: from config, else 0 on 2 cores or "
-                                         "fewer, one per 4 cores up to 8]."),
+    fronts: Optional[int] = typer.Option(None, min=0, max=64,
+                                         help="HTTP front processes beside the engine process (0: one process).",
+                                         show_default="from config, else 0 on 2 cores or fewer, one per 4 cores up to 8"),
     sandbox_workers: Optional[int] = typer.Option(None, "--sandbox-workers", min=0, max=64,
-                                                  help="Processes that carry out one-shot runs beside the engine "
-                                                       "process [default: from config, else as --fronts]."),
+                                                  help="Processes that carry out one-shot runs beside the "
+                                                       "engine process.",
+                                                      show_default="from config, else as --fronts"),
 ) -> None:
     """Serve the SandboxFusion-compatible and native APIs over this machine or a Ray cluster."""
     import ipaddress
@@ -535,14 +536,15 @@ def bench_sessions(
     _print_json(run(sessions, concurrency, over, log=lambda m: console.print(m)), json_out)
 
 
-_STORE_HELP = "Image cache directory [default: $TANGRAM_IMAGE_STORE, else ~/.local/share/arl-tangram/images]."
+_STORE_HELP = "Image cache directory."
+_STORE_DEFAULT = "$TANGRAM_IMAGE_STORE, else ~/.local/share/arl-tangram/images"
 
 
 @image_app.command("import")
 def image_import(
     path: Path = typer.Argument(..., help="A `docker save` or OCI archive, or a root filesystem directory."),
     name: str = typer.Option(..., "--name", help="Name to give the image (sessions ask for it by this name)."),
-    store: Optional[Path] = typer.Option(None, help=_STORE_HELP),
+    store: Optional[Path] = typer.Option(None, help=_STORE_HELP, show_default=_STORE_DEFAULT),
 ) -> None:
     """Import an image: every layer is checked, then unpacked once into the layer cache."""
     from .managers.sandbox.images import ImageError, ImageStore
@@ -559,7 +561,7 @@ def image_import(
 
 
 @image_app.command("ls")
-def image_ls(store: Optional[Path] = typer.Option(None, help=_STORE_HELP)) -> None:
+def image_ls(store: Optional[Path] = typer.Option(None, help=_STORE_HELP, show_default=_STORE_DEFAULT)) -> None:
     """List imported images."""
     from .managers.sandbox.images import ImageError, ImageStore
 
@@ -573,7 +575,7 @@ def image_ls(store: Optional[Path] = typer.Option(None, help=_STORE_HELP)) -> No
 
 @image_app.command("rm")
 def image_rm(name: str = typer.Argument(..., help="The image to remove."),
-             store: Optional[Path] = typer.Option(None, help=_STORE_HELP)) -> None:
+             store: Optional[Path] = typer.Option(None, help=_STORE_HELP, show_default=_STORE_DEFAULT)) -> None:
     """Remove an image and the layers no other image uses (do it while no server uses the image)."""
     from .managers.sandbox.images import ImageError, ImageStore
 

@@ -72,6 +72,9 @@ def render(url: str, health: dict, jobs: list[v1.JobStats], cluster: dict | None
 
 
 def run(url: str, interval_s: float = 1.0, once: bool = False, token: str | None = None) -> None:
+    """Redraw in place on a terminal; elsewhere (a pipe, a log file, ``watch``-less ssh) print one
+    plain, timestamped snapshot per interval: Rich's live display writes nothing until it stops
+    when its output is not a terminal, so ``tangram top > top.log`` stayed empty."""
     from rich.console import Console
 
     console = Console()
@@ -80,6 +83,9 @@ def run(url: str, interval_s: float = 1.0, once: bool = False, token: str | None
         if once:
             console.print(render(url, *snapshot(client)))
             return
+        if not console.is_terminal:
+            _plain(console, client, url, interval_s)
+            return
         with Live(render(url, *snapshot(client)), console=console, refresh_per_second=4) as live:
             while True:
                 time.sleep(interval_s)
@@ -87,3 +93,16 @@ def run(url: str, interval_s: float = 1.0, once: bool = False, token: str | None
                     live.update(render(url, *snapshot(client)))
                 except (httpx.TransportError, TangramError) as e:
                     live.update(Panel(f"[red]cannot read {url}: {e}[/]"))
+
+
+def _plain(console, client: TangramClient, url: str, interval_s: float) -> None:
+    frame = render(url, *snapshot(client))  # an unreachable server fails here, as on a terminal
+    while True:
+        console.print(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {url}")
+        console.print(frame)
+        console.file.flush()
+        time.sleep(interval_s)
+        try:
+            frame = render(url, *snapshot(client))
+        except (httpx.TransportError, TangramError) as e:
+            frame = f"cannot read {url}: {e}"

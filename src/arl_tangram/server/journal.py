@@ -5,12 +5,19 @@ every accepted action is accounted for: finished once, re-run where that is safe
 one-shot), or finished as ``infra_error`` (a session step whose sandbox died with the server). The
 action id is the idempotency key: a resubmission finds the row instead of making a second one.
 ``synchronous=NORMAL`` survives a killed process (the WAL is in the OS's hands), not a power cut.
+
+One journal, one server: a server holds an exclusive lock on ``<journal>.lock`` for its lifetime.
+A second server on the same journal would "recover" the first one's running actions and run them
+again, so it refuses to start (``JournalBusy``, naming the journal and the holder's pid). The lock
+is ``flock``'s, which the kernel drops when its holder dies: a crashed server leaves no stale lock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
+import os
 import sqlite3
 import time
 from dataclasses import dataclass, replace
@@ -44,7 +51,12 @@ class Journal:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._db = _connect(path)
+        self._lock = _lock(path)
+        try:
+            self._db = _connect(path)
+        except BaseException:
+            os.close(self._lock)
+            raise
         self._db.execute("""CREATE TABLE IF NOT EXISTS actions (
             id TEXT PRIMARY KEY, job TEXT NOT NULL, kind TEXT NOT NULL, request TEXT NOT NULL,
             state TEXT NOT NULL, outcome TEXT, response TEXT, safe INTEGER NOT NULL,
@@ -161,9 +173,14 @@ class Journal:
         return [_entry(r) for r in rows]
 
     def close(self) -> None:
-        """Commit what is queued, then close."""
-        self.flush()
-        self._db.close()
+        """Commit what is queued, then close (and let another server have the journal)."""
+        try:
+            self.flush()
+            self._db.close()
+        finally:
+            if self._lock >= 0:
+                os.close(self._lock)  # closing the descriptor drops the flock
+                self._lock = -1
 
 
 def _text(value: dict | str) -> str:
@@ -176,6 +193,28 @@ def _obj(value):
 
 class JournalError(RuntimeError):
     """The journal cannot be written (disk full, file removed): accepting more would lose them."""
+
+
+class JournalBusy(RuntimeError):
+    """Another live server holds the journal."""
+
+
+def _lock(path: str) -> int:
+    """Take ``<path>.lock`` exclusively, without waiting, and write our pid in it; returns the
+    descriptor, held until ``close`` (or until the process dies: then the kernel drops it). Not
+    inherited across exec (Python's default), so sandboxes never hold it."""
+    lock_path = path + ".lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise JournalBusy(f"journal {path} is in use by another tangram serve (pid {holder}): stop that server, "
+                          "or give this one its own journal with --journal PATH (or journal in the config)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _connect(path: str) -> sqlite3.Connection:
