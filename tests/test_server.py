@@ -380,3 +380,28 @@ def test_http_method_and_route_errors_have_fastapis_body(server):
     assert r.status_code == 405 and r.json() == {"detail": "Method Not Allowed"}
     r = httpx.get(f"{server.url}/no/such/route")
     assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
+
+
+def test_names_that_become_paths_are_4xx_naming_the_field_and_unknown_fields_are_named(server):
+    """A NUL byte in an image or file name reached ``os`` (a 500, or a run ``Failed`` with no
+    record of why); a misspelled native field (``timeout`` for ``timeout_s``) was ignored."""
+    cases = [("/v1/sessions", {"image": "a\u0000b"}, "image"),
+             ("/v1/pools/prewarm", {"image": "../x", "n": 1}, "image"),
+             ("/run_code", {"code": "print(1)", "language": "python", "files": {"a\u0000b": "aGk="}}, "files"),
+             ("/run_code", {"code": "print(1)", "language": "python", "fetch_files": ["x\u0000"]}, "fetch_files"),
+             ("/run_jupyter", {"cells": ["1"], "files": {"\u0000": None}}, "files"),
+             ("/v1/actions", {"action": {"code": "print(1)", "files": {"a\u0000b": "aGk="}}}, "action.files"),
+             ("/v1/actions", {"action": {"code": "print(1)", "timeout": 3}}, "unknown field: action.timeout"),
+             ("/v1/sessions", {"imag": "x", "jb": "y"}, "unknown fields: imag, jb")]
+    for path, body, named in cases:
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+        assert r.status_code == 422 and r.json()["message"].startswith(named), (path, r.status_code, r.text)
+    sid = httpx.post(f"{server.url}/v1/sessions", json={}).json()["session_id"]
+    try:
+        r = httpx.get(f"{server.url}/v1/sessions/{sid}/files", params={"path": "a\u0000b"})
+        assert r.status_code == 422 and r.json()["message"].startswith("path:"), r.text
+    finally:
+        httpx.delete(f"{server.url}/v1/sessions/{sid}")
+    # SandboxFusion's routes keep SandboxFusion's behaviour: its request models ignore unknown fields
+    r = httpx.post(f"{server.url}/run_code", json={"code": "print(6*7)", "language": "python", "bogus": 1}, timeout=30)
+    assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "42\n", r.text

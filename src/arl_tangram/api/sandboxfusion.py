@@ -7,12 +7,22 @@ from __future__ import annotations
 import enum
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
+from typing_extensions import Annotated
+
+from ..core.names import check_paths
 
 Language = Literal[
     "python", "cpp", "nodejs", "go", "go_test", "java", "php", "csharp", "bash", "typescript", "sql", "rust",
     "cuda", "lua", "R", "perl", "D_ut", "ruby", "scala", "julia", "pytest", "junit", "kotlin_script", "jest",
     "verilog", "python_gpu", "lean", "swift", "racket", "python2", "gtest", "react"]
+
+
+#: file names are checked where they enter (a NUL byte ended a run ``Failed`` with no record of why):
+#: a 422 naming ``files``/``fetch_files``, as for any other malformed field. Unknown fields are
+#: ignored, as SandboxFusion's own request models (plain pydantic ``BaseModel``s) ignore them.
+FileMap = Annotated[dict[str, Optional[str]], AfterValidator(check_paths)]
+FileList = Annotated[list[str], AfterValidator(check_paths)]
 
 
 class CommandRunStatus(str, enum.Enum):
@@ -42,8 +52,8 @@ class RunCodeRequest(BaseModel):
     run_timeout: float = Field(10, gt=0, le=3600)
     memory_limit_MB: int = Field(-1, ge=-1)
     stdin: Optional[str] = None
-    files: dict[str, Optional[str]] = Field(default_factory=dict, description="path -> base64 content")
-    fetch_files: list[str] = Field(default_factory=list)
+    files: FileMap = Field(default_factory=dict, description="path -> base64 content")
+    fetch_files: FileList = Field(default_factory=list)
 
 
 class RunCodeResponse(BaseModel):
@@ -61,8 +71,8 @@ class RunJupyterRequest(BaseModel):
     total_timeout: float = Field(45, gt=0, le=3600)
     memory_limit_MB: int = Field(-1, ge=-1)
     kernel: Literal["python3"] = "python3"
-    files: dict[str, Optional[str]] = Field(default_factory=dict)
-    fetch_files: list[str] = Field(default_factory=list)
+    files: FileMap = Field(default_factory=dict)
+    fetch_files: FileList = Field(default_factory=list)
 
 
 class CellRunResult(BaseModel):

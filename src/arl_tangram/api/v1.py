@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from typing_extensions import Annotated
+
+from ..core.names import check_paths, image_problem
 
 OutcomeName = Literal["ok", "failed", "timeout", "oom", "rejected", "cancelled", "infra_error"]
 
@@ -23,9 +25,27 @@ def _cpu_range(v: tuple[int, int]) -> tuple[int, int]:
 
 
 CpuRange = Annotated[tuple[int, int], AfterValidator(_cpu_range)]
+def _image_name(v: str) -> str:
+    problem = image_problem(v)
+    if problem:
+        raise ValueError(problem)
+    return v
 
 
-class Hints(BaseModel):
+#: file names become paths in a sandbox: checked here (a NUL byte was a 500 deep inside ``os``)
+FileMap = Annotated[dict[str, str], AfterValidator(check_paths)]
+FileList = Annotated[list[str], AfterValidator(check_paths)]
+ImageName = Annotated[str, AfterValidator(_image_name)]
+
+
+class Request(BaseModel):
+    """A request body of the native API: an unknown field is a 422 naming it (a misspelled
+    ``timeout`` for ``timeout_s`` was ignored, and the action ran with the default)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class Hints(Request):
     """What the client knows: work in seconds at the minimum cores, how it scales, what it is."""
 
     work_s: Optional[float] = Field(None, ge=0, le=1e7)
@@ -36,24 +56,23 @@ class Hints(BaseModel):
                                            "last finishers)")
 
 
-class RunCodeAction(BaseModel):
+class RunCodeAction(Request):
     kind: Literal["run_code"] = "run_code"
     code: str
     language: str = "python"
     stdin: Optional[str] = None
-    files: dict[str, str] = Field(default_factory=dict, description="path -> base64 content")
-    fetch_files: list[str] = Field(default_factory=list)
+    files: FileMap = Field(default_factory=dict, description="path -> base64 content")
+    fetch_files: FileList = Field(default_factory=list)
     compile_timeout_s: float = Field(10, gt=0, le=3600)
     timeout_s: float = Field(10, gt=0, le=3600)
     memory_mb: Optional[int] = Field(None, ge=16)
-    image: Optional[str] = Field(None, min_length=1, max_length=128, description="image to run in (default: the "
-                                                                                  "server's sandbox.image)")
+    image: Optional[ImageName] = Field(None, description="image to run in (default: the server's sandbox.image)")
     memory_as_rlimit: bool = Field(False, description="also cap the address space at memory_mb, so allocations "
                                                       "fail inside the program (python: MemoryError) instead of "
                                                       "an OOM kill; SandboxFusion's behaviour")
 
 
-class ActionRequest(BaseModel):
+class ActionRequest(Request):
     """Submit an action. ``id`` is the idempotency key: submitting it again returns the same
     action and, once finished, the same result."""
 
@@ -89,11 +108,11 @@ class ActionResult(BaseModel):
     cores: Optional[int] = None
 
 
-class SessionRequest(BaseModel):
+class SessionRequest(Request):
     job: str = Field("default", min_length=1, max_length=200)
     trajectory: Optional[str] = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$")
-    image: Optional[str] = Field(None, min_length=1, max_length=128, description="image the session's root comes "
-                                                                                  "from (default: the server's)")
+    image: Optional[ImageName] = Field(None, description="image the session's root comes from (default: the "
+                                                          "server's)")
 
 
 class SessionInfo(BaseModel):
@@ -102,7 +121,7 @@ class SessionInfo(BaseModel):
     image: Optional[str] = None
 
 
-class ForkRequest(BaseModel):
+class ForkRequest(Request):
     n: int = Field(..., ge=1, le=256, description="children to make")
 
 
@@ -115,8 +134,8 @@ class ForkResult(BaseModel):
     fork_s: Optional[float] = None
 
 
-class PrewarmRequest(BaseModel):
-    image: str = Field(..., min_length=1, max_length=128)
+class PrewarmRequest(Request):
+    image: ImageName
     n: int = Field(..., ge=1, le=4096, description="sandboxes to have ready")
 
 
@@ -129,7 +148,7 @@ class PrewarmResult(BaseModel):
     message: str = ""
 
 
-class ExecRequest(BaseModel):
+class ExecRequest(Request):
     command: Optional[str] = None
     python: Optional[str] = None
     stdin: Optional[str] = None
@@ -138,8 +157,8 @@ class ExecRequest(BaseModel):
     hints: Hints = Field(default_factory=Hints)
 
 
-class PutFiles(BaseModel):
-    files: dict[str, str] = Field(..., description="path -> base64 content")
+class PutFiles(Request):
+    files: FileMap = Field(..., description="path -> base64 content")
 
 
 class GotFiles(BaseModel):
@@ -160,7 +179,7 @@ class Error(BaseModel):
     message: str
 
 
-class ModelRequest(BaseModel):
+class ModelRequest(Request):
     tokens: list[int] = Field(..., description="token ids of one sequence")
     job: str = Field("default", min_length=1, max_length=200)
     hint_s: Optional[float] = Field(None, ge=0)

@@ -90,7 +90,12 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
         errors = exc.errors()
         first = errors[0] if errors else {}
         where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
-        return JSONResponse({"message": f"{where}: {first.get('msg', 'invalid')}",
+        message = f"{where}: {first.get('msg', 'invalid')}"
+        unknown = [".".join(str(x) for x in e.get("loc", ()) if x != "body") for e in errors
+                   if e.get("type") == "extra_forbidden"]
+        if unknown:  # every misspelled field at once, not only the first
+            message = f"unknown field{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)}"
+        return JSONResponse({"message": message,
                              "detail": [{"loc": list(e.get("loc", ())), "msg": e.get("msg")} for e in errors]},
                             status_code=422)
 

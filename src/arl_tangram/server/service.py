@@ -22,6 +22,7 @@ from .. import __version__
 from ..api import sandboxfusion as sf
 from ..api import v1
 from ..core.action import Outcome
+from ..core.names import path_problem
 from ..managers.sandbox import languages
 from ..managers.sandbox.manager import CommandResult, Files
 from ..managers.sandbox.images import ImageError
@@ -368,6 +369,9 @@ class Service:
 
     async def get_files(self, sid: str, paths: list[str]) -> v1.GotFiles:
         s = self._session(sid)
+        for p in paths:
+            if (problem := path_problem(p)) is not None:
+                raise BadRequest(f"path: {problem}")
         r = await s.files(Files(get=paths))
         return v1.GotFiles(files={k: base64.b64encode(v).decode() for k, v in r.result.files.items()},
                            missing=r.result.missing)

@@ -39,9 +39,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
+from ...core.names import IMAGE_NAME_RE
+
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/-]{0,127}$")
+NAME_RE = IMAGE_NAME_RE  # core.names: checked where names enter too
 
 
 class ImageError(ValueError):
@@ -338,6 +340,8 @@ class ImageStore:
     # -- queries ---------------------------------------------------------------------------------
     def get(self, name: str) -> Image:
         """The image ``name``; ``ImageError`` naming it if it was never imported."""
+        if not NAME_RE.match(name):
+            raise ImageError(f"image: {name!r} is not a valid image name (letters, digits, ._:@/-)")
         try:
             data = json.loads(self._image_file(name).read_text())
         except FileNotFoundError:
