@@ -36,6 +36,10 @@ class Outcome(str, enum.Enum):
     CANCELLED = "cancelled"
     INFRA_ERROR = "infra_error"
 
+    def __str__(self) -> str:
+        """``ok``, as the HTTP API and the docs spell it (``print(r.outcome)`` said ``Outcome.OK``)."""
+        return self.value
+
 
 class InvalidAction(ValueError):
     """An action that can never run as described; ``field`` names the offending field."""
