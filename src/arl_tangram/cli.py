@@ -16,6 +16,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .core.cluster import Cluster, scale_cluster, uniform_cluster
@@ -49,7 +50,9 @@ class PolicyName(str, Enum):
 
 
 def fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/] {message}", highlight=False)
+    """Print ``message`` as it is (escaped: Rich markup ate ``[models]`` of an install hint) and
+    exit 2."""
+    console.print(f"[red]error:[/] {escape(message)}", highlight=False)
     return typer.Exit(2)
 
 
