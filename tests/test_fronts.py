@@ -15,9 +15,8 @@ import httpx
 import pytest
 
 from arl_tangram.runtime import NoRoom, SessionGone
-from arl_tangram.server.hub import Hub
-from arl_tangram.server.service import BadRequest, NotFound, Overloaded
-from arl_tangram.server.wire import Caller, EngineGone, RemoteFault
+from arl_tangram.link import Caller, Hub, PeerGone, RemoteFault
+from arl_tangram.server.service import CALLS, RELAYED, BadRequest, NotFound, Overloaded
 
 from servers import Server, cmdline
 
@@ -57,7 +56,7 @@ class _Service:
 def test_calls_are_multiplexed_and_errors_keep_their_meaning(tmp_path):
     async def main():
         service = _Service()
-        hub = Hub(service)
+        hub = Hub(service, CALLS, RELAYED)
         path = str(tmp_path / "link.sock")
         await hub.listen(path)
         caller = Caller()
@@ -80,9 +79,9 @@ def test_calls_are_multiplexed_and_errors_keep_their_meaning(tmp_path):
         await asyncio.sleep(0.05)
         assert hub.links == 1
         await hub.close()  # the engine process goes away with a call in flight
-        with pytest.raises(EngineGone):
+        with pytest.raises(PeerGone):
             await hanging
-        with pytest.raises(EngineGone):
+        with pytest.raises(PeerGone):
             await caller.call("health")
 
     asyncio.run(main())
@@ -234,7 +233,6 @@ def test_the_front_calls_exactly_what_the_hub_serves_and_the_service_has():
     import inspect
 
     from arl_tangram.server.front import RemoteService
-    from arl_tangram.server.hub import CALLS
     from arl_tangram.server.service import Service
 
     remote = {n for n, f in inspect.getmembers(RemoteService, inspect.isfunction)

@@ -99,7 +99,7 @@ class NoRoom(RuntimeError):
         self.limit = limit
         self.retry_after_s = retry_after_s
 
-    def __reduce__(self):  # crosses the server's front link (server/wire.py) as itself
+    def __reduce__(self):  # crosses the server's front link (link.py) as itself
         return NoRoom, (self.limit, str(self), self.retry_after_s)
 
 

@@ -6,7 +6,7 @@ the HTTP work in front processes it still spent ~93% of a core at 1,440 one-shot
 result's parsing — per-action process work that needs no decision. Here that work moves to
 ``n`` worker processes, each a ``NodeAgent`` (the same class a Ray node runs) with a
 ``SandboxManager`` of its own over the same CPUs; the engine process keeps every decision and
-sends each one-shot to a worker as one frame over a socket pair (``server/wire.py``), getting
+sends each one-shot to a worker as one frame over a socket pair (``link.py``), getting
 its ``Completion`` back the same way.
 
 Sessions stay in the engine process's own manager: their state (files, interpreter, shell) lives
@@ -32,10 +32,9 @@ from typing import Any
 
 from ..core.action import Action, Allocation, Outcome
 from ..core.seam import Completion, Sink
+from ..link import Caller, Hub, PeerGone
 from ..managers.sandbox.manager import RunCode, SandboxConfig, SandboxManager
 from ..managers.tasks import TaskSet
-from ..server.hub import Hub
-from ..server.wire import Caller, EngineGone
 
 log = logging.getLogger(__name__)
 
@@ -96,11 +95,11 @@ class SandboxWorkers:
         w.proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.runtime.workers"], env=env,
                                   pass_fds=(theirs.fileno(),))
         theirs.close()
-        w.caller = Caller(on_lost=lambda: self._lost(w))  # noticed at once, idle or not
+        w.caller = Caller(on_lost=lambda: self._lost(w), peer=f"sandbox worker {w.index}")  # noticed at once, idle or not
         await w.caller.connect(sock=mine)
         try:
             info = await asyncio.wait_for(w.caller.call("start"), 60)
-        except (EngineGone, asyncio.TimeoutError) as e:
+        except (PeerGone, asyncio.TimeoutError) as e:
             log.error("sandbox worker %d did not start (%s): its one-shots run here", w.index, type(e).__name__)
             self._stop(w)
             return
@@ -159,7 +158,7 @@ class SandboxWorkers:
             return  # cancelled (already reported) or shutting down
         if ok:
             c = value
-        elif isinstance(value, EngineGone):
+        elif isinstance(value, PeerGone):
             self._lost(w)
             c = Completion(action.id, Outcome.INFRA_ERROR,
                            message=f"sandbox worker {w.index} exited while the action ran (it is restarted)")
@@ -240,7 +239,7 @@ class _Served:
     async def start(self) -> dict:
         return await self.agent.start()
 
-    REPLIES = frozenset({"run"})  # answered through the hub's reply callback (server/hub.py)
+    REPLIES = frozenset({"run"})  # answered through the hub's reply callback (link.py)
 
     def run(self, action: Action, allocation: Allocation, reply) -> None:
         self.agent.run_cb(action, allocation, lambda c: reply(True, c))

@@ -17,7 +17,7 @@ from ..api import sandboxfusion as sf
 from ..api import v1
 from ..runtime import NoRoom, SessionGone
 from .service import BadRequest, NotFound, Overloaded, Service
-from .wire import EngineGone, RemoteFault
+from ..link import PeerGone, RemoteFault
 
 if TYPE_CHECKING:
     from .front import RemoteService
@@ -126,8 +126,8 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
     async def bad_request(request: Request, exc: BadRequest):
         return JSONResponse({"message": str(exc)}, status_code=422)
 
-    @app.exception_handler(EngineGone)
-    async def engine_gone(request: Request, exc: EngineGone):
+    @app.exception_handler(PeerGone)
+    async def peer_gone(request: Request, exc: PeerGone):
         return JSONResponse({"message": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(Exception)

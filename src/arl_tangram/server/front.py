@@ -1,5 +1,5 @@
 """An HTTP front process: the FastAPI app over ``RemoteService``, the engine process's ``Service``
-seen across the front link (``server/wire.py``).
+seen across the front link (``link.py``).
 
 ``tangram serve --fronts N`` starts N of these beside the engine process. Each accepts on the
 listening socket the engine process bound (inherited as a file descriptor, so the kernel hands
@@ -24,7 +24,7 @@ from typing import Any
 
 from ..api import sandboxfusion as sf
 from ..api import v1
-from .wire import Caller
+from ..link import Caller
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class RemoteService:
 
     def __init__(self, link: str) -> None:
         self.link = link
-        self._caller = Caller(on_lost=_stop_front)
+        self._caller = Caller(on_lost=_stop_front, peer="the engine process")
         self.call = self._caller.call
 
     async def start(self) -> None:

@@ -5,7 +5,7 @@ near one core whatever the machine has (issue 10: 67 req/s on 16 cores, the same
 engine must stay the single decision maker, so the work that needs no shared state moves out:
 HTTP parsing, auth, body limits, validation and serialisation run in the fronts
 (``server/front.py``); this process keeps the ``Service`` and answers the fronts' calls
-(``server/hub.py``).
+(a ``link.Hub``).
 
 This process binds the listening socket (so a taken port fails here, at once, with the usual
 message) and passes it to every front; the kernel wakes one front per new connection. Fronts that
@@ -29,8 +29,8 @@ import tempfile
 import time
 
 from .front import ENV
-from .hub import Hub
-from .service import Service
+from ..link import Hub
+from .service import CALLS, RELAYED, Service
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ async def _run(service: Service, sock: socket.socket, n: int, token: str | None,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tmp = tempfile.mkdtemp(prefix="tangram-link-")  # mode 0700: only this user reaches the link
-    hub = Hub(service)
+    hub = Hub(service, CALLS, RELAYED)
     fronts = Fronts(sock, os.path.join(tmp, "engine.sock"), n, token, max_body_bytes, drain_s)
     service.fronts = n
     await service.start()

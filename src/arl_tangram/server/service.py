@@ -26,7 +26,7 @@ from ..core.names import path_problem
 from ..managers.sandbox import languages
 from ..managers.sandbox.manager import CommandResult, Files
 from ..managers.sandbox.images import ImageError
-from ..runtime import ActionResult, NoRoom, Runtime, Session, Tangram
+from ..runtime import ActionResult, NoRoom, Runtime, Session, SessionGone, Tangram
 from ..runtime.api import SessionError
 from .journal import Journal
 
@@ -38,7 +38,7 @@ class Overloaded(Exception):
         super().__init__(f"the queue is full: retry in {retry_after_s}s")
         self.retry_after_s = retry_after_s
 
-    def __reduce__(self):  # crosses the front link (server/wire.py) as itself
+    def __reduce__(self):  # crosses the front link (link.py) as itself
         return Overloaded, (self.retry_after_s,)
 
 
@@ -48,6 +48,17 @@ class NotFound(LookupError):
 
 class BadRequest(ValueError):
     pass
+
+
+#: the ``Service`` methods the HTTP routes call: what a front may call across the link
+CALLS = frozenset({
+    "sf_run_code", "sf_run_jupyter", "submit", "status", "cancel", "open_session", "exec", "put_files",
+    "get_files", "fork", "prewarm", "close_session", "model_call", "all_jobs", "job_stats", "cluster",
+    "health", "metrics_text",
+})
+
+#: the errors the routes map to a status: they cross the front link as themselves
+RELAYED: tuple[type[BaseException], ...] = (Overloaded, NotFound, BadRequest, NoRoom, SessionGone)
 
 
 class Metrics:
