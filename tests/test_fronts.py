@@ -16,7 +16,8 @@ import pytest
 
 from arl_tangram.runtime import NoRoom, SessionGone
 from arl_tangram.link import Caller, Hub, PeerGone, RemoteFault
-from arl_tangram.server.service import CALLS, RELAYED, BadRequest, NotFound, Overloaded
+from arl_tangram.server.calls import CALLS, RELAYED
+from arl_tangram.server.service import BadRequest, NotFound, Overloaded, Service
 
 from servers import Server, cmdline
 
@@ -228,14 +229,22 @@ def test_top_shows_the_helper_processes_and_hides_them_when_there_are_none():
         assert (line in text) if line else ("processes:" not in text)
 
 
-def test_the_front_calls_exactly_what_the_hub_serves_and_the_service_has():
-    """RemoteService's methods, hub.CALLS and Service's methods are three lists of one thing."""
+def test_every_call_a_route_makes_is_declared_once_and_reaches_both_sides():
+    """The dialects' calls are the one list: the routes use only those (checked in their source,
+    so a missing entry fails here, fronts or not), and the calls in process and the fronts'
+    remote service have exactly them."""
+    import ast
     import inspect
 
+    from arl_tangram.server.calls import CALLS, DIALECTS, Local
     from arl_tangram.server.front import RemoteService
-    from arl_tangram.server.service import Service
 
-    remote = {n for n, f in inspect.getmembers(RemoteService, inspect.isfunction)
-              if not n.startswith("_") and n not in ("start", "stop")}
-    assert remote == set(CALLS)
-    assert all(callable(getattr(Service, n, None)) for n in CALLS)
+    used = set()
+    for dialect in DIALECTS:
+        tree = ast.parse(inspect.getsource(dialect.routes))
+        used |= {n.attr for n in ast.walk(tree)
+                 if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "calls"}
+    assert used and used <= set(CALLS), f"routes call what no dialect declares: {used - set(CALLS)}"
+    assert set(CALLS) - used == set(), f"declared but no route calls it: {set(CALLS) - used}"
+    assert {n for n in vars(Local(object.__new__(Service)))} == set(CALLS)
+    assert {n for n in vars(RemoteService("/nonexistent")) if not n.startswith("_") and n != "link"} == set(CALLS)

@@ -1,21 +1,21 @@
-"""The FastAPI application: thin routes over ``Service``; every error is JSON with a message."""
+"""The FastAPI application: the dialects' routers (``server/calls.py``) over the ``Service`` of this
+process or the engine process's calls across the link, the token, the body limit, and every error
+as JSON with a message."""
 
 from __future__ import annotations
 
 import hmac
-import inspect
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
-from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
-from ..api import sandboxfusion as sf
-from ..api import v1
 from ..runtime import NoRoom, SessionGone
+from .calls import DIALECTS, Local
 from .service import BadRequest, NotFound, Overloaded, Service
 from ..link import PeerGone, RemoteFault
 
@@ -65,6 +65,7 @@ async def _too_large(limit: int, send) -> None:
 
 
 def create_app(service: "Service | RemoteService", token: str | None = None, max_body_bytes: int = 32 << 20) -> FastAPI:
+    """The app over ``service``: this process's ``Service``, or a front's ``RemoteService``."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await service.start()
@@ -135,110 +136,8 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
         name = exc.type_name if isinstance(exc, RemoteFault) else type(exc).__name__
         return JSONResponse({"message": f"internal error: {name}"}, status_code=500)
 
-    # -- SandboxFusion-compatible --------------------------------------------------------------------
-    @app.get("/v1/ping", tags=["sandboxfusion"])
-    async def ping() -> str:
-        return "pong"
-
-    @app.post("/run_code", response_model=sf.RunCodeResponse, tags=["sandboxfusion"], dependencies=guarded)
-    async def run_code(req: sf.RunCodeRequest) -> sf.RunCodeResponse:
-        return await service.sf_run_code(req)
-
-    @app.post("/run_jupyter", response_model=sf.RunJupyterResponse, tags=["sandboxfusion"], dependencies=guarded)
-    async def run_jupyter(req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:
-        return await service.sf_run_jupyter(req)
-
-    # -- native v1 -------------------------------------------------------------------------------------
-    @app.post("/v1/actions", response_model=v1.ActionResult, tags=["actions"], dependencies=guarded,
-              responses={202: {"model": v1.ActionResult}, 429: {"model": v1.Error}})
-    async def submit(req: v1.ActionRequest, response: Response) -> v1.ActionResult:
-        result = await service.submit(req)
-        if result.state != "done":
-            response.status_code = 202
-        return result
-
-    @app.get("/v1/actions/{action_id}", response_model=v1.ActionResult, tags=["actions"], dependencies=guarded,
-             responses={404: {"model": v1.Error}})
-    async def get_action(action_id: str) -> v1.ActionResult:
-        return await answer(service.status(action_id))
-
-    @app.post("/v1/actions/{action_id}/cancel", response_model=v1.ActionResult, tags=["actions"],
-              dependencies=guarded, responses={404: {"model": v1.Error}})
-    async def cancel(action_id: str) -> v1.ActionResult:
-        return await service.cancel(action_id)
-
-    @app.post("/v1/sessions", response_model=v1.SessionInfo, status_code=201, tags=["sessions"],
-              responses={503: {"model": v1.Error, "description": "no memory for a new session (the limit is named)"}},
-              dependencies=guarded)
-    async def open_session(req: v1.SessionRequest) -> v1.SessionInfo:
-        return await service.open_session(req)
-
-    @app.post("/v1/sessions/{session_id}/exec", response_model=v1.ActionResult, tags=["sessions"],
-              dependencies=guarded, responses={404: {"model": v1.Error}})
-    async def exec_(session_id: str, req: v1.ExecRequest) -> v1.ActionResult:
-        return await service.exec(session_id, req)
-
-    @app.put("/v1/sessions/{session_id}/files", response_model=v1.ActionResult, tags=["sessions"],
-             dependencies=guarded, responses={404: {"model": v1.Error}})
-    async def put_files(session_id: str, req: v1.PutFiles) -> v1.ActionResult:
-        return await service.put_files(session_id, req)
-
-    @app.get("/v1/sessions/{session_id}/files", response_model=v1.GotFiles, tags=["sessions"],
-             dependencies=guarded, responses={404: {"model": v1.Error}})
-    async def get_files(session_id: str, path: list[str] = Query(default=[])) -> v1.GotFiles:
-        return await service.get_files(session_id, path)
-
-    @app.post("/v1/sessions/{session_id}/fork", response_model=v1.ForkResult, tags=["sessions"],
-              dependencies=guarded, responses={404: {"model": v1.Error}})
-    async def fork(session_id: str, req: v1.ForkRequest) -> v1.ForkResult:
-        return await service.fork(session_id, req)
-
-    @app.post("/v1/pools/prewarm", response_model=v1.PrewarmResult, tags=["sessions"], dependencies=guarded,
-              responses={422: {"model": v1.Error}})
-    async def prewarm(req: v1.PrewarmRequest) -> v1.PrewarmResult:
-        return await service.prewarm(req)
-
-    @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"], dependencies=guarded,
-                responses={404: {"model": v1.Error}})
-    async def close_session(session_id: str) -> Response:
-        await service.close_session(session_id)
-        return Response(status_code=204)
-
-    @app.post("/v1/models/{model}/score", response_model=v1.ModelResult, tags=["models"], dependencies=guarded,
-              responses={404: {"model": v1.Error}})
-    async def score(model: str, req: v1.ModelRequest) -> v1.ModelResult:
-        return await service.model_call(model, "score", req)
-
-    @app.post("/v1/models/{model}/logprobs", response_model=v1.ModelResult, tags=["models"], dependencies=guarded,
-              responses={404: {"model": v1.Error}})
-    async def logprobs(model: str, req: v1.ModelRequest) -> v1.ModelResult:
-        return await service.model_call(model, "logprobs", req)
-
-    @app.get("/v1/jobs", response_model=list[v1.JobStats], tags=["stats"], dependencies=guarded)
-    async def jobs() -> list[v1.JobStats]:
-        return await answer(service.all_jobs())
-
-    @app.get("/v1/jobs/{job}/stats", response_model=v1.JobStats, tags=["stats"], dependencies=guarded,
-             responses={404: {"model": v1.Error}})
-    async def job_stats(job: str) -> v1.JobStats:
-        return await answer(service.job_stats(job))
-
-    @app.get("/v1/cluster", response_model=v1.ClusterInfo, tags=["stats"], dependencies=guarded)
-    async def cluster() -> v1.ClusterInfo:
-        return await answer(service.cluster())
-
-    @app.get("/metrics", tags=["stats"], dependencies=guarded)
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(await answer(service.metrics_text()), media_type="text/plain; version=0.0.4")
-
-    @app.get("/healthz", tags=["stats"])
-    async def healthz() -> dict:
-        return await answer(service.health())
-
+    calls = Local(service) if isinstance(service, Service) else service
+    for dialect in DIALECTS:  # on the app's own router: an included router is one more hop per request
+        dialect.routes(app.router, calls, guarded)
     return app
 
-
-async def answer(value):
-    """The in-process ``Service`` answers reads at once; its twin across the front link
-    (``server/front.py``) always awaits. Routes take either."""
-    return await value if inspect.isawaitable(value) else value

@@ -1,5 +1,5 @@
-"""An HTTP front process: the FastAPI app over ``RemoteService``, the engine process's ``Service``
-seen across the front link (``link.py``).
+"""An HTTP front process: the FastAPI app over ``RemoteService``, the engine process's calls
+(``server/calls.py``) seen across the front link (``link.py``).
 
 ``tangram serve --fronts N`` starts N of these beside the engine process. Each accepts on the
 listening socket the engine process bound (inherited as a file descriptor, so the kernel hands
@@ -15,6 +15,7 @@ holding the port.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -22,9 +23,8 @@ import signal
 import socket
 from typing import Any
 
-from ..api import sandboxfusion as sf
-from ..api import v1
 from ..link import Caller
+from .calls import CALLS
 
 log = logging.getLogger(__name__)
 
@@ -32,72 +32,20 @@ ENV = "TANGRAM_FRONT"  # JSON: fd, link, max_body_bytes, drain_s, index
 
 
 class RemoteService:
-    """The ``Service`` methods the routes call, each one call across the link."""
+    """The engine process's calls (``server/calls.py``), each one call across the link: the same
+    names the routes see in process."""
 
     def __init__(self, link: str) -> None:
         self.link = link
         self._caller = Caller(on_lost=_stop_front, peer="the engine process")
-        self.call = self._caller.call
+        for name in CALLS:  # ``request`` queues the frame now and returns the answer's future
+            setattr(self, name, functools.partial(self._caller.request, name))
 
     async def start(self) -> None:
         await self._caller.connect(self.link)
 
     async def stop(self) -> None:
         self._caller.close()
-
-    async def sf_run_code(self, req: sf.RunCodeRequest) -> sf.RunCodeResponse:
-        return await self.call("sf_run_code", req)
-
-    async def sf_run_jupyter(self, req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:
-        return await self.call("sf_run_jupyter", req)
-
-    async def submit(self, req: v1.ActionRequest) -> v1.ActionResult:
-        return await self.call("submit", req)
-
-    async def status(self, id: str) -> v1.ActionResult:
-        return await self.call("status", id)
-
-    async def cancel(self, id: str) -> v1.ActionResult:
-        return await self.call("cancel", id)
-
-    async def open_session(self, req: v1.SessionRequest) -> v1.SessionInfo:
-        return await self.call("open_session", req)
-
-    async def exec(self, sid: str, req: v1.ExecRequest) -> v1.ActionResult:
-        return await self.call("exec", sid, req)
-
-    async def put_files(self, sid: str, req: v1.PutFiles) -> v1.ActionResult:
-        return await self.call("put_files", sid, req)
-
-    async def get_files(self, sid: str, paths: list[str]) -> v1.GotFiles:
-        return await self.call("get_files", sid, paths)
-
-    async def fork(self, sid: str, req: v1.ForkRequest) -> v1.ForkResult:
-        return await self.call("fork", sid, req)
-
-    async def prewarm(self, req: v1.PrewarmRequest) -> v1.PrewarmResult:
-        return await self.call("prewarm", req)
-
-    async def close_session(self, sid: str) -> None:
-        return await self.call("close_session", sid)
-
-    async def model_call(self, name: str, op: str, req: v1.ModelRequest) -> v1.ModelResult:
-        return await self.call("model_call", name, op, req)
-
-    async def all_jobs(self) -> list[v1.JobStats]:
-        return await self.call("all_jobs")
-
-    async def job_stats(self, job: str) -> v1.JobStats:
-        return await self.call("job_stats", job)
-
-    async def cluster(self) -> v1.ClusterInfo:
-        return await self.call("cluster")
-
-    async def health(self) -> dict:
-        return await self.call("health")
-
-    async def metrics_text(self) -> str:
-        return await self.call("metrics_text")
 
 
 def _stop_front() -> None:

@@ -30,7 +30,8 @@ import time
 
 from .front import ENV
 from ..link import Hub
-from .service import CALLS, RELAYED, Service
+from .calls import CALLS, RELAYED, Local
+from .service import Service
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ async def _run(service: Service, sock: socket.socket, n: int, token: str | None,
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tmp = tempfile.mkdtemp(prefix="tangram-link-")  # mode 0700: only this user reaches the link
-    hub = Hub(service, CALLS, RELAYED)
+    hub = Hub(Local(service), CALLS, RELAYED)
     fronts = Fronts(sock, os.path.join(tmp, "engine.sock"), n, token, max_body_bytes, drain_s)
     service.fronts = n
     await service.start()

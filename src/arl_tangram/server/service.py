@@ -1,7 +1,8 @@
-"""What the HTTP routes call: the runtime, the journal, sessions, stats and metrics.
+"""The native service the HTTP routes call: the runtime, the journal, sessions, stats and metrics.
 
 Routes stay thin (validate, call, serialise); everything with a rule lives here: idempotency,
-backpressure, recovery after a crash, the mapping of outcomes onto SandboxFusion's statuses.
+backpressure, recovery after a crash. It speaks the native API (``api/v1.py``) only: another HTTP
+dialect translates onto it in its own module (``server/sandboxfusion.py``; ``server/dialect.py``).
 """
 
 from __future__ import annotations
@@ -19,14 +20,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from .. import __version__
 
-from ..api import sandboxfusion as sf
 from ..api import v1
 from ..core.action import Outcome
 from ..core.names import path_problem
-from ..managers.sandbox import languages
 from ..managers.sandbox.manager import CommandResult, Files
 from ..managers.sandbox.images import ImageError
-from ..runtime import ActionResult, NoRoom, Runtime, Session, SessionGone, Tangram
+from ..runtime import ActionResult, NoRoom, Runtime, Session, Tangram
 from ..runtime.api import SessionError
 from .journal import Journal
 
@@ -48,17 +47,6 @@ class NotFound(LookupError):
 
 class BadRequest(ValueError):
     pass
-
-
-#: the ``Service`` methods the HTTP routes call: what a front may call across the link
-CALLS = frozenset({
-    "sf_run_code", "sf_run_jupyter", "submit", "status", "cancel", "open_session", "exec", "put_files",
-    "get_files", "fork", "prewarm", "close_session", "model_call", "all_jobs", "job_stats", "cluster",
-    "health", "metrics_text",
-})
-
-#: the errors the routes map to a status: they cross the front link as themselves
-RELAYED: tuple[type[BaseException], ...] = (Overloaded, NotFound, BadRequest, NoRoom, SessionGone)
 
 
 class Metrics:
@@ -117,7 +105,7 @@ def _b64decode(field: str, data: str | None) -> bytes:
         raise BadRequest(f"{field}: not valid base64") from None
 
 
-def _decode_files(field: str, files: dict[str, str]) -> dict[str, bytes]:
+def decode_files(field: str, files: dict[str, str]) -> dict[str, bytes]:
     return {p: _b64decode(f"{field}.{p}", d) for p, d in files.items()}
 
 
@@ -162,7 +150,7 @@ class Service:
                 try:
                     spec = v1.ActionRequest.model_validate(e.request)
                     self._check_cpus("cpus", spec.cpus)
-                    files = _decode_files("action.files", spec.action.files)
+                    files = decode_files("action.files", spec.action.files)
                 except (ValueError, BadRequest) as err:  # pydantic's ValidationError is a ValueError
                     reason = _reason(err)
                     self._finish_unrunnable(e.id, "rejected", f"cannot re-run after restart: {reason}")
@@ -201,7 +189,8 @@ class Service:
             self.journal.close()
 
     # -- actions ---------------------------------------------------------------------------------
-    def _admit(self) -> None:
+    def admit(self) -> None:
+        """``Overloaded`` (429) when the queue is full."""
         if len(self.runtime.engine.pending) >= self.max_queue:  # per action: not a whole snapshot
             raise Overloaded(retry_after_s=1)
 
@@ -228,13 +217,13 @@ class Service:
         if task is None:
             # everything that can reject the request is checked before it is journaled
             self._check_cpus("cpus", req.cpus)
-            files = _decode_files("action.files", req.action.files)
+            files = decode_files("action.files", req.action.files)
             existing = self.journal.get(id) if self.journal and req.id else None  # ids we make are new
             if existing is not None and existing.state == "done":
                 await self._durable()  # it may still be queued for this loop pass's commit
                 return v1.ActionResult.model_validate(existing.response)
             if existing is None:
-                self._admit()
+                self.admit()
                 if self.journal is not None:
                     self.journal.accept(id, req.job, "run_code", req.model_dump_json(), True)
             task = self._inflight.get(id) or self._launch(id, self._run_code(id, req, files))
@@ -243,16 +232,30 @@ class Service:
             return self.status(id)
         return await asyncio.shield(task)
 
+    async def run_journaled(self, spec: v1.ActionRequest, files: dict[str, bytes]) -> ActionResult:
+        """A one-shot under the new id ``spec.id``, journaled first (a restart re-runs it) and
+        awaited in place, not as a task: the action reaches the engine's queue before this yields.
+        What a dialect's one-shot translates to (``server/sandboxfusion.py``); its caller checks
+        the request and ``admit()``s it first."""
+        if self.journal is not None:
+            self.journal.accept(spec.id, spec.job, "run_code", spec.model_dump_json(), True)
+        try:
+            r, _ = await self._execute(spec.id, spec, files)
+        except Exception as e:
+            self._finish_unrunnable(spec.id, "infra_error", f"internal error: {type(e).__name__}")
+            raise
+        return r
+
     async def _run_code(self, id: str, req: v1.ActionRequest,
                         files: dict[str, bytes] | None = None) -> v1.ActionResult:
         return (await self._execute(id, req, files))[1]
 
     async def _execute(self, id: str, req: v1.ActionRequest,
                        files: dict[str, bytes] | None = None) -> tuple[ActionResult, v1.ActionResult]:
-        """Run a journaled one-shot (native, SandboxFusion or recovered) and record its outcome."""
+        """Run a journaled one-shot (native, another dialect's or recovered) and record its outcome."""
         a = req.action
         if files is None:
-            files = _decode_files("action.files", a.files)
+            files = decode_files("action.files", a.files)
         r = await self.tg.run(a.code, a.language, stdin=a.stdin, files=files, fetch_files=a.fetch_files,
                               timeout_s=a.timeout_s, compile_timeout_s=a.compile_timeout_s, memory_mb=a.memory_mb,
                               memory_as_rlimit=a.memory_as_rlimit,
@@ -320,7 +323,7 @@ class Service:
 
     async def fork(self, sid: str, req: v1.ForkRequest) -> v1.ForkResult:
         s = self._session(sid)
-        self._admit()
+        self.admit()
         try:
             children = await s.fork(req.n)
         except SessionError as e:
@@ -357,7 +360,7 @@ class Service:
         if (req.command is None) == (req.python is None):
             raise BadRequest("command/python: give exactly one")
         self._check_cpus("cpus", req.cpus)
-        self._admit()
+        self.admit()
         id = f"x-{uuid.uuid4().hex}"
         if self.journal is not None:
             self.journal.accept(id, s.job, "exec", req.model_dump_json(), False)
@@ -375,7 +378,7 @@ class Service:
 
     async def put_files(self, sid: str, req: v1.PutFiles) -> v1.ActionResult:
         s = self._session(sid)
-        r = await s.files(Files(put=_decode_files("files", req.files)))
+        r = await s.files(Files(put=decode_files("files", req.files)))
         return self._record(r, s.job, "files")
 
     async def get_files(self, sid: str, paths: list[str]) -> v1.GotFiles:
@@ -396,7 +399,7 @@ class Service:
         models = getattr(self.runtime, "models", None)
         if models is None or (name not in models.loaded and name not in models.failed):
             raise NotFound(f"no model service {name!r}")
-        self._admit()
+        self.admit()
         call = self.tg.score if op == "score" else self.tg.logprobs
         r = await call(name, req.tokens, job=req.job, hint_s=req.hint_s)
         self.metrics.actions.labels(f"model:{name}", r.outcome.value).inc()
@@ -455,106 +458,3 @@ class Service:
         self.metrics.session_mem_reserved.set(snap.session_mem_reserved_gb * (1 << 30))
         self.metrics.memory.set(snap.memory_gb * (1 << 30))
         self.metrics.head_wait.set(snap.head_waited_s)
-
-    # -- SandboxFusion ---------------------------------------------------------------------------
-    async def sf_run_code(self, req: sf.RunCodeRequest) -> sf.RunCodeResponse:
-        if req.language not in languages.LANGUAGES:
-            return sf.RunCodeResponse(status=sf.RunStatus.SandboxError,
-                                      message=f"language {req.language!r} is known but this server has no "
-                                              "toolchain for it")
-        if 0 < req.memory_limit_MB < 16:
-            raise BadRequest("memory_limit_MB: give -1 (the default limit) or at least 16")
-        self._admit()
-        given = {p: d for p, d in req.files.items() if d is not None}
-        files = _decode_files("files", given)
-        id = f"sf-{uuid.uuid4().hex}"
-        # journaled whole (files included) so that a recovery re-run is the same program
-        spec = v1.ActionRequest(id=id, job="sandboxfusion", action=v1.RunCodeAction(
-            code=req.code, language=req.language, stdin=req.stdin, files=given, fetch_files=req.fetch_files,
-            compile_timeout_s=req.compile_timeout, timeout_s=req.run_timeout,
-            memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None, memory_as_rlimit=True))
-        if self.journal is not None:
-            self.journal.accept(id, spec.job, "run_code", spec.model_dump_json(), True)
-        try:  # awaited in place (not a task): the action reaches the engine's queue before we yield
-            r, _ = await self._execute(id, spec, files)
-        except Exception as e:
-            self._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
-            raise
-        return sf_response(r)
-
-    async def sf_run_jupyter(self, req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:
-        self._admit()
-        files = _decode_files("files", {p: d for p, d in req.files.items() if d is not None})
-        s = await self.tg.session(job="sandboxfusion")
-        start = time.monotonic()
-        cells: list[sf.CellRunResult] = []
-        status, timed_out = sf.RunStatus.Success, False
-        try:
-            if files:
-                r = await s.files(Files(put=files))
-                if r.outcome is not Outcome.OK:
-                    return sf.RunJupyterResponse(status=sf.RunStatus.SandboxError, message=r.message)
-            for code in req.cells:
-                left = req.total_timeout - (time.monotonic() - start)
-                if left <= 0:
-                    status, timed_out = sf.RunStatus.Failed, True
-                    break
-                timeout = min(left, req.cell_timeout) if req.cell_timeout > 0 else left
-                r = await s.exec(python=code, timeout_s=timeout, operation="jupyter", jupyter=True,
-                                 memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None)
-                if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED):
-                    return sf.RunJupyterResponse(status=sf.RunStatus.SandboxError, message=r.message,
-                                                 cells=cells)
-                run = r.result.run
-                cells.append(sf.CellRunResult(stdout=run.stdout if run else "", stderr=run.stderr if run else "",
-                                              display=run.display if run else [], error=run.error if run else []))
-                if r.outcome in (Outcome.TIMEOUT, Outcome.OOM):
-                    status, timed_out = sf.RunStatus.Failed, r.outcome is Outcome.TIMEOUT
-                    break
-            fetched = {}
-            if req.fetch_files:
-                r = await s.files(Files(get=req.fetch_files))
-                fetched = {k: base64.b64encode(v).decode() for k, v in r.result.files.items()}
-        finally:
-            await s.close()
-        # as SandboxFusion: a failed run has an empty message and its driver record says why; the cells
-        # that did run are kept (SandboxFusion drops them: see the README's compatibility notes)
-        driver = sf.CommandRunResult(status=sf.CommandRunStatus.TimeLimitExceeded if timed_out
-                                     else sf.CommandRunStatus.Finished, execution_time=time.monotonic() - start,
-                                     return_code=None if timed_out else 0, stdout="", stderr="")
-        return sf.RunJupyterResponse(status=status, message="", driver=driver, cells=cells, files=fetched)
-
-
-def _sf_command(c: CommandResult | None, outcome: Outcome) -> sf.CommandRunResult | None:
-    """SandboxFusion's command record: a command stopped at its time limit has no return code."""
-    if c is None:
-        return None
-    if c.timed_out or outcome is Outcome.TIMEOUT:
-        return sf.CommandRunResult(status=sf.CommandRunStatus.TimeLimitExceeded, execution_time=c.duration_s,
-                                   return_code=None, stdout=c.stdout, stderr=c.stderr)
-    return sf.CommandRunResult(status=sf.CommandRunStatus.Finished, execution_time=c.duration_s,
-                               return_code=c.exit_code, stdout=c.stdout, stderr=c.stderr)
-
-
-def sf_response(r: ActionResult) -> sf.RunCodeResponse:
-    """Our outcome in SandboxFusion's terms, field by field as its ``parse_run_status`` does:
-    infrastructure trouble is SandboxError with a message (its clients retry it and never score
-    it); anything the code did is Success or Failed with an empty message (but for truncated
-    output), the details being in
-    the command records (a timeout is a TimeLimitExceeded record without return code, a compile
-    error a compile record with the compiler's stderr and no run record)."""
-    res = r.result
-    if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED, Outcome.CANCELLED):
-        return sf.RunCodeResponse(status=sf.RunStatus.SandboxError, message=r.message or r.outcome.value)
-    compile_result = _sf_command(res.compile, r.outcome if res.run is None else Outcome.OK)
-    run_result = _sf_command(res.run, r.outcome)
-    if run_result is None and compile_result is None and r.outcome is Outcome.TIMEOUT:
-        run_result = sf.CommandRunResult(status=sf.CommandRunStatus.TimeLimitExceeded, execution_time=r.exec_s)
-    status = sf.RunStatus.Success if r.outcome is Outcome.OK else sf.RunStatus.Failed
-    files = {k: base64.b64encode(v).decode() for k, v in res.files.items()}
-    # the one deliberate difference: output past the cap is flagged (SandboxFusion cuts it silently, and a
-    # reward computed on cut output would be wrong without anyone knowing)
-    truncated = any(c is not None and c.truncated for c in (res.compile, res.run))
-    return sf.RunCodeResponse(status=status, message="output truncated" if truncated else "",
-                              compile_result=compile_result, run_result=run_result, executor_pod_name=None,
-                              files=files)

@@ -1,0 +1,45 @@
+"""The server's dialects, and the one list of calls their routes make on the engine process.
+
+``DIALECTS`` is every HTTP API the server speaks (adding one: docs/architecture.md, "Adding an
+HTTP dialect"). ``CALLS`` joins their calls; from it come ``Local`` (the calls bound to the
+``Service`` of this process: what the routes call without fronts, and what the link serves to
+fronts) and the fronts' ``RemoteService`` (``server/front.py``). So the routes see the same
+names in process and across the link, and a call no dialect declares fails either way.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+from typing import Any, Callable
+
+from ..runtime import NoRoom, SessionGone
+from . import native, sandboxfusion
+from .dialect import Dialect
+from .service import BadRequest, NotFound, Overloaded, Service
+
+DIALECTS: tuple[Dialect, ...] = (sandboxfusion.DIALECT, native.DIALECT)
+
+
+def _joined(dialects: tuple[Dialect, ...]) -> dict[str, Callable[..., Any]]:
+    out: dict[str, Callable[..., Any]] = {}
+    for d in dialects:
+        for name, fn in d.calls.items():
+            if name in out or name in ("start", "stop"):  # the last two: the fronts' RemoteService's own
+                raise ValueError(f"dialect {d.name}: call {name!r} is taken")
+            out[name] = fn
+    return out
+
+
+#: name -> ``fn(service, *args)``, run in the engine process
+CALLS = _joined(DIALECTS)
+
+#: the errors ``server/app.py`` maps to a status: they cross the front link as themselves
+RELAYED: tuple[type[BaseException], ...] = (Overloaded, NotFound, BadRequest, NoRoom, SessionGone)
+
+
+class Local:
+    """The calls bound to ``service``: each one attribute, a bound method (no cost per call)."""
+
+    def __init__(self, service: Service) -> None:
+        for name, fn in CALLS.items():
+            setattr(self, name, MethodType(fn, service))

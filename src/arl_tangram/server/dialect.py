@@ -1,0 +1,39 @@
+"""What an HTTP dialect is: its routes, and the calls they make on the engine process's side.
+
+A dialect (``server/native.py``, ``server/sandboxfusion.py``) speaks one HTTP API onto the one
+native ``Service``, which knows no dialect. It has two halves, because with ``--fronts N`` they
+run in different processes:
+
+* ``calls``: name -> ``fn(service, *args)``, run in the engine process (a ``Service`` method, or a
+  function translating the dialect's request onto ``Service`` methods and its answer back);
+* ``routes(router, calls, guarded)``: adds the dialect's routes to a FastAPI router (the app's
+  own), run wherever HTTP is served: they parse, validate and answer, reaching the engine
+  process only through ``calls.<name>(...)``; ``guarded`` is the token check to depend on.
+
+``server/calls.py`` joins the dialects' calls into the one list that the routes in process, the
+fronts' remote service and the engine process's link all come from: adding a call is one entry in
+its dialect, and a route that uses a call no dialect declares fails in process as with fronts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+from fastapi import APIRouter
+
+
+@dataclass(frozen=True)
+class Dialect:
+    """One HTTP API: ``calls`` run in the engine process; ``routes`` adds its routes over them."""
+
+    name: str
+    calls: Mapping[str, Callable[..., Any]]
+    routes: Callable[[APIRouter, Any, Sequence[Any]], None]
+
+
+async def answer(value: Any) -> Any:
+    """A call in process answers reads at once; across the front link it always awaits. Routes
+    take either."""
+    return await value if inspect.isawaitable(value) else value

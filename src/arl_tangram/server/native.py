@@ -1,0 +1,114 @@
+"""The native HTTP dialect (``/v1/...``, ``/metrics``, ``/healthz``): routes straight onto ``Service``.
+
+Its calls are ``Service``'s own methods; the schemas are ``api/v1.py`` (OpenAPI at ``/docs``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from fastapi import APIRouter, Query, Response
+from fastapi.responses import PlainTextResponse
+
+from ..api import v1
+from .dialect import Dialect, answer
+from .service import Service
+
+
+def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
+    @router.post("/v1/actions", response_model=v1.ActionResult, tags=["actions"], dependencies=guarded,
+              responses={202: {"model": v1.ActionResult}, 429: {"model": v1.Error}})
+    async def submit(req: v1.ActionRequest, response: Response) -> v1.ActionResult:
+        result = await calls.submit(req)
+        if result.state != "done":
+            response.status_code = 202
+        return result
+
+    @router.get("/v1/actions/{action_id}", response_model=v1.ActionResult, tags=["actions"], dependencies=guarded,
+             responses={404: {"model": v1.Error}})
+    async def get_action(action_id: str) -> v1.ActionResult:
+        return await answer(calls.status(action_id))
+
+    @router.post("/v1/actions/{action_id}/cancel", response_model=v1.ActionResult, tags=["actions"],
+              dependencies=guarded, responses={404: {"model": v1.Error}})
+    async def cancel(action_id: str) -> v1.ActionResult:
+        return await calls.cancel(action_id)
+
+    @router.post("/v1/sessions", response_model=v1.SessionInfo, status_code=201, tags=["sessions"],
+              responses={503: {"model": v1.Error, "description": "no memory for a new session (the limit is named)"}},
+              dependencies=guarded)
+    async def open_session(req: v1.SessionRequest) -> v1.SessionInfo:
+        return await calls.open_session(req)
+
+    @router.post("/v1/sessions/{session_id}/exec", response_model=v1.ActionResult, tags=["sessions"],
+              dependencies=guarded, responses={404: {"model": v1.Error}})
+    async def exec_(session_id: str, req: v1.ExecRequest) -> v1.ActionResult:
+        return await calls.exec(session_id, req)
+
+    @router.put("/v1/sessions/{session_id}/files", response_model=v1.ActionResult, tags=["sessions"],
+             dependencies=guarded, responses={404: {"model": v1.Error}})
+    async def put_files(session_id: str, req: v1.PutFiles) -> v1.ActionResult:
+        return await calls.put_files(session_id, req)
+
+    @router.get("/v1/sessions/{session_id}/files", response_model=v1.GotFiles, tags=["sessions"],
+             dependencies=guarded, responses={404: {"model": v1.Error}})
+    async def get_files(session_id: str, path: list[str] = Query(default=[])) -> v1.GotFiles:
+        return await calls.get_files(session_id, path)
+
+    @router.post("/v1/sessions/{session_id}/fork", response_model=v1.ForkResult, tags=["sessions"],
+              dependencies=guarded, responses={404: {"model": v1.Error}})
+    async def fork(session_id: str, req: v1.ForkRequest) -> v1.ForkResult:
+        return await calls.fork(session_id, req)
+
+    @router.post("/v1/pools/prewarm", response_model=v1.PrewarmResult, tags=["sessions"], dependencies=guarded,
+              responses={422: {"model": v1.Error}})
+    async def prewarm(req: v1.PrewarmRequest) -> v1.PrewarmResult:
+        return await calls.prewarm(req)
+
+    @router.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"], dependencies=guarded,
+                responses={404: {"model": v1.Error}})
+    async def close_session(session_id: str) -> Response:
+        await calls.close_session(session_id)
+        return Response(status_code=204)
+
+    @router.post("/v1/models/{model}/score", response_model=v1.ModelResult, tags=["models"], dependencies=guarded,
+              responses={404: {"model": v1.Error}})
+    async def score(model: str, req: v1.ModelRequest) -> v1.ModelResult:
+        return await calls.model_call(model, "score", req)
+
+    @router.post("/v1/models/{model}/logprobs", response_model=v1.ModelResult, tags=["models"], dependencies=guarded,
+              responses={404: {"model": v1.Error}})
+    async def logprobs(model: str, req: v1.ModelRequest) -> v1.ModelResult:
+        return await calls.model_call(model, "logprobs", req)
+
+    @router.get("/v1/jobs", response_model=list[v1.JobStats], tags=["stats"], dependencies=guarded)
+    async def jobs() -> list[v1.JobStats]:
+        return await answer(calls.all_jobs())
+
+    @router.get("/v1/jobs/{job}/stats", response_model=v1.JobStats, tags=["stats"], dependencies=guarded,
+             responses={404: {"model": v1.Error}})
+    async def job_stats(job: str) -> v1.JobStats:
+        return await answer(calls.job_stats(job))
+
+    @router.get("/v1/cluster", response_model=v1.ClusterInfo, tags=["stats"], dependencies=guarded)
+    async def cluster() -> v1.ClusterInfo:
+        return await answer(calls.cluster())
+
+    @router.get("/metrics", tags=["stats"], dependencies=guarded)
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(await answer(calls.metrics_text()), media_type="text/plain; version=0.0.4")
+
+    @router.get("/healthz", tags=["stats"])
+    async def healthz() -> dict:
+        return await answer(calls.health())
+
+
+
+DIALECT = Dialect("native", {
+    "submit": Service.submit, "status": Service.status, "cancel": Service.cancel,
+    "open_session": Service.open_session, "exec": Service.exec, "put_files": Service.put_files,
+    "get_files": Service.get_files, "fork": Service.fork, "prewarm": Service.prewarm,
+    "close_session": Service.close_session, "model_call": Service.model_call, "all_jobs": Service.all_jobs,
+    "job_stats": Service.job_stats, "cluster": Service.cluster, "health": Service.health,
+    "metrics_text": Service.metrics_text,
+}, routes)
