@@ -72,7 +72,7 @@ async def _load(tg, n: int, concurrency: int, program: str, prefix: str) -> tupl
 
 def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: float, per_core: int,
             log: Callable[[str], None]) -> list[dict]:
-    from ..managers.sandbox.manager import SandboxConfig
+    from ..managers.sandbox.spec import SandboxConfig
     from ..runtime.api import Tangram
 
     out = []
@@ -97,7 +97,7 @@ def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: flo
 
 
 def chaos(nodes: int, cores: int, actions: int, work_ms: float, log: Callable[[str], None]) -> dict:
-    from ..managers.sandbox.manager import SandboxConfig
+    from ..managers.sandbox.spec import SandboxConfig
     from ..runtime.api import Tangram
 
     c, members = _cluster(nodes, cores)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..core.action import Outcome
-from ..managers.sandbox.manager import SandboxConfig
+from ..managers.sandbox.spec import SandboxConfig
 from ..policy import Profile
 from ..runtime import Tangram
 from ..sim.metrics import percentile

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..managers.sandbox.images import ImageStore
-from ..managers.sandbox.manager import SandboxConfig
+from ..managers.sandbox.spec import SandboxConfig
 from ..runtime import Tangram
 
 TOOLS = ("/usr/bin/dash", "/usr/bin/true", "/usr/bin/cat", "/usr/bin/ls")

@@ -17,7 +17,7 @@ import subprocess
 import time
 from typing import Callable
 
-from ..managers.sandbox.manager import SandboxConfig
+from ..managers.sandbox.spec import SandboxConfig
 from ..runtime import Tangram
 
 

@@ -27,7 +27,7 @@ from typing import Callable
 
 import httpx
 
-from ..managers.sandbox.manager import SandboxConfig
+from ..managers.sandbox.spec import SandboxConfig
 from ..runtime import Tangram
 from ..sim.metrics import percentile
 

@@ -19,7 +19,8 @@ from typing import Callable
 
 from ..core.action import Action, Allocation
 from ..core.seam import Completion, Report
-from ..managers.sandbox.manager import SandboxConfig, SandboxManager
+from ..managers.sandbox.manager import SandboxManager
+from ..managers.sandbox.spec import SandboxConfig
 from .host import host_cpus, memory_gb
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from ..core.action import Action, Demand, Outcome, seconds
 from ..managers.models.spec import ModelCall
 from ..managers.sandbox.images import ImageError
-from ..managers.sandbox.manager import Exec, Files, RunCode, SandboxConfig
+from ..managers.sandbox.spec import Exec, Files, Fork, RunCode, SandboxConfig, Snapshot
 from ..policy import Policy, Profile
 from .base import ActionResult, Runtime
 from .local import LocalRuntime
@@ -119,7 +119,6 @@ class Session:
         self._check()
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 256:
             raise ValueError("n: must be an integer from 1 to 256")
-        from ..managers.sandbox.envops import Fork
         children = tuple(self.runtime.new_id("s") for _ in range(n))
         action = Action(id or self.runtime.new_id("k"), "sandbox", job=self.job, trajectory=self.id,
                         operation="fork", hint_s=0.02, payload=Fork(self.id, children))
@@ -133,7 +132,6 @@ class Session:
         """Write this session's filesystem state to ``path`` (default: a new file in the
         temporary directory); ``Tangram.restore(path)`` opens a new session from it."""
         self._check()
-        from ..managers.sandbox.envops import Snapshot
         if path is None:
             import tempfile
             fd, path = tempfile.mkstemp(suffix=".tangram-snapshot.tar")

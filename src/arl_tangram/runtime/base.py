@@ -24,7 +24,7 @@ from ..core.seam import Completion, Manager, Pool, Report
 from ..driver import Driver
 from ..engine import Engine
 from ..waits import DEFAULT_MAX_QUEUE_S
-from ..managers.sandbox.manager import SandboxResult
+from ..managers.sandbox.spec import SandboxResult
 from ..policy import Costs, Policy, Profile, make_policy
 
 log = logging.getLogger(__name__)

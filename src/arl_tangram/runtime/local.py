@@ -20,7 +20,8 @@ from typing import Any, Callable
 from ..core.cluster import ApiQuota
 from ..core.seam import Manager, Pool, Sink
 from ..managers.quota import ApiManager, Handler
-from ..managers.sandbox.manager import SandboxConfig, SandboxManager
+from ..managers.sandbox.manager import SandboxManager
+from ..managers.sandbox.spec import SandboxConfig
 from ..policy import Costs, Policy, Profile
 from ..waits import DEFAULT_MAX_QUEUE_S
 from .base import NoRoom, Runtime

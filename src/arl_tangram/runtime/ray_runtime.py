@@ -29,7 +29,7 @@ from typing import Any
 from ..core.action import Action, Allocation, Finished, Outcome
 from ..core.cluster import Cluster, CpuNode
 from ..core.seam import Completion, Pool, Sink
-from ..managers.sandbox.manager import SandboxConfig
+from ..managers.sandbox.spec import SandboxConfig
 from ..managers.tasks import TaskSet
 from ..policy import Costs, Policy, Profile
 from ..waits import DEFAULT_MAX_QUEUE_S

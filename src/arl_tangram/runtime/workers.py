@@ -33,7 +33,8 @@ from typing import Any
 from ..core.action import Action, Allocation, Outcome
 from ..core.seam import Completion, Sink
 from ..link import Caller, Hub, PeerGone
-from ..managers.sandbox.manager import RunCode, SandboxConfig, SandboxManager
+from ..managers.sandbox.manager import SandboxManager
+from ..managers.sandbox.spec import RunCode, SandboxConfig
 from ..managers.tasks import TaskSet
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
-from ..managers.sandbox.manager import SandboxConfig
+from ..managers.sandbox.spec import SandboxConfig
 from ..policy import POLICIES
 from ..waits import DEFAULT_MAX_QUEUE_S
 

@@ -19,7 +19,7 @@ from ..api import sandboxfusion as sf
 from ..api import v1
 from ..core.action import Outcome
 from ..managers.sandbox import languages
-from ..managers.sandbox.manager import CommandResult, Files
+from ..managers.sandbox.spec import CommandResult, Files
 from ..runtime import ActionResult
 from .dialect import Dialect
 from .service import BadRequest, Service, decode_files
@@ -41,7 +41,7 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
 
 # -- the translation, in the engine process --------------------------------------------------------
 
-async def run_code(service: Service, req: sf.RunCodeRequest) -> sf.RunCodeResponse:
+async def sf_run_code(service: Service, req: sf.RunCodeRequest) -> sf.RunCodeResponse:
     """``POST /run_code``: one journaled one-shot (re-run after a crash, as a native one)."""
     if req.language not in languages.LANGUAGES:
         return sf.RunCodeResponse(status=sf.RunStatus.SandboxError,
@@ -61,7 +61,7 @@ async def run_code(service: Service, req: sf.RunCodeRequest) -> sf.RunCodeRespon
     return response(await service.run_journaled(spec, files))
 
 
-async def run_jupyter(service: Service, req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:
+async def sf_run_jupyter(service: Service, req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:
     """``POST /run_jupyter``: the cells in one session of their own, closed at the end (not
     journaled: a notebook cut short by a crash is not re-run)."""
     service.admit()
@@ -141,4 +141,4 @@ def response(r: ActionResult) -> sf.RunCodeResponse:
                               files=files)
 
 
-DIALECT = Dialect("sandboxfusion", {"sf_run_code": run_code, "sf_run_jupyter": run_jupyter}, routes)
+DIALECT = Dialect("sandboxfusion", {"sf_run_code": sf_run_code, "sf_run_jupyter": sf_run_jupyter}, routes)

@@ -23,7 +23,7 @@ from .. import __version__
 from ..api import v1
 from ..core.action import Outcome
 from ..core.names import path_problem
-from ..managers.sandbox.manager import CommandResult, Files
+from ..managers.sandbox.spec import CommandResult, Files
 from ..managers.sandbox.images import ImageError
 from ..runtime import ActionResult, NoRoom, Runtime, Session, Tangram
 from ..runtime.api import SessionError

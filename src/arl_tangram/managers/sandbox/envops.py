@@ -1,5 +1,8 @@
 """Fork, snapshot and restore of image sessions: copy-on-write through overlay layers.
 
+The manager owns the sessions and carries these out (``SandboxManager._fork``, ``_restore``);
+this module holds the operations on roots and files they are made of.
+
 **Fork** (an action on the source session, so it is ordered with the session's other actions):
 the source's processes are stopped (it is paused only for this instant), its writable tmpfs is
 remounted read-only and becomes one more shared lower layer, and the parent and each child get a
@@ -30,94 +33,44 @@ import shutil
 import stat
 import tarfile
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from ...core.action import Outcome
+from .imagebox import ImageSandboxes
 from .images import Checker, ImageError, Unpacker
 from .rootfs import Layer, RootFs
-
-if TYPE_CHECKING:
-    from .manager import SandboxManager, SandboxResult
-    from .sandbox import Sandbox
+from .spec import SandboxResult
 
 FORMAT = "tangram-snapshot/1"
 META = "tangram-snapshot.json"
 
 
-@dataclass
-class Fork:
-    """Fork session ``source`` into new sessions ``children`` (ids chosen by the caller)."""
-
-    source: str
-    children: tuple[str, ...] = field(default_factory=tuple)
+def not_from_image(what: str) -> SandboxResult:
+    return SandboxResult(message=f"{what}: the session was not started from an image (the host-directories "
+                                 "sandbox has no copy-on-write layer); open it with image=...")
 
 
-@dataclass
-class Snapshot:
-    """Write session ``source``'s filesystem state to ``path``."""
-
-    source: str
-    path: str
-
-
-async def execute(manager: "SandboxManager", sb: "Sandbox", payload) -> tuple[Outcome, "SandboxResult"]:
-    from .manager import SandboxResult
-    if sb.rootfs is None:
-        what = "fork" if isinstance(payload, Fork) else "snapshot"
-        return Outcome.REJECTED, SandboxResult(message=f"{what}: the session was not started from an image (the "
-                                                       "host-directories sandbox has no copy-on-write layer); open "
-                                                       "it with image=...")
-    if isinstance(payload, Fork):
-        return await _fork(manager, sb, payload)
-    t = time.perf_counter()
-    size = await asyncio.to_thread(write_snapshot, sb.rootfs, payload.path)
-    return Outcome.OK, SandboxResult(info={"path": payload.path, "bytes": size,
-                                           "snapshot_s": time.perf_counter() - t})
-
-
-async def _fork(manager: "SandboxManager", sb: "Sandbox", payload: Fork) -> tuple[Outcome, "SandboxResult"]:
-    from .manager import SandboxResult
-    boxes = manager.imageboxes
-    taken = [c for c in payload.children if c in manager.sessions or c in manager.pending_roots]
-    if taken or payload.source in payload.children or len(set(payload.children)) != len(payload.children):
-        return Outcome.REJECTED, SandboxResult(message=f"fork: child ids must be new and distinct ({taken or 'dup'})")
-    t0 = time.perf_counter()
-    src: RootFs = sb.rootfs
-    sb.on_kill = None  # stop the processes, keep the files
-    await sb.kill()
-    manager.sessions.pop(payload.source, None)
-    boxes.live.discard(src)
-    t1 = time.perf_counter()
-
-    def cow() -> list[RootFs]:
-        layer = src.freeze().acquire()  # held while the new roots are stacked on it
-        roots: list[RootFs] = []
-        try:
-            for _ in range(len(payload.children) + 1):
-                roots.append(boxes.new_root(src.image, [layer, *src.session_layers]))
-        except BaseException:
-            for r in roots:
-                boxes.drop(r)
-            raise
-        finally:
-            src.release()
-            layer.release()
-        return roots
-
+def stack(boxes: ImageSandboxes, src: RootFs, copies: int) -> list[RootFs]:
+    """Fork's copy-on-write step (blocking: call it in a thread): freeze ``src``'s writable layer
+    into a shared read-only one and mount ``copies`` fresh roots on it. ``src`` is released."""
+    layer = src.freeze().acquire()  # held while the new roots are stacked on it
+    roots: list[RootFs] = []
     try:
-        roots = await asyncio.to_thread(cow)
-    except OSError as e:
-        return Outcome.INFRA_ERROR, SandboxResult(message=f"fork: {e} (the source session's state is lost)")
-    t2 = time.perf_counter()
-    now = time.monotonic()
-    for traj, root in zip((payload.source, *payload.children), roots):
-        manager.pending_roots[traj] = root
-        manager._last_used[traj] = now
-    return Outcome.OK, SandboxResult(
-        message=f"forked into {len(payload.children)}; processes (python interpreter, shell) restart on next use",
-        info={"children": list(payload.children), "pause_s": t1 - t0, "cow_s": t2 - t1, "fork_s": t2 - t0,
-              "layers": len(roots[0].session_layers)})
+        for _ in range(copies):
+            roots.append(boxes.new_root(src.image, [layer, *src.session_layers]))
+    except BaseException:
+        for r in roots:
+            boxes.drop(r)
+        raise
+    finally:
+        src.release()
+        layer.release()
+    return roots
+
+
+async def snapshot(rootfs: RootFs, path: str) -> SandboxResult:
+    """Write the session's layers to ``path`` (``write_snapshot``, in a thread)."""
+    t = time.perf_counter()
+    size = await asyncio.to_thread(write_snapshot, rootfs, path)
+    return SandboxResult(info={"path": path, "bytes": size, "snapshot_s": time.perf_counter() - t})
 
 
 def _layer_members(top: str, prefix: str):
@@ -218,13 +171,10 @@ def read_snapshot(path: str, dest_dir: str) -> tuple[dict, list[str]]:
     return meta, list(reversed(dirs))
 
 
-def restore(manager: "SandboxManager", trajectory: str, path: str) -> RootFs:
+def restore(boxes: ImageSandboxes, trajectory: str, path: str) -> RootFs:
     """Mount a new root for session ``trajectory`` from the snapshot ``path`` (blocking I/O:
     call it in a thread). Its processes start on the session's first action."""
-    boxes = manager.imageboxes
-    boxes._setup()
-    dest = os.path.join(boxes.run_dir, f"restore-{trajectory}-{os.urandom(3).hex()}")
-    os.makedirs(dest)
+    dest = boxes.scratch_dir(f"restore-{trajectory}-{os.urandom(3).hex()}")
     try:
         with tarfile.open(path, "r:") as tar:
             first = tar.next()
@@ -244,15 +194,9 @@ def restore(manager: "SandboxManager", trajectory: str, path: str) -> RootFs:
     for layer in layers:
         layer.acquire()
     try:
-        root = boxes.new_root(image, layers)
+        return boxes.new_root(image, layers)
     finally:
         for layer in layers:
             layer.release()
         if not any(layer.refs for layer in layers):
             shutil.rmtree(dest, ignore_errors=True)
-    if trajectory in manager.pending_roots or trajectory in manager.sessions:
-        boxes.drop(root)
-        raise ImageError(f"restore: session {trajectory!r} already exists")
-    manager.pending_roots[trajectory] = root
-    manager._last_used[trajectory] = time.monotonic()
-    return root

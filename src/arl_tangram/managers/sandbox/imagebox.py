@@ -119,6 +119,22 @@ class ImageSandboxes:
             self.run_dir = tempfile.mkdtemp(prefix=f"tangram-roots-{os.getpid()}-")
             self._base = ensure_base(self.store)
 
+    def scratch_dir(self, name: str) -> str:
+        """A new directory ``name`` beside the mounted roots (a restore unpacks there)."""
+        self._setup()
+        path = os.path.join(self.run_dir, name)
+        os.makedirs(path)
+        return path
+
+    async def stop_processes(self, sb: Sandbox) -> RootFs:
+        """Kill ``sb``'s processes but keep its root mounted, no longer one of the live roots:
+        the caller owns it now (a fork stacks new roots on it)."""
+        rootfs = sb.rootfs
+        sb.on_kill = None
+        await sb.kill()
+        self.live.discard(rootfs)
+        return rootfs
+
     def new_root(self, image: Image, session_layers: list[Layer] = ()) -> RootFs:
         """Mount a fresh root of ``image`` (on ``session_layers``, top first)."""
         self._setup()

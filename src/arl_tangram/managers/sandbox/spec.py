@@ -1,0 +1,158 @@
+"""What the sandbox manager is asked and answers: its config, requests and results. Plain data.
+
+The embedded API, the server, the sandbox workers and the node agents build and read these; only
+``manager`` carries them out. So they import this module, not the manager and what it pulls in
+(cgroups, images, isolation, the runner).
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, Field, model_validator
+
+from .isolation import Isolation
+
+
+class SandboxConfig(BaseModel):
+    """Every knob of the sandbox manager (units in the names)."""
+
+    isolation: Isolation = Field(Isolation.AUTO, description="auto = bubblewrap, else unshare; none only for "
+                                                             "trusted code, and only when set explicitly")
+    interpreter: str = Field("/usr/bin/python3", description="python seen inside the sandbox (a venv's python "
+                                                             "with the tasks' packages, say)")
+    interpreter_args: tuple[str, ...] = Field(("-I",), description="flags for it; -S skips site (faster start, no "
+                                                                   "site-packages)")
+    ro_binds: tuple[str, ...] = Field((), description="host paths visible read-only inside (e.g. the venv)")
+    workspace_mb: int = Field(256, ge=1, description="size of a session's private workspace (tmpfs)")
+    tmp_mb: int = Field(64, ge=1, description="size of the private /tmp (tmpfs)")
+    memory_mb: int = Field(512, ge=16, description="default memory limit of an action's sandbox")
+    pids_max: int = Field(128, ge=8, description="processes and threads a sandbox may have")
+    max_output_bytes: int = Field(1 << 20, ge=1024, description="stdout/stderr kept per stream; more is dropped "
+                                                                "and flagged")
+    warm_pool: int = Field(4, ge=0, description="prepared sandboxes waiting for one-shot runs and new sessions")
+    recycle: bool = Field(True, description="reuse a one-shot's sandbox after a verified wipe (bubblewrap only; "
+                                            "see managers/sandbox/recycle.py for what is reset and checked)")
+    recycle_pool_max: int = Field(32, ge=0, description="idle sandboxes kept for reuse (within max_idle_sandboxes); "
+                                                        "more are killed")
+    recycle_max_uses: int = Field(1000, ge=1, description="one-shots a sandbox runs before it is replaced")
+    session_idle_expiry_s: float = Field(600.0, gt=0, description="close a session unused for this long")
+    session_memory: Literal["use", "limit"] = Field("use", description="what an idle session reserves on its node: "
+                                                   "'use' = its measured memory (cgroup charge, refreshed each time "
+                                                   "it goes idle) plus session_headroom_mb; 'limit' = its whole "
+                                                   "memory limit (no overcommit: far fewer sessions fit)")
+    session_headroom_mb: int = Field(8, ge=0, description="reserved for an idle session on top of its measured "
+                                                          "memory")
+    min_free_memory_mb: int = Field(1024, ge=0, description="new sessions are refused (HTTP 503) while the host's "
+                                                            "available memory (MemAvailable) is below this")
+    grace_s: float = Field(5.0, gt=0, description="past an action's timeout plus this, the sandbox is killed")
+    cpus: tuple[int, ...] | None = Field(None, description="host CPUs to use (default: this process's affinity)")
+    image: str | None = Field(None, description="image for sessions and one-shots that name none (default: the "
+                                                "host's system directories)")
+    image_store: str | None = Field(None, description="image cache directory (default: $TANGRAM_IMAGE_STORE, else "
+                                                      "~/.local/share/arl-tangram/images)")
+    max_idle_sandboxes: int = Field(64, ge=0, description="hard cap on idle prepared sandboxes (warm pool plus "
+                                                          "prewarmed image sandboxes)")
+
+    @model_validator(mode="after")
+    def _pool_within_cap(self) -> "SandboxConfig":
+        if self.warm_pool > self.max_idle_sandboxes:
+            raise ValueError(f"warm_pool: {self.warm_pool} is above max_idle_sandboxes ({self.max_idle_sandboxes})")
+        return self
+
+
+@dataclass
+class CommandResult:
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    duration_s: float
+    truncated: bool = False
+    timed_out: bool = False
+    signal: int | None = None
+    display: list[dict] = field(default_factory=list)  # python cells: the final expression's value
+    error: list[dict] = field(default_factory=list)  # python cells: the exception raised, if any
+    note: str = ""  # shell steps: the shell was restarted (and why)
+
+    @classmethod
+    def from_wire(cls, r: dict) -> "CommandResult":
+        return cls(r.get("exit_code"), base64.b64decode(r.get("stdout", "")).decode("utf-8", "replace"),
+                   base64.b64decode(r.get("stderr", "")).decode("utf-8", "replace"), r.get("duration_s", 0.0),
+                   r.get("truncated", False), r.get("timed_out", False), r.get("signal"), r.get("display") or [],
+                   r.get("raised") or [], r.get("note") or "")
+
+
+@dataclass
+class SandboxResult:
+    """What an action produced; ``message`` explains anything unusual (truncation, OOM, reset)."""
+
+    run: CommandResult | None = None
+    compile: CommandResult | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    message: str = ""
+    info: dict = field(default_factory=dict)  # fork: the children; snapshot: the file and its size
+
+
+@dataclass
+class RunCode:
+    """A one-shot program in a fresh sandbox."""
+
+    code: str
+    language: str = "python"
+    stdin: bytes | None = None
+    files: dict[str, bytes] = field(default_factory=dict)
+    fetch_files: list[str] = field(default_factory=list)
+    compile_timeout_s: float = 10.0
+    run_timeout_s: float = 10.0
+    memory_mb: int | None = None
+    image: str | None = None
+    memory_as_rlimit: bool = False  # also cap address space: allocations fail (MemoryError) as in SandboxFusion
+
+
+@dataclass
+class Exec:
+    """One step in a session: a shell ``command`` or a ``python`` cell in its interpreter."""
+
+    command: str | None = None
+    python: str | None = None
+    stdin: bytes | None = None
+    timeout_s: float = 10.0
+    memory_mb: int | None = None
+    image: str | None = None
+    jupyter: bool = False  # a python cell's traceback goes only into its error record, as in a notebook
+
+
+@dataclass
+class Files:
+    """Put files into a session's workspace and/or get files out of it."""
+
+    put: dict[str, bytes] = field(default_factory=dict)
+    get: list[str] = field(default_factory=list)
+    image: str | None = None
+
+
+@dataclass
+class Fork:
+    """Fork session ``source`` into new sessions ``children`` (ids chosen by the caller)."""
+
+    source: str
+    children: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class Snapshot:
+    """Write session ``source``'s filesystem state to ``path``."""
+
+    source: str
+    path: str
+
+
+@dataclass
+class Restore:
+    """Make the new session of the action's trajectory from the snapshot at ``path`` (its files;
+    its processes start on its first step)."""
+
+    path: str
