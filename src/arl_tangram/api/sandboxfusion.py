@@ -1,4 +1,4 @@
-"""SandboxFusion's HTTP interface, exactly (see shared/SANDBOXFUSION_API.md): existing clients
+"""SandboxFusion's HTTP interface, exactly (docs/sandboxfusion.md): existing clients
 (the ``sandbox-fusion`` package, verl's reward utilities and SandboxFusionTool) validate responses
 against these enums, so no status value is ever added; extra detail goes in ``message``."""
 

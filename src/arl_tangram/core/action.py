@@ -22,7 +22,7 @@ API_PREFIX: Final = "api:"
 
 
 class Outcome(str, enum.Enum):
-    """Exactly one terminal outcome per accepted action (DESIGN.md §2).
+    """Exactly one terminal outcome per accepted action (docs/design.md, "Concepts").
 
     ``failed`` is the user's code failing (a result); ``infra_error`` is ours and retryable, never
     to be turned into a score.

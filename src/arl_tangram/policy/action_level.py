@@ -1,6 +1,6 @@
 """Action-level scheduling on shared pools: the Tangram policy and its ``fifo`` ablation.
 
-Tangram (DESIGN.md §4) in one round, per pool:
+Tangram (docs/design.md, "Scheduling direction") in one round, per pool:
 1. *Priority*: each waiting action has a static key ``predicted work + expected setup +
    aging * submitted_at - critical boost``. Linear aging is order-preserving over time, so one
    heap per job serves SRPT-with-aging exactly, without re-keying as time passes. Model calls age

@@ -1,6 +1,6 @@
 """The multi-node runtime on Ray: one engine in the head, one ``NodeAgent`` per node.
 
-Shape (DESIGN.md §7): the head process holds the engine and policy (the single decision maker),
+Shape (docs/design.md, "Many nodes"): the head process holds the engine and policy (the single decision maker),
 the journal and the HTTP server; every Ray node with CPUs gets a ``NodeAgent`` actor pinned to it
 (node affinity, not soft) that owns the node's sandboxes. The engine's CPU pool is the union of the
 agents' cores; an action started on node ``i`` goes to agent ``i``, and the agent's answer is its

@@ -1,4 +1,4 @@
-"""Turn a simulation's records into the figures DESIGN.md §6 asks for."""
+"""Turn a simulation's records into the figures docs/design.md asks for ("What we measure")."""
 
 from __future__ import annotations
 

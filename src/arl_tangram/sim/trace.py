@@ -1,4 +1,5 @@
-"""The JSONL trace format (DESIGN.md §5): one action per line, so users can replay their own logs.
+"""The JSONL trace format: one action per line, so users can replay their own logs (docs/design.md,
+"Workloads and traces").
 
 Required: ``step``, ``trajectory``, ``seq``, ``service``, ``gap_s``, ``work_s``. Optional:
 ``job`` (default ``"default"``), ``demand`` (``{"cpu": [min, max]}`` / ``{"gpu": [n, n]}``),

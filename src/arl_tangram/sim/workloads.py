@@ -1,4 +1,5 @@
-"""Built-in workload generators, parameterised and modelled on public facts (DESIGN.md §5).
+"""Built-in workload generators, parameterised and modelled on public facts (docs/design.md,
+"Workloads and traces").
 
 Every number below says where it comes from. They are meant to be *shapes* an RL-infrastructure
 engineer recognises, not a claim about any one system; replay your own logs with ``--trace``.
@@ -34,7 +35,7 @@ class CodeAgentParams:
     * turns: median 30, lognormal sigma 0.5, 5..100 — SWE-agent and OpenHands trajectories on
       SWE-bench take tens of steps (their papers report medians in the 20s-30s and caps of 100).
     * LLM gap: median 6 s, sigma 0.8, 0.5..60 s — a turn decodes a few hundred tokens at tens of
-      tokens/s per sequence under batch load; DESIGN.md §5 "seconds to a minute".
+      tokens/s per sequence under batch load; docs/design.md's "seconds to a minute".
     * commands: 80% quick (cat/ls/grep/str_replace: median 0.15 s, 1 core); 12% scripts (median
       2 s, 1..2 cores, parallel fraction 0.3); 8% test runs (median 30 s, sigma 0.8, up to 600 s,
       1..8 cores, parallel fraction 0.7..0.95 — pytest -n / make -j scale sub-linearly);
