@@ -43,7 +43,7 @@ from typing import Callable, Final, Iterable, Mapping
 
 from .core.action import CPU, GPU, Action, Allocation, Finished, InvalidAction, Outcome, Setup
 from .core.clock import Clock
-from .core.cluster import Cluster, CpuNode
+from .core.cluster import Cluster, CpuNode, GpuNode, ModelSpec
 from .core.pools import EPS, CapacityError, CpuPool, GpuPool, Meter, QuotaPool, Units
 from .core.records import Load, Reservation, Running
 from .core.seam import Completion, Loaded, Manager, ModelHost, Pool, Report
@@ -251,6 +251,53 @@ class Engine:
             self.policy.on_cancel(action)
             self._finish_unstarted(action, Outcome.INFRA_ERROR, reason, now)
         return lost
+
+    def add_gpu_node(self, node: GpuNode) -> int:
+        """A GPU node joins while the engine runs (its GPUs idle and empty); returns its index.
+        Its GPUs' global ids are ``gpu.first_gpu[index]`` onwards."""
+        if self._model_host is None:
+            raise TypeError("a cluster with GPUs needs a ModelHost manager for Pool.GPU")
+        i = self.gpu.add_node(node)
+        self.cluster = replace(self.cluster, gpu_nodes=self.gpu.nodes)
+        self._cluster_changed()
+        return i
+
+    def remove_gpu_node(self, index: int) -> list[str]:
+        """A GPU node leaves (dead or drained): its GPUs leave at once and its resident copies
+        are forgotten; prefetches onto it end here (no ``Loaded`` is expected for them any more).
+        Actions running there are their manager's to report (their copy is released then).
+        Returns the keys of the prefetches dropped."""
+        gone = self.gpu.remove_node(index)
+        dropped: list[str] = []
+        now = self.clock.now()
+        if now != self.usage.t:
+            self.usage.advance(now)
+        for key, load in list(self.loading.items()):
+            if load.instance in gone:
+                del self.loading[key]
+                self.gpu.release(load.instance, now)
+                dropped.append(key)
+        self._cluster_changed()
+        return dropped
+
+    def add_models(self, specs: Iterable[ModelSpec]) -> None:
+        """Register model services while the engine runs (a runtime whose weights are loaded on
+        the GPU nodes learns their sizes only once the first node has loaded them); a service
+        already registered keeps its spec."""
+        known = {m.name for m in self.cluster.models}
+        new = tuple(m for m in specs if m.name not in known)
+        if new:
+            self.cluster = replace(self.cluster, models=(*self.cluster.models, *new))
+            self._cluster_changed()
+
+    def _cluster_changed(self) -> None:
+        """Tell the policy that pools or services changed, if it wants to know (an optional
+        ``on_cluster_change(now)`` returning decisions; a policy that plans its partitions once,
+        at ``bind``, keeps them)."""
+        hook = getattr(self.policy, "on_cluster_change", None)
+        if hook is not None:
+            now = self.clock.now()
+            self._apply_all(hook(now), now)
 
     def schedule(self) -> int:
         """One scheduling round; returns how many actions were started."""
@@ -506,7 +553,7 @@ class Engine:
             if spec is None and a.weights_gb <= 0:
                 return f"service: unknown model {a.model!r} (register it or give weights_gb)"
             per_gpu = self.cluster.per_gpu_gb(a.model or "", a.weights_gb, g)
-            largest = max(x.memory_gb for x in self.gpu.gpus)
+            largest = max(x.memory_gb for x in self.gpu.gpus if x.alive)
             if per_gpu > largest:
                 return (f"weights_gb: model {a.model!r} needs {per_gpu:.1f} GB per GPU, more than any GPU holds "
                         f"({largest:.1f} GB)")

@@ -295,6 +295,7 @@ class Gpu:
     instances: list[Instance] = field(default_factory=list)
     occupants: dict[str, float] = field(default_factory=dict)
     share_used: float = 0.0
+    alive: bool = True  # False once its node has left the pool (``GpuPool.remove_node``)
 
     @property
     def busy(self) -> str | None:
@@ -310,29 +311,83 @@ class GpuPool:
     """GPUs grouped into islands, their memory and the model instances resident on them."""
 
     def __init__(self, nodes: tuple[GpuNode, ...]) -> None:
-        self.nodes = nodes
+        self.nodes: tuple[GpuNode, ...] = ()
+        self.alive: list[bool] = []
+        self.first_gpu: list[int] = []  # per node: its GPUs are first_gpu .. first_gpu + gpus - 1
         self.gpus: list[Gpu] = []
         self.islands: list[tuple[int, ...]] = []
         self.h2d_gbps: list[float] = []
-        for ni, node in enumerate(nodes):
-            base = len(self.gpus)
-            mine: list[Gpu | None] = [None] * node.gpus
-            for local in node.islands():
-                island = len(self.islands)
-                self.islands.append(tuple(base + g for g in local))
-                for g in local:  # islands need not be contiguous ranges (discovered NVLink domains)
-                    mine[g] = Gpu(ni, island, node.gpu_memory_gb)
-            for g, gpu in enumerate(mine):
-                if gpu is None:
-                    raise ValueError(f"GPU node {node.name}: GPU {g} is in no island")
-                self.gpus.append(gpu)
-                self.h2d_gbps.append(node.h2d_gbps)
-        self.capacity = len(self.gpus)
-        self.total_free = self.capacity  # GPUs running nothing
-        self.spare_gpus = self.capacity  # GPUs with compute to spare (idle or partly shared)
+        self.capacity = 0
+        self.total_free = 0  # GPUs running nothing
+        self.spare_gpus = 0  # GPUs with compute to spare (idle or partly shared)
         self.instances: dict[str, list[Instance]] = {}
-        self.max_island = max((len(i) for i in self.islands), default=0)
+        self.max_island = 0
         self.meter = Meter()
+        for node in nodes:
+            self.add_node(node)
+
+    # -- membership: GPU nodes join and leave while the engine runs ------------------------------
+    def add_node(self, node: GpuNode) -> int:
+        """A node's GPUs join, idle and empty, with global ids after every GPU seen before (ids
+        and island numbers are never reused); returns the node's index."""
+        ni = len(self.nodes)
+        base = len(self.gpus)
+        mine: list[Gpu | None] = [None] * node.gpus
+        islands: list[tuple[int, ...]] = []
+        for local in node.islands():
+            island = len(self.islands) + len(islands)
+            islands.append(tuple(base + g for g in local))
+            for g in local:  # islands need not be contiguous ranges (discovered NVLink domains)
+                mine[g] = Gpu(ni, island, node.gpu_memory_gb)
+        gpus: list[Gpu] = []
+        for g, gpu in enumerate(mine):
+            if gpu is None:
+                raise ValueError(f"GPU node {node.name}: GPU {g} is in no island")
+            gpus.append(gpu)
+        self.nodes = (*self.nodes, node)
+        self.alive.append(True)
+        self.first_gpu.append(base)
+        self.islands.extend(islands)
+        self.gpus.extend(gpus)
+        self.h2d_gbps.extend([node.h2d_gbps] * node.gpus)
+        self.capacity += node.gpus
+        self.total_free += node.gpus
+        self.spare_gpus += node.gpus
+        self.max_island = max([self.max_island, *(len(i) for i in islands)])
+        return ni
+
+    def remove_node(self, node: int) -> list[Instance]:
+        """A node leaves (dead or drained): its GPUs leave the pool at once and are never chosen
+        again (its islands become empty, so ``blocks`` skips them), and every copy resident there
+        is forgotten. Copies still running an action stay with that action until the engine
+        releases them; that release changes no free count (``vacate``). Returns the copies."""
+        if not self.alive[node]:
+            return []
+        self.alive[node] = False
+        first = self.first_gpu[node]
+        ids = range(first, first + self.nodes[node].gpus)
+        gone: list[Instance] = []
+        for g in ids:
+            gpu = self.gpus[g]
+            gpu.alive = False
+            if not gpu.occupants:
+                self.total_free -= 1
+            if gpu.share_used < 1.0 - EPS:
+                self.spare_gpus -= 1
+            for inst in gpu.instances:
+                if inst not in gone:
+                    gone.append(inst)
+            gpu.instances = []
+            gpu.used_gb = 0.0
+            if self.islands[gpu.island]:
+                self.islands[gpu.island] = ()
+        for inst in gone:
+            copies = self.instances.get(inst.model)
+            if copies is not None and inst in copies:
+                copies.remove(inst)
+        self.capacity -= len(ids)
+        self.max_island = max((len(i) for i in self.islands), default=0)
+        return gone
 
     def blocks(self, size: int):
         """Buddy-aligned blocks of ``size`` GPUs inside one island (size need not be a power of
@@ -420,6 +475,8 @@ class GpuPool:
             share = gpu.occupants.pop(owner)
             was_full = gpu.share_used >= 1.0 - EPS
             gpu.share_used = gpu.share_used - share if gpu.occupants else 0.0  # no float drift when idle
+            if not gpu.alive:
+                continue  # its node has left: the GPU left the free counts with it
             if not gpu.occupants:
                 self.total_free += 1
             if was_full and gpu.share_used < 1.0 - EPS:

@@ -117,6 +117,13 @@ class ActionLevelPolicy:
         self._cpu_only = not view.quotas and not view.cluster.models and not view.gpu.capacity
         return iter(())
 
+    def on_cluster_change(self, now: float) -> Iterator[Decision]:
+        """Nodes or model services joined or left (``Engine.add_gpu_node`` and its kin): every
+        round reads the pools afresh, only the CPU-only shortcut is decided once."""
+        view = self.view
+        self._cpu_only = not view.quotas and not view.cluster.models and not view.gpu.capacity
+        return iter(())
+
     def on_submit(self, action: Action, now: float) -> None:
         pred = self.predictor.predict(action)
         pool = action.pool

@@ -168,7 +168,11 @@ class EngineView(Protocol):
 
 
 class Policy(Protocol):
-    """A scheduling policy; see ``TangramPolicy`` for the reference implementation."""
+    """A scheduling policy; see ``TangramPolicy`` for the reference implementation.
+
+    Optional: ``on_cluster_change(now) -> Iterable[Decision]``, called when nodes or model
+    services join or leave while the engine runs (``Engine.add_gpu_node`` and its kin); a policy
+    without it plans its partitions once, at ``bind``."""
 
     name: str
 

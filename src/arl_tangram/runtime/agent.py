@@ -1,9 +1,12 @@
-"""The node agent: one per node of a multi-node deployment, owning that node's sandboxes.
+"""The node agent: one per node of a multi-node deployment, owning that node's sandboxes and GPUs.
 
 The head's engine decides; the agent carries out what it started on this node with the node's own
-``SandboxManager`` (bubblewrap + cgroups, as on one machine) and answers each ``run`` with the
-action's ``Completion``. All process, pipe and file work happens here, never in the head's event
-loop: the head moves decisions and small results.
+``SandboxManager`` (bubblewrap + cgroups, as on one machine) and, on a GPU node, its own
+``ModelManager`` (the services' weights in this node's host memory, copies on this node's GPUs,
+which it discovers itself: NVML islands, as on one machine), and answers each ``run`` with the
+action's ``Completion``. All process, pipe, file and tensor work happens here, never in the head's
+event loop: the head moves decisions and small results. GPU ids the agent sees are this node's
+own (0..n-1); the head maps its global ids to them (``RemoteModels``).
 
 The class knows nothing of Ray (``RayRuntime`` wraps it as an actor pinned to its node), so it is
 tested like any manager. Sessions the manager expires are collected here and picked up by the
@@ -17,11 +20,16 @@ import os
 import socket
 from typing import Callable
 
-from ..core.action import Action, Allocation
-from ..core.seam import Completion, Report
+from typing import Any
+
+from ..core.action import GPU, Action, Allocation
+from ..core.cluster import DEFAULT_H2D_GBPS, GpuNode
+from ..core.pools import Instance
+from ..core.records import Load
+from ..core.seam import Completion, Loaded, Report
 from ..managers.sandbox.manager import SandboxManager
 from ..managers.sandbox.spec import SandboxConfig
-from .host import host_cpus, memory_gb
+from .host import LocalHost, host_cpus, memory_gb
 
 
 class NodeAgent:
@@ -30,26 +38,48 @@ class NodeAgent:
     clusters) over its CPUs."""
 
     def __init__(self, name: str, cores: int, config: SandboxConfig | None = None, cpu_offset: int = 0,
-                 cpus: tuple[int, ...] | None = None) -> None:
-        """``cpus``: exactly these host CPUs (a sandbox worker of one machine uses its engine's)."""
+                 cpus: tuple[int, ...] | None = None, *, sandboxes: bool = True, models: list | None = None,
+                 gpus: int | None = None, gpu_memory_gb: float | None = None, gpu_island_size: int | None = None,
+                 model_device: str = "auto") -> None:
+        """``cpus``: exactly these host CPUs (a sandbox worker of one machine uses its engine's);
+        ``sandboxes``: False on a node without cores for them. ``models``: the
+        ``ModelServiceConfig``s this node serves on its GPUs (discovered; ``gpus``,
+        ``gpu_memory_gb``, ``gpu_island_size`` override, as ``LocalHost.detect``), or on ``gpus``
+        CPU "devices" without CUDA (``model_device``)."""
         self.name = name
         self.cores = cores
         self.config = config or SandboxConfig()
         self.cpu_offset = cpu_offset
         self.cpus = cpus
+        self.serve_sandboxes = sandboxes
+        self.model_configs = list(models or [])
+        self.gpu_options = {"gpus": gpus, "gpu_memory_gb": gpu_memory_gb, "gpu_island_size": gpu_island_size}
+        self.model_device = model_device
         self.manager: SandboxManager | None = None
+        self.models: Any = None  # the node's ModelManager, once its weights are in host memory
         self._waiting: dict[str, Callable[[Completion], None]] = {}  # action id -> where its completion goes
+        self._loading: dict[str, asyncio.Future] = {}  # prefetch key -> resolved when resident
         self._expired: list[str] = []
         self.problem = ""
+        self.model_problem = ""
 
     async def start(self) -> dict:
-        """Start the sandbox manager; returns what the head shows of this node. A node where
-        sandboxes cannot run (no bubblewrap, say) reports why and gets no sandbox actions."""
+        """Start the sandbox manager and the model host; returns what the head shows of this
+        node. A node where sandboxes cannot run (no bubblewrap, say) reports why and gets no
+        sandbox actions; one whose model services cannot load reports why and gets no GPU work."""
+        info = await self._start_sandboxes()
+        if self.model_configs:
+            info.update(await self._start_models())
+        return info
+
+    async def _start_sandboxes(self) -> dict:
         mine = host_cpus()
         cpus = self.cpus or tuple(mine[(self.cpu_offset + i) % len(mine)] for i in range(max(1, self.cores)))
         config = self.config.model_copy(update={"cpus": cpus})
         info = {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(), "cores": self.cores,
                 "memory_gb": round(memory_gb(), 1), "host_cpus": list(cpus)}
+        if not self.serve_sandboxes:
+            return {**info, "sandboxes": False, "isolation": None, "cgroups": None, "problem": "no cores for sandboxes"}
         try:
             self.manager = SandboxManager(config, self._report, self._expired.append)
             await self.manager.start_up()
@@ -61,19 +91,64 @@ class NodeAgent:
         return {**info, "sandboxes": True, "isolation": self.manager.mode.value,
                 "cgroups": ("v2" if root.v2 else "v1") if root is not None else None, "problem": ""}
 
+    async def _start_models(self) -> dict:
+        """Load every service into this node's host memory and find this node's GPUs (or CPU
+        devices): the head's engine gets them as one GPU node, and the services' sizes."""
+        try:
+            from ..managers.models.spec import require_torch
+
+            require_torch()
+            from ..managers.models.manager import ModelManager
+
+            mm = ModelManager(self.model_configs, self._report, self.model_device)
+            specs = await asyncio.to_thread(mm.load_all)
+            opts = self.gpu_options
+            host = LocalHost.detect(sandboxes=False, models=True, cuda=mm.cuda, gpus=opts["gpus"],
+                                    gpu_memory_gb=opts["gpu_memory_gb"], gpu_island_size=opts["gpu_island_size"])
+        except Exception as e:  # no torch, a model directory that is not there: no GPU work here
+            self.model_problem = f"{type(e).__name__}: {e}"
+            return {"gpu_node": None, "model_problem": self.model_problem}
+        self.models = mm
+        node = GpuNode(self.name, host.gpus, host.gpu_memory_gb, max(map(len, host.gpu_islands), default=host.gpus),
+                       DEFAULT_H2D_GBPS, groups=host.gpu_islands)
+        return {"gpu_node": node, "model_specs": specs, "model_cards": mm.cards(), "model_failed": dict(mm.failed),
+                "cuda": mm.cuda, "model_problem": ""}
+
     def _report(self, r: Report) -> None:
         if isinstance(r, Completion):
             done = self._waiting.pop(r.action_id, None)
             if done is not None:
                 done(r)
+        elif isinstance(r, Loaded):
+            fut = self._loading.pop(r.key, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
 
     def run_cb(self, action: Action, allocation: Allocation, done: Callable[[Completion], None]) -> None:
         """``run`` that calls ``done(completion)`` from the manager's report itself (a sandbox
         worker answers its engine a loop pass sooner than through a future)."""
-        if self.manager is None:
+        manager: Any = self.manager
+        if allocation.pool == GPU:
+            manager = self.models
+            if manager is None:
+                raise RuntimeError(f"node {self.name} serves no models: {self.model_problem}")
+        elif manager is None:
             raise RuntimeError(f"node {self.name} runs no sandboxes: {self.problem}")
         self._waiting[action.id] = done
-        self.manager.start(action, allocation)
+        manager.start(action, allocation)
+
+    async def prefetch(self, key: str, model: str, block: tuple[int, ...], per_gpu_gb: float) -> None:
+        """Copy ``model`` onto this node's GPUs ``block``; returns once it is resident (or once
+        the copy failed: the first call that needs it then makes it, and reports)."""
+        if self.models is None:
+            raise RuntimeError(f"node {self.name} serves no models: {self.model_problem}")
+        fut = self._loading[key] = asyncio.get_running_loop().create_future()
+        self.models.prefetch(Load(key, model, block, per_gpu_gb, Instance(model, block, per_gpu_gb)))
+        await fut
+
+    def evict(self, model: str, block: tuple[int, ...]) -> None:
+        if self.models is not None:
+            self.models.evict(model, block)
 
     async def run(self, action: Action, allocation: Allocation) -> Completion:
         """Run one action the head's engine started on this node; its ``Completion``."""
@@ -82,8 +157,9 @@ class NodeAgent:
         return await fut
 
     def cancel(self, action_id: str) -> None:
-        if self.manager is not None:
-            self.manager.cancel(action_id)
+        for manager in (self.manager, self.models):
+            if manager is not None:
+                manager.cancel(action_id)
 
     def close_session(self, trajectory: str) -> None:
         if self.manager is not None:
@@ -107,3 +183,5 @@ class NodeAgent:
     async def shut_down(self) -> None:
         if self.manager is not None:
             await self.manager.shut_down()
+        if self.models is not None:
+            await self.models.shut_down()

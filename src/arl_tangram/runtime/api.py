@@ -39,7 +39,12 @@ class _ModelFront:
         self._timer: asyncio.TimerHandle | None = None
         self.in_flight = 0
         self.tasks: set[asyncio.Task] = set()
-        self.max_in_flight = max(1, runtime.cluster.total_gpus // gpus)
+
+    @property
+    def max_in_flight(self) -> int:
+        """As many batches as the pool could run copies of the model now (on Ray, GPU nodes join
+        and leave while it runs)."""
+        return max(1, self.runtime.engine.gpu.capacity // self.gpus)
 
     def call(self, item: list[int], job: str, hint_s: float | None) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
@@ -213,11 +218,13 @@ class Tangram:
 
     @classmethod
     def ray(cls, address: str = "auto", policy: str | Policy = "tangram", sandbox: SandboxConfig | None = None,
-            profile: Profile | None = None) -> "Tangram":
+            profile: Profile | None = None, *, models: list | None = None, **kwargs) -> "Tangram":
         """Every node of the Ray cluster at ``address`` (``auto`` or ``HOST:PORT``): one engine
-        here, a node agent with its own sandboxes on each node (see ``RayRuntime``)."""
+        here, a node agent with its own sandboxes on each node and, with ``models``
+        (``ModelServiceConfig``s), the GPUs of each GPU node (see ``RayRuntime``; ``kwargs``:
+        ``gpus_per_node``, ``gpu_memory_gb``, ``gpu_island_size``, ``model_device``, ``max_queue_s``)."""
         from .ray_runtime import RayRuntime
-        return cls(RayRuntime(address, policy, sandbox, profile))
+        return cls(RayRuntime(address, policy, sandbox, profile, models=models, **kwargs))
 
     async def __aenter__(self) -> "Tangram":
         await self.runtime.start()

@@ -29,6 +29,7 @@ from typing import Any
 from ..core.action import Action, Allocation, Finished, Outcome
 from ..core.cluster import Cluster, CpuNode
 from ..core.seam import Completion, Pool, Sink
+from ..managers.models.spec import ModelServiceConfig
 from ..managers.sandbox.spec import SandboxConfig
 from ..managers.tasks import TaskSet
 from ..policy import Costs, Policy, Profile
@@ -67,6 +68,7 @@ class Node:
     state: str = "starting"  # starting | alive | dead
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     running: set[str] = field(default_factory=set)
+    gpu_index: int | None = None  # in the engine's GPU pool, once it serves models
 
     @property
     def name(self) -> str:
@@ -105,6 +107,41 @@ def connect(address: str) -> bool:
     return True
 
 
+#: what Ray raises when the actor an answer was to come from (a node's agent) is gone
+def _agent_gone() -> tuple[type[BaseException], ...]:
+    e = _ray().exceptions
+    return (e.RayActorError, e.NodeDiedError, e.WorkerCrashedError, e.ObjectLostError)
+
+
+async def run_on_node(runtime: "RayRuntime", node: Node, action: Action, call: Any) -> Completion:
+    """Await ``call`` (the agent's answer: a ``Completion``) unless ``node`` is lost first; then
+    the action ends ``infra_error`` with ``NodeLost`` as its result, which the runtime re-runs
+    once elsewhere if it is a one-shot (``RayRuntime._retry``)."""
+    node.running.add(action.id)
+    lost = asyncio.ensure_future(node.lost.wait())
+    answer = asyncio.ensure_future(call)
+    try:
+        await asyncio.wait({lost, answer}, return_when=asyncio.FIRST_COMPLETED)
+        if answer.done():
+            try:
+                return answer.result()
+            except _agent_gone() as e:
+                runtime.node_lost(node, f"its agent failed ({type(e).__name__})")
+        answer.cancel()
+        return _lost(runtime, node, action)
+    finally:
+        lost.cancel()
+        node.running.discard(action.id)
+
+
+def _lost(runtime: "RayRuntime", node: Node, action: Action) -> Completion:
+    if action.trajectory is not None:
+        why = runtime.lost_reason(action.trajectory, node)
+        return Completion(action.id, Outcome.INFRA_ERROR, message=why, result=NodeLost(node.name))
+    return Completion(action.id, Outcome.INFRA_ERROR, message=f"node {node.name} was lost while the action ran",
+                      result=NodeLost(node.name))
+
+
 class RemoteSandboxes:
     """The ``Pool.CPU`` manager of the head: each action goes to the agent of its node."""
 
@@ -117,36 +154,10 @@ class RemoteSandboxes:
         node = self.runtime.by_index[allocation.node]
         if action.trajectory is not None:
             self.homes[action.trajectory] = node
-        self.tasks.run(action, lambda: self._remote(node, action, allocation))
-
-    async def _remote(self, node: Node, action: Action, allocation: Allocation) -> Completion:
-        ray = _ray()
-        node.running.add(action.id)
-        lost = asyncio.ensure_future(node.lost.wait())
-        call = asyncio.ensure_future(self._call(node, action, allocation))
-        try:
-            await asyncio.wait({lost, call}, return_when=asyncio.FIRST_COMPLETED)
-            if call.done():
-                try:
-                    return call.result()
-                except (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError,
-                        ray.exceptions.ObjectLostError) as e:
-                    self.runtime.node_lost(node, f"its agent failed ({type(e).__name__})")
-            call.cancel()
-            return self._lost(node, action)
-        finally:
-            lost.cancel()
-            node.running.discard(action.id)
+        self.tasks.run(action, lambda: run_on_node(self.runtime, node, action, self._call(node, action, allocation)))
 
     async def _call(self, node: Node, action: Action, allocation: Allocation) -> Completion:
         return await node.handle.run.remote(action, allocation)
-
-    def _lost(self, node: Node, action: Action) -> Completion:
-        if action.trajectory is not None:
-            why = self.runtime.lost_reason(action.trajectory, node)
-            return Completion(action.id, Outcome.INFRA_ERROR, message=why, result=NodeLost(node.name))
-        return Completion(action.id, Outcome.INFRA_ERROR, message=f"node {node.name} was lost while the action ran",
-                          result=NodeLost(node.name))
 
     def cancel(self, action_id: str) -> None:
         for node in self.runtime.nodes_by_id.values():
@@ -169,7 +180,13 @@ class RayRuntime(Runtime):
 
     def __init__(self, address: str = "auto", policy: str | Policy = "tangram", sandbox: SandboxConfig | None = None,
                  profile: Profile | None = None, *, poll_s: float = MEMBERSHIP_POLL_S,
-                 max_queue_s: float | None = DEFAULT_MAX_QUEUE_S) -> None:
+                 max_queue_s: float | None = DEFAULT_MAX_QUEUE_S, models: list[ModelServiceConfig] | None = None,
+                 gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
+                 gpu_island_size: int | None = None, model_device: str = "auto") -> None:
+        """``models``: ``ModelServiceConfig``s served on every GPU node (a node with Ray's ``GPU``
+        resource): its agent loads them into the node's host memory and hosts the node's GPUs,
+        discovered there (``gpus_per_node``, ``gpu_memory_gb``, ``gpu_island_size`` override, as
+        on one machine; ``model_device="cpu"`` serves on CPU "devices" standing in for GPUs)."""
         super().__init__()
         self._owns_connection = connect(address)
         self.address = address
@@ -178,18 +195,45 @@ class RayRuntime(Runtime):
         self.nodes_by_id: dict[str, Node] = {}
         self.by_index: dict[int, Node] = {}
         self.sandboxes = RemoteSandboxes(self, self.report)
+        self.model_configs = list(models or [])
+        self.model_options = {"gpus": gpus_per_node, "gpu_memory_gb": gpu_memory_gb,
+                              "gpu_island_size": gpu_island_size, "model_device": model_device}
+        managers: dict[Pool, Any] = {Pool.CPU: self.sandboxes}
+        self.models: Any = None
+        if self.model_configs:
+            from .ray_models import RemoteModels
+
+            self.models = RemoteModels(self, self.report, self.model_configs)
+            managers[Pool.GPU] = self.models
         self._retried: set[str] = set()
         self._monitor: asyncio.Task | None = None
+        self._joining: set[asyncio.Task] = set()
         self._agent_cls = None
         costs = Costs.local(self.config.memory_mb / 1024)
-        self._build(Cluster(), policy, {Pool.CPU: self.sandboxes}, costs, profile, max_queue_s=max_queue_s,
+        self._build(Cluster(), policy, managers, costs, profile, max_queue_s=max_queue_s,
                     session_headroom_gb=self.config.session_headroom_mb / 1024)  # agents measure idle sessions
+
+    @property  # type: ignore[override]
+    def cluster(self) -> Cluster:
+        """The engine's cluster: nodes and model services join it while the runtime runs."""
+        engine = getattr(self, "engine", None)
+        return engine.cluster if engine is not None else self._cluster
+
+    @cluster.setter
+    def cluster(self, value: Cluster) -> None:
+        self._cluster = value
 
     # -- membership ------------------------------------------------------------------------------
     def _table(self) -> list[dict]:
         return [n for n in _ray().nodes() if n.get("Alive")]
 
-    async def _join(self, entry: dict) -> None:
+    def _wanted(self, entry: dict) -> bool:
+        """A node gets an agent if it has cores for sandboxes or, with model services, GPUs."""
+        res = entry.get("Resources", {})
+        return res.get("CPU", 0) >= 1 or (bool(self.model_configs) and res.get("GPU", 0) >= 1)
+
+    def _spawn_agent(self, entry: dict) -> Node:
+        """The node as the head sees it, with its agent starting (pinned to it)."""
         ray = _ray()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -200,9 +244,20 @@ class RayRuntime(Runtime):
         if self._agent_cls is None:
             self._agent_cls = ray.remote(num_cpus=0, max_restarts=0)(NodeAgent)
         offset = sum(n.cores for n in self.nodes_by_id.values() if n is not node)
+        hosts_models = bool(self.model_configs) and node.gpus >= 1
+        opts = self.model_options
+        # the agent holds all of the node's GPUs: Ray then shows it exactly those (CUDA_VISIBLE_DEVICES)
         node.handle = self._agent_cls.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.ray_id, soft=False), max_concurrency=10_000,
-        ).remote(node.name, node.cores, self.config, offset)
+            num_gpus=node.gpus if hosts_models else 0,
+        ).remote(node.name, node.cores, self.config, offset, sandboxes=node.cores >= 1,
+                 models=self.model_configs if hosts_models else None, gpus=opts["gpus"] or (node.gpus or None),
+                 gpu_memory_gb=opts["gpu_memory_gb"], gpu_island_size=opts["gpu_island_size"],
+                 model_device=opts["model_device"])
+        return node
+
+    async def _join(self, node: Node) -> None:
+        """Wait for the node's agent to start, then add what it serves to the engine."""
         try:
             node.info = await node.handle.start.remote()
         except Exception as e:
@@ -210,16 +265,36 @@ class RayRuntime(Runtime):
             node.info = {"problem": f"the agent did not start: {type(e).__name__}: {e}"}
             log.error("node %s (%s): %s", node.name, node.address, node.info["problem"])
             return
+        if node.state == "dead":  # lost while its agent started
+            return
         node.state = "alive"
         if node.info.get("sandboxes"):
             node.index = self.engine.add_cpu_node(CpuNode(node.name, node.cores, node.info.get("memory_gb", 8.0)))
             self.by_index[node.index] = node
             log.info("node %s (%s) joined: %d cores, isolation %s, cgroups %s", node.name, node.address, node.cores,
                      node.info.get("isolation"), node.info.get("cgroups"))
-        else:
+        elif node.cores:
             log.warning("node %s (%s) joined without sandboxes: %s", node.name, node.address,
                         node.info.get("problem"))
+        gpu_node = node.info.get("gpu_node")
+        if gpu_node is not None and gpu_node.gpus:
+            self.models.learn(node.info)
+            self.engine.add_models(node.info.get("model_specs") or ())
+            node.gpu_index = self.engine.add_gpu_node(replace(gpu_node, name=node.name))
+            self.models.attach(node, self.engine.gpu.first_gpu[node.gpu_index], gpu_node.gpus)
+            log.info("node %s (%s) joined with %d GPUs (islands %s)", node.name, node.address, gpu_node.gpus,
+                     gpu_node.islands())
+        elif self.model_configs and node.gpus:
+            log.warning("node %s (%s) serves no models: %s", node.name, node.address,
+                        node.info.get("model_problem") or "no GPUs found")
         self.tick()
+
+    def _join_later(self, entry: dict) -> None:
+        """Join a node in the background: a GPU node's agent loads every service's weights first
+        (minutes for big models), which must not hold up other nodes or the loss of one."""
+        task = asyncio.get_running_loop().create_task(self._join(self._spawn_agent(entry)))
+        self._joining.add(task)
+        task.add_done_callback(self._joining.discard)
 
     def lost_reason(self, session: str, node: Node) -> str:
         return f"session {session} was lost with its node {node.name} ({node.address}); its state is gone"
@@ -236,7 +311,9 @@ class RayRuntime(Runtime):
             lost = self.engine.remove_cpu_node(
                 node.index, f"the session was lost with its node {node.name} ({node.address}); its state is gone")
             held = list(dict.fromkeys([*held, *lost]))
-        node.lost.set()  # running actions report now (see RemoteSandboxes._remote)
+        if node.gpu_index is not None:
+            self.engine.remove_gpu_node(node.gpu_index)  # its prefetches end; its copies are placed anew
+        node.lost.set()  # running actions report now (see run_on_node)
         for s in held:
             self.sandboxes.homes.pop(s, None)
             self.end_session(s, self.lost_reason(s, node))
@@ -247,13 +324,18 @@ class RayRuntime(Runtime):
             try:
                 table = {n["NodeID"]: n for n in await asyncio.to_thread(self._table)}
                 for ray_id, entry in table.items():
-                    if ray_id not in self.nodes_by_id and entry.get("Resources", {}).get("CPU", 0) >= 1:
-                        await self._join(entry)
+                    if ray_id not in self.nodes_by_id and self._wanted(entry):
+                        self._join_later(entry)
                 for node in list(self.nodes_by_id.values()):
-                    if node.state == "alive" and node.ray_id not in table:
+                    if node.state in ("alive", "starting") and node.ray_id not in table:
                         self.node_lost(node, "Ray reports the node dead")
                 for node in [n for n in self.nodes_by_id.values() if n.state == "alive"]:
-                    for s in await node.handle.take_expired.remote():
+                    try:
+                        expired = await node.handle.take_expired.remote()
+                    except _agent_gone() as e:  # the node is up, its agent is not: nothing runs there
+                        self.node_lost(node, f"its agent is gone ({type(e).__name__})")
+                        continue
+                    for s in expired:
                         self.sandboxes.homes.pop(s, None)
                         self.end_session(s, f"session {s} expired: unused for more than "
                                             f"{self.config.session_idle_expiry_s:g} s; its state is gone")
@@ -275,9 +357,11 @@ class RayRuntime(Runtime):
 
     # -- lifecycle and views ---------------------------------------------------------------------
     async def start(self) -> None:
-        for entry in await asyncio.to_thread(self._table):
-            if entry.get("Resources", {}).get("CPU", 0) >= 1:
-                await self._join(entry)
+        """Join every node there is now (agents start, GPU nodes load their weights), then watch."""
+        entries = [e for e in await asyncio.to_thread(self._table) if self._wanted(e)]
+        for entry in entries:
+            self._join_later(entry)
+        await asyncio.gather(*self._joining, return_exceptions=True)
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
         await super().start()
 
@@ -285,7 +369,12 @@ class RayRuntime(Runtime):
         if self._monitor is not None:
             self._monitor.cancel()
             await asyncio.gather(self._monitor, return_exceptions=True)
+        for task in list(self._joining):
+            task.cancel()
+        await asyncio.gather(*self._joining, return_exceptions=True)
         await self.sandboxes.shut_down()
+        if self.models is not None:
+            await self.models.shut_down()
         alive = [n for n in self.nodes_by_id.values() if n.state == "alive"]
         await asyncio.gather(*(n.handle.shut_down.remote() for n in alive), return_exceptions=True)
         ray = _ray()
@@ -299,15 +388,25 @@ class RayRuntime(Runtime):
         modes.discard(None)
         return ",".join(sorted(modes)) or None
 
+    def _islands(self, n: Node) -> list[list[int]]:
+        """The node's NVLink islands as discovered on it, in the engine's global GPU ids."""
+        if n.gpu_index is None:
+            return []
+        first = self.engine.gpu.first_gpu[n.gpu_index]
+        return [[first + g for g in island] for island in self.engine.gpu.nodes[n.gpu_index].islands()]
+
     def nodes(self) -> list[dict]:
         pool = self.engine.cpu
         out = []
         for n in self.nodes_by_id.values():
             free = pool.nfree(n.index) if n.index is not None and n.state == "alive" else 0
+            gpu_node = n.info.get("gpu_node")
+            problem = n.info.get("problem", "") if n.cores else n.info.get("model_problem", "")
             out.append({"id": n.ray_id, "name": n.name, "address": n.address, "state": n.state, "cores": n.cores,
-                        "cores_free": free, "gpus": n.gpus, "islands": [list(range(n.gpus))] if n.gpus else [],
+                        "cores_free": free, "gpus": gpu_node.gpus if gpu_node is not None else 0,
+                        "islands": self._islands(n),
                         "memory_gb": n.info.get("memory_gb"), "sandboxes": bool(n.info.get("sandboxes")),
                         "isolation": n.info.get("isolation"), "cgroups": n.info.get("cgroups"),
-                        "problem": n.info.get("problem", ""), "running": sorted(n.running),
+                        "problem": problem, "running": sorted(n.running),
                         "sessions": sum(1 for home in self.sandboxes.homes.values() if home is n)})
         return out

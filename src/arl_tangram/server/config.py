@@ -54,7 +54,8 @@ class ServeConfig(BaseModel):
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     models: list[ModelService] = Field(default_factory=list, description="model services to serve on the GPUs "
                                                                           "(or CPU devices without CUDA)")
-    gpus: int | None = Field(None, ge=1, description="GPUs to schedule (default: all visible; CPU devices: 1)")
+    gpus: int | None = Field(None, ge=1, description="GPUs to schedule (default: all visible; CPU devices: 1); "
+                             "with --ray, per GPU node (default: the node's Ray GPU resource)")
     gpu_memory_gb: float | None = Field(None, gt=0, description="memory per GPU (default: the device's)")
     gpu_island_size: int | None = Field(None, ge=1, description="GPUs per NVLink island (default: discovered "
                                         "from NVML or nvidia-smi)")
@@ -114,10 +115,11 @@ def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True,
         from ..managers.models.spec import ModelServiceConfig
         models = [ModelServiceConfig(**m.model_dump()) for m in cfg.models]
     if ray is not None:
-        if models:
-            raise ConfigError("--ray: model services run on one machine for now; serve them without --ray")
         from ..runtime.ray_runtime import RayRuntime
-        runtime = RayRuntime(ray, cfg.policy, cfg.sandbox, max_queue_s=cfg.max_queue_s)
+        # the head loads no weights (it needs no torch); each GPU node's agent does. On Ray, gpus / gpu_memory_gb / gpu_island_size apply to every GPU node
+        runtime = RayRuntime(ray, cfg.policy, cfg.sandbox, max_queue_s=cfg.max_queue_s, models=models,
+                             gpus_per_node=cfg.gpus, gpu_memory_gb=cfg.gpu_memory_gb,
+                             gpu_island_size=cfg.gpu_island_size)
     else:
         workers = cfg.sandbox_workers
         if workers is None:

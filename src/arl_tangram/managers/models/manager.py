@@ -38,7 +38,7 @@ from ...core.records import Load
 from ...core.seam import Completion, Loaded, Sink
 from ..tasks import TaskSet
 from .placement import place
-from .spec import ModelCall, ModelServiceConfig
+from .spec import ModelCall, ModelCard, ModelServiceConfig
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +159,11 @@ class ModelManager:
         if bad:
             return f"tokens: id {bad[0]} out of range [0, {vocab})"
         return None
+
+    def cards(self) -> dict[str, ModelCard]:
+        """The loaded services as plain data (what another process checks requests against)."""
+        return {name: ModelCard(name, tuple(ld.ops), ld.vocab, getattr(ld, "max_len", None))
+                for name, ld in self.loaded.items()}
 
     def device(self, gpu: int) -> torch.device:
         return torch.device(f"cuda:{gpu % torch.cuda.device_count()}") if self.cuda else torch.device("cpu")

@@ -52,3 +52,39 @@ class ModelCall:
 
     op: str
     batch: list
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What a caller's request is checked against, as plain data: a loaded service's operations,
+    vocabulary size and longest sequence (None: unknown). The model manager makes one per loaded
+    service (``ModelManager.cards``); a head without GPUs (``RemoteModels``) checks requests
+    against the cards its GPU nodes sent, before anything crosses to a node."""
+
+    name: str
+    ops: tuple[str, ...]
+    vocab: int | None = None
+    max_len: int | None = None
+
+
+def call_problem(cards: dict[str, ModelCard], failed: dict[str, str], model: str, op: str, tokens,
+                 min_len: int) -> str | None:
+    """Why a request to ``model``'s ``op`` with ``tokens`` cannot run (a message naming the
+    field), or None; the same checks as ``ModelManager.validate``."""
+    if model in failed:
+        return f"service: model {model!r} failed to load ({failed[model]})"
+    card = cards.get(model)
+    if card is None:
+        return f"service: unknown model {model!r}"
+    if op not in card.ops:
+        return f"op: model {model!r} has no {op!r} (it has {', '.join(card.ops)})"
+    if not isinstance(tokens, (list, tuple)) or not all(type(t) is int for t in tokens):
+        return "tokens: must be a flat list of integer token ids"
+    if len(tokens) < min_len:
+        return f"tokens: {op} needs at least {min_len} token(s), got {len(tokens)}"
+    if card.max_len is not None and len(tokens) > card.max_len:
+        return f"tokens: {len(tokens)} tokens, longer than model {model!r}'s {card.max_len} positions"
+    bad = [t for t in tokens if t < 0 or (card.vocab is not None and t >= card.vocab)]
+    if bad:
+        return f"tokens: id {bad[0]} out of range [0, {card.vocab}) of model {model!r}'s vocabulary"
+    return None
