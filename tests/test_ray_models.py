@@ -1,0 +1,154 @@
+"""Model services on every GPU node of a real Ray cluster on loopback (``ray.cluster_utils.Cluster``):
+nodes declare Ray's ``GPU`` resource and CPU "devices" stand in for the GPUs; the head's engine
+places copies on any node's GPUs, each node's agent holds the weights in its own memory and runs
+the batches. A node's agent killed with calls in flight loses none and runs none twice."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every Ray address on 127.0.0.1
+ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
+pytest.importorskip("torch", reason="model services need torch")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from arl_tangram.core import Outcome  # noqa: E402
+from arl_tangram.managers.models import tiny  # noqa: E402
+from arl_tangram.managers.models.spec import ModelServiceConfig  # noqa: E402
+from arl_tangram.runtime import Tangram  # noqa: E402
+
+from servers import Server  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+TESTS = str(Path(__file__).parent)
+SEQS = [[1 + i, 17, 42, 7 + i] for i in range(8)]
+
+
+def _expected() -> list[float]:
+    module, ops = tiny.reward_model()
+    return ops["score"](module, SEQS)
+
+
+@pytest.fixture
+def gpu_cluster(monkeypatch):
+    """A head without GPUs and two nodes of one "GPU" and no cores each; the agents import this
+    checkout's sources and ``tests/model_fixtures.py`` (Ray workers inherit the environment)."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    nodes = [c.add_node(num_cpus=0, num_gpus=1) for _ in range(2)]
+    c.wait_for_nodes()
+    yield c, nodes
+    if ray.is_initialized():
+        ray.shutdown()
+    c.shutdown()
+
+
+def _rm(delay_s: float) -> list[ModelServiceConfig]:
+    return [ModelServiceConfig("rm", "model_fixtures:slow_reward_model", {"delay_s": delay_s}, max_batch=1,
+                               max_wait_ms=1, memory_gb=1.0)]
+
+
+def test_calls_spread_over_gpu_nodes_and_a_killed_agent_loses_and_duplicates_none(gpu_cluster):
+    c, _ = gpu_cluster
+    want = _expected()
+    records: Counter = Counter()
+    ok_records: Counter = Counter()
+
+    async def main():
+        async with Tangram.ray(c.address, models=_rm(0.4), model_device="cpu", gpu_memory_gb=4.0) as tg:
+            rt = tg.runtime
+            rt.engine.listeners.append(lambda f: (records.update([f.action.id]),
+                                                  f.outcome is Outcome.OK and ok_records.update([f.action.id])))
+            gpu_nodes = [n for n in rt.nodes() if n["gpus"]]
+            assert rt.engine.gpu.capacity == 2 and sorted(n["islands"] for n in gpu_nodes) == [[[0]], [[1]]]
+            assert not rt.engine.cpu.capacity  # no cores anywhere: GPU work only
+
+            # concurrent calls scale the service out to a copy on each node
+            seen: set[str] = set()
+
+            async def watch():
+                while True:
+                    seen.update(n["name"] for n in rt.nodes() if n["running"])
+                    await asyncio.sleep(0.02)
+
+            watcher = asyncio.ensure_future(watch())
+            first = await asyncio.gather(*(tg.score("rm", s) for s in SEQS))
+            watcher.cancel()
+            spread = set(seen)
+
+            # a node's agent is killed while calls run on both nodes
+            calls = [asyncio.ensure_future(tg.score("rm", s)) for s in SEQS]
+            victim = None
+            for _ in range(200):
+                busy = [n for n in rt.nodes_by_id.values() if n.running and n.state == "alive"]
+                if len(busy) == 2:
+                    victim = busy[0]
+                    break
+                await asyncio.sleep(0.01)
+            assert victim is not None, "calls should run on both nodes at once"
+            in_flight = set(victim.running)
+            ray.kill(victim.handle)
+            after = await asyncio.wait_for(asyncio.gather(*calls), 120)
+            capacity_after = rt.engine.gpu.capacity
+
+            # a GPU node that joins adds its GPU, and calls run there
+            c.add_node(num_cpus=0, num_gpus=1)
+            for _ in range(600):
+                if rt.engine.gpu.capacity == 2:
+                    break
+                await asyncio.sleep(0.1)
+            joined = rt.engine.gpu.capacity
+            newcomer = next(n for n in rt.nodes_by_id.values() if n.state == "alive" and n is not victim
+                            and n.name not in spread)
+            seen.clear()
+            watcher = asyncio.ensure_future(watch())
+            more = await asyncio.gather(*(tg.score("rm", s) for s in SEQS))
+            watcher.cancel()
+            return first, spread, in_flight, after, capacity_after, joined, newcomer.name, seen, more, rt.nodes()
+
+    first, spread, in_flight, after, capacity_after, joined, newcomer, seen, more, table = asyncio.run(
+        asyncio.wait_for(main(), 300))
+    assert [r.outcome for r in first] == [Outcome.OK] * 8
+    assert [r.result for r in first] == pytest.approx(want, abs=1e-5)
+    assert len(spread) == 2, "the busy service should have had a copy on each GPU node"
+
+    assert in_flight, "the killed node had calls running"
+    lost = [r for r in after if r.outcome is not Outcome.OK]
+    duplicated = [i for i, n in ok_records.items() if n > 1]
+    assert lost == [] and duplicated == []
+    assert [r.result for r in after] == pytest.approx(want, abs=1e-5)
+    assert all(records[i] == 2 for i in in_flight), "each call lost with its node re-ran once"
+    assert capacity_after == 1, "the dead node's GPU left the engine at once"
+
+    assert joined == 2 and newcomer in seen and all(r.ok for r in more)
+    assert [r.result for r in more] == pytest.approx(want, abs=1e-5)
+    assert [n["state"] for n in table].count("dead") == 1
+
+
+def test_serve_with_ray_serves_model_services_on_the_gpu_nodes(gpu_cluster, tmp_path):
+    c, _ = gpu_cluster
+    config = {"models": [{"name": "rm", "loader": "arl_tangram.managers.models.tiny:reward_model"}],
+              "gpu_memory_gb": 4.0}
+    head = Server(tmp_path, config=config, args=("--ray", c.address), start_timeout_s=120)
+    try:
+        info = httpx.get(f"{head.url}/v1/cluster", timeout=30).json()
+        gpu_nodes = [n for n in info["nodes"] if n["gpus"]]
+        assert info["backend"] == "ray" and len(gpu_nodes) == 2
+        assert sorted(n["islands"] for n in gpu_nodes) == [[[0]], [[1]]]
+        assert all(not n["sandboxes"] and n["state"] == "alive" for n in gpu_nodes)
+        r = httpx.post(f"{head.url}/v1/models/rm/score", json={"tokens": SEQS[0]}, timeout=60).json()
+        assert r["outcome"] == "ok" and r["value"] == pytest.approx(_expected()[0], abs=1e-5)
+        bad = httpx.post(f"{head.url}/v1/models/rm/score", json={"tokens": [1, 10**6]}, timeout=60)
+        assert bad.status_code < 500 and "out of range" in bad.text
+        assert httpx.post(f"{head.url}/v1/models/nope/score", json={"tokens": [1]}, timeout=30).status_code == 404
+    finally:
+        head.stop()
