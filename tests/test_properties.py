@@ -76,8 +76,10 @@ def check_invariants(engine) -> None:
     assert all(v == 1 for v in copies.values()), "a model copy running two batches"
     for i, gpu in enumerate(engine.gpu.gpus):
         assert abs(gpu.share_used - shares.get(i, 0.0)) < 1e-9
-    assert engine.gpu.total_free == sum(1 for g in engine.gpu.gpus if not g.occupants)
-    assert engine.gpu.spare_gpus == sum(1 for g in engine.gpu.gpus if g.share_used < 1 - 1e-9)
+    live = [g for g in engine.gpu.gpus if g.alive]  # GPUs of nodes that left count nowhere
+    assert engine.gpu.capacity == len(live)
+    assert engine.gpu.total_free == sum(1 for g in live if not g.occupants)
+    assert engine.gpu.spare_gpus == sum(1 for g in live if g.share_used < 1 - 1e-9)
     for g in engine.gpu.gpus:
         assert g.used_gb <= g.memory_gb + 1e-9, "GPU memory oversubscribed"
     for q in engine.quotas.values():
@@ -172,3 +174,61 @@ def test_gpu_residency_never_double_books_a_gpu(gpus, policy, sizes, script):
         h.engine.schedule()
         check_invariants(h.engine)
     assert Counter(f.action.id for f in h.finished) == Counter(accepted)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=st.sampled_from(["tangram", "fifo"]),
+       script=st.lists(st.tuples(st.sampled_from(["submit", "submit", "submit", "complete", "join", "leave"]),
+                                 st.integers(0, 1000)), min_size=2, max_size=80))
+def test_gpu_nodes_joining_and_leaving_never_double_book_and_every_action_ends_once(policy, script):
+    """GPU nodes come and go while model actions run (the Ray runtime's membership): nothing is
+    placed on a GPU whose node has left, the counts hold, and every accepted action ends once (an
+    action whose node died ends ``infra_error``, as its manager reports it)."""
+    models = (ModelSpec("a", 10.0, 1), ModelSpec("b", 30.0, 2, compute_share=0.5))
+    h = Harness(Cluster(models=models), make_policy(policy))
+    nodes: list[int] = []
+    accepted = []
+    seen_starts = 0
+    for n, (op, x) in enumerate(script):
+        if op == "join" or (op == "leave" and not nodes):
+            nodes.append(h.engine.add_gpu_node(GpuNode(f"g{n}", 1 + x % 2, 40.0, 2, 25.0)))
+        elif op == "leave":
+            gone = nodes.pop(x % len(nodes))
+            dropped = h.engine.remove_gpu_node(gone)
+            h.rec.loading = [k for k in h.rec.loading if k not in dropped]
+            for aid in sorted(h.engine.running):  # its manager reports what ran there: lost
+                if h.engine.gpu.gpus[h.engine.running[aid].allocation.units[0]].node == gone:
+                    h.complete(aid, outcome=Outcome.INFRA_ERROR)
+        elif op == "submit":
+            m = models[x % 2]
+            a = Action(f"a{n}", f"model:{m.name}", Demand({"gpu": (m.gpus, m.gpus)}), hint_s=(x % 5) / 4)
+            if h.engine.submit(a) is None:
+                accepted.append(a.id)
+        elif h.engine.running or h.rec.loading:
+            ids = sorted(h.engine.running)
+            h.advance(0.1)
+            if ids:
+                h.complete(ids[x % len(ids)])
+            if x % 2:
+                h.finish_loads()
+        h.engine.schedule()
+        for action, alloc in h.rec.started[seen_starts:]:
+            assert all(h.engine.gpu.gpus[g].alive for g in alloc.units), "placed on a GPU that left"
+        seen_starts = len(h.rec.started)
+        assert all(h.engine.gpu.gpus[g].alive for ld in h.engine.loading.values() for g in ld.block)
+        check_invariants(h.engine)
+    # a node that can take every model (actions waiting for an island that left wait for one;
+    # a runtime bounds that wait with max_queue_s)
+    nodes.append(h.engine.add_gpu_node(GpuNode("last", 2, 40.0, 2, 25.0)))
+    for _ in range(500):
+        if not (h.engine.running or h.engine.pending or h.rec.loading):
+            break
+        h.finish_loads()
+        for aid in sorted(h.engine.running):
+            h.advance(0.1)
+            h.complete(aid)
+        h.advance(1.0)
+        h.engine.schedule()
+        check_invariants(h.engine)
+    ends = Counter(f.action.id for f in h.finished if f.outcome is not Outcome.REJECTED)
+    assert set(ends) == set(accepted) and all(v == 1 for v in ends.values())

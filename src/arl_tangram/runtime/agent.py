@@ -128,7 +128,7 @@ class NodeAgent:
         """``run`` that calls ``done(completion)`` from the manager's report itself (a sandbox
         worker answers its engine a loop pass sooner than through a future)."""
         manager: Any = self.manager
-        if allocation.pool == GPU:
+        if allocation is not None and allocation.pool == GPU:
             manager = self.models
             if manager is None:
                 raise RuntimeError(f"node {self.name} serves no models: {self.model_problem}")
