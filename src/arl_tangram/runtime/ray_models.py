@@ -25,7 +25,7 @@ from ..core.records import Load, Loaded
 from ..core.seam import Completion, Sink
 from ..managers.models.spec import ModelCard, ModelServiceConfig, call_problem
 from ..managers.tasks import TaskSet
-from .ray_runtime import Node, run_on_node
+from .ray_nodes import Node, run_on_node
 
 if TYPE_CHECKING:
     from .ray_runtime import RayRuntime

@@ -23,10 +23,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-from ..core.action import Action, Allocation, Finished, Outcome
+from ..core.action import Action, Allocation, Finished
 from ..core.cluster import Cluster, CpuNode
 from ..core.seam import Completion, Pool, Sink
 from ..managers.models.spec import ModelServiceConfig
@@ -35,6 +35,9 @@ from ..managers.tasks import TaskSet
 from ..policy import Costs, Policy, Profile
 from ..waits import DEFAULT_MAX_QUEUE_S
 from .agent import NodeAgent
+from .ray_nodes import Node, NodeLost, RayUnavailable, agent_gone, ray_module, run_on_node
+
+__all__ = ["Node", "NodeLost", "RayRuntime", "RayUnavailable", "RemoteSandboxes", "connect"]
 from .base import Runtime
 
 log = logging.getLogger(__name__)
@@ -43,50 +46,10 @@ log = logging.getLogger(__name__)
 MEMBERSHIP_POLL_S = 0.5
 
 
-class RayUnavailable(RuntimeError):
-    """Ray is missing or its cluster cannot be reached; the message names the fix."""
-
-
-@dataclass(frozen=True, slots=True)
-class NodeLost:
-    """The result of an action whose node died under it."""
-
-    node: str
-
-
-@dataclass(eq=False)
-class Node:
-    """A Ray node as the head sees it."""
-
-    ray_id: str
-    address: str
-    cores: int
-    gpus: int
-    handle: Any = None  # the agent actor
-    index: int | None = None  # in the engine's CPU pool, once it serves sandboxes
-    info: dict = field(default_factory=dict)
-    state: str = "starting"  # starting | alive | dead
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
-    running: set[str] = field(default_factory=set)
-    gpu_index: int | None = None  # in the engine's GPU pool, once it serves models
-
-    @property
-    def name(self) -> str:
-        return self.ray_id[:12]
-
-
-def _ray():
-    try:
-        import ray
-    except ImportError:
-        raise RayUnavailable("Ray is not installed: pip install 'arl-tangram[ray]'") from None
-    return ray
-
-
 def connect(address: str) -> bool:
     """Join the Ray cluster at ``address`` (``auto`` or ``HOST:PORT``) as a driver; False if this
     process was connected already."""
-    ray = _ray()
+    ray = ray_module()
     if ray.is_initialized():
         return False
     host, _, port = address.rpartition(":")
@@ -105,41 +68,6 @@ def connect(address: str) -> bool:
                              "on the head node and `ray start --address HEAD:6379` on the others, or give "
                              "the address of a running cluster") from None
     return True
-
-
-#: what Ray raises when the actor an answer was to come from (a node's agent) is gone
-def _agent_gone() -> tuple[type[BaseException], ...]:
-    e = _ray().exceptions
-    return (e.RayActorError, e.NodeDiedError, e.WorkerCrashedError, e.ObjectLostError)
-
-
-async def run_on_node(runtime: "RayRuntime", node: Node, action: Action, call: Any) -> Completion:
-    """Await ``call`` (the agent's answer: a ``Completion``) unless ``node`` is lost first; then
-    the action ends ``infra_error`` with ``NodeLost`` as its result, which the runtime re-runs
-    once elsewhere if it is a one-shot (``RayRuntime._retry``)."""
-    node.running.add(action.id)
-    lost = asyncio.ensure_future(node.lost.wait())
-    answer = asyncio.ensure_future(call)
-    try:
-        await asyncio.wait({lost, answer}, return_when=asyncio.FIRST_COMPLETED)
-        if answer.done():
-            try:
-                return answer.result()
-            except _agent_gone() as e:
-                runtime.node_lost(node, f"its agent failed ({type(e).__name__})")
-        answer.cancel()
-        return _lost(runtime, node, action)
-    finally:
-        lost.cancel()
-        node.running.discard(action.id)
-
-
-def _lost(runtime: "RayRuntime", node: Node, action: Action) -> Completion:
-    if action.trajectory is not None:
-        why = runtime.lost_reason(action.trajectory, node)
-        return Completion(action.id, Outcome.INFRA_ERROR, message=why, result=NodeLost(node.name))
-    return Completion(action.id, Outcome.INFRA_ERROR, message=f"node {node.name} was lost while the action ran",
-                      result=NodeLost(node.name))
 
 
 class RemoteSandboxes:
@@ -225,7 +153,7 @@ class RayRuntime(Runtime):
 
     # -- membership ------------------------------------------------------------------------------
     def _table(self) -> list[dict]:
-        return [n for n in _ray().nodes() if n.get("Alive")]
+        return [n for n in ray_module().nodes() if n.get("Alive")]
 
     def _wanted(self, entry: dict) -> bool:
         """A node gets an agent if it has cores for sandboxes or, with model services, GPUs."""
@@ -234,7 +162,7 @@ class RayRuntime(Runtime):
 
     def _spawn_agent(self, entry: dict) -> Node:
         """The node as the head sees it, with its agent starting (pinned to it)."""
-        ray = _ray()
+        ray = ray_module()
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         res = entry.get("Resources", {})
@@ -332,7 +260,7 @@ class RayRuntime(Runtime):
                 for node in [n for n in self.nodes_by_id.values() if n.state == "alive"]:
                     try:
                         expired = await node.handle.take_expired.remote()
-                    except _agent_gone() as e:  # the node is up, its agent is not: nothing runs there
+                    except agent_gone() as e:  # the node is up, its agent is not: nothing runs there
                         self.node_lost(node, f"its agent is gone ({type(e).__name__})")
                         continue
                     for s in expired:
@@ -377,7 +305,7 @@ class RayRuntime(Runtime):
             await self.models.shut_down()
         alive = [n for n in self.nodes_by_id.values() if n.state == "alive"]
         await asyncio.gather(*(n.handle.shut_down.remote() for n in alive), return_exceptions=True)
-        ray = _ray()
+        ray = ray_module()
         for n in alive:
             ray.kill(n.handle)
         if self._owns_connection:
