@@ -74,6 +74,9 @@ class Options:
     job_weights: dict[str, float] = field(default_factory=dict)
     #: price each GPU start's setup when it is dispatched (``_schedule_gpu`` says why)
     dispatch_setup: bool = True
+    #: on quota pools, order the trajectories that are not critical by the rest of their calls,
+    #: within their slack (``critical.py`` says why)
+    slack_order: bool = True
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return by_fields(self)  # compiled, a frozen class's default pickling fails
@@ -83,7 +86,8 @@ CPU_NEW: Final = "cpu:new"  # the queue of sandbox actions that need a new sessi
 
 TANGRAM = Options()
 FIFO = Options(ordering="fifo", elastic=False, migrate=False, fair_share=False, residency_aware=False, prefetch=False,
-               critical_boost_s=0.0, critical_path=False, dispatch_setup=False)
+               critical_boost_s=0.0, critical_path=False, dispatch_setup=False,
+               slack_order=False)
 
 
 class ActionLevelPolicy:
@@ -103,7 +107,8 @@ class ActionLevelPolicy:
         self._new_session: set[str] = set()  # ids waiting in ``CPU_NEW`` (cancel must find their queue)
         self.predicted: dict[str, float] = {}  # elastic and GPU actions (``_gain``, ``_resident_wait``)
         self.job_units: dict[str, dict[str, int]] = {}
-        self.critical = CriticalPath(options.critical_window, options.critical_path, options.projected_boost_s)
+        self.critical = CriticalPath(options.critical_window, options.critical_path, options.projected_boost_s,
+                                     slack_aging=options.aging_per_s if options.slack_order else 0.0)
         self._model_rate: dict[str, tuple[float, float]] = {}
         self._cpu_queued_at = -math.inf
         self._cpu_only = False  # the cluster has CPU nodes only (set by ``bind``)

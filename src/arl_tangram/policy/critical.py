@@ -16,6 +16,12 @@ submitted action, seconds of priority (taken off its SRPT key) from two signals:
   every call costs about the same, so SRPT's gain there is small and its price is that some
   trajectories wait much more than others; the step waits for the unluckiest long one. The credit
   hands waiting back to the trajectories that took more than their share, turn by turn.
+* *slack order* (``slack_aging``): an action on a quota pool whose client sends its remaining
+  turns and whose trajectory is not projected last gets ``-min(predicted x remaining turns,
+  aging x slack)`` — it goes behind by the rest of its trajectory's calls (SRPT over
+  trajectories), but never by more than its slack (``latest - finish``) converted to key seconds
+  (a newer call passes an older one for their key difference / aging seconds), so the delay
+  cannot make it the step's last.
 
 Why (issue 13). Figures: Tangram's step time over the best baseline's of the same seed, worst of
 seeds 0-4 / mean, at pool scales 1 / 0.5 / 0.25 (``tangram evaluate --scales 1,0.5,0.25 --seeds 5
@@ -44,6 +50,21 @@ seeds 0-4 / mean, at pool scales 1 / 0.5 / 0.25 (``tangram evaluate --scales 1,0
   weight 2 more ACT (+25% at 0.25x) for 0.993 of fifo's step time on the mean. Not applied when
   the client sends counts: it then fights the boost (search 0.5x worst seed 1.064 -> 0.970). On
   GPU pools it reorders across models and pays loads (mopd 0.25x worst seed 0.993 -> 0.874).
+
+Why the slack order (issue 23): on search at 0.125x / 0.25x / 0.5x Tangram's average ACT was
+0.938 / 0.956 / 0.981 of trajectory-static's on the worst seed (``tangram evaluate``, clients send
+counts), even fifo's was lower. A quota's throughput is fixed and the system is closed (a
+trajectory waits for its call, thinks, calls again), so the mean ACT is set by how many
+trajectories are still calling (Little: R = N / X - Z); the baseline's random backoff lets some run
+ahead and finish, while aging and the boost keep all abreast, the largest population to the end.
+Finishing the trajectories with the fewest calls left first shrinks it; the slack bound keeps the
+step. Worst seed, 0.125x ... 2x: ACT 0.938 / 0.956 / 0.981 / 1.041 / 1.001 -> 1.282 / 1.349 /
+1.253 / 1.156 / 1.000 (1.0004), step 1.039 / 1.075 / 1.064 / 1.043 / 1.000 -> 1.015 / 1.056 / 1.134
+/ 1.087 / 1.000; mixed ACT 1.171 -> 1.265 (0.25x), step unchanged or better. Measured and
+dropped: the rest of the trajectory unbounded (ACT 1.26-1.54 but step 0.946), bounded by the
+slack / (remaining turns + 1) (ACT 0.925 at 0.5x), on CPU and GPU pools too (code_agent at 0.125x
+ACT 1.015 -> 0.899, mopd at 0.25x 1.024 -> 0.991: action sizes vary 100x there, per-action SRPT
+already has that gain and the trajectory term fights it). Without counts nothing changes.
 
 mopd's last seed behind fifo without counts (seed 4 at 0.5x, 0.985) was not a critical-path
 matter: model calls now age faster (``action_level.Options.gpu_aging_per_s``, figures there).
@@ -123,16 +144,17 @@ class _Run:
 
 
 class CriticalPath:
-    __slots__ = ("window", "use_projection", "boost_s", "wait_credit", "decay", "_runs", "_steps", "_cycle",
-                 "_lengths", "_residual", "_seq")
+    __slots__ = ("window", "use_projection", "boost_s", "wait_credit", "decay", "slack_aging", "_runs", "_steps",
+                 "_cycle", "_lengths", "_residual", "_seq")
 
     def __init__(self, window: float = 0.05, use_projection: bool = True, boost_s: float = 30.0,
-                 wait_credit: float = 1.0, decay: float = 0.02) -> None:
+                 wait_credit: float = 1.0, decay: float = 0.02, slack_aging: float = 0.0) -> None:
         self.window = window
         self.use_projection = use_projection
         self.boost_s = boost_s
         self.wait_credit = wait_credit
         self.decay = decay
+        self.slack_aging = slack_aging  # a quota pool's aging (key seconds per second); 0: no slack order
         self._runs: dict[str, _Run] = {}
         self._steps: dict[StepKey, _Step] = {}
         self._cycle: dict[str, float] = {}  # job -> seconds per turn
@@ -190,7 +212,12 @@ class CriticalPath:
         if step.projected < 2:  # the first projection of a step has nothing to be compared with
             return 0.0
         latest = self._latest(step.heap)
-        return self.boost_s if run.finish >= latest - self.window * max(0.0, latest - now) else 0.0
+        if run.finish >= latest - self.window * max(0.0, latest - now):
+            return self.boost_s
+        if self.slack_aging and a.remaining_turns is not None and a.pool != CPU and a.pool != GPU:
+            # the rest of the trajectory's calls, as far back as its slack allows (module docstring)
+            return -min(predicted_s * a.remaining_turns, self.slack_aging * (latest - run.finish))
+        return 0.0
 
     def on_finish(self, f: Finished) -> None:
         """Count the queue time of a trajectory's finished call on a quota pool (the waiting
