@@ -249,6 +249,27 @@ def test_loads_another_instance_when_the_backlog_is_long(harness):
     assert len(got) == 2 and {a.units for a in got.values()} == {(0,), (1,)}
 
 
+@pytest.mark.parametrize("priced, first", [(True, "b1"), (False, "a1")])
+def test_a_start_that_would_evict_a_copy_its_own_queue_needs_yields_to_that_queue(harness, priced, first):
+    """Two GPUs, one 60 GB model each. A's copy is busy for a long time, B's is idle; a1 (A) is
+    older than b1 (B). Loading A over B's copy (2.4 s, plus B's expected reload) is slower than
+    waiting a turn, so with the setup priced at dispatch b1 runs on its resident copy and a1 waits
+    for a GPU; unpriced, a1 evicts the copy b1 needs next (the churn of mopd at 0.125x)."""
+    models = [ModelSpec("A", 60, 1), ModelSpec("B", 60, 1)]
+    h = harness(gpu_cluster(2, island=2, mem=80, models=models), tangram_policy(prefetch=False, dispatch_setup=priced))
+    h.submit("a0", "model:A", gpu=1, hint_s=100)
+    h.submit("b0", "model:B", gpu=1, hint_s=0.1)
+    assert set(h.schedule()) == {"a0", "b0"}
+    h.complete("b0", exec_s=0.1)
+    h.advance(1)
+    h.submit("a1", "model:A", gpu=1, hint_s=1)
+    h.advance(1)
+    h.submit("b1", "model:B", gpu=1, hint_s=1)
+    got = h.schedule()
+    assert list(got) == [first]
+    assert [m for m, _ in got[first].evict] == ([] if priced else ["B"])
+
+
 # -- quotas ---------------------------------------------------------------------------------------
 
 def test_quota_concurrency_and_rate_are_respected(harness):
@@ -550,3 +571,49 @@ def test_the_waiting_credit_is_the_mean_queue_time_per_finished_action():
     assert cp.on_submit(Action("t#3", "api:web", trajectory="t", step=0), 15.0, 1.0) == pytest.approx(0.5 * 4.0)
     # only quota pools get the credit
     assert cp.on_submit(Action("t#4", "sandbox", trajectory="t", step=0), 16.0, 1.0) == 0.0
+
+
+@pytest.mark.parametrize("slack_order, order", [(True, ["crit#1", "few#1", "many#1"]),
+                                                (False, ["crit#1", "many#1", "few#1"])])
+def test_on_a_quota_pool_trajectories_with_slack_go_by_the_calls_they_have_left(harness, slack_order, order):
+    """One quota slot; three trajectories come back for their second call at once (equal
+    predictions). 'crit' has 40 turns left and ends the step; of the other two, the one with 1 turn
+    left goes before the one with 5: finishing it shrinks the population that keeps calling."""
+    h = harness(_api_cluster(), tangram_policy(slack_order=slack_order))
+    for traj in ("crit", "many", "few"):
+        h.submit(f"{traj}#0", "api:web", trajectory=traj, step=0, hint_s=1.0, remaining_turns=5)
+    for _ in range(3):
+        h.schedule()
+        h.advance(1.0)
+        h.complete(next(iter(h.engine.running)))
+    h.advance(3.0)
+    h.submit("blocker", "api:web", hint_s=1.0)
+    h.schedule()
+    for traj, left in (("crit", 40), ("many", 5), ("few", 1)):
+        h.submit(f"{traj}#1", "api:web", trajectory=traj, step=0, hint_s=1.0, remaining_turns=left)
+    started = []
+    h.complete("blocker")
+    for _ in range(3):
+        started += list(h.schedule())
+        h.advance(1.0)
+        h.complete(started[-1])
+    assert started == order
+
+
+def test_the_slack_order_never_sends_a_call_back_further_than_its_slack():
+    from arl_tangram.core import Action
+    from arl_tangram.policy.critical import CriticalPath
+
+    cp = CriticalPath(slack_aging=0.1)
+    for traj in ("last", "near", "far"):
+        cp.on_submit(Action(f"{traj}#0", "api:web", trajectory=traj, step=0, remaining_turns=9), 0.0, 1.0)
+    # seconds per turn become 10; 'last' projects 10 + 1 + 30 x 10 = 311
+    assert cp.on_submit(Action("last#1", "api:web", trajectory="last", step=0, remaining_turns=30), 10.0, 1.0) == 0.0
+    # 'far' projects 10 + 1 + 2 x 10 = 31: slack 280 s -> up to 28 key seconds; the rest of it is 2 x 1 s
+    assert cp.on_submit(Action("far#1", "api:web", trajectory="far", step=0, remaining_turns=2), 10.0, 1.0) == \
+        pytest.approx(-2.0)
+    # 'near' projects 10 + 1 + 27 x 10 = 281: slack 30 s -> 3 key seconds, less than its 27 x 1 s left
+    assert cp.on_submit(Action("near#1", "api:web", trajectory="near", step=0, remaining_turns=27), 10.0, 1.0) == \
+        pytest.approx(-3.0)
+    # sandbox and model calls keep their per-action order
+    assert cp.on_submit(Action("far#2", "sandbox", trajectory="far", step=0, remaining_turns=1), 11.0, 1.0) == 0.0
