@@ -70,6 +70,14 @@ def test_calls_spread_over_gpu_nodes_and_a_killed_agent_loses_and_duplicates_non
             gpu_nodes = [n for n in rt.nodes() if n["gpus"]]
             assert rt.engine.gpu.capacity == 2 and sorted(n["islands"] for n in gpu_nodes) == [[[0]], [[1]]]
             assert not rt.engine.cpu.capacity  # no cores anywhere: GPU work only
+            for _ in range(100):  # before any call, the service is prefetched onto a node's GPU
+                if rt.engine.gpu.instances.get("rm") and not rt.engine.loading:
+                    break
+                await asyncio.sleep(0.1)
+            prefetched = [i.gpus for i in rt.engine.gpu.instances.get("rm", ())]
+            assert len(prefetched) == 1 and not rt.engine.loading, prefetched
+            home, local = rt.models.homes[prefetched[0][0]]
+            assert await home.handle.resident.remote() == [("rm", (local,))]
 
             # concurrent calls scale the service out to a copy on each node
             seen: set[str] = set()
@@ -112,10 +120,21 @@ def test_calls_spread_over_gpu_nodes_and_a_killed_agent_loses_and_duplicates_non
             watcher = asyncio.ensure_future(watch())
             more = await asyncio.gather(*(tg.score("rm", s) for s in SEQS))
             watcher.cancel()
-            return first, spread, in_flight, after, capacity_after, joined, newcomer.name, seen, more, rt.nodes()
 
-    first, spread, in_flight, after, capacity_after, joined, newcomer, seen, more, table = asyncio.run(
-        asyncio.wait_for(main(), 300))
+            # an agent that dies while its node is idle is noticed too (the membership loop)
+            survivor = next(n for n in rt.nodes_by_id.values() if n.state == "alive" and n is not newcomer)
+            ray.kill(survivor.handle)
+            for _ in range(100):
+                if rt.engine.gpu.capacity == 1:
+                    break
+                await asyncio.sleep(0.1)
+            idle_lost = rt.engine.gpu.capacity
+            last = await asyncio.gather(*(tg.score("rm", s) for s in SEQS[:3]))
+            return (first, spread, in_flight, after, capacity_after, joined, newcomer.name, seen, more, idle_lost,
+                    last, rt.nodes())
+
+    first, spread, in_flight, after, capacity_after, joined, newcomer, seen, more, idle_lost, last, table = \
+        asyncio.run(asyncio.wait_for(main(), 300))
     assert [r.outcome for r in first] == [Outcome.OK] * 8
     assert [r.result for r in first] == pytest.approx(want, abs=1e-5)
     assert len(spread) == 2, "the busy service should have had a copy on each GPU node"
@@ -130,7 +149,8 @@ def test_calls_spread_over_gpu_nodes_and_a_killed_agent_loses_and_duplicates_non
 
     assert joined == 2 and newcomer in seen and all(r.ok for r in more)
     assert [r.result for r in more] == pytest.approx(want, abs=1e-5)
-    assert [n["state"] for n in table].count("dead") == 1
+    assert idle_lost == 1 and [r.result for r in last] == pytest.approx(want[:3], abs=1e-5)
+    assert [n["state"] for n in table].count("dead") == 2
 
 
 def test_serve_with_ray_serves_model_services_on_the_gpu_nodes(gpu_cluster, tmp_path):

@@ -146,6 +146,10 @@ class NodeAgent:
         self.models.prefetch(Load(key, model, block, per_gpu_gb, Instance(model, block, per_gpu_gb)))
         await fut
 
+    def resident(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The copies on this node's GPUs: (model, this node's GPU ids)."""
+        return sorted(self.models.instances) if self.models is not None else []
+
     def evict(self, model: str, block: tuple[int, ...]) -> None:
         if self.models is not None:
             self.models.evict(model, block)

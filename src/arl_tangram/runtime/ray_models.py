@@ -25,7 +25,7 @@ from ..core.records import Load, Loaded
 from ..core.seam import Completion, Sink
 from ..managers.models.spec import ModelCard, ModelServiceConfig, call_problem
 from ..managers.tasks import TaskSet
-from .ray_nodes import Node, run_on_node
+from .ray_nodes import Node, agent_gone, run_on_node
 
 if TYPE_CHECKING:
     from .ray_runtime import RayRuntime
@@ -93,9 +93,11 @@ class RemoteModels:
         copy = asyncio.ensure_future(node.handle.prefetch.remote(key, model, block, per_gpu_gb))
         try:
             await asyncio.wait({lost, copy}, return_when=asyncio.FIRST_COMPLETED)
-            if copy.done() and copy.exception() is not None:  # the first call that needs it copies it
-                log.error("prefetching %s onto node %s's GPUs %s failed: %s", model, node.name, block,
-                          copy.exception())
+            error = copy.exception() if copy.done() else None
+            if isinstance(error, agent_gone()):  # the node's copies and loads leave the engine with it
+                self.runtime.node_lost(node, f"its agent failed ({type(error).__name__})")
+            elif error is not None:  # the first call that needs the copy makes it, and reports
+                log.error("prefetching %s onto node %s's GPUs %s failed: %s", model, node.name, block, error)
         finally:
             lost.cancel()
             copy.cancel()
