@@ -171,3 +171,34 @@ def test_serve_with_ray_serves_model_services_on_the_gpu_nodes(gpu_cluster, tmp_
         assert httpx.post(f"{head.url}/v1/models/nope/score", json={"tokens": [1]}, timeout=30).status_code == 404
     finally:
         head.stop()
+
+
+def test_a_first_gpu_node_that_joins_later_brings_the_services(monkeypatch):
+    """The head starts with no GPU node: calls are refused saying why; the first GPU node to join
+    registers the services (their sizes as that node loaded them) and serves them."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    c.wait_for_nodes()
+
+    async def main():
+        async with Tangram.ray(c.address, models=_rm(0.0), model_device="cpu", gpu_memory_gb=4.0) as tg:
+            rt = tg.runtime
+            early = await tg.score("rm", SEQS[0])
+            c.add_node(num_cpus=0, num_gpus=1)
+            for _ in range(600):
+                if rt.engine.gpu.capacity:
+                    break
+                await asyncio.sleep(0.1)
+            models = [m.name for m in rt.engine.cluster.models]
+            return early, models, await asyncio.gather(*(tg.score("rm", s) for s in SEQS[:3]))
+
+    try:
+        early, models, later = asyncio.run(asyncio.wait_for(main(), 300))
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.shutdown()
+    assert early.outcome is Outcome.REJECTED and "no GPU node has joined" in early.message
+    assert models == ["rm"]
+    assert [r.outcome for r in later] == [Outcome.OK] * 3
+    assert [r.result for r in later] == pytest.approx(_expected()[:3], abs=1e-5)

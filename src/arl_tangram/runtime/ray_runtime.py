@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 #: seconds between looks at Ray's node table (joins, deaths) and the agents' expired sessions
 MEMBERSHIP_POLL_S = 0.5
+#: seconds between warnings that a node's agent has not started (a GPU node loads weights first)
+AGENT_START_WARN_S = 60.0
 
 
 def connect(address: str) -> bool:
@@ -187,7 +189,12 @@ class RayRuntime(Runtime):
     async def _join(self, node: Node) -> None:
         """Wait for the node's agent to start, then add what it serves to the engine."""
         try:
-            node.info = await node.handle.start.remote()
+            started = asyncio.ensure_future(node.handle.start.remote())
+            while not (await asyncio.wait({started}, timeout=AGENT_START_WARN_S))[0]:
+                log.warning("node %s (%s): its agent has not started yet (loading the services' weights, or waiting "
+                            "for Ray to grant it the node's %d GPUs, which something else may hold)", node.name,
+                            node.address, node.gpus)
+            node.info = started.result()
         except Exception as e:
             node.state = "dead"
             node.info = {"problem": f"the agent did not start: {type(e).__name__}: {e}"}

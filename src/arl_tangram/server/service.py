@@ -397,7 +397,7 @@ class Service:
     # -- models ----------------------------------------------------------------------------------
     async def model_call(self, name: str, op: str, req: v1.ModelRequest) -> v1.ModelResult:
         models = getattr(self.runtime, "models", None)
-        if models is None or (name not in models.loaded and name not in models.failed):
+        if models is None or name not in models.services:  # configured: a call says why it cannot run yet
             raise NotFound(f"no model service {name!r}")
         self.admit()
         call = self.tg.score if op == "score" else self.tg.logprobs
