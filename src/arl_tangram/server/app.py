@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..runtime import NoRoom, SessionGone
 from .calls import DIALECTS, Local
+from .e2b import is_e2b
 from .service import BadRequest, NotFound, Overloaded, Service
 from ..link import PeerGone, RemoteFault
 
@@ -76,7 +77,9 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
         if token is None:
             return
         given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        key = request.headers.get("x-api-key", "")  # E2B's clients send the token as their API key
+        if not (hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+                or hmac.compare_digest(key.encode(), token.encode())):
             raise StarletteHTTPException(401, "missing or wrong bearer token")
 
     app = FastAPI(title="ARL-Tangram", version=__version__, lifespan=lifespan,
@@ -102,6 +105,9 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
+        if is_e2b(request):  # E2B's clients parse {"code": int, "message"}, routing errors included
+            return JSONResponse({"code": exc.status_code, "message": str(exc.detail)}, status_code=exc.status_code,
+                                headers=exc.headers)
         if exc.status_code in (404, 405):  # routing errors: FastAPI's (and so SandboxFusion's) exact body
             return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
         return JSONResponse({"message": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)

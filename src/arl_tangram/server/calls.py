@@ -13,11 +13,11 @@ from types import MethodType
 from typing import Any, Callable
 
 from ..runtime import NoRoom, SessionGone
-from . import native, sandboxfusion
+from . import e2b, native, sandboxfusion
 from .dialect import Dialect
 from .service import BadRequest, NotFound, Overloaded, Service
 
-DIALECTS: tuple[Dialect, ...] = (sandboxfusion.DIALECT, native.DIALECT)
+DIALECTS: tuple[Dialect, ...] = (sandboxfusion.DIALECT, native.DIALECT, e2b.DIALECT)
 
 
 def _joined(dialects: tuple[Dialect, ...]) -> dict[str, Callable[..., Any]]:
@@ -34,7 +34,7 @@ def _joined(dialects: tuple[Dialect, ...]) -> dict[str, Callable[..., Any]]:
 CALLS = _joined(DIALECTS)
 
 #: the errors ``server/app.py`` maps to a status: they cross the front link as themselves
-RELAYED: tuple[type[BaseException], ...] = (Overloaded, NotFound, BadRequest, NoRoom, SessionGone)
+RELAYED: tuple[type[BaseException], ...] = (Overloaded, NotFound, BadRequest, NoRoom, SessionGone, e2b.E2bError)
 
 
 class Local:

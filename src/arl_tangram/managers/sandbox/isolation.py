@@ -28,6 +28,8 @@ ETC_FILES = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "local
 
 
 # the writable places inside a bwrap sandbox and their modes (a recycled sandbox is wiped back to this)
+#: the workspace's second name: E2B's clients (server/e2b) expect their files and cwd under it
+HOME_ALIAS = "/home/user"
 WRITABLE = {"/workspace": 0o777, "/tmp": 0o1777, "/dev/shm": 0o1777}
 
 
@@ -109,6 +111,7 @@ def _bwrap(layout: Layout) -> list[str]:
              "--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
              "--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/tmp",
              "--perms", "0777", "--size", str(layout.workspace_bytes), "--tmpfs", "/workspace",
+             "--symlink", "/workspace", HOME_ALIAS,
              "--ro-bind", str(RUNNER), "/run/tangram/runner.py", "--ro-bind", str(SHELL), "/run/tangram/shell.py",
              "--remount-ro", "/", "--chdir", "/workspace", "--clearenv",
              "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/workspace",
@@ -123,7 +126,8 @@ def _unshare(layout: Layout, tail: list[str]) -> list[str]:
     it, so a program sees the same paths in both modes and nothing of the host beyond them."""
     size_tmp, size_ws = layout.tmp_bytes, layout.workspace_bytes
     steps = ["set -e", "mount -t tmpfs -o size=8m,mode=755 none /mnt", "cd /mnt",
-             "mkdir -p usr etc proc dev/shm tmp workspace run/tangram .old",
+             f"mkdir -p usr etc proc dev/shm tmp workspace run/tangram .old {os.path.dirname(HOME_ALIAS)[1:]}",
+             f"ln -s /workspace {HOME_ALIAS[1:]}",
              "mount --rbind /usr usr", "mount -o remount,bind,ro usr"]
     for name in SYSTEM_LINKS:
         host = Path("/") / name

@@ -1,0 +1,413 @@
+"""The E2B dialect's routes: E2B's control plane (REST), envd (Connect-RPC with the JSON codec,
+and its ``/files`` and ``/health``), and the code interpreter (``/execute``, ``/contexts``), all
+on the server's one port. The SDKs send a sandbox's requests to the server's URL with
+``E2b-Sandbox-Id`` (and ``E2b-Sandbox-Port``: 49983 envd, 49999 the code interpreter) and its
+``X-Access-Token``; the paths of envd and the interpreter do not collide, so the path picks the
+handler and the header the sandbox. Every error is E2B's shape: ``{"code": int, "message"}`` on
+REST and HTTP routes, a Connect error (``{"code": "not_found", ...}``, or an end-of-stream
+frame) on RPC routes, and a plain 502 for a sandbox that is gone, as E2B's proxy answers.
+
+These routes parse their own bodies (no FastAPI models) so that a bad one is answered in E2B's
+shape; they are left out of the OpenAPI (it documents the native API; E2B documents its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import gzip
+import json
+import logging
+import time
+import urllib.parse
+from email.parser import BytesParser
+from email.policy import HTTP
+from typing import Any, Awaitable, Callable, Sequence
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from ...link import PeerGone, RemoteFault
+from ..dialect import answer
+from . import envelope
+from .envelope import E2bError
+
+log = logging.getLogger(__name__)
+
+SANDBOX_ID = "e2b-sandbox-id"
+ACCESS_TOKEN = "x-access-token"
+#: seconds between keepalive events of a quiet process stream (the client asks for at most 50)
+KEEPALIVE_S = 30.0
+CHUNK = 1 << 16  # bytes of output per data event
+PAGE_MAX = 100
+
+
+def is_e2b(request: Request) -> bool:
+    """A request E2B's clients made (a sandbox's, or the control plane's): its errors are in E2B's
+    shape, routing errors included (``server/app.py``)."""
+    p = request.url.path
+    return SANDBOX_ID in request.headers or p.startswith(("/sandboxes", "/v2/sandboxes"))
+
+
+def _fault(e: BaseException) -> E2bError:
+    """What an unexpected failure is, in E2B's terms: never the caller's fault."""
+    if isinstance(e, E2bError):
+        return e
+    if isinstance(e, PeerGone):
+        return E2bError(503, str(e), "unavailable")
+    name = e.type_name if isinstance(e, RemoteFault) else type(e).__name__
+    if not isinstance(e, RemoteFault):
+        log.error("E2B route failed", exc_info=e)
+    return E2bError(500, f"internal error: {name}", "internal")
+
+
+async def _call(fn: Callable[[], Any]) -> Any:
+    return await answer(fn())
+
+
+async def _rest(fn: Callable[[], Any], status: int = 200, shape: Callable[[Any], Any] | None = None) -> Response:
+    try:
+        value = await _call(fn)
+    except Exception as e:
+        err = _fault(e)
+        return JSONResponse(err.rest(), status_code=err.status)
+    if status == 204:
+        return Response(status_code=204)
+    return JSONResponse(shape(value) if shape else value, status_code=status)
+
+
+def _rpc_error(err: E2bError) -> Response:
+    if err.status == 502:  # the sandbox is gone: E2B's proxy answers, not envd
+        return JSONResponse(err.rest(), status_code=502)
+    return JSONResponse(err.rpc(), status_code=envelope.HTTP_STATUS.get(err.code, 500))
+
+
+async def _json(request: Request) -> dict:
+    body = await request.body()
+    if not body:
+        return {}
+    try:
+        value = json.loads(body)
+    except ValueError as e:
+        raise E2bError(400, f"body: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise E2bError(400, "body: a JSON object is expected")
+    return value
+
+
+def _sid(request: Request) -> str:
+    sid = request.headers.get(SANDBOX_ID)
+    if not sid:
+        raise E2bError(400, "E2b-Sandbox-Id: the header naming the sandbox is missing")
+    return sid
+
+
+def _token(request: Request) -> str | None:
+    return request.headers.get(ACCESS_TOKEN)
+
+
+def _timeout_header(request: Request) -> float | None:
+    raw = request.headers.get("connect-timeout-ms")
+    if raw is None:
+        return None
+    try:
+        ms = int(raw)
+    except ValueError:
+        raise E2bError(400, "Connect-Timeout-Ms: an integer is expected") from None
+    return ms / 1000 if ms > 0 else None
+
+
+def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
+    def rest(path: str, method: str, status: int = 200):
+        def add(fn):
+            router.add_api_route(path, fn, methods=[method], dependencies=list(guarded), include_in_schema=False,
+                                 status_code=status)
+            return fn
+        return add
+
+    # -- the control plane ---------------------------------------------------------------------
+    async def create(request: Request) -> Response:
+        try:
+            body = await _json(request)
+        except E2bError as e:
+            return JSONResponse(e.rest(), status_code=e.status)
+        return await _rest(lambda: calls.e2b_create(body), 201)
+
+    rest("/v2/sandboxes", "POST", 201)(create)
+    rest("/sandboxes", "POST", 201)(create)
+
+    @rest("/sandboxes/{sid}", "GET")
+    async def get(sid: str) -> Response:
+        return await _rest(lambda: calls.e2b_get(sid))
+
+    async def listing(request: Request, v2: bool) -> Response:
+        q = request.query_params
+        try:
+            metadata = dict(urllib.parse.parse_qsl(q.get("metadata") or "", keep_blank_values=True))
+            metadata = {urllib.parse.unquote(k): urllib.parse.unquote(v) for k, v in metadata.items()}
+            states = [s for raw in q.getlist("state") for s in raw.split(",") if s] if v2 else ["running"]
+            limit = int(q.get("limit") or PAGE_MAX) if v2 else 1 << 30
+            if v2 and not 1 <= limit <= PAGE_MAX:
+                raise ValueError
+        except ValueError:
+            err = E2bError(400, f"limit: an integer from 1 to {PAGE_MAX} is expected")
+            return JSONResponse(err.rest(), status_code=400)
+        token = q.get("nextToken") if v2 else None
+        try:
+            items, more = await _call(lambda: calls.e2b_list(metadata, states, limit, token))
+        except Exception as e:
+            err = _fault(e)
+            return JSONResponse(err.rest(), status_code=err.status)
+        return JSONResponse(items, headers={"x-next-token": more} if more else None)
+
+    @rest("/v2/sandboxes", "GET")
+    async def list_v2(request: Request) -> Response:
+        return await listing(request, True)
+
+    @rest("/sandboxes", "GET")
+    async def list_v1(request: Request) -> Response:
+        return await listing(request, False)
+
+    @rest("/sandboxes/{sid}", "DELETE", 204)
+    async def kill(sid: str) -> Response:
+        return await _rest(lambda: calls.e2b_kill(sid), 204)
+
+    @rest("/sandboxes/{sid}/timeout", "POST", 204)
+    async def set_timeout(sid: str, request: Request) -> Response:
+        try:
+            body = await _json(request)
+            if "timeout" not in body:
+                raise E2bError(400, "timeout: required")
+        except E2bError as e:
+            return JSONResponse(e.rest(), status_code=e.status)
+        return await _rest(lambda: calls.e2b_set_timeout(sid, body["timeout"]), 204)
+
+    async def connect(sid: str, request: Request) -> Response:
+        try:
+            body = await _json(request)
+            sandbox, resumed = await _call(lambda: calls.e2b_connect(sid, body.get("timeout")))
+        except Exception as e:
+            err = _fault(e)
+            return JSONResponse(err.rest(), status_code=err.status)
+        return JSONResponse(sandbox, status_code=201 if resumed else 200)
+
+    rest("/sandboxes/{sid}/connect", "POST")(connect)
+    rest("/v2/sandboxes/{sid}/connect", "POST")(connect)
+    rest("/sandboxes/{sid}/resume", "POST", 201)(connect)
+
+    @rest("/sandboxes/{sid}/pause", "POST", 204)
+    async def pause(sid: str) -> Response:
+        return await _rest(lambda: calls.e2b_pause(sid), 204)
+
+    @rest("/sandboxes/{sid}/refreshes", "POST", 204)
+    async def refresh(sid: str, request: Request) -> Response:  # older SDKs' keep-alive
+        try:
+            body = await _json(request)
+        except E2bError as e:
+            return JSONResponse(e.rest(), status_code=e.status)
+        return await _rest(lambda: calls.e2b_connect(sid, body.get("duration")), 204)
+
+    # -- envd: Connect-RPC ---------------------------------------------------------------------
+    async def process_rpc(method: str, request: Request) -> Response:
+        try:
+            sid, token = _sid(request), _token(request)
+            if method in ("Start", "Connect"):
+                msgs = envelope.messages(await request.body())
+                if len(msgs) != 1:
+                    raise E2bError(400, "request: exactly one message is expected")
+                msg = msgs[0]
+                if method == "Start":
+                    pid = await _call(lambda: calls.e2b_proc_start(sid, token, msg, _timeout_header(request)))
+                else:
+                    pid = await _call(lambda: calls.e2b_proc_find(sid, token, msg.get("process")))
+                return StreamingResponse(_events(calls, sid, token, pid, request),
+                                         media_type="application/connect+json")
+            msg = envelope.decode(await request.body())
+            if method == "List":
+                procs = await _call(lambda: calls.e2b_proc_list(sid, token))
+                return JSONResponse({"processes": procs})
+            if method == "SendInput":
+                data = (msg.get("input") or {}).get("stdin", "")
+                if (msg.get("input") or {}).get("pty"):
+                    raise E2bError(501, "input.pty: terminals are not supported by this server")
+                await _call(lambda: calls.e2b_proc_input(sid, token, msg.get("process"), data))
+                return JSONResponse({})
+            if method == "CloseStdin":
+                await _call(lambda: calls.e2b_proc_close_stdin(sid, token, msg.get("process")))
+                return JSONResponse({})
+            if method == "SendSignal":
+                await _call(lambda: calls.e2b_proc_signal(sid, token, msg.get("process"), msg.get("signal")))
+                return JSONResponse({})
+            raise E2bError(501, f"process.Process/{method} is not supported by this server")
+        except Exception as e:
+            return _rpc_error(_fault(e))
+
+    @router.post("/process.Process/{method}", include_in_schema=False)
+    async def process(method: str, request: Request) -> Response:
+        return await process_rpc(method, request)
+
+    FS = {"Stat": ("stat", ("path",)), "ListDir": ("list", ("path", "depth")), "MakeDir": ("mkdir", ("path",)),
+          "Remove": ("remove", ("path",)), "Move": ("move", ("source", "destination"))}
+
+    @router.post("/filesystem.Filesystem/{method}", include_in_schema=False)
+    async def filesystem(method: str, request: Request) -> Response:
+        try:
+            sid, token = _sid(request), _token(request)
+            if method not in FS:
+                raise E2bError(501, f"filesystem.Filesystem/{method} is not supported by this server")
+            op, names = FS[method]
+            msg = envelope.decode(await request.body())
+            args = {k: msg.get(k) for k in names if k in msg or k != "depth"}
+            out = await _call(lambda: calls.e2b_fs(sid, token, op, args))
+            return JSONResponse(out)
+        except Exception as e:
+            return _rpc_error(_fault(e))
+
+    # -- envd: HTTP ----------------------------------------------------------------------------
+    @router.get("/files", include_in_schema=False)
+    async def download(request: Request) -> Response:
+        try:
+            sid, token = _sid(request), _token(request)
+            path = request.query_params.get("path")
+            if not path:
+                raise E2bError(400, "path: required")
+            data = await _call(lambda: calls.e2b_read(sid, token, path))
+        except Exception as e:
+            err = _fault(e)
+            return JSONResponse(err.rest(), status_code=err.status)
+        if "gzip" in request.headers.get("accept-encoding", "") and len(data) > 1024:
+            return Response(gzip.compress(data, 1), media_type="application/octet-stream",
+                            headers={"content-encoding": "gzip"})
+        return Response(data, media_type="application/octet-stream")
+
+    @router.post("/files", include_in_schema=False)
+    async def upload(request: Request) -> Response:
+        try:
+            sid, token = _sid(request), _token(request)
+            files = _uploaded(request, await request.body())
+            out = await _call(lambda: calls.e2b_write(sid, token, files))
+        except Exception as e:
+            err = _fault(e)
+            return JSONResponse(err.rest(), status_code=err.status)
+        return JSONResponse(out)
+
+    @router.get("/health", include_in_schema=False)
+    async def health(request: Request) -> Response:
+        try:
+            sid = _sid(request)
+            await _call(lambda: calls.e2b_health(sid))
+        except Exception as e:
+            err = _fault(e)
+            return JSONResponse(err.rest(), status_code=err.status)
+        return Response(status_code=204)
+
+    # -- the code interpreter ------------------------------------------------------------------
+    @router.post("/execute", include_in_schema=False)
+    async def execute(request: Request) -> Response:
+        try:
+            sid, token = _sid(request), _token(request)
+            body = await _json(request)
+            out = await _call(lambda: calls.e2b_execute(sid, token, body))
+        except Exception as e:
+            err = _fault(e)
+            return JSONResponse(err.rest(), status_code=err.status)
+        return StreamingResponse(_cell_lines(out), media_type="application/x-ndjson")
+
+    @router.post("/contexts", include_in_schema=False)
+    async def create_context(request: Request) -> Response:
+        try:
+            body = await _json(request)
+        except E2bError as e:
+            return JSONResponse(e.rest(), status_code=e.status)
+        return await _rest(lambda: calls.e2b_context(_sid(request), _token(request), "create", body, None))
+
+    @router.get("/contexts", include_in_schema=False)
+    async def list_contexts(request: Request) -> Response:
+        return await _rest(lambda: calls.e2b_context(_sid(request), _token(request), "list", None, None))
+
+    @router.delete("/contexts/{context_id}", include_in_schema=False)
+    async def remove_context(context_id: str, request: Request) -> Response:
+        return await _rest(lambda: calls.e2b_context(_sid(request), _token(request), "remove", None, context_id), 204)
+
+    @router.post("/contexts/{context_id}/restart", include_in_schema=False)
+    async def restart_context(context_id: str, request: Request) -> Response:
+        return await _rest(lambda: calls.e2b_context(_sid(request), _token(request), "restart", None, context_id))
+
+
+async def _events(calls: Any, sid: str, token: str | None, pid: int, request: Request):
+    """A process's event stream: start (its pid), keepalives while it runs, its output, its end,
+    then the end of the stream (carrying the error, if it did not run to an end)."""
+    yield envelope.frame({"event": {"start": {"pid": pid}}})
+    try:
+        interval = min(KEEPALIVE_S, float(request.headers.get("keepalive-ping-interval") or KEEPALIVE_S))
+    except ValueError:
+        interval = KEEPALIVE_S
+    waiting = asyncio.ensure_future(_call(lambda: calls.e2b_proc_wait(sid, token, pid)))
+    try:
+        while not waiting.done():
+            done, _ = await asyncio.wait({waiting}, timeout=max(1.0, interval))
+            if not done:
+                yield envelope.frame({"event": {"keepalive": {}}})
+        result = waiting.result()
+    except Exception as e:
+        yield envelope.end(_fault(e))
+        return
+    finally:
+        if not waiting.done():
+            waiting.cancel()
+    for stream in ("stdout", "stderr"):
+        data = result.get(stream, "").encode()
+        for at in range(0, len(data), CHUNK):
+            chunk = base64.b64encode(data[at:at + CHUNK]).decode()
+            yield envelope.frame({"event": {"data": {stream: chunk}}})
+    endev: dict = {"exitCode": result["exit_code"], "exited": result["exited"], "status": result["status"]}
+    if result.get("error"):
+        endev["error"] = result["error"]
+    yield envelope.frame({"event": {"end": endev}})
+    yield envelope.end()
+
+
+async def _cell_lines(out: dict):
+    now = time.time_ns()
+    lines = []
+    if out["stdout"]:
+        lines.append({"type": "stdout", "text": out["stdout"], "timestamp": now})
+    if out["stderr"]:
+        lines.append({"type": "stderr", "text": out["stderr"], "timestamp": now})
+    for r in out["results"]:
+        lines.append({"type": "result", **r})
+    if out["error"]:
+        lines.append({"type": "error", **out["error"]})
+    lines.append({"type": "number_of_executions", "execution_count": out["execution_count"]})
+    for line in lines:
+        yield json.dumps(line) + "\n"
+
+
+def _uploaded(request: Request, body: bytes) -> list[tuple[str, bytes]]:
+    """The files of a ``POST /files``: an octet-stream body (the ``path`` parameter names it) or a
+    multipart form of ``file`` parts (each part's file name is its path; ``path`` names a
+    single one)."""
+    if request.headers.get("content-encoding", "").lower() == "gzip":
+        try:
+            body = gzip.decompress(body)
+        except (OSError, EOFError):
+            raise E2bError(400, "body: Content-Encoding is gzip but the body is not") from None
+    ctype = request.headers.get("content-type", "")
+    path = request.query_params.get("path")
+    if ctype.startswith("multipart/form-data"):
+        msg = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + ctype.encode() + b"\r\n\r\n" + body)
+        if not msg.is_multipart():
+            raise E2bError(400, "body: not a multipart form")
+        parts = [p for p in msg.iter_parts() if p.get_param("name", header="content-disposition") == "file"]
+        if not parts:
+            raise E2bError(400, "file: no file part in the form")
+        out = []
+        for p in parts:
+            name = path if path and len(parts) == 1 else p.get_filename()
+            if not name:
+                raise E2bError(400, "file: a part has no file name (its path)")
+            out.append((name, p.get_payload(decode=True) or b""))
+        return out
+    if not path:
+        raise E2bError(400, "path: required for an octet-stream upload")
+    return [(path, body)]

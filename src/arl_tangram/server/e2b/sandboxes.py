@@ -1,0 +1,679 @@
+"""E2B's sandboxes as Tangram sessions: the engine-process half of the E2B dialect.
+
+An E2B sandbox *is* a session of the ``Service`` (``service.sessions``, so the native API sees
+it too): its files persist, and it holds cores only while one of its commands or cells runs.
+Here is what E2B adds on top: the sandbox's metadata, environment variables, template, envd
+access token and lifetime (``timeout``: an absolute deadline, moved by ``set_timeout`` and
+``connect``), its processes (each E2B command is one step of the session, run as a task so
+that a background command can be re-attached to) and its code-interpreter state.
+
+Every function taking ``service`` first is a call of the dialect (``server/dialect.py``): it runs
+in the engine process and answers plain data, or raises ``E2bError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import datetime
+import posixpath
+import secrets
+import shlex
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from ...api import v1
+from ...core.action import Outcome
+from ...managers.sandbox.isolation import HOME_ALIAS
+from ...managers.sandbox.spec import Files
+from ...runtime import NoRoom, SessionGone
+from ..service import BadRequest, NotFound, Overloaded, Service
+from . import fsops
+from .envelope import E2bError
+
+#: the envd version we answer as: the behaviour of the calls below is that version's (0.5.7 and
+#: newer upload files as octet-stream; 0.6.2 would add file metadata, which we do not keep)
+ENVD_VERSION = "0.5.7"
+CLIENT_ID = "tangram"
+DEFAULT_TIMEOUT_S = 300  # E2B's, when a create names none
+MAX_TIMEOUT_S = 86_400
+#: templates that mean the server's default sandbox (E2B's base and code-interpreter templates)
+DEFAULT_TEMPLATES = frozenset({"base", "code-interpreter-v1", "code-interpreter", "default"})
+#: the longest one command or cell may run (the native API's own bound on a session step)
+MAX_STEP_S = 3600.0
+#: E2B's proxy answers a sandbox that is gone with this (its clients match "was not found")
+GONE = "The sandbox {id} was not found"
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _field_error(where: str, err: ValidationError) -> E2bError:
+    first = err.errors()[0]
+    loc = ".".join(str(x) for x in first["loc"])
+    return E2bError(400, f"{where}{'.' + loc if loc and where != loc else ''}: {first['msg']}")
+
+
+@dataclass
+class Proc:
+    """One E2B process: one step of the sandbox's session."""
+
+    pid: int
+    config: dict
+    tag: str | None
+    shell: str
+    timeout_s: float
+    stdin: bytearray | None  # open stdin: the step starts once it is closed (steps take stdin whole)
+    done: asyncio.Future
+    action_id: str = ""
+    task: asyncio.Task | None = None
+    killed: bool = False
+
+
+@dataclass
+class Box:
+    id: str
+    job: str
+    template: str
+    metadata: dict[str, str]
+    env: dict[str, str]
+    token: str
+    started_at: float
+    end_at: float
+    paused: bool = False
+    timer: asyncio.TimerHandle | None = None
+    procs: dict[int, Proc] = field(default_factory=dict)
+    next_pid: int = 1000
+    executions: int = 0
+    contexts: dict[str, dict] = field(default_factory=dict)
+
+
+class Boxes:
+    """The E2B sandboxes of one service, by id."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.boxes: dict[str, Box] = {}
+        service.runtime.session_listeners.append(self._ended)
+
+    def _ended(self, sid: str, reason: str) -> None:
+        box = self.boxes.pop(sid, None)
+        if box is not None and box.timer is not None:
+            box.timer.cancel()
+
+    def arm(self, box: Box) -> None:
+        """(Re)start the clock that kills ``box`` at ``end_at`` (none while paused)."""
+        if box.timer is not None:
+            box.timer.cancel()
+            box.timer = None
+        if box.paused:
+            return
+        loop = asyncio.get_running_loop()
+        box.timer = loop.call_later(max(0.0, box.end_at - time.time()),
+                                    lambda: loop.create_task(self._expire(box.id)))
+
+    async def _expire(self, sid: str) -> None:
+        box = self.boxes.get(sid)
+        if box is None or box.paused or box.end_at > time.time() + 0.05:
+            return
+        s = self.service.sessions.get(sid)
+        if s is not None:
+            await s.close()
+        self._ended(sid, "timeout")
+
+    def get(self, sid: str) -> Box:
+        """For the control plane: 404 when unknown or gone."""
+        box = self.boxes.get(sid)
+        if box is None:
+            raise E2bError(404, f"sandbox {sid!r} not found")
+        return box
+
+    def envd(self, sid: str, token: str | None) -> Box:
+        """For envd and the code interpreter: the sandbox's access token must match; a sandbox
+        that is gone (or paused) answers as E2B's proxy does."""
+        box = self.boxes.get(sid)
+        if box is None or box.paused:
+            raise E2bError(502, GONE.format(id=sid) + (" (it is paused)" if box is not None else ""))
+        if not token or not secrets.compare_digest(token, box.token):
+            raise E2bError(401, "missing or wrong X-Access-Token for this sandbox")
+        return box
+
+
+def boxes(service: Service) -> Boxes:
+    reg = getattr(service, "_e2b", None)
+    if reg is None:
+        reg = service._e2b = Boxes(service)
+    return reg
+
+
+def _sandbox(box: Box) -> dict:
+    """E2B's ``Sandbox`` (what create and connect answer)."""
+    return {"templateID": box.template, "sandboxID": box.id, "clientID": CLIENT_ID, "envdVersion": ENVD_VERSION,
+            "envdAccessToken": box.token, "alias": box.template}
+
+
+def _detail(service: Service, box: Box, listed: bool = False) -> dict:
+    """E2B's ``SandboxDetail`` / ``ListedSandbox``."""
+    cfg = getattr(getattr(getattr(service.runtime, "sandboxes", None), "config", None), "memory_mb", None)
+    out = {"templateID": box.template, "sandboxID": box.id, "clientID": CLIENT_ID, "alias": box.template,
+           "startedAt": _iso(box.started_at), "endAt": _iso(box.end_at), "envdVersion": ENVD_VERSION,
+           "cpuCount": 1, "memoryMB": cfg if isinstance(cfg, int) else 512, "diskSizeMB": 256,
+           "state": "paused" if box.paused else "running", "metadata": dict(box.metadata)}
+    if not listed:
+        out["envdAccessToken"] = box.token
+    return out
+
+
+def _timeout(value: Any, field_name: str = "timeout") -> int:
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TIMEOUT_S:
+        raise E2bError(400, f"{field_name}: an integer number of seconds from 0 to {MAX_TIMEOUT_S} is expected, "
+                            f"got {value!r}")
+    return value
+
+
+def _strings(value: Any, field_name: str) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise E2bError(400, f"{field_name}: an object of string values is expected")
+    return dict(value)
+
+
+# -- the control plane -----------------------------------------------------------------------------
+
+async def e2b_create(service: Service, body: dict) -> dict:
+    """``POST /v2/sandboxes`` (and ``/sandboxes``): a new session."""
+    reg = boxes(service)
+    template = body.get("templateID")
+    if not isinstance(template, str) or not template:
+        raise E2bError(400, "templateID: a template name is expected")
+    timeout = _timeout(body.get("timeout"))
+    metadata = _strings(body.get("metadata"), "metadata")
+    env = _strings(body.get("envVars"), "envVars")
+    job = metadata.get("job") or "e2b"
+    sid = metadata.get("trajectory") or f"i{uuid.uuid4().hex[:19]}"
+    if sid in service.sessions or sid in reg.boxes:
+        raise E2bError(409, f"metadata.trajectory: a sandbox or session {sid!r} is open already")
+    image = None if template in DEFAULT_TEMPLATES else template
+    try:
+        req = v1.SessionRequest(job=job, trajectory=sid, image=image)
+    except ValidationError as e:
+        first = e.errors()[0]
+        name = {"job": "metadata.job", "trajectory": "metadata.trajectory", "image": "templateID"}.get(
+            str(first["loc"][0]) if first["loc"] else "", "body")
+        raise E2bError(400, f"{name}: {first['msg']}") from None
+    try:
+        await service.open_session(req)
+    except BadRequest as e:
+        raise E2bError(400, f"templateID: {e}") from None
+    except NoRoom as e:
+        raise E2bError(503, str(e)) from None
+    now = time.time()
+    box = reg.boxes[sid] = Box(sid, job, template, metadata, env, secrets.token_urlsafe(24), now, now + timeout)
+    reg.arm(box)
+    return _sandbox(box)
+
+
+def e2b_get(service: Service, sid: str) -> dict:
+    return _detail(service, boxes(service).get(sid))
+
+
+def e2b_list(service: Service, metadata: dict[str, str], states: list[str], limit: int,
+             next_token: str | None) -> tuple[list[dict], str | None]:
+    """``GET /v2/sandboxes``: by start time, filtered; the next page's token is an offset."""
+    for s in states:
+        if s not in ("running", "paused"):
+            raise E2bError(400, f"state: {s!r} is not running or paused")
+    chosen = [b for b in sorted(boxes(service).boxes.values(), key=lambda b: (b.started_at, b.id))
+              if (not states or ("paused" if b.paused else "running") in states)
+              and all(b.metadata.get(k) == v for k, v in metadata.items())]
+    try:
+        start = int(next_token) if next_token else 0
+    except ValueError:
+        raise E2bError(400, "nextToken: not a token this server gave") from None
+    page = chosen[start:start + limit]
+    more = str(start + limit) if start + limit < len(chosen) else None
+    return [_detail(service, b, listed=True) for b in page], more
+
+
+async def e2b_kill(service: Service, sid: str) -> None:
+    reg = boxes(service)
+    box = reg.get(sid)
+    s = service.sessions.get(sid)
+    if s is not None:
+        await s.close()
+    reg._ended(box.id, "killed")
+
+
+def e2b_set_timeout(service: Service, sid: str, timeout: Any) -> None:
+    reg = boxes(service)
+    box = reg.get(sid)
+    box.end_at = time.time() + _timeout(timeout)
+    reg.arm(box)
+
+
+def e2b_connect(service: Service, sid: str, timeout: Any) -> tuple[dict, bool]:
+    """``POST /v2/sandboxes/{id}/connect``: resume a paused sandbox; a timeout given only ever
+    extends its life. Answers the sandbox and whether it was resumed (201) or running (200)."""
+    reg = boxes(service)
+    box = reg.get(sid)
+    resumed = box.paused
+    box.paused = False
+    if timeout is not None:
+        box.end_at = max(box.end_at, time.time() + _timeout(timeout))
+    elif resumed:
+        box.end_at = max(box.end_at, time.time() + DEFAULT_TIMEOUT_S)
+    reg.arm(box)
+    return _sandbox(box), resumed
+
+
+def e2b_pause(service: Service, sid: str) -> None:
+    """Paused: envd answers as for a sandbox that is gone and the clock stops; the session
+    (its files; it holds no cores while idle anyway) stays."""
+    reg = boxes(service)
+    box = reg.get(sid)
+    if box.paused:
+        raise E2bError(409, f"sandbox {sid!r} is paused already")
+    if any(not p.done.done() for p in box.procs.values()):
+        raise E2bError(409, f"sandbox {sid!r} has a command running: it cannot be paused now")
+    box.paused = True
+    reg.arm(box)
+
+
+# -- envd: processes -------------------------------------------------------------------------------
+
+def _shell(box: Box, config: dict) -> str:
+    """The session step of one E2B process: its argv, in its cwd, with the sandbox's and its own
+    environment, in a subshell (the session's shell keeps no trace of it)."""
+    cmd = config.get("cmd")
+    args = config.get("args") or []
+    envs = config.get("envs") or {}
+    cwd = config.get("cwd") or HOME_ALIAS
+    if not isinstance(cmd, str) or not cmd:
+        raise E2bError(400, "process.cmd: a command is expected")
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise E2bError(400, "process.args: a list of strings is expected")
+    if not isinstance(envs, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in envs.items()):
+        raise E2bError(400, "process.envs: an object of string values is expected")
+    if not isinstance(cwd, str):
+        raise E2bError(400, "process.cwd: a path is expected")
+    for k in list(box.env) + list(envs):
+        if not k or "=" in k or "\0" in k:
+            raise E2bError(400, f"process.envs: {k!r} is not a variable name")
+    env = {"HOME": HOME_ALIAS, "USER": "user", **box.env, **envs}
+    assigns = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+    argv = " ".join(shlex.quote(a) for a in [cmd, *args])
+    return f"( cd -- {shlex.quote(cwd)} && exec env -- {assigns} {argv} )"
+
+
+def _step_s(box: Box, timeout_s: float | None) -> float:
+    left = max(1.0, box.end_at - time.time())
+    return min(MAX_STEP_S, left, timeout_s) if timeout_s else min(MAX_STEP_S, left)
+
+
+def e2b_proc_start(service: Service, sid: str, token: str | None, request: dict,
+                   timeout_s: float | None) -> int:
+    """``process.Process/Start``: the process's pid (its result: ``e2b_proc_wait``)."""
+    box = boxes(service).envd(sid, token)
+    config = request.get("process")
+    if not isinstance(config, dict):
+        raise E2bError(400, "process: a process config is expected")
+    if request.get("pty"):
+        raise E2bError(501, "pty: terminals are not supported by this server (commands only)")
+    shell = _shell(box, config)
+    pid = box.next_pid
+    box.next_pid += 1
+    tag = request.get("tag")
+    proc = Proc(pid, {"cmd": config.get("cmd"), "args": config.get("args") or [], "envs": config.get("envs") or {},
+                      **({"cwd": config["cwd"]} if config.get("cwd") else {})}, tag if isinstance(tag, str) else None,
+                shell, _step_s(box, timeout_s), bytearray() if request.get("stdin") else None,
+                asyncio.get_running_loop().create_future())
+    box.procs[pid] = proc
+    if proc.stdin is None:
+        _launch(service, box, proc)
+    return pid
+
+
+def _launch(service: Service, box: Box, proc: Proc, stdin: bytes | None = None) -> None:
+    proc.action_id = f"x-{uuid.uuid4().hex}"
+    proc.task = asyncio.get_running_loop().create_task(_run(service, box, proc, stdin))
+
+
+async def _run(service: Service, box: Box, proc: Proc, stdin: bytes | None) -> None:
+    try:
+        result = await _exec(service, box, proc.shell, stdin, proc.timeout_s, proc.action_id,
+                             proc.config.get("cmd") or "shell")
+        if proc.killed:
+            result = {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": result.get("stdout", ""),
+                      "stderr": result.get("stderr", "")}
+        if not proc.done.done():
+            proc.done.set_result(result)
+    except BaseException as e:
+        if not proc.done.done():
+            proc.done.set_exception(_translate(e, box.id))
+        if not isinstance(e, Exception):
+            raise
+
+
+def _translate(e: BaseException, sid: str) -> E2bError:
+    if isinstance(e, E2bError):
+        return e
+    if isinstance(e, (SessionGone, NotFound)):
+        return E2bError(502, GONE.format(id=sid))
+    if isinstance(e, Overloaded):
+        return E2bError(429, str(e))
+    if isinstance(e, NoRoom):
+        return E2bError(503, str(e))
+    if isinstance(e, asyncio.CancelledError):
+        return E2bError(503, "the server is shutting down", "unavailable")
+    return E2bError(500, f"internal error: {type(e).__name__}", "internal")
+
+
+async def _exec(service: Service, box: Box, command: str, stdin: bytes | None, timeout_s: float, id: str,
+                operation: str) -> dict:
+    """One shell step of the sandbox's session, journaled and counted as the native API's are.
+    What the command did is the answer (its exit code, output); what the infrastructure did
+    (``infra_error``, ``rejected``) is an ``E2bError``, never an exit code."""
+    s = service.sessions.get(box.id)
+    if s is None:
+        raise E2bError(502, GONE.format(id=box.id))
+    service.admit()
+    if service.journal is not None:
+        service.journal.accept(id, s.job, "exec", {"command": command, "e2b": True}, False)
+    try:
+        r = await s.exec(command, stdin=stdin, timeout_s=timeout_s, id=id, operation=posixpath.basename(operation))
+    except Exception as e:
+        service._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
+        raise
+    service._record(r, s.job, "e2b")
+    return _command_result(r, box.id)
+
+
+def _command_result(r, sid: str) -> dict:
+    run = r.result.run if r.result is not None else None
+    if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED) or (r.outcome is not Outcome.CANCELLED and run is None
+                                                               and r.outcome is not Outcome.TIMEOUT):
+        if sid and r.outcome is Outcome.INFRA_ERROR and "closed" in (r.message or ""):
+            raise E2bError(502, GONE.format(id=sid))
+        status = 429 if r.outcome is Outcome.REJECTED else 503
+        raise E2bError(status, f"{r.outcome.value}: {r.message or 'the step did not run'}",
+                       "resource_exhausted" if status == 429 else "unavailable")
+    stdout, stderr = (run.stdout, run.stderr) if run is not None else ("", "")
+    if r.outcome is Outcome.CANCELLED:
+        return {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": stdout, "stderr": stderr}
+    if r.outcome is Outcome.TIMEOUT or (run is not None and run.timed_out):
+        return {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": stdout, "stderr": stderr,
+                "error": "the command ran past its timeout and was killed"}
+    code = run.exit_code if run.exit_code is not None else -1
+    out = {"exit_code": code, "exited": run.exit_code is not None, "status": f"exit status {code}",
+           "stdout": stdout, "stderr": stderr}
+    if r.outcome is Outcome.OOM:
+        out["error"] = "the command ran out of memory and was killed"
+    elif run.truncated:
+        out["error"] = "output past the server's cap was dropped"
+    return out
+
+
+def _proc(box: Box, process: Any) -> Proc:
+    sel = process if isinstance(process, dict) else {}
+    if "pid" in sel:
+        proc = box.procs.get(sel["pid"]) if isinstance(sel["pid"], int) else None
+        if proc is None:
+            raise E2bError(404, f"process with pid {sel['pid']} not found")
+        return proc
+    if "tag" in sel:
+        for proc in box.procs.values():
+            if proc.tag == sel["tag"]:
+                return proc
+        raise E2bError(404, f"process with tag {sel['tag']!r} not found")
+    raise E2bError(400, "process: a pid or a tag is expected")
+
+
+def e2b_proc_find(service: Service, sid: str, token: str | None, process: Any) -> int:
+    """``process.Process/Connect``'s first half: the pid of a running process."""
+    return _proc(boxes(service).envd(sid, token), process).pid
+
+
+async def e2b_proc_wait(service: Service, sid: str, token: str | None, pid: int) -> dict:
+    """The result of process ``pid`` once it has ended (its output, then its exit)."""
+    box = boxes(service).envd(sid, token)
+    proc = box.procs.get(pid)
+    if proc is None:
+        raise E2bError(404, f"process with pid {pid} not found")
+    try:
+        return await asyncio.shield(proc.done)
+    finally:
+        if proc.done.done():
+            box.procs.pop(pid, None)
+
+
+def e2b_proc_list(service: Service, sid: str, token: str | None) -> list[dict]:
+    box = boxes(service).envd(sid, token)
+    return [{"config": p.config, "pid": p.pid, **({"tag": p.tag} if p.tag else {})}
+            for p in box.procs.values() if not p.done.done()]
+
+
+def e2b_proc_input(service: Service, sid: str, token: str | None, process: Any, data: str) -> None:
+    box = boxes(service).envd(sid, token)
+    proc = _proc(box, process)
+    if proc.stdin is None:
+        raise E2bError(400, f"process {proc.pid}: its stdin is not open (start it with stdin=True)",
+                       "failed_precondition")
+    try:
+        proc.stdin += base64.b64decode(data or "", validate=True)
+    except (binascii.Error, ValueError):
+        raise E2bError(400, "input.stdin: not valid base64") from None
+
+
+def e2b_proc_close_stdin(service: Service, sid: str, token: str | None, process: Any) -> None:
+    """Steps take their stdin whole: the process starts now, with what was sent."""
+    box = boxes(service).envd(sid, token)
+    proc = _proc(box, process)
+    if proc.stdin is None:
+        return
+    data, proc.stdin = bytes(proc.stdin), None
+    _launch(service, box, proc, data)
+
+
+def e2b_proc_signal(service: Service, sid: str, token: str | None, process: Any, signal: Any) -> None:
+    """SIGKILL and SIGTERM end the process (its step is cancelled)."""
+    box = boxes(service).envd(sid, token)
+    proc = _proc(box, process)
+    if signal not in ("SIGNAL_SIGKILL", "SIGNAL_SIGTERM", 9, 15):
+        raise E2bError(400, f"signal: {signal!r} is not SIGKILL or SIGTERM")
+    proc.killed = True
+    if proc.task is None:  # never started (stdin still open)
+        proc.stdin = None
+        if not proc.done.done():
+            proc.done.set_result({"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": "",
+                                  "stderr": ""})
+        return
+    service.runtime.cancel(proc.action_id)
+
+
+# -- envd: files -----------------------------------------------------------------------------------
+
+def _path(path: Any, field_name: str = "path") -> str:
+    """An absolute, normalised path; relative ones are under the home directory, as in E2B."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise E2bError(400, f"{field_name}: a path is expected")
+    full = posixpath.normpath(path if path.startswith("/") else posixpath.join(HOME_ALIAS, path))
+    return "/" + full.lstrip("/")
+
+
+def _in_home(path: str) -> str | None:
+    """The workspace-relative name of ``path`` when it is under the home directory."""
+    if path.startswith(HOME_ALIAS + "/"):
+        return path[len(HOME_ALIAS) + 1:]
+    return None
+
+
+async def e2b_fs(service: Service, sid: str, token: str | None, op: str, args: dict) -> dict:
+    """``filesystem.Filesystem``'s Stat, ListDir, MakeDir, Remove, Move: one step in the sandbox."""
+    box = boxes(service).envd(sid, token)
+    clean = {}
+    for k, v in args.items():
+        clean[k] = _path(v, k) if k in ("path", "source", "destination") else v
+    depth = clean.get("depth")
+    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
+        raise E2bError(400, "depth: a non-negative integer is expected")
+    r = await _exec(service, box, fsops.command(op, clean), None, 60.0, f"x-{uuid.uuid4().hex}", "files")
+    try:
+        out = fsops.answer(r["stdout"])
+    except (ValueError, IndexError):
+        raise E2bError(500, f"{op}: the sandbox's python did not answer (exit {r['exit_code']}: "
+                            f"{r['stderr'].strip()[-300:]})", "internal") from None
+    if "error" in out:
+        code, message = out["error"]
+        status = {"not_found": 404, "already_exists": 409, "permission_denied": 403}.get(code, 400)
+        raise E2bError(status, message, code)
+    return out
+
+
+async def e2b_write(service: Service, sid: str, token: str | None, files: list[tuple[str, bytes]]) -> list[dict]:
+    """``POST /files``: under the home directory as one files action (no cores); elsewhere as a
+    shell step that writes its stdin."""
+    box = boxes(service).envd(sid, token)
+    paths = [(_path(p), data) for p, data in files]
+    home = {rel: data for p, data in paths if (rel := _in_home(p)) is not None}
+    s = service.sessions.get(sid)
+    if s is None:
+        raise E2bError(502, GONE.format(id=sid))
+    if home:
+        try:
+            r = await s.files(Files(put=home))
+        except (SessionGone, NotFound):
+            raise E2bError(502, GONE.format(id=sid)) from None
+        if r.outcome is not Outcome.OK:
+            if r.outcome is Outcome.FAILED:
+                raise E2bError(400, r.message or r.result.message)
+            raise E2bError(503, f"{r.outcome.value}: {r.message or r.result.message}")
+    for p, data in paths:
+        if _in_home(p) is None:
+            q = shlex.quote(p)
+            res = await _exec(service, box, f"mkdir -p -- \"$(dirname -- {q})\" && cat > {q}", data, 60.0,
+                              f"x-{uuid.uuid4().hex}", "files")
+            if res["exit_code"] != 0:
+                raise E2bError(400, f"path {p}: {res['stderr'].strip() or 'could not be written'}")
+    return [{"name": posixpath.basename(p), "type": "file", "path": p} for p, _ in paths]
+
+
+async def e2b_read(service: Service, sid: str, token: str | None, path: str) -> bytes:
+    box = boxes(service).envd(sid, token)
+    p = _path(path)
+    rel = _in_home(p)
+    s = service.sessions.get(sid)
+    if s is None:
+        raise E2bError(502, GONE.format(id=sid))
+    if rel is not None:
+        try:
+            r = await s.files(Files(get=[rel]))
+        except (SessionGone, NotFound):
+            raise E2bError(502, GONE.format(id=sid)) from None
+        if r.outcome is not Outcome.OK:
+            raise E2bError(503, f"{r.outcome.value}: {r.message or r.result.message}")
+        if rel in r.result.files:
+            return r.result.files[rel]
+    q = shlex.quote(p)
+    res = await _exec(service, box, f"if [ -d {q} ]; then echo 'is a directory' >&2; exit 2; fi; base64 -w0 -- {q}",
+                      None, 60.0, f"x-{uuid.uuid4().hex}", "files")
+    if res["exit_code"] != 0:
+        if "No such file" in res["stderr"]:
+            raise E2bError(404, f"path {p} does not exist")
+        raise E2bError(400, f"path {p}: {res['stderr'].strip()}")
+    if res.get("error"):
+        raise E2bError(507, f"path {p}: too large to read outside {HOME_ALIAS} ({res['error']})")
+    return base64.b64decode(res["stdout"])
+
+
+def e2b_health(service: Service, sid: str) -> None:
+    box = boxes(service).boxes.get(sid)
+    if box is None or box.paused:
+        raise E2bError(502, GONE.format(id=sid))
+
+
+# -- the code interpreter --------------------------------------------------------------------------
+
+async def e2b_execute(service: Service, sid: str, token: str | None, body: dict) -> dict:
+    """``POST /execute`` (port 49999): a cell in the sandbox's python interpreter."""
+    box = boxes(service).envd(sid, token)
+    code = body.get("code")
+    if not isinstance(code, str):
+        raise E2bError(400, "code: a string is expected")
+    ctx = body.get("context_id")
+    if ctx is not None and ctx not in box.contexts:
+        raise E2bError(404, f"context {ctx!r} not found")
+    language = body.get("language") or (box.contexts[ctx]["language"] if ctx else "python")
+    if language not in ("python", "python3"):
+        raise E2bError(400, f"language: {language!r} is not supported (python only)")
+    if body.get("env_vars"):
+        _strings(body.get("env_vars"), "env_vars")
+    s = service.sessions.get(sid)
+    if s is None:
+        raise E2bError(502, GONE.format(id=sid))
+    service.admit()
+    try:
+        r = await s.exec(python=code, timeout_s=_step_s(box, None), jupyter=True, operation="run_code")
+    except (SessionGone, NotFound):
+        raise E2bError(502, GONE.format(id=sid)) from None
+    service._record(r, s.job, "e2b")
+    if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED, Outcome.CANCELLED):
+        raise E2bError(503, f"{r.outcome.value}: {r.message or r.result.message}")
+    box.executions += 1
+    run = r.result.run
+    out: dict = {"stdout": run.stdout if run else "", "stderr": run.stderr if run else "",
+                 "results": [], "error": None, "execution_count": box.executions}
+    for d in (run.display if run else []):
+        if "text/plain" in d:
+            out["results"].append({"text": d["text/plain"], "is_main_result": True})
+    if run is not None and run.error:
+        e = run.error[0]
+        tb = e.get("traceback")
+        out["error"] = {"name": e.get("ename", "Error"), "value": e.get("evalue", ""),
+                        "traceback": "".join(tb) if isinstance(tb, list) else str(tb or "")}
+    elif r.outcome is Outcome.TIMEOUT or (run is not None and run.timed_out):
+        out["error"] = {"name": "TimeoutError", "value": "the cell ran past its timeout", "traceback": ""}
+    elif r.outcome is Outcome.OOM:
+        out["error"] = {"name": "MemoryError", "value": "the cell ran out of memory and was killed", "traceback": ""}
+    return out
+
+
+def e2b_context(service: Service, sid: str, token: str | None, op: str, body: dict | None,
+                context_id: str | None) -> Any:
+    """``/contexts``: create, list, remove. Every context of a sandbox shares its one python
+    interpreter (see the README's E2B section)."""
+    box = boxes(service).envd(sid, token)
+    if op == "create":
+        body = body or {}
+        language = body.get("language") or "python"
+        if language not in ("python", "python3"):
+            raise E2bError(400, f"language: {language!r} is not supported (python only)")
+        cwd = body.get("cwd") or HOME_ALIAS
+        ctx = {"id": uuid.uuid4().hex, "language": "python", "cwd": _path(cwd, "cwd")}
+        box.contexts[ctx["id"]] = ctx
+        return ctx
+    if op == "list":
+        return list(box.contexts.values())
+    if op == "remove":
+        if box.contexts.pop(context_id or "", None) is None:
+            raise E2bError(404, f"context {context_id!r} not found")
+        return None
+    raise E2bError(501, f"contexts: {op} is not supported by this server")
+
+
+CALLS = {
+    "e2b_create": e2b_create, "e2b_get": e2b_get, "e2b_list": e2b_list, "e2b_kill": e2b_kill,
+    "e2b_set_timeout": e2b_set_timeout, "e2b_connect": e2b_connect, "e2b_pause": e2b_pause,
+    "e2b_proc_start": e2b_proc_start, "e2b_proc_find": e2b_proc_find, "e2b_proc_wait": e2b_proc_wait,
+    "e2b_proc_list": e2b_proc_list, "e2b_proc_input": e2b_proc_input, "e2b_proc_close_stdin": e2b_proc_close_stdin,
+    "e2b_proc_signal": e2b_proc_signal, "e2b_fs": e2b_fs, "e2b_write": e2b_write, "e2b_read": e2b_read,
+    "e2b_health": e2b_health, "e2b_execute": e2b_execute, "e2b_context": e2b_context,
+}
