@@ -134,13 +134,14 @@ class Boxes:
             raise E2bError(404, f"sandbox {sid!r} not found")
         return box
 
-    def envd(self, sid: str, token: str | None) -> Box:
-        """For envd and the code interpreter: the sandbox's access token must match; a sandbox
-        that is gone (or paused) answers as E2B's proxy does."""
+    def envd(self, sid: str, token: str | None, required: bool = True) -> Box:
+        """For envd and the code interpreter: the sandbox's access token must match (``required``:
+        even when none is given; the SDKs send none to ``/contexts``, which runs no code); a
+        sandbox that is gone (or paused) answers as E2B's proxy does."""
         box = self.boxes.get(sid)
         if box is None or box.paused:
             raise E2bError(502, GONE.format(id=sid) + (" (it is paused)" if box is not None else ""))
-        if not token or not secrets.compare_digest(token, box.token):
+        if (token or required) and not (token and secrets.compare_digest(token, box.token)):
             raise E2bError(401, "missing or wrong X-Access-Token for this sandbox")
         return box
 
@@ -638,7 +639,7 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict)
         e = run.error[0]
         tb = e.get("traceback")
         out["error"] = {"name": e.get("ename", "Error"), "value": e.get("evalue", ""),
-                        "traceback": "".join(tb) if isinstance(tb, list) else str(tb or "")}
+                        "traceback": "\n".join(tb) if isinstance(tb, list) else str(tb or "")}
     elif r.outcome is Outcome.TIMEOUT or (run is not None and run.timed_out):
         out["error"] = {"name": "TimeoutError", "value": "the cell ran past its timeout", "traceback": ""}
     elif r.outcome is Outcome.OOM:
@@ -650,7 +651,7 @@ def e2b_context(service: Service, sid: str, token: str | None, op: str, body: di
                 context_id: str | None) -> Any:
     """``/contexts``: create, list, remove. Every context of a sandbox shares its one python
     interpreter (see the README's E2B section)."""
-    box = boxes(service).envd(sid, token)
+    box = boxes(service).envd(sid, token, required=False)
     if op == "create":
         body = body or {}
         language = body.get("language") or "python"

@@ -1,0 +1,346 @@
+"""The E2B dialect, driven by E2B's own SDKs (``e2b``, ``e2b-code-interpreter``, as pinned in the
+test extra) against a live ``tangram serve`` with real sandboxes. The SDKs are configured the way
+a user would: only ``E2B_API_URL``, ``E2B_SANDBOX_URL`` and ``E2B_API_KEY``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+
+import httpx
+import pytest
+
+e2b = pytest.importorskip("e2b")
+ci = pytest.importorskip("e2b_code_interpreter")
+
+from e2b import AsyncSandbox, CommandExitException, Sandbox  # noqa: E402
+from e2b.exceptions import (AuthenticationException, FileNotFoundException, NotFoundException,  # noqa: E402
+                            SandboxNotRunningException)
+
+from servers import Server  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+#: set in the server's environment: no sandbox may see it
+SERVER_SECRET = "tangram-e2b-test-secret-4d1f"
+
+
+def _point_sdk_at(url: str, key: str = "e2b_0123456789abcdef") -> dict:
+    saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
+    os.environ.update(E2B_API_URL=url, E2B_SANDBOX_URL=url, E2B_API_KEY=key)
+    return saved
+
+
+def _restore(saved: dict) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    os.environ["TANGRAM_E2B_TEST_SECRET"] = SERVER_SECRET
+    try:
+        srv = Server(tmp_path_factory.mktemp("e2b"), config={"sandbox": {"warm_pool": 2}})
+    finally:
+        os.environ.pop("TANGRAM_E2B_TEST_SECRET", None)
+    saved = _point_sdk_at(srv.url)
+    yield srv
+    _restore(saved)
+    srv.stop()
+
+
+# -- the control plane and the MVP calls, sync ----------------------------------------------------
+
+def test_sync_sandbox_commands_files_and_lifecycle(server):
+    sb = Sandbox.create(metadata={"job": "e2b-test", "purpose": "sync"}, envs={"FOO": "bar baz"}, timeout=120)
+    try:
+        info = sb.get_info()
+        assert info.sandbox_id == sb.sandbox_id and info.metadata == {"job": "e2b-test", "purpose": "sync"}
+        assert info.state.value == "running"
+        assert 100 < (info.end_at - info.started_at).total_seconds() <= 121
+
+        r = sb.commands.run('echo "out $FOO"; echo err >&2; pwd; echo $HOME')
+        assert (r.exit_code, r.stderr) == (0, "err\n")
+        assert r.stdout == "out bar baz\n/home/user\n/home/user\n"
+        assert sb.commands.run("echo $FOO", envs={"FOO": "mine"}).stdout == "mine\n"  # the command's own wins
+        assert sb.commands.run("pwd", cwd="/tmp").stdout == "/tmp\n"
+        assert sb.commands.run("whoami || id -u", user="root").exit_code == 0
+        with pytest.raises(CommandExitException) as e:
+            sb.commands.run("echo partial; exit 3")
+        assert e.value.exit_code == 3 and e.value.stdout == "partial\n"
+
+        # files: under the home directory and elsewhere, read back by commands and by the SDK
+        info = sb.files.write("/home/user/a.txt", "hello")
+        assert (info.name, info.path) == ("a.txt", "/home/user/a.txt")
+        sb.files.write("rel/b.bin", b"\x00\xffbin")  # relative: under the home directory
+        sb.files.write("/tmp/c.txt", "tmp file")
+        assert sb.commands.run("cat a.txt rel/b.bin /tmp/c.txt | wc -c").stdout.strip() == "18"
+        assert sb.files.read("/home/user/a.txt") == "hello"
+        assert sb.files.read("/home/user/rel/b.bin", format="bytes") == bytearray(b"\x00\xffbin")
+        assert sb.files.read("/tmp/c.txt") == "tmp file"
+        assert sb.files.exists("/home/user/a.txt") and not sb.files.exists("/home/user/none")
+        assert sb.files.make_dir("/home/user/d/e") is True and sb.files.make_dir("/home/user/d/e") is False
+        names = sorted(e.path for e in sb.files.list("/home/user", depth=2))
+        assert names == ["/home/user/a.txt", "/home/user/d", "/home/user/d/e", "/home/user/rel",
+                         "/home/user/rel/b.bin"]
+        got = sb.files.get_info("/home/user/a.txt")
+        assert (got.type.value, got.size, got.name) == ("file", 5, "a.txt")
+        assert sb.files.get_info("/home/user/d").type.value == "dir"
+        moved = sb.files.rename("/home/user/a.txt", "/home/user/d/a2.txt")
+        assert moved.path == "/home/user/d/a2.txt" and sb.files.read("d/a2.txt") == "hello"
+        sb.files.remove("/home/user/d")
+        assert not sb.files.exists("/home/user/d/a2.txt")
+        with pytest.raises(FileNotFoundException):
+            sb.files.read("/home/user/none")
+        with pytest.raises(NotFoundException):
+            sb.files.remove("/home/user/none")
+        w = sb.files.write_files([{"path": "/home/user/m1", "data": "1"}, {"path": "/tmp/m2", "data": "2"}])
+        assert [x.path for x in w] == ["/home/user/m1", "/tmp/m2"]
+        assert sb.commands.run("cat /home/user/m1 /tmp/m2").stdout == "12"
+
+        listed = [s.sandbox_id for s in Sandbox.list(query=e2b.SandboxQuery(metadata={"purpose": "sync"}))
+                  .next_items()]
+        assert listed == [sb.sandbox_id]
+        before = sb.get_info().end_at
+        sb.set_timeout(600)
+        assert (sb.get_info().end_at - before).total_seconds() > 400
+        assert sb.is_running()
+    finally:
+        sb.kill()
+    with pytest.raises(NotFoundException):
+        Sandbox.get_info(sb.sandbox_id)
+    with pytest.raises(SandboxNotRunningException):  # as E2B's proxy answers for a sandbox that is gone
+        sb.commands.run("true")
+    assert not sb.is_running()
+    assert Sandbox.kill(sb.sandbox_id) is False
+
+
+def test_sync_code_interpreter(server):
+    sb = ci.Sandbox.create()
+    try:
+        ex = sb.run_code("x = 6 * 7\nprint('side')\nx")
+        assert ex.text == "42" and ex.logs.stdout == ["side\n"] and ex.error is None
+        assert ex.results[0].is_main_result
+        assert sb.run_code("x + 1").text == "43"  # the interpreter's state carries over
+        ex = sb.run_code("import sys; print('e', file=sys.stderr); 1/0")
+        assert ex.error.name == "ZeroDivisionError" and ex.error.value == "division by zero"
+        assert "ZeroDivisionError" in ex.error.traceback and ex.logs.stderr == ["e\n"]
+        # the interpreter and commands share the files
+        sb.run_code("open('/home/user/from_py.txt', 'w').write('py')")
+        assert sb.files.read("/home/user/from_py.txt") == "py"
+        assert sb.commands.run("cat from_py.txt").stdout == "py"
+        ctx = sb.create_code_context()
+        assert ctx.id in [c.id for c in sb.list_code_contexts()] and ctx.cwd == "/home/user"
+        assert sb.run_code("x", context=ctx).text == "42"  # contexts share the interpreter (README)
+        sb.remove_code_context(ctx)
+        assert sb.list_code_contexts() == []
+        with pytest.raises(e2b.SandboxException) as e:  # the interpreter SDK maps every 4xx but 404 to this
+            sb.run_code("1", language="r")
+        assert "language" in str(e.value)
+    finally:
+        sb.kill()
+
+
+# -- async: background commands, connect, stdin, signals, the code interpreter --------------------
+
+def test_async_background_connect_stdin_and_kill(server):
+    async def main():
+        sb = await AsyncSandbox.create(metadata={"trajectory": "traj-async-1"})
+        assert sb.sandbox_id == "traj-async-1"
+        try:
+            h = await sb.commands.run("sleep 0.5; echo bg done", background=True, timeout=0)
+            listed = await sb.commands.list()
+            assert [p.pid for p in listed] == [h.pid] and listed[0].args[-1] == "sleep 0.5; echo bg done"
+            again = await sb.commands.connect(h.pid)
+            r = await h.wait()
+            assert r.stdout == "bg done\n" and r.exit_code == 0
+            assert (await again.wait()).stdout == "bg done\n"
+            assert await sb.commands.list() == []
+
+            p = await sb.commands.run("cat; echo end", stdin=True, background=True)
+            await sb.commands.send_stdin(p.pid, "piped\n")
+            await sb.commands.close_stdin(p.pid)
+            assert (await p.wait()).stdout == "piped\nend\n"
+
+            slow = await sb.commands.run("sleep 30", background=True)
+            await asyncio.sleep(0.3)
+            assert await sb.commands.kill(slow.pid) is True
+            with pytest.raises(CommandExitException) as e:
+                await slow.wait()
+            assert e.value.exit_code == -1
+            assert (await sb.commands.run("echo after")).stdout == "after\n"
+
+            await sb.files.write("/home/user/x.py", "print(6*7)")
+            assert (await sb.commands.run("python3 x.py")).stdout == "42\n"
+            assert await sb.files.read("/home/user/x.py") == "print(6*7)"
+        finally:
+            await sb.kill()
+        with pytest.raises(SandboxNotRunningException):
+            await sb.files.read("/home/user/x.py")
+
+        c = await ci.AsyncSandbox.create()
+        try:
+            assert (await c.run_code("sum(range(10))")).text == "45"
+        finally:
+            await c.kill()
+
+    asyncio.run(main())
+
+
+def test_pause_keeps_files_and_connect_resumes(server):
+    sb = Sandbox.create(timeout=60)
+    try:
+        sb.files.write("/home/user/keep.txt", "kept")
+        sb.pause()
+        assert Sandbox.get_info(sb.sandbox_id).state.value == "paused"
+        with pytest.raises(SandboxNotRunningException):
+            sb.commands.run("true")
+        back = Sandbox.connect(sb.sandbox_id)
+        assert back.get_info().state.value == "running"
+        assert back.commands.run("cat keep.txt").stdout == "kept"
+    finally:
+        sb.kill()
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+def test_errors_in_e2b_shape(server):
+    with pytest.raises(NotFoundException):
+        Sandbox.connect("no-such-sandbox")
+    with pytest.raises(e2b.SandboxException) as e:  # the SDK's exception for a 400
+        Sandbox.create(timeout=-5)
+    assert "timeout" in str(e.value)
+    with pytest.raises(Exception) as e:
+        Sandbox.create(template="no-such-template")
+    assert "templateID" in str(e.value)
+    # raw: every answer is JSON {"code": int, "message"}, routing errors included
+    r = httpx.get(f"{server.url}/sandboxes/nope", headers={"X-API-Key": "k"})
+    assert r.status_code == 404 and set(r.json()) == {"code", "message"} and r.json()["code"] == 404
+    r = httpx.get(f"{server.url}/no/such/route", headers={"E2b-Sandbox-Id": "x", "E2b-Sandbox-Port": "49983"})
+    assert r.status_code == 404 and r.json()["code"] == 404
+    r = httpx.post(f"{server.url}/v2/sandboxes", content=b"{not json", headers={"X-API-Key": "k"})
+    assert r.status_code == 400 and r.json()["message"].startswith("body:")
+    r = httpx.post(f"{server.url}/v2/sandboxes", json={"templateID": "base", "metadata": {"job": 3}})
+    assert r.status_code == 400 and r.json()["message"].startswith("metadata:")
+
+    sb = Sandbox.create()
+    try:
+        # envd calls need the sandbox's own access token
+        forged = Sandbox(sandbox_id=sb.sandbox_id, sandbox_domain=None, envd_version=sb._envd_version,
+                         envd_access_token="forged", connection_config=e2b.ConnectionConfig(
+                             extra_sandbox_headers={"E2b-Sandbox-Id": sb.sandbox_id, "X-Access-Token": "forged"}))
+        with pytest.raises(AuthenticationException):
+            forged.commands.run("true")
+        with pytest.raises(Exception):
+            forged.files.read("/home/user/x")
+        # a Connect error for a bad RPC body, naming the field
+        r = httpx.post(f"{server.url}/filesystem.Filesystem/Stat", json={"path": 7},
+                       headers={"E2b-Sandbox-Id": sb.sandbox_id, "X-Access-Token": sb._envd_access_token})
+        assert r.status_code == 400 and r.json() == {"code": "invalid_argument", "message": "path: a path is expected"}
+    finally:
+        sb.kill()
+
+
+def test_api_key_is_the_servers_token(tmp_path):
+    srv = Server(tmp_path, token="sekrit-token")
+    saved = _point_sdk_at(srv.url, "wrong")
+    try:
+        with pytest.raises(AuthenticationException):
+            Sandbox.create()
+        sb = Sandbox.create(api_key="sekrit-token")
+        assert sb.commands.run("echo ok").stdout == "ok\n"
+        sb.kill()
+    finally:
+        _restore(saved)
+        srv.stop()
+
+
+# -- containment: model-written code run as E2B commands ------------------------------------------
+
+def test_containment_as_e2b_commands(server, tmp_path):
+    marker = tmp_path / "host-secret.txt"
+    marker.write_text("host secret")
+    a, b = Sandbox.create(), Sandbox.create()
+    try:
+        a.files.write("/home/user/mine.txt", "only a's")
+        a.commands.run("echo a-tmp > /tmp/a-tmp.txt")
+        r = b.commands.run(f"cat {marker}; ls /home/user /tmp; cat /proc/1/environ | tr '\\0' '\\n'; env")
+        out = r.stdout + r.stderr
+        assert "host secret" not in out and "mine.txt" not in out and "a-tmp" not in out
+        assert SERVER_SECRET not in out and "E2B_API_KEY" not in out
+        net = b.commands.run("python3 -c \"import socket; socket.create_connection(('1.1.1.1', 53), 3)\" "
+                             "&& echo CONNECTED || echo blocked")
+        assert net.stdout.strip() == "blocked"
+        assert b.commands.run("touch /usr/x 2>&1 || echo ro").stdout.strip().endswith("ro")
+    finally:
+        a.kill()
+        b.kill()
+
+
+# -- many at once ---------------------------------------------------------------------------------
+
+async def _many(n: int) -> list[float]:
+    async def one(i: int) -> float:
+        t = time.perf_counter()
+        sb = await AsyncSandbox.create(metadata={"i": str(i)})
+        r = await sb.commands.run(f"echo {i}")
+        assert r.stdout == f"{i}\n"
+        await sb.files.write("/home/user/i", str(i))
+        assert await sb.files.read("/home/user/i") == str(i)
+        await sb.kill()
+        return time.perf_counter() - t
+
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def test_concurrent_sandboxes_from_asyncio(server):
+    took = asyncio.run(_many(20))
+    assert len(took) == 20
+    assert Sandbox.list(query=e2b.SandboxQuery(metadata={"i": "3"})).next_items() == []
+
+
+@pytest.mark.slow
+def test_a_hundred_concurrent_sandboxes(server):
+    assert len(asyncio.run(_many(100))) == 100
+
+
+@pytest.mark.slow
+def test_through_http_fronts(tmp_path):
+    srv = Server(tmp_path, args=("--fronts", "2"))
+    saved = _point_sdk_at(srv.url)
+    try:
+        sb = ci.Sandbox.create()
+        assert sb.commands.run("echo via fronts").stdout == "via fronts\n"
+        sb.files.write("/home/user/f", "F")
+        assert sb.files.read("/home/user/f") == "F"
+        h = sb.commands.run("sleep 0.2; echo bg", background=True)
+        assert h.wait().stdout == "bg\n"
+        assert sb.run_code("2 + 2").text == "4"
+        sb.kill()
+        with pytest.raises(SandboxNotRunningException):
+            sb.commands.run("true")
+    finally:
+        _restore(saved)
+        srv.stop()
+
+
+def test_list_pages(server):
+    made = [Sandbox.create(metadata={"page": "yes"}) for _ in range(3)]
+    try:
+        pager = Sandbox.list(query=e2b.SandboxQuery(metadata={"page": "yes"}), limit=2)
+        first = pager.next_items()
+        assert len(first) == 2 and pager.has_next
+        second = pager.next_items()
+        assert len(second) == 1 and not pager.has_next
+        assert {s.sandbox_id for s in first + second} == {s.sandbox_id for s in made}
+        r = httpx.get(f"{server.url}/v2/sandboxes", params={"limit": "0"})
+        assert r.status_code == 400 and "limit" in json.loads(r.text)["message"]
+    finally:
+        for s in made:
+            s.kill()
