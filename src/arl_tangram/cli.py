@@ -539,6 +539,22 @@ def bench_sessions(
     _print_json(run(sessions, concurrency, over, log=lambda m: console.print(m)), json_out)
 
 
+@bench_app.command("e2b")
+def bench_e2b(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    samples: int = typer.Option(30, min=1, help="Calls per latency figure."),
+    open_n: int = typer.Option(200, "--open", min=1, help="Sandboxes to open at once, each with a small state."),
+) -> None:
+    """E2B's own SDK against a local server: create + first command, commands.run("true"), 1 MB
+    write + read, run_code (p50/p90), and N sandboxes open at once."""
+    from .bench.e2b import run
+
+    try:
+        _print_json(run(samples, open_n, log=lambda m: console.print(m)), json_out)
+    except RuntimeError as e:
+        raise fail(str(e))
+
+
 _STORE_HELP = "Image cache directory."
 _STORE_DEFAULT = "$TANGRAM_IMAGE_STORE, else ~/.local/share/arl-tangram/images"
 

@@ -275,10 +275,7 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
         except Exception as e:
             err = _fault(e)
             return JSONResponse(err.rest(), status_code=err.status)
-        if "gzip" in request.headers.get("accept-encoding", "") and len(data) > 1024:
-            return Response(gzip.compress(data, 1), media_type="application/octet-stream",
-                            headers={"content-encoding": "gzip"})
-        return Response(data, media_type="application/octet-stream")
+        return Response(data, media_type="application/octet-stream")  # never compressed: loopback
 
     @router.post("/files", include_in_schema=False)
     async def upload(request: Request) -> Response:

@@ -46,6 +46,8 @@ MAX_TIMEOUT_S = 86_400
 DEFAULT_TEMPLATES = frozenset({"base", "code-interpreter-v1", "code-interpreter", "default"})
 #: the longest one command or cell may run (the native API's own bound on a session step)
 MAX_STEP_S = 3600.0
+#: the most a file action reads of one file (the runner's own cap)
+READ_CAP = 1 << 24
 #: E2B's proxy answers a sandbox that is gone with this (its clients match "was not found")
 GONE = "The sandbox {id} was not found"
 
@@ -582,7 +584,10 @@ async def e2b_read(service: Service, sid: str, token: str | None, path: str) -> 
         if r.outcome is not Outcome.OK:
             raise E2bError(503, f"{r.outcome.value}: {r.message or r.result.message}")
         if rel in r.result.files:
-            return r.result.files[rel]
+            data = r.result.files[rel]
+            if len(data) >= READ_CAP:  # the runner reads this much and no more
+                raise E2bError(507, f"path {p}: {READ_CAP >> 20} MB or larger, more than one read carries")
+            return data
     q = shlex.quote(p)
     res = await _exec(service, box, f"if [ -d {q} ]; then echo 'is a directory' >&2; exit 2; fi; base64 -w0 -- {q}",
                       None, 60.0, f"x-{uuid.uuid4().hex}", "files")
