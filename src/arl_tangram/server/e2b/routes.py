@@ -220,7 +220,7 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
                     pid = await _call(lambda: calls.e2b_proc_start(sid, token, msg, _timeout_header(request)))
                 else:
                     pid = await _call(lambda: calls.e2b_proc_find(sid, token, msg.get("process")))
-                return StreamingResponse(_events(calls, sid, token, pid, request),
+                return StreamingResponse(_events(pid, lambda: calls.e2b_proc_wait(sid, token, pid), request),
                                          media_type="application/connect+json")
             msg = envelope.decode(await request.body())
             if method == "List":
@@ -331,7 +331,7 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
         return await _rest(lambda: calls.e2b_context(_sid(request), _token(request), "restart", None, context_id))
 
 
-async def _events(calls: Any, sid: str, token: str | None, pid: int, request: Request):
+async def _events(pid: int, wait: Callable[[], Any], request: Request):
     """A process's event stream: start (its pid), keepalives while it runs, its output, its end,
     then the end of the stream (carrying the error, if it did not run to an end)."""
     yield envelope.frame({"event": {"start": {"pid": pid}}})
@@ -339,7 +339,7 @@ async def _events(calls: Any, sid: str, token: str | None, pid: int, request: Re
         interval = min(KEEPALIVE_S, float(request.headers.get("keepalive-ping-interval") or KEEPALIVE_S))
     except ValueError:
         interval = KEEPALIVE_S
-    waiting = asyncio.ensure_future(_call(lambda: calls.e2b_proc_wait(sid, token, pid)))
+    waiting = asyncio.ensure_future(_call(wait))
     try:
         while not waiting.done():
             done, _ = await asyncio.wait({waiting}, timeout=max(1.0, interval))
