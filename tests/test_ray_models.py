@@ -202,3 +202,13 @@ def test_a_first_gpu_node_that_joins_later_brings_the_services(monkeypatch):
     assert models == ["rm"]
     assert [r.outcome for r in later] == [Outcome.OK] * 3
     assert [r.result for r in later] == pytest.approx(_expected()[:3], abs=1e-5)
+
+
+def test_the_model_chaos_bench_counts_no_lost_and_no_duplicated_call():
+    """``tangram bench cluster --gpu-nodes 2`` (the figure's harness), on CPU devices here."""
+    from arl_tangram.bench.cluster import model_chaos
+
+    row = model_chaos(2, 90, "cpu", lambda m: None)
+    assert row["batches_running_on_killed_agent"] >= 1 and row["batches_rerun"] >= 1
+    assert (row["lost"], row["duplicated"], row["outcomes"]) == (0, 0, {"ok": 90})
+    assert row["engine_records_per_batch_max"] == 2 and row["gpus_left"] == 1

@@ -510,8 +510,13 @@ def bench_cluster(
     actions: int = typer.Option(150, min=1, help="One-shots per scaling run."),
     work_ms: float = typer.Option(0.0, min=0, help="CPU time each one-shot burns (0: a trivial program)."),
     chaos: int = typer.Option(300, min=0, help="One-shots of the chaos run (a node removed mid-run); 0 skips it."),
+    gpu_nodes: int = typer.Option(0, min=0, help="Nodes of one GPU each for the model chaos run (a node's agent "
+                                  "killed with teacher calls in flight; with CUDA node i gets GPU i); 0 skips it."),
+    model_calls: int = typer.Option(400, min=3, help="Teacher calls of the model chaos run."),
+    model_device: str = typer.Option("auto", help="cuda, cpu (CPU devices stand in for GPUs) or auto."),
 ) -> None:
-    """The Ray backend: scaling over nodes, a node killed mid-run, the engine's cost at 64 nodes."""
+    """The Ray backend: scaling over nodes, a node killed mid-run, the engine's cost at 64 nodes,
+    and (--gpu-nodes) model services with a GPU node's agent killed mid-run."""
     from .bench.cluster import run  # first: it keeps the loopback clusters' addresses on 127.0.0.1
 
     try:
@@ -522,7 +527,10 @@ def bench_cluster(
         import ray  # noqa: F401
     except ImportError:
         raise fail("bench cluster needs Ray: pip install 'arl-tangram[ray]'")
-    _print_json(run(parsed, cores, actions, work_ms, chaos_actions=chaos, log=lambda m: console.print(m)), json_out)
+    if model_device not in ("auto", "cuda", "cpu"):
+        raise fail(f"--model-device: expected auto, cuda or cpu, got {model_device!r}")
+    _print_json(run(parsed, cores, actions, work_ms, chaos_actions=chaos, log=lambda m: console.print(m),
+                    gpu_nodes=gpu_nodes, model_calls=model_calls, model_device=model_device), json_out)
 
 
 @bench_app.command("sessions")

@@ -5,6 +5,8 @@
 * ``chaos``: ``actions`` one-shots in flight while a node is removed mid-run: how many were lost
   (no terminal answer), answered twice, and how long until the dead node's one-shots had finished
   elsewhere.
+* ``model_chaos`` (``gpu_nodes`` > 0): model services on nodes of one GPU each, a node's agent
+  killed with teacher calls in flight: how many were lost, answered twice, re-run.
 * ``engine``: the head's own cost at scale, with simulated agents: scheduling rounds per second
   with ``sessions`` open sessions spread over ``engine_nodes`` nodes and a queue of 10,000.
 
@@ -148,6 +150,78 @@ def chaos(nodes: int, cores: int, actions: int, work_ms: float, log: Callable[[s
     return row
 
 
+def model_chaos(gpu_nodes: int, calls: int, device: str, log: Callable[[str], None], concurrency: int = 32) -> dict:
+    """Model services on ``gpu_nodes`` Ray nodes of one GPU each (on CUDA, node ``i`` gets this
+    machine's GPU ``i``; else CPU "devices" stand in): ``calls`` teacher calls in flight while the
+    agent of a node running some is killed. Lost (no terminal answer, or not ``ok``), answered
+    twice, how many re-ran, and how long until they had."""
+    from ..managers.models.spec import ModelServiceConfig
+    from ..runtime.api import Tangram
+
+    cuda = device == "cuda"
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for i in range(gpu_nodes):  # each raylet shows its workers its own GPU only
+        c.add_node(num_cpus=0, num_gpus=1, env_vars={"CUDA_VISIBLE_DEVICES": str(i)} if cuda else None)
+    c.wait_for_nodes()
+    size = {"d_model": 1024, "layers": 8, "heads": 8, "vocab": 32000, "dtype": "bfloat16"} if cuda else {}
+    teacher = ModelServiceConfig("teacher", "arl_tangram.managers.models.tiny:teacher_model", size, max_batch=8)
+    vocab = size.get("vocab", 512)
+    try:
+        async def main() -> dict:
+            async with Tangram.ray(c.address, models=[teacher], model_device="cuda" if cuda else "cpu",
+                                   gpu_memory_gb=None if cuda else 4.0) as tg:
+                rt = tg.runtime
+                records: Counter = Counter()
+                rt.engine.listeners.append(lambda f: records.update([f.action.id]))
+                answers: Counter = Counter()
+                finished_at: list[float] = []
+                sem = asyncio.Semaphore(concurrency)
+
+                async def one(i: int) -> None:
+                    async with sem:
+                        r = await tg.logprobs("teacher", [(7 * i + j) % vocab for j in range(128)])
+                        answers[(i, r.outcome.value)] += 1
+                        finished_at.append(time.perf_counter())
+
+                tasks = [asyncio.ensure_future(one(i)) for i in range(calls)]
+                while len(finished_at) < calls // 3:
+                    await asyncio.sleep(0.01)
+                victim = None
+                while victim is None:
+                    victim = next((n for n in rt.nodes_by_id.values() if n.state == "alive" and n.running), None)
+                    await asyncio.sleep(0.001)
+                on_victim = set(victim.running)
+                killed_at = time.perf_counter()
+                import ray
+
+                ray.kill(victim.handle)
+                done, pending = await asyncio.wait(tasks, timeout=300)
+                per_call: Counter = Counter()
+                for (i, _), k in answers.items():
+                    per_call[i] += k
+                ok = sum(k for (_, o), k in answers.items() if o == "ok")
+                rerun = [records[a] for a in on_victim]
+                return {"gpu_nodes": gpu_nodes, "device": "cuda" if cuda else "cpu", "calls": calls,
+                        "batches_running_on_killed_agent": len(on_victim),
+                        "lost": calls - ok + len(pending),
+                        "duplicated": sum(1 for k in per_call.values() if k > 1),
+                        "outcomes": dict(Counter(o for (_, o), k in answers.items() for _ in range(k))),
+                        "batches_rerun": sum(1 for k in rerun if k == 2),
+                        "engine_records_per_batch_max": max(records.values()),
+                        "all_done_after_kill_s": round(max(finished_at) - killed_at, 2),
+                        "gpus_left": rt.engine.gpu.capacity}
+
+        row = asyncio.run(main())
+    finally:
+        _close(c)
+    log(f"model chaos: {row['calls']} calls on {row['gpu_nodes']} GPU nodes ({row['device']}), an agent killed "
+        f"with {row['batches_running_on_killed_agent']} batch(es) running: lost {row['lost']}, duplicated "
+        f"{row['duplicated']}, {row['batches_rerun']} re-run")
+    return row
+
+
 def engine_cost(nodes: int = 64, sessions: int = 10_000, depth: int = 10_000, seconds: float = 2.0) -> dict:
     """The head's engine with simulated agents: scheduling rounds (complete + submit + schedule)
     per second with ``sessions`` open sessions over ``nodes`` nodes of 64 cores and ``depth``
@@ -158,7 +232,8 @@ def engine_cost(nodes: int = 64, sessions: int = 10_000, depth: int = 10_000, se
 
 
 def run(nodes: tuple[int, ...] = (1, 2, 3), cores: int = 1, actions: int = 150, work_ms: float = 0.0,
-        per_core: int = 4, chaos_actions: int = 300, log: Callable[[str], None] = print) -> dict:
+        per_core: int = 4, chaos_actions: int = 300, log: Callable[[str], None] = print, gpu_nodes: int = 0,
+        model_calls: int = 400, model_device: str = "auto") -> dict:
     result = {"machine_cpus": len(os.sched_getaffinity(0))}
     result["engine"] = engine_cost()
     log(f"engine: {result['engine']['decisions_per_s']:,} decisions/s with {result['engine']['open_sessions']:,} "
@@ -169,4 +244,16 @@ def run(nodes: tuple[int, ...] = (1, 2, 3), cores: int = 1, actions: int = 150, 
         result["scaling_ratio"] = {str(r["nodes"]): round(r["actions_per_s"] / base, 2) for r in result["scaling"]}
     if chaos_actions:
         result["chaos"] = chaos(max(nodes), cores, chaos_actions, 100.0 if work_ms <= 0 else work_ms, log)
+    if gpu_nodes:
+        result["model_chaos"] = model_chaos(gpu_nodes, model_calls, _model_device(model_device), log)
     return result
+
+
+def _model_device(device: str) -> str:
+    if device != "auto":
+        return device
+    try:
+        import torch
+    except ImportError:
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"
