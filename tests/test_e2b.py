@@ -344,3 +344,52 @@ def test_list_pages(server):
     finally:
         for s in made:
             s.kill()
+
+
+# -- templates that are imported images: /home/user, files, fork ---------------------------------
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="image sandboxes mount overlays: root only")
+def test_image_template_files_fork_and_metrics(tmp_path):
+    from arl_tangram.managers.sandbox.images import ImageStore
+
+    from imagekit import docker_archive, host_tools
+
+    tools = [shutil.which(t) for t in ("bash", "cat", "mkdir", "ls", "base64", "dirname", "env", "sleep")]
+    store = ImageStore(tmp_path / "store")
+    layer = host_tools(*tools) + [("symlink", "usr/bin/sh", "bash"), ("file", "etc/motd", "from the image\n"),
+                                  ("dir", "home/user", 0o755), ("file", "home/user/hidden", "shadowed\n")]
+    store.import_path(docker_archive(tmp_path / "img.tar", [layer]), "tiny-e2b")
+    srv = Server(tmp_path, config={"sandbox": {"image_store": str(store.root), "warm_pool": 0}})
+    saved = _point_sdk_at(srv.url)
+    try:
+        sb = Sandbox.create(template="tiny-e2b", metadata={"job": "img"})
+        assert sb.get_info().template_id == "tiny-e2b"
+        # the image's /home/user is the workspace here too (mounted over the image's own)
+        assert sb.commands.run("pwd; cat /etc/motd; ls /home/user").stdout == "/home/user\nfrom the image\n"
+        sb.files.write("/home/user/state.txt", "s1")
+        sb.files.write("/tmp/t.txt", "tmp")
+        assert sb.commands.run("cat state.txt /tmp/t.txt").stdout == "s1tmp"
+        assert sb.files.read("/tmp/t.txt") == "tmp"
+        assert [e.name for e in sb.files.list("/home/user")] == ["state.txt"]
+        assert sb.files.get_info("/etc/motd").size == len("from the image\n")
+        forks = sb.fork(count=2, timeout=60)
+        assert len(forks) == 2 and all(isinstance(f, Sandbox) for f in forks)
+        for i, f in enumerate(forks):
+            assert f.get_info().metadata == {"job": "img"}
+            assert f.commands.run("cat state.txt").stdout == "s1"
+            f.files.write("/home/user/state.txt", f"child {i}")
+        assert sb.files.read("/home/user/state.txt") == "s1"  # copy-on-write: the source is untouched
+        assert [f.files.read("state.txt") for f in forks] == ["child 0", "child 1"]
+        m = sb.get_metrics()
+        assert len(m) == 1 and m[0].mem_used > 0 and m[0].mem_total >= m[0].mem_used
+        for f in forks:
+            f.kill()
+        sb.kill()
+        plain = Sandbox.create()
+        with pytest.raises(e2b.SandboxException) as e:  # the default sandbox is no image: nothing to fork
+            plain.fork()
+        assert "fork" in str(e.value)
+        plain.kill()
+    finally:
+        _restore(saved)
+        srv.stop()

@@ -124,9 +124,10 @@ def test_host_files_are_invisible_and_the_root_is_read_only():
     project = Path(__file__).resolve()
     code = f"""
 import os
-for p in [{str(project)!r}, '/root', '/home', {str(project.parents[1])!r}]:
+for p in [{str(project)!r}, '/root', {str(project.parents[1])!r}]:
     print(p, os.path.exists(p))
-for p in ['/etc/evil', '/usr/evil', '/evil', '/proc/evil']:
+print('home:', os.listdir('/home'), os.path.realpath('/home/user'))  # only the workspace's second name
+for p in ['/etc/evil', '/usr/evil', '/evil', '/proc/evil', '/home/evil']:
     try:
         open(p, 'w').write('x'); print('WROTE', p)
     except OSError as e:
@@ -136,8 +137,8 @@ open('/workspace/ok.txt', 'w').write('fine'); print('workspace ok')
 
     r = run(lambda tg: tg.run(code))
     assert r.outcome is Outcome.OK, r.stderr
-    assert "True" not in r.stdout and "WROTE" not in r.stdout
-    assert r.stdout.count("denied") == 4 and "workspace ok" in r.stdout
+    assert "True" not in r.stdout and "WROTE" not in r.stdout and "home: ['user'] /workspace" in r.stdout
+    assert r.stdout.count("denied") == 5 and "workspace ok" in r.stdout
     assert not os.path.exists("/evil") and not os.path.exists("/etc/evil")
 
 

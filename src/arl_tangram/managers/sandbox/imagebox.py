@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from .cgroups import CgroupRoot
 from .images import Image, ImageError, ImageStore
-from .isolation import RUNNER, SHELL, Layout
+from .isolation import HOME_ALIAS, RUNNER, SHELL, Layout
 from .rootfs import Interpreter, Layer, RootFs, choose_interpreter, ensure_base, overlay_supported, umount
 from .sandbox import Limits, Sandbox, SandboxDied
 
@@ -40,7 +40,22 @@ def bwrap_argv(layout: Layout, root: str, interp: Interpreter) -> list[str]:
              "--chdir", "/workspace", "--clearenv",
              "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/workspace",
              "--setenv", "LANG", "C.UTF-8"]
-    return argv + [*interp.argv, "/run/tangram/runner.py", "--reap"]
+    return argv + _home_alias(root) + [*interp.argv, "/run/tangram/runner.py", "--reap"]
+
+
+def _home_alias(root: str) -> list[str]:
+    """``HOME_ALIAS`` names the workspace in image sandboxes too: a link where the image has
+    nothing there, the workspace mounted over the image's own directory where it has one
+    (anything else there, or a linked parent, is left as the image has it)."""
+    parent = os.path.join(root, os.path.dirname(HOME_ALIAS).lstrip("/"))
+    path = os.path.join(root, HOME_ALIAS.lstrip("/"))
+    if os.path.islink(parent):
+        return []
+    if not os.path.lexists(path):
+        return ["--symlink", "/workspace", HOME_ALIAS]
+    if os.path.isdir(path) and not os.path.islink(path):
+        return ["--bind", os.path.join(root, "workspace"), HOME_ALIAS]
+    return []
 
 
 def remove_stale_roots() -> int:

@@ -1,19 +1,25 @@
 """envd's filesystem calls (Stat, ListDir, MakeDir, Remove, Move), carried out inside the sandbox.
 
-Each is one shell step of the sandbox's session that runs ``HELPER`` (standard library only)
-under the sandbox's python: it sees exactly what the sandbox's own commands see, whatever the
-path (the workspace, ``/tmp``), and nothing else. It prints one JSON object: the answer, or
-``{"error": [connect code, message]}``.
+Each is one python step of the sandbox's session that runs ``HELPER`` (standard library only)
+in a namespace of its own, inside the sandbox: it sees exactly what the sandbox's own commands
+see, whatever the path (the workspace, ``/tmp``), and nothing else, and needs no python in the
+image (the step runs in the sandbox's agent) and no process start. The session's own python
+variables are untouched. It prints one JSON object: the answer, or ``{"error": [connect code,
+message]}``; only that line is read, as data.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
 
 HELPER = r'''
 import json, os, stat, sys, shutil, datetime
-op, args = sys.argv[1], json.loads(sys.argv[2])
+op, args = OP, json.loads(ARGS)
+class Done(Exception):
+    pass
+def say(value):
+    sys.stdout.write("\n" + json.dumps(value) + "\n")
+    sys.stdout.flush()
 KINDS = {stat.S_IFREG: "FILE_TYPE_FILE", stat.S_IFDIR: "FILE_TYPE_DIRECTORY"}
 def entry(path):
     st = os.lstat(path)
@@ -34,12 +40,12 @@ def entry(path):
         out["symlinkTarget"] = target
     return out
 def fail(code, message):
-    print(json.dumps({"error": [code, message]}))
-    sys.exit(0)
+    say({"error": [code, message]})
+    raise Done()
 try:
     p = args.get("path")
     if op == "stat":
-        print(json.dumps({"entry": entry(p)}))
+        say({"entry": entry(p)})
     elif op == "list":
         if not os.path.isdir(p):
             fail("invalid_argument" if os.path.exists(p) else "not_found",
@@ -56,12 +62,12 @@ try:
                 if level < depth and e["type"] == "FILE_TYPE_DIRECTORY" and not os.path.islink(full):
                     walk(full, level + 1)
         walk(p, 1)
-        print(json.dumps({"entries": found}))
+        say({"entries": found})
     elif op == "mkdir":
         if os.path.lexists(p):
             fail("already_exists", f"path {p} already exists")
         os.makedirs(p)
-        print(json.dumps({"entry": entry(p)}))
+        say({"entry": entry(p)})
     elif op == "remove":
         if not os.path.lexists(p):
             fail("not_found", f"path {p} does not exist")
@@ -69,7 +75,7 @@ try:
             shutil.rmtree(p)
         else:
             os.unlink(p)
-        print("{}")
+        say({})
     elif op == "move":
         src, dst = args["source"], args["destination"]
         if not os.path.lexists(src):
@@ -78,21 +84,24 @@ try:
         if parent:
             os.makedirs(parent, exist_ok=True)
         os.rename(src, dst)
-        print(json.dumps({"entry": entry(dst)}))
+        say({"entry": entry(dst)})
     else:
         fail("unimplemented", f"no filesystem operation {op}")
+except Done:
+    pass
 except FileNotFoundError as e:
-    fail("not_found", f"path {e.filename or p} does not exist")
+    say({"error": ["not_found", f"path {e.filename or p} does not exist"]})
 except PermissionError as e:
-    fail("permission_denied", f"{e.strerror}: {e.filename}")
+    say({"error": ["permission_denied", f"{e.strerror}: {e.filename}"]})
 except OSError as e:
-    fail("invalid_argument", f"{e.strerror}: {e.filename}")
+    say({"error": ["invalid_argument", f"{e.strerror}: {e.filename}"]})
 '''
 
 
-def command(op: str, args: dict) -> str:
-    """The shell step that runs ``op`` with ``args`` in the sandbox."""
-    return f"python3 -I -S -c {shlex.quote(HELPER)} {op} {shlex.quote(json.dumps(args))}"
+def cell(op: str, args: dict) -> str:
+    """The python step that runs ``op`` with ``args`` in the sandbox, in a namespace of its own."""
+    return (f"__import__('builtins').exec({HELPER!r}, {{'__name__': 'e2b_fs', 'OP': {op!r}, "
+            f"'ARGS': {json.dumps(args)!r}}})")
 
 
 def answer(stdout: str) -> dict:

@@ -199,6 +199,18 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
     async def pause(sid: str) -> Response:
         return await _rest(lambda: calls.e2b_pause(sid), 204)
 
+    @rest("/sandboxes/{sid}/fork", "POST", 201)
+    async def fork(sid: str, request: Request) -> Response:
+        try:
+            body = await _json(request)
+        except E2bError as e:
+            return JSONResponse(e.rest(), status_code=e.status)
+        return await _rest(lambda: calls.e2b_fork(sid, body), 201)
+
+    @rest("/sandboxes/{sid}/metrics", "GET")
+    async def metrics(sid: str) -> Response:
+        return await _rest(lambda: calls.e2b_metrics(sid))
+
     @rest("/sandboxes/{sid}/refreshes", "POST", 204)
     async def refresh(sid: str, request: Request) -> Response:  # older SDKs' keep-alive
         try:

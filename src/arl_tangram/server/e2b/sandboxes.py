@@ -94,6 +94,7 @@ class Box:
     next_pid: int = 1000
     executions: int = 0
     contexts: dict[str, dict] = field(default_factory=dict)
+    cpu_sample: tuple[float, float] | None = None  # (when, cpu seconds) at the last metrics call
 
 
 class Boxes:
@@ -291,6 +292,57 @@ def e2b_pause(service: Service, sid: str) -> None:
     reg.arm(box)
 
 
+async def e2b_fork(service: Service, sid: str, body: dict) -> list[dict]:
+    """``POST /sandboxes/{id}/fork``: Tangram's fork (an image sandbox's files, copy-on-write)
+    into ``count`` new sandboxes with the source's template, metadata (but ``trajectory``) and
+    environment. The processes of the source and the children start afresh (README)."""
+    reg = boxes(service)
+    box = reg.get(sid)
+    count = body.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 256:
+        raise E2bError(400, f"count: an integer from 1 to 256 is expected, got {count!r}")
+    timeout = _timeout(body.get("timeout"))
+    try:
+        res = await service.fork(sid, v1.ForkRequest(n=count))
+    except Exception as e:
+        raise _translate(e, sid) from None
+    if res.outcome != "ok":
+        raise E2bError(400 if res.outcome == "rejected" else 503, f"fork: {res.message or res.outcome}")
+    now = time.time()
+    metadata = {k: v for k, v in box.metadata.items() if k != "trajectory"}
+    out = []
+    for cid in res.session_ids:
+        child = reg.boxes[cid] = Box(cid, box.job, box.template, dict(metadata), dict(box.env),
+                                     secrets.token_urlsafe(24), now, now + timeout)
+        reg.arm(child)
+        out.append({"sandbox": _sandbox(child)})
+    return out
+
+
+def e2b_metrics(service: Service, sid: str) -> list[dict]:
+    """``GET /sandboxes/{id}/metrics``: one sample, now, from the session's cgroup (none before its
+    sandbox has started, or where this process does not hold it)."""
+    box = boxes(service).get(sid)
+    sandboxes = getattr(service.runtime, "sandboxes", None)
+    local = getattr(sandboxes, "local", sandboxes)
+    sb = getattr(local, "sessions", {}).get(sid) if local is not None else None
+    group = getattr(sb, "group", None)
+    if group is None:
+        return []
+    try:
+        mem, cpu = group.memory_bytes(), group.cpu_seconds()
+    except (OSError, ValueError):
+        return []
+    now = time.time()
+    last_t, last_cpu = box.cpu_sample or (box.started_at, 0.0)
+    box.cpu_sample = (now, cpu)
+    cfg = getattr(local, "config", None)
+    return [{"timestamp": _iso(now), "timestampUnix": int(now), "cpuCount": 1,
+             "cpuUsedPct": round(100.0 * max(0.0, cpu - last_cpu) / max(1e-6, now - last_t), 2),
+             "memUsed": mem, "memTotal": (getattr(cfg, "memory_mb", 512) or 512) << 20, "memCache": 0,
+             "diskUsed": 0, "diskTotal": (getattr(cfg, "workspace_mb", 256) or 256) << 20}]
+
+
 # -- envd: processes -------------------------------------------------------------------------------
 
 def _shell(box: Box, config: dict) -> str:
@@ -380,8 +432,8 @@ def _translate(e: BaseException, sid: str) -> E2bError:
     return E2bError(500, f"internal error: {type(e).__name__}", "internal")
 
 
-async def _exec(service: Service, box: Box, command: str, stdin: bytes | None, timeout_s: float, id: str,
-                operation: str) -> dict:
+async def _exec(service: Service, box: Box, command: str | None, stdin: bytes | None, timeout_s: float, id: str,
+                operation: str, python: str | None = None) -> dict:
     """One shell step of the sandbox's session, journaled and counted as the native API's are.
     What the command did is the answer (its exit code, output); what the infrastructure did
     (``infra_error``, ``rejected``) is an ``E2bError``, never an exit code."""
@@ -390,9 +442,10 @@ async def _exec(service: Service, box: Box, command: str, stdin: bytes | None, t
         raise E2bError(502, GONE.format(id=box.id))
     service.admit()
     if service.journal is not None:
-        service.journal.accept(id, s.job, "exec", {"command": command, "e2b": True}, False)
+        service.journal.accept(id, s.job, "exec", {"command": command, "python": python, "e2b": True}, False)
     try:
-        r = await s.exec(command, stdin=stdin, timeout_s=timeout_s, id=id, operation=posixpath.basename(operation))
+        r = await s.exec(command, python=python, stdin=stdin, timeout_s=timeout_s, id=id, jupyter=python is not None,
+                         operation=posixpath.basename(operation))
     except Exception as e:
         service._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
         raise
@@ -520,7 +573,8 @@ def _in_home(path: str) -> str | None:
 
 
 async def e2b_fs(service: Service, sid: str, token: str | None, op: str, args: dict) -> dict:
-    """``filesystem.Filesystem``'s Stat, ListDir, MakeDir, Remove, Move: one step in the sandbox."""
+    """``filesystem.Filesystem``'s Stat, ListDir, MakeDir, Remove, Move: one python step in the
+    sandbox (``fsops``)."""
     box = boxes(service).envd(sid, token)
     clean = {}
     for k, v in args.items():
@@ -528,7 +582,7 @@ async def e2b_fs(service: Service, sid: str, token: str | None, op: str, args: d
     depth = clean.get("depth")
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
         raise E2bError(400, "depth: a non-negative integer is expected")
-    r = await _exec(service, box, fsops.command(op, clean), None, 60.0, f"x-{uuid.uuid4().hex}", "files")
+    r = await _exec(service, box, None, None, 60.0, f"x-{uuid.uuid4().hex}", "files", python=fsops.cell(op, clean))
     try:
         out = fsops.answer(r["stdout"])
     except (ValueError, IndexError):
@@ -678,6 +732,7 @@ def e2b_context(service: Service, sid: str, token: str | None, op: str, body: di
 CALLS = {
     "e2b_create": e2b_create, "e2b_get": e2b_get, "e2b_list": e2b_list, "e2b_kill": e2b_kill,
     "e2b_set_timeout": e2b_set_timeout, "e2b_connect": e2b_connect, "e2b_pause": e2b_pause,
+    "e2b_fork": e2b_fork, "e2b_metrics": e2b_metrics,
     "e2b_proc_start": e2b_proc_start, "e2b_proc_find": e2b_proc_find, "e2b_proc_wait": e2b_proc_wait,
     "e2b_proc_list": e2b_proc_list, "e2b_proc_input": e2b_proc_input, "e2b_proc_close_stdin": e2b_proc_close_stdin,
     "e2b_proc_signal": e2b_proc_signal, "e2b_fs": e2b_fs, "e2b_write": e2b_write, "e2b_read": e2b_read,
