@@ -393,3 +393,25 @@ def test_image_template_files_fork_and_metrics(tmp_path):
     finally:
         _restore(saved)
         srv.stop()
+
+
+def test_the_e2b_timeout_outlives_the_servers_idle_expiry(tmp_path):
+    """A sandbox idle past ``session_idle_expiry_s`` stays while its E2B timeout runs (E2B's
+    timeout is its owner's word), and goes at the end of it."""
+    srv = Server(tmp_path, config={"sandbox": {"session_idle_expiry_s": 1.5, "warm_pool": 1}})
+    saved = _point_sdk_at(srv.url)
+    try:
+        keep = Sandbox.create(timeout=6)
+        keep.files.write("/home/user/k", "kept")
+        short = Sandbox.create(timeout=2)
+        short.files.write("/home/user/k", "short")
+        time.sleep(4)
+        assert keep.files.read("/home/user/k") == "kept"  # idle for 4 s > 1.5 s: still there
+        with pytest.raises(NotFoundException):
+            short.get_info()  # its E2B timeout ended
+        time.sleep(3.5)
+        with pytest.raises(NotFoundException):
+            keep.get_info()
+    finally:
+        _restore(saved)
+        srv.stop()

@@ -21,6 +21,7 @@ import posixpath
 import secrets
 import shlex
 import time
+import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,6 +47,9 @@ MAX_TIMEOUT_S = 86_400
 DEFAULT_TEMPLATES = frozenset({"base", "code-interpreter-v1", "code-interpreter", "default"})
 #: the longest one command or cell may run (the native API's own bound on a session step)
 MAX_STEP_S = 3600.0
+log = logging.getLogger(__name__)
+#: how long a paused sandbox is kept (E2B keeps them until deleted; an idle session holds memory)
+MAX_PAUSED_S = 86_400.0
 #: the most a file action reads of one file (the runner's own cap)
 READ_CAP = 1 << 24
 #: E2B's proxy answers a sandbox that is gone with this (its clients match "was not found")
@@ -95,6 +99,8 @@ class Box:
     executions: int = 0
     contexts: dict[str, dict] = field(default_factory=dict)
     cpu_sample: tuple[float, float] | None = None  # (when, cpu seconds) at the last metrics call
+    used_at: float | None = None  # the last step of its session (None: its sandbox never started)
+    paused_at: float = 0.0
 
 
 class Boxes:
@@ -104,6 +110,33 @@ class Boxes:
         self.service = service
         self.boxes: dict[str, Box] = {}
         service.runtime.session_listeners.append(self._ended)
+        self._keeper: asyncio.Task | None = None
+
+    def keep_alive(self) -> None:
+        """Start (once) what keeps a sandbox's session from the server's idle expiry
+        (``sandbox.session_idle_expiry_s``) while its E2B lifetime runs: E2B's ``timeout`` is the
+        owner's word for how long it lives. A paused one is kept up to ``MAX_PAUSED_S``."""
+        if self._keeper is None or self._keeper.done():
+            self._keeper = asyncio.get_running_loop().create_task(self._keep())
+
+    async def _keep(self) -> None:
+        local = getattr(self.service.runtime, "sandboxes", None)
+        idle_s = getattr(getattr(getattr(local, "local", local), "config", None), "session_idle_expiry_s", None)
+        if not isinstance(idle_s, (int, float)):
+            return  # no idle expiry here
+        every = max(0.2, idle_s / 4)  # a session is touched at most 2 * every after its last step
+        while self.boxes:
+            await asyncio.sleep(every)
+            now = time.time()
+            for box in list(self.boxes.values()):
+                alive = now < box.paused_at + MAX_PAUSED_S if box.paused else now < box.end_at
+                s = self.service.sessions.get(box.id)
+                if alive and s is not None and box.used_at is not None and now - box.used_at > every:
+                    box.used_at = now
+                    try:  # an empty files step: no core, no process; it marks the session used
+                        await s.files(Files())
+                    except Exception as e:  # gone meanwhile: nothing to keep
+                        log.debug("keep-alive of %s: %r", box.id, e)
 
     def _ended(self, sid: str, reason: str) -> None:
         box = self.boxes.pop(sid, None)
@@ -223,6 +256,7 @@ async def e2b_create(service: Service, body: dict) -> dict:
     now = time.time()
     box = reg.boxes[sid] = Box(sid, job, template, metadata, env, secrets.token_urlsafe(24), now, now + timeout)
     reg.arm(box)
+    reg.keep_alive()
     return _sandbox(box)
 
 
@@ -289,6 +323,7 @@ def e2b_pause(service: Service, sid: str) -> None:
     if any(not p.done.done() for p in box.procs.values()):
         raise E2bError(409, f"sandbox {sid!r} has a command running: it cannot be paused now")
     box.paused = True
+    box.paused_at = time.time()
     reg.arm(box)
 
 
@@ -314,6 +349,7 @@ async def e2b_fork(service: Service, sid: str, body: dict) -> list[dict]:
     for cid in res.session_ids:
         child = reg.boxes[cid] = Box(cid, box.job, box.template, dict(metadata), dict(box.env),
                                      secrets.token_urlsafe(24), now, now + timeout)
+        child.used_at = now  # its files are there: a sandbox to keep
         reg.arm(child)
         out.append({"sandbox": _sandbox(child)})
     return out
@@ -450,6 +486,7 @@ async def _exec(service: Service, box: Box, command: str | None, stdin: bytes | 
         service._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
         raise
     service._record(r, s.job, "e2b")
+    box.used_at = time.time()
     return _command_result(r, box.id)
 
 
@@ -609,6 +646,7 @@ async def e2b_write(service: Service, sid: str, token: str | None, files: list[t
             r = await s.files(Files(put=home))
         except (SessionGone, NotFound):
             raise E2bError(502, GONE.format(id=sid)) from None
+        box.used_at = time.time()
         if r.outcome is not Outcome.OK:
             if r.outcome is Outcome.FAILED:
                 raise E2bError(400, r.message or r.result.message)
@@ -635,6 +673,7 @@ async def e2b_read(service: Service, sid: str, token: str | None, path: str) -> 
             r = await s.files(Files(get=[rel]))
         except (SessionGone, NotFound):
             raise E2bError(502, GONE.format(id=sid)) from None
+        box.used_at = time.time()
         if r.outcome is not Outcome.OK:
             raise E2bError(503, f"{r.outcome.value}: {r.message or r.result.message}")
         if rel in r.result.files:
@@ -685,6 +724,7 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict)
     except (SessionGone, NotFound):
         raise E2bError(502, GONE.format(id=sid)) from None
     service._record(r, s.job, "e2b")
+    box.used_at = time.time()
     if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED, Outcome.CANCELLED):
         raise E2bError(503, f"{r.outcome.value}: {r.message or r.result.message}")
     box.executions += 1
