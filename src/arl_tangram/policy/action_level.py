@@ -361,7 +361,12 @@ class ActionLevelPolicy:
         -> 1.136 / 1.089 / 1.127; 10 seeds at 0.125x / 0.25x / 0.5x, worst seed ACT 0.892 /
         0.891 / 0.945 -> 1.020 / 0.997 / 1.009, step means 1.027 / 1.057 / 1.019 -> 1.081 /
         1.080 / 1.025 (worst 0.998 / 1.002 / 0.997 -> 1.017 / 1.040 / 0.998: 0.5x's worst seed
-        is step-start noise, aging 0.59 instead of 0.6 moved it 1.002 -> 0.995 before). Measured
+        is step-start noise, aging 0.59 instead of 0.6 moved it 1.002 -> 0.995 before). Without
+        client counts, 10 seeds at 0.125x / 0.25x / 0.5x / 1x: worst ACT 0.905 / 0.960 / 0.987 /
+        1.074 -> 1.026 / 1.019 / 1.031 / 1.068, worst step 0.981 / 1.004 / 0.999 / 0.995 -> 1.016
+        / 1.025 / 0.991 / 0.995. What the price costs: a call of a rarely used model yields for up
+        to its setup / aging seconds while resident models' calls keep coming (0.5x, seed 0: a
+        safety-3b call waited 3.1 s at a step's onset and its trajectory ended the step). Measured
         and dropped (3 seeds, worst over mopd's scales): resident copies strictly first (0.620x
         on seed 0 at 0.125x: big models starve), the load amortised over the model's queue
         (0.851), the own load priced for cold models only (0.989), pricing only starts that
