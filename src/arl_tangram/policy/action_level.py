@@ -305,7 +305,18 @@ class ActionLevelPolicy:
         """Spare cores to the actions just admitted, largest marginal gain first. Spare capacity
         may not last, so a reserve stays free and nothing grows unless the pool has had no queue
         for ``elastic_quiet_s`` (the caller checks): growing into a burst delays the burst more
-        than it speeds up the grown action (measured on rlvr at 0.5x and 0.25x)."""
+        than it speeds up the grown action (measured on rlvr at 0.5x and 0.25x).
+
+        Still open (issue 23): a step's onset looks quiet (the previous step's tail was), so the
+        first actions of its burst are grown just before it queues. rlvr at 0.125x / 0.25x: worst
+        seed ACT 0.992x fifo's, all of it from those actions (elastic off: 1.000x). Measured and
+        dropped (worst seed; rlvr 0.125x / 0.25x / 2x, code_agent 2x): a reserve for the arrivals
+        expected during the grown run (decayed rate, or the count over the last run length): no
+        change, the onset accelerates; quiet also for ``elastic_quiet_s`` after each new session:
+        1.000 / 1.000 / 1.000 (from 1.45), code_agent 1.002 (from 1.17); after each new step:
+        1.000 / 1.001 / 1.36, code_agent 1.02; after a step whose pool queued: 0.998 / 0.994 /
+        1.45, code_agent at 1x 1.433 -> 1.414. Shrinking a grown action when a queue forms would
+        be the mechanism; the engine has no such decision yet."""
         pool = self._cpus
         heap = []
         for a, node, lo in admitted:
