@@ -63,7 +63,8 @@ def test_calls_spread_over_gpu_nodes_and_a_killed_agent_loses_and_duplicates_non
     ok_records: Counter = Counter()
 
     async def main():
-        async with Tangram.ray(c.address, models=_rm(0.4), model_device="cpu", gpu_memory_gb=4.0) as tg:
+        async with Tangram.ray(c.address, models=_rm(0.4), model_device="cpu", gpu_memory_gb=4.0,
+                               rejoin_after_s=3600) as tg:  # killed agents stay dead here
             rt = tg.runtime
             rt.engine.listeners.append(lambda f: (records.update([f.action.id]),
                                                   f.outcome is Outcome.OK and ok_records.update([f.action.id])))
@@ -212,3 +213,35 @@ def test_the_model_chaos_bench_counts_no_lost_and_no_duplicated_call():
     assert row["batches_running_on_killed_agent"] >= 1 and row["batches_rerun"] >= 1
     assert (row["lost"], row["duplicated"], row["outcomes"]) == (0, 0, {"ok": 90})
     assert row["engine_records_per_batch_max"] == 2 and row["gpus_left"] == 1
+
+
+def test_a_node_whose_agent_died_gets_a_new_agent_and_serves_again(gpu_cluster):
+    """Ray still lists the node (its raylet lives; the agent was killed, say for memory): after
+    ``rejoin_after_s`` a new agent loads the services there and the node's GPU serves again, under
+    a new global id (nothing of the old agent is reused)."""
+    c, _ = gpu_cluster
+
+    async def main():
+        async with Tangram.ray(c.address, models=_rm(0.0), model_device="cpu", gpu_memory_gb=4.0,
+                               rejoin_after_s=1.0) as tg:
+            rt = tg.runtime
+            victim = next(iter(rt.nodes_by_id.values()))
+            ray.kill(victim.handle)
+            for _ in range(100):
+                if rt.engine.gpu.capacity == 1:
+                    break
+                await asyncio.sleep(0.05)
+            dropped = rt.engine.gpu.capacity
+            for _ in range(600):
+                if rt.engine.gpu.capacity == 2:
+                    break
+                await asyncio.sleep(0.1)
+            back = rt.nodes_by_id[victim.ray_id]
+            ids = [i for i, (node, _) in rt.models.homes.items() if node is back]
+            results = await asyncio.gather(*(tg.score("rm", s) for s in SEQS))
+            return dropped, rt.engine.gpu.capacity, back is not victim, back.rejoins, back.state, ids, results
+
+    dropped, capacity, new_node, rejoins, state, ids, results = asyncio.run(asyncio.wait_for(main(), 300))
+    assert dropped == 1 and capacity == 2 and new_node and rejoins == 1 and state == "alive"
+    assert ids == [2], "the new agent's GPU has a new global id"
+    assert [r.result for r in results] == pytest.approx(_expected(), abs=1e-5)

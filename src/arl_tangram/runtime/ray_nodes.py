@@ -44,6 +44,8 @@ class Node:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     running: set[str] = field(default_factory=set)
     gpu_index: int | None = None  # in the engine's GPU pool, once it serves models
+    died_at: float | None = None  # monotonic time it was lost (its raylet may live on)
+    rejoins: int = 0  # new agents started on this Ray node after its agent died
 
     @property
     def name(self) -> str:

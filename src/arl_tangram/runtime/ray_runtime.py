@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -46,6 +47,10 @@ log = logging.getLogger(__name__)
 MEMBERSHIP_POLL_S = 0.5
 #: seconds between warnings that a node's agent has not started (a GPU node loads weights first)
 AGENT_START_WARN_S = 60.0
+#: a node whose agent died while Ray still lists the node gets a new agent this long after, at
+#: most ``MAX_REJOINS`` times (an agent killed for memory, say; not one that dies at every start)
+REJOIN_AFTER_S = 30.0
+MAX_REJOINS = 3
 
 
 def connect(address: str) -> bool:
@@ -112,7 +117,8 @@ class RayRuntime(Runtime):
                  profile: Profile | None = None, *, poll_s: float = MEMBERSHIP_POLL_S,
                  max_queue_s: float | None = DEFAULT_MAX_QUEUE_S, models: list[ModelServiceConfig] | None = None,
                  gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
-                 gpu_island_size: int | None = None, model_device: str = "auto") -> None:
+                 gpu_island_size: int | None = None, model_device: str = "auto",
+                 rejoin_after_s: float = REJOIN_AFTER_S) -> None:
         """``models``: ``ModelServiceConfig``s served on every GPU node (a node with Ray's ``GPU``
         resource): its agent loads them into the node's host memory and hosts the node's GPUs,
         discovered there (``gpus_per_node``, ``gpu_memory_gb``, ``gpu_island_size`` override, as
@@ -122,6 +128,7 @@ class RayRuntime(Runtime):
         self.address = address
         self.config = sandbox or SandboxConfig()
         self.poll_s = poll_s
+        self.rejoin_after_s = rejoin_after_s
         self.nodes_by_id: dict[str, Node] = {}
         self.by_index: dict[int, Node] = {}
         self.sandboxes = RemoteSandboxes(self, self.report)
@@ -197,6 +204,7 @@ class RayRuntime(Runtime):
             node.info = started.result()
         except Exception as e:
             node.state = "dead"
+            node.died_at = time.monotonic()
             node.info = {"problem": f"the agent did not start: {type(e).__name__}: {e}"}
             log.error("node %s (%s): %s", node.name, node.address, node.info["problem"])
             return
@@ -224,10 +232,19 @@ class RayRuntime(Runtime):
                         node.info.get("model_problem") or "no GPUs found")
         self.tick()
 
-    def _join_later(self, entry: dict) -> None:
+    def _may_rejoin(self, node: Node | None) -> bool:
+        """A dead node Ray still lists (its agent died, not its raylet) gets a new agent, after a
+        pause and a bounded number of times."""
+        return (node is not None and node.state == "dead" and node.died_at is not None
+                and node.rejoins < MAX_REJOINS and time.monotonic() - node.died_at >= self.rejoin_after_s)
+
+    def _join_later(self, entry: dict, rejoins: int = 0) -> None:
         """Join a node in the background: a GPU node's agent loads every service's weights first
-        (minutes for big models), which must not hold up other nodes or the loss of one."""
-        task = asyncio.get_running_loop().create_task(self._join(self._spawn_agent(entry)))
+        (minutes for big models), which must not hold up other nodes or the loss of one. A node
+        that rejoins is a new ``Node`` with new indices: nothing of the old agent carries over."""
+        node = self._spawn_agent(entry)
+        node.rejoins = rejoins
+        task = asyncio.get_running_loop().create_task(self._join(node))
         self._joining.add(task)
         task.add_done_callback(self._joining.discard)
 
@@ -240,6 +257,7 @@ class RayRuntime(Runtime):
         if node.state == "dead":
             return
         node.state = "dead"
+        node.died_at = time.monotonic()
         log.error("node %s (%s) lost: %s", node.name, node.address, why)
         held = [s for s, home in self.sandboxes.homes.items() if home is node]
         if node.index is not None:
@@ -261,6 +279,12 @@ class RayRuntime(Runtime):
                 for ray_id, entry in table.items():
                     if ray_id not in self.nodes_by_id and self._wanted(entry):
                         self._join_later(entry)
+                    elif self._may_rejoin(self.nodes_by_id.get(ray_id)):
+                        old = self.nodes_by_id[ray_id]
+                        log.warning("node %s (%s): its agent died %.0f s ago and Ray still lists the node: "
+                                    "starting a new agent there", old.name, old.address,
+                                    time.monotonic() - (old.died_at or 0.0))
+                        self._join_later(entry, rejoins=old.rejoins + 1)
                 for node in list(self.nodes_by_id.values()):
                     if node.state in ("alive", "starting") and node.ray_id not in table:
                         self.node_lost(node, "Ray reports the node dead")
