@@ -210,9 +210,12 @@ def test_the_model_chaos_bench_counts_no_lost_and_no_duplicated_call():
     from arl_tangram.bench.cluster import model_chaos
 
     row = model_chaos(2, 90, "cpu", lambda m: None)
-    assert row["batches_running_on_killed_agent"] >= 1 and row["batches_rerun"] >= 1
-    assert (row["lost"], row["duplicated"], row["outcomes"]) == (0, 0, {"ok": 90})
-    assert row["engine_records_per_batch_max"] == 2 and row["gpus_left"] == 1
+    assert row["batches_running_on_killed_agent"] >= 1, row
+    assert (row["lost"], row["duplicated"], row["outcomes"]) == (0, 0, {"ok": 90}), row
+    # a batch may finish in the instant between the look and the kill: then nothing re-runs
+    # (test_calls_spread_over_gpu_nodes_... re-runs for certain, with slow batches)
+    assert row["batches_rerun"] <= row["batches_running_on_killed_agent"], row
+    assert row["engine_records_per_batch_max"] == (2 if row["batches_rerun"] else 1) and row["gpus_left"] == 1, row
 
 
 def test_a_node_whose_agent_died_gets_a_new_agent_and_serves_again(gpu_cluster):

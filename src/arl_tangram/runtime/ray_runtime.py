@@ -7,10 +7,16 @@ agents' cores; an action started on node ``i`` goes to agent ``i``, and the agen
 ``Completion``. Arguments and results travel as Ray objects (large ones through the object store,
 never through the head's HTTP handler twice).
 
+With model services, every node with Ray's ``GPU`` resource gets an agent that holds all of the
+node's GPUs (Ray then shows it exactly those) and serves the services there (``ray_models``: the
+head's GPU manager, and why the head loads no weights). A model batch is a one-shot: lost with its
+node, it re-runs once on another copy.
+
 Membership is polled from Ray's node table: nodes that join get an agent and join the engine's
 pool; a node that dies (raylet gone, or its agent gone) leaves the pool at once, its running
 one-shots are re-run once on another node (same id: the idempotency key), and its sessions end
-``infra_error`` with a reason that later calls get back as ``SessionGone`` (404 over HTTP).
+``infra_error`` with a reason that later calls get back as ``SessionGone`` (404 over HTTP). A node
+whose agent died while its raylet lives gets a new agent later (``REJOIN_AFTER_S``).
 
 When the head dies its agents die with it (they are owned by the head's Ray driver), and with
 them their sandboxes (``bwrap --die-with-parent``); a new head starts new agents, whose sandbox
