@@ -74,6 +74,16 @@ def test_sync_sandbox_commands_files_and_lifecycle(server):
         with pytest.raises(CommandExitException) as e:
             sb.commands.run("echo partial; exit 3")
         assert e.value.exit_code == 3 and e.value.stdout == "partial\n"
+        seen = []
+        assert sb.commands.run("echo a; echo b >&2", on_stdout=seen.append, on_stderr=seen.append).exit_code == 0
+        assert seen == ["a\n", "b\n"]
+        sb.files.write("/home/user/kept.txt", "kept")
+        with pytest.raises(e2b.TimeoutException):
+            sb.commands.run("sleep 5", timeout=1)
+        assert sb.commands.run("echo next; cat kept.txt").stdout == "next\nkept"  # the sandbox goes on, whole
+        with pytest.raises(e2b.SandboxException) as e:
+            sb.commands.run("true", envs={"BAD NAME": "x"})
+        assert "process.envs" in str(e.value)
 
         # files: under the home directory and elsewhere, read back by commands and by the SDK
         info = sb.files.write("/home/user/a.txt", "hello")
@@ -87,8 +97,8 @@ def test_sync_sandbox_commands_files_and_lifecycle(server):
         assert sb.files.exists("/home/user/a.txt") and not sb.files.exists("/home/user/none")
         assert sb.files.make_dir("/home/user/d/e") is True and sb.files.make_dir("/home/user/d/e") is False
         names = sorted(e.path for e in sb.files.list("/home/user", depth=2))
-        assert names == ["/home/user/a.txt", "/home/user/d", "/home/user/d/e", "/home/user/rel",
-                         "/home/user/rel/b.bin"]
+        assert names == ["/home/user/a.txt", "/home/user/d", "/home/user/d/e", "/home/user/kept.txt",
+                         "/home/user/rel", "/home/user/rel/b.bin"]
         got = sb.files.get_info("/home/user/a.txt")
         assert (got.type.value, got.size, got.name) == ("file", 5, "a.txt")
         assert sb.files.get_info("/home/user/d").type.value == "dir"
@@ -168,13 +178,15 @@ def test_async_background_connect_stdin_and_kill(server):
             await sb.commands.close_stdin(p.pid)
             assert (await p.wait()).stdout == "piped\nend\n"
 
-            slow = await sb.commands.run("sleep 30", background=True)
-            await asyncio.sleep(0.3)
+            await sb.files.write("/home/user/kept.txt", "kept")
+            slow = await sb.commands.run("sleep 30; echo not-reached", background=True)
+            await asyncio.sleep(0.5)
             assert await sb.commands.kill(slow.pid) is True
             with pytest.raises(CommandExitException) as e:
                 await slow.wait()
-            assert e.value.exit_code == -1
-            assert (await sb.commands.run("echo after")).stdout == "after\n"
+            assert e.value.exit_code == -1 and "not-reached" not in e.value.stdout
+            # the kill ended that command only: the sandbox, its files and its shell live on
+            assert (await sb.commands.run("echo after; cat kept.txt")).stdout == "after\nkept"
 
             await sb.files.write("/home/user/x.py", "print(6*7)")
             assert (await sb.commands.run("python3 x.py")).stdout == "42\n"
@@ -415,3 +427,31 @@ def test_the_e2b_timeout_outlives_the_servers_idle_expiry(tmp_path):
     finally:
         _restore(saved)
         srv.stop()
+
+
+def test_concurrent_calls_on_one_sandbox(server):
+    """Calls on one sandbox at once (a background command, writes, reads, a cell) each get their
+    own answer: the sandbox runs them one after another."""
+    async def main():
+        sb = await ci.AsyncSandbox.create()
+        try:
+            bg = await sb.commands.run("sleep 0.3; echo bg", background=True)
+            writes = [sb.files.write(f"/home/user/c{i}", str(i)) for i in range(5)]
+            runs = [sb.commands.run(f"echo {i}") for i in range(5)]
+            cells = [sb.run_code(f"{i} * 2") for i in range(3)]
+            done = await asyncio.gather(*writes, *runs, *cells)
+            assert [r.stdout for r in done[5:10]] == [f"{i}\n" for i in range(5)]
+            assert [e.text for e in done[10:]] == ["0", "2", "4"]
+            assert (await bg.wait()).stdout == "bg\n"
+            reads = await asyncio.gather(*(sb.files.read(f"/home/user/c{i}") for i in range(5)))
+            assert reads == [str(i) for i in range(5)]
+            # a command killed while it waits for the sandbox never runs
+            slow = await sb.commands.run("sleep 1", background=True)
+            queued = await sb.commands.run("echo ran > /home/user/ran", background=True)
+            assert await sb.commands.kill(queued.pid) is True
+            await slow.wait()
+            assert not await sb.files.exists("/home/user/ran")
+        finally:
+            await sb.kill()
+
+    asyncio.run(main())

@@ -217,6 +217,40 @@ class Sandbox:
             except ProcessLookupError:
                 pass
 
+    def interrupt_step(self) -> int:
+        """Kill what the running shell step of a session started, and nothing else: every process
+        below the session's persistent shell (the runner, the shell and the sandbox live on; the
+        step then ends with the killed command's status). Returns how many were killed."""
+        pids = self.group.pids() if self.group is not None else _descendants(self.proc.pid)
+        info: dict[int, tuple[int, int, bytes]] = {}  # host pid -> (parent, pid inside, cmdline)
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/status") as fh:
+                    fields = dict(line.split(":", 1) for line in fh if ":" in line)
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    cmd = fh.read()
+                info[pid] = (int(fields["PPid"]), int(fields.get("NSpid", str(pid)).split()[-1]), cmd)
+            except (OSError, KeyError, ValueError):
+                continue
+        runners = {p for p, (_, inside, _) in info.items() if inside == 1}
+        runner_cmds = {info[p][2] for p in runners}
+        # the runner's children: the shell, and the zygote (a fork of the runner: the same cmdline)
+        shells = {p for p, (parent, _, cmd) in info.items() if parent in runners and cmd not in runner_cmds}
+        below: set[int] = set()
+        grew = True
+        while grew:
+            grew = False
+            for p, (parent, _, _) in info.items():
+                if p not in below and (parent in shells or parent in below):
+                    below.add(p)
+                    grew = True
+        for p in below:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return len(below)
+
     async def kill(self) -> None:
         """Kill everything in the sandbox and release its cgroup; idempotent."""
         if self.dead:

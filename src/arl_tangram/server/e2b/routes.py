@@ -39,6 +39,8 @@ ACCESS_TOKEN = "x-access-token"
 #: seconds between keepalive events of a quiet process stream (the client asks for at most 50)
 KEEPALIVE_S = 30.0
 CHUNK = 1 << 16  # bytes of output per data event
+#: the stream's own deadline ends this much before the client's (which counts from its send)
+DEADLINE_MARGIN_S = 0.1
 PAGE_MAX = 100
 
 
@@ -232,8 +234,9 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
                     pid = await _call(lambda: calls.e2b_proc_start(sid, token, msg, _timeout_header(request)))
                 else:
                     pid = await _call(lambda: calls.e2b_proc_find(sid, token, msg.get("process")))
-                return StreamingResponse(_events(pid, lambda: calls.e2b_proc_wait(sid, token, pid), request),
-                                         media_type="application/connect+json")
+                return StreamingResponse(
+                    _events(pid, lambda: calls.e2b_proc_wait(sid, token, pid), request),
+                    media_type="application/connect+json")
             msg = envelope.decode(await request.body())
             if method == "List":
                 procs = await _call(lambda: calls.e2b_proc_list(sid, token))
@@ -345,17 +348,28 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
 
 async def _events(pid: int, wait: Callable[[], Any], request: Request):
     """A process's event stream: start (its pid), keepalives while it runs, its output, its end,
-    then the end of the stream (carrying the error, if it did not run to an end)."""
+    then the end of the stream (carrying the error, if it did not run to an end). At the stream's
+    ``Connect-Timeout-Ms`` (a little before: the client's own deadline counts from its send) the
+    stream ends with ``deadline_exceeded`` (the step's own timeout, the same, kills the process),
+    before the client gives up on a response still in flight (an HTTP/1.1 connection then stays
+    clean for its next call)."""
     yield envelope.frame({"event": {"start": {"pid": pid}}})
     try:
         interval = min(KEEPALIVE_S, float(request.headers.get("keepalive-ping-interval") or KEEPALIVE_S))
     except ValueError:
         interval = KEEPALIVE_S
+    limit = _timeout_header(request)
+    deadline = time.monotonic() + max(0.05, limit - DEADLINE_MARGIN_S) if limit else None
     waiting = asyncio.ensure_future(_call(wait))
     try:
         while not waiting.done():
-            done, _ = await asyncio.wait({waiting}, timeout=max(1.0, interval))
-            if not done:
+            left = deadline - time.monotonic() if deadline is not None else None
+            if left is not None and left <= 0:  # the step's own timeout ends it now too
+                raise E2bError(504, f"the command ran past its timeout ({limit:g} s) and was killed: pass a longer "
+                                    "'timeout' (0: no limit)", "deadline_exceeded")
+            done, _ = await asyncio.wait({waiting}, timeout=min(max(1.0, interval), left if left is not None
+                                                                 else interval))
+            if not done and (deadline is None or time.monotonic() < deadline):
                 yield envelope.frame({"event": {"keepalive": {}}})
         result = waiting.result()
     except Exception as e:

@@ -22,6 +22,7 @@ import secrets
 import shlex
 import time
 import logging
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,7 @@ DEFAULT_TEMPLATES = frozenset({"base", "code-interpreter-v1", "code-interpreter"
 #: the longest one command or cell may run (the native API's own bound on a session step)
 MAX_STEP_S = 3600.0
 log = logging.getLogger(__name__)
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 #: how long a paused sandbox is kept (E2B keeps them until deleted; an idle session holds memory)
 MAX_PAUSED_S = 86_400.0
 #: the most a file action reads of one file (the runner's own cap)
@@ -80,6 +82,7 @@ class Proc:
     action_id: str = ""
     task: asyncio.Task | None = None
     killed: bool = False
+    running: bool = False  # its step holds the sandbox
 
 
 @dataclass
@@ -100,6 +103,9 @@ class Box:
     contexts: dict[str, dict] = field(default_factory=dict)
     cpu_sample: tuple[float, float] | None = None  # (when, cpu seconds) at the last metrics call
     used_at: float | None = None  # the last step of its session (None: its sandbox never started)
+    #: one step of the session at a time: the sandbox runs one thing at a time anyway, and the
+    #: sandbox manager must not be handed a second step of a session while one runs
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     paused_at: float = 0.0
 
 
@@ -131,10 +137,12 @@ class Boxes:
             for box in list(self.boxes.values()):
                 alive = now < box.paused_at + MAX_PAUSED_S if box.paused else now < box.end_at
                 s = self.service.sessions.get(box.id)
-                if alive and s is not None and box.used_at is not None and now - box.used_at > every:
+                if alive and s is not None and box.used_at is not None and now - box.used_at > every \
+                        and not box.lock.locked():
                     box.used_at = now
                     try:  # an empty files step: no core, no process; it marks the session used
-                        await s.files(Files())
+                        async with box.lock:
+                            await s.files(Files())
                     except Exception as e:  # gone meanwhile: nothing to keep
                         log.debug("keep-alive of %s: %r", box.id, e)
 
@@ -235,6 +243,9 @@ async def e2b_create(service: Service, body: dict) -> dict:
     timeout = _timeout(body.get("timeout"))
     metadata = _strings(body.get("metadata"), "metadata")
     env = _strings(body.get("envVars"), "envVars")
+    for k in env:
+        if not _NAME.fullmatch(k):
+            raise E2bError(400, f"envVars: {k!r} is not a variable name")
     job = metadata.get("job") or "e2b"
     sid = metadata.get("trajectory") or f"i{uuid.uuid4().hex[:19]}"
     if sid in service.sessions or sid in reg.boxes:
@@ -338,7 +349,8 @@ async def e2b_fork(service: Service, sid: str, body: dict) -> list[dict]:
         raise E2bError(400, f"count: an integer from 1 to 256 is expected, got {count!r}")
     timeout = _timeout(body.get("timeout"))
     try:
-        res = await service.fork(sid, v1.ForkRequest(n=count))
+        async with box.lock:
+            res = await service.fork(sid, v1.ForkRequest(n=count))
     except Exception as e:
         raise _translate(e, sid) from None
     if res.outcome != "ok":
@@ -397,10 +409,14 @@ def _shell(box: Box, config: dict) -> str:
     if not isinstance(cwd, str):
         raise E2bError(400, "process.cwd: a path is expected")
     for k in list(box.env) + list(envs):
-        if not k or "=" in k or "\0" in k:
+        if not _NAME.fullmatch(k):
             raise E2bError(400, f"process.envs: {k!r} is not a variable name")
     env = {"HOME": HOME_ALIAS, "USER": "user", **box.env, **envs}
     assigns = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+    if cmd == "/bin/bash" and len(args) == 3 and args[:2] == ["-l", "-c"] and box.template in DEFAULT_TEMPLATES:
+        # what the SDK sends for every command: run in a subshell of the session's own bash (no
+        # profile in the default sandbox to log in with), sparing a bash start per command
+        return f"( cd -- {shlex.quote(cwd)} && export {assigns} && eval {shlex.quote(args[2])} )"
     argv = " ".join(shlex.quote(a) for a in [cmd, *args])
     return f"( cd -- {shlex.quote(cwd)} && exec env -- {assigns} {argv} )"
 
@@ -441,7 +457,7 @@ def _launch(service: Service, box: Box, proc: Proc, stdin: bytes | None = None) 
 async def _run(service: Service, box: Box, proc: Proc, stdin: bytes | None) -> None:
     try:
         result = await _exec(service, box, proc.shell, stdin, proc.timeout_s, proc.action_id,
-                             proc.config.get("cmd") or "shell")
+                             proc.config.get("cmd") or "shell", proc=proc)
         if proc.killed:
             result = {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": result.get("stdout", ""),
                       "stderr": result.get("stderr", "")}
@@ -469,7 +485,7 @@ def _translate(e: BaseException, sid: str) -> E2bError:
 
 
 async def _exec(service: Service, box: Box, command: str | None, stdin: bytes | None, timeout_s: float, id: str,
-                operation: str, python: str | None = None) -> dict:
+                operation: str, python: str | None = None, proc: "Proc | None" = None) -> dict:
     """One shell step of the sandbox's session, journaled and counted as the native API's are.
     What the command did is the answer (its exit code, output); what the infrastructure did
     (``infra_error``, ``rejected``) is an ``E2bError``, never an exit code."""
@@ -480,7 +496,14 @@ async def _exec(service: Service, box: Box, command: str | None, stdin: bytes | 
     if service.journal is not None:
         service.journal.accept(id, s.job, "exec", {"command": command, "python": python, "e2b": True}, False)
     try:
-        r = await s.exec(command, python=python, stdin=stdin, timeout_s=timeout_s, id=id, jupyter=python is not None,
+        async with box.lock:
+            if proc is not None:
+                if proc.killed:  # killed while it waited for the sandbox: it never runs
+                    service._finish_unrunnable(id, "cancelled", "killed before it started")
+                    return {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": "", "stderr": ""}
+                proc.running = True
+            r = await s.exec(command, python=python, stdin=stdin, timeout_s=timeout_s, id=id,
+                             jupyter=python is not None,
                          operation=posixpath.basename(operation))
     except Exception as e:
         service._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
@@ -503,8 +526,10 @@ def _command_result(r, sid: str) -> dict:
     if r.outcome is Outcome.CANCELLED:
         return {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": stdout, "stderr": stderr}
     if r.outcome is Outcome.TIMEOUT or (run is not None and run.timed_out):
-        return {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": stdout, "stderr": stderr,
-                "error": "the command ran past its timeout and was killed"}
+        # as the SDK's own deadline does: its TimeoutException (E2B leaves the process running;
+        # here every process of a step ends with it)
+        raise E2bError(504, "the command ran past its timeout and was killed: pass a longer 'timeout' (0: "
+                            "no limit)", "deadline_exceeded")
     code = run.exit_code if run.exit_code is not None else -1
     out = {"exit_code": code, "exited": run.exit_code is not None, "status": f"exit status {code}",
            "stdout": stdout, "stderr": stderr}
@@ -577,7 +602,7 @@ def e2b_proc_close_stdin(service: Service, sid: str, token: str | None, process:
 
 
 def e2b_proc_signal(service: Service, sid: str, token: str | None, process: Any, signal: Any) -> None:
-    """SIGKILL and SIGTERM end the process (its step is cancelled)."""
+    """SIGKILL and SIGTERM end the process: everything its step started is killed."""
     box = boxes(service).envd(sid, token)
     proc = _proc(box, process)
     if signal not in ("SIGNAL_SIGKILL", "SIGNAL_SIGTERM", 9, 15):
@@ -589,7 +614,19 @@ def e2b_proc_signal(service: Service, sid: str, token: str | None, process: Any,
             proc.done.set_result({"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": "",
                                   "stderr": ""})
         return
-    service.runtime.cancel(proc.action_id)
+    if not proc.running or proc.done.done():
+        return  # waiting for the sandbox (it will not run) or over already
+    if service.runtime.state_of(proc.action_id) == "queued":
+        service.runtime.cancel(proc.action_id)  # waiting for a core: it ends without starting
+        return
+    # running: its processes are killed inside the sandbox, which lives on (cancelling the action
+    # would kill the whole sandbox, and a default sandbox's files with it)
+    local = getattr(service.runtime, "sandboxes", None)
+    sb = getattr(getattr(local, "local", local), "sessions", {}).get(sid)
+    if sb is None or not hasattr(sb, "interrupt_step"):
+        raise E2bError(501, "SendSignal: this server cannot stop a running command of this sandbox (it runs "
+                            "elsewhere); it ends at its timeout", "unimplemented")
+    sb.interrupt_step()
 
 
 # -- envd: files -----------------------------------------------------------------------------------
@@ -643,7 +680,8 @@ async def e2b_write(service: Service, sid: str, token: str | None, files: list[t
         raise E2bError(502, GONE.format(id=sid))
     if home:
         try:
-            r = await s.files(Files(put=home))
+            async with box.lock:
+                r = await s.files(Files(put=home))
         except (SessionGone, NotFound):
             raise E2bError(502, GONE.format(id=sid)) from None
         box.used_at = time.time()
@@ -670,7 +708,8 @@ async def e2b_read(service: Service, sid: str, token: str | None, path: str) -> 
         raise E2bError(502, GONE.format(id=sid))
     if rel is not None:
         try:
-            r = await s.files(Files(get=[rel]))
+            async with box.lock:
+                r = await s.files(Files(get=[rel]))
         except (SessionGone, NotFound):
             raise E2bError(502, GONE.format(id=sid)) from None
         box.used_at = time.time()
@@ -720,7 +759,8 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict)
         raise E2bError(502, GONE.format(id=sid))
     service.admit()
     try:
-        r = await s.exec(python=code, timeout_s=_step_s(box, None), jupyter=True, operation="run_code")
+        async with box.lock:
+            r = await s.exec(python=code, timeout_s=_step_s(box, None), jupyter=True, operation="run_code")
     except (SessionGone, NotFound):
         raise E2bError(502, GONE.format(id=sid)) from None
     service._record(r, s.job, "e2b")
