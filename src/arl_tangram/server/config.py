@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import tomllib
+from typing import Literal
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from ..managers.models.spec import HF_TASKS, hf_dir_problem
 from ..managers.sandbox.spec import SandboxConfig
 from ..policy import POLICIES
 from ..waits import DEFAULT_MAX_QUEUE_S
@@ -20,7 +22,14 @@ class ConfigError(ValueError):
 
 class ModelService(BaseModel):
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
-    loader: str = Field(..., pattern=r"^[A-Za-z0-9_.]+:[A-Za-z0-9_]+$", description="module:function")
+    loader: str | None = Field(None, pattern=r"^[A-Za-z0-9_.]+:[A-Za-z0-9_]+$", description="module:function "
+                               "returning (torch module, {op: fn}), for custom code (or give hf)")
+    hf: str | None = Field(None, min_length=1, description="a local Hugging Face model directory (config.json "
+                           "and *.safetensors; nothing is downloaded)")
+    task: Literal["logprobs", "score"] | None = Field(None, description="with hf: logprobs (a causal LM) or score "
+                                                      "(a sequence-classification head at the last token)")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(None, description="with hf: cast the "
+                                                                   "floating-point weights (default: as stored)")
     kwargs: dict = Field(default_factory=dict)
     gpus: int = Field(1, ge=1)
     memory_gb: float | None = Field(None, gt=0)
@@ -30,6 +39,20 @@ class ModelService(BaseModel):
                                  "batches of services whose shares add up to <= 1 run on a GPU at once")
     idle_s: float | None = Field(None, ge=0, description="a copy unused this long releases its GPU memory "
                                  "(scale to zero); default: kept while it fits")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelService":
+        if (self.loader is None) == (self.hf is None):
+            raise ValueError(f"model {self.name!r}: give exactly one of loader and hf")
+        if self.hf is not None:
+            if self.task is None:
+                raise ValueError(f"task: model {self.name!r} from hf needs task ({' or '.join(HF_TASKS)})")
+            problem = hf_dir_problem(self.hf)
+            if problem is not None:
+                raise ValueError(problem)
+        elif self.task is not None or self.dtype is not None:
+            raise ValueError(f"model {self.name!r}: task and dtype go with hf (a loader returns its own ops)")
+        return self
 
 
 class ServeConfig(BaseModel):

@@ -69,40 +69,53 @@ def stages(module: nn.Module, k: int) -> list[tuple[str, nn.Module, int]]:
     return out
 
 
-def _move(x: Any, device: torch.device) -> Any:
+def _move(x: Any, device: torch.device, hops: dict) -> Any:
+    """``x`` with its tensors on ``device``. A tensor crosses to a GPU once per batch: ``hops``
+    (cleared after each batch) keeps what was moved, since the same mask and position embeddings
+    are handed to every layer (a Llama's 4-D attention mask: batch x length^2 elements, once per
+    layer of the second stage without this). Assumes, as the models do, that a tensor handed to
+    several stages is not changed in place between them."""
     if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True) if x.device != device else x
+        if x.device == device:
+            return x
+        key = (id(x), device)
+        got = hops.get(key)
+        if got is None or got[0] is not x:
+            got = hops[key] = (x, x.to(device, non_blocking=True))
+        return got[1]
     if isinstance(x, (list, tuple)):
-        return type(x)(_move(v, device) for v in x)
+        return type(x)(_move(v, device, hops) for v in x)
     if isinstance(x, dict):
-        return {k: _move(v, device) for k, v in x.items()}
+        return {k: _move(v, device, hops) for k, v in x.items()}
     return x
 
 
-def _follow(sub: nn.Module, dev: torch.device) -> None:
+def _follow(sub: nn.Module, dev: torch.device, hops: dict) -> None:
     """Move ``sub``'s tensor inputs onto ``dev`` before its own ``forward`` runs. An instance
     attribute, not a forward pre-hook: a hook turns off ``TransformerEncoderLayer``'s fused fast
     path (measured: other kernels, scores no longer bit-identical to one GPU's)."""
     inner = sub.forward
 
     def forward(*args, **kwargs):
-        return inner(*_move(args, dev), **_move(kwargs, dev))
+        return inner(*_move(args, dev, hops), **_move(kwargs, dev, hops))
 
     sub.forward = forward
 
 
-def place(module: nn.Module, devices: list[torch.device]) -> dict[str, torch.device]:
-    """Hook ``module``'s stages so their inputs follow them onto ``devices``; returns the device of
-    every parameter and buffer name (for loading its weights there)."""
+def place(module: nn.Module, devices: list[torch.device], hops: dict | None = None) -> dict[str, torch.device]:
+    """Hook ``module``'s stages so their inputs follow them onto ``devices`` (moved tensors kept
+    in ``hops`` until the caller clears it); returns the device of every parameter and buffer name,
+    tied and shared ones under each of their names (for loading its weights there)."""
+    hops = {} if hops is None else hops
     where: dict[str, torch.device] = {}
     plan = stages(module, len(devices))
     for path, sub, stage in plan:
         dev = devices[stage]
         prefix = f"{path}." if path else ""
-        for name, _ in list(sub.named_parameters()) + list(sub.named_buffers()):
-            where[prefix + name] = dev
+        for name, _ in list(sub.named_parameters(remove_duplicate=False)) + list(sub.named_buffers(remove_duplicate=False)):
+            where.setdefault(prefix + name, dev)
         if len(devices) > 1:
-            _follow(sub, dev)
-    for name, _ in list(module.named_parameters()) + list(module.named_buffers()):
+            _follow(sub, dev, hops)
+    for name, _ in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False)):
         where.setdefault(name, devices[0])  # the root's own tensors, if any
     return where

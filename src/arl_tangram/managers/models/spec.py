@@ -7,6 +7,8 @@ installed.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
 
 #: what a user without torch is told when a model service is configured
@@ -22,14 +24,60 @@ def require_torch() -> None:
         raise ModuleNotFoundError(INSTALL_HINT, name="torch") from e
 
 
+#: what a Hugging Face directory's model answers: ``logprobs`` (a causal LM: log p(t_i | t_<i) for
+#: i = 1..n-1) or ``score`` (a sequence-classification head at the last token)
+HF_TASKS = ("logprobs", "score")
+
+#: the dtypes a service may name (``dtype``); floating-point weights are cast to it as they are read
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ModelDirError(ValueError):
+    """A Hugging Face model directory that cannot be served (missing, unreadable, incomplete); the
+    message names the path. Raised when the service starts, not contained to the service: a
+    configuration that names a model which is not there is a configuration error."""
+
+
+def hf_dir_problem(path: str) -> str | None:
+    """Why ``path`` is not a servable Hugging Face directory (``config.json`` and ``*.safetensors``
+    files, all readable), or None. Cheap (headers are not read): the config check of ``tangram
+    serve`` runs it before anything loads."""
+    if not os.path.isdir(path):
+        return f"hf: {path} is not a directory" if os.path.exists(path) else f"hf: {path} does not exist"
+    cfg = os.path.join(path, "config.json")
+    try:
+        with open(cfg) as fh:
+            json.load(fh)
+    except OSError as e:
+        return f"hf: cannot read {cfg}: {e.strerror}"
+    except ValueError as e:
+        return f"hf: {cfg} is not valid JSON: {e}"
+    try:
+        names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    except OSError as e:
+        return f"hf: cannot list {path}: {e.strerror}"
+    if not names:
+        return f"hf: {path} holds no *.safetensors weights (other formats are not read)"
+    for n in names:
+        if not os.access(os.path.join(path, n), os.R_OK):
+            return f"hf: cannot read {os.path.join(path, n)}"
+    return None
+
+
 @dataclass
 class ModelServiceConfig:
-    """A model service: ``loader`` is ``module:function`` returning ``(torch module, {op: fn})``
-    where ``fn(module, batch) -> list`` (``score``: sequences -> scalars; ``logprobs``: sequences ->
-    per-token log-probabilities)."""
+    """A model service, from one of two sources:
+
+    * ``hf``: a local Hugging Face directory (``config.json`` + safetensors; nothing is downloaded)
+      and its ``task`` (``HF_TASKS``); ``dtype`` casts its floating-point weights (default: as
+      stored);
+    * ``loader``: ``module:function`` returning ``(torch module, {op: fn})`` where ``fn(module,
+      batch) -> list`` (``score``: sequences -> scalars; ``logprobs``: sequences -> per-token
+      log-probabilities), for custom code.
+    """
 
     name: str
-    loader: str
+    loader: str | None = None
     kwargs: dict = field(default_factory=dict)
     gpus: int = 1
     memory_gb: float | None = None  # per instance; default: the weights plus 20% for activations
@@ -44,6 +92,22 @@ class ModelServiceConfig:
     # batch leaves most of its GPU idle for long (small batches of big kernels, CUDA graphs).
     compute_share: float = 1.0
     idle_s: float | None = None  # a copy unused this long releases its GPU memory (None: kept while it fits)
+    hf: str | None = None  # a local Hugging Face model directory (instead of ``loader``)
+    task: str | None = None  # with ``hf``: one of HF_TASKS
+    dtype: str | None = None  # with ``hf``: one of DTYPES (default: the checkpoint's own)
+
+    def __post_init__(self) -> None:
+        if (self.loader is None) == (self.hf is None):
+            raise ValueError(f"model {self.name!r}: give exactly one of loader (module:function) and hf (a directory)")
+        if self.hf is not None and self.task not in HF_TASKS:
+            raise ValueError(f"task: model {self.name!r} from hf needs task = one of {', '.join(HF_TASKS)}, "
+                             f"got {self.task!r}")
+        if self.hf is None and self.task is not None:
+            raise ValueError(f"task: model {self.name!r}: task goes with hf (a loader returns its ops)")
+        if self.hf is None and self.dtype is not None:
+            raise ValueError(f"dtype: model {self.name!r}: dtype goes with hf (a loader's kwargs choose its own)")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype: model {self.name!r}: one of {', '.join(DTYPES)}, got {self.dtype!r}")
 
 
 @dataclass
