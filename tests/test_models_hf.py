@@ -187,3 +187,26 @@ def test_a_server_config_with_hf_serves_over_http(dirs, tmp_path):
         assert httpx.post(f"{s.url}/v1/models/rm/score", json={"tokens": []}).json()["outcome"] == "rejected"
     finally:
         s.stop()
+
+
+def test_graph_buckets_pad_batches_without_changing_answers(dirs):
+    """A copy with CUDA graphs runs each batch padded to its bucket (rows to a power of two,
+    lengths to one from 64); on CPU the same padding runs eagerly: answers must not change."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from arl_tangram.managers.models import graphs, hf, tiny
+
+    seqs = SEQS[:3]
+    cases = [(*tiny.teacher_model(), "logprobs"), (*tiny.reward_model(), "score"),
+             (AutoModelForCausalLM.from_pretrained(dirs["llama"]).eval(), {"logprobs": hf.logprobs}, "logprobs"),
+             (AutoModelForSequenceClassification.from_pretrained(dirs["rm"]).eval(), {"score": hf.score}, "score")]
+    for model, ops, op in cases:
+        plain = ops[op](model, seqs)
+        model.tangram_graphs = graphs.Graphs(capture=False)
+        assert graphs.shape_of(model, seqs, getattr(getattr(model, "config", None), "max_position_embeddings", None)) \
+            == (4, 64)
+        padded = ops[op](model, seqs)
+        flat = (lambda xs: sum(xs, [])) if op == "logprobs" else (lambda xs: xs)
+        assert len(padded) == len(seqs) and flat(padded) == pytest.approx(flat(plain), abs=1e-5)
+        model.tangram_graphs.max_tokens = 64  # over the budget: the batch runs as it is
+        assert graphs.shape_of(model, seqs) == (3, 11)

@@ -4,7 +4,9 @@ several compute shares (1: one batch on the GPU at a time, as before; smaller: b
 services overlap on their own CUDA streams), against each service owning a dedicated device
 (replayed one service at a time on the same device with its model preloaded, which is what a
 dedicated GPU would give it) — time to first score for a 7B model from a cold start and from host
-RAM after it scaled to zero, and a model split over 2 GPUs against the same weights on one.
+RAM after it scaled to zero, a model split over 2 GPUs against the same weights on one, and
+Hugging Face services (a Qwen2-shaped teacher and reward model saved to a directory, served from
+it: host load, first answer, throughput unbatched vs batched).
 
 Runs on ``cuda`` (random-initialised transformers of 0.5B-7B parameters, bf16) or on ``cpu`` (the
 same code with tiny models; two CPU "devices" stand in for two GPUs). ``python -m
@@ -84,6 +86,71 @@ async def _throughput(device: str, seq_len: int, requests: int, vocab: int) -> d
             assert all(r.ok for r in rs), rs[0].message
             out[f"{label}_per_s"] = round(requests / elapsed, 1)
     out["speedup"] = round(out["batched_per_s"] / out["unbatched_per_s"], 2)
+    return out
+
+
+def _hf_dirs(device: str, root: str) -> dict[str, tuple[str, float]]:
+    """A teacher (causal LM) and a reward model (sequence classification) with Qwen2's
+    architecture and random weights, saved with ``save_pretrained`` under ``root`` as a downloaded
+    model would lie: Qwen2.5-0.5B's shape in bf16 on CUDA, a tiny one on CPU. Returns each
+    directory and its parameters in billions."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+
+    cuda = device == "cuda"
+    shape = (dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768)
+             if cuda else dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512))
+    out = {}
+    for name, cls, extra in (("teacher", Qwen2ForCausalLM, {"tie_word_embeddings": True}),
+                             ("rm", Qwen2ForSequenceClassification, {"num_labels": 1, "pad_token_id": 0})):
+        torch.manual_seed(0)
+        with torch.device("cuda" if cuda else "cpu"):
+            model = cls(Qwen2Config(**shape, **extra)).to(torch.bfloat16 if cuda else torch.float32)
+        path = os.path.join(root, name)
+        model.save_pretrained(path)
+        out[name] = (path, sum(p.numel() for p in model.parameters()) / 1e9)
+        del model
+    _release_memory()
+    return out
+
+
+async def _hf_throughput(device: str, seq_len: int, requests: int) -> dict:
+    """Hugging Face services served from their directories: host load time (safetensors into
+    page-locked host memory), the first answer (onto the GPU, warmed), and throughput unbatched
+    (max_batch 1) vs batched (32) for the teacher's logprobs and the reward model's score."""
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as root:
+        dirs = _hf_dirs(device, root)
+        for name, op in (("teacher", "logprobs"), ("rm", "score")):
+            path, billions = dirs[name]
+            res: dict = {"params_b": round(billions, 3), "task": op}
+            for label, max_batch in (("unbatched", 1), ("batched", 32)):
+                svc = ModelServiceConfig(name, hf=path, task=op, max_batch=max_batch, max_wait_ms=2.0)
+                t0 = time.perf_counter()
+                async with Tangram.local(sandboxes=False, models=[svc], gpus=1) as tg:
+                    host_s = time.perf_counter() - t0
+                    call = getattr(tg, op)
+                    vocab = tg.runtime.models.loaded[name].vocab
+                    rng = random.Random(0)
+                    seqs = [[rng.randrange(1, vocab) for _ in range(seq_len)] for _ in range(requests)]
+                    t1 = time.perf_counter()
+                    first = await call(name, seqs[0])  # onto the GPU (and warmed) now
+                    first_s = time.perf_counter() - t1
+                    t = time.perf_counter()
+                    rs = await asyncio.gather(*(call(name, x) for x in seqs))
+                    elapsed = time.perf_counter() - t
+                    assert first.ok and all(r.ok for r in rs), (first.message, rs[0].message)
+                    res[f"{label}_per_s"] = round(requests / elapsed, 1)
+                    res[f"{label}_avg_act_s"] = sum(r.act_s for r in rs) / len(rs)
+                    if label == "unbatched":
+                        res["host_load_s"] = host_s
+                        res["first_answer_s"] = first_s
+                        res["load_log"] = tg.runtime.models.load_log[:1]
+                _release_memory()
+            res["speedup"] = round(res["batched_per_s"] / res["unbatched_per_s"], 2)
+            out[name] = res
+    out["seq_len"], out["requests"] = seq_len, requests
     return out
 
 
@@ -168,7 +235,9 @@ async def _mopd_shared(device: str, requests: int, duration_s: float, seq_len: i
             acts, _, held = await _replay(services, arrivals, seq_len, vocab, names)
         finally:
             manager.GPU_SWITCH_INTERVAL_S = chosen
-        key = f"{share:.3g}" + (f"@{switch_ms:g}ms" if switch_ms is not None else "")
+        key = base = f"{share:.3g}" + (f"@{switch_ms:g}ms" if switch_ms is not None else "")
+        while key in by:  # the same variant again (a second run in the process): its own entry
+            key = f"{base}#{sum(k.split('#')[0] == base for k in by) + 1}"
         by[key] = {"compute_share": share, "switch_interval_ms": effective * 1e3, **_stats(acts),
                    "gpu_seconds_held": held}
         log(f"mopd shared, {key}: {by[key]}")
@@ -330,14 +399,18 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> 
         log_ = rt.models.load_log
         islands = rt.cluster.gpu_nodes[0].islands()
     _release_memory()
-    loads = {n: sorted(x["seconds"] for x in log_ if x["model"] == n) for n in ("one", "two")}
+    # the load itself (skeleton, copies, assignment); the warm-up after it is reported apart
+    loads = {n: sorted(x["seconds"] - x.get("warm_s", 0.0) for x in log_ if x["model"] == n) for n in ("one", "two")}
+    warm = {n: [round(x.get("warm_s", 0.0), 3) for x in log_ if x["model"] == n] for n in ("one", "two")}
+    phases = {n: {k: round(min(x[k] for x in log_ if x["model"] == n), 4) for k in ("prepare_s", "copy_s", "assign_s")}
+              for n in ("one", "two")}
     diff = max(abs(a - b) for a, b in zip(scores["one"], scores["two"]))
     scale = max(abs(a) for a in scores["one"]) or 1.0
     one, two = loads["one"][len(loads["one"]) // 2], loads["two"][len(loads["two"]) // 2]
     out = {"params_b": billions, "gpus": 2, "islands": islands, "discovered_island_of_each_gpu": discovered,
            "rounds": rounds,
            "load_s_1gpu": one, "load_s_2gpu": two, "load_speedup": one / two,
-           "load_s_all": loads, "score_max_abs_diff": diff, "score_max_rel_diff": diff / scale,
+           "load_s_all": loads, "load_phases_min_s": phases, "warm_s": warm, "score_max_abs_diff": diff, "score_max_rel_diff": diff / scale,
            "scores_identical": diff == 0.0,
            "resident_act_s_1gpu": min(latency["one"]), "resident_act_s_2gpu": min(latency["two"])}
     if cuda:
@@ -346,7 +419,7 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> 
     return out
 
 
-SECTIONS = ("h2d", "throughput", "mopd", "dedicated", "ttfs", "multigpu")
+SECTIONS = ("h2d", "throughput", "hf", "mopd", "dedicated", "ttfs", "multigpu")
 
 
 def run(device: str = "auto", log: Callable[[str], None] = print, requests: int | None = None,
@@ -359,7 +432,9 @@ def run(device: str = "auto", log: Callable[[str], None] = print, requests: int 
         raise ValueError(f"sections: unknown {', '.join(sorted(unknown))} (known: {', '.join(SECTIONS)})")
     cuda = device == "cuda"
     result: dict = dict(merge or {})
-    result.update({"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__})
+    result.update({"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
+                   "host": {"cpus": os.cpu_count(), "memory_gb": round(os.sysconf("SC_PAGE_SIZE")
+                                                                       * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}})
     if cuda:
         from ..managers.models.topology import discover_gpus
         result["gpus_discovered"] = [{"index": g.index, "memory_gb": round(g.memory_gb, 1), "island": g.island,
@@ -373,6 +448,13 @@ def run(device: str = "auto", log: Callable[[str], None] = print, requests: int 
     if "throughput" in sections:
         result["throughput"] = asyncio.run(_throughput(device, 256 if cuda else 64, 512 if cuda else 96, vocab))
         log(f"scoring throughput: {result['throughput']}")
+    if "hf" in sections:
+        try:
+            import transformers  # noqa: F401
+            result["hf"] = asyncio.run(_hf_throughput(device, 256 if cuda else 32, 256 if cuda else 48))
+        except ModuleNotFoundError as e:
+            result["hf"] = {"skipped": f"needs {e.name}"}
+        log(f"hugging face services: {result['hf']}")
     if "mopd" in sections:
         shares = shares or (["1", "0.25", "0.0833"] if cuda else ["1", "0.5"])
         m = asyncio.run(_mopd_shared(device, requests, duration_s, seq_len, vocab, shares, log))

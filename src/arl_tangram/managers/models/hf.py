@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from . import graphs
 from .spec import ModelDirError, hf_dir_problem
 
 #: safetensors dtype names
@@ -221,14 +222,15 @@ def load(path: str, task: str, dtype: str | None = None) -> HfModel:
     return HfModel(module, tensors, storage, ops, emb.num_embeddings, int(max_pos) if max_pos else None)
 
 
-def _batch(model: nn.Module, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """Right-padded ids and attention mask on the model's first device (the pad id is never
-    attended to: any id does)."""
+def _batch(model: nn.Module, seqs: list[list[int]], max_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and attention mask on the model's first device, of the batch's shape (its
+    graph bucket where the copy has graphs: rows past the batch attend to one token). The pad id
+    is never attended to: any id does."""
     device = model.get_input_embeddings().weight.device
-    lengths = [len(s) for s in seqs]
-    n = max(lengths)
-    ids = torch.zeros((len(seqs), n), dtype=torch.long)
-    mask = torch.zeros((len(seqs), n), dtype=torch.long)
+    rows, n = graphs.shape_of(model, seqs, max_len)
+    ids = torch.zeros((rows, n), dtype=torch.long)
+    mask = torch.zeros((rows, n), dtype=torch.long)
+    mask[len(seqs):, 0] = 1
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
         mask[i, :len(s)] = 1
@@ -236,24 +238,37 @@ def _batch(model: nn.Module, seqs: list[list[int]]) -> tuple[torch.Tensor, torch
         ids, mask = ids.pin_memory().to(device, non_blocking=True), mask.pin_memory().to(device, non_blocking=True)
     else:
         ids, mask = ids.to(device), mask.to(device)
-    return ids, mask, lengths
+    return ids, mask
+
+
+def _max_len(model: nn.Module) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+def _logprobs(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log p(t_i | t_<i) at every position of every row, float32, (rows, length - 1). The
+    log-softmax runs one row at a time: a batch's float32 logits at once would be rows x length x
+    vocab x 4 bytes (5 GB for 16 x 512 tokens of a 150k vocabulary)."""
+    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    targets = ids[:, 1:].to(logits.device)
+    return torch.stack([logits[i, :-1].float().log_softmax(-1).gather(-1, targets[i, :, None])[:, 0]
+                        for i in range(ids.shape[0])])
+
+
+def _scores(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
+    last = (mask.sum(1) - 1).to(hidden.device)  # right padding: the last real token
+    pooled = hidden[torch.arange(ids.shape[0], device=hidden.device), last]
+    head = getattr(model, "score", None) or getattr(model, "classifier")
+    return head(pooled.to(head.weight.device)).float()
 
 
 @torch.inference_mode()
 def logprobs(model: nn.Module, seqs: list[list[int]]) -> list[list[float]]:
-    """log p(t_i | t_<i) for i = 1..n-1 of each sequence, in float32. The log-softmax runs one
-    sequence at a time (a batch's float32 logits at once would be batch x length x vocab x 4
-    bytes: 5 GB for 16 x 512 tokens of a 150k vocabulary); one copy to the host at the end."""
-    ids, mask, lengths = _batch(model, seqs)
-    logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    targets = ids[:, 1:].to(logits.device)
-    picked = torch.zeros((len(seqs), max(1, ids.shape[1] - 1)), dtype=torch.float32, device=logits.device)
-    for i, n in enumerate(lengths):
-        if n > 1:
-            row = logits[i, :n - 1].float().log_softmax(-1)
-            picked[i, :n - 1] = row.gather(-1, targets[i, :n - 1, None])[:, 0]
-    host = picked.cpu().tolist()
-    return [host[i][:n - 1] for i, n in enumerate(lengths)]
+    """log p(t_i | t_<i) for i = 1..n-1 of each sequence, in float32 (one copy to the host)."""
+    ids, mask = _batch(model, seqs, _max_len(model))
+    host = graphs.forward(model, "logprobs", lambda i, m: _logprobs(model, i, m), ids, mask).cpu()
+    return [host[i, :len(s) - 1].tolist() for i, s in enumerate(seqs)]
 
 
 @torch.inference_mode()
@@ -262,10 +277,6 @@ def score(model: nn.Module, seqs: list[list[int]]) -> list:
     The model's base runs with the attention mask and the head is applied at the last real token
     here: transformers' own pooling looks for the last token that is not the pad id, which a
     sequence may legitimately contain, and needs a pad id in the config to batch at all."""
-    ids, mask, lengths = _batch(model, seqs)
-    hidden = model.base_model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-    last = torch.tensor([n - 1 for n in lengths], device=hidden.device)
-    pooled = hidden[torch.arange(len(seqs), device=hidden.device), last]
-    head = getattr(model, "score", None) or getattr(model, "classifier")
-    out = head(pooled.to(head.weight.device)).float().cpu()
-    return [row[0] if len(row) == 1 else row for row in out.tolist()]
+    ids, mask = _batch(model, seqs, _max_len(model))
+    out = graphs.forward(model, "score", lambda i, m: _scores(model, i, m), ids, mask).cpu()
+    return [row[0] if len(row) == 1 else row for row in out[:len(seqs)].tolist()]

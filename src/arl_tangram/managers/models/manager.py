@@ -37,6 +37,7 @@ from ...core.cluster import ModelSpec
 from ...core.records import Load
 from ...core.seam import Completion, Loaded, Sink
 from ..tasks import TaskSet
+from .graphs import MIN_GAIN, Graphs
 from .placement import place
 from .spec import ModelCall, ModelCard, ModelDirError, ModelServiceConfig
 
@@ -161,7 +162,8 @@ class ModelManager:
     ``load_all`` puts the services into host RAM before the engine exists, so that the cluster it
     is built on knows their sizes."""
 
-    def __init__(self, services: list[ModelServiceConfig], sink: Sink, device: str = "auto") -> None:
+    def __init__(self, services: list[ModelServiceConfig], sink: Sink, device: str = "auto",
+                 graphs: bool = True) -> None:
         self.cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
         self.services = {s.name: s for s in services}
         self.loaded: dict[str, HostModel] = {}
@@ -178,6 +180,7 @@ class ModelManager:
         if self.cuda:  # process-wide, restored at shut_down; see GPU_SWITCH_INTERVAL_S
             sys.setswitchinterval(GPU_SWITCH_INTERVAL_S)
         self.evictions = 0
+        self.graphs = graphs  # CUDA graphs for single-GPU copies where they pay (``graphs``)
 
     def load_all(self) -> list[ModelSpec]:
         """Load every service into host RAM; a loader that raises marks only its service failed, a
@@ -269,42 +272,73 @@ class ModelManager:
         for k in state.keys() - ld.persistent:
             _assign(module, k, state[k])
         compute = [torch.cuda.Stream(d) for d in dict.fromkeys(devices)] if self.cuda else []
+        if self.cuda and len(compute) == 1 and self.graphs:
+            module.tangram_graphs = Graphs(compute[0])  # kept by ``_warm`` only where they pay
         inst = DeviceCopy(module, devices, compute, nbytes, hops)
         t_assign = time.perf_counter()
-        warm_s = self._warm(ld, inst) if self.cuda else 0.0
+        warm = self._warm(ld, inst) if self.cuda else {"warm_s": 0.0}
         seconds = time.perf_counter() - t
         with self._lock:
             self.load_seconds += seconds
             self.loads += 1
             self.load_log.append({"model": name, "gpus": list(block), "bytes": nbytes, "seconds": seconds,
                                   "prepare_s": t_prepare - t, "copy_s": t_copy - t_prepare,
-                                  "assign_s": t_assign - t_copy, "warm_s": warm_s})
+                                  "assign_s": t_assign - t_copy, **warm})
             self.instances[(name, block)] = inst
         return inst
 
-    def _warm(self, ld: HostModel, inst: DeviceCopy) -> float:
+    def _warm(self, ld: HostModel, inst: DeviceCopy) -> dict:
         """Run every op of a new copy on a few batches before it takes calls, so that no caller
         pays the first-use costs: loading kernels (CUDA loads modules lazily), cuBLAS workspaces for
-        the copy's stream, the caching allocator's pool for that stream (blocks are per stream).
-        Measured on H100 before this: the first MOPD run of 12 services sharing a GPU averaged
-        8.4x the ACT of dedicated GPUs (136 ms, p99 1.86 s), the same run again 1.48x. Shapes: a
-        full batch of long sequences (the pool's largest blocks), a single short one (the small
-        kernels cuBLAS picks for few rows). An op that fails here is logged, not fatal: a custom op
-        may not take token lists."""
+        the copy's stream, the caching allocator's pool for that stream (blocks are per stream),
+        and capturing CUDA graphs. Measured on H100 before this: the first MOPD run of 12 services
+        sharing a GPU averaged 8.4x the ACT of dedicated GPUs (136 ms, p99 1.86 s), the same run
+        again 1.48x. Shapes: a full batch of long sequences eagerly (the pool's largest blocks), a
+        single short one (the small kernels cuBLAS picks for few rows), then every graph bucket
+        of ``WARM_LEN`` tokens, and one row eager vs graphed: graphs that do not pay are dropped
+        (``graphs``). An op that fails here is logged, not fatal: a custom op may not take token
+        lists."""
         t = time.perf_counter()
         n = min(ld.max_len or WARM_LEN, WARM_LEN)
         vocab = max(2, ld.vocab or 2)
+        g: Graphs | None = getattr(inst.module, "tangram_graphs", None)
+        out: dict = {}
+
+        def batch(rows: int, length: int) -> list[list[int]]:
+            return [[(7 * i + j) % vocab for j in range(max(2, length))] for i in range(rows)]
+
+        def timed(op: Callable, b: list) -> float:
+            t0 = time.perf_counter()
+            _run_op(op, inst, b)
+            return time.perf_counter() - t0
+
         for op_name, op in ld.ops.items():
-            for rows, length in ((ld.spec.max_batch, n), (1, min(n, 16))):
-                batch = [[(7 * i + j) % vocab for j in range(max(2, length))] for i in range(rows)]
-                try:
-                    _run_op(op, inst, batch)
-                except Exception as e:
-                    log.warning("warming %s's %s failed (its first calls pay the warm-up): %s: %s",
-                                ld.spec.name, op_name, type(e).__name__, e)
-                    break
+            try:
+                if g is not None:
+                    g.enabled = False
+                for rows, length in ((ld.spec.max_batch, n), (1, min(n, 16)), (1, n)):
+                    _run_op(op, inst, batch(rows, length))
+                if g is None:
+                    continue
+                eager = min(timed(op, batch(1, n)) for _ in range(3))
+                g.enabled = True
+                rows = 1
+                while g.enabled and g.bucket(rows, n, ld.max_len) is not None and rows <= ld.spec.max_batch:
+                    _run_op(op, inst, batch(rows, n))
+                    rows *= 2
+                graphed = min(timed(op, batch(1, n)) for _ in range(3)) if g.enabled else float("inf")
+                out[op_name] = {"eager_1x%d_ms" % n: round(eager * 1e3, 3), "graph_1x%d_ms" % n: round(graphed * 1e3, 3)}
+                if eager < graphed * MIN_GAIN:
+                    g.drop()
+            except Exception as e:
+                log.warning("warming %s's %s failed (its first calls pay the warm-up): %s: %s",
+                            ld.spec.name, op_name, type(e).__name__, e)
+        if g is not None:
+            g.enabled = bool(g.graphs)
+            out["graphs"] = len(g.graphs)
         inst.hops.clear()
-        return time.perf_counter() - t
+        out["warm_s"] = time.perf_counter() - t
+        return out
 
     def _copy_to_gpus(self, host: dict[str, torch.Tensor], where: dict, first: torch.device):
         """Host tensors onto their GPUs, every GPU's link busy at once: one allocation per GPU

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import graphs
+
 
 @dataclass(frozen=True)
 class TinyConfig:
@@ -62,32 +64,44 @@ def _build(cfg: TinyConfig, head: str) -> TinyTransformer:
     return model.to("cpu").eval()
 
 
-def _pad(seqs: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    n = max(len(s) for s in seqs)
-    ids = torch.zeros((len(seqs), n), dtype=torch.long)
+def _pad(seqs: list[list[int]], device, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ids and lengths of ``shape`` (rows, length); rows past the batch are one token long."""
+    rows, n = shape
+    ids = torch.zeros((rows, n), dtype=torch.long)
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-    return ids.to(device), torch.tensor([len(s) for s in seqs], device=device)
+    lengths = torch.tensor([len(s) for s in seqs] + [1] * (rows - len(seqs)))
+    return ids.to(device, non_blocking=True), lengths.to(device, non_blocking=True)
 
 
-# The ops take the model's output where it comes out: on the last GPU of a multi-GPU copy.
+def _scores(model: TinyTransformer, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    out = model(ids, lengths)[:, :, 0].float()
+    last = (lengths - 1).to(out.device)
+    return out[torch.arange(ids.shape[0], device=out.device), last]
+
+
+def _logprobs(model: TinyTransformer, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    logits = model(ids, lengths).float().log_softmax(-1)
+    return logits[:, :-1].gather(-1, ids[:, 1:, None].to(logits.device))[..., 0]
+
+
+# The ops take the model's output where it comes out: on the last GPU of a multi-GPU copy. Their
+# tensor work is one function of tensors, so a copy with CUDA graphs replays it (``graphs``).
 
 @torch.inference_mode()
 def score(model: TinyTransformer, seqs: list[list[int]]) -> list[float]:
     """Reward of each sequence: the head's value at its last token."""
-    ids, lengths = _pad(seqs, model.embed.weight.device)
-    out = model(ids, lengths)[:, :, 0].float()
-    last = (lengths - 1).to(out.device)
-    return out[torch.arange(len(seqs), device=out.device), last].tolist()
+    ids, lengths = _pad(seqs, model.embed.weight.device, graphs.shape_of(model, seqs))
+    out = graphs.forward(model, "score", lambda i, n: _scores(model, i, n), ids, lengths)
+    return out[:len(seqs)].tolist()
 
 
 @torch.inference_mode()
 def logprobs(model: TinyTransformer, seqs: list[list[int]]) -> list[list[float]]:
     """log p(token_t | tokens_<t) for t = 1..len-1 of each sequence."""
-    ids, lengths = _pad(seqs, model.embed.weight.device)
-    logits = model(ids, lengths).float().log_softmax(-1)
-    picked = logits[:, :-1].gather(-1, ids[:, 1:, None].to(logits.device))[..., 0].cpu()
-    return [picked[i, :int(lengths[i]) - 1].tolist() for i in range(len(seqs))]
+    ids, lengths = _pad(seqs, model.embed.weight.device, graphs.shape_of(model, seqs))
+    picked = graphs.forward(model, "logprobs", lambda i, n: _logprobs(model, i, n), ids, lengths).cpu()
+    return [picked[i, :len(s) - 1].tolist() for i, s in enumerate(seqs)]
 
 
 def reward_model(**config) -> tuple[nn.Module, dict]:
