@@ -191,6 +191,8 @@ async def _replay(services: list[ModelServiceConfig], arrivals: list[tuple[float
         span = time.perf_counter() - start
         rt.engine.usage.advance(rt.engine.clock.now())
         held = rt.engine.usage.gpu_held_s - held0
+        _replay.copies = [{k: x.get(k) for k in ("model", "graphs", "warm_s", "logprobs")}  # type: ignore[attr-defined]
+                          for x in rt.models.load_log]
     _release_memory()
     return list(acts), span, held
 
@@ -239,8 +241,8 @@ async def _mopd_shared(device: str, requests: int, duration_s: float, seq_len: i
         while key in by:  # the same variant again (a second run in the process): its own entry
             key = f"{base}#{sum(k.split('#')[0] == base for k in by) + 1}"
         by[key] = {"compute_share": share, "switch_interval_ms": effective * 1e3, **_stats(acts),
-                   "gpu_seconds_held": held}
-        log(f"mopd shared, {key}: {by[key]}")
+                   "gpu_seconds_held": held, "copies": getattr(_replay, "copies", [])}
+        log(f"mopd shared, {key}: { {k: v for k, v in by[key].items() if k != 'copies'} }")
     sizes = GPU_SIZES_B if device == "cuda" else (0.5,) * 12
     return {"services": 12, "params_b": list(sizes), "requests": requests, "seq_len": seq_len,
             "shared_devices": 1, "dedicated_devices": 12, "by_compute_share": by}

@@ -8,7 +8,8 @@ bound by the interpreter launching kernels, one after another; big batches and b
 the GPU. In the MOPD-style run (12 teachers, 0.5B-7B, mostly batches of 1-3 rows) most GPU time
 went to small models' launch-bound batches: 7.7 GPU-seconds held for 600 requests.
 
-So a copy replays a graph for batches of at most ``MAX_TOKENS`` padded tokens — rows padded up
+So a copy replays a graph for batches of at most ``MAX_TOKENS`` padded tokens (each copy's graphs
+hold a memory pool of their largest batch's activations: 12 copies at 4096 tokens held 5.2 GB) — rows padded up
 to a power of two, lengths up to a power of two from 64 — and runs bigger batches eagerly. Whether
 graphs pay is measured per copy when it is warmed (``ModelManager._warm``): a copy whose graph is
 not at least ``MIN_GAIN`` times faster than its eager batch (a 7B model) drops its graphs and
@@ -32,7 +33,7 @@ import torch
 log = logging.getLogger(__name__)
 
 #: padded tokens (rows x length) up to which a batch replays a graph
-MAX_TOKENS = 4096
+MAX_TOKENS = 2048
 #: graphs a copy keeps (least recently used go first)
 MAX_GRAPHS = 16
 #: a copy keeps its graphs only if a graph runs at least this many times faster than eager
@@ -49,22 +50,27 @@ def _pow2(n: int, least: int = 1) -> int:
 
 
 class Graphs:
-    """The graphs of one copy on one device. ``capture=False`` (CPU devices, tests) pads batches
-    to the same buckets and runs them eagerly: what bucketing does to answers is tested on CPU."""
+    """The graphs of one copy on one device. A batch whose bucket has no graph yet runs eagerly
+    and leaves its inputs in ``wanted``; ``capture_wanted`` captures them while the caller holds
+    the device alone (``devices.Gate``), off any caller's path. ``capture=False`` (CPU devices,
+    tests) pads batches to the same buckets and runs them eagerly: what bucketing does to
+    answers is tested on CPU."""
 
-    def __init__(self, stream=None, capture: bool = True, max_tokens: int = MAX_TOKENS) -> None:
-        self.stream = stream
+    def __init__(self, device=None, capture: bool = True, max_tokens: int = MAX_TOKENS) -> None:
+        self.device = device  # a ``devices.Device``: its capture stream
         self.capture = capture
         self.max_tokens = max_tokens
         self.enabled = True
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self.wanted: dict[tuple, tuple] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.lock = threading.Lock()
         self.captures = 0
+        self.capturing = False
 
     def bucket(self, rows: int, length: int, max_len: int | None = None) -> tuple[int, int] | None:
-        """The padded shape a batch of ``rows`` sequences of at most ``length`` tokens replays
-        as, or None to run it eagerly."""
+        """The padded shape a batch of ``rows`` sequences of at most ``length`` tokens runs as,
+        or None to run it as it is (eagerly)."""
         if not self.enabled:
             return None
         r, n = _pow2(rows), _pow2(length, MIN_LEN)
@@ -73,44 +79,57 @@ class Graphs:
         return (r, n) if r * n <= self.max_tokens else None
 
     def run(self, key: tuple, fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> torch.Tensor:
-        """``fn(*inputs)`` (one tensor out), through the graph captured for ``key`` (captured now
-        if new). ``inputs`` must have the bucket's shapes; the result is a copy, the caller's."""
+        """``fn(*inputs)`` (one tensor out), replayed from the graph for ``key`` if there is one;
+        else eagerly, and the inputs are kept for a capture. The result is the caller's."""
         if not self.capture:
             return fn(*inputs)
         with self.lock:
             entry = self.graphs.get(key)
-            if entry is None:
+            if entry is not None:
+                self.graphs.move_to_end(key)
+                graph, static_in, static_out = entry
+                for s, x in zip(static_in, inputs):
+                    s.copy_(x, non_blocking=True)
+                graph.replay()
+                return static_out.clone()
+            if key not in self.wanted:
+                self.wanted[key] = (fn, tuple(x.clone() for x in inputs))
+        return fn(*inputs)
+
+    def capture_wanted(self) -> int:
+        """Capture every wanted graph; the caller holds the device alone. A forward that cannot be
+        captured (one that waits for the host) turns graphs off for this copy: eager then."""
+        with self.lock:
+            wanted, self.wanted = self.wanted, {}
+            if not self.enabled:
+                return 0
+            done = 0
+            for key, (fn, inputs) in wanted.items():
                 try:
-                    entry = self._capture(fn, inputs)
-                except Exception as e:  # a forward that syncs with the host cannot be captured: eager then
-                    log.warning("no CUDA graph for this model (%s: %s); its batches run eagerly", type(e).__name__, e)
+                    self.graphs[key] = self._capture(fn, inputs)
+                except Exception as e:
+                    log.warning("no CUDA graph for this model (%s: %s); its batches run eagerly",
+                                type(e).__name__, str(e).splitlines()[0] if str(e) else "")
                     self.enabled = False
                     self.graphs.clear()
-                    return fn(*inputs)
-                self.graphs[key] = entry
+                    return done
+                done += 1
                 while len(self.graphs) > MAX_GRAPHS:
                     self.graphs.popitem(last=False)
-            else:
-                self.graphs.move_to_end(key)
-            graph, static_in, static_out = entry
-            for s, x in zip(static_in, inputs):
-                s.copy_(x, non_blocking=True)
-            graph.replay()
-            return static_out.clone()
+            return done
 
     def _capture(self, fn: Callable[..., torch.Tensor], inputs: tuple) -> tuple:
-        static_in = [x.clone() for x in inputs]
-        stream = self.stream or torch.cuda.current_stream()
-        side = torch.cuda.Stream(stream.device)
-        side.wait_stream(stream)
+        static_in = list(inputs)
+        side = self.device.capture_stream() if self.device is not None else torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # one run off the graph: lazy initialisations happen outside it
             fn(*static_in)
-        stream.wait_stream(side)
+        side.synchronize()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: other services' batches in other threads may allocate or wait meanwhile
+        # thread_local: loads in other threads may allocate meanwhile (the gate keeps other batches off)
         with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
             static_out = fn(*static_in)
-        stream.wait_stream(side)
+        side.synchronize()
         self.captures += 1
         return graph, static_in, static_out
 
@@ -119,12 +138,7 @@ class Graphs:
         with self.lock:
             self.enabled = False
             self.graphs.clear()
-
-
-def graphs_of(module: torch.nn.Module) -> Graphs | None:
-    """The graphs the model manager gave this copy, if any (ops ask; a module from elsewhere has none)."""
-    g = getattr(module, "tangram_graphs", None)
-    return g if isinstance(g, Graphs) and g.enabled else None
+            self.wanted.clear()
 
 
 def shape_of(module: torch.nn.Module, seqs: list[list[int]], max_len: int | None = None) -> tuple[int, int]:

@@ -37,6 +37,7 @@ from ...core.cluster import ModelSpec
 from ...core.records import Load
 from ...core.seam import Completion, Loaded, Sink
 from ..tasks import TaskSet
+from .devices import Device, batch_on
 from .graphs import MIN_GAIN, Graphs
 from .placement import place
 from .spec import ModelCall, ModelCard, ModelDirError, ModelServiceConfig
@@ -140,11 +141,11 @@ def _assign(module: torch.nn.Module, name: str, t: torch.Tensor) -> None:
 
 @dataclass
 class DeviceCopy:
-    """A model's weights on a block of devices, and the streams its batches run on."""
+    """A model's weights on a block of devices."""
 
     module: torch.nn.Module
     devices: list[torch.device]
-    streams: list  # one CUDA stream per device (empty on CPU devices)
+    gpus: list[Device]  # the GPUs' shared streams and gates (empty on CPU devices)
     bytes: int = 0
     hops: dict = field(default_factory=dict)  # a split copy's tensors moved between GPUs, per batch (placement)
 
@@ -171,6 +172,7 @@ class ModelManager:
         self.instances: dict[tuple[str, tuple[int, ...]], DeviceCopy] = {}
         self.tasks = TaskSet(sink, "models")
         self._load_streams: dict[int, Any] = {}
+        self._gpus: dict[int, Device] = {}  # per GPU: the streams and gate its copies share (``devices``)
         self._lock = threading.Lock()  # the copies dict and counters are written from loader threads
         self._memory = threading.Lock()  # device allocation vs handing memory back (empty_cache)
         self.loads = 0
@@ -235,6 +237,13 @@ class ModelManager:
     def device(self, gpu: int) -> torch.device:
         return torch.device(f"cuda:{gpu % torch.cuda.device_count()}") if self.cuda else torch.device("cpu")
 
+    def _gpu(self, dev: torch.device) -> Device:
+        with self._lock:
+            gpu = self._gpus.get(dev.index or 0)
+            if gpu is None:
+                gpu = self._gpus[dev.index or 0] = Device(dev)
+        return gpu
+
     def _load_stream(self, dev: torch.device):
         with self._lock:
             stream = self._load_streams.get(dev.index)
@@ -271,10 +280,10 @@ class ModelManager:
         module.load_state_dict({k: state[k] for k in ld.persistent}, assign=True)
         for k in state.keys() - ld.persistent:
             _assign(module, k, state[k])
-        compute = [torch.cuda.Stream(d) for d in dict.fromkeys(devices)] if self.cuda else []
-        if self.cuda and len(compute) == 1 and self.graphs:
-            module.tangram_graphs = Graphs(compute[0])  # kept by ``_warm`` only where they pay
-        inst = DeviceCopy(module, devices, compute, nbytes, hops)
+        gpus = [self._gpu(d) for d in dict.fromkeys(devices)] if self.cuda else []
+        if self.cuda and len(gpus) == 1 and self.graphs:
+            module.tangram_graphs = Graphs(gpus[0])  # kept by ``_warm`` only where they pay
+        inst = DeviceCopy(module, devices, gpus, nbytes, hops)
         t_assign = time.perf_counter()
         warm = self._warm(ld, inst) if self.cuda else {"warm_s": 0.0}
         seconds = time.perf_counter() - t
@@ -324,8 +333,10 @@ class ModelManager:
                 g.enabled = True
                 rows = 1
                 while g.enabled and g.bucket(rows, n, ld.max_len) is not None and rows <= ld.spec.max_batch:
-                    _run_op(op, inst, batch(rows, n))
+                    _run_op(op, inst, batch(rows, n), capture=False)
                     rows *= 2
+                with inst.gpus[0].gate.exclusive():
+                    g.capture_wanted()
                 graphed = min(timed(op, batch(1, n)) for _ in range(3)) if g.enabled else float("inf")
                 out[op_name] = {"eager_1x%d_ms" % n: round(eager * 1e3, 3), "graph_1x%d_ms" % n: round(graphed * 1e3, 3)}
                 if eager < graphed * MIN_GAIN:
@@ -448,31 +459,29 @@ class ModelManager:
         self._load_streams.clear()
 
 
-def _run_op(op: Callable, inst: DeviceCopy, batch: list):
-    """Run one batch with the copy's streams current on each of its devices; wait on those
-    streams only, so other services' batches on the same GPUs keep running."""
+def _run_op(op: Callable, inst: DeviceCopy, batch: list, capture: bool = True):
+    """Run one batch on a stream of each of the copy's GPUs (``devices.batch_on``). Graphs its
+    batches asked for are captured afterwards, in a thread of their own holding the GPU alone:
+    the caller does not wait for them."""
     try:
-        if not inst.streams:
+        if not inst.gpus:
             return op(inst.module, batch)
-        with _streams(inst.streams):
-            out = op(inst.module, batch)
-            for st in inst.streams:
-                st.synchronize()
-        return out
+        with batch_on(inst.gpus):
+            return op(inst.module, batch)
     finally:
         inst.hops.clear()
+        g = getattr(inst.module, "tangram_graphs", None)
+        if capture and g is not None and g.wanted and not g.capturing:
+            g.capturing = True
+            threading.Thread(target=_capture, args=(g, inst.gpus[0]), daemon=True,
+                             name="tangram-graph-capture").start()
 
 
-class _streams:
-    """Make each stream current on its own device for the duration of a batch."""
-
-    def __init__(self, streams: list) -> None:
-        self.contexts = [torch.cuda.stream(s) for s in streams]
-
-    def __enter__(self) -> None:
-        for c in self.contexts:
-            c.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        for c in reversed(self.contexts):
-            c.__exit__(*exc)
+def _capture(g: Graphs, gpu: Device) -> None:
+    try:
+        with gpu.gate.exclusive():
+            g.capture_wanted()
+    except Exception:  # never a caller's failure: the batches of this shape stay eager
+        log.exception("capturing CUDA graphs failed")
+    finally:
+        g.capturing = False
