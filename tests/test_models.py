@@ -329,24 +329,34 @@ def test_a_graph_capture_has_its_gpu_alone_and_goes_before_new_batches():
 
     from arl_tangram.managers.models.devices import Gate
 
-    gate, order = Gate(), []
-    first = gate.shared()
-    first.__enter__()  # a batch is running
-    writer = threading.Thread(target=lambda: gate.exclusive().__enter__() or order.append("capture"))
-    writer.start()
-    for _ in range(100):
-        if gate._waiting:
+    gate, order, release = Gate(), [], threading.Event()
+
+    def capture():
+        with gate.exclusive():
+            order.append("capture")
+            release.wait(5)
+
+    def late_batch():
+        with gate.shared():
+            order.append("late batch")
+
+    writer, late = threading.Thread(target=capture), threading.Thread(target=late_batch)
+    with gate.shared():  # a batch is running
+        writer.start()
+        for _ in range(200):
+            if gate._waiting:
+                break
+            time.sleep(0.005)
+        late.start()
+        time.sleep(0.05)
+        assert order == [], "the capture waits for the running batch; the new batch waits behind the capture"
+    for _ in range(200):
+        if order:
             break
         time.sleep(0.005)
-    late = threading.Thread(target=lambda: gate.shared().__enter__() or order.append("late batch"))
-    late.start()
     time.sleep(0.05)
-    assert order == [], "the capture waits for the running batch; the new batch waits behind the capture"
-    first.__exit__(None, None, None)
-    writer.join(2)
-    assert order == ["capture"]
-    gate._writer = False  # the capture's end (its context is not exited in this test)
-    with gate._cond:
-        gate._cond.notify_all()
-    late.join(2)
+    assert order == ["capture"], "the capture runs alone"
+    release.set()
+    writer.join(5)
+    late.join(5)
     assert order == ["capture", "late batch"]
