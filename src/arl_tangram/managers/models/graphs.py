@@ -118,6 +118,7 @@ class Graphs:
                     self.graphs.popitem(last=False)
             return done
 
+    @torch.inference_mode()  # as the ops run: their inputs are inference tensors (measured: else autograd refuses)
     def _capture(self, fn: Callable[..., torch.Tensor], inputs: tuple) -> tuple:
         static_in = list(inputs)
         side = self.device.capture_stream() if self.device is not None else torch.cuda.Stream()

@@ -83,7 +83,7 @@ def _load(spec: ModelServiceConfig, pin: bool) -> HostModel:
         emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else getattr(module, "embed", None)
         vocab = getattr(emb, "num_embeddings", None)
         tensors = {}
-    module.eval()
+    module.eval().requires_grad_(False)  # served, never trained: no autograd on any copy
     state: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     first: dict[int, str] = {}
