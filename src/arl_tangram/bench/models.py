@@ -180,17 +180,28 @@ async def _replay(services: list[ModelServiceConfig], arrivals: list[tuple[float
         held0 = rt.engine.usage.gpu_held_s
         start = time.perf_counter()
 
+        loads0 = rt.models.loads
+        slow: list[dict] = []
+
         async def one(at: float, svc: int) -> float:
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
             r = await tg.logprobs(names[svc], [rng.randrange(vocab) for _ in range(seq_len)])
             if not r.ok:
                 raise RuntimeError(f"{names[svc]}: {r.outcome.value}: {r.message}")
+            slow.append({"model": names[svc], "at_s": round(at, 3), "act_s": r.act_s, "queue_s": r.queue_s,
+                         "setup_s": r.setup_s, "exec_s": r.exec_s})
             return r.act_s
 
         acts = await asyncio.gather(*(one(t, s) for t, s in arrivals))
         span = time.perf_counter() - start
         rt.engine.usage.advance(rt.engine.clock.now())
         held = rt.engine.usage.gpu_held_s - held0
+        # where the tail comes from: the slowest requests, loads during the run, allocator retries
+        # (a cudaMalloc that failed, freed the cache and synchronised the device)
+        _replay.tail = {"slowest": sorted(slow, key=lambda x: -x["act_s"])[:8],  # type: ignore[attr-defined]
+                        "loads_during_run": rt.models.loads - loads0, "evictions": rt.models.evictions,
+                        "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)
+                        if torch.cuda.is_available() else 0}
         _replay.copies = [{k: x.get(k) for k in ("model", "graphs", "warm_s", "logprobs")}  # type: ignore[attr-defined]
                           for x in rt.models.load_log]
     _release_memory()
@@ -241,8 +252,9 @@ async def _mopd_shared(device: str, requests: int, duration_s: float, seq_len: i
         while key in by:  # the same variant again (a second run in the process): its own entry
             key = f"{base}#{sum(k.split('#')[0] == base for k in by) + 1}"
         by[key] = {"compute_share": share, "switch_interval_ms": effective * 1e3, **_stats(acts),
-                   "gpu_seconds_held": held, "copies": getattr(_replay, "copies", [])}
-        log(f"mopd shared, {key}: { {k: v for k, v in by[key].items() if k != 'copies'} }")
+                   "gpu_seconds_held": held, "tail": getattr(_replay, "tail", {}),
+                   "copies": getattr(_replay, "copies", [])}
+        log(f"mopd shared, {key}: { {k: v for k, v in by[key].items() if k not in ('copies', 'tail')} }")
     sizes = GPU_SIZES_B if device == "cuda" else (0.5,) * 12
     return {"services": 12, "params_b": list(sizes), "requests": requests, "seq_len": seq_len,
             "shared_devices": 1, "dedicated_devices": 12, "by_compute_share": by}
@@ -404,7 +416,7 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> 
     # the load itself (skeleton, copies, assignment); the warm-up after it is reported apart
     loads = {n: sorted(x["seconds"] - x.get("warm_s", 0.0) for x in log_ if x["model"] == n) for n in ("one", "two")}
     warm = {n: [round(x.get("warm_s", 0.0), 3) for x in log_ if x["model"] == n] for n in ("one", "two")}
-    phases = {n: {k: round(min(x[k] for x in log_ if x["model"] == n), 4) for k in ("prepare_s", "copy_s", "assign_s")}
+    phases = {n: {k: round(min(x[k] for x in log_ if x["model"] == n), 4) for k in ("issue_s", "build_s", "wait_s")}
               for n in ("one", "two")}
     diff = max(abs(a - b) for a, b in zip(scores["one"], scores["two"]))
     scale = max(abs(a) for a in scores["one"]) or 1.0
