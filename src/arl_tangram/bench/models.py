@@ -182,6 +182,7 @@ async def _replay(services: list[ModelServiceConfig], arrivals: list[tuple[float
 
         loads0 = rt.models.loads
         slow: list[dict] = []
+        _GC_PAUSES.clear()
 
         async def one(at: float, svc: int) -> float:
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
@@ -198,7 +199,18 @@ async def _replay(services: list[ModelServiceConfig], arrivals: list[tuple[float
         held = rt.engine.usage.gpu_held_s - held0
         # where the tail comes from: the slowest requests, loads during the run, allocator retries
         # (a cudaMalloc that failed, freed the cache and synchronised the device)
+        def phases(b: dict) -> dict:
+            at = b["submitted"] - start
+            return {"model": b["model"], "rows": b["rows"], "at_s": round(at, 3),
+                    "to_thread_ms": round((b.get("thread", 0) - b["submitted"]) * 1e3, 2),
+                    "gate_ms": round((b.get("gate", b.get("thread", 0)) - b.get("thread", 0)) * 1e3, 2),
+                    "run_ms": round((b.get("done", 0) - b.get("gate", b.get("thread", 0))) * 1e3, 2),
+                    "back_ms": round((b["returned"] - b.get("done", 0)) * 1e3, 2)}
+        batches = [b for b in rt.models.batch_log if b["submitted"] >= start]
         _replay.tail = {"slowest": sorted(slow, key=lambda x: -x["act_s"])[:8],  # type: ignore[attr-defined]
+                        "slowest_batches": [phases(b) for b in sorted(batches, key=lambda b: b["submitted"]
+                                                                      - b["returned"])[:8]],
+                        "gc_pauses_over_20ms": list(_GC_PAUSES),
                         "loads_during_run": rt.models.loads - loads0, "evictions": rt.models.evictions,
                         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)
                         if torch.cuda.is_available() else 0}
@@ -206,6 +218,20 @@ async def _replay(services: list[ModelServiceConfig], arrivals: list[tuple[float
                           for x in rt.models.load_log]
     _release_memory()
     return list(acts), span, held
+
+
+_GC_PAUSES: list[float] = []
+_gc_started = [0.0]
+
+
+def _gc_watch(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter()
+    elif (dt := time.perf_counter() - _gc_started[0]) > 0.02:
+        _GC_PAUSES.append(round(dt, 3))
+
+
+gc.callbacks.append(_gc_watch)
 
 
 def _release_memory() -> None:

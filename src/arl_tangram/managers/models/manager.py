@@ -124,6 +124,9 @@ def _unpin(ptrs: list[int]) -> None:
 #: activations and workspace a copy needs beyond its weights, when a service does not say
 ACTIVATION_OVERHEAD = 0.2
 
+#: batches whose timings ``ModelManager.batch_log`` keeps (for benchmarks: where a slow batch waited)
+BATCH_LOG = 20000
+
 #: the longest sequences a new copy is warmed with (``ModelManager._warm``)
 WARM_LEN = 512
 
@@ -179,6 +182,7 @@ class ModelManager:
         self.loads = 0
         self.load_seconds = 0.0
         self.load_log: list[dict] = []  # per load: model, gpus, bytes, seconds (for benchmarks)
+        self.batch_log: list[dict] = []  # per batch: submitted, thread started, gate passed, done, returned
         self._switch_interval = sys.getswitchinterval()
         if self.cuda:  # process-wide, restored at shut_down; see GPU_SWITCH_INTERVAL_S
             sys.setswitchinterval(GPU_SWITCH_INTERVAL_S)
@@ -453,11 +457,17 @@ class ModelManager:
         phase = "loading its weights onto GPUs " + ",".join(map(str, allocation.units))
         try:
             self._evict(allocation.evict)
-            inst = await asyncio.to_thread(self._instance, name, allocation.units)
+            inst = self.instances.get((name, tuple(allocation.units)))  # resident: no thread hop
+            if inst is None:
+                inst = await asyncio.to_thread(self._instance, name, allocation.units)
             setup_s = time.perf_counter() - t0
             phase = f"running a batch of {len(call.batch)} ({call.op})"
             op = self.loaded[name].ops[call.op]
-            result = await asyncio.to_thread(_run_op, op, inst, call.batch)
+            timing = {"model": name, "rows": len(call.batch), "submitted": time.perf_counter()}
+            result = await asyncio.to_thread(_run_op, op, inst, call.batch, True, timing)
+            timing["returned"] = time.perf_counter()
+            if len(self.batch_log) < BATCH_LOG:
+                self.batch_log.append(timing)
         except torch.OutOfMemoryError as e:
             outcome, message = Outcome.OOM, f"model service {name}: GPU out of memory {phase}: {e}"
         except Exception as e:  # a fault of the model code or the device: ours, not the caller's input
@@ -479,16 +489,20 @@ class ModelManager:
         self._load_streams.clear()
 
 
-def _run_op(op: Callable, inst: DeviceCopy, batch: list, capture: bool = True):
+def _run_op(op: Callable, inst: DeviceCopy, batch: list, capture: bool = True, timing: dict | None = None):
     """Run one batch on a stream of each of the copy's GPUs (``devices.batch_on``). Graphs its
     batches asked for are captured afterwards, in a thread of their own holding the GPU alone:
     the caller does not wait for them."""
+    timing = {} if timing is None else timing
+    timing["thread"] = time.perf_counter()
     try:
         if not inst.gpus:
             return op(inst.module, batch)
         with batch_on(inst.gpus):
+            timing["gate"] = time.perf_counter()
             return op(inst.module, batch)
     finally:
+        timing["done"] = time.perf_counter()
         inst.hops.clear()
         g = getattr(inst.module, "tangram_graphs", None)
         if capture and g is not None and g.wanted and not g.capturing:
