@@ -40,7 +40,7 @@ from ..tasks import TaskSet
 from .devices import Device, batch_on
 from .graphs import MIN_GAIN, Graphs
 from .placement import place
-from .spec import ModelCall, ModelCard, ModelDirError, ModelServiceConfig
+from .spec import ModelCall, ModelCard, ModelDirError, ModelServiceConfig, call_problem
 
 log = logging.getLogger(__name__)
 
@@ -211,32 +211,15 @@ class ModelManager:
 
     def validate(self, model: str, op: str, tokens: Any, min_len: int) -> str | None:
         """Why a request to ``model``'s ``op`` with ``tokens`` cannot run (a message naming the
-        field), or None. The one place model requests are checked, for every entry point."""
-        if model not in self.loaded and model not in self.failed:
-            return f"service: unknown model {model!r}"
-        if model in self.failed:
-            return f"service: model {model!r} failed to load ({self.failed[model]})"
-        ops = self.loaded[model].ops
-        if op not in ops:
-            return f"op: model {model!r} has no {op!r} (it has {', '.join(ops)})"
-        if not isinstance(tokens, (list, tuple)) or not all(type(t) is int for t in tokens):
-            return "tokens: must be a flat list of integer token ids"
-        if not tokens:
-            return f"tokens: empty; {op} needs at least {min_len} token(s)"
-        if len(tokens) < min_len:
-            return f"tokens: {op} needs at least {min_len} token(s), got {len(tokens)}"
-        ld = self.loaded[model]
-        if ld.max_len is not None and len(tokens) > ld.max_len:
-            return f"tokens: {len(tokens)} tokens, longer than model {model!r}'s {ld.max_len} positions"
-        vocab = ld.vocab
-        bad = [t for t in tokens if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            return f"tokens: id {bad[0]} out of range [0, {vocab}) of model {model!r}'s vocabulary"
-        return None
+        field), or None. The one place model requests are checked, for every entry point: the
+        same rules (``spec.call_problem``) a head without GPUs applies to its nodes' cards."""
+        ld = self.loaded.get(model)
+        cards = {model: ModelCard(model, tuple(ld.ops), ld.vocab, ld.max_len)} if ld is not None else {}
+        return call_problem(cards, self.failed, model, op, tokens, min_len)
 
     def cards(self) -> dict[str, ModelCard]:
         """The loaded services as plain data (what another process checks requests against)."""
-        return {name: ModelCard(name, tuple(ld.ops), ld.vocab, getattr(ld, "max_len", None))
+        return {name: ModelCard(name, tuple(ld.ops), ld.vocab, ld.max_len)
                 for name, ld in self.loaded.items()}
 
     def device(self, gpu: int) -> torch.device:

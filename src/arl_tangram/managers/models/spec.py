@@ -144,6 +144,8 @@ def call_problem(cards: dict[str, ModelCard], failed: dict[str, str], model: str
         return f"op: model {model!r} has no {op!r} (it has {', '.join(card.ops)})"
     if not isinstance(tokens, (list, tuple)) or not all(type(t) is int for t in tokens):
         return "tokens: must be a flat list of integer token ids"
+    if not tokens:
+        return f"tokens: empty; {op} needs at least {min_len} token(s)"
     if len(tokens) < min_len:
         return f"tokens: {op} needs at least {min_len} token(s), got {len(tokens)}"
     if card.max_len is not None and len(tokens) > card.max_len:
