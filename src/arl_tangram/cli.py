@@ -442,13 +442,22 @@ def bench_models(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
     device: str = typer.Option("auto", help="cuda, cpu, or auto."),
     requests: Optional[int] = typer.Option(None, min=12, help="Requests in the MOPD-style run."),
+    sections: Optional[str] = typer.Option(None, help="Comma-separated parts (default all): h2d, throughput, hf, "
+                                                      "mopd, dedicated, ttfs, multigpu."),
+    shares: Optional[str] = typer.Option(None, help="Shared MOPD runs: compute shares, e.g. 1,0.0833."),
+    dedicated_gpus: int = typer.Option(1, "--dedicated-gpus", min=1, help="Dedicated replays at once, one per GPU."),
 ) -> None:
-    """Host-to-device bandwidth, batched vs unbatched scoring, 12 services sharing vs dedicated."""
+    """Host-to-device bandwidth, batched vs unbatched scoring, HF services, 12 services sharing vs dedicated."""
     if device not in ("auto", "cpu", "cuda"):
         raise fail(f"--device: expected auto, cpu or cuda, got {device!r}")
-    from .bench.models import run
+    from .bench.models import SECTIONS, run
 
-    _print_json(run(device, log=lambda m: console.print(m), requests=requests), json_out)
+    picked = tuple(x for x in (sections or ",".join(SECTIONS)).split(",") if x)
+    unknown = sorted(set(picked) - set(SECTIONS))
+    if unknown:
+        raise fail(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
+    _print_json(run(device, log=lambda m: console.print(m), requests=requests, sections=picked,
+                    shares=shares.split(",") if shares else None, dedicated_gpus=dedicated_gpus), json_out)
 
 
 @bench_app.command("server")
