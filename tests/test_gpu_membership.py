@@ -176,3 +176,27 @@ def test_the_node_agent_hosts_model_services_on_its_own_devices():
 
     c = asyncio.run(main())
     assert c.outcome is Outcome.OK and len(c.result) == 1 and len(c.result[0]) == 2
+
+
+def test_with_gpus_that_may_join_a_model_action_waits_for_them_instead_of_being_refused():
+    from arl_tangram.core import ManualClock
+    from arl_tangram.core.seam import Pool
+    from arl_tangram.engine import Engine
+
+    host = _Host()
+    engine = Engine(Cluster(models=(ModelSpec("m", 4.0, 1), ModelSpec("big", 8.0, 2))), tangram_policy(),
+                    {Pool.GPU: host}, ManualClock(), max_queue_s=60.0)
+    assert engine.submit(_model_action("refused")) is not None  # a fixed cluster without GPUs refuses
+    engine.gpus_may_join = True
+    assert engine.submit(_model_action("waits")) is None
+    assert engine.submit(Action("wide", "model:big", Demand({"gpu": (2, 2)}))) is None
+    engine.schedule()
+    assert not host.started and "a GPU node to join" in engine.why_waiting(engine.pending["waits"])
+    a = engine.add_gpu_node(GpuNode("a", 1, 10.0, 1))
+    engine.schedule()
+    assert [act.id for act, _ in host.started] == ["waits"]
+    assert "2 GPU(s) in one island" in engine.why_waiting(engine.pending["wide"])  # this node is too small
+    engine.remove_gpu_node(a)
+    engine.add_gpu_node(GpuNode("b", 2, 10.0, 2))
+    engine.schedule()
+    assert [act.id for act, _ in host.started] == ["waits", "wide"] and host.started[1][1].units == (1, 2)

@@ -138,6 +138,9 @@ class Engine:
         self.listeners: list[Callable[[Finished], None]] = []
         self.deadlines = QueueDeadlines(max_queue_s)
         self.session_headroom_gb = session_headroom_gb
+        #: GPU nodes may join later (the Ray runtime with model services): a model action is not
+        #: refused for want of GPUs or of a big enough island now; it waits (``max_queue_s``)
+        self.gpus_may_join = False
         self._manager_of: dict[str, Manager] = {}
         host = self.managers.get(Pool.GPU)
         if self.gpu.capacity and not isinstance(host, ModelHost):
@@ -541,11 +544,12 @@ class Engine:
                 return f"demand.cpu: minimum {lo} exceeds the largest node ({self.cpu.max_cores} cores)"
         elif a.pool == GPU:
             g = a.demand.min(GPU)
-            if not self.gpu.capacity:
+            may_join = self.gpus_may_join
+            if not self.gpu.capacity and not may_join:
                 return "service: this cluster has no GPUs for model actions"
             if a.demand.max(GPU) != g:
                 return "demand.gpu: a model instance has a fixed size (min must equal max)"
-            if g > self.gpu.max_island:
+            if g > self.gpu.max_island and not may_join:
                 return f"demand.gpu: {g} GPUs exceed the largest island ({self.gpu.max_island})"
             spec = self.cluster.model(a.model or "")
             if spec is not None and spec.gpus != g:
@@ -553,8 +557,8 @@ class Engine:
             if spec is None and a.weights_gb <= 0:
                 return f"service: unknown model {a.model!r} (register it or give weights_gb)"
             per_gpu = self.cluster.per_gpu_gb(a.model or "", a.weights_gb, g)
-            largest = max(x.memory_gb for x in self.gpu.gpus if x.alive)
-            if per_gpu > largest:
+            largest = max((x.memory_gb for x in self.gpu.gpus if x.alive), default=0.0)
+            if per_gpu > largest and (largest > 0 or not may_join):
                 return (f"weights_gb: model {a.model!r} needs {per_gpu:.1f} GB per GPU, more than any GPU holds "
                         f"({largest:.1f} GB)")
         elif a.pool not in self.quotas:

@@ -96,7 +96,11 @@ def why_waiting(engine: "Engine", a: Action) -> str:
             return f"{lo} free core(s) on one node (at most {most_free} free, {len(engine.running)} actions running)"
         return f"its turn: {lo} core(s) are free but actions ahead of it come first"
     if a.pool == GPU:
-        return f"{a.demand.min(GPU)} GPU(s) for model {a.model or a.service!r} ({engine.gpu.total_free} GPUs free)"
+        g = a.demand.min(GPU)
+        if g > engine.gpu.max_island:
+            return (f"a GPU node to join with {g} GPU(s) in one island for model {a.model or a.service!r} "
+                    f"({engine.gpu.capacity} GPUs now, at most {engine.gpu.max_island} in an island)")
+        return f"{g} GPU(s) for model {a.model or a.service!r} ({engine.gpu.total_free} GPUs free)"
     quota = engine.quotas.get(a.pool)
     if quota is not None:
         return (f"quota {a.pool}: {quota.in_use} of {quota.quota.concurrency} calls in flight, "

@@ -155,6 +155,8 @@ class RayRuntime(Runtime):
         costs = Costs.local(self.config.memory_mb / 1024)
         self._build(Cluster(), policy, managers, costs, profile, max_queue_s=max_queue_s,
                     session_headroom_gb=self.config.session_headroom_mb / 1024)  # agents measure idle sessions
+        # a batch whose last GPU node died waits (max_queue_s) for one to join or come back
+        self.engine.gpus_may_join = bool(self.model_configs)
 
     @property  # type: ignore[override]
     def cluster(self) -> Cluster:
