@@ -270,6 +270,28 @@ def test_a_start_that_would_evict_a_copy_its_own_queue_needs_yields_to_that_queu
     assert [m for m, _ in got[first].evict] == ([] if priced else ["B"])
 
 
+@pytest.mark.parametrize("counts, first", [(True, "ta#1"), (False, "tb#0")])
+def test_the_setup_price_never_defers_a_call_past_its_trajectorys_slack(harness, counts, first):
+    """As above, but the older call's trajectory 'ta' has 30 turns left and is projected to end
+    the step (no slack): with the client's counts it is not deferred and evicts B's copy; without
+    them nothing says it is critical and it yields to tb#0 on the resident copy."""
+    models = [ModelSpec("A", 60, 1), ModelSpec("B", 60, 1)]
+    h = harness(gpu_cluster(2, island=2, mem=80, models=models), tangram_policy(prefetch=False))
+
+    def left(n):
+        return {"remaining_turns": n} if counts else {}
+
+    h.submit("a0", "model:A", gpu=1, hint_s=100)
+    h.submit("ta#0", "model:B", gpu=1, hint_s=0.1, trajectory="ta", step=0, **left(5))
+    assert set(h.schedule()) == {"a0", "ta#0"}
+    h.complete("ta#0", exec_s=0.1)
+    h.advance(1)
+    h.submit("ta#1", "model:A", gpu=1, hint_s=1, trajectory="ta", step=0, **left(30))
+    h.advance(1)
+    h.submit("tb#0", "model:B", gpu=1, hint_s=1, trajectory="tb", step=0, **left(0))
+    assert list(h.schedule()) == [first]
+
+
 # -- quotas ---------------------------------------------------------------------------------------
 
 def test_quota_concurrency_and_rate_are_respected(harness):

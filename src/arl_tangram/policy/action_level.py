@@ -364,24 +364,31 @@ class ActionLevelPolicy:
         predicted work plus expected setup, must see the setup known *now*, not the guess made at
         submission. When GPUs are plenty both start in the same round anyway; when they are
         scarce this is what stops the churn of evicting a copy that its own queue needs next.
+        A call yields for up to its price / aging seconds while resident models' calls keep
+        coming, so with the client's counts the price is bounded like the quota pools' slack order
+        (``critical.py``): at most ``gpu_aging x slack`` key seconds, none for a trajectory with
+        no projection yet (the job's first turns) or on the critical path; without counts nothing
+        says which trajectory may wait and it applies in full.
         Why (issue 23): mopd at 0.125x (8 GPUs, one island, 1,047 GB of weights in 640 GB) keeps
         the GPUs 93-96% held; fifo spent 17 / 9 / 21% of GPU time on loads (seeds 0-2), Tangram
         16 / 7 / 22%, and on seed 2 472 of its 749 evictions dropped a copy whose model had
         actions waiting: average ACT 0.910x fifo's. Priced: loads 14% on seed 2; ACT over the
-        best baseline 1.015 / 1.089 / 0.910 -> 1.251 / 1.122 / 1.251, step 1.058 / 1.070 / 1.037
-        -> 1.136 / 1.089 / 1.127; 10 seeds at 0.125x / 0.25x / 0.5x, worst seed ACT 0.892 /
-        0.891 / 0.945 -> 1.020 / 0.997 / 1.009, step means 1.027 / 1.057 / 1.019 -> 1.081 /
-        1.080 / 1.025 (worst 0.998 / 1.002 / 0.997 -> 1.017 / 1.040 / 0.998: 0.5x's worst seed
-        is step-start noise, aging 0.59 instead of 0.6 moved it 1.002 -> 0.995 before). Without
-        client counts, 10 seeds at 0.125x / 0.25x / 0.5x / 1x: worst ACT 0.905 / 0.960 / 0.987 /
-        1.074 -> 1.026 / 1.019 / 1.031 / 1.068, worst step 0.981 / 1.004 / 0.999 / 0.995 -> 1.016
-        / 1.025 / 0.991 / 0.995. What the price costs: a call of a rarely used model yields for up
-        to its setup / aging seconds while resident models' calls keep coming (0.5x, seed 0: a
-        safety-3b call waited 3.1 s at a step's onset and its trajectory ended the step). Measured
-        and dropped (3 seeds, worst over mopd's scales): resident copies strictly first (0.620x
-        on seed 0 at 0.125x: big models starve), the load amortised over the model's queue
-        (0.851), the own load priced for cold models only (0.989), pricing only starts that
-        evict (0.970), 5x the price (same as 1x)."""
+        best baseline 1.015 / 1.089 / 0.910 -> 1.251 / 1.122 / 1.251. Worst of 10 seeds at
+        0.125x / 0.25x / 0.5x / 1x, ACT 0.892 / 0.891 / 0.945 / 0.945 -> 1.023 / 1.029 / 1.034 /
+        1.054, step 0.998 / 1.002 / 0.997 / 1.000 -> 1.018 / 1.035 / 0.999 / 1.000 (means 1.027 /
+        1.057 / 1.019 / 1.003 -> 1.079 / 1.084 / 1.021 / 1.003); the step's worst seed at 0.5x is
+        a step-start draw (aging 0.59 instead of 0.6 moved it 1.002 -> 0.995 before). Priced in
+        full it was the same but 0.997 / 1.009 for ACT at 0.25x / 0.5x, and 0.999 on seed 0 of
+        ``tangram evaluate`` at 0.5x: a finance-32b call at the step's onset waited 1.3 s in a
+        queue the price had grown and its trajectory (a 138 s gap later) ended the step. Without
+        counts, 10 seeds: worst ACT 0.905 / 0.960 / 0.987 / 1.074 -> 1.026 / 1.019 / 1.031 /
+        1.068, worst step 0.981 / 1.004 / 0.999 / 0.995 -> 1.016 / 1.025 / 0.991 / 0.995 (0.5x,
+        seed 0: a safety-3b call waited 3.1 s at a step's onset and its trajectory ended the
+        step). Measured and dropped (3 seeds, worst over mopd's scales): resident copies strictly
+        first (0.620x on seed 0 at 0.125x: big models starve), the load amortised over the
+        model's queue (0.851), the own load priced for cold models only (0.989), pricing only
+        starts that evict (0.970), 5x the price (same as 1x), the slack bound with the full price
+        before a projection (ACT 1.002 at 0.25x, step still 0.999)."""
         pool = self.view.gpu
         priced = self.opt.dispatch_setup
         order = [(q.peek_key(), model, False) for model, q in self.gpu_queues.items() if q.size]
@@ -401,6 +408,9 @@ class ActionLevelPolicy:
                 continue
             if priced and not costed and order:
                 setup = self._setup_cost(start, now)
+                if a.remaining_turns is not None and self.opt.critical_path:
+                    slack = self.critical.slack(a.trajectory)  # no deferral past it (docstring)
+                    setup = 0.0 if slack is None else min(setup, self.opt.gpu_aging_per_s * slack)
                 if setup > 0.0 and key + setup > order[0][0]:
                     q.push_back([entry])  # re-keyed once: the next head may start without a load
                     heapq.heappush(order, (key + setup, model, True))

@@ -248,6 +248,14 @@ class CriticalPath:
         if step.ended == step.seen and self._steps.get(run.key) is step:  # the step is over
             del self._steps[run.key]
 
+    def slack(self, trajectory: str | None) -> float | None:
+        """Seconds ``trajectory`` may be delayed before it is projected to end its step (its
+        latest projected finish minus its own); None until it has a projection."""
+        run = self._runs.get(trajectory) if trajectory is not None else None
+        if run is None or not run.projected:
+            return None
+        return max(0.0, self._latest(run.step.heap) - run.finish)
+
     def _latest(self, heap: list) -> float:
         runs = self._runs
         while heap:
