@@ -210,3 +210,20 @@ def test_graph_buckets_pad_batches_without_changing_answers(dirs):
         assert len(padded) == len(seqs) and flat(padded) == pytest.approx(flat(plain), abs=1e-5)
         model.tangram_graphs.max_tokens = 64  # over the budget: the batch runs as it is
         assert graphs.shape_of(model, seqs) == (3, 11)
+
+
+def test_a_model_too_big_for_one_device_is_served_split_over_two():
+    """4 GB a device: a copy that needs 6 GB fits no single device and is served over two, with
+    the answers of one device."""
+    kw = {"layers": 4, "seed": 5}
+    seqs = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    big = run(batched("score", "rm", seqs), models=[M("rm", "arl_tangram.managers.models.tiny:reward_model", kw,
+                                                      gpus=2, memory_gb=6.0, max_wait_ms=50)],
+              gpus=2, gpu_memory_gb=4.0)
+    alone = run(batched("score", "rm", seqs), models=[M("rm", "arl_tangram.managers.models.tiny:reward_model", kw,
+                                                        max_wait_ms=50)])
+    too_big = run(lambda tg: tg.score("rm", seqs[0]), models=[M("rm", "arl_tangram.managers.models.tiny:reward_model",
+                                                                kw, memory_gb=6.0)], gpus=2, gpu_memory_gb=4.0)
+    assert all(r.ok for r in big), big[0].message
+    assert [r.result for r in big] == pytest.approx([r.result for r in alone], abs=1e-6)
+    assert too_big.outcome is Outcome.REJECTED and "more than any GPU holds" in too_big.message

@@ -1,20 +1,24 @@
 """The model manager: carries out the engine's GPU decisions with real torch models.
 
-Each service's weights are loaded once into host RAM (page-locked in place when CUDA is present).
-The engine decides where copies live, which to evict and how much of a GPU's compute each batch
-gets; this manager makes it so:
+Each service's weights are loaded once into host RAM (page-locked in place when CUDA is present):
+from a loader's module, or from a Hugging Face directory (``hf``). The engine decides where copies
+live, which to evict and how much of a GPU's compute each batch gets; this manager makes it so:
 
 * a load copies the host tensors onto the copy's GPUs (a skeleton on the meta device takes them
-  with ``assign``, so no second host copy is made). A copy placed on k GPUs has its layers split
-  over them (``placement``) and each GPU's part crosses that GPU's own host link, all k at once;
-* a batch runs on the copy's own CUDA stream, so batches of services that share a GPU (their
-  compute shares add up to at most 1) overlap on it instead of queueing behind one another; the
-  thread that runs a batch waits on that stream only, never on the whole device;
+  with ``assign``, so no second host copy is made; every parameter and buffer, persistent or not).
+  A copy placed on k GPUs has its layers split over them (``placement``) and each GPU's part
+  crosses that GPU's own host link, all k at once, while the module is built around them;
+* a new copy is warmed before it takes a call, and captures CUDA graphs where they pay
+  (``_warm``, ``graphs``);
+* a batch runs on a stream taken from its GPU's pool (``devices``), so batches of services that
+  share a GPU (their compute shares add up to at most 1) overlap on it instead of queueing behind
+  one another; the thread that runs a batch waits on that stream only, never on the whole device;
 * an eviction drops the device copy (scale to zero also hands the memory back to the driver).
 
 A loader or a batch that fails (an exception, a GPU out of memory) fails that service's actions
-with a message and leaves the others serving. With no CUDA the same code runs on CPU "devices"
-whose memory is only the engine's model.
+with a message and leaves the others serving; a Hugging Face directory that cannot be read stops
+the start (``ModelDirError``). With no CUDA the same code runs on CPU "devices" whose memory is
+only the engine's model. docs/models.md has the measurements behind these choices.
 """
 
 from __future__ import annotations
