@@ -79,6 +79,9 @@ def test_weights_lie_in_one_host_buffer_and_every_buffer_is_carried(dirs):
     assert "model.rotary_emb.inv_freq" in ld.host_state and "model.rotary_emb.inv_freq" not in ld.persistent
     assert all(p.device.type == "meta" for p in ld.skeleton.parameters())
     assert ld.vocab == 96 and ld.max_len == 64
+    from arl_tangram.managers.models.manager import logits_gb
+    # 16 rows of 64 tokens of 96 float32 logits, and one row twice in float32
+    assert logits_gb(ld) == pytest.approx((16 * 64 * 96 * 4 + 2 * 64 * 96 * 4) / 1e9)
     asyncio.run(mm.shut_down())
     assert mm.loaded == {}  # host memory let go at shut-down, whoever holds the manager
 

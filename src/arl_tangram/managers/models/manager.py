@@ -135,6 +135,18 @@ BATCH_LOG = 20000
 WARM_LEN = 512
 
 
+def logits_gb(ld: "HostModel") -> float:
+    """GPU memory a Hugging Face teacher's logits take beyond ``ACTIVATION_OVERHEAD``, which a
+    big vocabulary outgrows: a full batch of ``WARM_LEN`` tokens a row in the weights' dtype, and
+    one row in float32 twice (the log-softmax). A Qwen2.5-0.5B teacher (1 GB of weights, 151,936
+    ids) at 16 rows: 2.8 GB. Other services: 0 (their activations are in the 20%)."""
+    if ld.spec.hf is None or ld.spec.task != "logprobs" or not ld.vocab:
+        return 0.0
+    n = min(ld.max_len or WARM_LEN, WARM_LEN)
+    item = next((v.element_size() for v in ld.host_state.values() if v.is_floating_point()), 2)
+    return (ld.spec.max_batch * n * ld.vocab * item + 2 * n * ld.vocab * 4) / 1e9
+
+
 def _assign(module: torch.nn.Module, name: str, t: torch.Tensor) -> None:
     """Put ``t`` in place of the parameter or buffer ``name`` (what ``load_state_dict`` does not
     reach: non-persistent buffers)."""
@@ -209,7 +221,7 @@ class ModelManager:
                 self.failed[name] = f"{type(e).__name__}: {e}"
                 log.error("model service %s failed to load: %s", name, self.failed[name])
                 continue
-            per_instance = spec.memory_gb or ld.weights_gb * (1 + ACTIVATION_OVERHEAD)
+            per_instance = spec.memory_gb or ld.weights_gb * (1 + ACTIVATION_OVERHEAD) + logits_gb(ld)
             specs.append(ModelSpec(name, per_instance, spec.gpus, spec.compute_share, spec.idle_s))
         return specs
 
