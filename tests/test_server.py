@@ -256,7 +256,7 @@ def test_fuzzing_the_api_finds_no_500(server, path, body):
 
 def test_model_services_over_http(tmp_path):
     pytest.importorskip("torch")
-    from arl_tangram.client import TangramClient
+    from arl_tangram.client import TangramClient, TangramError
 
     s = Server(tmp_path, config={"models": [
         {"name": "rm", "loader": "arl_tangram.managers.models.tiny:reward_model"},
@@ -267,8 +267,14 @@ def test_model_services_over_http(tmp_path):
             assert r.outcome == "ok" and isinstance(r.value, float)
             lp = c.logprobs("teacher", [5, 6, 7, 8])
             assert lp.outcome == "ok" and len(lp.value) == 3 and all(v < 0 for v in lp.value)
-            bad = c.score("rm", [1, 10**9])
-            assert bad.outcome == "rejected" and "out of range" in bad.message
+            with pytest.raises(TangramError, match="out of range"):
+                c.score("rm", [1, 10**9])
+        for body, named in (({"tokens": [1, 10**9]}, "tokens: id 1000000000 out of range"),
+                            ({"tokens": []}, "tokens: empty")):
+            r = httpx.post(f"{s.url}/v1/models/rm/score", json=body)
+            assert r.status_code == 422 and r.json()["message"].startswith(named), r.text
+        r = httpx.post(f"{s.url}/v1/models/teacher/logprobs", json={"tokens": [5]})
+        assert r.status_code == 422 and r.json()["message"].startswith("tokens:"), r.text
         assert httpx.post(f"{s.url}/v1/models/ghost/score", json={"tokens": [1]}).status_code == 404
         assert httpx.post(f"{s.url}/v1/models/rm/score", json={"tokens": "abc"}).status_code == 422
     finally:

@@ -399,6 +399,11 @@ class Service:
         models = getattr(self.runtime, "models", None)
         if models is None or name not in models.services:  # configured: a call says why it cannot run yet
             raise NotFound(f"no model service {name!r}")
+        # bad input is the caller's to fix: a 422 naming the problem (an id outside the vocabulary,
+        # an empty or too long sequence), before anything is queued or batched with others' calls
+        problem = models.validate(name, op, req.tokens, 1 if op == "score" else 2)
+        if problem is not None and problem.split(":", 1)[0] in ("tokens", "op"):
+            raise BadRequest(problem)
         self.admit()
         call = self.tg.score if op == "score" else self.tg.logprobs
         r = await call(name, req.tokens, job=req.job, hint_s=req.hint_s)
