@@ -259,3 +259,33 @@ def test_nodes_whose_agents_died_get_new_agents_and_the_lost_calls_wait_for_them
     assert [r.result for r in results] == pytest.approx(_expected(), abs=1e-5)
     assert in_flight and all(records[i] == 2 for i in in_flight), "each lost call re-ran once"
     assert all(n <= 2 for n in records.values())
+
+
+def test_a_hugging_face_model_on_the_gpu_nodes_answers_as_transformers_does(gpu_cluster, tmp_path):
+    """A tiny Llama saved with ``save_pretrained``: each GPU node's agent reads the directory into
+    its own memory (the nodes share this machine's disk here); answers match transformers', and the
+    head refuses what the model cannot take (its cards carry the model's positions and vocabulary)
+    before anything crosses to a node."""
+    pytest.importorskip("transformers")
+    from model_fixtures import hf_reference, save_hf
+
+    c, _ = gpu_cluster
+    path = save_hf(tmp_path / "llama", "llama", tied=True, seed=1)
+    seqs = [[5, 17, 3, 88, 41], [9, 2], [60, 61, 62, 63, 1, 2, 3, 4, 5, 6, 7], [33, 34, 35]]
+    teacher = ModelServiceConfig("t", hf=path, task="logprobs", max_batch=2, max_wait_ms=20)
+
+    async def main():
+        async with Tangram.ray(c.address, models=[teacher], model_device="cpu", gpu_memory_gb=4.0) as tg:
+            rt = tg.runtime
+            rs = await asyncio.gather(*(tg.logprobs("t", s) for s in seqs * 3))
+            long = await tg.logprobs("t", [1] * 65)
+            oob = await tg.logprobs("t", [1, 96])
+            return rs, long, oob, rt.engine.cluster.models
+
+    rs, long, oob, models = asyncio.run(asyncio.wait_for(main(), 300))
+    assert [r.outcome for r in rs] == [Outcome.OK] * 12, [r.message for r in rs]
+    for seq, r in zip(seqs * 3, rs):
+        assert r.result == pytest.approx(hf_reference(path, "logprobs", seq), abs=1e-4)
+    assert long.outcome is Outcome.REJECTED and "longer than model 't''s 64 positions" in long.message
+    assert oob.outcome is Outcome.REJECTED and "id 96 out of range [0, 96)" in oob.message
+    assert [m.name for m in models] == ["t"] and models[0].weights_gb > 0
