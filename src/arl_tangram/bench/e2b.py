@@ -2,7 +2,8 @@
 
 A server is started on a free loopback port and the official ``e2b`` / ``e2b-code-interpreter``
 SDKs are pointed at it the way a user would (``E2B_API_URL``, ``E2B_SANDBOX_URL``,
-``E2B_API_KEY``). Measured, one call at a time (latency as the SDK's caller sees it, HTTP and
+``E2B_API_KEY``). The host's 1-minute load average before and after is printed beside the
+figures (on a shared machine they move with it). Measured, one call at a time (latency as the SDK's caller sees it, HTTP and
 the SDK's own work included): create + the first command; ``commands.run("true")``; a 1 MB
 ``files.write`` + ``files.read``; ``run_code``. Then ``open`` sandboxes are created at once from
 asyncio, each given a small state (a file and a command), all kept open, then killed.
@@ -31,6 +32,7 @@ def run(n: int = 30, open_n: int = 200, log: Callable[[str], None] = lambda m: N
         from e2b_code_interpreter import Sandbox as CodeSandbox
     except ImportError:
         raise RuntimeError("bench e2b needs E2B's SDKs: pip install e2b e2b-code-interpreter") from None
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         server = _Server(tmp, {"sandbox": {"warm_pool": 4}})
         saved = {k: os.environ.get(k) for k in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY")}
@@ -75,7 +77,8 @@ def run(n: int = 30, open_n: int = 200, log: Callable[[str], None] = lambda m: N
             server.stop()
     return {"create_and_first_command": _p(create), "commands_run_true": _p(true),
             "write_and_read_1mb": _p(files), "run_code": _p(code), "open_at_once": opened,
-            "e2b_published_start_ms": 150,
+            "e2b_published_start_ms": 150, "cpus": os.cpu_count(),
+            "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "note": "E2B's own service publishes ~150 ms sandbox starts (its docs); ours are on loopback, "
                     "sandboxes without network, on this machine"}
 
