@@ -132,8 +132,12 @@ def test_sync_sandbox_commands_files_and_lifecycle(server):
 
 
 def test_sync_code_interpreter(server):
-    sb = ci.Sandbox.create()
+    sb = ci.Sandbox.create(envs={"FOO": "sandbox"})
     try:
+        # the sandbox's variables, and a run's own for that run only
+        assert sb.run_code("import os; os.environ['FOO'], os.environ['HOME']").text == "('sandbox', '/home/user')"
+        assert sb.run_code("os.environ['FOO'], os.environ['X']", envs={"FOO": "run", "X": "1"}).text == "('run', '1')"
+        assert sb.run_code("os.environ['FOO'], os.environ.get('X')").text == "('sandbox', None)"
         ex = sb.run_code("x = 6 * 7\nprint('side')\nx")
         assert ex.text == "42" and ex.logs.stdout == ["side\n"] and ex.error is None
         assert ex.results[0].is_main_result

@@ -21,6 +21,7 @@ import posixpath
 import secrets
 import shlex
 import time
+import json
 import logging
 import re
 import uuid
@@ -102,6 +103,7 @@ class Box:
     executions: int = 0
     contexts: dict[str, dict] = field(default_factory=dict)
     cpu_sample: tuple[float, float] | None = None  # (when, cpu seconds) at the last metrics call
+    cell_env: bool = False  # its interpreter has the sandbox's environment variables
     used_at: float | None = None  # the last step of its session (None: its sandbox never started)
     #: one step of the session at a time: the sandbox runs one thing at a time anyway, and the
     #: sandbox manager must not be handed a second step of a session while one runs
@@ -355,6 +357,7 @@ async def e2b_fork(service: Service, sid: str, body: dict) -> list[dict]:
         raise _translate(e, sid) from None
     if res.outcome != "ok":
         raise E2bError(400 if res.outcome == "rejected" else 503, f"fork: {res.message or res.outcome}")
+    box.cell_env = False  # the source's interpreter starts afresh too
     now = time.time()
     metadata = {k: v for k, v in box.metadata.items() if k != "trajectory"}
     out = []
@@ -757,10 +760,24 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict)
     s = service.sessions.get(sid)
     if s is None:
         raise E2bError(502, GONE.format(id=sid))
+    own = _strings(body.get("env_vars"), "env_vars")
+    for k in own:
+        if not _NAME.fullmatch(k):
+            raise E2bError(400, f"env_vars: {k!r} is not a variable name")
     service.admit()
     try:
         async with box.lock:
-            r = await s.exec(python=code, timeout_s=_step_s(box, None), jupyter=True, operation="run_code")
+            base = {"HOME": HOME_ALIAS, "USER": "user", **box.env}
+            if not box.cell_env:  # once per interpreter: the sandbox's environment, as commands get it
+                await _set_env(s, base)
+                box.cell_env = True
+            if own:
+                await _set_env(s, own)
+            try:
+                r = await s.exec(python=code, timeout_s=_step_s(box, None), jupyter=True, operation="run_code")
+            finally:
+                if own:  # this run's variables: back to the sandbox's (or unset)
+                    await _set_env(s, {k: base.get(k) for k in own})
     except (SessionGone, NotFound):
         raise E2bError(502, GONE.format(id=sid)) from None
     service._record(r, s.job, "e2b")
@@ -784,6 +801,18 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict)
     elif r.outcome is Outcome.OOM:
         out["error"] = {"name": "MemoryError", "value": "the cell ran out of memory and was killed", "traceback": ""}
     return out
+
+
+ENV_STEP = ("__import__('builtins').exec('import os, json\\nfor k, v in json.loads(ENV).items():\\n"
+            "    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)', {{'ENV': {env!r}}})")
+
+
+async def _set_env(s, env: dict[str, str | None]) -> None:
+    """Set (None: unset) variables in the interpreter's ``os.environ``: a python step of its own
+    (the session's variables untouched)."""
+    r = await s.exec(python=ENV_STEP.format(env=json.dumps(env)), timeout_s=10.0, jupyter=True, operation="env")
+    if r.outcome is not Outcome.OK:
+        raise E2bError(503, f"env_vars: could not be set ({r.outcome.value}: {r.message or r.result.message})")
 
 
 def e2b_context(service: Service, sid: str, token: str | None, op: str, body: dict | None,
