@@ -455,7 +455,11 @@ def test_concurrent_calls_on_one_sandbox(server):
             assert await sb.commands.kill(queued.pid) is True
             await slow.wait()
             assert not await sb.files.exists("/home/user/ran")
+            # a command still waiting for its stdin hears that the sandbox is gone when it is killed
+            waiting = await sb.commands.run("cat", stdin=True, background=True)
         finally:
             await sb.kill()
+        with pytest.raises(SandboxNotRunningException):
+            await waiting.wait()
 
     asyncio.run(main())

@@ -150,8 +150,13 @@ class Boxes:
 
     def _ended(self, sid: str, reason: str) -> None:
         box = self.boxes.pop(sid, None)
-        if box is not None and box.timer is not None:
+        if box is None:
+            return
+        if box.timer is not None:
             box.timer.cancel()
+        for proc in box.procs.values():  # what still waits on it hears now that the sandbox is gone
+            if not proc.done.done():
+                proc.done.set_exception(E2bError(502, GONE.format(id=sid)))
 
     def arm(self, box: Box) -> None:
         """(Re)start the clock that kills ``box`` at ``end_at`` (none while paused)."""
@@ -447,9 +452,16 @@ def e2b_proc_start(service: Service, sid: str, token: str | None, request: dict,
                 shell, _step_s(box, timeout_s), bytearray() if request.get("stdin") else None,
                 asyncio.get_running_loop().create_future())
     box.procs[pid] = proc
+    proc.done.add_done_callback(_retrieved)
     if proc.stdin is None:
         _launch(service, box, proc)
     return pid
+
+
+def _retrieved(f: asyncio.Future) -> None:
+    """A background process's error nobody waits for is not an error of the server's."""
+    if not f.cancelled():
+        f.exception()
 
 
 def _launch(service: Service, box: Box, proc: Proc, stdin: bytes | None = None) -> None:
