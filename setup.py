@@ -1,8 +1,8 @@
 """Compiles the scheduler's hot path with mypyc (issue 13); everything else is in pyproject.toml.
 
 The engine, the pool ledgers, the policy and the records they pass are ordinary typed Python,
-compiled to C extension modules at install time: ``tangram bench scheduler`` measures ~1.85x the
-decisions per CPU second of the same sources (it prints both; ``bench/scheduler.py``). The
+compiled to C extension modules at install time: ``tangram bench scheduler`` measures 1.85x-1.88x
+the decisions per CPU second of the same sources (it prints both; the README's Measured table). The
 source stays the one truth: where no C compiler is found, or with ``ARL_TANGRAM_PURE=1``, the same
 modules run as plain Python, and ``arl_tangram.build.compiled()`` says which one was imported.
 The list of modules is ``arl_tangram.build.HOT_PATH``.

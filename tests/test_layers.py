@@ -124,3 +124,29 @@ def test_a_lower_layer_never_imports_a_higher_one(low, high):
     wrong = sorted(f"{m} -> {d}" for m, deps in GRAPH.items() if _package(m) == low
                    for d in deps if _package(d) == high)
     assert wrong == []
+
+
+def test_the_build_knows_every_plain_module_the_compiled_ones_import():
+    """``build.stale`` checks these too: compiled against them, the hot path is stale after an edit."""
+    from arl_tangram import build
+
+    hot = {f"{PACKAGE}.{m.replace('/', '.')}" for m in build.HOT_PATH}
+    imported = {d for m in hot for d in GRAPH[m] if d not in hot}
+    assert {f"{PACKAGE}.{m.replace('/', '.')}" for m in build.HOT_PATH_IMPORTS} == imported
+
+
+def test_a_plain_module_edited_after_the_build_makes_it_stale(tmp_path, monkeypatch):
+    import os
+
+    from arl_tangram import build
+
+    (tmp_path / "setup.py").write_text("")  # a source checkout
+    pkg = tmp_path / "src" / PACKAGE
+    (pkg / "core").mkdir(parents=True)
+    for name, t in (("pools.cpython-311-x86_64-linux-gnu.so", 2000), ("pools.py", 1000), ("seam.py", 1500)):
+        (pkg / "core" / name).write_bytes(b"")
+        os.utime(pkg / "core" / name, (t, t))
+    monkeypatch.setattr(build, "ROOT", pkg)
+    assert build.stale() == []
+    os.utime(pkg / "core" / "seam.py", (3000, 3000))  # the engine's seam, edited after the build
+    assert build.stale() == ["core/seam.py"]

@@ -30,6 +30,12 @@ HOT_PATH = ("core/action", "core/clock", "core/cluster", "core/pools", "core/rec
             "policy/queues", "policy/predictor", "policy/critical", "policy/action_level", "waits", "engine")
 
 
+#: the plain modules that compiled ones import: compiled against them, so an edit to one makes the
+#: build stale too (mypyc checks the types it was told at the boundary; ``tests/test_layers.py``
+#: keeps this list equal to what ``HOT_PATH`` imports)
+HOT_PATH_IMPORTS = ("core/errors", "core/seam")
+
+
 def pure_requested() -> bool:
     return os.environ.get("ARL_TANGRAM_PURE", "") not in ("", "0")
 
@@ -64,20 +70,32 @@ def compiled() -> bool:
 
 
 def stale() -> list[str]:
-    """Sources whose compiled module Python would import instead of them, wrongly: edited after
-    it was built (an editable install not rebuilt since), or no longer in ``HOT_PATH`` (a module
-    left over from an older build). Only a source checkout (``setup.py`` two folders up) can be
-    stale: an installed wheel's files all come from one build, whatever their times."""
+    """Sources that the compiled modules do not match: one whose compiled module Python would
+    import instead of it, wrongly (edited after it was built: an editable install not rebuilt
+    since; or no longer in ``HOT_PATH``: a module left over from an older build), and a plain
+    module of ``HOT_PATH_IMPORTS`` edited after a compiled module was built against it. Only a
+    source checkout (``setup.py`` two folders up) can be stale: an installed wheel's files all
+    come from one build, whatever their times."""
     if not (ROOT.parent.parent / "setup.py").exists():
         return []
     out = []
+    oldest: float | None = None
     for built in sorted(ROOT.rglob("*")):
         if built.suffix not in (".so", ".pyd"):
             continue
         name = built.relative_to(ROOT).parent.joinpath(built.name.split(".", 1)[0]).as_posix()
         source = ROOT / f"{name}.py"
-        if source.exists() and (name not in HOT_PATH or source.stat().st_mtime > _built_at(built)):
+        if not source.exists():
+            continue
+        at = _built_at(built)
+        oldest = at if oldest is None else min(oldest, at)
+        if name not in HOT_PATH or source.stat().st_mtime > at:
             out.append(f"{name}.py")
+    if oldest is not None:
+        for name in HOT_PATH_IMPORTS:
+            source = ROOT / f"{name}.py"
+            if source.exists() and source.stat().st_mtime > oldest:
+                out.append(f"{name}.py")
     return sorted(set(out))
 
 

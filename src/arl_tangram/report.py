@@ -127,10 +127,6 @@ def plot(results: list, path: str | Path, title: str) -> None:
 COLORS = {"tangram": "#d62728", "trajectory-static": "#1f77b4", "task-isolated": "#2ca02c", "fifo": "#9467bd"}
 
 
-def _x(v) -> str:
-    return "-" if v is None else f"{v:.2f}x"
-
-
 def _pct(v) -> str:
     return "-" if v is None else f"{v:.1%}"
 

@@ -14,7 +14,5 @@ from .aio import AsyncSession, AsyncTangramClient
 from .base import Request, RetryPolicy, RunOptions, TangramError
 from .sync import Session, TangramClient
 
-ClientSession = Session  # the name of the first release
-
-__all__ = ["AsyncSession", "AsyncTangramClient", "ClientSession", "Request", "RetryPolicy", "RunOptions", "Session",
-           "TangramClient", "TangramError"]
+__all__ = ["AsyncSession", "AsyncTangramClient", "Request", "RetryPolicy", "RunOptions", "Session", "TangramClient",
+           "TangramError"]

@@ -1,7 +1,7 @@
 """The multi-node runtime on Ray: one engine in the head, one ``NodeAgent`` per node.
 
-Shape (docs/design.md, "Many nodes"): the head process holds the engine and policy (the single decision maker),
-the journal and the HTTP server; every Ray node with CPUs gets a ``NodeAgent`` actor pinned to it
+Shape (docs/design.md, "Many nodes"): the head process holds the engine and policy (the single
+decision maker), the journal and the HTTP server; every Ray node with CPUs gets a ``NodeAgent`` actor pinned to it
 (node affinity, not soft) that owns the node's sandboxes. The engine's CPU pool is the union of the
 agents' cores; an action started on node ``i`` goes to agent ``i``, and the agent's answer is its
 ``Completion``. Arguments and results travel as Ray objects (large ones through the object store,

@@ -255,10 +255,6 @@ class Interpreter:
     argv: tuple[str, ...]
     host_binds: tuple[tuple[str, str], ...] = ()
 
-    @property
-    def from_host(self) -> bool:
-        return bool(self.host_binds)
-
 
 def choose_interpreter(root: str, host_python: str, args: tuple[str, ...]) -> Interpreter:
     for candidate in ("/usr/local/bin/python3", "/usr/bin/python3", "/bin/python3"):
