@@ -39,6 +39,12 @@ class Recorder:
     def evict(self, model: str, gpus) -> None:
         self.evicted.append((model, tuple(gpus)))
 
+    async def start_up(self) -> None:
+        pass
+
+    async def shut_down(self) -> None:
+        pass
+
 
 class Harness:
     def __init__(self, cluster, policy, **engine_kwargs) -> None:

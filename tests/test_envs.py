@@ -268,12 +268,16 @@ def test_snapshot_restores_in_another_runtime_and_bad_snapshots_are_refused(stor
     assert run(store, make) == str(snap)
 
     async def use(tg):
+        ended = []
+        tg.runtime.engine.listeners.append(ended.append)
         s = await tg.restore(snap)
+        restored = [(f.action.operation, f.action.trajectory, f.outcome) for f in ended]
         r = await s.exec("cat /workspace/sub/f /workspace/g /repo/app.py; ls /etc")
         await s.close()
-        return r
+        return r, restored, s.id
 
-    r = run(store, use)
+    r, restored, sid = run(store, use)
+    assert restored == [("restore", sid, Outcome.OK)]  # an action on the new session, scheduled as any other
     assert r.outcome is Outcome.OK and r.stdout == "kept\nchild\nVERSION = 3\n", r.stdout + r.stderr
     bad = tmp_path / "bad.tar"
     with tarfile.open(snap) as src, tarfile.open(bad, "w") as dst:

@@ -70,6 +70,12 @@ class _Recorder:
     def close_session(self, trajectory: str) -> None:
         pass
 
+    async def start_up(self) -> None:
+        pass
+
+    async def shut_down(self) -> None:
+        pass
+
 
 @dataclass(frozen=True)
 class Rate:

@@ -67,6 +67,17 @@ class Manager(Protocol):
         """The trajectory will send no more actions: drop its state."""
         ...
 
+    async def start_up(self) -> None:
+        """Get ready before the first action (sandboxes, pools, connections): a runtime awaits it
+        for each of its managers when it starts. The engine never calls it (nor the simulator,
+        whose managers have nothing to start)."""
+        ...
+
+    async def shut_down(self) -> None:
+        """Stop everything this manager started: a runtime awaits it for each manager when it
+        closes, after cancelling what was queued. Nothing is reported after it returns."""
+        ...
+
 
 @runtime_checkable
 class ModelHost(Manager, Protocol):

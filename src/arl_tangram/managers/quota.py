@@ -44,5 +44,8 @@ class ApiManager:
             result, outcome, message = None, Outcome.INFRA_ERROR, f"api {name} failed: {type(e).__name__}: {e}"
         return Completion(action.id, outcome, 0.0, time.perf_counter() - t, message, result)
 
+    async def start_up(self) -> None:
+        pass  # the handlers are the caller's: nothing to start
+
     async def shut_down(self) -> None:
         await self.tasks.close()

@@ -13,7 +13,8 @@ from typing import Any
 from ..core.action import Action, Demand, Outcome, seconds
 from ..managers.models.spec import ModelCall
 from ..managers.sandbox.images import ImageError
-from ..managers.sandbox.spec import Exec, Files, Fork, RunCode, SandboxConfig, Snapshot
+from ..managers.sandbox.manager import SandboxManager
+from ..managers.sandbox.spec import Exec, Files, Fork, Restore, RunCode, SandboxConfig, Snapshot
 from ..policy import Policy, Profile
 from .base import ActionResult, Runtime
 from .local import LocalRuntime
@@ -266,7 +267,7 @@ class Tangram:
 
     async def _model_call(self, model: str, op: str, tokens, job: str, hint_s, min_len: int) -> ActionResult:
         rt = self.runtime
-        mm = getattr(rt, "models", None)
+        mm = rt.models
         problem = f"service: unknown model {model!r}" if mm is None else mm.validate(model, op, tokens, min_len)
         if problem is not None:
             return ActionResult.rejected(rt.new_id("m"), problem)
@@ -294,9 +295,9 @@ class Tangram:
             self.runtime.ended.pop(trajectory, None)  # a trajectory that ended may start over
         return Session(self.runtime, trajectory or self.runtime.new_id("s"), job, image)
 
-    def _sandboxes(self, what: str):
-        sb = getattr(self.runtime, "sandboxes", None)
-        if sb is None or not hasattr(sb, "images"):
+    def _sandboxes(self, what: str) -> SandboxManager:
+        sb = self.runtime.sandbox_manager()
+        if sb is None:
             raise ImageError(f"{what}: this runtime has no image-capable sandboxes")
         return sb
 
@@ -305,13 +306,19 @@ class Tangram:
         sb.imageboxes.image(image) if sb.imageboxes is not None else sb.images.get(image)
 
     async def restore(self, path: str | os.PathLike, job: str = "default", trajectory: str | None = None) -> Session:
-        """A new session whose files are those of a snapshot (``Session.snapshot``). The
-        snapshot's image must be in this runtime's image store under the same id."""
-        sb = self._sandboxes("restore")
+        """A new session whose files are those of a snapshot (``Session.snapshot``), made by an
+        action on it, as a fork is. The snapshot's image must be in this runtime's image store
+        under the same id; ``ImageError`` says why a snapshot cannot be restored."""
+        self._sandboxes("restore")
         traj = trajectory or self.runtime.new_id("s")
-        await sb.restore(traj, os.fspath(path))
-        root = sb.pending_roots[traj]
-        return Session(self.runtime, traj, job, root.image.name)
+        action = Action(self.runtime.new_id("o"), "sandbox", job=job, trajectory=traj, operation="restore",
+                        hint_s=0.5, timeout_s=600, payload=Restore(os.fspath(path)))
+        r = await self.runtime.submit(action)
+        if r.outcome is Outcome.REJECTED:
+            raise ImageError(r.message)
+        if r.outcome is not Outcome.OK:
+            raise SessionError(r)
+        return Session(self.runtime, traj, job, r.result.info["image"])
 
     async def prewarm(self, image: str, n: int):
         """Start ``n`` sandboxes of ``image`` now, so that sessions and one-shots of it skip

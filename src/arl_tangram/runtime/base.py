@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from ..core.action import CPU, Action, Finished, InvalidAction, Outcome
 from ..core.cluster import Cluster
@@ -24,8 +24,12 @@ from ..core.seam import Completion, Manager, Pool, Report
 from ..driver import Driver
 from ..engine import Engine
 from ..waits import DEFAULT_MAX_QUEUE_S
+from ..managers.models.spec import ModelServiceConfig
 from ..managers.sandbox.spec import SandboxResult
 from ..policy import Costs, Policy, Profile, make_policy
+
+if TYPE_CHECKING:
+    from ..managers.sandbox.manager import SandboxManager
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +119,17 @@ class SessionGone(LookupError):
         return SessionGone, (self.session, self.reason)
 
 
+class ModelServices(Protocol):
+    """What the embedded API and the service read of a runtime's model manager (``ModelManager``
+    on one machine, ``RemoteModels`` on Ray)."""
+
+    services: Mapping[str, ModelServiceConfig]
+
+    def validate(self, model: str, op: str, tokens: Any, min_len: int) -> str | None:
+        """Why a call cannot run (an unknown model or operation, bad tokens), or None."""
+        ...
+
+
 class Runtime:
     """The engine on this asyncio loop. Subclasses build the cluster and managers."""
 
@@ -122,6 +137,9 @@ class Runtime:
     cluster: Cluster
     engine: Engine
     policy: Policy
+    managers: Mapping[Pool, Manager]
+    #: the model services this runtime schedules (None: none)
+    models: "ModelServices | None" = None
 
     def __init__(self) -> None:
         self._futures: dict[str, asyncio.Future] = {}
@@ -137,6 +155,7 @@ class Runtime:
                profile: Profile | None, *, max_queue_s: float | None = DEFAULT_MAX_QUEUE_S,
                session_headroom_gb: float = 0.0) -> None:
         self.cluster = cluster
+        self.managers = dict(managers)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.engine = Engine(cluster, self.policy, managers, MonotonicClock(), costs=costs, profile=profile,
                              max_queue_s=max_queue_s, session_headroom_gb=session_headroom_gb)
@@ -274,6 +293,15 @@ class Runtime:
                                    f"{sum(n.memory_gb for n in self.cluster.cpu_nodes):.1f} GB); close sessions or "
                                    "retry later")
 
+    def sandbox_manager(self) -> "SandboxManager | None":
+        """The sandbox manager of this process, for what only it does (images, prewarming); None
+        where there is none (no sandboxes, a test double) or sandboxes live on other nodes."""
+        return None
+
+    def sandbox_workers(self) -> tuple[int, int] | None:
+        """Sandbox worker processes (up, started); None where one-shots run in this process."""
+        return None
+
     def isolation(self) -> str | None:
         return None
 
@@ -316,6 +344,8 @@ class Runtime:
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the managers, then a first round (it lets the policy prefetch models)."""
+        for manager in self.managers.values():
+            await manager.start_up()
         self.tick()
 
     async def close(self) -> None:
@@ -329,7 +359,8 @@ class Runtime:
             recorder.close()
 
     async def _shut_down_managers(self) -> None:
-        pass
+        for manager in self.managers.values():
+            await manager.shut_down()
 
     async def __aenter__(self) -> "Runtime":
         await self.start()

@@ -26,6 +26,7 @@ from ..policy import Costs, Policy, Profile
 from ..waits import DEFAULT_MAX_QUEUE_S
 from .base import NoRoom, Runtime
 from .host import LocalHost, mem_available_mb
+from .workers import SandboxWorkers
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,6 @@ class LocalRuntime(Runtime):
             else:
                 self.sandboxes = SandboxManager(config, sink, expire)
                 if workers:
-                    from .workers import SandboxWorkers
                     self.sandboxes = SandboxWorkers(self.sandboxes, workers, sink)
             managers[Pool.CPU] = self.sandboxes
         self.models = None
@@ -81,9 +81,9 @@ class LocalRuntime(Runtime):
             self.apis = ApiManager({name: handler for name, (_, handler) in apis.items()}, sink)
             quotas = tuple(ApiQuota(name, q.rate_per_s, q.concurrency, q.burst) for name, (q, _) in apis.items())
             managers[Pool.API] = self.apis
-        if self.sandboxes is not None and cores is None and isinstance(getattr(self.sandboxes, "local", self.sandboxes),
-                                                                       SandboxManager):
-            cores = len(self.sandboxes.host_cpus)
+        real = self.sandbox_manager()
+        if real is not None and cores is None:
+            cores = len(real.host_cpus)
         host = LocalHost.detect(sandboxes=self.sandboxes is not None, cores=cores, memory=memory_gb,
                                 models=self.models is not None, cuda=bool(self.models and self.models.cuda),
                                 gpus=gpus, gpu_memory_gb=gpu_memory_gb, gpu_island_size=gpu_island_size)
@@ -96,16 +96,6 @@ class LocalRuntime(Runtime):
         self.end_session(trajectory, f"session {trajectory} expired: unused for more than {self._expiry_s:g} s "
                                      "(SandboxConfig.session_idle_expiry_s); its state is gone")
 
-    async def start(self) -> None:
-        if self.sandboxes is not None:
-            await self.sandboxes.start_up()
-        await super().start()
-
-    async def _shut_down_managers(self) -> None:
-        for manager in (self.sandboxes, self.models, self.apis):
-            if manager is not None:
-                await manager.shut_down()
-
     def admit_session(self) -> None:
         """The engine's accounting, then the ground truth: this host's available memory."""
         super().admit_session()
@@ -115,10 +105,24 @@ class LocalRuntime(Runtime):
             raise NoRoom("host memory", f"no room for a new session: this host has {avail:.0f} MB of memory "
                                         f"available, below sandbox.min_free_memory_mb ({floor} MB)")
 
+    def sandbox_manager(self) -> SandboxManager | None:
+        s = self.sandboxes
+        if isinstance(s, SandboxWorkers):
+            return s.local
+        return s if isinstance(s, SandboxManager) else None
+
+    def sandbox_workers(self) -> tuple[int, int] | None:
+        s = self.sandboxes
+        if not isinstance(s, SandboxWorkers):
+            return None
+        return sum(1 for w in s.workers if w.up), len(s.workers)
+
     def isolation(self) -> str | None:
-        mode = getattr(self.sandboxes, "mode", None)
-        return mode.value if mode is not None else None
+        real = self.sandbox_manager()
+        return real.mode.value if real is not None and real.mode is not None else None
 
     def cgroups(self) -> str | None:
-        v2 = getattr(getattr(self.sandboxes, "root", None), "v2", None)  # a CgroupRoot, where there is one
-        return None if v2 is None else ("v2" if v2 else "v1")
+        real = self.sandbox_manager()
+        if real is None or real.root is None:  # a CgroupRoot, where there is one
+            return None
+        return "v2" if real.root.v2 else "v1"

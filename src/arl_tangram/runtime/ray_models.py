@@ -112,5 +112,8 @@ class RemoteModels:
     def close_session(self, trajectory: str) -> None:
         pass
 
+    async def start_up(self) -> None:
+        pass  # copies are placed as GPU nodes join (RayRuntime._join)
+
     async def shut_down(self) -> None:
         await self.tasks.close()

@@ -110,6 +110,9 @@ class RemoteSandboxes:
         if node is not None and node.state == "alive":
             node.handle.close_session.remote(trajectory)
 
+    async def start_up(self) -> None:
+        pass  # the agents start as their nodes join (RayRuntime._join)
+
     async def shut_down(self) -> None:
         await self.tasks.close()
 
@@ -339,9 +342,7 @@ class RayRuntime(Runtime):
         for task in list(self._joining):
             task.cancel()
         await asyncio.gather(*self._joining, return_exceptions=True)
-        await self.sandboxes.shut_down()
-        if self.models is not None:
-            await self.models.shut_down()
+        await super()._shut_down_managers()
         alive = [n for n in self.nodes_by_id.values() if n.state == "alive"]
         await asyncio.gather(*(n.handle.shut_down.remote() for n in alive), return_exceptions=True)
         ray = ray_module()

@@ -396,7 +396,7 @@ class Service:
 
     # -- models ----------------------------------------------------------------------------------
     async def model_call(self, name: str, op: str, req: v1.ModelRequest) -> v1.ModelResult:
-        models = getattr(self.runtime, "models", None)
+        models = self.runtime.models
         if models is None or name not in models.services:  # configured: a call says why it cannot run yet
             raise NotFound(f"no model service {name!r}")
         # bad input is the caller's to fix: a 422 naming the problem (an id outside the vocabulary,
@@ -443,10 +443,8 @@ class Service:
 
     def _workers(self) -> dict | None:
         """Sandbox worker processes up / started (None: one-shots run in this process)."""
-        workers = getattr(getattr(self.runtime, "sandboxes", None), "workers", None)
-        if not isinstance(workers, list):
-            return None
-        return {"up": sum(1 for w in workers if w.up), "total": len(workers)}
+        workers = self.runtime.sandbox_workers()
+        return None if workers is None else {"up": workers[0], "total": workers[1]}
 
     def metrics_text(self) -> str:
         """``GET /metrics``: the Prometheus exposition of this process's registry."""

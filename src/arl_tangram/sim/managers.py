@@ -57,6 +57,12 @@ class _SimManager:
     def close_session(self, trajectory: str) -> None:
         pass
 
+    async def start_up(self) -> None:  # the seam's lifecycle: nothing to start or stop in a simulation
+        pass
+
+    async def shut_down(self) -> None:
+        pass
+
 
 class SimSandboxManager(_SimManager):
     """Sessions cost ``Costs`` to create, thaw or restore; work shrinks with cores (Amdahl)."""

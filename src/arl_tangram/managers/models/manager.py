@@ -475,6 +475,9 @@ class ModelManager:
         exec_s = time.perf_counter() - t0 - setup_s
         return Completion(action.id, outcome, setup_s, exec_s, message, result)
 
+    async def start_up(self) -> None:
+        pass  # the weights were read into host memory at construction (load_all: the cluster needs their sizes)
+
     async def shut_down(self) -> None:
         await self.tasks.close()
         self.instances.clear()

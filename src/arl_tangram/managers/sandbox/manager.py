@@ -29,10 +29,10 @@ from .isolation import Isolation, Layout, command, detect
 from .recycle import Recycler
 from .rootfs import RootFs
 from .sandbox import Limits, Sandbox, SandboxDied
-from .spec import CommandResult, Exec, Files, Fork, RunCode, SandboxConfig, SandboxResult, Snapshot
+from .spec import CommandResult, Exec, Files, Fork, Restore, RunCode, SandboxConfig, SandboxResult, Snapshot
 
-__all__ = ["CommandResult", "Exec", "Files", "Fork", "RunCode", "SandboxConfig", "SandboxManager", "SandboxResult",
-           "Snapshot"]
+__all__ = ["CommandResult", "Exec", "Files", "Fork", "Restore", "RunCode", "SandboxConfig", "SandboxManager",
+           "SandboxResult", "Snapshot"]
 
 log = logging.getLogger(__name__)
 
@@ -242,15 +242,24 @@ class SandboxManager:
                              f"{self.mode.value if self.mode else 'none yet'})")
         return await self.imageboxes.prewarm(image, n, len(self._pool) if self._pool is not None else 0)
 
-    async def restore(self, trajectory: str, path: str) -> None:
-        """Make ``trajectory`` a session whose files are those of the snapshot ``path``."""
-        if self.mode is not Isolation.BWRAP:
-            raise ImageError("restore: sandboxes from images need bubblewrap isolation")
-        root = await asyncio.to_thread(envops.restore, self.imageboxes, trajectory, path)
-        if self._exists(trajectory):
+    async def _restore(self, action: Action, restore: Restore) -> tuple[Outcome, SandboxResult]:
+        """Make the action's trajectory a new session whose files are those of a snapshot (its
+        processes start on its first step); ``rejected`` saying why a snapshot cannot be."""
+        trajectory = action.trajectory
+        try:
+            if self.mode is not Isolation.BWRAP:
+                raise ImageError("restore: sandboxes from images need bubblewrap isolation")
+            if trajectory is None or self._exists(trajectory):
+                raise ImageError(f"restore: session {trajectory!r} already exists" if trajectory else
+                                 "restore: the action names no trajectory (the new session)")
+            root = await asyncio.to_thread(envops.restore, self.imageboxes, trajectory, restore.path)
+        except ImageError as e:
+            return Outcome.REJECTED, SandboxResult(message=str(e))
+        if self._exists(trajectory):  # made meanwhile
             await asyncio.to_thread(self.imageboxes.drop, root)
-            raise ImageError(f"restore: session {trajectory!r} already exists")
+            return Outcome.REJECTED, SandboxResult(message=f"restore: session {trajectory!r} already exists")
         self._adopt(trajectory, root)
+        return Outcome.OK, SandboxResult(info={"image": root.image.name})
 
     def _exists(self, trajectory: str) -> bool:
         return trajectory in self.sessions or trajectory in self.pending_roots
@@ -285,6 +294,9 @@ class SandboxManager:
     # -- running ---------------------------------------------------------------------------------
     async def _run(self, action: Action, allocation: Allocation) -> Completion:
         t0 = time.monotonic()
+        if isinstance(action.payload, Restore):  # a root to mount, no sandbox to start
+            outcome, result = await self._restore(action, action.payload)
+            return Completion(action.id, outcome, 0.0, time.monotonic() - t0, result.message, result)
         cores = tuple(self.host_cpus[u % len(self.host_cpus)] for u in allocation.units) or self.host_cpus[:1]
         payload = action.payload
         sb = None
