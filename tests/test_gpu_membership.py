@@ -191,11 +191,11 @@ def test_with_gpus_that_may_join_a_model_action_waits_for_them_instead_of_being_
     assert engine.submit(_model_action("waits")) is None
     assert engine.submit(Action("wide", "model:big", Demand({"gpu": (2, 2)}))) is None
     engine.schedule()
-    assert not host.started and "a GPU node to join" in engine.why_waiting(engine.pending["waits"])
+    assert not host.started and "a GPU node to join" in engine.why_waiting(engine.pending["waits"]).detail
     a = engine.add_gpu_node(GpuNode("a", 1, 10.0, 1))
     engine.schedule()
     assert [act.id for act, _ in host.started] == ["waits"]
-    assert "2 GPU(s) in one island" in engine.why_waiting(engine.pending["wide"])  # this node is too small
+    assert "2 GPU(s) in one island" in engine.why_waiting(engine.pending["wide"]).detail  # this node is too small
     engine.remove_gpu_node(a)
     engine.add_gpu_node(GpuNode("b", 2, 10.0, 2))
     engine.schedule()

@@ -197,3 +197,20 @@ def test_a_client_re_run_id_is_one_the_server_accepts(server):
     rid = attempt_id(attempt_id("first.id", 1), 2)
     r = httpx.post(f"{server.url}/v1/actions", json={"id": rid, "action": {"code": "print(1)"}}, timeout=30)
     assert r.status_code == 200 and r.json()["id"] == rid == "first.id:retry-2"
+
+
+def test_a_queued_action_says_what_it_waits_for(server):
+    cores = httpx.get(f"{server.url}/healthz").json()["cores"]
+    hold = {"action": {"code": "import time; time.sleep(3)", "timeout_s": 10}, "cpus": [cores, cores], "wait": False}
+    first = httpx.post(f"{server.url}/v1/actions", json=hold, timeout=30).json()
+    second = httpx.post(f"{server.url}/v1/actions", json={**hold, "cpus": [1, 1]}, timeout=30).json()
+    try:
+        deadline = time.time() + 10
+        while httpx.get(f"{server.url}/v1/actions/{first['id']}").json()["state"] != "running":
+            assert time.time() < deadline, "the first action never started"
+            time.sleep(0.05)
+        got = httpx.get(f"{server.url}/v1/actions/{second['id']}").json()
+        assert got["state"] == "queued" and got["message"].startswith("waiting for 1 free core(s)"), got
+    finally:
+        for a in (second, first):
+            httpx.post(f"{server.url}/v1/actions/{a['id']}/cancel", timeout=30)

@@ -104,7 +104,8 @@ def test_a_session_measured_above_free_memory_is_counted_and_blocks_new_sessions
     h.engine.complete(Completion("a", Outcome.OK, session_mem_gb=0.8))
     h.submit("b", cpu=1, trajectory="u")
     assert h.schedule() == {}
-    assert "memory for a new session" in h.engine.why_waiting(h.engine.queue_head())
+    wait = h.engine.why_waiting(h.engine.queue_head())
+    assert wait.reason == "session-memory" and "memory for a new session" in wait.detail
     h.advance(61)
     h.schedule()
     assert h.finished[-1].outcome is Outcome.REJECTED and "memory for a new session" in h.finished[-1].message

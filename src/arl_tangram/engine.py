@@ -47,8 +47,8 @@ from .core.cluster import Cluster, CpuNode, GpuNode, ModelSpec
 from .core.pools import EPS, CapacityError, CpuPool, GpuPool, Meter, QuotaPool, Units
 from .core.records import Load, Reservation, Running
 from .core.seam import Completion, Loaded, Manager, ModelHost, Pool, Report
-from .policy.base import Costs, Decision, Evict, Grow, Policy, Prefetch, Profile, Release, Reserve, Start
-from .waits import DEFAULT_MAX_QUEUE_S, QueueDeadlines, why_waiting
+from .policy.base import Costs, Decision, Evict, Grow, Policy, Prefetch, Profile, Release, Reserve, Start, Wait
+from .waits import DEFAULT_MAX_QUEUE_S, QueueDeadlines
 
 # an enum member read costs ~0.1 µs on Python 3.11 (a descriptor call); the two the CPU start
 # path reads for nearly every action are read once here
@@ -328,8 +328,9 @@ class Engine:
         """The action waiting longest (``pending`` keeps submission order)."""
         return next(iter(self.pending.values()), None)
 
-    def why_waiting(self, action: Action) -> str:
-        return why_waiting(self, action)
+    def why_waiting(self, action: Action) -> Wait:
+        """Why the queued ``action`` has not started: the policy says (``Policy.why_waiting``)."""
+        return self.policy.why_waiting(action, self.clock.now())
 
     def session_room_gb(self) -> float:
         """The most memory a new session could find on one CPU node once the steps running now
@@ -354,7 +355,7 @@ class Engine:
 
     def _expire_queued(self, now: float) -> None:
         for action in self.deadlines.due(self.pending, now, EPS):
-            why = why_waiting(self, action)  # before it leaves the queue
+            why = self.policy.why_waiting(action, now)  # before it leaves the queue
             del self.pending[action.id]
             self.policy.on_cancel(action)
             self._finish_unstarted(action, Outcome.REJECTED,

@@ -32,7 +32,7 @@ from typing import Any, Callable, Final, Iterator
 from ..core.action import CPU, GPU, Action, Finished, by_fields
 from ..core.cluster import DEFAULT_H2D_GBPS
 from ..core.pools import CpuPool, Instance
-from .base import Decision, EngineView, Evict, Grow, Prefetch, Start
+from .base import Decision, EngineView, Evict, Grow, Prefetch, Start, Wait, pool_wait
 from .critical import CriticalPath
 from .predictor import DurationPredictor
 from .queues import JobQueues
@@ -204,6 +204,28 @@ class ActionLevelPolicy:
         if a.pool == GPU:
             return a.service
         return CPU_NEW if a.id in self._new_session else a.pool
+
+    def why_waiting(self, action: Action, now: float) -> Wait:
+        """Its own reasons first: a copy of the model loading or busy (the policy waits for it
+        rather than load another), its job above its fair share while another job waits here;
+        then what the pools lack."""
+        view = self.view
+        model = action.model
+        if action.pool == GPU and model is not None:
+            for load in view.loading.values():
+                if load.model == model:
+                    return Wait("model-loading", f"a copy of model {model!r} loading onto GPU(s) {list(load.block)}")
+            copies = view.gpu.instances.get(model, [])
+            if copies and all(i.busy is not None for i in copies):
+                return Wait("model-busy", f"a copy of model {model!r} to finish its batch (all {len(copies)} "
+                                          "busy)")
+        if self._fair is not None and not self._favoured(action.job):
+            q = self.queues.get(self._queue_of(action))
+            ahead = sorted(j for j, h in q.heaps.items() if h and j != action.job) if q is not None else []
+            if ahead:
+                return Wait("fair-share", f"fair share: job {action.job!r} holds more than its weighted share; "
+                                          f"job {ahead[0]!r} goes first")
+        return pool_wait(view, action, now)
 
     # -- the round -------------------------------------------------------------------------------
     def schedule(self, now: float) -> Iterator[Decision]:

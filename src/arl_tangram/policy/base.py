@@ -12,7 +12,7 @@ from typing import Any, Iterable, Mapping, Protocol
 
 from mypy_extensions import mypyc_attr
 
-from ..core.action import Action, Finished, by_fields
+from ..core.action import CPU, GPU, Action, Finished, by_fields
 from ..core.cluster import Cluster
 from ..core.pools import CpuPool, GpuPool, Instance, QuotaPool
 from ..core.records import Load, Reservation, Running
@@ -167,6 +167,63 @@ class EngineView(Protocol):
     def profile(self) -> Profile: ...
 
 
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """Why a policy has not started a queued action, in the manner of Ray autoscaler v2's reasons
+    for a pending request: ``reason`` a short stable name a program can count (``cores``,
+    ``session-memory``, ``gpus``, ``gpu-node``, ``model-loading``, ``model-busy``, ``quota``,
+    ``fair-share``, ``turn``), ``detail`` the same in words with the figures of the moment, ``until`` when it
+    changes by itself, where that is known (a quota's next token)."""
+
+    reason: str
+    detail: str
+    until: float | None = None
+
+    def __str__(self) -> str:
+        return self.detail
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
+
+
+def pool_wait(view: "EngineView", a: Action, now: float) -> Wait:
+    """What the pools lack for ``a`` as they are now: the reason every policy can give; a policy
+    says its own (a fair share, a copy it waits for) before this one."""
+    if a.pool == CPU:
+        cpu = view.cpu
+        lo = a.demand.min(CPU)
+        most_free = max((cpu.nfree(i) for i in range(len(cpu.nodes))), default=0)
+        if a.trajectory is not None:
+            home = cpu.homes.get(a.trajectory)
+            if home is not None:
+                return Wait("cores", f"{lo} free core(s) on its session's node {cpu.nodes[home].name} "
+                                     f"({cpu.nfree(home)} free)")
+            need = view.costs.session_mem_gb
+            most_mem = max(cpu.free_mem, default=0.0)
+            if most_mem < need:
+                return Wait("session-memory",
+                            f"memory for a new session: {need * 1024:.0f} MB needed, at most "
+                            f"{max(0.0, most_mem) * 1024:.0f} MB free on a node ({len(cpu.homes)} sessions hold "
+                            f"{cpu.session_reserved_gb() * 1024:.0f} MB)")
+        if most_free < lo:
+            return Wait("cores", f"{lo} free core(s) on one node (at most {most_free} free, {len(view.running)} "
+                                 "actions running)")
+        return Wait("turn", f"its turn: {lo} core(s) are free but actions ahead of it come first")
+    if a.pool == GPU:
+        g = a.demand.min(GPU)
+        if g > view.gpu.max_island:
+            return Wait("gpu-node", f"a GPU node to join with {g} GPU(s) in one island for model "
+                                    f"{a.model or a.service!r} ({view.gpu.capacity} GPUs now, at most "
+                                    f"{view.gpu.max_island} in an island)")
+        return Wait("gpus", f"{g} GPU(s) for model {a.model or a.service!r} ({view.gpu.total_free} GPUs free)")
+    quota = view.quotas.get(a.pool)
+    if quota is not None:
+        refill = quota.next_token_at(now)
+        return Wait("quota", f"quota {a.pool}: {quota.in_use} of {quota.quota.concurrency} calls in flight, "
+                             f"{quota.tokens_at(now):.1f} tokens", refill if refill > now else None)
+    return Wait("capacity", f"capacity in pool {a.pool}")
+
+
 class Policy(Protocol):
     """A scheduling policy; see ``TangramPolicy`` for the reference implementation.
 
@@ -192,4 +249,10 @@ class Policy(Protocol):
 
     def next_wakeup(self, now: float) -> float | None:
         """When to call ``schedule`` again even if nothing happens (a quota refilling), or None."""
+        ...
+
+    def why_waiting(self, action: Action, now: float) -> Wait:
+        """Why the queued ``action`` has not started (``pool_wait`` is what the pools lack; a
+        policy's own reasons come first). Read for the head of the queue and for an action that
+        waited past ``max_queue_s``, never in a round."""
         ...

@@ -17,7 +17,7 @@ from collections import deque
 from typing import Iterator
 
 from ..core.action import CPU, GPU, Action, Finished
-from .base import Decision, EngineView, Release, Reserve, Start
+from .base import Decision, EngineView, Release, Reserve, Start, Wait, pool_wait
 
 
 class InfeasiblePolicy(RuntimeError):
@@ -34,6 +34,10 @@ class StaticPartitions:
         self.view: EngineView  # set by ``bind``, before any other call
         self.gpu_waiting: dict[str, deque[Action]] = {}
         self.api_waiting: dict[str, deque[Action]] = {}
+
+    def why_waiting(self, action: Action, now: float) -> Wait:
+        """What the pools (or this action's partition of them) lack: no reasons of its own."""
+        return pool_wait(self.view, action, now)
 
     def _bind_gpu(self) -> Iterator[Decision]:
         view = self.view

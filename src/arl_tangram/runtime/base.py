@@ -26,7 +26,7 @@ from ..engine import Engine
 from ..waits import DEFAULT_MAX_QUEUE_S
 from ..managers.models.spec import ModelServiceConfig
 from ..managers.sandbox.spec import SandboxResult
-from ..policy import Costs, Policy, Profile, make_policy
+from ..policy import Costs, Policy, Profile, Wait, make_policy
 
 if TYPE_CHECKING:
     from ..managers.sandbox.manager import SandboxManager
@@ -243,6 +243,11 @@ class Runtime:
             return "running"
         return None
 
+    def why_waiting(self, action_id: str) -> Wait | None:
+        """Why a queued action has not started, as the policy says; None when it is not queued."""
+        action = self.engine.pending.get(action_id)
+        return self.engine.why_waiting(action) if action is not None else None
+
     def end_session(self, trajectory: str, reason: str = "") -> None:
         """The session ends (its owner closed it, it expired, its node died): its state goes, and
         later calls on it raise ``SessionGone`` with ``reason``."""
@@ -273,7 +278,7 @@ class Runtime:
                         e.cpu.session_used_gb(), e.cpu.session_reserved_gb(),
                         sum(n.memory_gb for n in self.cluster.cpu_nodes),
                         now - head.submitted_at if head is not None else 0.0,
-                        e.why_waiting(head) if head is not None else "")
+                        str(e.why_waiting(head)) if head is not None else "")
 
     # -- admitting sessions (issue #15) ----------------------------------------------------------
     def admit_session(self) -> None:

@@ -286,8 +286,10 @@ class Service:
 
     def status(self, id: str) -> v1.ActionResult:
         if id in self._inflight:
-            state = "queued" if self.runtime.state_of(id) == "queued" else "running"
-            return v1.ActionResult(id=id, state=state)
+            wait = self.runtime.why_waiting(id)
+            if wait is not None:
+                return v1.ActionResult(id=id, state="queued", message=f"waiting for {wait}")
+            return v1.ActionResult(id=id, state="running")
         entry = self.journal.get(id) if self.journal else None
         if entry is None:
             raise NotFound(f"no action {id!r}")
