@@ -15,24 +15,10 @@ Contract:
 * decisions are applied one by one in the order the policy yields them (each sees the effect of
   the one before); started actions are handed to their managers only once the round is over.
 
-Hot path (issue 13, ``tangram bench scheduler``: one round per event, 10,000 queued, a shared 2-core
-VM, CPython 3.11). This module and the rest of ``build.HOT_PATH`` are compiled with mypyc at install
-(``setup.py``): ~10 µs an action compiled against ~17 µs as plain Python, ~2.4 µs of either the
-bench's own action and completion (built by interpreted code). What follows was measured on the
-sources, before they were compiled: ~6.5 µs are the records and the dict and heap operations
-themselves (``bench.scheduler.floor``), ~1.5 µs the critical-path check of each submission (``policy.critical``, stubbed out to measure),
-the rest is spread over prediction, placement, the ledger, deadlines and bookkeeping. Kept (the
-figures next to the code): validation fast paths (``core.action``), ``Usage.advance`` skipped when time did not move,
-managers found by pool string, the CPU ledger without inner calls and a pop for one core
-(``core.pools``), a CPU-only round and per-action policy dicts only where read
-(``policy.action_level``). Measured and dropped (median of 6-8 alternating runs): the minimum
-units cached on ``Action`` (0.98x), interning trajectory names (0.99x), per-round lists made
-lazily (0.97x), the CPU start doing its own pending/running bookkeeping to save a call (0.99x),
-garbage collection off (no change). Not done: a CPU round returning a list instead of yielding
-(a generator costs ~0.01 µs a round more, timeit, and the policy would have to model its own
-decisions' effects, against the contract above); a heap of bare floats (0.56 µs cheaper per
-push + pop alone, given back to ties and the map back to actions); several events coalesced
-into one round (the runtimes run one round per event: ``runtime.base``).
+Hot path: this module and the rest of ``build.HOT_PATH`` are compiled with mypyc at install
+(``setup.py``), and the shape of the code below is what measured quickest on the sources: fast
+paths where an action is checked, a pool's ledger without inner calls, one round per event. What
+was measured, kept and dropped, with the figures, is in docs/performance.md ("The engine").
 """
 
 from __future__ import annotations

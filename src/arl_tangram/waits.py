@@ -26,10 +26,8 @@ class QueueDeadlines:
     The bound is one constant and the clock never goes back, so deadlines come in submission
     order: a FIFO of the actions themselves (a deadline is ``submitted_at + max_queue_s``).
     Actions that started are dropped when they reach the front, each once: amortised O(1) per
-    action, and nothing is kept past the oldest action still waiting. (Measured first and
-    dropped: a heap of ``(deadline, action)`` tuples, which kept every started action alive until
-    its deadline passed, and a FIFO of ``(deadline, id, submitted_at)`` tuples; both cost the
-    engine 10-24% of its decisions/s in ``tangram bench scheduler``, mostly allocation and GC.)
+    action, and nothing is kept past the oldest action still waiting, nor allocated per action
+    (a heap or a FIFO of tuples cost the engine 10-24% of its decisions/s: docs/performance.md).
     """
 
     __slots__ = ("max_queue_s", "_fifo")

@@ -164,11 +164,10 @@ class Runtime:
 
     # -- the loop --------------------------------------------------------------------------------
     def tick(self) -> None:
-        """A scheduling round now (after anything changed). Not coalesced per loop iteration
-        (measured with ``tangram bench scheduler``: 16 events a round raise the rate only from
-        ~61k to ~75k actions per CPU second), because a core freed by a completion would then
-        stay idle until the next loop pass: on 16 cores serving one-shots the hold time per
-        action, not the engine's CPU, sets the throughput (issue 10)."""
+        """A scheduling round now (after anything changed). Not coalesced per loop iteration: a
+        core freed by a completion would then stay idle until the next loop pass, and on many
+        cores serving one-shots the hold time per action, not the engine's CPU, sets the
+        throughput (coalescing gains little: docs/performance.md, "The engine")."""
         self.driver.tick()
 
     def _arm(self, at: float) -> None:
