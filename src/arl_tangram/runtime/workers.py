@@ -66,10 +66,10 @@ class SandboxWorkers:
         self.where: dict[str, _Worker] = {}
         self._closing = False
 
-    def __getattr__(self, name: str) -> Any:  # what sessions and the runtime read of the manager
-        if name == "local":
-            raise AttributeError(name)
-        return getattr(self.local, name)
+    @property
+    def config(self) -> SandboxConfig:
+        """The engine process's sandbox config (the workers get theirs from it)."""
+        return self.local.config
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start_up(self) -> None:
