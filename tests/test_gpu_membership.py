@@ -77,6 +77,12 @@ class _Host:
     def evict(self, model, gpus):
         pass
 
+    async def start_up(self):
+        pass
+
+    async def shut_down(self):
+        pass
+
 
 def _model_action(i: str) -> Action:
     return Action(i, "model:m", Demand({"gpu": (1, 1)}))
