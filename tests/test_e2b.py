@@ -396,6 +396,12 @@ def test_image_template_files_fork_and_metrics(tmp_path):
             f.files.write("/home/user/state.txt", f"child {i}")
         assert sb.files.read("/home/user/state.txt") == "s1"  # copy-on-write: the source is untouched
         assert [f.files.read("state.txt") for f in forks] == ["child 0", "child 1"]
+        snap = sb.create_snapshot(name="tiny-e2b-snap")
+        from_snap = Sandbox.create(template="tiny-e2b-snap", timeout=60)
+        assert from_snap.commands.run("cat state.txt; cat /etc/motd").stdout == "s1from the image\n"
+        from_snap.kill()
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is False
         m = sb.get_metrics()
         assert len(m) == 1 and m[0].mem_used > 0 and m[0].mem_total >= m[0].mem_used
         for f in forks:

@@ -48,7 +48,7 @@ def is_e2b(request: Request) -> bool:
     """A request E2B's clients made (a sandbox's, or the control plane's): its errors are in E2B's
     shape, routing errors included (``server/app.py``)."""
     p = request.url.path
-    return SANDBOX_ID in request.headers or p.startswith(("/sandboxes", "/v2/sandboxes"))
+    return SANDBOX_ID in request.headers or p.startswith(("/sandboxes", "/v2/sandboxes", "/templates"))
 
 
 def _fault(e: BaseException) -> E2bError:
@@ -208,6 +208,18 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
         except E2bError as e:
             return JSONResponse(e.rest(), status_code=e.status)
         return await _rest(lambda: calls.e2b_fork(sid, body), 201)
+
+    @rest("/sandboxes/{sid}/snapshots", "POST", 201)
+    async def snapshot(sid: str, request: Request) -> Response:
+        try:
+            body = await _json(request)
+        except E2bError as e:
+            return JSONResponse(e.rest(), status_code=e.status)
+        return await _rest(lambda: calls.e2b_snapshot(sid, body), 201)
+
+    @rest("/templates/{name:path}", "DELETE", 204)
+    async def delete_template(name: str) -> Response:
+        return await _rest(lambda: calls.e2b_delete_template(name), 204)
 
     @rest("/sandboxes/{sid}/metrics", "GET")
     async def metrics(sid: str) -> Response:

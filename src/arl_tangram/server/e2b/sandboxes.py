@@ -17,13 +17,15 @@ import asyncio
 import base64
 import binascii
 import datetime
-import posixpath
-import secrets
-import shlex
-import time
 import json
 import logging
+import os
+import posixpath
 import re
+import secrets
+import shlex
+import tempfile
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +37,7 @@ from ...core.action import Outcome
 from ...managers.sandbox.isolation import HOME_ALIAS
 from ...managers.sandbox.spec import Files
 from ...runtime import NoRoom, SessionGone
+from ...runtime.api import SessionError
 from ..service import BadRequest, NotFound, Overloaded, Service
 from . import fsops
 from .envelope import E2bError
@@ -51,6 +54,7 @@ DEFAULT_TEMPLATES = frozenset({"base", "code-interpreter-v1", "code-interpreter"
 MAX_STEP_S = 3600.0
 log = logging.getLogger(__name__)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_NAME_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}")
 #: how long a paused sandbox is kept (E2B keeps them until deleted; an idle session holds memory)
 MAX_PAUSED_S = 86_400.0
 #: the most a file action reads of one file (the runner's own cap)
@@ -119,6 +123,19 @@ class Boxes:
         self.boxes: dict[str, Box] = {}
         service.runtime.session_listeners.append(self._ended)
         self._keeper: asyncio.Task | None = None
+        self.snapshots: dict[str, dict] = {}  # id -> {"path", "name", "template"}
+        self._snapshot_dir: str | None = None
+
+    def snapshot_path(self, id: str) -> str:
+        if self._snapshot_dir is None:
+            self._snapshot_dir = tempfile.mkdtemp(prefix="tangram-e2b-snapshots-")
+        return os.path.join(self._snapshot_dir, f"{id}.tar")
+
+    def snapshot(self, name: str) -> dict | None:
+        for id, snap in self.snapshots.items():
+            if name in (id, snap["name"]):
+                return snap
+        return None
 
     def keep_alive(self) -> None:
         """Start (once) what keeps a sandbox's session from the server's idle expiry
@@ -257,6 +274,9 @@ async def e2b_create(service: Service, body: dict) -> dict:
     sid = metadata.get("trajectory") or f"i{uuid.uuid4().hex[:19]}"
     if sid in service.sessions or sid in reg.boxes:
         raise E2bError(409, f"metadata.trajectory: a sandbox or session {sid!r} is open already")
+    snap = reg.snapshot(template)
+    if snap is not None:
+        return await _from_snapshot(service, reg, snap, sid, job, metadata, env, timeout)
     image = None if template in DEFAULT_TEMPLATES else template
     try:
         req = v1.SessionRequest(job=job, trajectory=sid, image=image)
@@ -276,6 +296,65 @@ async def e2b_create(service: Service, body: dict) -> dict:
     reg.arm(box)
     reg.keep_alive()
     return _sandbox(box)
+
+
+async def _from_snapshot(service: Service, reg: Boxes, snap: dict, sid: str, job: str, metadata: dict,
+                         env: dict, timeout: int) -> dict:
+    try:
+        service.runtime.admit_session()
+        session = await service.tg.restore(snap["path"], job=job, trajectory=sid)
+    except NoRoom as e:
+        raise E2bError(503, str(e)) from None
+    except Exception as e:  # the image it was taken from is gone, the file unreadable
+        raise E2bError(400, f"templateID: snapshot {snap['id']} cannot be restored: {e}") from None
+    service.sessions[sid] = session
+    service.metrics.sessions.set(len(service.sessions))
+    now = time.time()
+    box = reg.boxes[sid] = Box(sid, job, snap["id"], metadata, env, secrets.token_urlsafe(24), now, now + timeout)
+    box.used_at = now
+    reg.arm(box)
+    reg.keep_alive()
+    return _sandbox(box)
+
+
+async def e2b_snapshot(service: Service, sid: str, body: dict) -> dict:
+    """``POST /sandboxes/{id}/snapshots``: Tangram's snapshot of an image sandbox's files (its
+    processes and memory are not kept: a sandbox made from it starts them afresh); the id (or the
+    name given) is a template for ``create``."""
+    reg = boxes(service)
+    box = reg.get(sid)
+    name = body.get("name")
+    if name is not None and (not isinstance(name, str) or not _NAME_OK.fullmatch(name)):
+        raise E2bError(400, "name: letters, digits and . _ - / : only")
+    if name is not None and reg.snapshot(name) is not None:
+        raise E2bError(409, f"name: a snapshot named {name!r} exists")
+    s = service.sessions.get(sid)
+    if s is None:
+        raise E2bError(404, f"sandbox {sid!r} not found")
+    id = f"snap-{uuid.uuid4().hex[:16]}"
+    path = reg.snapshot_path(id)
+    try:
+        async with box.lock:
+            await s.snapshot(path)
+    except SessionError as e:
+        raise E2bError(400, f"snapshot: {e.result.message or e.result.outcome.value}") from None
+    except (SessionGone, NotFound):
+        raise E2bError(404, f"sandbox {sid!r} not found") from None
+    reg.snapshots[id] = {"id": id, "path": path, "name": name or id, "template": box.template}
+    return {"snapshotID": id, "names": [name or id]}
+
+
+def e2b_delete_template(service: Service, name: str) -> None:
+    """``DELETE /templates/{id}``: a snapshot this server took (E2B's templates are not served)."""
+    reg = boxes(service)
+    snap = reg.snapshot(name)
+    if snap is None:
+        raise E2bError(404, f"template {name!r} not found")
+    reg.snapshots.pop(snap["id"], None)
+    try:
+        os.unlink(snap["path"])
+    except OSError:
+        pass
 
 
 def e2b_get(service: Service, sid: str) -> dict:
@@ -853,7 +932,8 @@ def e2b_context(service: Service, sid: str, token: str | None, op: str, body: di
 CALLS = {
     "e2b_create": e2b_create, "e2b_get": e2b_get, "e2b_list": e2b_list, "e2b_kill": e2b_kill,
     "e2b_set_timeout": e2b_set_timeout, "e2b_connect": e2b_connect, "e2b_pause": e2b_pause,
-    "e2b_fork": e2b_fork, "e2b_metrics": e2b_metrics,
+    "e2b_fork": e2b_fork, "e2b_metrics": e2b_metrics, "e2b_snapshot": e2b_snapshot,
+    "e2b_delete_template": e2b_delete_template,
     "e2b_proc_start": e2b_proc_start, "e2b_proc_find": e2b_proc_find, "e2b_proc_wait": e2b_proc_wait,
     "e2b_proc_list": e2b_proc_list, "e2b_proc_input": e2b_proc_input, "e2b_proc_close_stdin": e2b_proc_close_stdin,
     "e2b_proc_signal": e2b_proc_signal, "e2b_fs": e2b_fs, "e2b_write": e2b_write, "e2b_read": e2b_read,
