@@ -22,7 +22,7 @@ import time
 import urllib.parse
 from email.parser import BytesParser
 from email.policy import HTTP
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse

@@ -14,16 +14,12 @@ in the engine process and answers plain data, or raises ``E2bError``.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import datetime
-import json
 import logging
 import os
 import posixpath
 import re
 import secrets
-import shlex
 import tempfile
 import time
 import uuid
@@ -33,13 +29,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from ...api import v1
-from ...core.action import Outcome
 from ...managers.sandbox.isolation import HOME_ALIAS
 from ...managers.sandbox.spec import Files
 from ...runtime import NoRoom, SessionGone
 from ...runtime.api import SessionError
 from ..service import BadRequest, NotFound, Overloaded, Service
-from . import fsops
 from .envelope import E2bError
 
 #: the envd version we answer as: the behaviour of the calls below is that version's (0.5.7 and
@@ -478,90 +472,12 @@ def e2b_metrics(service: Service, sid: str) -> list[dict]:
              "diskUsed": 0, "diskTotal": (getattr(cfg, "workspace_mb", 256) or 256) << 20}]
 
 
-# -- envd: processes -------------------------------------------------------------------------------
 
-def _shell(box: Box, config: dict) -> str:
-    """The session step of one E2B process: its argv, in its cwd, with the sandbox's and its own
-    environment, in a subshell (the session's shell keeps no trace of it)."""
-    cmd = config.get("cmd")
-    args = config.get("args") or []
-    envs = config.get("envs") or {}
-    cwd = config.get("cwd") or HOME_ALIAS
-    if not isinstance(cmd, str) or not cmd:
-        raise E2bError(400, "process.cmd: a command is expected")
-    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-        raise E2bError(400, "process.args: a list of strings is expected")
-    if not isinstance(envs, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in envs.items()):
-        raise E2bError(400, "process.envs: an object of string values is expected")
-    if not isinstance(cwd, str):
-        raise E2bError(400, "process.cwd: a path is expected")
-    for k in list(box.env) + list(envs):
-        if not _NAME.fullmatch(k):
-            raise E2bError(400, f"process.envs: {k!r} is not a variable name")
-    env = {"HOME": HOME_ALIAS, "USER": "user", **box.env, **envs}
-    assigns = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
-    if cmd == "/bin/bash" and len(args) == 3 and args[:2] == ["-l", "-c"] and box.template in DEFAULT_TEMPLATES:
-        # what the SDK sends for every command: run in a subshell of the session's own bash (no
-        # profile in the default sandbox to log in with), sparing a bash start per command
-        return f"( cd -- {shlex.quote(cwd)} && export {assigns} && eval {shlex.quote(args[2])} )"
-    argv = " ".join(shlex.quote(a) for a in [cmd, *args])
-    return f"( cd -- {shlex.quote(cwd)} && exec env -- {assigns} {argv} )"
-
+# -- shared by the calls ---------------------------------------------------------------------------
 
 def _step_s(box: Box, timeout_s: float | None) -> float:
     left = max(1.0, box.end_at - time.time())
     return min(MAX_STEP_S, left, timeout_s) if timeout_s else min(MAX_STEP_S, left)
-
-
-def e2b_proc_start(service: Service, sid: str, token: str | None, request: dict,
-                   timeout_s: float | None) -> int:
-    """``process.Process/Start``: the process's pid (its result: ``e2b_proc_wait``)."""
-    box = boxes(service).envd(sid, token)
-    config = request.get("process")
-    if not isinstance(config, dict):
-        raise E2bError(400, "process: a process config is expected")
-    if request.get("pty"):
-        raise E2bError(501, "pty: terminals are not supported by this server (commands only)")
-    shell = _shell(box, config)
-    pid = box.next_pid
-    box.next_pid += 1
-    tag = request.get("tag")
-    proc = Proc(pid, {"cmd": config.get("cmd"), "args": config.get("args") or [], "envs": config.get("envs") or {},
-                      **({"cwd": config["cwd"]} if config.get("cwd") else {})}, tag if isinstance(tag, str) else None,
-                shell, _step_s(box, timeout_s), bytearray() if request.get("stdin") else None,
-                asyncio.get_running_loop().create_future())
-    box.procs[pid] = proc
-    proc.done.add_done_callback(_retrieved)
-    if proc.stdin is None:
-        _launch(service, box, proc)
-    return pid
-
-
-def _retrieved(f: asyncio.Future) -> None:
-    """A background process's error nobody waits for is not an error of the server's."""
-    if not f.cancelled():
-        f.exception()
-
-
-def _launch(service: Service, box: Box, proc: Proc, stdin: bytes | None = None) -> None:
-    proc.action_id = f"x-{uuid.uuid4().hex}"
-    proc.task = asyncio.get_running_loop().create_task(_run(service, box, proc, stdin))
-
-
-async def _run(service: Service, box: Box, proc: Proc, stdin: bytes | None) -> None:
-    try:
-        result = await _exec(service, box, proc.shell, stdin, proc.timeout_s, proc.action_id,
-                             proc.config.get("cmd") or "shell", proc=proc)
-        if proc.killed:
-            result = {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": result.get("stdout", ""),
-                      "stderr": result.get("stderr", "")}
-        if not proc.done.done():
-            proc.done.set_result(result)
-    except BaseException as e:
-        if not proc.done.done():
-            proc.done.set_exception(_translate(e, box.id))
-        if not isinstance(e, Exception):
-            raise
 
 
 def _translate(e: BaseException, sid: str) -> E2bError:
@@ -578,153 +494,6 @@ def _translate(e: BaseException, sid: str) -> E2bError:
     return E2bError(500, f"internal error: {type(e).__name__}", "internal")
 
 
-async def _exec(service: Service, box: Box, command: str | None, stdin: bytes | None, timeout_s: float, id: str,
-                operation: str, python: str | None = None, proc: "Proc | None" = None) -> dict:
-    """One shell step of the sandbox's session, journaled and counted as the native API's are.
-    What the command did is the answer (its exit code, output); what the infrastructure did
-    (``infra_error``, ``rejected``) is an ``E2bError``, never an exit code."""
-    s = service.sessions.get(box.id)
-    if s is None:
-        raise E2bError(502, GONE.format(id=box.id))
-    service.admit()
-    if service.journal is not None:
-        service.journal.accept(id, s.job, "exec", {"command": command, "python": python, "e2b": True}, False)
-    try:
-        async with box.lock:
-            if proc is not None:
-                if proc.killed:  # killed while it waited for the sandbox: it never runs
-                    service._finish_unrunnable(id, "cancelled", "killed before it started")
-                    return {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": "", "stderr": ""}
-                proc.running = True
-            r = await s.exec(command, python=python, stdin=stdin, timeout_s=timeout_s, id=id,
-                             jupyter=python is not None,
-                         operation=posixpath.basename(operation))
-    except Exception as e:
-        service._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
-        raise
-    service._record(r, s.job, "e2b")
-    box.used_at = time.time()
-    return _command_result(r, box.id)
-
-
-def _command_result(r, sid: str) -> dict:
-    run = r.result.run if r.result is not None else None
-    if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED) or (r.outcome is not Outcome.CANCELLED and run is None
-                                                               and r.outcome is not Outcome.TIMEOUT):
-        if sid and r.outcome is Outcome.INFRA_ERROR and "closed" in (r.message or ""):
-            raise E2bError(502, GONE.format(id=sid))
-        status = 429 if r.outcome is Outcome.REJECTED else 503
-        raise E2bError(status, f"{r.outcome.value}: {r.message or 'the step did not run'}",
-                       "resource_exhausted" if status == 429 else "unavailable")
-    stdout, stderr = (run.stdout, run.stderr) if run is not None else ("", "")
-    if r.outcome is Outcome.CANCELLED:
-        return {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": stdout, "stderr": stderr}
-    if r.outcome is Outcome.TIMEOUT or (run is not None and run.timed_out):
-        # as the SDK's own deadline does: its TimeoutException (E2B leaves the process running;
-        # here every process of a step ends with it)
-        raise E2bError(504, "the command ran past its timeout and was killed: pass a longer 'timeout' (0: "
-                            "no limit)", "deadline_exceeded")
-    code = run.exit_code if run.exit_code is not None else -1
-    out = {"exit_code": code, "exited": run.exit_code is not None, "status": f"exit status {code}",
-           "stdout": stdout, "stderr": stderr}
-    if r.outcome is Outcome.OOM:
-        out["error"] = "the command ran out of memory and was killed"
-    elif run.truncated:
-        out["error"] = "output past the server's cap was dropped"
-    return out
-
-
-def _proc(box: Box, process: Any) -> Proc:
-    sel = process if isinstance(process, dict) else {}
-    if "pid" in sel:
-        proc = box.procs.get(sel["pid"]) if isinstance(sel["pid"], int) else None
-        if proc is None:
-            raise E2bError(404, f"process with pid {sel['pid']} not found")
-        return proc
-    if "tag" in sel:
-        for proc in box.procs.values():
-            if proc.tag == sel["tag"]:
-                return proc
-        raise E2bError(404, f"process with tag {sel['tag']!r} not found")
-    raise E2bError(400, "process: a pid or a tag is expected")
-
-
-def e2b_proc_find(service: Service, sid: str, token: str | None, process: Any) -> int:
-    """``process.Process/Connect``'s first half: the pid of a running process."""
-    return _proc(boxes(service).envd(sid, token), process).pid
-
-
-async def e2b_proc_wait(service: Service, sid: str, token: str | None, pid: int) -> dict:
-    """The result of process ``pid`` once it has ended (its output, then its exit)."""
-    box = boxes(service).envd(sid, token)
-    proc = box.procs.get(pid)
-    if proc is None:
-        raise E2bError(404, f"process with pid {pid} not found")
-    try:
-        return await asyncio.shield(proc.done)
-    finally:
-        if proc.done.done():
-            box.procs.pop(pid, None)
-
-
-def e2b_proc_list(service: Service, sid: str, token: str | None) -> list[dict]:
-    box = boxes(service).envd(sid, token)
-    return [{"config": p.config, "pid": p.pid, **({"tag": p.tag} if p.tag else {})}
-            for p in box.procs.values() if not p.done.done()]
-
-
-def e2b_proc_input(service: Service, sid: str, token: str | None, process: Any, data: str) -> None:
-    box = boxes(service).envd(sid, token)
-    proc = _proc(box, process)
-    if proc.stdin is None:
-        raise E2bError(400, f"process {proc.pid}: its stdin is not open (start it with stdin=True)",
-                       "failed_precondition")
-    try:
-        proc.stdin += base64.b64decode(data or "", validate=True)
-    except (binascii.Error, ValueError):
-        raise E2bError(400, "input.stdin: not valid base64") from None
-
-
-def e2b_proc_close_stdin(service: Service, sid: str, token: str | None, process: Any) -> None:
-    """Steps take their stdin whole: the process starts now, with what was sent."""
-    box = boxes(service).envd(sid, token)
-    proc = _proc(box, process)
-    if proc.stdin is None:
-        return
-    data, proc.stdin = bytes(proc.stdin), None
-    _launch(service, box, proc, data)
-
-
-def e2b_proc_signal(service: Service, sid: str, token: str | None, process: Any, signal: Any) -> None:
-    """SIGKILL and SIGTERM end the process: everything its step started is killed."""
-    box = boxes(service).envd(sid, token)
-    proc = _proc(box, process)
-    if signal not in ("SIGNAL_SIGKILL", "SIGNAL_SIGTERM", 9, 15):
-        raise E2bError(400, f"signal: {signal!r} is not SIGKILL or SIGTERM")
-    proc.killed = True
-    if proc.task is None:  # never started (stdin still open)
-        proc.stdin = None
-        if not proc.done.done():
-            proc.done.set_result({"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": "",
-                                  "stderr": ""})
-        return
-    if not proc.running or proc.done.done():
-        return  # waiting for the sandbox (it will not run) or over already
-    if service.runtime.state_of(proc.action_id) == "queued":
-        service.runtime.cancel(proc.action_id)  # waiting for a core: it ends without starting
-        return
-    # running: its processes are killed inside the sandbox, which lives on (cancelling the action
-    # would kill the whole sandbox, and a default sandbox's files with it)
-    local = getattr(service.runtime, "sandboxes", None)
-    sb = getattr(getattr(local, "local", local), "sessions", {}).get(sid)
-    if sb is None or not hasattr(sb, "interrupt_step"):
-        raise E2bError(501, "SendSignal: this server cannot stop a running command of this sandbox (it runs "
-                            "elsewhere); it ends at its timeout", "unimplemented")
-    sb.interrupt_step()
-
-
-# -- envd: files -----------------------------------------------------------------------------------
-
 def _path(path: Any, field_name: str = "path") -> str:
     """An absolute, normalised path; relative ones are under the home directory, as in E2B."""
     if not isinstance(path, str) or not path or "\0" in path:
@@ -733,209 +502,9 @@ def _path(path: Any, field_name: str = "path") -> str:
     return "/" + full.lstrip("/")
 
 
-def _in_home(path: str) -> str | None:
-    """The workspace-relative name of ``path`` when it is under the home directory."""
-    if path.startswith(HOME_ALIAS + "/"):
-        return path[len(HOME_ALIAS) + 1:]
-    return None
-
-
-async def e2b_fs(service: Service, sid: str, token: str | None, op: str, args: dict) -> dict:
-    """``filesystem.Filesystem``'s Stat, ListDir, MakeDir, Remove, Move: one python step in the
-    sandbox (``fsops``)."""
-    box = boxes(service).envd(sid, token)
-    clean = {}
-    for k, v in args.items():
-        clean[k] = _path(v, k) if k in ("path", "source", "destination") else v
-    depth = clean.get("depth")
-    if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
-        raise E2bError(400, "depth: a non-negative integer is expected")
-    r = await _exec(service, box, None, None, 60.0, f"x-{uuid.uuid4().hex}", "files", python=fsops.cell(op, clean))
-    try:
-        out = fsops.answer(r["stdout"])
-    except (ValueError, IndexError):
-        raise E2bError(500, f"{op}: the sandbox's python did not answer (exit {r['exit_code']}: "
-                            f"{r['stderr'].strip()[-300:]})", "internal") from None
-    if "error" in out:
-        code, message = out["error"]
-        status = {"not_found": 404, "already_exists": 409, "permission_denied": 403}.get(code, 400)
-        raise E2bError(status, message, code)
-    return out
-
-
-async def e2b_write(service: Service, sid: str, token: str | None, files: list[tuple[str, bytes]]) -> list[dict]:
-    """``POST /files``: under the home directory as one files action (no cores); elsewhere as a
-    shell step that writes its stdin."""
-    box = boxes(service).envd(sid, token)
-    paths = [(_path(p), data) for p, data in files]
-    home = {rel: data for p, data in paths if (rel := _in_home(p)) is not None}
-    s = service.sessions.get(sid)
-    if s is None:
-        raise E2bError(502, GONE.format(id=sid))
-    if home:
-        try:
-            async with box.lock:
-                r = await s.files(Files(put=home))
-        except (SessionGone, NotFound):
-            raise E2bError(502, GONE.format(id=sid)) from None
-        box.used_at = time.time()
-        if r.outcome is not Outcome.OK:
-            if r.outcome is Outcome.FAILED:
-                raise E2bError(400, r.message or r.result.message)
-            raise E2bError(503, f"{r.outcome.value}: {r.message or r.result.message}")
-    for p, data in paths:
-        if _in_home(p) is None:
-            q = shlex.quote(p)
-            res = await _exec(service, box, f"mkdir -p -- \"$(dirname -- {q})\" && cat > {q}", data, 60.0,
-                              f"x-{uuid.uuid4().hex}", "files")
-            if res["exit_code"] != 0:
-                raise E2bError(400, f"path {p}: {res['stderr'].strip() or 'could not be written'}")
-    return [{"name": posixpath.basename(p), "type": "file", "path": p} for p, _ in paths]
-
-
-async def e2b_read(service: Service, sid: str, token: str | None, path: str) -> bytes:
-    box = boxes(service).envd(sid, token)
-    p = _path(path)
-    rel = _in_home(p)
-    s = service.sessions.get(sid)
-    if s is None:
-        raise E2bError(502, GONE.format(id=sid))
-    if rel is not None:
-        try:
-            async with box.lock:
-                r = await s.files(Files(get=[rel]))
-        except (SessionGone, NotFound):
-            raise E2bError(502, GONE.format(id=sid)) from None
-        box.used_at = time.time()
-        if r.outcome is not Outcome.OK:
-            raise E2bError(503, f"{r.outcome.value}: {r.message or r.result.message}")
-        if rel in r.result.files:
-            data = r.result.files[rel]
-            if len(data) >= READ_CAP:  # the runner reads this much and no more
-                raise E2bError(507, f"path {p}: {READ_CAP >> 20} MB or larger, more than one read carries")
-            return data
-    q = shlex.quote(p)
-    res = await _exec(service, box, f"if [ -d {q} ]; then echo 'is a directory' >&2; exit 2; fi; base64 -w0 -- {q}",
-                      None, 60.0, f"x-{uuid.uuid4().hex}", "files")
-    if res["exit_code"] != 0:
-        if "No such file" in res["stderr"]:
-            raise E2bError(404, f"path {p} does not exist")
-        raise E2bError(400, f"path {p}: {res['stderr'].strip()}")
-    if res.get("error"):
-        raise E2bError(507, f"path {p}: too large to read outside {HOME_ALIAS} ({res['error']})")
-    return base64.b64decode(res["stdout"])
-
-
-def e2b_health(service: Service, sid: str) -> None:
-    box = boxes(service).boxes.get(sid)
-    if box is None or box.paused:
-        raise E2bError(502, GONE.format(id=sid))
-
-
-# -- the code interpreter --------------------------------------------------------------------------
-
-async def e2b_execute(service: Service, sid: str, token: str | None, body: dict) -> dict:
-    """``POST /execute`` (port 49999): a cell in the sandbox's python interpreter."""
-    box = boxes(service).envd(sid, token)
-    code = body.get("code")
-    if not isinstance(code, str):
-        raise E2bError(400, "code: a string is expected")
-    ctx = body.get("context_id")
-    if ctx is not None and ctx not in box.contexts:
-        raise E2bError(404, f"context {ctx!r} not found")
-    language = body.get("language") or (box.contexts[ctx]["language"] if ctx else "python")
-    if language not in ("python", "python3"):
-        raise E2bError(400, f"language: {language!r} is not supported (python only)")
-    if body.get("env_vars"):
-        _strings(body.get("env_vars"), "env_vars")
-    s = service.sessions.get(sid)
-    if s is None:
-        raise E2bError(502, GONE.format(id=sid))
-    own = _strings(body.get("env_vars"), "env_vars")
-    for k in own:
-        if not _NAME.fullmatch(k):
-            raise E2bError(400, f"env_vars: {k!r} is not a variable name")
-    service.admit()
-    try:
-        async with box.lock:
-            base = {"HOME": HOME_ALIAS, "USER": "user", **box.env}
-            if not box.cell_env:  # once per interpreter: the sandbox's environment, as commands get it
-                await _set_env(s, base)
-                box.cell_env = True
-            if own:
-                await _set_env(s, own)
-            try:
-                r = await s.exec(python=code, timeout_s=_step_s(box, None), jupyter=True, operation="run_code")
-            finally:
-                if own:  # this run's variables: back to the sandbox's (or unset)
-                    await _set_env(s, {k: base.get(k) for k in own})
-    except (SessionGone, NotFound):
-        raise E2bError(502, GONE.format(id=sid)) from None
-    service._record(r, s.job, "e2b")
-    box.used_at = time.time()
-    if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED, Outcome.CANCELLED):
-        raise E2bError(503, f"{r.outcome.value}: {r.message or r.result.message}")
-    box.executions += 1
-    run = r.result.run
-    out: dict = {"stdout": run.stdout if run else "", "stderr": run.stderr if run else "",
-                 "results": [], "error": None, "execution_count": box.executions}
-    for d in (run.display if run else []):
-        if "text/plain" in d:
-            out["results"].append({"text": d["text/plain"], "is_main_result": True})
-    if run is not None and run.error:
-        e = run.error[0]
-        tb = e.get("traceback")
-        out["error"] = {"name": e.get("ename", "Error"), "value": e.get("evalue", ""),
-                        "traceback": "\n".join(tb) if isinstance(tb, list) else str(tb or "")}
-    elif r.outcome is Outcome.TIMEOUT or (run is not None and run.timed_out):
-        out["error"] = {"name": "TimeoutError", "value": "the cell ran past its timeout", "traceback": ""}
-    elif r.outcome is Outcome.OOM:
-        out["error"] = {"name": "MemoryError", "value": "the cell ran out of memory and was killed", "traceback": ""}
-    return out
-
-
-ENV_STEP = ("__import__('builtins').exec('import os, json\\nfor k, v in json.loads(ENV).items():\\n"
-            "    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)', {{'ENV': {env!r}}})")
-
-
-async def _set_env(s, env: dict[str, str | None]) -> None:
-    """Set (None: unset) variables in the interpreter's ``os.environ``: a python step of its own
-    (the session's variables untouched)."""
-    r = await s.exec(python=ENV_STEP.format(env=json.dumps(env)), timeout_s=10.0, jupyter=True, operation="env")
-    if r.outcome is not Outcome.OK:
-        raise E2bError(503, f"env_vars: could not be set ({r.outcome.value}: {r.message or r.result.message})")
-
-
-def e2b_context(service: Service, sid: str, token: str | None, op: str, body: dict | None,
-                context_id: str | None) -> Any:
-    """``/contexts``: create, list, remove. Every context of a sandbox shares its one python
-    interpreter (see the README's E2B section)."""
-    box = boxes(service).envd(sid, token, required=False)
-    if op == "create":
-        body = body or {}
-        language = body.get("language") or "python"
-        if language not in ("python", "python3"):
-            raise E2bError(400, f"language: {language!r} is not supported (python only)")
-        cwd = body.get("cwd") or HOME_ALIAS
-        ctx = {"id": uuid.uuid4().hex, "language": "python", "cwd": _path(cwd, "cwd")}
-        box.contexts[ctx["id"]] = ctx
-        return ctx
-    if op == "list":
-        return list(box.contexts.values())
-    if op == "remove":
-        if box.contexts.pop(context_id or "", None) is None:
-            raise E2bError(404, f"context {context_id!r} not found")
-        return None
-    raise E2bError(501, f"contexts: {op} is not supported by this server")
-
-
 CALLS = {
     "e2b_create": e2b_create, "e2b_get": e2b_get, "e2b_list": e2b_list, "e2b_kill": e2b_kill,
     "e2b_set_timeout": e2b_set_timeout, "e2b_connect": e2b_connect, "e2b_pause": e2b_pause,
     "e2b_fork": e2b_fork, "e2b_metrics": e2b_metrics, "e2b_snapshot": e2b_snapshot,
     "e2b_delete_template": e2b_delete_template,
-    "e2b_proc_start": e2b_proc_start, "e2b_proc_find": e2b_proc_find, "e2b_proc_wait": e2b_proc_wait,
-    "e2b_proc_list": e2b_proc_list, "e2b_proc_input": e2b_proc_input, "e2b_proc_close_stdin": e2b_proc_close_stdin,
-    "e2b_proc_signal": e2b_proc_signal, "e2b_fs": e2b_fs, "e2b_write": e2b_write, "e2b_read": e2b_read,
-    "e2b_health": e2b_health, "e2b_execute": e2b_execute, "e2b_context": e2b_context,
 }

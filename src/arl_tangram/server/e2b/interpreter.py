@@ -1,0 +1,114 @@
+"""The code interpreter (port 49999): ``/execute`` runs a cell in the sandbox's python interpreter
+(the session's); ``/contexts`` name contexts, which share that interpreter (README)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+from ...core.action import Outcome
+from ...managers.sandbox.isolation import HOME_ALIAS
+from ...runtime import SessionGone
+from ..service import NotFound, Service
+from .envelope import E2bError
+from .sandboxes import GONE, _NAME, _path, _step_s, _strings, boxes
+
+
+async def e2b_execute(service: Service, sid: str, token: str | None, body: dict) -> dict:
+    """``POST /execute`` (port 49999): a cell in the sandbox's python interpreter."""
+    box = boxes(service).envd(sid, token)
+    code = body.get("code")
+    if not isinstance(code, str):
+        raise E2bError(400, "code: a string is expected")
+    ctx = body.get("context_id")
+    if ctx is not None and ctx not in box.contexts:
+        raise E2bError(404, f"context {ctx!r} not found")
+    language = body.get("language") or (box.contexts[ctx]["language"] if ctx else "python")
+    if language not in ("python", "python3"):
+        raise E2bError(400, f"language: {language!r} is not supported (python only)")
+    if body.get("env_vars"):
+        _strings(body.get("env_vars"), "env_vars")
+    s = service.sessions.get(sid)
+    if s is None:
+        raise E2bError(502, GONE.format(id=sid))
+    own = _strings(body.get("env_vars"), "env_vars")
+    for k in own:
+        if not _NAME.fullmatch(k):
+            raise E2bError(400, f"env_vars: {k!r} is not a variable name")
+    service.admit()
+    try:
+        async with box.lock:
+            base = {"HOME": HOME_ALIAS, "USER": "user", **box.env}
+            if not box.cell_env:  # once per interpreter: the sandbox's environment, as commands get it
+                await _set_env(s, base)
+                box.cell_env = True
+            if own:
+                await _set_env(s, own)
+            try:
+                r = await s.exec(python=code, timeout_s=_step_s(box, None), jupyter=True, operation="run_code")
+            finally:
+                if own:  # this run's variables: back to the sandbox's (or unset)
+                    await _set_env(s, {k: base.get(k) for k in own})
+    except (SessionGone, NotFound):
+        raise E2bError(502, GONE.format(id=sid)) from None
+    service._record(r, s.job, "e2b")
+    box.used_at = time.time()
+    if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED, Outcome.CANCELLED):
+        raise E2bError(503, f"{r.outcome.value}: {r.message or r.result.message}")
+    box.executions += 1
+    run = r.result.run
+    out: dict = {"stdout": run.stdout if run else "", "stderr": run.stderr if run else "",
+                 "results": [], "error": None, "execution_count": box.executions}
+    for d in (run.display if run else []):
+        if "text/plain" in d:
+            out["results"].append({"text": d["text/plain"], "is_main_result": True})
+    if run is not None and run.error:
+        e = run.error[0]
+        tb = e.get("traceback")
+        out["error"] = {"name": e.get("ename", "Error"), "value": e.get("evalue", ""),
+                        "traceback": "\n".join(tb) if isinstance(tb, list) else str(tb or "")}
+    elif r.outcome is Outcome.TIMEOUT or (run is not None and run.timed_out):
+        out["error"] = {"name": "TimeoutError", "value": "the cell ran past its timeout", "traceback": ""}
+    elif r.outcome is Outcome.OOM:
+        out["error"] = {"name": "MemoryError", "value": "the cell ran out of memory and was killed", "traceback": ""}
+    return out
+
+
+ENV_STEP = ("__import__('builtins').exec('import os, json\\nfor k, v in json.loads(ENV).items():\\n"
+            "    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)', {{'ENV': {env!r}}})")
+
+
+async def _set_env(s, env: dict[str, str | None]) -> None:
+    """Set (None: unset) variables in the interpreter's ``os.environ``: a python step of its own
+    (the session's variables untouched)."""
+    r = await s.exec(python=ENV_STEP.format(env=json.dumps(env)), timeout_s=10.0, jupyter=True, operation="env")
+    if r.outcome is not Outcome.OK:
+        raise E2bError(503, f"env_vars: could not be set ({r.outcome.value}: {r.message or r.result.message})")
+
+
+def e2b_context(service: Service, sid: str, token: str | None, op: str, body: dict | None,
+                context_id: str | None) -> Any:
+    """``/contexts``: create, list, remove. Every context of a sandbox shares its one python
+    interpreter (see the README's E2B section)."""
+    box = boxes(service).envd(sid, token, required=False)
+    if op == "create":
+        body = body or {}
+        language = body.get("language") or "python"
+        if language not in ("python", "python3"):
+            raise E2bError(400, f"language: {language!r} is not supported (python only)")
+        cwd = body.get("cwd") or HOME_ALIAS
+        ctx = {"id": uuid.uuid4().hex, "language": "python", "cwd": _path(cwd, "cwd")}
+        box.contexts[ctx["id"]] = ctx
+        return ctx
+    if op == "list":
+        return list(box.contexts.values())
+    if op == "remove":
+        if box.contexts.pop(context_id or "", None) is None:
+            raise E2bError(404, f"context {context_id!r} not found")
+        return None
+    raise E2bError(501, f"contexts: {op} is not supported by this server")
+
+
+CALLS = {"e2b_execute": e2b_execute, "e2b_context": e2b_context}
