@@ -133,6 +133,7 @@ class Service:
         self.started_at = time.time()
         self.recovered = {"rerun": 0, "infra_error": 0, "rejected": 0}
         self.fronts = 0  # HTTP front processes (server/fronts.py sets it; 0: HTTP in this process)
+        self.on_stop: list = []  # callables run once the sessions are closed (a dialect's own cleanup)
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -184,6 +185,8 @@ class Service:
             await asyncio.wait(list(self._inflight.values()), timeout=self.drain_s)
         for s in list(self.sessions.values()):
             await s.close()
+        for fn in self.on_stop:
+            fn()
         await self.runtime.close()
         if self.journal is not None:
             self.journal.close()

@@ -20,6 +20,7 @@ import os
 import posixpath
 import re
 import secrets
+import shutil
 import tempfile
 import time
 import uuid
@@ -121,8 +122,9 @@ class Boxes:
         self._snapshot_dir: str | None = None
 
     def snapshot_path(self, id: str) -> str:
-        if self._snapshot_dir is None:
+        if self._snapshot_dir is None:  # they name nothing once this server is gone: removed as it stops
             self._snapshot_dir = tempfile.mkdtemp(prefix="tangram-e2b-snapshots-")
+            self.service.on_stop.append(lambda: shutil.rmtree(self._snapshot_dir, True))
         return os.path.join(self._snapshot_dir, f"{id}.tar")
 
     def snapshot(self, name: str) -> dict | None:
