@@ -351,3 +351,22 @@ def test_a_deadline_that_falls_due_during_a_round_is_not_lost(harness):
     h.engine.policy = SlowRounds(h.engine.policy)
     driver.tick()
     assert [(f.action.id, f.outcome) for f in h.finished] == [("b", Outcome.REJECTED)]
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_steps_sent_at_once_to_one_session_run_one_after_another_in_order():
+    """Three steps sent together to one session: before, the first one's end froze the sandbox's
+    cgroup under the others, and the last hung until its timeout. Now each waits for the one
+    before it, and all see the same shell."""
+    from arl_tangram.runtime import Tangram
+
+    async def main():
+        async with Tangram.local(cores=2) as tg:
+            s = await tg.session()
+            await s.exec("export N=0")
+            steps = [s.exec("sleep 0.3; N=$((N+1)); echo a$N"), s.exec(python="print('b')"),
+                     s.exec("N=$((N+1)); echo c$N")]
+            return await asyncio.wait_for(asyncio.gather(*steps), 20)
+
+    rs = asyncio.run(main())
+    assert [(r.outcome, r.stdout) for r in rs] == [(Outcome.OK, "a1\n"), (Outcome.OK, "b\n"), (Outcome.OK, "c2\n")]

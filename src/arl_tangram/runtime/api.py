@@ -113,6 +113,14 @@ class Session:
         self.job = job
         self.image = image
         self.last_fork: dict = {}
+        # A session's steps run one at a time, in the order they came: two started at once shared
+        # one sandbox, and the first one's end froze the sandbox's cgroup under the second, which
+        # then hung until its timeout. A step that arrives while another runs waits here (FIFO).
+        self._steps = asyncio.Lock()
+
+    async def _step(self, action: Action) -> ActionResult:
+        async with self._steps:
+            return await self.runtime.submit(action)
 
     def _check(self) -> None:
         """Raise ``SessionGone`` (with the reason: closed, expired, lost with its node)."""
@@ -128,7 +136,7 @@ class Session:
         children = tuple(self.runtime.new_id("s") for _ in range(n))
         action = Action(id or self.runtime.new_id("k"), "sandbox", job=self.job, trajectory=self.id,
                         operation="fork", hint_s=0.02, payload=Fork(self.id, children))
-        r = await self.runtime.submit(action)
+        r = await self._step(action)
         if r.outcome is not Outcome.OK:
             raise SessionError(r)
         self.last_fork = r.result.info  # timings: pause_s (source stopped), cow_s (layers mounted), fork_s
@@ -144,7 +152,7 @@ class Session:
             os.close(fd)
         action = Action(self.runtime.new_id("p"), "sandbox", job=self.job, trajectory=self.id, operation="snapshot",
                         hint_s=0.5, timeout_s=600, payload=Snapshot(self.id, os.fspath(path)))
-        r = await self.runtime.submit(action)
+        r = await self._step(action)
         if r.outcome is not Outcome.OK:
             raise SessionError(r)
         return os.fspath(path)
@@ -171,7 +179,7 @@ class Session:
                         hint_s=hint_s, parallel_fraction=parallel_fraction,
                         timeout_s=timeout_s + ACTION_TIMEOUT_SLACK_S, payload=payload,
                         remaining_turns=remaining_turns)
-        return await self.runtime.submit(action)
+        return await self._step(action)
 
     async def put(self, files: dict[str, bytes], id: str | None = None) -> ActionResult:
         return await self.files(Files(put=files), id)
@@ -187,7 +195,7 @@ class Session:
             files.image = self.image
         action = Action(id or self.runtime.new_id("f"), "sandbox", job=self.job, trajectory=self.id,
                         operation="files", hint_s=0.005, payload=files)
-        return await self.runtime.submit(action)
+        return await self._step(action)
 
     @property
     def closed(self) -> bool:
