@@ -172,7 +172,7 @@ def test_a_directory_that_cannot_be_served_stops_the_start_naming_the_path(dirs,
 def test_a_server_config_with_hf_serves_over_http(dirs, tmp_path):
     import httpx
 
-    from arl_tangram.client import TangramClient
+    from arl_tangram.client import TangramClient, TangramError
     from servers import Server
 
     s = Server(tmp_path, config={"models": [{"name": "teacher", "hf": dirs["qwen2"], "task": "logprobs"},
@@ -185,9 +185,10 @@ def test_a_server_config_with_hf_serves_over_http(dirs, tmp_path):
                                                                     abs=1e-4)
             r = c.score("rm", SEQS[1])
             assert r.outcome == "ok" and r.value == pytest.approx(hf_reference(dirs["rm"], "score", SEQS[1]), abs=1e-4)
-            bad = c.score("rm", [1, 96])
-            assert bad.outcome == "rejected" and "out of range" in bad.message
-        assert httpx.post(f"{s.url}/v1/models/rm/score", json={"tokens": []}).json()["outcome"] == "rejected"
+            with pytest.raises(TangramError, match="out of range"):  # bad input: a 422 naming it
+                c.score("rm", [1, 96])
+        empty = httpx.post(f"{s.url}/v1/models/rm/score", json={"tokens": []})
+        assert empty.status_code == 422 and empty.json()["message"].startswith("tokens: empty"), empty.text
     finally:
         s.stop()
 
