@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.action import Action, Allocation
 from ..core.records import Load, Loaded
-from ..core.seam import Completion, Sink
+from ..core.seam import Sink
 from ..managers.models.spec import ModelCard, ModelServiceConfig, call_problem
 from ..managers.tasks import TaskSet
-from .ray_nodes import Node, agent_gone, run_on_node
+from .ray_nodes import Node, agent_gone, cancel_on_nodes, run_on_node
 
 if TYPE_CHECKING:
     from .ray_runtime import RayRuntime
@@ -74,15 +74,10 @@ class RemoteModels:
         node = self._node(allocation.units)
         local = replace(allocation, units=self._local(allocation.units),
                         evict=tuple((m, self._local(g)) for m, g in allocation.evict))
-        self.tasks.run(action, lambda: run_on_node(self.runtime, node, action, self._call(node, action, local)))
-
-    async def _call(self, node: Node, action: Action, allocation: Allocation) -> Completion:
-        return await node.handle.run.remote(action, allocation)
+        self.tasks.run(action, lambda: run_on_node(self.runtime, node, action, local))
 
     def cancel(self, action_id: str) -> None:
-        for node in self.runtime.nodes_by_id.values():
-            if action_id in node.running and node.state == "alive":
-                node.handle.cancel.remote(action_id)
+        cancel_on_nodes(self.runtime, action_id)
 
     def prefetch(self, load: Load) -> None:
         node = self._node(load.block)

@@ -11,7 +11,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..core.action import Action, Outcome
+from ..core.action import Action, Allocation, Outcome
 from ..core.seam import Completion
 
 if TYPE_CHECKING:
@@ -67,13 +67,14 @@ def agent_gone() -> tuple[type[BaseException], ...]:
     return (e.RayActorError, e.NodeDiedError, e.WorkerCrashedError, e.ObjectLostError)
 
 
-async def run_on_node(runtime: "RayRuntime", node: Node, action: Action, call: Any) -> Completion:
-    """Await ``call`` (the agent's answer: a ``Completion``) unless ``node`` is lost first; then
-    the action ends ``infra_error`` with ``NodeLost`` as its result, which the runtime re-runs
-    once elsewhere if it is a one-shot (``RayRuntime._retry``)."""
+async def run_on_node(runtime: "RayRuntime", node: Node, action: Action, allocation: Allocation) -> Completion:
+    """Run ``action`` on ``node``'s agent (``allocation`` in the node's own unit ids) and await its
+    ``Completion`` unless ``node`` is lost first; then the action ends ``infra_error`` with
+    ``NodeLost`` as its result, which the runtime re-runs once elsewhere if it is a one-shot
+    (``RayRuntime._retry``). The agent's ``run`` serves sandboxes and models alike."""
     node.running.add(action.id)
     lost = asyncio.ensure_future(node.lost.wait())
-    answer = asyncio.ensure_future(call)
+    answer = asyncio.ensure_future(_agent_run(node, action, allocation))
     try:
         await asyncio.wait({lost, answer}, return_when=asyncio.FIRST_COMPLETED)
         if answer.done():
@@ -86,6 +87,17 @@ async def run_on_node(runtime: "RayRuntime", node: Node, action: Action, call: A
     finally:
         lost.cancel()
         node.running.discard(action.id)
+
+
+async def _agent_run(node: Node, action: Action, allocation: Allocation) -> Completion:
+    return await node.handle.run.remote(action, allocation)
+
+
+def cancel_on_nodes(runtime: "RayRuntime", action_id: str) -> None:
+    """Tell the live agent running ``action_id`` to cancel it (wherever it runs)."""
+    for node in runtime.nodes_by_id.values():
+        if action_id in node.running and node.state == "alive":
+            node.handle.cancel.remote(action_id)
 
 
 def _lost(runtime: "RayRuntime", node: Node, action: Action) -> Completion:

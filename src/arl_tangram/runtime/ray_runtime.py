@@ -35,14 +35,14 @@ from typing import Any
 
 from ..core.action import Action, Allocation, Finished
 from ..core.cluster import Cluster, CpuNode
-from ..core.seam import Completion, Pool, Sink
+from ..core.seam import Pool, Sink
 from ..managers.models.spec import ModelServiceConfig
 from ..managers.sandbox.spec import SandboxConfig
 from ..managers.tasks import TaskSet
 from ..policy import Costs, Policy, Profile
 from ..waits import DEFAULT_MAX_QUEUE_S
 from .agent import NodeAgent
-from .ray_nodes import Node, NodeLost, RayUnavailable, agent_gone, ray_module, run_on_node
+from .ray_nodes import Node, NodeLost, RayUnavailable, agent_gone, cancel_on_nodes, ray_module, run_on_node
 
 __all__ = ["Node", "NodeLost", "RayRuntime", "RayUnavailable", "RemoteSandboxes", "connect"]
 from .base import Runtime
@@ -95,15 +95,10 @@ class RemoteSandboxes:
         node = self.runtime.by_index[allocation.node]
         if action.trajectory is not None:
             self.homes[action.trajectory] = node
-        self.tasks.run(action, lambda: run_on_node(self.runtime, node, action, self._call(node, action, allocation)))
-
-    async def _call(self, node: Node, action: Action, allocation: Allocation) -> Completion:
-        return await node.handle.run.remote(action, allocation)
+        self.tasks.run(action, lambda: run_on_node(self.runtime, node, action, allocation))
 
     def cancel(self, action_id: str) -> None:
-        for node in self.runtime.nodes_by_id.values():
-            if action_id in node.running and node.state == "alive":
-                node.handle.cancel.remote(action_id)
+        cancel_on_nodes(self.runtime, action_id)
 
     def close_session(self, trajectory: str) -> None:
         node = self.homes.pop(trajectory, None)
