@@ -78,6 +78,16 @@ async def _rest(fn: Callable[[], Any], status: int = 200, shape: Callable[[Any],
     return JSONResponse(shape(value) if shape else value, status_code=status)
 
 
+async def _rest_body(request: Request, fn: Callable[[dict], Any], status: int = 200) -> Response:
+    """``_rest`` of a call that takes the request's JSON body (a body that is not a JSON object is
+    a 400 naming it, before any call)."""
+    try:
+        body = await _json(request)
+    except E2bError as e:
+        return JSONResponse(e.rest(), status_code=e.status)
+    return await _rest(lambda: fn(body), status)
+
+
 def _rpc_error(err: E2bError) -> Response:
     if err.status == 502:  # the sandbox is gone: E2B's proxy answers, not envd
         return JSONResponse(err.rest(), status_code=502)
@@ -129,11 +139,7 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
 
     # -- the control plane ---------------------------------------------------------------------
     async def create(request: Request) -> Response:
-        try:
-            body = await _json(request)
-        except E2bError as e:
-            return JSONResponse(e.rest(), status_code=e.status)
-        return await _rest(lambda: calls.e2b_create(body), 201)
+        return await _rest_body(request, lambda body: calls.e2b_create(body), 201)
 
     rest("/v2/sandboxes", "POST", 201)(create)
     rest("/sandboxes", "POST", 201)(create)
@@ -203,19 +209,11 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
 
     @rest("/sandboxes/{sid}/fork", "POST", 201)
     async def fork(sid: str, request: Request) -> Response:
-        try:
-            body = await _json(request)
-        except E2bError as e:
-            return JSONResponse(e.rest(), status_code=e.status)
-        return await _rest(lambda: calls.e2b_fork(sid, body), 201)
+        return await _rest_body(request, lambda body: calls.e2b_fork(sid, body), 201)
 
     @rest("/sandboxes/{sid}/snapshots", "POST", 201)
     async def snapshot(sid: str, request: Request) -> Response:
-        try:
-            body = await _json(request)
-        except E2bError as e:
-            return JSONResponse(e.rest(), status_code=e.status)
-        return await _rest(lambda: calls.e2b_snapshot(sid, body), 201)
+        return await _rest_body(request, lambda body: calls.e2b_snapshot(sid, body), 201)
 
     @rest("/templates/{name:path}", "DELETE", 204)
     async def delete_template(name: str) -> Response:
@@ -227,11 +225,7 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
 
     @rest("/sandboxes/{sid}/refreshes", "POST", 204)
     async def refresh(sid: str, request: Request) -> Response:  # older SDKs' keep-alive
-        try:
-            body = await _json(request)
-        except E2bError as e:
-            return JSONResponse(e.rest(), status_code=e.status)
-        return await _rest(lambda: calls.e2b_connect(sid, body.get("duration")), 204)
+        return await _rest_body(request, lambda body: calls.e2b_connect(sid, body.get("duration")), 204)
 
     # -- envd: Connect-RPC ---------------------------------------------------------------------
     async def process_rpc(method: str, request: Request) -> Response:
