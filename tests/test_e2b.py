@@ -277,6 +277,102 @@ def test_api_key_is_the_servers_token(tmp_path):
         srv.stop()
 
 
+KEY_A, KEY_B = "e2b_" + "a" * 40, "e2b_" + "b" * 40
+
+
+def _keyed_server(tmp_path, args: tuple[str, ...] = ()) -> Server:
+    return Server(tmp_path, config={"api_keys": [{"key": KEY_A, "job": "job-a"}, {"key": KEY_B, "job": "job-b"}]},
+                  token="admin-token-0123456789", args=args)
+
+
+def _check_keys_scope_jobs(srv: Server) -> None:
+    """Two jobs' keys, each through E2B's SDK and the native client: each sees only its own
+    sandboxes, sessions and actions (another's id is a 404, as if it did not exist), and what it
+    runs is that job's."""
+    from arl_tangram.client import TangramClient
+    from arl_tangram.client.base import TangramError
+
+    saved = _point_sdk_at(srv.url, KEY_A)
+    a = b = None
+    try:
+        with pytest.raises(AuthenticationException):
+            Sandbox.create(api_key="e2b_" + "c" * 40)  # unknown key: E2B's 401
+        a = Sandbox.create(metadata={"who": "a"})
+        b = Sandbox.create(api_key=KEY_B, metadata={"who": "b"})
+        assert a.commands.run("echo a").stdout == "a\n"
+        assert [s.sandbox_id for s in Sandbox.list().next_items()] == [a.sandbox_id]
+        assert [s.sandbox_id for s in Sandbox.list(api_key=KEY_B).next_items()] == [b.sandbox_id]
+        with pytest.raises(NotFoundException):
+            Sandbox.get_info(b.sandbox_id)  # with A's key: B's sandbox does not exist
+        with pytest.raises(NotFoundException):
+            Sandbox.kill(b.sandbox_id) or (_ for _ in ()).throw(NotFoundException("kill answered False"))
+        assert b.commands.run("echo still b").stdout == "still b\n"  # untouched
+        with pytest.raises(e2b.SandboxException) as e:  # a body naming another job than the key's
+            Sandbox.create(metadata={"job": "job-b"})
+        assert "metadata.job" in str(e.value) and "job-a" in str(e.value)
+
+        native_a = TangramClient(srv.url, token=KEY_A)
+        native_b = TangramClient(srv.url, token=KEY_B)
+        with pytest.raises(TangramError) as e:  # B's sandbox is B's session: A cannot join it
+            native_a.session(trajectory=b.sandbox_id)
+        assert e.value.status == 422 and "trajectory" in str(e.value)
+        r = httpx.post(f"{srv.url}/v1/sessions/{b.sandbox_id}/exec", json={"command": "true"},
+                       headers={"Authorization": f"Bearer {KEY_A}"})
+        assert r.status_code == 404 and "no session" in r.json()["message"]
+        done = native_b.run_code("print(1)", id="act-of-b")
+        assert done.outcome == "ok"
+        r = httpx.get(f"{srv.url}/v1/actions/act-of-b", headers={"Authorization": f"Bearer {KEY_A}"})
+        assert r.status_code == 404
+        assert native_b.get("act-of-b").outcome == "ok"
+        s = native_a.session()
+        assert s.job == "job-a" and s.exec("echo $HOME").outcome == "ok"
+        assert {j.job for j in native_a.jobs()} == {"job-a"}  # its actions carry its job, and only those show
+        assert {j.job for j in native_b.jobs()} == {"job-b"}
+        assert native_b.stats("job-b").outcomes.get("ok", 0) >= 2  # B's sandbox commands and its run_code
+        r = httpx.get(f"{srv.url}/v1/jobs/job-b/stats", headers={"Authorization": f"Bearer {KEY_A}"})
+        assert r.status_code == 404
+        r = httpx.post(f"{srv.url}/v1/actions", json={"job": "job-b", "action": {"code": "print(1)"}},
+                       headers={"Authorization": f"Bearer {KEY_A}"})
+        assert r.status_code == 403 and "job" in r.json()["message"]
+        r = httpx.post(f"{srv.url}/run_code", json={"code": "print(2)", "language": "python"},
+                       headers={"Authorization": f"Bearer {KEY_B}"})
+        assert r.json()["status"] == "Success"
+        assert native_b.stats("job-b").actions >= 3  # SandboxFusion's run is B's too
+        for path in ("/run_code", "/v1/jobs"):  # an unknown key: 401 in each dialect's shape
+            r = httpx.request("POST" if path == "/run_code" else "GET", f"{srv.url}{path}",
+                              json={"code": "1"}, headers={"Authorization": "Bearer nope-nope-nope-nope"})
+            assert r.status_code == 401 and "message" in r.json() and "code" not in r.json()
+        r = httpx.get(f"{srv.url}/v2/sandboxes", headers={"X-API-Key": "nope"})
+        assert r.status_code == 401 and r.json()["code"] == 401
+        admin = httpx.get(f"{srv.url}/v1/jobs", headers={"Authorization": "Bearer admin-token-0123456789"})
+        assert {"job-a", "job-b"} <= {j["job"] for j in admin.json()}  # the token sees every job
+        s.close()
+        native_a.close()
+        native_b.close()
+    finally:
+        for box, key in ((a, KEY_A), (b, KEY_B)):
+            if box is not None:
+                Sandbox.kill(box.sandbox_id, api_key=key)
+        _restore(saved)
+
+
+def test_api_keys_tie_requests_to_jobs(tmp_path):
+    srv = _keyed_server(tmp_path)
+    try:
+        _check_keys_scope_jobs(srv)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_api_keys_through_http_fronts(tmp_path):
+    srv = _keyed_server(tmp_path, ("--fronts", "2"))
+    try:
+        _check_keys_scope_jobs(srv)
+    finally:
+        srv.stop()
+
+
 # -- containment: model-written code run as E2B commands ------------------------------------------
 
 def test_containment_as_e2b_commands(server, tmp_path):

@@ -148,6 +148,23 @@ def test_a_token_is_required_when_configured(tmp_path):
     assert p.returncode == 2 and "token" in p.stderr
 
 
+def test_api_keys_in_the_config_are_checked_field_by_field(tmp_path):
+    from arl_tangram.server.config import ConfigError, load
+
+    def cfg(keys):
+        path = tmp_path / "keys.json"
+        path.write_text(json.dumps({"api_keys": keys}))
+        return path
+
+    with pytest.raises(ConfigError, match="api_keys.0.key: .*at least 16"):
+        load(cfg([{"key": "short", "job": "a"}]))
+    with pytest.raises(ConfigError, match="api_keys.0.job: Field required"):
+        load(cfg([{"key": "k" * 16}]))
+    with pytest.raises(ConfigError, match="api_keys: .*the same key is given twice"):
+        load(cfg([{"key": "k" * 16, "job": "a"}, {"key": "k" * 16, "job": "b"}]))
+    assert load(cfg([{"key": "k" * 16, "job": "a"}])).keys() == {"k" * 16: "a"}
+
+
 def test_a_second_server_on_a_busy_journal_refuses_to_start_and_the_first_runs_its_job_once(tmp_path):
     """Two servers on one journal ran a job twice: the second "recovered" the first one's running
     action. Now the second refuses, naming the journal, the holder's pid and ``--journal``."""

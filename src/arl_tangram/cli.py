@@ -331,8 +331,8 @@ def serve(
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
         loopback = host == "localhost"
-    if not loopback and not token:
-        raise fail(f"--token: serving on {host} (not loopback) requires a bearer token")
+    if not loopback and not token and not cfg.api_keys:
+        raise fail(f"--token: serving on {host} (not loopback) requires a bearer token (or api_keys in --config)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if sandbox_workers is not None:
         cfg = cfg.model_copy(update={"sandbox_workers": sandbox_workers})
@@ -357,7 +357,7 @@ def serve(
         raise fail(str(e))
     console.print(f"ARL-Tangram serving on http://{host}:{port} with {n} HTTP front processes (docs at /docs, "
                   "SandboxFusion at /run_code)")
-    serve_with_fronts(service, sock, n, token, int(cfg.max_body_mb * (1 << 20)), cfg.drain_s)
+    serve_with_fronts(service, sock, n, token, int(cfg.max_body_mb * (1 << 20)), cfg.drain_s, cfg.keys())
 
 
 @app.command()

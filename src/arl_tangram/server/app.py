@@ -1,12 +1,18 @@
 """The FastAPI application: the dialects' routers (``server/calls.py``) over the ``Service`` of this
-process or the engine process's calls across the link, the token, the body limit, and every error
-as JSON with a message."""
+process or the engine process's calls across the link, the token and the API keys, the body limit,
+and every error as JSON with a message (in the shape of the dialect that claims the request).
+
+Credentials: ``token`` (``--token``) sees every job; ``keys`` (the config's ``api_keys``) maps an
+API key to the one job it acts as: the check here sets ``service.CALLER_JOB`` for the request,
+and ``Service`` (and each dialect's calls) scope what the request sees by it. A client presents
+either as ``Authorization: Bearer`` or in its dialect's own header (``Dialect.key_header``)."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,8 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..runtime import NoRoom, SessionGone
 from .calls import DIALECTS, Local
-from .e2b import is_e2b
-from .service import BadRequest, NotFound, Overloaded, Service
+from .service import CALLER_JOB, BadRequest, Forbidden, NotFound, Overloaded, Service
 from ..link import PeerGone, RemoteFault
 
 if TYPE_CHECKING:
@@ -65,8 +70,18 @@ async def _too_large(limit: int, send) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def create_app(service: "Service | RemoteService", token: str | None = None, max_body_bytes: int = 32 << 20) -> FastAPI:
-    """The app over ``service``: this process's ``Service``, or a front's ``RemoteService``."""
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def create_app(service: "Service | RemoteService", token: str | None = None, max_body_bytes: int = 32 << 20,
+               keys: Mapping[str, str] | None = None) -> FastAPI:
+    """The app over ``service``: this process's ``Service``, or a front's ``RemoteService``;
+    ``keys``: API key -> the job it acts as."""
+    # looked up by digest: a dict lookup on the key itself would time its prefix
+    jobs = {_digest(k): job for k, job in (keys or {}).items()}
+    key_headers = [d.key_header for d in DIALECTS if d.key_header]
+    shapes = [(d.claims, d.error) for d in DIALECTS if d.claims is not None and d.error is not None]
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await service.start()
@@ -74,13 +89,22 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
         await service.stop()
 
     async def auth(request: Request) -> None:  # async: a sync dependency costs a thread hand-off per request
-        if token is None:
+        """The token (every job), a job's API key (that job: ``CALLER_JOB``), or 401. With neither
+        configured (loopback only: the CLI refuses otherwise), anything goes, as it always did."""
+        if token is None and not jobs:
             return
-        given = request.headers.get("authorization", "")
-        key = request.headers.get("x-api-key", "")  # E2B's clients send the token as their API key
-        if not (hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
-                or hmac.compare_digest(key.encode(), token.encode())):
-            raise StarletteHTTPException(401, "missing or wrong bearer token")
+        headers = request.headers
+        given = headers.get("authorization", "")
+        presented = [given[7:]] if given[:7].lower() == "bearer " else []
+        presented += [v for h in key_headers if (v := headers.get(h))]
+        for cred in presented:
+            if token is not None and hmac.compare_digest(cred.encode(), token.encode()):
+                return
+            job = jobs.get(_digest(cred))
+            if job is not None:
+                CALLER_JOB.set(job)
+                return
+        raise StarletteHTTPException(401, "unknown API key" if presented else "missing bearer token or API key")
 
     app = FastAPI(title="ARL-Tangram", version=__version__, lifespan=lifespan,
                   description="Action-level resource management for agentic RL: a SandboxFusion-compatible "
@@ -105,9 +129,10 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        if is_e2b(request):  # E2B's clients parse {"code": int, "message"}, routing errors included
-            return JSONResponse({"code": exc.status_code, "message": str(exc.detail)}, status_code=exc.status_code,
-                                headers=exc.headers)
+        for claims, error in shapes:  # a dialect with its own error body (E2B's {"code", "message"})
+            if claims(request):
+                return JSONResponse(error(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                                    headers=exc.headers)
         if exc.status_code in (404, 405):  # routing errors: FastAPI's (and so SandboxFusion's) exact body
             return JSONResponse({"detail": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
         return JSONResponse({"message": str(exc.detail)}, status_code=exc.status_code, headers=exc.headers)
@@ -128,6 +153,10 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
     @app.exception_handler(NotFound)
     async def not_found(request: Request, exc: NotFound):
         return JSONResponse({"message": str(exc)}, status_code=404)
+
+    @app.exception_handler(Forbidden)
+    async def forbidden(request: Request, exc: Forbidden):
+        return JSONResponse({"message": str(exc)}, status_code=403)
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, exc: BadRequest):

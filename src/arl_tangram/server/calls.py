@@ -9,13 +9,14 @@ names in process and across the link, and a call no dialect declares fails eithe
 
 from __future__ import annotations
 
+import inspect
 from types import MethodType
 from typing import Any, Callable
 
 from ..runtime import NoRoom, SessionGone
 from . import e2b, native, sandboxfusion
 from .dialect import Dialect
-from .service import BadRequest, NotFound, Overloaded, Service
+from .service import CALLER_JOB, BadRequest, Forbidden, NotFound, Overloaded, Service
 
 DIALECTS: tuple[Dialect, ...] = (sandboxfusion.DIALECT, native.DIALECT, e2b.DIALECT)
 
@@ -34,7 +35,10 @@ def _joined(dialects: tuple[Dialect, ...]) -> dict[str, Callable[..., Any]]:
 CALLS = _joined(DIALECTS)
 
 #: the errors ``server/app.py`` maps to a status: they cross the front link as themselves
-RELAYED: tuple[type[BaseException], ...] = (Overloaded, NotFound, BadRequest, NoRoom, SessionGone, e2b.E2bError)
+RELAYED: tuple[type[BaseException], ...] = (Overloaded, NotFound, BadRequest, Forbidden, NoRoom, SessionGone,
+                                            e2b.E2bError)
+#: the link's call for a call made by a request with a job's API key (``scoped`` below)
+SCOPED = "scoped"
 
 
 class Local:
@@ -43,3 +47,10 @@ class Local:
     def __init__(self, service: Service) -> None:
         for name, fn in CALLS.items():
             setattr(self, name, MethodType(fn, service))
+
+    async def scoped(self, job: str, name: str, *args: Any) -> Any:
+        """``name(*args)`` as a request carrying ``job``'s API key (a front's call across the link:
+        the front checked the key; this task's ``CALLER_JOB`` scopes what the call sees)."""
+        CALLER_JOB.set(job)
+        value = getattr(self, name)(*args)
+        return await value if inspect.isawaitable(value) else value

@@ -55,6 +55,16 @@ class ModelService(BaseModel):
         return self
 
 
+class ApiKey(BaseModel):
+    """An API key that acts as one job (README, "API keys and jobs")."""
+
+    key: str = Field(..., min_length=16, max_length=512, pattern=r"^[!-~]+$",
+                     description="the secret clients send (Authorization: Bearer, or E2B_API_KEY); 16 or more "
+                                 "printable characters")
+    job: str = Field(..., min_length=1, max_length=200, description="the job whose sessions, sandboxes and "
+                     "actions the key sees and submits under (its fair share)")
+
+
 class ServeConfig(BaseModel):
     policy: str = Field("tangram", description=f"scheduling policy ({', '.join(POLICIES)})")
     cores: int | None = Field(None, ge=1, description="cores to schedule (default: this process's CPUs)")
@@ -74,6 +84,9 @@ class ServeConfig(BaseModel):
                                "(0: HTTP in the engine process; default: 0 on 2 cores or fewer, else one per 4 "
                                "cores, at most 8)")
     drain_s: float = Field(10.0, ge=0, description="on shutdown, how long running actions may finish")
+    api_keys: list[ApiKey] = Field(default_factory=list, description="API keys, each acting as one job: a "
+                                   "request with one sees only that job's sessions, sandboxes and actions, and "
+                                   "submits under it; with any configured, every request needs a key (or --token)")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
     models: list[ModelService] = Field(default_factory=list, description="model services to serve on the GPUs "
                                                                           "(or CPU devices without CUDA)")
@@ -82,6 +95,17 @@ class ServeConfig(BaseModel):
     gpu_memory_gb: float | None = Field(None, gt=0, description="memory per GPU (default: the device's)")
     gpu_island_size: int | None = Field(None, ge=1, description="GPUs per NVLink island (default: discovered "
                                         "from NVML or nvidia-smi)")
+
+    @field_validator("api_keys")
+    @classmethod
+    def _distinct_keys(cls, v: list[ApiKey]) -> list[ApiKey]:
+        if len({k.key for k in v}) != len(v):
+            raise ValueError("the same key is given twice")
+        return v
+
+    def keys(self) -> dict[str, str]:
+        """API key -> its job."""
+        return {k.key: k.job for k in self.api_keys}
 
     @field_validator("policy")
     @classmethod
@@ -119,7 +143,7 @@ def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = Non
     from .app import create_app
 
     return create_app(build_service(cfg, journal, sandboxes, ray, record), token=token,
-                      max_body_bytes=int(cfg.max_body_mb * (1 << 20)))
+                      max_body_bytes=int(cfg.max_body_mb * (1 << 20)), keys=cfg.keys())
 
 
 def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True, ray: str | None = None,

@@ -10,6 +10,11 @@ run in different processes:
   own), run wherever HTTP is served: they parse, validate and answer, reaching the engine
   process only through ``calls.<name>(...)``; ``guarded`` is the token check to depend on.
 
+Two optional hooks say how a dialect's clients differ at the door (``server/app.py`` asks every
+dialect, so it names none): ``key_header``, a header its clients carry their API key in besides
+``Authorization: Bearer`` (E2B's ``X-API-Key``), and ``claims`` with ``error``: the requests
+whose errors (401, routing 404s) it answers in its own body shape.
+
 ``server/calls.py`` joins the dialects' calls into the one list that the routes in process, the
 fronts' remote service and the engine process's link all come from: adding a call is one entry in
 its dialect, and a route that uses a call no dialect declares fails in process as with fronts.
@@ -21,7 +26,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,12 @@ class Dialect:
     name: str
     calls: Mapping[str, Callable[..., Any]]
     routes: Callable[[APIRouter, Any, Sequence[Any]], None]
+    #: a header (lower case) its clients send their API key in, besides ``Authorization: Bearer``
+    key_header: str | None = None
+    #: whether a request is this dialect's (then ``error`` shapes its error bodies)
+    claims: Callable[[Request], bool] | None = None
+    #: the body of an error of this dialect: (status, message) -> JSON
+    error: Callable[[int, str], Any] | None = None
 
 
 async def answer(value: Any) -> Any:

@@ -24,7 +24,8 @@ import socket
 from typing import Any
 
 from ..link import Caller
-from .calls import CALLS
+from .calls import CALLS, SCOPED
+from .service import CALLER_JOB
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,14 @@ class RemoteService:
         self.link = link
         self._caller = Caller(on_lost=_stop_front, peer="the engine process")
         for name in CALLS:  # ``request`` queues the frame now and returns the answer's future
-            setattr(self, name, functools.partial(self._caller.request, name))
+            setattr(self, name, functools.partial(self._request, name))
+
+    def _request(self, name: str, *args: Any):
+        """One call; a request with a job's API key carries the job across (``Local.scoped``)."""
+        job = CALLER_JOB.get()
+        if job is None:
+            return self._caller.request(name, *args)
+        return self._caller.request(SCOPED, job, name, *args)
 
     async def start(self) -> None:
         await self._caller.connect(self.link)
@@ -64,10 +72,11 @@ def main() -> None:
     die_with_parent("front")
     spec: dict[str, Any] = json.loads(os.environ.pop(ENV))
     token = os.environ.pop("TANGRAM_TOKEN", None) or None
+    keys = json.loads(os.environ.pop("TANGRAM_KEYS", None) or "{}")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s front{spec['index']} %(name)s: "
                                                     "%(message)s")
     sock = socket.socket(fileno=spec["fd"])
-    app = create_app(RemoteService(spec["link"]), token=token, max_body_bytes=spec["max_body_bytes"])
+    app = create_app(RemoteService(spec["link"]), token=token, max_body_bytes=spec["max_body_bytes"], keys=keys)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
                                            timeout_graceful_shutdown=int(spec["drain_s"]) + 5))
     server.run(sockets=[sock])

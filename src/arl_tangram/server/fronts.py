@@ -30,7 +30,7 @@ import time
 
 from .front import ENV
 from ..link import Hub
-from .calls import CALLS, RELAYED, Local
+from .calls import CALLS, RELAYED, SCOPED, Local
 from .service import Service
 
 log = logging.getLogger(__name__)
@@ -54,8 +54,9 @@ class Fronts:
     """Starts, watches and stops the front processes."""
 
     def __init__(self, sock: socket.socket, link: str, n: int, token: str | None, max_body_bytes: int,
-                 drain_s: float) -> None:
+                 drain_s: float, keys: dict[str, str] | None = None) -> None:
         self.sock, self.link, self.n = sock, link, n
+        self.keys = keys or {}
         self.token, self.max_body_bytes, self.drain_s = token, max_body_bytes, drain_s
         self.procs: list[subprocess.Popen | None] = [None] * n
         self.started_at = [0.0] * n
@@ -68,6 +69,9 @@ class Fronts:
         env.pop("TANGRAM_TOKEN", None)
         if self.token:
             env["TANGRAM_TOKEN"] = self.token  # the environment, not argv: argv is world-readable in ps
+        env.pop("TANGRAM_KEYS", None)
+        if self.keys:
+            env["TANGRAM_KEYS"] = json.dumps(self.keys)
         self.procs[i] = subprocess.Popen([sys.executable, "-m", "arl_tangram.server.front"], env=env,
                                          pass_fds=(self.sock.fileno(),))
         self.started_at[i] = time.monotonic()
@@ -106,14 +110,14 @@ class Fronts:
 
 
 async def _run(service: Service, sock: socket.socket, n: int, token: str | None, max_body_bytes: int,
-               drain_s: float) -> None:
+               drain_s: float, keys: dict[str, str] | None = None) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tmp = tempfile.mkdtemp(prefix="tangram-link-")  # mode 0700: only this user reaches the link
-    hub = Hub(Local(service), CALLS, RELAYED)
-    fronts = Fronts(sock, os.path.join(tmp, "engine.sock"), n, token, max_body_bytes, drain_s)
+    hub = Hub(Local(service), [*CALLS, SCOPED], RELAYED)
+    fronts = Fronts(sock, os.path.join(tmp, "engine.sock"), n, token, max_body_bytes, drain_s, keys)
     service.fronts = n
     await service.start()
     try:
@@ -133,7 +137,7 @@ async def _run(service: Service, sock: socket.socket, n: int, token: str | None,
 
 
 def serve(service: Service, sock: socket.socket, n: int, token: str | None, max_body_bytes: int,
-          drain_s: float) -> None:
+          drain_s: float, keys: dict[str, str] | None = None) -> None:
     """Run until SIGTERM/SIGINT (the CLI's entry for ``--fronts N`` with N >= 1)."""
     try:
         import uvloop
@@ -141,4 +145,4 @@ def serve(service: Service, sock: socket.socket, n: int, token: str | None, max_
     except ImportError:
         runner = asyncio.Runner()
     with runner:
-        runner.run(_run(service, sock, n, token, max_body_bytes, drain_s))
+        runner.run(_run(service, sock, n, token, max_body_bytes, drain_s, keys))

@@ -22,7 +22,7 @@ from ..managers.sandbox import languages
 from ..managers.sandbox.spec import CommandResult, Files
 from ..runtime import ActionResult
 from .dialect import Dialect
-from .service import BadRequest, Service, decode_files
+from .service import BadRequest, Service, decode_files, job_for
 
 
 def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
@@ -54,7 +54,7 @@ async def sf_run_code(service: Service, req: sf.RunCodeRequest) -> sf.RunCodeRes
     files = decode_files("files", given)
     id = f"sf-{uuid.uuid4().hex}"
     # journaled whole (files included) so that a recovery re-run is the same program
-    spec = v1.ActionRequest(id=id, job="sandboxfusion", action=v1.RunCodeAction(
+    spec = v1.ActionRequest(id=id, job=job_for(None, "sandboxfusion"), action=v1.RunCodeAction(
         code=req.code, language=req.language, stdin=req.stdin, files=given, fetch_files=req.fetch_files,
         compile_timeout_s=req.compile_timeout, timeout_s=req.run_timeout,
         memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None, memory_as_rlimit=True))
@@ -66,7 +66,7 @@ async def sf_run_jupyter(service: Service, req: sf.RunJupyterRequest) -> sf.RunJ
     journaled: a notebook cut short by a crash is not re-run)."""
     service.admit()
     files = decode_files("files", {p: d for p, d in req.files.items() if d is not None})
-    s = await service.tg.session(job="sandboxfusion")
+    s = await service.tg.session(job=job_for(None, "sandboxfusion"))
     start = time.monotonic()
     cells: list[sf.CellRunResult] = []
     status, timed_out = sf.RunStatus.Success, False

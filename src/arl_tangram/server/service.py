@@ -14,6 +14,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from contextvars import ContextVar
 
 from pydantic import ValidationError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -47,6 +48,37 @@ class NotFound(LookupError):
 
 class BadRequest(ValueError):
     pass
+
+
+class Forbidden(PermissionError):
+    """A request acting as one job (its API key's) names another (HTTP 403, naming the field)."""
+
+
+#: the job of the API key the current request carries (``server/app.py`` sets it; across the front
+#: link ``Local.scoped`` does), or None: the server's token, or no keys configured, sees every job.
+#: A context variable rather than an argument of every call: the scope is the request's, and every
+#: dialect's calls honour it without each growing a parameter.
+CALLER_JOB: ContextVar[str | None] = ContextVar("tangram_caller_job", default=None)
+#: the job the native API's bodies name when the caller names none (``api/v1.py``)
+UNNAMED_JOB = "default"
+
+
+def job_for(named: str | None, default: str, field: str = "job") -> str:
+    """The job a request acts as: its API key's, whatever the body says as long as it names that
+    job or none (``None``, or the native API's ``default``); ``Forbidden`` when it names another.
+    Without a key: what the body names, else ``default``."""
+    scope = CALLER_JOB.get()
+    if scope is None:
+        return named or default
+    if named and named != scope and named != UNNAMED_JOB:
+        raise Forbidden(f"{field}: this API key acts as job {scope!r}, not {named!r}")
+    return scope
+
+
+def visible(job: str) -> bool:
+    """Whether the current request may see what belongs to ``job`` (anything else is a 404)."""
+    scope = CALLER_JOB.get()
+    return scope is None or scope == job
 
 
 class Metrics:
@@ -128,6 +160,7 @@ class Service:
         self.sessions: dict[str, Session] = {}
         self.metrics = Metrics()
         self._inflight: dict[str, asyncio.Task] = {}
+        self._inflight_jobs: dict[str, str] = {}  # action id -> its job, while in flight
         self._acts: dict[str, deque[float]] = {}
         self._outcomes: dict[str, dict[str, int]] = {}
         self.started_at = time.time()
@@ -157,7 +190,7 @@ class Service:
                     self._finish_unrunnable(e.id, "rejected", f"cannot re-run after restart: {reason}")
                     self.recovered["rejected"] += 1
                     continue
-                self._launch(e.id, self._run_code(e.id, spec, files))
+                self._launch(e.id, self._run_code(e.id, spec, files), spec.job)
                 self.recovered["rerun"] += 1
             else:
                 msg = "the server restarted while this action was in flight; its session state is gone (retry it)"
@@ -197,16 +230,26 @@ class Service:
         if len(self.runtime.engine.pending) >= self.max_queue:  # per action: not a whole snapshot
             raise Overloaded(retry_after_s=1)
 
-    def _launch(self, id: str, coro) -> asyncio.Task:
+    def _launch(self, id: str, coro, job: str = UNNAMED_JOB) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._inflight[id] = task
+        self._inflight_jobs[id] = job
         task.add_done_callback(lambda t: self._landed(id, t))
         return task
+
+    def _job_of(self, id: str) -> str | None:
+        """The job an action id belongs to (in flight, or in the journal); None when unknown."""
+        job = self._inflight_jobs.get(id)
+        if job is None and self.journal is not None:
+            entry = self.journal.get(id)
+            job = entry.job if entry is not None else None
+        return job
 
     def _landed(self, id: str, task: asyncio.Task) -> None:
         """Every accepted action ends in one terminal outcome: a fault of ours ends it as infra_error
         in the journal (and is logged), instead of leaving it to be re-run at every start."""
         self._inflight.pop(id, None)
+        self._inflight_jobs.pop(id, None)
         if task.cancelled():
             return
         err = task.exception()
@@ -215,7 +258,12 @@ class Service:
             self._finish_unrunnable(id, "infra_error", f"internal error: {type(err).__name__}")
 
     async def submit(self, req: v1.ActionRequest) -> v1.ActionResult:
+        job = job_for(req.job, UNNAMED_JOB)
+        if job != req.job:
+            req = req.model_copy(update={"job": job})
         id = req.id or f"a-{uuid.uuid4().hex}"
+        if req.id and CALLER_JOB.get() is not None and not visible(self._job_of(id) or job):  # another job's id: as if unknown, never its result
+            raise BadRequest(f"id: {id!r} is taken")
         task = self._inflight.get(id)
         if task is None:
             # everything that can reject the request is checked before it is journaled
@@ -229,7 +277,7 @@ class Service:
                 self.admit()
                 if self.journal is not None:
                     self.journal.accept(id, req.job, "run_code", req.model_dump_json(), True)
-            task = self._inflight.get(id) or self._launch(id, self._run_code(id, req, files))
+            task = self._inflight.get(id) or self._launch(id, self._run_code(id, req, files), req.job)
         if not req.wait:
             await self._durable()  # the 202 is an acknowledgement: the action is on disk first
             return self.status(id)
@@ -288,6 +336,8 @@ class Service:
         return out
 
     def status(self, id: str) -> v1.ActionResult:
+        if CALLER_JOB.get() is not None and not visible(self._job_of(id) or ""):
+            raise NotFound(f"no action {id!r}")
         if id in self._inflight:
             wait = self.runtime.why_waiting(id)
             if wait is not None:
@@ -301,6 +351,8 @@ class Service:
         return v1.ActionResult.model_validate(entry.response)
 
     async def cancel(self, id: str) -> v1.ActionResult:
+        if CALLER_JOB.get() is not None:
+            self.status(id)  # another job's action: NotFound, before anything is cancelled
         if not self.runtime.cancel(id) and id not in self._inflight:
             self.status(id)  # raises NotFound for unknown ids
         task = self._inflight.get(id)
@@ -313,10 +365,13 @@ class Service:
 
     # -- sessions --------------------------------------------------------------------------------
     async def open_session(self, req: v1.SessionRequest) -> v1.SessionInfo:
+        job = job_for(req.job, UNNAMED_JOB)
         sid = req.trajectory or f"s-{uuid.uuid4().hex}"
+        if sid in self.sessions and not visible(self.sessions[sid].job):
+            raise BadRequest(f"trajectory: {sid!r} is taken")  # another job's session: never joined
         if sid not in self.sessions:
             try:
-                self.sessions[sid] = await self.tg.session(job=req.job, trajectory=sid, image=req.image)
+                self.sessions[sid] = await self.tg.session(job=job, trajectory=sid, image=req.image)
             except ImageError as e:
                 raise BadRequest(str(e)) from None
             except NoRoom as e:
@@ -350,8 +405,10 @@ class Service:
 
     def _session(self, sid: str) -> Session:
         s = self.sessions.get(sid)
+        if s is not None and not visible(s.job):
+            raise NotFound(f"no session {sid!r}")
         if s is None:
-            why = self.runtime.ended.get(sid)
+            why = self.runtime.ended.get(sid) if CALLER_JOB.get() is None else None
             raise NotFound(why or f"no session {sid!r}")
         return s
 
@@ -409,9 +466,10 @@ class Service:
         problem = models.validate(name, op, req.tokens, 1 if op == "score" else 2)
         if problem is not None and problem.split(":", 1)[0] in ("tokens", "op"):
             raise BadRequest(problem)
+        job = job_for(req.job, UNNAMED_JOB)
         self.admit()
         call = self.tg.score if op == "score" else self.tg.logprobs
-        r = await call(name, req.tokens, job=req.job, hint_s=req.hint_s)
+        r = await call(name, req.tokens, job=job, hint_s=req.hint_s)
         self.metrics.actions.labels(f"model:{name}", r.outcome.value).inc()
         if r.outcome is not Outcome.REJECTED:
             self.metrics.act.labels(f"model:{name}").observe(r.act_s)
@@ -420,7 +478,7 @@ class Service:
     # -- stats -----------------------------------------------------------------------------------
     def job_stats(self, job: str) -> v1.JobStats:
         acts = sorted(self._acts.get(job, ()))
-        if not acts and job not in self._outcomes:
+        if (not acts and job not in self._outcomes) or not visible(job):
             raise NotFound(f"no actions seen for job {job!r}")
 
         def pct(q: float) -> float | None:
@@ -430,7 +488,7 @@ class Service:
                            avg_act_s=sum(acts) / len(acts) if acts else None, p50_act_s=pct(50), p99_act_s=pct(99))
 
     def all_jobs(self) -> list[v1.JobStats]:
-        return [self.job_stats(job) for job in sorted(set(self._acts) | set(self._outcomes))]
+        return [self.job_stats(job) for job in sorted(set(self._acts) | set(self._outcomes)) if visible(job)]
 
     def cluster(self) -> v1.ClusterInfo:
         return v1.ClusterInfo(backend=self.runtime.backend, nodes=[v1.ClusterNode(**n) for n in self.runtime.nodes()])

@@ -12,6 +12,9 @@ from .envelope import E2bError
 from . import files, interpreter, processes, sandboxes
 from .routes import is_e2b, routes
 
-DIALECT = Dialect("e2b", {**sandboxes.CALLS, **processes.CALLS, **files.CALLS, **interpreter.CALLS}, routes)
+DIALECT = Dialect("e2b", {**sandboxes.CALLS, **processes.CALLS, **files.CALLS, **interpreter.CALLS}, routes,
+                  key_header="x-api-key",  # the SDKs send E2B_API_KEY as X-API-KEY
+                  claims=is_e2b,  # E2B's clients parse {"code": int, "message"}, routing errors included
+                  error=lambda status, message: {"code": status, "message": message})
 
 __all__ = ["DIALECT", "E2bError", "is_e2b"]

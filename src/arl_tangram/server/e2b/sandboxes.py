@@ -34,7 +34,7 @@ from ...managers.sandbox.isolation import HOME_ALIAS
 from ...managers.sandbox.spec import Files
 from ...runtime import NoRoom, SessionGone
 from ...runtime.api import SessionError
-from ..service import BadRequest, NotFound, Overloaded, Service
+from ..service import BadRequest, Forbidden, NotFound, Overloaded, Service, job_for, visible
 from .envelope import E2bError
 
 #: the envd version we answer as: the behaviour of the calls below is that version's (0.5.7 and
@@ -128,8 +128,9 @@ class Boxes:
         return os.path.join(self._snapshot_dir, f"{id}.tar")
 
     def snapshot(self, name: str) -> dict | None:
+        """The snapshot with this id or name that the request's job may see."""
         for id, snap in self.snapshots.items():
-            if name in (id, snap["name"]):
+            if name in (id, snap["name"]) and visible(snap["job"]):
                 return snap
         return None
 
@@ -192,9 +193,10 @@ class Boxes:
         self._ended(sid, "timeout")
 
     def get(self, sid: str) -> Box:
-        """For the control plane: 404 when unknown or gone."""
+        """For the control plane: 404 when unknown, gone, or another job's (the API key's job,
+        ``service.CALLER_JOB``)."""
         box = self.boxes.get(sid)
-        if box is None:
+        if box is None or not visible(box.job):
             raise E2bError(404, f"sandbox {sid!r} not found")
         return box
 
@@ -266,7 +268,10 @@ async def e2b_create(service: Service, body: dict) -> dict:
     for k in env:
         if not _NAME.fullmatch(k):
             raise E2bError(400, f"envVars: {k!r} is not a variable name")
-    job = metadata.get("job") or "e2b"
+    try:
+        job = job_for(metadata.get("job"), "e2b", "metadata.job")
+    except Forbidden as e:
+        raise E2bError(403, str(e)) from None
     sid = metadata.get("trajectory") or f"i{uuid.uuid4().hex[:19]}"
     if sid in service.sessions or sid in reg.boxes:
         raise E2bError(409, f"metadata.trajectory: a sandbox or session {sid!r} is open already")
@@ -336,7 +341,7 @@ async def e2b_snapshot(service: Service, sid: str, body: dict) -> dict:
         raise E2bError(400, f"snapshot: {e.result.message or e.result.outcome.value}") from None
     except (SessionGone, NotFound):
         raise E2bError(404, f"sandbox {sid!r} not found") from None
-    reg.snapshots[id] = {"id": id, "path": path, "name": name or id, "template": box.template}
+    reg.snapshots[id] = {"id": id, "path": path, "name": name or id, "template": box.template, "job": box.job}
     return {"snapshotID": id, "names": [name or id]}
 
 
@@ -364,7 +369,7 @@ def e2b_list(service: Service, metadata: dict[str, str], states: list[str], limi
         if s not in ("running", "paused"):
             raise E2bError(400, f"state: {s!r} is not running or paused")
     chosen = [b for b in sorted(boxes(service).boxes.values(), key=lambda b: (b.started_at, b.id))
-              if (not states or ("paused" if b.paused else "running") in states)
+              if visible(b.job) and (not states or ("paused" if b.paused else "running") in states)
               and all(b.metadata.get(k) == v for k, v in metadata.items())]
     try:
         start = int(next_token) if next_token else 0
