@@ -148,6 +148,8 @@ class Runtime:
         self._ids = itertools.count()
         self.ended: OrderedDict[str, str] = OrderedDict()  # session -> why it ended
         self.session_listeners: list[Callable[[str, str], None]] = []  # (session, reason) when one ends
+        # (session, its blob's path) when one is put to rest, (session, None) when it wakes
+        self.rest_listeners: list[Callable[[str, str | None], None]] = []
         self._recorders: list = []  # TraceRecorders, closed with the runtime
         self._first_submitted: dict[str, float] = {}  # re-run actions: when the first run was submitted
 
@@ -258,6 +260,28 @@ class Runtime:
             self.ended.popitem(last=False)
         for listener in self.session_listeners:
             listener(trajectory, self.ended[trajectory])
+
+    def session_rested(self, trajectory: str, path: str | None) -> None:
+        """The sandbox manager put a session to rest (its state in the file at ``path``) or woke it
+        (None). At rest it holds no memory: its reservation drops to nothing (its next step
+        reserves its estimate again, as any step does)."""
+        if path is not None:
+            self.engine.cpu.settle_session(trajectory, 0.0, 0.0)
+            self.tick()
+        for listener in self.rest_listeners:
+            listener(trajectory, path)
+
+    def session_state(self, trajectory: str) -> str | None:
+        """Where a session's state is (``SandboxManager.session_state``); None where unknown here."""
+        return None
+
+    def rest_stats(self) -> dict | None:
+        """Counts and limits of sessions at rest (``SandboxManager.rest_stats``); None where none rest here."""
+        return None
+
+    def adopt_rested(self, trajectory: str, path: str, image: str | None) -> None:
+        """A session an earlier server put to rest wakes here on its next step."""
+        raise LookupError("this runtime cannot wake sessions put to rest by an earlier server")
 
     def check_session(self, trajectory: str) -> None:
         """Raise ``SessionGone`` if the session has ended."""

@@ -91,6 +91,8 @@ class LocalRuntime(Runtime):
         headroom_gb = self.sandboxes.config.session_headroom_mb / 1024 if self.sandboxes is not None else 0.0
         self._build(host.cluster(quotas, model_specs), policy, managers, Costs.local(mem_gb), profile,
                     max_queue_s=max_queue_s, session_headroom_gb=headroom_gb)
+        if real is not None:
+            real.on_rest = self.session_rested
 
     def _expire(self, trajectory: str) -> None:
         self.end_session(trajectory, f"session {trajectory} expired: unused for more than {self._expiry_s:g} s "
@@ -99,6 +101,11 @@ class LocalRuntime(Runtime):
     def admit_session(self) -> None:
         """The engine's accounting, then the ground truth: this host's available memory."""
         super().admit_session()
+        real = self.sandbox_manager()
+        if real is not None and real.store is not None and real.store.used >= real.config.rest_disk_mb << 20:
+            raise NoRoom("rest disk", f"no room for a new session: sessions at rest use {real.store.used >> 20} MB "
+                                      f"of disk, at sandbox.rest_disk_mb ({real.config.rest_disk_mb} MB); close "
+                                      "sessions or retry later")
         floor = self.sandboxes.config.min_free_memory_mb if self.sandboxes is not None else 0
         avail = mem_available_mb()
         if floor and avail is not None and avail < floor:
@@ -110,6 +117,20 @@ class LocalRuntime(Runtime):
         if isinstance(s, SandboxWorkers):
             return s.local
         return s if isinstance(s, SandboxManager) else None
+
+    def session_state(self, trajectory: str) -> str | None:
+        real = self.sandbox_manager()
+        return real.session_state(trajectory) if real is not None else None
+
+    def rest_stats(self) -> dict | None:
+        real = self.sandbox_manager()
+        return real.rest_stats() if real is not None and real.store is not None else None
+
+    def adopt_rested(self, trajectory: str, path: str, image: str | None) -> None:
+        real = self.sandbox_manager()
+        if real is None:
+            raise LookupError("no sandbox manager in this process to wake it")
+        real.adopt_rested(trajectory, path, image)
 
     def sandbox_workers(self) -> tuple[int, int] | None:
         s = self.sandboxes

@@ -14,8 +14,10 @@ import itertools
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import time
+from collections import Counter
 from typing import Callable
 
 from ...core.action import Action, Allocation, Outcome, Setup
@@ -27,6 +29,7 @@ from .imagebox import ImageSandboxes, Prewarmed
 from .images import ImageError, ImageStore, resolve_in
 from .isolation import Isolation, Layout, command, detect
 from .recycle import Recycler
+from .rest import Rested, RestFailed, RestStore, load, pack
 from .rootfs import RootFs
 from .sandbox import Limits, Sandbox, SandboxDied
 from .spec import CommandResult, Exec, Files, Fork, Restore, RunCode, SandboxConfig, SandboxResult, Snapshot
@@ -46,6 +49,16 @@ SPAWNS_PER_CORE = 4
 
 #: seconds a workspace file transfer (put/get) may take before the sandbox is declared dead
 FILES_TIMEOUT_S = 30.0
+
+#: sessions put to rest at once: a rest is mostly waiting (the runner packing, the disk, the
+#: sandbox's death), and a pass that keeps up with new sessions must overlap a few
+REST_PARALLEL = 4
+#: modules a fresh warm-pool sandbox imports before it is taken (``runner.op_warm``): those rested
+#: sessions use most, up to this many; standard library ones only (importing runs a module's code
+#: in a sandbox another session will get) and none with side effects
+WARM_MODULES = 8
+NEVER_WARM = frozenset({"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo", "webbrowser", "pydoc",
+                        "ensurepip", "venv", "__main__", "builtins", "sys"})
 
 
 class SandboxManager:
@@ -77,6 +90,17 @@ class SandboxManager:
         self.imageboxes: ImageSandboxes | None = None
         self.pending_roots: dict[str, RootFs] = {}  # forked/restored sessions: root mounted, processes on first use
         self.recycler = Recycler(False, self._put_back, self.tasks.spawn)
+        # sessions at rest (rest.py): their state on disk, no processes
+        self.rested: dict[str, Rested] = {}
+        self.store: RestStore | None = None
+        self.on_rest: Callable[[str, str | None], None] | None = None  # (session, blob path; None: woken)
+        self.rest_counts = {"rests": 0, "wakes": 0, "rest_failures": 0, "wake_failures": 0}
+        self._using: set[str] = set()  # sessions a step of which is being carried out: never put to rest
+        self._moving: dict[str, asyncio.Future] = {}  # sessions being put to rest now
+        self._close_after_rest: set[str] = set()
+        self._unrestable: dict[str, float] = {}  # failed to rest when last used at this time: not retried
+        self._rester: asyncio.Task | None = None
+        self._module_uses: Counter[str] = Counter()  # modules in rested sessions' namespaces
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start_up(self) -> None:
@@ -85,6 +109,7 @@ class SandboxManager:
         if self.mode is Isolation.NONE:
             log.warning("sandbox isolation is OFF (isolation: none): only run trusted code")
         self.root = open_root()
+        self.store = RestStore(c.rest_dir)
         self.imageboxes = ImageSandboxes(self.images, self.layout, Limits(c.memory_mb << 20, c.pids_max), self.root,
                                          c.interpreter, tuple(c.interpreter_args), c.max_idle_sandboxes)
         if c.image is not None:  # the default image: fail at start, not at every action
@@ -108,7 +133,7 @@ class SandboxManager:
     async def shut_down(self) -> None:
         """Kill every sandbox and remove every cgroup and directory this manager made."""
         self._closing = True
-        loops = [t for t in (self._fill, self._reaper) if t is not None]
+        loops = [t for t in (self._fill, self._reaper, self._rester) if t is not None]
         for t in loops:
             t.cancel()
         await asyncio.gather(*loops, return_exceptions=True)  # the refill kills its half-made sandboxes
@@ -124,6 +149,12 @@ class SandboxManager:
         for rootfs in self.pending_roots.values():
             rootfs.release()
         self.pending_roots.clear()
+        for rested in self.rested.values():
+            if rested.rootfs is not None:
+                rested.rootfs.release()
+        self.rested.clear()  # their blobs stay in a configured rest_dir (the server's journal knows them)
+        if self.store is not None:
+            self.store.close()
         if self.imageboxes is not None:
             await self.imageboxes.shut_down()
         if self.root is not None:
@@ -143,7 +174,15 @@ class SandboxManager:
         limits = Limits(self.config.memory_mb << 20, self.config.pids_max)
         sb = await Sandbox.spawn(sid, argv, self.root, limits, cwd=workspace)
         sb.recyclable = True  # our own tree (isolation.WRITABLE is all it can write), not an image's
+        try:  # what a wake needs, imported now rather than on the woken session's step
+            await sb.request({"op": "warm", "modules": self._warm_modules()}, 20.0)
+        except SandboxDied:
+            await sb.kill()
+            raise
         return sb
+
+    def _warm_modules(self) -> list[str]:
+        return [m for m, n in self._module_uses.most_common(WARM_MODULES) if n >= 2]
 
     async def _keep_pool_full(self) -> None:
         """Refill the pool, ``SPAWNS_PER_CORE`` spawns in flight per core (within the pool's size),
@@ -203,12 +242,13 @@ class SandboxManager:
         return await self._spawn()
 
     async def _expire_sessions(self) -> None:
+        c = self.config
         while not self._closing:
-            await asyncio.sleep(min(1.0, self.config.session_idle_expiry_s / 4))
+            await asyncio.sleep(min(1.0, c.session_idle_expiry_s / 4, (c.rest_after_s or 4.0) / 4))
             now = time.monotonic()
+            self._want_rest()
             for traj, last in list(self._last_used.items()):
-                if now - last > self.config.session_idle_expiry_s and (traj in self.sessions
-                                                                      or traj in self.pending_roots):
+                if now - last > self.config.session_idle_expiry_s and traj not in self._using and self._exists(traj):
                     log.info("session %s idle for %.0fs: closing it", traj, now - last)
                     if self.expire is not None:
                         self.expire(traj)
@@ -225,6 +265,12 @@ class SandboxManager:
     def close_session(self, trajectory: str) -> None:
         sb = self.sessions.pop(trajectory, None)
         self._last_used.pop(trajectory, None)
+        self._unrestable.pop(trajectory, None)
+        if trajectory in self._moving:  # being put to rest: its blob goes once it is written
+            self._close_after_rest.add(trajectory)
+        rested = self.rested.pop(trajectory, None)
+        if rested is not None:
+            self._forget(rested)
         pending = self.pending_roots.pop(trajectory, None)
         if pending is not None:
             self.imageboxes.drop(pending)
@@ -262,7 +308,151 @@ class SandboxManager:
         return Outcome.OK, SandboxResult(info={"image": root.image.name})
 
     def _exists(self, trajectory: str) -> bool:
-        return trajectory in self.sessions or trajectory in self.pending_roots
+        return trajectory in self.sessions or trajectory in self.pending_roots or trajectory in self.rested
+
+    # -- rest and wake (rest.py) -----------------------------------------------------------------
+    def _forget(self, rested: Rested) -> None:
+        """A rested session is closed: its blob goes (and its root, for an image session)."""
+        if self.store is not None:
+            self.store.forget(rested)
+        if rested.rootfs is not None and self.imageboxes is not None:
+            self.imageboxes.drop(rested.rootfs)
+
+    def _want_rest(self) -> None:
+        """Start a pass putting sessions to rest, unless one is running (it loops while there is work)."""
+        if self._closing or self.store is None:
+            return
+        if self._rester is None or self._rester.done():
+            self._rester = asyncio.get_running_loop().create_task(self._rest_pass())
+
+    def _to_rest(self) -> list[str]:
+        """Idle sessions due for rest, least recently used first: those idle ``rest_after_s``,
+        and as many as are awake past ``max_awake_sessions``."""
+        c = self.config
+        now = time.monotonic()
+        idle = sorted((last, t) for t, last in self._last_used.items()
+                      if t in self.sessions and t not in self._using and t not in self._moving
+                      and self._unrestable.get(t) != last)
+        over = len(self.sessions) - c.max_awake_sessions
+        return [t for i, (last, t) in enumerate(idle) if i < over or (c.rest_after_s and now - last >= c.rest_after_s)]
+
+    async def _rest_pass(self) -> None:
+        while not self._closing:
+            picks = self._to_rest()[:REST_PARALLEL]
+            if not picks:
+                return
+            await asyncio.gather(*(self.rest(t) for t in picks))
+
+    async def rest(self, trajectory: str) -> bool:
+        """Put an idle session to rest now (True), or say it cannot be (False: busy, gone, or its
+        state could not be packed; it then stays awake, untouched)."""
+        sb = self.sessions.get(trajectory)
+        if sb is None or sb.dead or trajectory in self._using or trajectory in self._moving or self.store is None:
+            return False
+        done = asyncio.get_running_loop().create_future()
+        self._moving[trajectory] = done
+        last = self._last_used.get(trajectory, 0.0)
+        try:
+            sb.thaw()
+            roots = ["/tmp"] if sb.rootfs is not None else (["workspace"] if self.mode is Isolation.NONE
+                                                            else ["workspace", "/tmp"])
+            try:
+                blob, dropped, modules = await pack(sb, roots)
+                path = await asyncio.to_thread(self.store.write, trajectory, blob)
+            except (RestFailed, OSError) as e:
+                log.warning("session %s cannot be put to rest: %s", trajectory, e)
+                self.rest_counts["rest_failures"] += 1
+                self._unrestable[trajectory] = last
+                if not sb.dead:
+                    sb.freeze()
+                return False
+            rested = Rested(path, len(blob), dropped, sb.rootfs.image.name if sb.rootfs is not None else None)
+            stdlib = getattr(sys, "stdlib_module_names", frozenset())
+            self._module_uses.update(m for m in modules if isinstance(m, str) and m.split(".")[0] in stdlib
+                                     and m.split(".")[0] not in NEVER_WARM)
+            self.sessions.pop(trajectory, None)
+            if sb.rootfs is not None:  # its files are on disk already: keep the root, end the processes
+                rested.rootfs = await self.imageboxes.stop_processes(sb)
+            else:
+                self._kill_later(sb)
+            if trajectory in self._close_after_rest:
+                self._forget(rested)
+                return False
+            self.rested[trajectory] = rested
+            self.rest_counts["rests"] += 1
+            if self.on_rest is not None:
+                self.on_rest(trajectory, path)
+            return True
+        except SandboxDied as e:  # it died packing: its state is gone, as with any dead sandbox
+            log.warning("session %s died while being put to rest: %s", trajectory, e)
+            self.rest_counts["rest_failures"] += 1
+            self.sessions.pop(trajectory, None)
+            return False
+        finally:
+            self._close_after_rest.discard(trajectory)
+            del self._moving[trajectory]
+            done.set_result(None)
+
+    async def _wake(self, trajectory: str, rested: Rested, image: str | None) -> tuple[Sandbox, dict[str, str]]:
+        """A sandbox with the rested session's state loaded; on failure the session stays at rest
+        (nothing is lost: a later step tries again) and ``SandboxDied`` says why."""
+        sb = None
+        try:
+            blob = await asyncio.to_thread(self.store.read, rested.path)
+            if rested.rootfs is not None:
+                sb = await self.imageboxes.spawn(rested.rootfs.image.name, rootfs=rested.rootfs)
+            else:
+                sb = await self._take(image)
+            dropped = await load(sb, blob)
+        except (OSError, SandboxDied, ImageError) as e:
+            self.rest_counts["wake_failures"] += 1
+            if sb is not None:
+                if rested.rootfs is not None:
+                    await self.imageboxes.stop_processes(sb)
+                else:
+                    await sb.kill()
+            self.rested[trajectory] = rested
+            raise SandboxDied(f"the session could not be woken from rest ({e}); it is still at rest") from None
+        self.store.forget(rested)
+        self.rest_counts["wakes"] += 1
+        if self.on_rest is not None:
+            self.on_rest(trajectory, None)
+        return sb, dropped
+
+    def rest_stats(self) -> dict:
+        """What ``/healthz``, ``/metrics`` and ``tangram top`` show of rest (counts since start)."""
+        c = self.config
+        return {"awake": len(self.sessions), "at_rest": len(self.rested), "resting_now": len(self._moving),
+                "rest_bytes": self.store.used if self.store is not None else 0, "rest_disk_mb": c.rest_disk_mb,
+                "max_awake_sessions": c.max_awake_sessions, "rest_after_s": c.rest_after_s, **self.rest_counts}
+
+    def session_state(self, trajectory: str) -> str | None:
+        """``running``, ``awake`` (processes alive, frozen), ``resting`` (being put to rest),
+        ``at_rest``, ``pending`` (files ready, processes on first use), or None (unknown here)."""
+        if trajectory in self._moving:
+            return "resting"
+        if trajectory in self._using:
+            return "running"
+        if trajectory in self.sessions:
+            return "awake"
+        if trajectory in self.rested:
+            return "at_rest"
+        if trajectory in self.pending_roots:
+            return "pending"
+        return None
+
+    def adopt_rested(self, trajectory: str, path: str, image: str | None = None) -> None:
+        """A session put to rest by an earlier server (its blob at ``path``): it wakes on its next
+        step. Raises ``FileNotFoundError`` when the blob is gone, ``ImageError`` for an image
+        session (its root was the old server's mount)."""
+        if image is not None:
+            raise ImageError("image sessions at rest cannot be woken after a restart (their root was mounted by "
+                             "the server that stopped)")
+        size = os.stat(path).st_size
+        self.rested[trajectory] = Rested(path, size)
+        if self.store is not None:
+            self.store.used += size
+        self._last_used[trajectory] = time.monotonic()
 
     def _adopt(self, trajectory: str, root: RootFs) -> None:
         """``trajectory`` is a session whose root is mounted; its processes start on first use."""
@@ -302,14 +492,23 @@ class SandboxManager:
         sb = None
         message = ""
         image = getattr(payload, "image", None) or self.config.image
+        woke: dict[str, str] | None = None
+        traj = action.trajectory
+        if traj is not None:
+            self._using.add(traj)
         try:
-            if action.trajectory is None:
+            if traj is None:
                 sb = await self._take(image, cores)
             else:
+                while traj in self._moving:  # being put to rest: wake it once it is
+                    await asyncio.shield(self._moving[traj])
                 sb = self.sessions.get(action.trajectory)
                 if sb is None or sb.dead:
                     pending = self.pending_roots.pop(action.trajectory, None)
-                    if pending is not None:  # a fork child or a restored session: its files are there
+                    rested = self.rested.pop(traj, None)
+                    if rested is not None:
+                        sb, woke = await self._wake(traj, rested, image)
+                    elif pending is not None:  # a fork child or a restored session: its files are there
                         sb = await self.imageboxes.spawn(pending.image.name, rootfs=pending)
                     else:
                         if allocation.setup not in (Setup.CREATE, Setup.NONE):
@@ -347,12 +546,21 @@ class SandboxManager:
             if sb is not None:
                 await sb.kill()
             raise  # the task set reports it as infra_error
+        finally:
+            if traj is not None:
+                self._using.discard(traj)
+        if woke is not None:
+            result.info = {**result.info, "woken": True, "dropped": woke}
+            if woke:
+                message = _join(message, "woken from rest without: " + "; ".join(f"{k} ({v})" for k, v in woke.items()))
         result.message = _join(message, result.message)
         session_mem_gb = None
         if sb is not None and not sb.dead and action.trajectory is not None:
             sb.freeze()
             self._last_used[action.trajectory] = time.monotonic()
             session_mem_gb = self._idle_memory_gb(sb)
+            if len(self.sessions) > self.config.max_awake_sessions:
+                self._want_rest()
         if sb is not None and action.trajectory is None:
             # starts once this task has reported: reset or teardown is not part of the action's ACT
             self.recycler.release(sb)

@@ -717,8 +717,226 @@ def op_reset(req):
     return {"clean": not why, "why": "; ".join(why)}
 
 
+# -- rest and wake: a session's python state and files to bytes, and back ---------------------------
+# A session idle long enough is put to rest by its host (manager.py): ``rest`` packs this
+# interpreter's namespace (pickled; functions and classes defined in the session by their code,
+# modules by name) and the sandbox's tmpfs files into one blob the host fetches in chunks and
+# keeps on disk; the sandbox is then killed. ``wake``, in a fresh sandbox of the same kind, loads
+# it back. Only the standard library of the sandbox's own python is used: an image's python may
+# not be the server's. What pickle cannot carry (open files, sockets, threads, generators, running
+# processes) is named in ``dropped`` and is missing after the wake, never silently different.
+
+REST = {"blob": b"", "modules": set()}
+REST_SKIP = ("__builtins__",)
+REST_CHUNK = 4 << 20  # bytes per answer line (base64: ~5.6 MB; the host reads lines up to 64 MB)
+
+
+def _rest_fn(code, name, qualname, ncells):
+    import types
+    cells = tuple(types.CellType() for _ in range(ncells)) if ncells else None
+    f = types.FunctionType(marshal.loads(code), NAMESPACE, name, None, cells)
+    f.__qualname__ = qualname
+    return f
+
+
+def _rest_fn_fill(f, state):
+    defaults, kwdefaults, cells, fdict, module, doc = state
+    f.__defaults__, f.__kwdefaults__, f.__module__, f.__doc__ = defaults, kwdefaults, module, doc
+    for cell, (full, value) in zip(f.__closure__ or (), cells):
+        if full:
+            cell.cell_contents = value
+    f.__dict__.update(fdict)
+
+
+def _rest_cls(meta, name, bases, slots):
+    ns = {"__module__": "__main__"}
+    if slots is not None:
+        ns["__slots__"] = slots
+    return meta(name, bases, ns)
+
+
+def _rest_cls_fill(cls, attrs):
+    for k, v in attrs.items():
+        setattr(cls, k, v)
+
+
+def _rest_pickler(buf):
+    import pickle
+    import types
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            t = type(obj)
+            if t is types.ModuleType:
+                REST["modules"].add(obj.__name__)
+                return __import__("importlib").import_module, (obj.__name__,)
+            if t is types.FunctionType and obj.__globals__ is NAMESPACE:
+                cells = []
+                for c in obj.__closure__ or ():
+                    try:
+                        cells.append((True, c.cell_contents))
+                    except ValueError:
+                        cells.append((False, None))
+                return (_rest_fn, (marshal.dumps(obj.__code__), obj.__name__, obj.__qualname__, len(cells)),
+                        (obj.__defaults__, obj.__kwdefaults__, tuple(cells), dict(obj.__dict__), obj.__module__,
+                         obj.__doc__), None, None, _rest_fn_fill)
+            if (isinstance(obj, type) and obj.__module__ == "__main__"
+                    and getattr(sys.modules.get("__main__"), obj.__qualname__, None) is not obj):
+                slots = obj.__dict__.get("__slots__")
+                slots = (slots,) if isinstance(slots, str) else (tuple(slots) if slots is not None else None)
+                attrs = {k: v for k, v in obj.__dict__.items()
+                         if k not in ("__dict__", "__weakref__", "__slots__", "__module__") and k not in (slots or ())}
+                return (_rest_cls, (type(obj), obj.__name__, obj.__bases__, slots), attrs, None, None, _rest_cls_fill)
+            return NotImplemented
+
+    return Pickler(buf, 4)
+
+
+def _rest_dump(value):
+    buf = io.BytesIO()
+    _rest_pickler(buf).dump(value)
+    return buf.getvalue()
+
+
+def _pack(root):
+    """The files under ``root``: [(relative path, kind, mode, mtime, data)], and what was left out."""
+    import stat
+    entries, skipped = [], {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, root)
+            try:
+                st = os.lstat(full)
+                mode = stat.S_IMODE(st.st_mode)
+                if stat.S_ISDIR(st.st_mode):
+                    entries.append((rel, "d", mode, st.st_mtime, b""))
+                elif stat.S_ISLNK(st.st_mode):
+                    entries.append((rel, "l", mode, st.st_mtime, os.readlink(full).encode("utf-8", "surrogateescape")))
+                elif stat.S_ISREG(st.st_mode):
+                    if not mode & 0o400:
+                        os.chmod(full, mode | 0o400)
+                    with open(full, "rb") as fh:
+                        entries.append((rel, "f", mode, st.st_mtime, fh.read()))
+                else:
+                    skipped[rel] = "not a regular file, directory or link"
+            except OSError as e:
+                skipped[rel] = f"{type(e).__name__}: {e}"
+    return entries, skipped
+
+
+def _unpack(root, entries):
+    dirs = []
+    for rel, kind, mode, mtime, data in entries:
+        full = os.path.join(root, rel)
+        if kind == "d":
+            os.makedirs(full, exist_ok=True)
+            dirs.append((full, mode, mtime))
+        elif kind == "l":
+            os.symlink(data.decode("utf-8", "surrogateescape"), full)
+        else:
+            with open(full, "wb") as fh:
+                fh.write(data)
+            os.chmod(full, mode)
+            os.utime(full, (mtime, mtime))
+    for full, mode, mtime in reversed(dirs):  # deepest first: a read-only directory after its files
+        os.chmod(full, mode)
+        os.utime(full, (mtime, mtime))
+
+
+def _rest_root(token):
+    """``workspace`` is this sandbox's workspace (its path differs between sandboxes without isolation)."""
+    return WORKSPACE if token == "workspace" else token
+
+
+def op_rest(req):
+    """Pack this session (``roots``: the tmpfs directories whose files go with it, ``workspace``
+    for the workspace) and answer its size
+    and what cannot be carried; the host then fetches the blob with ``rest_chunk``."""
+    state = {k: v for k, v in NAMESPACE.items() if k not in REST_SKIP}
+    dropped = {}
+    REST["modules"] = set()
+    try:
+        ns = _rest_dump(state)
+    except BaseException:  # one value cannot be carried: find which, keep the others together
+        keep = {}
+        for k, v in state.items():
+            try:
+                _rest_dump(v)
+                keep[k] = v
+            except BaseException as e:
+                dropped[k] = f"{type(e).__name__}: {e}"[:300]
+        ns = _rest_dump(keep)
+    files = {}
+    for token in req.get("roots") or ():
+        root = _rest_root(token)
+        entries, skipped = _pack(root)
+        files[token] = entries
+        for rel, why in skipped.items():
+            dropped[os.path.join(root, rel)] = why
+    if SHELL:
+        dropped["(shell)"] = "the persistent shell's variables, directory and background jobs end with its process"
+    blob = marshal.dumps({"ns": ns, "files": files, "cwd": os.getcwd(), "environ": dict(os.environ),
+                          "path": list(sys.path), "dropped": dropped}, 4)
+    REST["blob"] = blob
+    return {"size": len(blob), "dropped": dropped, "modules": sorted(REST["modules"])}
+
+
+def op_rest_chunk(req):
+    off = int(req["offset"])
+    return {"data": b64(REST["blob"][off:off + REST_CHUNK])}
+
+
+def op_wake(req):
+    """Append a chunk of a rested session's blob; with ``last``, load it: the files back in their
+    tmpfs, the namespace back in this interpreter (and what could not be carried, named)."""
+    start = time.monotonic()
+    REST["blob"] += unb64(req.get("data"))
+    if not req.get("last"):
+        return {}
+    blob, REST["blob"] = REST["blob"], b""
+    state = marshal.loads(blob)
+    for token, entries in state["files"].items():
+        _unpack(_rest_root(token), entries)
+    dropped = dict(state["dropped"])
+    try:
+        import pickle
+        ns = pickle.loads(state["ns"])
+    except BaseException as e:
+        ns = {}
+        dropped["(namespace)"] = f"could not be loaded: {type(e).__name__}: {e}"[:300]
+    NAMESPACE.update(ns)
+    os.environ.clear()
+    os.environ.update(state["environ"])
+    sys.path[:] = state["path"]
+    try:
+        os.chdir(state["cwd"])
+    except OSError as e:
+        dropped["(cwd)"] = f"{state['cwd']}: {e}"
+    return {"dropped": dropped, "names": len(ns), "load_s": time.monotonic() - start}
+
+
+def op_warm(req):
+    """Import what waking a session needs (pickle) and the modules rested sessions use most,
+    before this sandbox is taken: a wake then pays for neither (sys.modules only; the session's
+    namespace stays empty, and python one-shots fork from the zygote, made before this)."""
+    import ast  # noqa: F401  (these three: what a session's first cell imports, op_cell)
+    import importlib
+    import pickle  # noqa: F401
+    import signal  # noqa: F401
+    import threading  # noqa: F401
+    failed = []
+    for name in req.get("modules") or ():
+        try:
+            importlib.import_module(name)
+        except BaseException:
+            failed.append(name)
+    return {"failed": failed}
+
+
 OPS = {"run": op_run, "shell": op_shell, "python": op_python, "cell": op_cell, "write": op_write, "read": op_read,
-       "reset": op_reset,
+       "reset": op_reset, "rest": op_rest, "rest_chunk": op_rest_chunk, "wake": op_wake,
+       "warm": op_warm,
        "ping": lambda req: {"pid": os.getpid()}}
 
 
