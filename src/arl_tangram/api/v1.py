@@ -106,6 +106,9 @@ class ActionResult(BaseModel):
     setup_s: Optional[float] = None
     exec_s: Optional[float] = None
     cores: Optional[int] = None
+    woken: bool = Field(False, description="this session step woke the session from rest first")
+    dropped: dict[str, str] = Field(default_factory=dict, description="woken: globals (and files) its state "
+                                    "could not carry, each with why; they are missing now")
 
 
 class SessionRequest(Request):
@@ -119,6 +122,15 @@ class SessionInfo(BaseModel):
     session_id: str
     job: str
     image: Optional[str] = None
+
+
+class SessionState(SessionInfo):
+    """``GET /v1/sessions/{id}``: where the session's state is now."""
+
+    state: Literal["new", "running", "awake", "resting", "at_rest", "pending"] = Field(
+        ..., description="new: no step yet; running: a step runs; awake: idle, processes kept (frozen); resting: "
+                         "being put to rest; at_rest: its state on disk, no processes (the next step wakes it); "
+                         "pending: files ready, processes start on the next step")
 
 
 class ForkRequest(Request):

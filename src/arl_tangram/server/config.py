@@ -172,7 +172,10 @@ def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True,
         if workers is None:
             from ..runtime.host import helper_processes
             workers = helper_processes(len(cfg.sandbox.cpus or os.sched_getaffinity(0)))
-        runtime = LocalRuntime(cfg.policy, cfg.sandbox, cfg.cores, cfg.memory_gb, models=models, gpus=cfg.gpus,
+        sandbox = cfg.sandbox
+        if sandbox.rest_dir is None:  # beside the journal: a restart finds the sessions it left at rest
+            sandbox = sandbox.model_copy(update={"rest_dir": str(path) + ".rest"})
+        runtime = LocalRuntime(cfg.policy, sandbox, cfg.cores, cfg.memory_gb, models=models, gpus=cfg.gpus,
                                gpu_memory_gb=cfg.gpu_memory_gb, gpu_island_size=cfg.gpu_island_size,
                                sandboxes=sandboxes, max_queue_s=cfg.max_queue_s, workers=workers)
     if record is not None or cfg.record is not None:

@@ -61,6 +61,10 @@ class Journal:
             id TEXT PRIMARY KEY, job TEXT NOT NULL, kind TEXT NOT NULL, request TEXT NOT NULL,
             state TEXT NOT NULL, outcome TEXT, response TEXT, safe INTEGER NOT NULL,
             accepted_at REAL NOT NULL, finished_at REAL)""")
+        # open sessions (issue #25): one at rest has its state in the file at ``path`` and can be
+        # woken by the next server; one awake when the server died lost its state with it
+        self._db.execute("""CREATE TABLE IF NOT EXISTS sessions (
+            id TEXT PRIMARY KEY, job TEXT NOT NULL, image TEXT, state TEXT NOT NULL, path TEXT, at REAL NOT NULL)""")
         self._queue: list[tuple] = []
         self._pending: dict[str, Entry] = {}  # written, not yet committed
         self._waiters: list[asyncio.Future] = []
@@ -97,11 +101,30 @@ class Journal:
         self._write(id, entry, ("UPDATE actions SET state='done', outcome=?, response=?, finished_at=? "
                                 "WHERE id=? AND state!='done'", (outcome, _text(response), time.time(), id)))
 
-    def _write(self, id: str, entry: Entry, statement: tuple) -> None:
+    # -- sessions (committed with the actions' writes: same group commit) ----------------------------
+    def session_open(self, id: str, job: str, image: str | None) -> None:
+        self._write(None, None, ("INSERT OR REPLACE INTO sessions (id, job, image, state, path, at) "
+                                 "VALUES (?, ?, ?, 'awake', NULL, ?)", (id, job, image, time.time())))
+
+    def session_rested(self, id: str, path: str | None) -> None:
+        """The session is at rest with its state at ``path``, or (None) awake again."""
+        self._write(None, None, ("UPDATE sessions SET state=?, path=?, at=? WHERE id=?",
+                                 ("at_rest" if path else "awake", path, time.time(), id)))
+
+    def session_closed(self, id: str) -> None:
+        self._write(None, None, ("DELETE FROM sessions WHERE id=?", (id,)))
+
+    def sessions(self) -> list[tuple[str, str, str | None, str, str | None]]:
+        """Open sessions: (id, job, image, state, path)."""
+        self.flush()
+        return self._db.execute("SELECT id, job, image, state, path FROM sessions ORDER BY at").fetchall()
+
+    def _write(self, id: str | None, entry: Entry | None, statement: tuple) -> None:
         if self.error is not None:
             raise JournalError(f"the journal cannot be written: {self.error}")
         self._queue.append(statement)
-        self._pending[id] = entry
+        if id is not None and entry is not None:
+            self._pending[id] = entry
         if self._scheduled:
             return
         try:

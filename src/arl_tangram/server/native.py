@@ -40,6 +40,11 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
     async def open_session(req: v1.SessionRequest) -> v1.SessionInfo:
         return await calls.open_session(req)
 
+    @router.get("/v1/sessions/{session_id}", response_model=v1.SessionState, tags=["sessions"],
+             dependencies=guarded, responses={404: {"model": v1.Error}})
+    async def session_state(session_id: str) -> v1.SessionState:
+        return await answer(calls.session_state(session_id))
+
     @router.post("/v1/sessions/{session_id}/exec", response_model=v1.ActionResult, tags=["sessions"],
               dependencies=guarded, responses={404: {"model": v1.Error}})
     async def exec_(session_id: str, req: v1.ExecRequest) -> v1.ActionResult:
@@ -106,7 +111,7 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
 
 DIALECT = Dialect("native", {
     "submit": Service.submit, "status": Service.status, "cancel": Service.cancel,
-    "open_session": Service.open_session, "exec": Service.exec, "put_files": Service.put_files,
+    "open_session": Service.open_session, "session_state": Service.session_state, "exec": Service.exec, "put_files": Service.put_files,
     "get_files": Service.get_files, "fork": Service.fork, "prewarm": Service.prewarm,
     "close_session": Service.close_session, "model_call": Service.model_call, "all_jobs": Service.all_jobs,
     "job_stats": Service.job_stats, "cluster": Service.cluster, "health": Service.health,

@@ -24,7 +24,7 @@ from .. import __version__
 from ..api import v1
 from ..core.action import Outcome
 from ..core.names import path_problem
-from ..managers.sandbox.spec import CommandResult, Files
+from ..managers.sandbox.spec import CommandResult, Files, SandboxResult
 from ..managers.sandbox.images import ImageError
 from ..runtime import ActionResult, NoRoom, Runtime, Session, Tangram
 from ..runtime.api import SessionError
@@ -107,6 +107,18 @@ class Metrics:
                                "(what for: /healthz head_waits_for)", registry=self.registry)
         self.refused = Counter("tangram_sessions_refused_total", "New sessions refused, by the limit reached",
                                ["limit"], registry=self.registry)
+        # sessions at rest (issue #25)
+        self.sessions_awake = Gauge("tangram_sessions_awake", "Sessions whose processes are alive (running or "
+                                    "idle and frozen)", registry=self.registry)
+        self.sessions_at_rest = Gauge("tangram_sessions_at_rest", "Sessions at rest: state on disk, no processes",
+                                      registry=self.registry)
+        self.rest_bytes = Gauge("tangram_rest_disk_bytes", "Disk used by sessions at rest", registry=self.registry)
+        self.rest_limit = Gauge("tangram_rest_disk_limit_bytes", "Disk sessions at rest may use "
+                                "(sandbox.rest_disk_mb)", registry=self.registry)
+        self.rests = Gauge("tangram_session_rests", "Sessions put to rest since start", registry=self.registry)
+        self.wakes = Gauge("tangram_session_wakes", "Sessions woken from rest since start", registry=self.registry)
+        self.rest_failures = Gauge("tangram_session_rest_failures", "Sessions that could not be put to rest (they "
+                                   "stayed awake) since start", registry=self.registry)
         self._children: dict[tuple[str, str], tuple] = {}
 
     def count(self, service: str, outcome: str, act_s: float) -> None:
@@ -154,6 +166,7 @@ class Service:
         self.runtime = runtime
         self.tg = Tangram(runtime)
         runtime.session_listeners.append(self._session_ended)
+        runtime.rest_listeners.append(self._session_rested)
         self.journal = journal
         self.max_queue = max_queue
         self.drain_s = drain_s
@@ -165,6 +178,7 @@ class Service:
         self._outcomes: dict[str, dict[str, int]] = {}
         self.started_at = time.time()
         self.recovered = {"rerun": 0, "infra_error": 0, "rejected": 0}
+        self.recovered_sessions = {"at_rest": 0, "lost": 0}  # sessions of the server before a restart
         self.fronts = 0  # HTTP front processes (server/fronts.py sets it; 0: HTTP in this process)
         self.on_stop: list = []  # callables run once the sessions are closed (a dialect's own cleanup)
 
@@ -174,6 +188,32 @@ class Service:
         self.metrics.cores.set(self.runtime.snapshot().cores)
         if self.journal is not None:
             self._recover()
+            self._recover_sessions()
+
+    def _recover_sessions(self) -> None:
+        """The previous server's open sessions: one at rest is open again (its next step wakes it);
+        one that was awake lost its state with its sandbox, and is gone, saying so."""
+        for sid, job, image, state, path in self.journal.sessions():
+            if state == "at_rest" and path:
+                try:
+                    self.runtime.adopt_rested(sid, path, image)
+                except (OSError, LookupError, ImageError) as e:
+                    self._lost(sid, f"session {sid} was at rest when the server restarted but cannot be woken: {e}")
+                    continue
+                self.sessions[sid] = Session(self.runtime, sid, job, image)
+                self.recovered_sessions["at_rest"] += 1
+            else:
+                self._lost(sid, f"session {sid} was awake (not at rest) when the server stopped: its python state "
+                                "and files went with its sandbox")
+        self.metrics.sessions.set(len(self.sessions))
+        if any(self.recovered_sessions.values()):
+            log.warning("sessions after restart: %d at rest (they wake on their next step), %d lost",
+                        self.recovered_sessions["at_rest"], self.recovered_sessions["lost"])
+
+    def _lost(self, sid: str, reason: str) -> None:
+        self.runtime.ended[sid] = reason
+        self.journal.session_closed(sid)
+        self.recovered_sessions["lost"] += 1
 
     def _recover(self) -> None:
         """Account for what a previous process accepted and never finished: a stateless one-shot
@@ -327,6 +367,8 @@ class Service:
             run=_command(r.result.run), compile=_command(r.result.compile),
             files={k: base64.b64encode(v).decode() for k, v in r.result.files.items()}, act_s=r.act_s,
             queue_s=r.queue_s, setup_s=r.setup_s, exec_s=r.exec_s, cores=r.cores)
+        if isinstance(r.result, SandboxResult) and r.result.info.get("woken"):
+            out.woken, out.dropped = True, dict(r.result.info.get("dropped") or {})
         if self.journal is not None:
             self.journal.finish(r.id, r.outcome.value, out.model_dump_json())
         self.metrics.count(service, r.outcome.value, r.act_s)
@@ -378,8 +420,16 @@ class Service:
                 self.metrics.refused.labels(e.limit).inc()
                 raise
             self.metrics.sessions.set(len(self.sessions))
+            if self.journal is not None:
+                self.journal.session_open(sid, req.job, req.image)
+                await self._durable()
         s = self.sessions[sid]
         return v1.SessionInfo(session_id=sid, job=s.job, image=s.image)
+
+    def session_state(self, sid: str) -> v1.SessionState:
+        s = self._session(sid)
+        return v1.SessionState(session_id=sid, job=s.job, image=s.image,
+                               state=self.runtime.session_state(sid) or "new")
 
     async def fork(self, sid: str, req: v1.ForkRequest) -> v1.ForkResult:
         s = self._session(sid)
@@ -390,6 +440,8 @@ class Service:
             return v1.ForkResult(outcome=e.result.outcome.value, message=e.result.message)
         for c in children:
             self.sessions[c.id] = c
+            if self.journal is not None:
+                self.journal.session_open(c.id, c.job, c.image)
         self.metrics.sessions.set(len(self.sessions))
         return v1.ForkResult(outcome="ok", session_ids=[c.id for c in children], fork_s=s.last_fork.get("fork_s"),
                              message="files are shared copy-on-write; the shell and python interpreter of the "
@@ -416,6 +468,13 @@ class Service:
         """The runtime ended a session (expiry, its node died): it is gone for HTTP callers too."""
         if self.sessions.pop(sid, None) is not None:
             self.metrics.sessions.set(len(self.sessions))
+            if self.journal is not None:
+                self.journal.session_closed(sid)
+
+    def _session_rested(self, sid: str, path: str | None) -> None:
+        """A session went to rest (its state at ``path``) or woke: the journal knows, for a restart."""
+        if self.journal is not None and sid in self.sessions:
+            self.journal.session_rested(sid, path)
 
     async def exec(self, sid: str, req: v1.ExecRequest) -> v1.ActionResult:
         s = self._session(sid)
@@ -502,7 +561,8 @@ class Service:
                 "session_mem_used_mb": round(snap.session_mem_used_gb * 1024, 1),
                 "session_mem_reserved_mb": round(snap.session_mem_reserved_gb * 1024, 1),
                 "memory_mb": round(snap.memory_gb * 1024), "head_waited_s": round(snap.head_waited_s, 3),
-                "head_waits_for": snap.head_waits_for, "fronts": self.fronts, "sandbox_workers": self._workers()}
+                "head_waits_for": snap.head_waits_for, "fronts": self.fronts, "sandbox_workers": self._workers(),
+                "rest": self.runtime.rest_stats(), "recovered_sessions": self.recovered_sessions}
 
     def _workers(self) -> dict | None:
         """Sandbox worker processes up / started (None: one-shots run in this process)."""
@@ -524,3 +584,13 @@ class Service:
         self.metrics.session_mem_reserved.set(snap.session_mem_reserved_gb * (1 << 30))
         self.metrics.memory.set(snap.memory_gb * (1 << 30))
         self.metrics.head_wait.set(snap.head_waited_s)
+        rest = self.runtime.rest_stats()
+        if rest is not None:
+            m = self.metrics
+            m.sessions_awake.set(rest["awake"])
+            m.sessions_at_rest.set(rest["at_rest"])
+            m.rest_bytes.set(rest["rest_bytes"])
+            m.rest_limit.set(rest["rest_disk_mb"] << 20)
+            m.rests.set(rest["rests"])
+            m.wakes.set(rest["wakes"])
+            m.rest_failures.set(rest["rest_failures"])
