@@ -545,7 +545,7 @@ def bench_cluster(
 @bench_app.command("sessions")
 def bench_sessions(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
-    sessions: int = typer.Option(1000, min=1, help="Sessions to open and keep."),
+    sessions: int = typer.Option(1000, "--sessions", "--n", min=1, help="Sessions to open and keep."),
     concurrency: int = typer.Option(16, min=1, help="Concurrent clients when opening and revisiting."),
     over: int = typer.Option(150, min=1, help="Session attempts against a 1 GB server, past its capacity."),
 ) -> None:

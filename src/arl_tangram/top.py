@@ -43,6 +43,11 @@ def render(url: str, health: dict, jobs: list[v1.JobStats], cluster: dict | None
         head += (f"\nsession memory: {health['session_mem_used_mb']:,.0f} MB in use, "
                  f"{health['session_mem_reserved_mb']:,.0f} MB reserved of {health['memory_mb']:,} MB "
                  f"({health['sessions_placed']} sessions placed)")
+        rest = health.get("rest")
+        if rest:  # servers since issue #25
+            head += (f"\nsessions awake {rest['awake']:,} (at most {rest['max_awake_sessions']:,} idle), at rest "
+                     f"{rest['at_rest']:,} using {rest['rest_bytes'] / (1 << 20):,.1f} of {rest['rest_disk_mb']:,} MB "
+                     f"of disk; {rest['rests']:,} rests, {rest['wakes']:,} wakes, {rest['rest_failures']} failed")
         workers = health.get("sandbox_workers")
         if health.get("fronts") or workers:  # servers with helper processes (issue #10)
             head += f"\nprocesses: {health.get('fronts', 0)} HTTP fronts"

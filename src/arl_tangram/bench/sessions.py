@@ -1,12 +1,15 @@
-"""``tangram bench sessions``: session density over HTTP (issue #15).
+"""``tangram bench sessions``: session density over HTTP (issues #15, #25).
 
-A server is started on a free loopback port. ``n`` sessions are opened at ``concurrency`` clients,
-each running one step that leaves a small state (a few imports and a list); then every session
-is revisited one at a time (a step that checks its state, latency per step over HTTP), and again
-at ``concurrency`` clients (throughput). Idle memory per session is measured three ways: what the
-sessions' cgroups are charged (the scheduler's figure), the proportional set size of the
-sandbox processes (shared pages split among their users), and the drop of the host's
-``MemAvailable`` (includes the server's own growth and the kernel's; noisy on a shared host).
+A server is started on a free loopback port with the default rest settings (sessions past
+``max_awake_sessions`` or idle ``rest_after_s`` are put to rest: state on disk, no processes).
+``n`` sessions are opened at ``concurrency`` clients, each running one step that leaves a state
+(three imports, a list of 1,000 ints, a variable); then every session is revisited one at a time
+(a step that checks its state exactly; latency per step over HTTP, most of them waking a rested
+session), and again at ``concurrency`` clients (throughput). Idle memory per session is measured
+four ways: what the sessions' cgroups are charged (the scheduler's figure; a rested session has
+none), the proportional set size of the sandbox processes (shared pages split among their
+users), the drop of the host's ``MemAvailable`` (includes the server's own growth and the
+kernel's; noisy on a shared host) and the server's own growth; and the disk rested sessions use.
 
 Then a second server with little memory for sessions (``memory_gb`` of 1 GB: the machine's real
 capacity is not filled, so as not to starve its other users) is pushed past it at the same
@@ -32,8 +35,9 @@ from ..runtime.host import mem_available_mb
 from ..sim.metrics import percentile
 from .server import free_port, wait_up
 
-FIRST = "import json, re, collections\nxs = list(range(100))\nstate = {{'i': {i}}}"
-CHECK = "assert state['i'] == {i}, state\nstate['visits'] = state.get('visits', 0) + 1\nprint(len(xs))"
+FIRST = "import json, re, collections\nxs = list(range(1000))\nstate = {{'i': {i}}}"
+CHECK = ("assert state['i'] == {i} and set(state) <= {{'i', 'visits'}}, state\nassert xs == list(range(1000))\n"
+         "state['visits'] = state.get('visits', 0) + 1\nprint(len(xs))")
 
 
 class _Server:
@@ -105,14 +109,17 @@ async def _open(c: httpx.AsyncClient, i: int) -> tuple[str | None, str]:
     return sid, "ok"
 
 
-async def _visit(c: httpx.AsyncClient, sid: str, i: int) -> bool:
+async def _visit(c: httpx.AsyncClient, sid: str, i: int, woken: list[int] | None = None) -> bool:
     r = await c.post(f"/v1/sessions/{sid}/exec", json={"python": CHECK.format(i=i), "timeout_s": 30})
     body = r.json()
-    return (r.status_code == 200 and body.get("outcome") == "ok"
-            and ((body.get("run") or {}).get("stdout") or "").strip() == "100")
+    if woken is not None and body.get("woken"):
+        woken.append(i)
+    return (r.status_code == 200 and body.get("outcome") == "ok" and not body.get("dropped")
+            and ((body.get("run") or {}).get("stdout") or "").strip() == "1000")
 
 
-async def _density(url: str, n: int, concurrency: int, log: Callable[[str], None]) -> tuple[dict, list[str]]:
+async def _density(url: str, n: int, concurrency: int, log: Callable[[str], None],
+                   measure: Callable[[int], dict]) -> tuple[dict, list[str]]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     out: dict = {}
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as c:
@@ -134,15 +141,19 @@ async def _density(url: str, n: int, concurrency: int, log: Callable[[str], None
         out["open"] = {"sessions": n, "concurrency": concurrency, "opened": len(opened), "seconds": round(open_s, 2),
                        "sessions_per_s": round(len(opened) / open_s, 1), "failures": failures}
         log(f"opened {len(opened)}/{n} sessions (first step run) in {open_s:.1f} s at {concurrency} clients")
+        await asyncio.sleep(2.0)  # the last rests under way finish
+        out["idle_memory_after_open"] = await asyncio.to_thread(measure, len(opened))
+        log(f"idle memory per session after opening: {out['idle_memory_after_open']}")
 
         lat: list[float] = []
         correct = 0
+        woken: list[int] = []
         for i, sid in opened:  # one at a time
             t = time.perf_counter()
-            ok = await _visit(c, sid, i)
+            ok = await _visit(c, sid, i, woken)
             lat.append(time.perf_counter() - t)
             correct += ok
-        out["revisit_sequential"] = {**_lat(lat), "state_intact": correct}
+        out["revisit_sequential"] = {**_lat(lat), "state_intact": correct, "woken_from_rest": len(woken)}
         log(f"revisited one at a time: p50 {out['revisit_sequential']['p50_ms']} ms, p99 "
             f"{out['revisit_sequential']['p99_ms']} ms, {correct}/{len(opened)} with their state")
 
@@ -201,9 +212,31 @@ async def _past_capacity(url: str, attempts: int, concurrency: int, hang_s: floa
             "limits_named": limits_named, "seconds": round(el, 2), "example_refusal": example}
 
 
+def _cgroups_mb(pids: list[int]) -> float:
+    """``memory.current`` summed over the (v2) cgroups of ``pids``, each counted once."""
+    groups = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/cgroup") as fh:
+                for line in fh:
+                    if line.startswith("0::"):
+                        groups.add(line[3:].strip())
+        except OSError:
+            pass
+    total = 0
+    for g in groups:
+        try:
+            with open(f"/sys/fs/cgroup{g}/memory.current") as fh:
+                total += int(fh.read())
+        except (OSError, ValueError):
+            pass
+    return total / (1 << 20)
+
+
 def run(n: int = 1000, concurrency: int = 16, over_attempts: int = 150, log: Callable[[str], None] = lambda m: None,
         ) -> dict:
-    result: dict = {"cores": len(os.sched_getaffinity(0)), "sessions_target": n}
+    result: dict = {"cores": len(os.sched_getaffinity(0)), "sessions_target": n,
+                    "load_avg_1m_before": round(os.getloadavg()[0], 2)}
     with tempfile.TemporaryDirectory() as tmp:
         avail0 = mem_available_mb()
         server = _Server(tmp, {"sandbox": {"session_idle_expiry_s": 3600, "warm_pool": 8}})
@@ -211,24 +244,34 @@ def run(n: int = 1000, concurrency: int = 16, over_attempts: int = 150, log: Cal
             time.sleep(1.0)
             rss0 = _rss_mb(server.proc.pid)
             avail1 = mem_available_mb()
-            density, sids = asyncio.run(_density(server.url, n, concurrency, log))
+
+            def measure(k: int) -> dict:
+                """Idle memory per session now (MB), and where the sessions are."""
+                k = max(1, k)
+                health = httpx.get(f"{server.url}/healthz", timeout=30).json()
+                sandboxes = [p for p in _descendants(server.proc.pid) if p != server.proc.pid]
+                avail2 = mem_available_mb()
+                rest = health.get("rest") or {}
+                return {"cgroup_charge": round(health["session_mem_used_mb"] / k, 3),
+                        "sandbox_cgroups_now": round(_cgroups_mb(sandboxes) / k, 3),
+                        "sandbox_pss": round(_pss_mb(sandboxes) / k, 3),
+                        "server_rss_growth": round((_rss_mb(server.proc.pid) - rss0) / k, 3),
+                        "host_available_drop": round((avail1 - avail2) / k, 3) if avail1 and avail2 else None,
+                        "goal": 1.5, "sessions": k, "awake": rest.get("awake"), "at_rest": rest.get("at_rest"),
+                        "rest_disk_per_session_kb": round(rest.get("rest_bytes", 0) / k / 1024, 1),
+                        "sandbox_processes": len(sandboxes), "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+            density, sids = asyncio.run(_density(server.url, n, concurrency, log, measure))
             result.update(density)
             time.sleep(1.0)
+            result["idle_memory_per_session_mb"] = measure(len(sids))
             health = httpx.get(f"{server.url}/healthz", timeout=30).json()
-            sandboxes = [p for p in _descendants(server.proc.pid) if p != server.proc.pid]
-            avail2 = mem_available_mb()
-            k = max(1, len(sids))
-            result["idle_memory_per_session_mb"] = {
-                "cgroup_charge": round(health["session_mem_used_mb"] / k, 2),
-                "sandbox_pss": round(_pss_mb(sandboxes) / k, 2),
-                "server_rss_growth": round((_rss_mb(server.proc.pid) - rss0) / k, 2),
-                "host_available_drop": round((avail1 - avail2) / k, 2) if avail1 and avail2 else None,
-                "goal": 15}
+            result["rest"] = health.get("rest")
             result["server"] = {"sessions_placed": health["sessions_placed"],
                                 "session_mem_reserved_mb": health["session_mem_reserved_mb"],
                                 "session_mem_used_mb": health["session_mem_used_mb"],
-                                "sandbox_processes": len(sandboxes), "host_available_mb_before": avail0}
-            log(f"idle memory per session: {result['idle_memory_per_session_mb']}")
+                                "host_available_mb_before": avail0}
+            log(f"idle memory per session after revisits: {result['idle_memory_per_session_mb']}")
         finally:
             server.stop()
         small = _Server(tmp, {"memory_gb": 1.0, "max_queue_s": 20,

@@ -1,0 +1,258 @@
+"""Sessions at rest (issue #25): an idle session's python state and files go to disk, its
+processes end, and its next step wakes it with the state exactly as it was, or says what it lost."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import signal
+
+import httpx
+import pytest
+
+from arl_tangram.core import Outcome
+from arl_tangram.managers.sandbox.spec import SandboxConfig
+from arl_tangram.runtime import NoRoom, Tangram
+
+from servers import Server
+
+pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+
+STATE = '''
+import json, collections
+from os import path as ospath
+n = 42
+big = 2 ** 100
+s = "héllo\\n"
+xs = list(range(1000))
+d = {"a": [1, 2, {"b": (3, 4)}], 5: None}
+alias = xs
+def f(x, k=3, *, m=1): return x * k * m + n
+def outer():
+    hits = []
+    def inner(v):
+        hits.append(v)
+        return len(hits)
+    return inner
+counter_fn = outer()
+counter_fn("first")
+lam = lambda y: y + n
+class Point:
+    __slots__ = ("x", "y")
+    def __init__(self, x, y): self.x, self.y = x, y
+    def norm(self): return self.x ** 2 + self.y ** 2
+class Sub(Point):
+    tag = "sub"
+    def norm(self): return super().norm() + 1
+class Plain:
+    def __init__(self): self.items = {"k": [1]}
+p = Sub(3, 4)
+plain = Plain()
+c = collections.Counter("aab")
+import os
+os.chdir("/workspace/sub") if os.path.isdir("/workspace/sub") else None
+os.environ["MY_VAR"] = "kept"
+'''
+
+CHECK = '''
+import os
+assert n == 42 and big == 2 ** 100 and s == "héllo\\n"
+assert xs == list(range(1000)) and alias is xs
+assert d == {"a": [1, 2, {"b": (3, 4)}], 5: None}
+assert f(2) == 48 and f(2, k=1, m=2) == 46 and f.__defaults__ == (3,) and f.__kwdefaults__ == {"m": 1}
+hits = counter_fn.__closure__[0].cell_contents
+assert hits[0] == "first" and counter_fn("again") == len(hits)  # the closure's list, still shared
+assert lam(1) == 43
+assert p.norm() == 26 and isinstance(p, Point) and type(p) is Sub and Sub.tag == "sub"
+assert plain.items == {"k": [1]} and type(plain) is Plain
+assert c["a"] == 2 and json.dumps([1]) == "[1]" and ospath.join("a", "b") == "a/b"
+assert os.getcwd() == "/workspace/sub" and os.environ["MY_VAR"] == "kept"
+print(open("/workspace/sub/data.txt").read(), open("/tmp/scratch").read(), os.readlink("/workspace/link"))
+'''
+
+
+def _config(**kw) -> SandboxConfig:
+    return SandboxConfig(warm_pool=2, **{"rest_after_s": 0, **kw})
+
+
+async def _rest(tg: Tangram, trajectory: str) -> None:
+    manager = tg.runtime.sandbox_manager()
+    assert await manager.rest(trajectory)
+    assert manager.session_state(trajectory) == "at_rest"
+
+
+def test_a_woken_session_has_every_kind_of_value_exactly_as_it_left_them():
+    async def main():
+        async with Tangram.local(sandbox=_config()) as tg:
+            s = await tg.session(trajectory="kinds")
+            r = await s.exec("mkdir -p sub && printf hello > sub/data.txt && printf tmp > /tmp/scratch && "
+                             "ln -s sub/data.txt link")
+            assert r.outcome is Outcome.OK, r.message
+            r = await s.exec(python=STATE)
+            assert r.outcome is Outcome.OK, r.stderr
+            await _rest(tg, "kinds")
+            assert tg.runtime.engine.cpu.session_mem["kinds"] == 0.0  # at rest: no memory reserved
+            r = await s.exec(python=CHECK)
+            assert r.outcome is Outcome.OK, r.stderr
+            assert r.stdout.split() == ["hello", "tmp", "sub/data.txt"]
+            # the persistent shell's own state (its variables, jobs) is the one thing not carried
+            assert r.result.info["woken"] is True and set(r.result.info["dropped"]) == {"(shell)"}
+            # and again: a second rest carries what the woken interpreter holds
+            await _rest(tg, "kinds")
+            r = await s.exec(python=CHECK)
+            assert r.outcome is Outcome.OK, r.stderr
+    asyncio.run(main())
+
+
+def test_a_step_after_a_wake_names_the_globals_that_could_not_be_carried():
+    async def main():
+        async with Tangram.local(sandbox=_config()) as tg:
+            s = await tg.session(trajectory="lossy")
+            r = await s.exec(python="import threading\nkept = [1, 2]\nfh = open('/workspace/f', 'w')\n"
+                                    "gen = (i for i in range(3))\nlock = threading.Lock()")
+            assert r.outcome is Outcome.OK, r.stderr
+            await _rest(tg, "lossy")
+            r = await s.exec(python="print(kept, [n for n in ('fh', 'gen', 'lock') if n in globals()])")
+            assert r.outcome is Outcome.OK, r.stderr
+            assert r.stdout.strip() == "[1, 2] []"
+            assert set(r.result.info["dropped"]) == {"fh", "gen", "lock"}
+            assert "cannot pickle" in r.result.info["dropped"]["gen"]
+            assert "woken from rest without: " in r.message and "gen (" in r.message
+            r = await s.exec(python="print(kept)")  # once said, not said again
+            assert r.message == "" and "woken" not in r.result.info
+    asyncio.run(main())
+
+
+def test_least_recently_used_sessions_go_to_rest_past_max_awake_and_idle_ones_after_rest_after_s():
+    async def main():
+        async with Tangram.local(sandbox=_config(max_awake_sessions=2)) as tg:
+            manager = tg.runtime.sandbox_manager()
+            sessions = []
+            for i in range(4):
+                s = await tg.session(trajectory=f"lru{i}")
+                r = await s.exec(python=f"v = {i}")
+                assert r.outcome is Outcome.OK
+                sessions.append(s)
+            for _ in range(100):
+                if len(manager.rested) == 2 and not manager._moving:
+                    break
+                await asyncio.sleep(0.05)
+            assert sorted(manager.rested) == ["lru0", "lru1"]  # the least recently used
+            assert sorted(manager.sessions) == ["lru2", "lru3"]
+            for i, s in enumerate(sessions):
+                r = await s.exec(python="print(v)")
+                assert r.stdout.strip() == str(i)
+            assert manager.rest_stats()["wakes"] >= 2
+        async with Tangram.local(sandbox=_config(rest_after_s=0.3)) as tg:
+            manager = tg.runtime.sandbox_manager()
+            s = await tg.session(trajectory="idle")
+            await s.exec(python="v = 7")
+            for _ in range(100):
+                if manager.session_state("idle") == "at_rest":
+                    break
+                await asyncio.sleep(0.05)
+            assert manager.session_state("idle") == "at_rest"
+            assert (await s.exec(python="print(v)")).stdout.strip() == "7"
+    asyncio.run(main())
+
+
+def test_a_step_sent_while_its_session_is_put_to_rest_waits_then_wakes_it():
+    async def main():
+        async with Tangram.local(sandbox=_config()) as tg:
+            manager = tg.runtime.sandbox_manager()
+            s = await tg.session(trajectory="race")
+            await s.exec(python="v = 'x' * 1000")
+            resting = asyncio.ensure_future(manager.rest("race"))
+            await asyncio.sleep(0)  # the rest has begun
+            assert manager.session_state("race") == "resting"
+            r = await s.exec(python="print(len(v))")
+            assert await resting is True
+            assert r.outcome is Outcome.OK and r.stdout.strip() == "1000" and r.result.info["woken"]
+    asyncio.run(main())
+
+
+def test_closing_a_rested_session_removes_its_state_from_disk():
+    async def main():
+        async with Tangram.local(sandbox=_config()) as tg:
+            manager = tg.runtime.sandbox_manager()
+            s = await tg.session(trajectory="bye")
+            await s.exec(python="v = 1")
+            await _rest(tg, "bye")
+            path = manager.rested["bye"].path
+            assert manager.store.used > 0
+            await s.close()
+            await asyncio.sleep(0)
+            assert "bye" not in manager.rested and manager.store.used == 0
+            import os
+            assert not os.path.exists(path)
+    asyncio.run(main())
+
+
+def test_a_new_session_is_refused_naming_the_limit_once_rested_sessions_fill_rest_disk_mb():
+    async def main():
+        async with Tangram.local(sandbox=_config(rest_disk_mb=1)) as tg:
+            s = await tg.session(trajectory="fat")
+            r = await s.exec(python="blob = bytes(range(256)) * 8192")  # 2 MB
+            assert r.outcome is Outcome.OK
+            await _rest(tg, "fat")
+            with pytest.raises(NoRoom) as e:
+                await tg.session(trajectory="next")
+            assert e.value.limit == "rest disk" and "sandbox.rest_disk_mb (1 MB)" in str(e.value)
+            assert len((await s.exec(python="print(len(blob))")).stdout.strip()) > 0  # it still wakes
+            await tg.session(trajectory="next")  # woken: its blob is gone, room again
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_server_killed_with_sessions_at_rest_wakes_them_after_restart(tmp_path):
+    """kill -9 with one session at rest and one awake: after the restart the rested one answers
+    with its state, the awake one is gone saying why, and both are visible over HTTP."""
+    cfg = {"sandbox": {"rest_after_s": 0, "max_awake_sessions": 1, "warm_pool": 2}}
+    s = Server(tmp_path, cfg)
+    try:
+        sids = []
+        for i in range(2):
+            sid = httpx.post(f"{s.url}/v1/sessions", json={"job": "j"}).json()["session_id"]
+            assert httpx.get(f"{s.url}/v1/sessions/{sid}").json()["state"] == "new"
+            r = httpx.post(f"{s.url}/v1/sessions/{sid}/exec", timeout=60,
+                           json={"python": f"import math\nxs = list(range(1000))\nv = {i}\ndef f(): "
+                                           "return math.sqrt(xs[16]) + v"}).json()
+            assert r["outcome"] == "ok"
+            sids.append(sid)
+        for _ in range(100):
+            if httpx.get(f"{s.url}/v1/sessions/{sids[0]}").json()["state"] == "at_rest":
+                break
+        assert httpx.get(f"{s.url}/v1/sessions/{sids[0]}").json()["state"] == "at_rest"
+        assert httpx.get(f"{s.url}/v1/sessions/{sids[1]}").json()["state"] == "awake"
+        health = httpx.get(f"{s.url}/healthz").json()
+        assert health["rest"]["at_rest"] == 1 and health["rest"]["awake"] == 1 and health["rest"]["rest_bytes"] > 0
+        metrics = httpx.get(f"{s.url}/metrics").text
+        assert "tangram_sessions_at_rest 1.0" in metrics and "tangram_rest_disk_limit_bytes" in metrics
+    finally:
+        s.stop(signal.SIGKILL)
+    s = Server(tmp_path, cfg, journal=s.journal)
+    try:
+        assert httpx.get(f"{s.url}/healthz").json()["recovered_sessions"] == {"at_rest": 1, "lost": 1}
+        assert httpx.get(f"{s.url}/v1/sessions/{sids[0]}").json()["state"] == "at_rest"
+        r = httpx.post(f"{s.url}/v1/sessions/{sids[0]}/exec", json={"python": "print(f(), len(xs))"},
+                       timeout=60).json()
+        assert r["outcome"] == "ok" and r["run"]["stdout"] == "4.0 1000\n" and r["woken"] and r["dropped"] == {}
+        gone = httpx.get(f"{s.url}/v1/sessions/{sids[1]}")
+        assert gone.status_code == 404 and "awake (not at rest) when the server stopped" in gone.json()["message"]
+    finally:
+        s.stop()
+
+
+def test_top_shows_awake_and_rested_sessions_and_the_disk_they_use():
+    from rich.console import Console
+
+    from arl_tangram.top import render
+    health = {"version": "x", "isolation": "bwrap", "queued": 0, "running": 0, "cores": 2, "sessions": 3,
+              "session_mem_used_mb": 10.0, "session_mem_reserved_mb": 18.0, "memory_mb": 1024, "sessions_placed": 3,
+              "rest": {"awake": 1, "at_rest": 2, "resting_now": 0, "rest_bytes": 3 << 20, "rest_disk_mb": 100,
+                       "max_awake_sessions": 256, "rest_after_s": 30.0, "rests": 5, "wakes": 3, "rest_failures": 0,
+                       "wake_failures": 0}}
+    console = Console(record=True, width=200)
+    console.print(render("http://x", health, []))
+    text = console.export_text()
+    assert "sessions awake 1 (at most 256 idle), at rest 2 using 3.0 of 100 MB of disk; 5 rests, 3 wakes" in text
