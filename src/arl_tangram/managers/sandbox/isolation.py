@@ -55,6 +55,27 @@ class Layout:
     workspace_bytes: int = 256 << 20
     tmp_bytes: int = 64 << 20
     uid: int = 1000
+    pycache: str | None = None  # a host directory holding the runner compiled by ``interpreter`` (``compile_runner``)
+
+
+#: how the runner starts when its compiled form is there: imported (a script is compiled at every
+#: start, ~9 ms of CPU of the ~28 ms a sandbox's start costs, measured on the 2-core VM), then its
+#: directory leaves ``sys.path`` again (the user's code must not import it by accident)
+BOOT = "import sys; sys.path.insert(0, '/run/tangram'); import runner; del sys.path[0]; runner.main()"
+
+
+def compile_runner(interpreter: str, args: tuple[str, ...], into: str) -> bool:
+    """Compile the runner with the sandboxes' own interpreter (its magic number, its cache tag)
+    into ``into``, as the ``__pycache__`` the sandbox will look in; False when it cannot (the
+    sandboxes then run it as a script, as before)."""
+    script = ("import importlib.util, os, py_compile, sys; src = '/run/tangram/runner.py'; "
+              "name = os.path.basename(importlib.util.cache_from_source(src)); "
+              "py_compile.compile(sys.argv[1], cfile=os.path.join(sys.argv[2], name), dfile=src, doraise=True)")
+    try:
+        return subprocess.run([interpreter, *args, "-c", script, str(RUNNER), into], capture_output=True,
+                              timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def _works(argv: list[str]) -> bool:
@@ -84,6 +105,8 @@ def command(mode: Isolation, layout: Layout, probe: bool = False, workspace: str
     """The argv that starts the runner (or, with ``probe``, just checks the isolation works).
     ``workspace`` is the host directory used as workspace when there is no isolation."""
     tail = [layout.interpreter, *layout.interpreter_args, "/run/tangram/runner.py", "--reap"]
+    if mode is Isolation.BWRAP and layout.pycache is not None:
+        tail = [layout.interpreter, *layout.interpreter_args, "-c", BOOT, "--reap"]
     if probe:
         tail = [layout.interpreter, "-I", "-S", "-c", "pass"]
     if mode is Isolation.BWRAP:
@@ -113,6 +136,7 @@ def _bwrap(layout: Layout) -> list[str]:
              "--perms", "0777", "--size", str(layout.workspace_bytes), "--tmpfs", "/workspace",
              "--symlink", "/workspace", HOME_ALIAS,
              "--ro-bind", str(RUNNER), "/run/tangram/runner.py", "--ro-bind", str(SHELL), "/run/tangram/shell.py",
+             *(("--ro-bind", layout.pycache, "/run/tangram/__pycache__") if layout.pycache else ()),
              "--remount-ro", "/", "--chdir", "/workspace", "--clearenv",
              "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/workspace",
              "--setenv", "LANG", "C.UTF-8"]

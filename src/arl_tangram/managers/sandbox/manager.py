@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import itertools
 import logging
 import os
@@ -27,7 +28,7 @@ from . import envops, languages
 from .cgroups import CgroupRoot, open_root
 from .imagebox import ImageSandboxes, Prewarmed
 from .images import ImageError, ImageStore, resolve_in
-from .isolation import Isolation, Layout, command, detect
+from .isolation import Isolation, Layout, command, compile_runner, detect
 from .recycle import Recycler
 from .rest import Rested, RestFailed, RestStore, load, pack
 from .rootfs import RootFs
@@ -106,6 +107,11 @@ class SandboxManager:
     async def start_up(self) -> None:
         c = self.config
         self.mode = detect(self.config.isolation, self.layout)
+        if self.mode is Isolation.BWRAP:  # the runner compiled once, not at every sandbox's start
+            cache = tempfile.mkdtemp(prefix="tangram-pyc-")
+            self._hostdirs.append(cache)
+            if await asyncio.to_thread(compile_runner, c.interpreter, tuple(c.interpreter_args), cache):
+                self.layout = dataclasses.replace(self.layout, pycache=cache)
         if self.mode is Isolation.NONE:
             log.warning("sandbox isolation is OFF (isolation: none): only run trusted code")
         self.root = open_root()
