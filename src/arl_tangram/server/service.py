@@ -421,7 +421,7 @@ class Service:
                 raise
             self.metrics.sessions.set(len(self.sessions))
             if self.journal is not None:
-                self.journal.session_open(sid, req.job, req.image)
+                self.journal.session_open(sid, job, req.image)
                 await self._durable()
         s = self.sessions[sid]
         return v1.SessionInfo(session_id=sid, job=s.job, image=s.image)
