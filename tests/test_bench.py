@@ -42,6 +42,11 @@ def test_bench_envs_prints_its_figures(tmp_path):
                 "snapshot_s", "restore_s"):
         assert r[key] > 0, key
     assert r["children_upper_bytes_after_fork"] < 1 << 20 and r["snapshot_bytes"] >= 8 << 20
+    # a default session (no image) forks and snapshots too; its layering's spawn cost is beside a plain one's
+    for key in ("default_fork_act_p50_ms", "default_snapshot_s", "default_restore_s", "spawn_plain_p50_ms",
+                "spawn_layered_p50_ms"):
+        assert r[key] > 0, key
+    assert r["default_children_upper_bytes_after_fork"] < 1 << 20 and r["default_snapshot_bytes"] >= 8 << 20
 
 
 @pytest.mark.slow

@@ -503,10 +503,12 @@ def test_image_template_files_fork_and_metrics(tmp_path):
         for f in forks:
             f.kill()
         sb.kill()
-        plain = Sandbox.create()
-        with pytest.raises(e2b.SandboxException) as e:  # the default sandbox is no image: nothing to fork
-            plain.fork()
-        assert "fork" in str(e.value)
+        plain = Sandbox.create()  # the default sandbox forks too: its workspace is layered copy-on-write
+        plain.files.write("/home/user/p.txt", "plain")
+        [child] = plain.fork()
+        child.files.write("/home/user/p.txt", "child")
+        assert (plain.files.read("p.txt"), child.files.read("p.txt")) == ("plain", "child")
+        child.kill()
         plain.kill()
     finally:
         _restore(saved)

@@ -237,11 +237,7 @@ def test_fork_gives_each_child_a_private_copy_on_write_filesystem(store):
         gk = await grandkids[0].exec("cat /workspace/f")
         await s.close()  # children keep the layers they stand on
         late = await kids[2].exec("cat /workspace/f /repo/app.py")
-        host = await tg.session()
-        await host.exec("true")
-        with pytest.raises(SessionError, match="not started from an image"):
-            await host.fork(2)
-        for k in (*kids, *grandkids, host):
+        for k in (*kids, *grandkids):
             await k.close()
         return writes, reads, gk, late
 
@@ -251,6 +247,37 @@ def test_fork_gives_each_child_a_private_copy_on_write_filesystem(store):
     assert [r.stdout for r in reads] == ["parent\n", "child0\n", "child1\n", "child2\n"]
     assert gk.stdout == "child0\n"
     assert late.stdout == "child2\nVERSION = 9\n"
+    assert _mounts() == 0
+
+
+def test_a_default_session_forks_and_snapshots_as_an_image_session_does(store, tmp_path):
+    """No image: the host directories as a one-shot sees them, the workspace layered copy-on-write."""
+    snap = tmp_path / "d.tar"
+
+    async def body(tg):
+        s = await tg.session()
+        first = await s.exec("echo base > f; mkdir sub; echo deep > sub/g; touch /usr/x 2>&1; ls /home/user")
+        kids = await s.fork(3)
+        upper = [tg.runtime.sandboxes.pending_roots[k.id].upper for k in kids]
+        untouched = [os.listdir(u) for u in upper]  # nothing copied at fork
+        writes = [await k.exec(f"cat f sub/g; echo child{i} > f; rm sub/g") for i, k in enumerate(kids)]
+        await s.exec("echo parent > f")
+        reads = [(await k.exec("cat f; ls sub")).stdout for k in (s, *kids)]
+        await kids[1].snapshot(snap)
+        for k in (s, *kids):
+            await k.close()
+        restored = await tg.restore(snap)
+        again = await restored.exec("cat f; ls sub; echo more > h")
+        await restored.close()
+        return first, untouched, writes, reads, again, restored.image
+
+    first, untouched, writes, reads, again, image = run(store, body)
+    assert first.outcome is Outcome.OK and "Read-only file system" in first.stdout and "f\nsub\n" in first.stdout
+    assert untouched == [[], [], []]
+    for w in writes:
+        assert w.outcome is Outcome.OK and w.stdout == "base\ndeep\n", w.stdout + w.stderr
+    assert reads == ["parent\ng\n", "child0\n", "child1\n", "child2\n"]
+    assert again.outcome is Outcome.OK and again.stdout == "child1\n" and image is None
     assert _mounts() == 0
 
 

@@ -8,6 +8,9 @@
   mounting nine new roots); what the children's writable layers hold right after (should be ~0);
   a child's first step (its sandbox starts then)
 * snapshot of that session to a file and restore into a new session (restore + first step)
+* the same fork(8) of a *default* session (no image: its workspace is layered over the host's
+  directories, ``rootfs.HOST_IMAGE``), and what that layering costs: the spawn of a layered default
+  sandbox (what a new default session takes) beside a plain one (what one-shots keep), interleaved
 * persistent-shell step p50 (host sandbox and image), beside a python-cell step
 
 The image is built here from host executables (dash and a few coreutils) into a temporary store,
@@ -79,7 +82,7 @@ def _upper_bytes(tg: Tangram, trajectories: list[str]) -> int:
 async def _measure(samples: int, workspace_mb: int, children: int, log: Callable[[str], None], store: ImageStore
                    ) -> dict:
     result: dict = {"workspace_mb": workspace_mb, "children": children}
-    cfg = SandboxConfig(image_store=str(store.root), warm_pool=0, workspace_mb=max(256, workspace_mb * 2),
+    cfg = SandboxConfig(image_store=str(store.root), warm_pool=0, warm_sessions=0, workspace_mb=max(256, workspace_mb * 2),
                         memory_mb=max(512, workspace_mb * 3), max_idle_sandboxes=samples + 8)
     async with Tangram.local(sandbox=cfg) as tg:
         await (await tg.session(image="bench")).exec("true")  # first use: base layer, interpreter choice
@@ -127,54 +130,76 @@ async def _measure(samples: int, workspace_mb: int, children: int, log: Callable
         log(f"shell step p50: host {result['shell_host_step_p50_ms']} ms, image {result['shell_image_step_p50_ms']} "
             f"ms; python cell {result['python_cell_step_p50_ms']} ms")
 
-        forks, firsts = [], []
-        snap_dir = tempfile.mkdtemp(prefix="tangram-bench-snap-")
-        try:
-            for rep in range(3):
-                s = await tg.session(image="bench")
-                code = (f"import os\nos.makedirs('/workspace/data', exist_ok=True)\nblock = os.urandom(1 << 20)\n"
-                        f"for i in range({workspace_mb}):\n"
-                        f"    open(f'/workspace/data/f{{i % 50}}-{{i}}', 'wb').write(block)")
-                r = await s.exec(python=code, timeout_s=120)
-                assert r.ok, r.stderr or r.message
-                t = time.perf_counter()
-                kids = await s.fork(children)
-                act = (time.perf_counter() - t) * 1000
-                info = s.last_fork
-                forks.append({"act_ms": round(act, 2), "pause_ms": round(info["pause_s"] * 1000, 2),
-                              "cow_ms": round(info["cow_s"] * 1000, 2), "fork_ms": round(info["fork_s"] * 1000, 2)})
-                if rep == 0:
-                    result["children_upper_bytes_after_fork"] = _upper_bytes(tg, [k.id for k in kids])
-                    for k in kids:
-                        t = time.perf_counter()
-                        r = await k.exec("true")
-                        firsts.append((time.perf_counter() - t) * 1000)
-                        assert r.ok, r.message
+        mgr = tg.runtime.sandboxes
+        if mgr.layered:
+            spawns: dict[str, list[float]] = {"plain": [], "layered": []}
+            for _ in range(samples * 2):
+                for key, spawn in (("plain", mgr._spawn), ("layered", mgr._spawn_session)):
                     t = time.perf_counter()
-                    path = await kids[0].snapshot(os.path.join(snap_dir, "s.tar"))
-                    result["snapshot_s"] = round(time.perf_counter() - t, 3)
-                    result["snapshot_bytes"] = os.path.getsize(path)
-                    t = time.perf_counter()
-                    restored = await tg.restore(path)
-                    result["restore_s"] = round(time.perf_counter() - t, 3)
-                    t = time.perf_counter()
-                    r = await restored.exec("true")
-                    result["restored_first_step_ms"] = round((time.perf_counter() - t) * 1000, 2)
-                    assert r.ok, r.message
-                    await restored.close()
-                for k in (s, *kids):
-                    await k.close()
-        finally:
-            shutil.rmtree(snap_dir, ignore_errors=True)
-        result["fork"] = forks
-        result["fork_act_p50_ms"] = _pct([f["act_ms"] for f in forks], 50)
-        result["fork_cow_p50_ms"] = _pct([f["cow_ms"] for f in forks], 50)
-        result["fork_child_first_step_p50_ms"] = _pct(firsts, 50)
-        log(f"fork({children}) of {workspace_mb} MB: ACT p50 {result['fork_act_p50_ms']} ms "
-            f"(copy-on-write part {result['fork_cow_p50_ms']} ms); child's first step p50 "
-            f"{result['fork_child_first_step_p50_ms']} ms")
-        log(f"snapshot {result['snapshot_s']} s ({result['snapshot_bytes'] >> 20} MB), restore {result['restore_s']} s")
+                    sb = await spawn()
+                    spawns[key].append((time.perf_counter() - t) * 1000)
+                    await sb.kill()
+            result["spawn_plain_p50_ms"] = _pct(spawns["plain"], 50)
+            result["spawn_layered_p50_ms"] = _pct(spawns["layered"], 50)
+            result["spawn_layered_over_plain"] = round(result["spawn_layered_p50_ms"] / result["spawn_plain_p50_ms"], 3)
+            log(f"default sandbox spawn p50: plain {result['spawn_plain_p50_ms']} ms (one-shots), layered "
+                f"{result['spawn_layered_p50_ms']} ms (sessions): x{result['spawn_layered_over_plain']}")
+        for image, prefix in (("bench", ""), (None, "default_")):
+            if image is None and not mgr.layered:
+                break
+            await _forks(tg, image, prefix, workspace_mb, children, result, log)
     return result
+
+
+async def _forks(tg: Tangram, image: str | None, prefix: str, workspace_mb: int, children: int, result: dict,
+                 log: Callable[[str], None]) -> None:
+    forks, firsts = [], []
+    snap_dir = tempfile.mkdtemp(prefix="tangram-bench-snap-")
+    try:
+        for rep in range(3):
+            s = await tg.session(image=image)
+            code = (f"import os\nos.makedirs('/workspace/data', exist_ok=True)\nblock = os.urandom(1 << 20)\n"
+                    f"for i in range({workspace_mb}):\n"
+                    f"    open(f'/workspace/data/f{{i % 50}}-{{i}}', 'wb').write(block)")
+            r = await s.exec(python=code, timeout_s=120)
+            assert r.ok, r.stderr or r.message
+            t = time.perf_counter()
+            kids = await s.fork(children)
+            act = (time.perf_counter() - t) * 1000
+            info = s.last_fork
+            forks.append({"act_ms": round(act, 2), "pause_ms": round(info["pause_s"] * 1000, 2),
+                          "cow_ms": round(info["cow_s"] * 1000, 2), "fork_ms": round(info["fork_s"] * 1000, 2)})
+            if rep == 0:
+                result[prefix + "children_upper_bytes_after_fork"] = _upper_bytes(tg, [k.id for k in kids])
+                for k in kids:
+                    t = time.perf_counter()
+                    r = await k.exec("true")
+                    firsts.append((time.perf_counter() - t) * 1000)
+                    assert r.ok, r.message
+                t = time.perf_counter()
+                path = await kids[0].snapshot(os.path.join(snap_dir, "s.tar"))
+                result[prefix + "snapshot_s"] = round(time.perf_counter() - t, 3)
+                result[prefix + "snapshot_bytes"] = os.path.getsize(path)
+                t = time.perf_counter()
+                restored = await tg.restore(path)
+                result[prefix + "restore_s"] = round(time.perf_counter() - t, 3)
+                t = time.perf_counter()
+                r = await restored.exec("true")
+                result[prefix + "restored_first_step_ms"] = round((time.perf_counter() - t) * 1000, 2)
+                assert r.ok, r.message
+                await restored.close()
+            for k in (s, *kids):
+                await k.close()
+    finally:
+        shutil.rmtree(snap_dir, ignore_errors=True)
+    result[prefix + "fork"] = forks
+    result[prefix + "fork_act_p50_ms"] = _pct([f["act_ms"] for f in forks], 50)
+    result[prefix + "fork_cow_p50_ms"] = _pct([f["cow_ms"] for f in forks], 50)
+    result[prefix + "fork_child_first_step_p50_ms"] = _pct(firsts, 50)
+    log(f"{prefix or 'image '}fork({children}) of {workspace_mb} MB: ACT p50 {result[prefix + 'fork_act_p50_ms']} ms "
+        f"(copy-on-write part {result[prefix + 'fork_cow_p50_ms']} ms); child's first step p50 "
+        f"{result[prefix + 'fork_child_first_step_p50_ms']} ms")
+    log(f"snapshot {result[prefix + 'snapshot_s']} s ({result[prefix + 'snapshot_bytes'] >> 20} MB), restore {result[prefix + 'restore_s']} s")
 
 
 def run(samples: int = 10, workspace_mb: int = 200, children: int = 8,

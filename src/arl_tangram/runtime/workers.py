@@ -85,6 +85,7 @@ class SandboxWorkers:
             return max(1, v // self.n) if v else v
 
         return c.model_copy(update={"cpus": self.local.host_cpus, "warm_pool": per(c.warm_pool),
+                                    "warm_sessions": 0,  # workers run one-shots; sessions stay here
                                     "recycle_pool_max": per(c.recycle_pool_max),
                                     "max_idle_sandboxes": max(per(c.max_idle_sandboxes), per(c.warm_pool))}
                             ).model_dump(mode="json")

@@ -1,4 +1,8 @@
-"""Fork, snapshot and restore of image sessions: copy-on-write through overlay layers.
+"""Fork, snapshot and restore of sessions: copy-on-write through overlay layers.
+
+An image session's whole root is layered; a default session's workspace is (``rootfs.HOST_IMAGE``:
+the rest of its tree is the host's read-only directories, as for a one-shot), so both go through
+the same operations here.
 
 The manager owns the sessions and carries these out (``SandboxManager._fork``, ``_restore``);
 this module holds the operations on roots and files they are made of.
@@ -43,9 +47,8 @@ FORMAT = "tangram-snapshot/1"
 META = "tangram-snapshot.json"
 
 
-def not_from_image(what: str) -> SandboxResult:
-    return SandboxResult(message=f"{what}: the session was not started from an image (the host-directories "
-                                 "sandbox has no copy-on-write layer); open it with image=...")
+def not_layered(what: str, why: str) -> SandboxResult:
+    return SandboxResult(message=f"{what}: the session has no copy-on-write layer ({why})")
 
 
 def stack(boxes: ImageSandboxes, src: RootFs, copies: int) -> list[RootFs]:

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from .cgroups import CgroupRoot
 from .images import Image, ImageError, ImageStore
-from .isolation import HOME_ALIAS, RUNNER, SHELL, Layout
-from .rootfs import Interpreter, Layer, RootFs, choose_interpreter, ensure_base, overlay_supported, umount
+from .isolation import HOME_ALIAS, RUNNER, SHELL, Isolation, Layout, command
+from .rootfs import (HOST_IMAGE, Interpreter, Layer, RootFs, choose_interpreter, ensure_base, overlay_supported,
+                     umount)
 from .sandbox import Limits, Sandbox, SandboxDied
 
 log = logging.getLogger(__name__)
@@ -116,10 +117,13 @@ class ImageSandboxes:
         self._interp: dict[str, Interpreter] = {}
         self._images: dict[str, Image] = {}
         self._base: str | None = None
+        self._empty: str | None = None
         self.live: set[RootFs] = set()
 
     def image(self, name: str) -> Image:
         """The image ``name`` (cached: images are immutable once imported)."""
+        if name == HOST_IMAGE.name:
+            return HOST_IMAGE
         img = self._images.get(name)
         if img is None:
             img = self._images[name] = self.store.get(name)
@@ -133,6 +137,8 @@ class ImageSandboxes:
             remove_stale_roots()
             self.run_dir = tempfile.mkdtemp(prefix=f"tangram-roots-{os.getpid()}-")
             self._base = ensure_base(self.store)
+            self._empty = os.path.join(self.run_dir, "empty")  # the host image's only lower layer
+            os.mkdir(self._empty)
 
     def scratch_dir(self, name: str) -> str:
         """A new directory ``name`` beside the mounted roots (a restore unpacks there)."""
@@ -155,8 +161,9 @@ class ImageSandboxes:
         self._setup()
         d = os.path.join(self.run_dir, f"r{next(_IDS)}")
         os.mkdir(d)
-        rootfs = RootFs(d, image, [str(p) for p in reversed(image.layer_dirs(self.store))], self._base,
-                        list(session_layers),
+        host = image.name == HOST_IMAGE.name
+        rootfs = RootFs(d, image, [str(p) for p in reversed(image.layer_dirs(self.store))],
+                        self._empty if host else self._base, list(session_layers),
                         self.layout.workspace_bytes).mount()
         self.live.add(rootfs)
         return rootfs
@@ -175,15 +182,18 @@ class ImageSandboxes:
                 rootfs = await asyncio.to_thread(self.new_root, image, list(session_layers))
             except OSError as e:
                 raise SandboxDied(f"cannot mount the root of image {image_name!r}: {e}") from None
-        interp = self.interpreter(rootfs.image, rootfs.root)
+        if rootfs.workspace_only:  # a default session: the default sandbox with this workspace
+            argv = command(Isolation.BWRAP, self.layout, layered=rootfs.root)
+        else:
+            argv = bwrap_argv(self.layout, rootfs.root, self.interpreter(rootfs.image, rootfs.root))
         sid = f"sbi-{next(_IDS)}-{os.urandom(3).hex()}"
         try:
-            sb = await Sandbox.spawn(sid, bwrap_argv(self.layout, rootfs.root, interp), self.cgroups, self.limits)
+            sb = await Sandbox.spawn(sid, argv, self.cgroups, self.limits)
         except BaseException:
             self.drop(rootfs)
             raise
         sb.rootfs = rootfs
-        sb.image = rootfs.image.name
+        sb.image = None if rootfs.workspace_only else rootfs.image.name
         sb.on_kill = lambda: self.drop(rootfs)
         return sb
 

@@ -101,22 +101,25 @@ def detect(preferred: Isolation, layout: Layout) -> Isolation:
         "(apt-get install -y bubblewrap), or set isolation: none to run trusted code unconfined.")
 
 
-def command(mode: Isolation, layout: Layout, probe: bool = False, workspace: str | None = None) -> list[str]:
+def command(mode: Isolation, layout: Layout, probe: bool = False, workspace: str | None = None,
+            layered: str | None = None) -> list[str]:
     """The argv that starts the runner (or, with ``probe``, just checks the isolation works).
-    ``workspace`` is the host directory used as workspace when there is no isolation."""
+    ``workspace`` is the host directory used as workspace when there is no isolation; ``layered``
+    (bwrap only) a mounted copy-on-write workspace (``rootfs.RootFs`` of ``HOST_IMAGE``: a session's,
+    so that it can fork and snapshot) bound in place of the private workspace tmpfs."""
     tail = [layout.interpreter, *layout.interpreter_args, "/run/tangram/runner.py", "--reap"]
     if mode is Isolation.BWRAP and layout.pycache is not None:
         tail = [layout.interpreter, *layout.interpreter_args, "-c", BOOT, "--reap"]
     if probe:
         tail = [layout.interpreter, "-I", "-S", "-c", "pass"]
     if mode is Isolation.BWRAP:
-        return _bwrap(layout) + tail
+        return _bwrap(layout, layered) + tail
     if mode is Isolation.UNSHARE:
         return _unshare(layout, tail)
     return [layout.interpreter, *layout.interpreter_args, str(RUNNER), "--workspace", workspace or "/tmp"]
 
 
-def _bwrap(layout: Layout) -> list[str]:
+def _bwrap(layout: Layout, layered: str | None = None) -> list[str]:
     argv = ["bwrap", "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--uid", str(layout.uid), "--gid", str(layout.uid), "--hostname", "sandbox",
             "--ro-bind", "/usr", "/usr"]
@@ -133,7 +136,8 @@ def _bwrap(layout: Layout) -> list[str]:
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
              "--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/tmp",
-             "--perms", "0777", "--size", str(layout.workspace_bytes), "--tmpfs", "/workspace",
+             *(["--bind", layered, "/workspace"] if layered else
+               ["--perms", "0777", "--size", str(layout.workspace_bytes), "--tmpfs", "/workspace"]),
              "--symlink", "/workspace", HOME_ALIAS,
              "--ro-bind", str(RUNNER), "/run/tangram/runner.py", "--ro-bind", str(SHELL), "/run/tangram/shell.py",
              *(("--ro-bind", layout.pycache, "/run/tangram/__pycache__") if layout.pycache else ()),

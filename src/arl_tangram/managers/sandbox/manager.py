@@ -31,7 +31,7 @@ from .images import ImageError, ImageStore, resolve_in
 from .isolation import Isolation, Layout, command, compile_runner, detect
 from .recycle import Recycler
 from .rest import Rested, RestFailed, RestStore, load, pack
-from .rootfs import RootFs
+from .rootfs import HOST_IMAGE, RootFs, overlay_supported
 from .sandbox import Limits, Sandbox, SandboxDied
 from .spec import CommandResult, Exec, Files, Fork, Restore, RunCode, SandboxConfig, SandboxResult, Snapshot
 
@@ -82,6 +82,8 @@ class SandboxManager:
         self.sessions: dict[str, Sandbox] = {}
         self._last_used: dict[str, float] = {}
         self._pool: list[Sandbox] | None = None  # oldest first
+        self._session_pool: list[Sandbox] = []  # layered default sandboxes for new sessions
+        self.layered = False  # default sessions get a copy-on-write workspace (bwrap, overlays)
         self._closing = False
         self._fill: asyncio.Task | None = None
         self._reaper: asyncio.Task | None = None
@@ -126,6 +128,9 @@ class SandboxManager:
                 self.imageboxes.image(c.image)
             except ImageError as e:
                 raise ImageError(f"sandbox.{e}") from None
+        self.layered = self.mode is Isolation.BWRAP and c.image is None and overlay_supported() is None
+        if self.mode is Isolation.BWRAP and c.image is None and not self.layered:
+            log.warning("default sessions cannot fork or snapshot here: %s", overlay_supported())
         self._pool = []
         self._taken = asyncio.Event()
         self._fill = asyncio.get_running_loop().create_task(self._keep_pool_full())
@@ -151,6 +156,8 @@ class SandboxManager:
         if self._pool is not None:
             doomed += self._pool
             self._pool.clear()
+        doomed += self._session_pool
+        self._session_pool.clear()
         await asyncio.gather(*(sb.kill() for sb in doomed), return_exceptions=True)
         for rootfs in self.pending_roots.values():
             rootfs.release()
@@ -190,23 +197,44 @@ class SandboxManager:
     def _warm_modules(self) -> list[str]:
         return [m for m, n in self._module_uses.most_common(WARM_MODULES) if n >= 2]
 
+    async def _spawn_session(self) -> Sandbox:
+        """A default sandbox whose workspace is copy-on-write layered (``HOST_IMAGE``), for a new
+        session: it can fork and snapshot. One-shots keep the plain tmpfs workspace (``_spawn``)."""
+        sb = await self.imageboxes.spawn(HOST_IMAGE.name)
+        try:  # as a plain one: what a wake and a first cell need, imported now
+            await sb.request({"op": "warm", "modules": self._warm_modules()}, 20.0)
+        except SandboxDied:
+            await sb.kill()
+            raise
+        return sb
+
+    def _warm_sessions(self) -> int:
+        """Layered sandboxes kept ready for new default sessions (within the idle cap)."""
+        c = self.config
+        return min(c.warm_sessions, max(0, c.max_idle_sandboxes - c.warm_pool)) if self.layered else 0
+
     async def _keep_pool_full(self) -> None:
-        """Refill the pool, ``SPAWNS_PER_CORE`` spawns in flight per core (within the pool's size),
-        sleeping until a sandbox is taken when the pool is full."""
-        in_flight: set[asyncio.Task] = set()
+        """Refill the pool and the sessions' pool, ``SPAWNS_PER_CORE`` spawns in flight per core
+        (within the pools' sizes), sleeping until a sandbox is taken when they are full."""
+        in_flight: dict[asyncio.Task, list[Sandbox]] = {}
         parallel = max(1, SPAWNS_PER_CORE * len(self.host_cpus))
+        pools = [(self._pool, self.config.warm_pool, self._spawn),
+                 (self._session_pool, self._warm_sessions(), self._spawn_session)]
         try:
             while not self._closing:
-                while len(in_flight) < parallel and len(self._pool) + len(in_flight) < self.config.warm_pool:
-                    in_flight.add(asyncio.get_running_loop().create_task(self._spawn()))
+                for pool, size, spawn in pools:
+                    while (len(in_flight) < parallel
+                           and len(pool) + sum(p is pool for p in in_flight.values()) < size):
+                        in_flight[asyncio.get_running_loop().create_task(spawn())] = pool
                 if not in_flight:
                     self._taken.clear()
                     await self._taken.wait()
                     continue
-                done, in_flight = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
+                    pool = in_flight.pop(t)
                     try:
-                        self._pool.append(t.result())
+                        pool.append(t.result())
                     except SandboxDied as e:
                         log.error("cannot prepare a sandbox: %s", e)
                         await asyncio.sleep(1.0)
@@ -227,7 +255,8 @@ class SandboxManager:
         self._pool.append(sb)
         return True
 
-    async def _take(self, image: str | None = None, cores: tuple[int, ...] | None = None) -> Sandbox:
+    async def _take(self, image: str | None = None, cores: tuple[int, ...] | None = None,
+                    session: bool = False) -> Sandbox:
         """A prepared sandbox from the pool, or a fresh one when the pool is empty. One already
         pinned to ``cores`` is preferred: moving a group to other cores is a cgroup write per
         one-shot (~9% of the engine process's samples at 1,100 one-shots/s on 16 cores, py-spy),
@@ -239,6 +268,12 @@ class SandboxManager:
                                  f"{self.mode.value})")
             return self.imageboxes.take(image) or await self.imageboxes.spawn(image)
         self._taken.set()
+        if session and self.layered:
+            while self._session_pool:
+                sb = self._session_pool.pop()
+                if not sb.dead and sb.proc.returncode is None:
+                    return sb
+            return await self._spawn_session()
         pool = self._pool
         while pool:
             i = next((k for k in range(len(pool) - 1, -1, -1) if pool[k].cpus == cores), 0) if cores else 0
@@ -292,7 +327,8 @@ class SandboxManager:
         if self.mode is not Isolation.BWRAP:
             raise ImageError(f"image: sandboxes from images need bubblewrap isolation (this host uses "
                              f"{self.mode.value if self.mode else 'none yet'})")
-        return await self.imageboxes.prewarm(image, n, len(self._pool) if self._pool is not None else 0)
+        return await self.imageboxes.prewarm(image, n, (len(self._pool) if self._pool is not None else 0)
+                                             + len(self._session_pool))
 
     async def _restore(self, action: Action, restore: Restore) -> tuple[Outcome, SandboxResult]:
         """Make the action's trajectory a new session whose files are those of a snapshot (its
@@ -311,7 +347,12 @@ class SandboxManager:
             await asyncio.to_thread(self.imageboxes.drop, root)
             return Outcome.REJECTED, SandboxResult(message=f"restore: session {trajectory!r} already exists")
         self._adopt(trajectory, root)
-        return Outcome.OK, SandboxResult(info={"image": root.image.name})
+        return Outcome.OK, SandboxResult(info={"image": None if root.workspace_only else root.image.name})
+
+    def _why_not_layered(self) -> str:
+        if self.mode is not Isolation.BWRAP:
+            return f"sandboxes here use {self.mode.value if self.mode else 'no'} isolation, layers need bubblewrap"
+        return overlay_supported() or "the session's sandbox was started without layers"
 
     def _exists(self, trajectory: str) -> bool:
         return trajectory in self.sessions or trajectory in self.pending_roots or trajectory in self.rested
@@ -519,7 +560,7 @@ class SandboxManager:
                     else:
                         if allocation.setup not in (Setup.CREATE, Setup.NONE):
                             message = "session restarted: its sandbox had been closed or killed, state was lost"
-                        sb = await self._take(image)
+                        sb = await self._take(image, session=True)
                     self.sessions[action.trajectory] = sb
                 sb.thaw()
             sb.set_cpus(cores)
@@ -609,7 +650,8 @@ class SandboxManager:
             return await self._run_code(sb, payload, cores)
         if isinstance(payload, (Fork, Snapshot)):
             if sb.rootfs is None:
-                return Outcome.REJECTED, envops.not_from_image("fork" if isinstance(payload, Fork) else "snapshot")
+                return Outcome.REJECTED, envops.not_layered("fork" if isinstance(payload, Fork) else "snapshot",
+                                                            self._why_not_layered())
             if isinstance(payload, Fork):
                 return await self._fork(sb, payload)
             return Outcome.OK, await envops.snapshot(sb.rootfs, payload.path)
@@ -641,7 +683,7 @@ class SandboxManager:
     async def _run_code(self, sb: Sandbox, p: RunCode, cores: tuple[int, ...]) -> tuple[Outcome, SandboxResult]:
         grace = self.config.grace_s
         try:
-            if sb.rootfs is not None:
+            if sb.rootfs is not None and not sb.rootfs.workspace_only:
                 lang = languages.resolve(p.language, which=lambda exe: _which_in(sb.rootfs, exe))
             else:
                 lang = languages.resolve(p.language, ":".join(self.config.ro_binds))

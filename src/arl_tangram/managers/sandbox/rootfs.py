@@ -36,6 +36,13 @@ _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
 _libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
 _libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
 
+#: the built-in image of default sessions: what a default sandbox sees today (the host's system
+#: directories, bound read-only by bubblewrap as for one-shots) with only the workspace layered: a
+#: ``RootFs`` of it is an overlay of an empty directory under the session's tmpfs, bound as
+#: ``/workspace``, so a default session forks, snapshots and restores as an image session does.
+#: Its name is not a valid image name (``core.names``), so no imported image can take it.
+HOST_IMAGE = Image(name="@host", id="host-workspace/1", layers=())
+
 BASE_DIRS = ("proc", "dev", "tmp", "sys", "workspace", "run/tangram/host")
 BASE_FILES = ("run/tangram/runner.py", "run/tangram/shell.py")
 HOST_ROOT = "/run/tangram/host"
@@ -184,7 +191,11 @@ class RootFs:
         os.makedirs(self.root, exist_ok=True)
         try:
             mount("tmpfs", self.rw, "tmpfs", MS_NOSUID | MS_NODEV, f"size={self.size_bytes},mode=0755")
+            # the host image's overlay is the workspace itself: as writable for the sandbox's user
+            # as the plain sandbox's workspace tmpfs (mode 0777)
             os.mkdir(self.upper, 0o755)
+            if self.workspace_only:
+                os.chmod(self.upper, 0o777)
             os.mkdir(os.path.join(self.rw, "work"), 0o700)
             mount_overlay(self.root, [layer.path for layer in self.session_layers] + [self.base] + self.image_dirs,
                           self.upper, os.path.join(self.rw, "work"))
@@ -193,6 +204,11 @@ class RootFs:
             raise
         self.mounted = True
         return self
+
+    @property
+    def workspace_only(self) -> bool:
+        """This root is a default session's layered workspace (``HOST_IMAGE``), not a whole root."""
+        return self.image.name == HOST_IMAGE.name
 
     def freeze(self) -> Layer:
         """Turn the writable layer into a read-only shared layer (for a fork; this root's

@@ -33,6 +33,9 @@ class SandboxConfig(BaseModel):
     max_output_bytes: int = Field(1 << 20, ge=1024, description="stdout/stderr kept per stream; more is dropped "
                                                                 "and flagged")
     warm_pool: int = Field(4, ge=0, description="prepared sandboxes waiting for one-shot runs and new sessions")
+    warm_sessions: int = Field(2, ge=0, description="layered sandboxes (copy-on-write workspace: they fork and "
+                                                    "snapshot) waiting for new default sessions, within "
+                                                    "max_idle_sandboxes beside warm_pool")
     recycle: bool = Field(True, description="reuse a one-shot's sandbox after a verified wipe (bubblewrap only; "
                                             "see managers/sandbox/recycle.py for what is reset and checked)")
     recycle_pool_max: int = Field(32, ge=0, description="idle sandboxes kept for reuse (within max_idle_sandboxes); "
@@ -63,6 +66,10 @@ class SandboxConfig(BaseModel):
                                                 "host's system directories)")
     image_store: str | None = Field(None, description="image cache directory (default: $TANGRAM_IMAGE_STORE, else "
                                                       "~/.local/share/arl-tangram/images)")
+    snapshot_dir: str | None = Field(None, description="where the server keeps snapshots and where sessions moved "
+                                                       "off a draining Ray node pass through: a path every node "
+                                                       "can read (default: beside the server's journal on one "
+                                                       "machine; on Ray, the object store)")
     max_idle_sandboxes: int = Field(64, ge=0, description="hard cap on idle prepared sandboxes (warm pool plus "
                                                           "prewarmed image sandboxes)")
 
