@@ -23,6 +23,9 @@ def done(id: str, outcome: str = "ok") -> dict:
     return v1.ActionResult(id=id, state="done", outcome=outcome, act_s=0.01).model_dump()
 
 
+SNAP = {"snapshot": "snap-" + "0" * 32, "bytes": 10240, "session_id": "t1", "job": "j"}
+
+
 def server_double(request: httpx.Request) -> httpx.Response:
     """Answers every route of the native API the way ``tangram serve`` does, from canned data."""
     path, method = request.url.path, request.method
@@ -34,6 +37,17 @@ def server_double(request: httpx.Request) -> httpx.Response:
         return httpx.Response(200, json=done(path.split("/")[3], "cancelled" if path.endswith("cancel") else "ok"))
     if path == "/v1/sessions":
         return httpx.Response(201, json={"session_id": body["trajectory"], "job": body["job"]})
+    if path.endswith("/fork"):
+        return httpx.Response(200, json={"outcome": "ok", "session_ids": [f"k{i}" for i in range(body["n"])]})
+    if path.endswith("/snapshot"):
+        return httpx.Response(201, json=SNAP)
+    if path == "/v1/snapshots":
+        return httpx.Response(200, json=[SNAP])
+    if path == "/v1/images":
+        return httpx.Response(200, json=[{"name": "py", "id": "abc", "size_bytes": 3, "created": 1.0, "layers": 2}])
+    if path == "/v1/pools/prewarm":
+        return httpx.Response(200, json={"image": body["image"], "requested": body["n"], "ready": body["n"],
+                                         "idle_total": body["n"], "cap": 64})
     if path.endswith("/exec") or (path.endswith("/files") and method == "PUT"):
         return httpx.Response(200, json=done("x-1"))
     if path.endswith("/files"):
@@ -67,8 +81,9 @@ CALLS = [("run_code", ("print(1)",), {"id": "a1", "stdin": "x", "files": {"f": b
          ("submit", ("print(2)",), {"id": "a2", "job": "j", "timeout_s": 3.0}),
          ("get", ("a2",), {}), ("cancel", ("a2",), {}),
          ("score", ("rm", [1, 2, 3]), {}), ("logprobs", ("teacher", [1, 2]), {"job": "j"}),
-         ("stats", ("j",), {}), ("jobs", (), {}), ("health", (), {})]
-SESSION_CALLS = [("exec", ("ls",), {}), ("exec", (), {"python": "x = 1", "timeout_s": 2.0}),
+         ("stats", ("j",), {}), ("jobs", (), {}), ("health", (), {}), ("snapshots", (), {}),
+         ("delete_snapshot", (SNAP["snapshot"],), {}), ("images", (), {}), ("prewarm", ("py", 2), {})]
+SESSION_CALLS = [("snapshot", (), {}), ("exec", ("ls",), {}), ("exec", (), {"python": "x = 1", "timeout_s": 2.0}),
                  ("put_files", ({"a.txt": b"hi"},), {}), ("get_files", (["a.txt", "nope"],), {}), ("close", (), {})]
 
 
@@ -102,7 +117,7 @@ def test_sync_and_async_clients_send_the_same_requests_and_return_the_same_resul
     async_out, async_404 = run_async(async_log)
     assert sync_log == async_log and sync_out == async_out and sync_404 == async_404 == 404
     assert len(sync_log) == len(CALLS) + 1 + len(SESSION_CALLS) + 1  # + open session + cluster
-    by_name = dict(zip([n for n, _, _ in CALLS] + ["exec", "exec2", "put_files", "get_files", "close"], sync_out))
+    by_name = dict(zip([n for n, _, _ in CALLS] + ["snapshot", "exec", "exec2", "put_files", "get_files", "close"], sync_out))
     assert by_name["run_code"].outcome == "ok" and by_name["submit"].state == "queued"
     assert by_name["cancel"].outcome == "cancelled" and by_name["logprobs"].value == 2.0
     assert by_name["jobs"][0].outcomes == {"ok": 3} and by_name["health"]["status"] == "ok"
@@ -111,20 +126,55 @@ def test_sync_and_async_clients_send_the_same_requests_and_return_the_same_resul
     assert (method, path) == ("POST", "/v1/actions") and body["id"] == "a1" and body["cpus"] == [1, 4]
     assert body["action"]["files"] == {"f": base64.b64encode(b"1").decode()} and body["action"]["stdin"] == "x"
     assert ("DELETE", "/v1/sessions/t1", "", None) in sync_log
+    assert by_name["snapshot"].snapshot == SNAP["snapshot"] and by_name["snapshots"][0].bytes == 10240
+    assert by_name["images"][0].name == "py" and by_name["prewarm"].ready == 2 and by_name["delete_snapshot"] is None
     assert ("GET", "/v1/sessions/t1/files", "path=a.txt&path=nope", None) in sync_log
 
 
 def test_both_clients_expose_the_complete_method_set():
     wanted = {"run_code", "submit", "get", "cancel", "run_batch", "session", "score", "logprobs", "stats", "jobs",
-              "health", "cluster", "close"}
+              "health", "cluster", "close", "restore", "snapshots", "delete_snapshot", "images", "prewarm"}
 
     def public(cls):
         return {n for n in dir(cls) if not n.startswith("_")} - {"policy"}
 
     assert wanted <= public(TangramClient) and public(TangramClient) == public(AsyncTangramClient)
-    assert {"exec", "put_files", "get_files", "close"} <= public(SessionMethods)
+    assert {"exec", "put_files", "get_files", "close", "fork", "snapshot"} <= public(SessionMethods)
     for cls in (TangramClient, AsyncTangramClient):  # the method set is inherited, never redefined
         assert not [n for n in vars(cls) if n in vars(Methods) and not n.startswith("_")]
+
+
+def test_both_clients_fork_and_restore_into_sessions_of_their_own_kind():
+    sync_log, async_log = [], []
+    with TangramClient(URL, transport=recording(server_double, sync_log)) as c:
+        kids = c.session(job="j", trajectory="t1").fork(2)
+        back = c.restore(SNAP["snapshot"], job="j", trajectory="t2")
+        sync = [(type(k).__name__, k.id, k.job) for k in (*kids, back)]
+
+    async def main():
+        async with AsyncTangramClient(URL, transport=recording(server_double, async_log)) as c:
+            kids = await (await c.session(job="j", trajectory="t1")).fork(2)
+            back = await c.restore(SNAP["snapshot"], job="j", trajectory="t2")
+            return [(type(k).__name__, k.id, k.job) for k in (*kids, back)]
+
+    aio = asyncio.run(main())
+    assert sync_log == async_log
+    assert sync == [("Session", "k0", "j"), ("Session", "k1", "j"), ("Session", "t2", "j")]
+    assert aio == [("AsyncSession", "k0", "j"), ("AsyncSession", "k1", "j"), ("AsyncSession", "t2", "j")]
+    assert sync_log[1] == ("POST", "/v1/sessions/t1/fork", "", {"n": 2})
+    assert sync_log[2][3] == {"job": "j", "trajectory": "t2", "restore": SNAP["snapshot"]}
+
+
+def test_a_fork_the_server_refused_raises_naming_why():
+    def refuse(request: httpx.Request) -> httpx.Response:
+        if request.url.path.endswith("/fork"):
+            return httpx.Response(200, json={"outcome": "rejected", "message": "fork: child ids must be new"})
+        return server_double(request)
+
+    with TangramClient(URL, transport=httpx.MockTransport(refuse)) as c:
+        with pytest.raises(TangramError, match="child ids must be new") as e:
+            c.session(trajectory="t").fork(1)
+    assert e.value.status == 422
 
 
 def test_a_new_session_is_named_by_the_client_so_a_retried_open_is_idempotent():

@@ -116,6 +116,8 @@ class SessionRequest(Request):
     trajectory: Optional[str] = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$")
     image: Optional[ImageName] = Field(None, description="image the session's root comes from (default: the "
                                                           "server's)")
+    restore: Optional[str] = Field(None, max_length=200, description="open the session from this snapshot "
+                                   "(POST /v1/sessions/{id}/snapshot): its files; its processes start afresh")
 
 
 class SessionInfo(BaseModel):
@@ -144,6 +146,27 @@ class ForkResult(BaseModel):
     message: str = ""
     session_ids: list[str] = Field(default_factory=list)
     fork_s: Optional[float] = None
+
+
+class SnapshotInfo(BaseModel):
+    """A snapshot of a session's files, kept by the server until deleted (``GET /v1/snapshots``)."""
+
+    snapshot: str = Field(..., description="its id: POST /v1/sessions with {\"restore\": id} opens a session from it")
+    bytes: int
+    session_id: Optional[str] = Field(None, description="the session it was taken of")
+    job: Optional[str] = None
+    image: Optional[str] = Field(None, description="the image under its files (none: the host's directories)")
+    created: Optional[float] = Field(None, description="Unix time")
+
+
+class ImageInfo(BaseModel):
+    """An image of the server's store (``tangram image import``), for sessions and one-shots."""
+
+    name: str
+    id: str
+    size_bytes: int
+    created: float
+    layers: int
 
 
 class PrewarmRequest(Request):

@@ -229,11 +229,41 @@ class Methods:
         return self._carry_out(typed(v1.ActionResult, Request("POST", f"/v1/actions/{id}/cancel"), self.policy))
 
     # -- sessions --------------------------------------------------------------------------------
-    def session(self, job: str = "default", trajectory: str | None = None) -> Any:
-        """Open (or, for a known ``trajectory``, reopen) a stateful session. The client names a new
-        session itself so that a retried open cannot leave an orphan behind."""
+    def session(self, job: str = "default", trajectory: str | None = None, image: str | None = None) -> Any:
+        """Open (or, for a known ``trajectory``, reopen) a stateful session (of ``image``: default the
+        server's). The client names a new session itself so that a retried open cannot leave an
+        orphan behind."""
         body = {"job": job, "trajectory": trajectory or f"s-{uuid.uuid4().hex}"}
+        if image is not None:
+            body["image"] = image
         return self._carry_out(self._open(Request("POST", "/v1/sessions", body)))
+
+    def restore(self, snapshot: str, job: str = "default", trajectory: str | None = None) -> Any:
+        """A new session whose files are those of ``snapshot`` (``Session.snapshot``); its
+        processes start afresh. 404 naming an unknown snapshot."""
+        body = {"job": job, "trajectory": trajectory or f"s-{uuid.uuid4().hex}", "restore": snapshot}
+        return self._carry_out(self._open(Request("POST", "/v1/sessions", body)))
+
+    def snapshots(self) -> list[v1.SnapshotInfo]:
+        """The snapshots the server keeps, oldest first."""
+        return self._carry_out(self._list(v1.SnapshotInfo, "/v1/snapshots"))
+
+    def delete_snapshot(self, snapshot: str) -> None:
+        """Remove a snapshot (404 naming an unknown one)."""
+        return self._carry_out(exchange(Request("DELETE", f"/v1/snapshots/{snapshot}"), self.policy))
+
+    def images(self) -> list[v1.ImageInfo]:
+        """The images sessions and one-shots may name (``tangram image import`` on the server)."""
+        return self._carry_out(self._list(v1.ImageInfo, "/v1/images"))
+
+    def prewarm(self, image: str, n: int) -> v1.PrewarmResult:
+        """Have ``n`` more sandboxes of ``image`` ready, within the server's idle cap (``ready``
+        says how many were started)."""
+        request = Request("POST", "/v1/pools/prewarm", {"image": image, "n": n}, idempotent=False)
+        return self._carry_out(typed(v1.PrewarmResult, request, self.policy))
+
+    def _list(self, model: type[M], path: str) -> Plan[list[M]]:
+        return [model.model_validate(x) for x in (yield from exchange(Request("GET", path), self.policy))]
 
     def _open(self, request: Request) -> Plan[Any]:
         info = yield from typed(v1.SessionInfo, request, self.policy)
@@ -315,6 +345,25 @@ class SessionMethods:
         request = Request("GET", f"/v1/sessions/{self.id}/files", params=tuple(("path", p) for p in paths))
         got = v1.GotFiles.model_validate((yield from exchange(request, self.policy)))
         return {k: base64.b64decode(v) for k, v in got.files.items()}
+
+    def fork(self, n: int) -> list[Any]:
+        """``n`` new sessions whose files start as this one's, copy-on-write (nothing is copied;
+        none sees another's writes). The shell and python interpreter of this session and the
+        children start afresh on their next step. Not retried once sent; a fork the server could
+        not make raises ``TangramError`` (422: refused, naming why; 503: our failure)."""
+        return self.client._carry_out(self._fork(n))
+
+    def _fork(self, n: int) -> Plan[list[Any]]:
+        request = Request("POST", f"/v1/sessions/{self.id}/fork", {"n": n}, idempotent=False)
+        r = yield from typed(v1.ForkResult, request, self.policy)
+        if r.outcome != "ok":
+            raise TangramError(422 if r.outcome == "rejected" else 503, f"fork {r.outcome}: {r.message}")
+        return [self.client._session(v1.SessionInfo(session_id=c, job=self.job)) for c in r.session_ids]
+
+    def snapshot(self) -> v1.SnapshotInfo:
+        """Snapshot the session's files on the server (``snapshot`` is the id ``restore`` takes)."""
+        request = Request("POST", f"/v1/sessions/{self.id}/snapshot", idempotent=False)
+        return self.client._carry_out(typed(v1.SnapshotInfo, request, self.policy))
 
     def close(self) -> None:
         """Close the session: its sandbox, files and processes go."""

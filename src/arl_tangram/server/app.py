@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..runtime import NoRoom, SessionGone
 from .calls import DIALECTS, Local
-from .service import CALLER_JOB, BadRequest, Forbidden, NotFound, Overloaded, Service
+from .service import CALLER_JOB, BadRequest, Forbidden, NotFound, Overloaded, Service, Unavailable
 from ..link import PeerGone, RemoteFault
 
 if TYPE_CHECKING:
@@ -161,6 +161,10 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, exc: BadRequest):
         return JSONResponse({"message": str(exc)}, status_code=422)
+
+    @app.exception_handler(Unavailable)
+    async def unavailable(request: Request, exc: Unavailable):
+        return JSONResponse({"message": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
     @app.exception_handler(PeerGone)
     async def peer_gone(request: Request, exc: PeerGone):

@@ -180,4 +180,4 @@ def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True,
                                sandboxes=sandboxes, max_queue_s=cfg.max_queue_s, workers=workers)
     if record is not None or cfg.record is not None:
         runtime.record(record or cfg.record)
-    return Service(runtime, Journal(str(path)), cfg.max_queue, cfg.drain_s)
+    return Service(runtime, Journal(str(path)), cfg.max_queue, cfg.drain_s, snapshot_dir=cfg.sandbox.snapshot_dir)

@@ -65,6 +65,26 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
     async def fork(session_id: str, req: v1.ForkRequest) -> v1.ForkResult:
         return await calls.fork(session_id, req)
 
+    @router.post("/v1/sessions/{session_id}/snapshot", response_model=v1.SnapshotInfo, status_code=201,
+                 tags=["sessions"], dependencies=guarded,
+                 responses={404: {"model": v1.Error}, 422: {"model": v1.Error}, 503: {"model": v1.Error}})
+    async def snapshot(session_id: str) -> v1.SnapshotInfo:
+        return await calls.snapshot(session_id)
+
+    @router.get("/v1/snapshots", response_model=list[v1.SnapshotInfo], tags=["sessions"], dependencies=guarded)
+    async def snapshots() -> list[v1.SnapshotInfo]:
+        return await answer(calls.list_snapshots())
+
+    @router.delete("/v1/snapshots/{snapshot_id}", status_code=204, tags=["sessions"], dependencies=guarded,
+                   responses={404: {"model": v1.Error}})
+    async def delete_snapshot(snapshot_id: str) -> Response:
+        await answer(calls.delete_snapshot(snapshot_id))
+        return Response(status_code=204)
+
+    @router.get("/v1/images", response_model=list[v1.ImageInfo], tags=["sessions"], dependencies=guarded)
+    async def images() -> list[v1.ImageInfo]:
+        return await answer(calls.images())
+
     @router.post("/v1/pools/prewarm", response_model=v1.PrewarmResult, tags=["sessions"], dependencies=guarded,
               responses={422: {"model": v1.Error}})
     async def prewarm(req: v1.PrewarmRequest) -> v1.PrewarmResult:
@@ -113,6 +133,8 @@ DIALECT = Dialect("native", {
     "submit": Service.submit, "status": Service.status, "cancel": Service.cancel,
     "open_session": Service.open_session, "session_state": Service.session_state, "exec": Service.exec, "put_files": Service.put_files,
     "get_files": Service.get_files, "fork": Service.fork, "prewarm": Service.prewarm,
+    "snapshot": Service.snapshot, "list_snapshots": Service.list_snapshots, "delete_snapshot": Service.delete_snapshot,
+    "images": Service.images,
     "close_session": Service.close_session, "model_call": Service.model_call, "all_jobs": Service.all_jobs,
     "job_stats": Service.job_stats, "cluster": Service.cluster, "health": Service.health,
     "metrics_text": Service.metrics_text,

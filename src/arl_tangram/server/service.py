@@ -11,6 +11,8 @@ import asyncio
 import base64
 import binascii
 import logging
+import shutil
+import tempfile
 import time
 import uuid
 from collections import deque
@@ -29,6 +31,7 @@ from ..managers.sandbox.images import ImageError
 from ..runtime import ActionResult, NoRoom, Runtime, Session, Tangram
 from ..runtime.api import SessionError
 from .journal import Journal
+from .snapshots import Snapshots, UnknownSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +82,10 @@ def visible(job: str) -> bool:
     """Whether the current request may see what belongs to ``job`` (anything else is a 404)."""
     scope = CALLER_JOB.get()
     return scope is None or scope == job
+
+
+class Unavailable(RuntimeError):
+    """The request was fine; our infrastructure failed it (HTTP 503, never a 4xx)."""
 
 
 class Metrics:
@@ -162,7 +169,7 @@ def _command(c: CommandResult | None) -> v1.CommandResult | None:
 
 class Service:
     def __init__(self, runtime: Runtime, journal: Journal | None = None, max_queue: int = 10_000,
-                 drain_s: float = 10.0) -> None:
+                 drain_s: float = 10.0, snapshot_dir: str | None = None) -> None:
         self.runtime = runtime
         self.tg = Tangram(runtime)
         runtime.session_listeners.append(self._session_ended)
@@ -181,6 +188,12 @@ class Service:
         self.recovered_sessions = {"at_rest": 0, "lost": 0}  # sessions of the server before a restart
         self.fronts = 0  # HTTP front processes (server/fronts.py sets it; 0: HTTP in this process)
         self.on_stop: list = []  # callables run once the sessions are closed (a dialect's own cleanup)
+        if snapshot_dir is None and journal is not None:
+            snapshot_dir = f"{journal.path}.snapshots"  # the server's state directory: kept across restarts
+        if snapshot_dir is None:
+            snapshot_dir = tempfile.mkdtemp(prefix="tangram-snapshots-")
+            self.on_stop.append(lambda: shutil.rmtree(snapshot_dir, ignore_errors=True))
+        self.snapshots = Snapshots(snapshot_dir)
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -411,7 +424,9 @@ class Service:
         sid = req.trajectory or f"s-{uuid.uuid4().hex}"
         if sid in self.sessions and not visible(self.sessions[sid].job):
             raise BadRequest(f"trajectory: {sid!r} is taken")  # another job's session: never joined
-        if sid not in self.sessions:
+        if sid not in self.sessions and req.restore is not None:
+            await self._restore(sid, job, req)
+        elif sid not in self.sessions:
             try:
                 self.sessions[sid] = await self.tg.session(job=job, trajectory=sid, image=req.image)
             except ImageError as e:
@@ -430,6 +445,69 @@ class Service:
         s = self._session(sid)
         return v1.SessionState(session_id=sid, job=s.job, image=s.image,
                                state=self.runtime.session_state(sid) or "new")
+
+    async def _restore(self, sid: str, job: str, req: v1.SessionRequest) -> None:
+        """Open session ``sid`` of ``job`` from snapshot ``req.restore`` (an action on the new
+        session); another job's snapshot is a 404, as an unknown one."""
+        if req.image is not None:
+            raise BadRequest("image: a restored session's image is its snapshot's; give restore or image")
+        path = self._snapshot(req.restore, "restore")
+        self.admit()
+        self.tg.runtime.admit_session()  # NoRoom (503) rather than a restore that waits for memory
+        try:
+            self.sessions[sid] = await self.tg.restore(path, job=job, trajectory=sid)
+        except ImageError as e:
+            raise BadRequest(f"restore: {e}") from None
+        except SessionError as e:
+            raise Unavailable(f"restore: {e.result.outcome.value}: {e.result.message}") from None
+        self.metrics.sessions.set(len(self.sessions))
+        if self.journal is not None:  # an open session as any other (its restart: issue 25's recovery)
+            self.journal.session_open(sid, job, self.sessions[sid].image)
+            await self._durable()
+
+    async def snapshot(self, sid: str) -> v1.SnapshotInfo:
+        """Snapshot session ``sid``'s files into the server's snapshot directory (an action on the
+        session, ordered with its steps); 422 saying why a session cannot be, 503 if we failed."""
+        s = self._session(sid)
+        self.admit()
+        id, path = self.snapshots.new()
+        try:
+            await s.snapshot(path)
+        except SessionError as e:
+            self.snapshots.discard(id)
+            if e.result.outcome is Outcome.REJECTED:
+                raise BadRequest(e.result.message) from None
+            raise Unavailable(f"snapshot: {e.result.outcome.value}: {e.result.message}") from None
+        except BaseException:
+            self.snapshots.discard(id)
+            raise
+        return v1.SnapshotInfo(**self.snapshots.record(id, session_id=sid, job=s.job, image=s.image))
+
+    def _snapshot(self, id: str, field: str = "snapshot") -> str:
+        """The path of snapshot ``id`` if the caller may see it; else ``NotFound`` naming it."""
+        try:
+            path = self.snapshots.path(id, field)
+            if not visible(self.snapshots.info(id).get("job") or UNNAMED_JOB):
+                raise UnknownSnapshot(f"{field}: no snapshot {id!r}")
+        except UnknownSnapshot as e:
+            raise NotFound(str(e)) from None
+        return path
+
+    def list_snapshots(self) -> list[v1.SnapshotInfo]:
+        return [v1.SnapshotInfo.model_validate(i) for i in self.snapshots.list()
+                if visible(i.get("job") or UNNAMED_JOB)]
+
+    def delete_snapshot(self, id: str) -> None:
+        self._snapshot(id)
+        self.snapshots.delete(id)
+
+    def images(self) -> list[v1.ImageInfo]:
+        """The images of the store sessions and one-shots may name (none without sandboxes)."""
+        sb = self.runtime.sandbox_manager()
+        if sb is None:
+            return []
+        return [v1.ImageInfo(name=i.name, id=i.id, size_bytes=i.size_bytes, created=i.created, layers=len(i.layers))
+                for i in sb.images.list()]
 
     async def fork(self, sid: str, req: v1.ForkRequest) -> v1.ForkResult:
         s = self._session(sid)
