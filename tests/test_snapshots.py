@@ -101,3 +101,23 @@ def test_snapshots_outlive_a_restart_of_the_server(tmp_path):
             assert r.outcome == "ok" and r.run.stdout == "kept\n"
     finally:
         second.stop()
+
+
+def test_another_jobs_snapshot_is_a_404_under_api_keys(tmp_path):
+    keys = [{"key": "a" * 16, "job": "a"}, {"key": "b" * 16, "job": "b"}]
+    srv = Server(tmp_path, config={"api_keys": keys})
+    try:
+        with TangramClient(srv.url, token="a" * 16, retries=0) as a, TangramClient(srv.url, token="b" * 16,
+                                                                                   retries=0) as b:
+            s = a.session()
+            s.exec("echo mine > f")
+            snap = s.snapshot()
+            assert snap.job == "a" and [x.snapshot for x in a.snapshots()] == [snap.snapshot]
+            assert b.snapshots() == []
+            for call in (lambda: b.restore(snap.snapshot), lambda: b.delete_snapshot(snap.snapshot)):
+                with pytest.raises(TangramError) as e:
+                    call()
+                assert e.value.status == 404 and snap.snapshot in e.value.message
+            assert a.restore(snap.snapshot).exec("cat f").run.stdout == "mine\n"
+    finally:
+        srv.stop()
