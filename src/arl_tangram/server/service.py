@@ -190,10 +190,8 @@ class Service:
         self.on_stop: list = []  # callables run once the sessions are closed (a dialect's own cleanup)
         if snapshot_dir is None and journal is not None:
             snapshot_dir = f"{journal.path}.snapshots"  # the server's state directory: kept across restarts
-        if snapshot_dir is None:
-            snapshot_dir = tempfile.mkdtemp(prefix="tangram-snapshots-")
-            self.on_stop.append(lambda: shutil.rmtree(snapshot_dir, ignore_errors=True))
-        self.snapshots = Snapshots(snapshot_dir)
+        self._snapshot_dir = snapshot_dir
+        self._snapshots: Snapshots | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -445,6 +443,18 @@ class Service:
         s = self._session(sid)
         return v1.SessionState(session_id=sid, job=s.job, image=s.image,
                                state=self.runtime.session_state(sid) or "new")
+
+    @property
+    def snapshots(self) -> Snapshots:
+        """The snapshot store, made on first use: without a journal (tests, the embedded server) a
+        temporary directory removed when the service stops."""
+        if self._snapshots is None:
+            d = self._snapshot_dir
+            if d is None:
+                d = tempfile.mkdtemp(prefix="tangram-snapshots-")
+                self.on_stop.append(lambda: shutil.rmtree(d, ignore_errors=True))
+            self._snapshots = Snapshots(d)
+        return self._snapshots
 
     async def _restore(self, sid: str, job: str, req: v1.SessionRequest) -> None:
         """Open session ``sid`` of ``job`` from snapshot ``req.restore`` (an action on the new

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 
 from .cgroups import CgroupRoot
@@ -118,6 +119,7 @@ class ImageSandboxes:
         self._images: dict[str, Image] = {}
         self._base: str | None = None
         self._empty: str | None = None
+        self._setup_lock = threading.Lock()
         self.live: set[RootFs] = set()
 
     def image(self, name: str) -> Image:
@@ -130,15 +132,21 @@ class ImageSandboxes:
         return img
 
     def _setup(self) -> None:
-        if self.run_dir is None:
+        """Once, from whichever thread mounts the first root. Locked, and ``run_dir`` is set last:
+        two first spawns at once (the sessions' warm pool starts two) once let one thread see
+        ``run_dir`` set but the base layers not yet, mount a root on ``None`` and leak its tmpfs."""
+        with self._setup_lock:
+            if self.run_dir is not None:
+                return
             why = overlay_supported()
             if why is not None:
                 raise ImageError(f"image: {why}")
             remove_stale_roots()
-            self.run_dir = tempfile.mkdtemp(prefix=f"tangram-roots-{os.getpid()}-")
+            run_dir = tempfile.mkdtemp(prefix=f"tangram-roots-{os.getpid()}-")
             self._base = ensure_base(self.store)
-            self._empty = os.path.join(self.run_dir, "empty")  # the host image's only lower layer
+            self._empty = os.path.join(run_dir, "empty")  # the host image's only lower layer
             os.mkdir(self._empty)
+            self.run_dir = run_dir
 
     def scratch_dir(self, name: str) -> str:
         """A new directory ``name`` beside the mounted roots (a restore unpacks there)."""

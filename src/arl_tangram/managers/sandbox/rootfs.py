@@ -199,7 +199,7 @@ class RootFs:
             os.mkdir(os.path.join(self.rw, "work"), 0o700)
             mount_overlay(self.root, [layer.path for layer in self.session_layers] + [self.base] + self.image_dirs,
                           self.upper, os.path.join(self.rw, "work"))
-        except OSError:
+        except BaseException:  # anything: a tmpfs mounted here must not outlive this object
             self.release()
             raise
         self.mounted = True
