@@ -152,3 +152,31 @@ def test_a_node_that_leaves_takes_its_capacity_and_sessions_with_it(harness):
     assert new == 2 and (h.engine.cpu.capacity, h.engine.cpu.max_cores) == (5, 3)
     h.submit("y", cpu=3)
     assert h.schedule()["y"].node == new
+
+
+def test_a_draining_node_takes_no_new_work_and_its_sessions_move_off_it(harness):
+    h = harness(uniform_cluster(cpus=6, cpu_nodes=3), fifo_policy())  # 2 cores a node
+    for s in ("s1", "s2"):
+        h.submit(f"{s}-a", cpu=1, trajectory=s)
+    h.schedule()
+    homes = {s: h.allocation(f"{s}-a").node for s in ("s1", "s2")}
+    node = homes["s1"]
+    h.complete("s1-a")  # s1 idle; s2's step may still run there (the same node or not)
+    held = h.engine.drain_cpu_node(node)
+    assert "s1" in held and set(held) == {s for s, n in homes.items() if n == node}
+    assert h.engine.cpu.nfree(node) == 0 and h.engine.cpu.capacity == 4  # out of placement at once
+    for i in range(3):
+        h.submit(f"x{i}", cpu=1)
+    assert node not in {a.node for a in h.schedule().values()}  # no one-shot lands there
+    target = h.engine.move_session("s1")
+    assert target is not None and target != node and h.engine.cpu.homes["s1"] == target
+    assert h.engine.move_session("s1") == target  # moved already: it stays
+    assert h.engine.move_session("nobody") is None
+    h.submit("s1-b", cpu=1, trajectory="s1")  # its next step goes to its new home
+    for i in range(3):
+        h.complete(f"x{i}")
+    assert h.schedule()["s1-b"].node == target
+    if "s2" in held:  # still running there: its cores do not come back to the pool
+        h.complete("s2-a")
+        assert h.engine.cpu.nfree(node) == 0
+    assert h.engine.remove_cpu_node(node, "gone") == [s for s in held if s != "s1"]

@@ -121,3 +121,8 @@ def test_another_jobs_snapshot_is_a_404_under_api_keys(tmp_path):
             assert a.restore(snap.snapshot).exec("cat f").run.stdout == "mine\n"
     finally:
         srv.stop()
+
+
+def test_draining_a_node_of_one_machine_is_refused_naming_why(server):
+    r = httpx.post(f"{server.url}/v1/cluster/nodes/anything/drain")
+    assert r.status_code == 422 and "Ray" in r.json()["message"], r.text

@@ -241,6 +241,32 @@ class Engine:
             self._finish_unstarted(action, Outcome.INFRA_ERROR, reason, now)
         return lost
 
+    def drain_cpu_node(self, index: int) -> list[str]:
+        """A node is drained: it takes no new work from now on (its free cores and memory leave
+        placement; what its running actions release is not handed out again), and the sessions it
+        homes, returned, are to move (``move_session``) once their running steps end. A queued
+        step of one of them is placed elsewhere as a move (``Setup.RESTORE``) or waits for it."""
+        self.cpu.drain(index)
+        return sorted(s for s, home in self.cpu.homes.items() if home == index)
+
+    def move_session(self, session: str) -> int | None:
+        """Where ``session`` goes off its draining home: the node with the most free cores that
+        has room for its reserved memory; it is homed there now (its memory reserved there). None
+        when no node has the room now (try again later) or the session has no home any more.
+        A session already re-homed (a queued step of it was placed elsewhere) keeps that home."""
+        cpu = self.cpu
+        home = cpu.homes.get(session)
+        if home is None:
+            return None
+        if home not in cpu.draining:
+            return home
+        mem = cpu.session_mem.get(session, self.costs.session_mem_gb)
+        node = cpu.best_node(0, mem)
+        if node is None:
+            return None
+        cpu.attach(session, node, mem)
+        return node
+
     def add_gpu_node(self, node: GpuNode) -> int:
         """A GPU node joins while the engine runs (its GPUs idle and empty); returns its index.
         Its GPUs' global ids are ``gpu.first_gpu[index]`` onwards."""

@@ -25,7 +25,7 @@ def nodes_table(cluster: dict) -> Table:
                       ("GPUs", "right"), ("isolation", "left"), ("running", "right"), ("sessions", "right"),
                       ("problem", "left")]:
         table.add_column(col, justify=just)
-    style = {"alive": "green", "starting": "yellow", "draining": "yellow", "dead": "red"}
+    style = {"alive": "green", "starting": "yellow", "draining": "yellow", "drained": "blue", "dead": "red"}
     for n in cluster.get("nodes", []):
         state = f"[{style.get(n['state'], 'white')}]{n['state']}[/]"
         table.add_row(n["name"], n["address"], state, f"{n['cores_free']}/{n['cores']}", str(n["gpus"]),

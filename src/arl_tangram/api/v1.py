@@ -233,7 +233,9 @@ class ClusterNode(BaseModel):
     id: str
     name: str
     address: str
-    state: Literal["starting", "alive", "draining", "dead"]
+    state: Literal["starting", "alive", "draining", "drained", "dead"] = Field(
+        ..., description="draining: takes no new work, its sessions are moving off (POST .../drain); drained: it "
+                         "holds nothing")
     cores: int
     cores_free: int
     gpus: int = 0

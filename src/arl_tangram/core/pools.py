@@ -64,6 +64,7 @@ class CpuPool:
         self.homes: dict[str, int] = {}
         self.session_mem: dict[str, float] = {}
         self.session_used: dict[str, float] = {}  # measured when each session last went idle
+        self.draining: set[int] = set()  # out of placement, its sessions still homed there until moved
         self.meter = Meter()
 
     def nfree(self, node: int) -> int:
@@ -128,12 +129,16 @@ class CpuPool:
         self.total_free += node.cores
         return i
 
-    def remove_node(self, node: int) -> list[str]:
-        """A node leaves (drained or dead): its free cores leave the pool at once, cores still
-        held there are dropped when released, and its sessions lose their home. Returns those
-        sessions."""
+    def drain(self, node: int) -> None:
+        """The node takes no new work: like ``remove_node``, its free cores and memory leave
+        placement now and cores released there later are not handed out again, but its sessions
+        keep their home until each is moved (``attach`` elsewhere) or the node leaves."""
         if not self.alive[node]:
-            return []
+            return
+        self._leave(node)
+        self.draining.add(node)
+
+    def _leave(self, node: int) -> None:
         self.alive[node] = False
         free = self.free_cores[node]
         self.buckets[len(free)].discard(node)
@@ -142,6 +147,17 @@ class CpuPool:
         free.clear()
         self.free_mem[node] = 0.0
         self.max_cores = max((n.cores for n, up in zip(self.nodes, self.alive) if up), default=0)
+
+    def remove_node(self, node: int) -> list[str]:
+        """A node leaves (drained or dead): its free cores leave the pool at once, cores still
+        held there are dropped when released, and its sessions lose their home. Returns those
+        sessions."""
+        if node in self.draining:  # out of placement already; what it still homes is lost now
+            self.draining.discard(node)
+        elif not self.alive[node]:
+            return []
+        else:
+            self._leave(node)
         lost = [s for s, home in self.homes.items() if home == node]
         for s in lost:
             del self.homes[s]

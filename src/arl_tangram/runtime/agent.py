@@ -18,17 +18,19 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import tempfile
+import uuid
 from typing import Callable
 
 from typing import Any
 
-from ..core.action import GPU, Action, Allocation
+from ..core.action import CPU, GPU, Action, Allocation, Outcome
 from ..core.cluster import DEFAULT_H2D_GBPS, GpuNode
 from ..core.pools import Instance
 from ..core.records import Load
 from ..core.seam import Completion, Loaded, Report
 from ..managers.sandbox.manager import SandboxManager
-from ..managers.sandbox.spec import SandboxConfig
+from ..managers.sandbox.spec import Restore, SandboxConfig, Snapshot
 from .host import LocalHost, host_cpus, memory_gb
 
 
@@ -168,6 +170,44 @@ class NodeAgent:
     def close_session(self, trajectory: str) -> None:
         if self.manager is not None:
             self.manager.close_session(trajectory)
+
+    async def export_session(self, trajectory: str) -> bytes | None:
+        """A session's files as a snapshot (what a move carries to another node through the
+        object store), taken as an action on the session, so after its running step; None when
+        it has nothing here (never ran a step, or already closed)."""
+        manager = self.manager
+        if manager is None or not manager.has_session(trajectory):
+            return None
+        fd, path = tempfile.mkstemp(prefix="tangram-move-", suffix=".tar")
+        os.close(fd)
+        try:
+            done = await self.run(Action(f"move-out-{uuid.uuid4().hex}", "sandbox", trajectory=trajectory,
+                                         operation="snapshot", payload=Snapshot(trajectory, path)), Allocation(CPU))
+            if done.outcome is not Outcome.OK:
+                raise RuntimeError(f"snapshot of session {trajectory} on node {self.name}: {done.message}")
+            with open(path, "rb") as fh:
+                return fh.read()
+        finally:
+            os.unlink(path)
+
+    async def import_session(self, trajectory: str, data: bytes | None) -> bool:
+        """Make ``trajectory`` a session here from ``export_session``'s bytes (its processes start
+        on its next step); False when there was nothing to carry."""
+        if data is None:
+            return False
+        if self.manager is None:
+            raise RuntimeError(f"node {self.name} runs no sandboxes: {self.problem}")
+        fd, path = tempfile.mkstemp(prefix="tangram-move-", suffix=".tar")
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+            done = await self.run(Action(f"move-in-{uuid.uuid4().hex}", "sandbox", trajectory=trajectory,
+                                         operation="restore", payload=Restore(path)), Allocation(CPU))
+        finally:
+            os.unlink(path)
+        if done.outcome is not Outcome.OK:
+            raise RuntimeError(f"restore of session {trajectory} on node {self.name}: {done.message}")
+        return True
 
     def take_expired(self) -> list[str]:
         out, self._expired[:] = list(self._expired), []

@@ -337,6 +337,12 @@ class Runtime:
         """``v1``/``v2`` where sandbox limits use cgroups, None where they fall back."""
         return None
 
+    def drain_node(self, node_id: str) -> dict:
+        """Take a node out of service, moving its sessions elsewhere (``RayRuntime``); a runtime
+        of one machine has nowhere to move them: ``ValueError`` saying so."""
+        raise ValueError(f"node: {self.backend} runs on one machine; only a Ray cluster's nodes can be drained "
+                         f"(its sessions need another node to move to)")
+
     def nodes(self) -> list[dict]:
         """The nodes this runtime schedules (``GET /v1/cluster``)."""
         pool = self.engine.cpu

@@ -40,7 +40,7 @@ class Node:
     handle: Any = None  # the agent actor
     index: int | None = None  # in the engine's CPU pool, once it serves sandboxes
     info: dict = field(default_factory=dict)
-    state: str = "starting"  # starting | alive | dead
+    state: str = "starting"  # starting | alive | draining | drained | dead
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     running: set[str] = field(default_factory=set)
     gpu_index: int | None = None  # in the engine's GPU pool, once it serves models
@@ -50,6 +50,11 @@ class Node:
     @property
     def name(self) -> str:
         return self.ray_id[:12]
+
+    @property
+    def serving(self) -> bool:
+        """Its agent is up: alive, or draining/drained (it still finishes and hands over its work)."""
+        return self.state in ("alive", "draining", "drained")
 
 
 def ray_module():
@@ -96,7 +101,7 @@ async def _agent_run(node: Node, action: Action, allocation: Allocation) -> Comp
 def cancel_on_nodes(runtime: "RayRuntime", action_id: str) -> None:
     """Tell the live agent running ``action_id`` to cancel it (wherever it runs)."""
     for node in runtime.nodes_by_id.values():
-        if action_id in node.running and node.state == "alive":
+        if action_id in node.running and node.serving:
             node.handle.cancel.remote(action_id)
 
 

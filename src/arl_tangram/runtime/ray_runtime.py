@@ -18,6 +18,16 @@ one-shots are re-run once on another node (same id: the idempotency key), and it
 ``infra_error`` with a reason that later calls get back as ``SessionGone`` (404 over HTTP). A node
 whose agent died while its raylet lives gets a new agent later (``REJOIN_AFTER_S``).
 
+**Drain and move.** ``drain_node`` takes a node out of placement at once (state ``draining``: no
+new session or one-shot lands there; the engine decides, ``Engine.drain_cpu_node``); its running
+actions finish; then each of its sessions moves to another node between two of its steps
+(``Engine.move_session`` picks the node, ``RemoteSandboxes`` carries the files: a snapshot on the
+old node's agent, passed through Ray's object store to the new node's agent, restored there; the
+processes start afresh on the next step, as after a fork). A step that arrives meanwhile waits for
+the move (each session's steps and its move take one lock, in order); once the node holds no
+session and runs nothing its state is ``drained``. The same carry makes the policy's migration
+real: a step the engine places away from its session's node (``Setup.RESTORE``) brings the files.
+
 When the head dies its agents die with it (they are owned by the head's Ray driver), and with
 them their sandboxes (``bwrap --die-with-parent``); a new head starts new agents, whose sandbox
 managers reap the cgroups the old ones left. Nothing is re-attached: the journal re-runs one-shots
@@ -33,11 +43,11 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from ..core.action import Action, Allocation, Finished
+from ..core.action import Action, Allocation, Finished, Outcome
 from ..core.cluster import Cluster, CpuNode
-from ..core.seam import Pool, Sink
+from ..core.seam import Completion, Pool, Sink
 from ..managers.models.spec import ModelServiceConfig
-from ..managers.sandbox.spec import SandboxConfig
+from ..managers.sandbox.spec import Fork, SandboxConfig
 from ..managers.tasks import TaskSet
 from ..policy import Costs, Policy, Profile
 from ..waits import DEFAULT_MAX_QUEUE_S
@@ -84,25 +94,95 @@ def connect(address: str) -> bool:
 
 
 class RemoteSandboxes:
-    """The ``Pool.CPU`` manager of the head: each action goes to the agent of its node."""
+    """The ``Pool.CPU`` manager of the head: each action goes to the agent of its node; a session
+    whose step lands on another node than its files (a move) has them carried there first."""
 
     def __init__(self, runtime: "RayRuntime", sink: Sink) -> None:
         self.runtime = runtime
         self.tasks = TaskSet(sink, "nodes")
-        self.homes: dict[str, Node] = {}  # session -> the node holding its sandbox
+        self.homes: dict[str, Node] = {}  # session -> the node holding its sandbox state
+        self._locks: dict[str, asyncio.Lock] = {}  # session -> its steps and moves, one at a time
+        self.moves = 0  # sessions carried to another node
+        self.move_s: list[float] = []  # how long each carry took (what a waiting step waited)
 
     def start(self, action: Action, allocation: Allocation) -> None:
         node = self.runtime.by_index[allocation.node]
-        if action.trajectory is not None:
-            self.homes[action.trajectory] = node
-        self.tasks.run(action, lambda: run_on_node(self.runtime, node, action, allocation))
+        traj = action.trajectory
+        if traj is None:
+            self.tasks.run(action, lambda: run_on_node(self.runtime, node, action, allocation))
+            return
+        self.homes.setdefault(traj, node)  # where it is until a move says otherwise
+        self.tasks.run(action, lambda: self._step(traj, node, action, allocation))
+
+    def _lock(self, trajectory: str) -> asyncio.Lock:
+        lock = self._locks.get(trajectory)
+        if lock is None:
+            lock = self._locks[trajectory] = asyncio.Lock()
+        return lock
+
+    async def _step(self, traj: str, node: Node, action: Action, allocation: Allocation) -> Completion:
+        """A session's step on ``node``, after its move there if its files are elsewhere."""
+        async with self._lock(traj):
+            old = self.homes.get(traj)
+            if old is not None and old is not node and old.state != "dead":
+                problem = await self.carry(traj, old, node)
+                if problem is not None:
+                    return Completion(action.id, Outcome.INFRA_ERROR, message=problem)
+            self.homes[traj] = node
+            done = await run_on_node(self.runtime, node, action, allocation)
+            if isinstance(action.payload, Fork) and done.outcome is Outcome.OK:
+                for child in action.payload.children:  # made beside their source
+                    self.homes[child] = node
+            return done
+
+    async def carry(self, traj: str, old: Node, new: Node) -> str | None:
+        """Move ``traj``'s files from ``old`` to ``new`` (the caller holds its lock): a snapshot on
+        ``old``'s agent, handed to ``new``'s agent through the object store (never through the
+        head), restored there; then closed on ``old``. None, or why it failed."""
+        t = time.perf_counter()
+        try:
+            data = old.handle.export_session.remote(traj)
+            await new.handle.import_session.remote(traj, data)
+        except Exception as e:  # an agent gone, a snapshot that cannot be restored there
+            log.error("session %s: cannot move it from node %s to %s: %s", traj, old.name, new.name, e)
+            return f"session {traj} could not be moved to node {new.name}: {type(e).__name__}: {e}"
+        self.homes[traj] = new
+        old.handle.close_session.remote(traj)
+        self.moves += 1
+        self.move_s.append(time.perf_counter() - t)
+        log.info("session %s moved from node %s to %s in %.3f s", traj, old.name, new.name, self.move_s[-1])
+        return None
+
+    async def evacuate(self, traj: str, old: Node) -> None:
+        """Move ``traj`` off the draining ``old`` between two of its steps: its running step ends
+        first (the lock), the engine picks the node (``move_session``; retried while none has
+        room), and a step that arrives meanwhile waits on the lock."""
+        engine = self.runtime.engine
+        while old.state == "draining":
+            async with self._lock(traj):
+                if self.homes.get(traj, old) is not old or traj in self.runtime.ended:
+                    return  # moved by a step placed elsewhere, or ended
+                target = engine.move_session(traj)
+                if target is not None:
+                    new = self.runtime.by_index[target]
+                    if new is not old and traj in self.homes:
+                        problem = await self.carry(traj, old, new)
+                        if problem is not None:
+                            self.homes.pop(traj, None)
+                            self.runtime.end_session(traj, problem)
+                    self.runtime.tick()  # its queued steps may go now
+                    return
+                if engine.cpu.homes.get(traj) is None and traj not in self.homes:
+                    return  # it has no home any more: nothing to move
+            await asyncio.sleep(0.5)  # no node has room for it now
 
     def cancel(self, action_id: str) -> None:
         cancel_on_nodes(self.runtime, action_id)
 
     def close_session(self, trajectory: str) -> None:
         node = self.homes.pop(trajectory, None)
-        if node is not None and node.state == "alive":
+        self._locks.pop(trajectory, None)
+        if node is not None and node.serving:
             node.handle.close_session.remote(trajectory)
 
     async def start_up(self) -> None:
@@ -254,6 +334,39 @@ class RayRuntime(Runtime):
         self._joining.add(task)
         task.add_done_callback(self._joining.discard)
 
+    # -- drain ---------------------------------------------------------------------------------
+    def drain_node(self, node_id: str) -> dict:
+        """Take a node out of service without losing anything: see the module docstring. ``KeyError``
+        naming an unknown node (its Ray id or the name ``/v1/cluster`` shows); draining a node
+        twice is the first drain."""
+        node = self.nodes_by_id.get(node_id) or next(
+            (n for n in self.nodes_by_id.values() if n.name == node_id), None)
+        if node is None or node.state == "dead":
+            raise KeyError(f"node: no live node {node_id!r} (GET /v1/cluster lists them)")
+        if node.state == "alive":
+            node.state = "draining"
+            held = self.engine.drain_cpu_node(node.index) if node.index is not None else []
+            held = list(dict.fromkeys([*held, *(s for s, home in self.sandboxes.homes.items() if home is node)]))
+            log.info("node %s (%s) draining: %d sessions to move", node.name, node.address, len(held))
+            for s in held:
+                task = asyncio.get_running_loop().create_task(self.sandboxes.evacuate(s, node))
+                self._joining.add(task)
+                task.add_done_callback(self._joining.discard)
+            self.tick()
+        self._settle_drain(node)
+        return next(n for n in self.nodes() if n["id"] == node.ray_id)
+
+    def _settle_drain(self, node: Node) -> None:
+        """A draining node that holds no session and runs nothing is ``drained``."""
+        if node.state != "draining" or node.running:
+            return
+        if any(home is node for home in self.sandboxes.homes.values()):
+            return
+        if node.index is not None and node.index in self.engine.cpu.homes.values():
+            return
+        node.state = "drained"
+        log.info("node %s (%s) drained: it holds nothing", node.name, node.address)
+
     def lost_reason(self, session: str, node: Node) -> str:
         return f"session {session} was lost with its node {node.name} ({node.address}); its state is gone"
 
@@ -292,9 +405,10 @@ class RayRuntime(Runtime):
                                     time.monotonic() - (old.died_at or 0.0))
                         self._join_later(entry, rejoins=old.rejoins + 1)
                 for node in list(self.nodes_by_id.values()):
-                    if node.state in ("alive", "starting") and node.ray_id not in table:
+                    if (node.state == "starting" or node.serving) and node.ray_id not in table:
                         self.node_lost(node, "Ray reports the node dead")
-                for node in [n for n in self.nodes_by_id.values() if n.state == "alive"]:
+                    self._settle_drain(node)
+                for node in [n for n in self.nodes_by_id.values() if n.serving]:
                     try:
                         expired = await node.handle.take_expired.remote()
                     except agent_gone() as e:  # the node is up, its agent is not: nothing runs there
@@ -338,7 +452,7 @@ class RayRuntime(Runtime):
             task.cancel()
         await asyncio.gather(*self._joining, return_exceptions=True)
         await super()._shut_down_managers()
-        alive = [n for n in self.nodes_by_id.values() if n.state == "alive"]
+        alive = [n for n in self.nodes_by_id.values() if n.serving]
         await asyncio.gather(*(n.handle.shut_down.remote() for n in alive), return_exceptions=True)
         ray = ray_module()
         for n in alive:

@@ -119,6 +119,11 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
     async def cluster() -> v1.ClusterInfo:
         return await answer(calls.cluster())
 
+    @router.post("/v1/cluster/nodes/{node_id}/drain", response_model=v1.ClusterNode, tags=["stats"],
+                 dependencies=guarded, responses={404: {"model": v1.Error}, 422: {"model": v1.Error}})
+    async def drain_node(node_id: str) -> v1.ClusterNode:
+        return await answer(calls.drain_node(node_id))
+
     @router.get("/metrics", tags=["stats"], dependencies=guarded)
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(await answer(calls.metrics_text()), media_type="text/plain; version=0.0.4")
@@ -136,6 +141,6 @@ DIALECT = Dialect("native", {
     "snapshot": Service.snapshot, "list_snapshots": Service.list_snapshots, "delete_snapshot": Service.delete_snapshot,
     "images": Service.images,
     "close_session": Service.close_session, "model_call": Service.model_call, "all_jobs": Service.all_jobs,
-    "job_stats": Service.job_stats, "cluster": Service.cluster, "health": Service.health,
+    "job_stats": Service.job_stats, "cluster": Service.cluster, "drain_node": Service.drain_node, "health": Service.health,
     "metrics_text": Service.metrics_text,
 }, routes)

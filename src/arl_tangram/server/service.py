@@ -640,6 +640,19 @@ class Service:
     def cluster(self) -> v1.ClusterInfo:
         return v1.ClusterInfo(backend=self.runtime.backend, nodes=[v1.ClusterNode(**n) for n in self.runtime.nodes()])
 
+    def drain_node(self, node_id: str) -> v1.ClusterNode:
+        """``POST /v1/cluster/nodes/{id}/drain``: the node takes no new work now; its sessions
+        move to other nodes between two of their steps; its state says ``drained`` once it holds
+        nothing. Not for one job's API key: it moves every job's sessions."""
+        if CALLER_JOB.get() is not None:
+            raise Forbidden("node: draining a node moves every job's sessions; use the server's token")
+        try:
+            return v1.ClusterNode(**self.runtime.drain_node(node_id))
+        except KeyError as e:
+            raise NotFound(e.args[0]) from None
+        except ValueError as e:
+            raise BadRequest(str(e)) from None
+
     def health(self) -> dict:
         """``GET /healthz``: liveness plus the figures a person checks first."""
         snap = self.runtime.snapshot()

@@ -354,6 +354,10 @@ class SandboxManager:
             return f"sandboxes here use {self.mode.value if self.mode else 'no'} isolation, layers need bubblewrap"
         return overlay_supported() or "the session's sandbox was started without layers"
 
+    def has_session(self, trajectory: str) -> bool:
+        """A session of that id has state here (a sandbox, or a root waiting for its first step)."""
+        return self._exists(trajectory)
+
     def _exists(self, trajectory: str) -> bool:
         return trajectory in self.sessions or trajectory in self.pending_roots or trajectory in self.rested
 

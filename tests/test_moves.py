@@ -1,0 +1,86 @@
+"""Draining a Ray node: its sessions move to other nodes between two of their steps, files and
+all, on a real 3-node Ray cluster on loopback (``ray.cluster_utils.Cluster``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import time
+from collections import Counter
+
+import pytest
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every Ray address on 127.0.0.1
+ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from arl_tangram.core import Outcome  # noqa: E402
+from arl_tangram.managers.sandbox.manager import SandboxConfig  # noqa: E402
+from arl_tangram.runtime import Tangram  # noqa: E402
+from arl_tangram.server.service import NotFound, Service  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow,
+              pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
+              pytest.mark.skipif(os.geteuid() != 0, reason="moving a session snapshots its layered workspace: root")]
+
+
+@pytest.fixture
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    for _ in range(3):
+        c.add_node(num_cpus=2)
+    c.wait_for_nodes()
+    yield c
+    if ray.is_initialized():
+        ray.shutdown()
+    c.shutdown()
+
+
+def test_draining_the_busiest_node_moves_every_session_and_loses_no_one_shot(cluster):
+    async def main():
+        async with Tangram.ray(cluster.address, sandbox=SandboxConfig(warm_pool=1, warm_sessions=1)) as tg:
+            rt = tg.runtime
+            service = Service(rt)
+            sessions = [await tg.session() for _ in range(6)]
+            first = await asyncio.gather(*(s.exec(f"echo file{i} > f; mkdir -p d; echo deep{i} > d/g")
+                                           for i, s in enumerate(sessions)))
+            assert all(r.ok for r in first), [r.message for r in first]
+            homes = Counter(rt.sandboxes.homes[s.id].ray_id for s in sessions)
+            busiest = homes.most_common(1)[0][0]
+            on_it = [i for i, s in enumerate(sessions) if rt.sandboxes.homes[s.id].ray_id == busiest]
+            shots = [asyncio.ensure_future(tg.run(f"import time; time.sleep(1); print({i})")) for i in range(6)]
+            running = asyncio.ensure_future(sessions[on_it[0]].exec("sleep 1; cat f"))
+            await asyncio.sleep(0.5)
+            with pytest.raises(NotFound, match="no-such-node"):
+                service.drain_node("no-such-node")
+            t0 = time.monotonic()
+            at_once = service.drain_node(busiest)
+            # a step that arrives meanwhile waits for its session's move; it is not refused
+            waiting = [asyncio.ensure_future(sessions[i].exec("cat d/g")) for i in on_it[1:]]
+            fresh = await tg.session()
+            fresh_r = await fresh.exec("echo fresh > f")
+            fresh_home = rt.sandboxes.homes[fresh.id].ray_id
+            drained_after = None
+            while time.monotonic() - t0 < 60:
+                node = next(n for n in rt.nodes() if n["id"] == busiest)
+                if node["state"] == "drained":
+                    drained_after = time.monotonic() - t0
+                    break
+                await asyncio.sleep(0.2)
+            reads = [await s.exec("cat f d/g") for s in sessions]
+            homes_after = {rt.sandboxes.homes[s.id].ray_id for s in sessions}
+            return (at_once, on_it, await running, await asyncio.gather(*waiting), fresh_r, fresh_home, busiest,
+                    drained_after, node, reads, homes_after, await asyncio.gather(*shots), rt.sandboxes.moves)
+
+    (at_once, on_it, running, waiting, fresh_r, fresh_home, busiest, drained_after, node, reads, homes_after, shots,
+     moves) = asyncio.run(asyncio.wait_for(main(), 240))
+    assert at_once.state == "draining" and at_once.cores_free == 0  # no new work, at once
+    assert running.outcome is Outcome.OK and running.stdout == f"file{on_it[0]}\n"  # its running step finished
+    assert [(r.outcome, r.stdout) for r in waiting] == [(Outcome.OK, f"deep{i}\n") for i in on_it[1:]]
+    assert fresh_r.ok and fresh_home != busiest  # no new session lands on the draining node
+    assert drained_after is not None and node["sessions"] == 0 and not node["running"], node
+    assert [(r.outcome, r.stdout) for r in reads] == [(Outcome.OK, f"file{i}\ndeep{i}\n") for i in range(6)]
+    assert busiest not in homes_after and moves >= len(on_it)
+    assert [(r.outcome, r.stdout) for r in shots] == [(Outcome.OK, f"{i}\n") for i in range(6)]  # 0 lost
