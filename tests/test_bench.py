@@ -2,6 +2,7 @@
 they are measurements, reported in the issue notes)."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -47,6 +48,7 @@ def test_bench_envs_prints_its_figures(tmp_path):
                 "spawn_layered_p50_ms"):
         assert r[key] > 0, key
     assert r["default_children_upper_bytes_after_fork"] < 1 << 20 and r["default_snapshot_bytes"] >= 8 << 20
+    assert r["http"]["fork_p50_ms"] > 0 and r["http"]["snapshot_p50_ms"] > 0 and r["http"]["restore_and_first_step_p50_ms"] > 0
 
 
 @pytest.mark.slow
@@ -117,10 +119,13 @@ def test_bench_server_against_another_endpoint_prints_both(tmp_path):
 def test_bench_cluster_prints_scaling_chaos_and_engine_figures(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "c.json"
-    p = tangram("bench", "cluster", "--nodes", "1,2", "--actions", "20", "--chaos", "40", "--json", str(out))
+    p = tangram("bench", "cluster", "--nodes", "1,2", "--actions", "20", "--chaos", "40", "--drain-sessions", "4",
+                "--json", str(out))
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
     assert [row["nodes"] for row in r["scaling"]] == [1, 2]
     assert all(row["outcomes"] == {"ok": 20} for row in r["scaling"])
     assert r["chaos"]["lost"] == 0 and r["chaos"]["duplicated"] == 0 and r["chaos"]["outcomes"] == {"ok": 40}
     assert r["engine"]["open_sessions"] == 10_000 and r["engine"]["queued"] == 10_000
+    if os.geteuid() == 0:  # moves snapshot layered workspaces (overlay mounts)
+        assert r["drain"]["files_intact"] == 4 and r["drain"]["moved"] == 4 and r["drain"]["drained_s"] > 0

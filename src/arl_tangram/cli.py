@@ -523,9 +523,12 @@ def bench_cluster(
                                   "killed with teacher calls in flight; with CUDA node i gets GPU i); 0 skips it."),
     model_calls: int = typer.Option(400, min=3, help="Teacher calls of the model chaos run."),
     model_device: str = typer.Option("auto", help="cuda, cpu (CPU devices stand in for GPUs) or auto."),
+    drain_sessions: int = typer.Option(50, min=0, help="Sessions on the node drained by the drain run (their "
+                                       "moves to a node that joined); 0 skips it."),
 ) -> None:
     """The Ray backend: scaling over nodes, a node killed mid-run, the engine's cost at 64 nodes,
-    and (--gpu-nodes) model services with a GPU node's agent killed mid-run."""
+    a node of --drain-sessions sessions drained, and (--gpu-nodes) model services with a GPU
+    node's agent killed mid-run."""
     from .bench.cluster import run  # first: it keeps the loopback clusters' addresses on 127.0.0.1
 
     try:
@@ -539,7 +542,8 @@ def bench_cluster(
     if model_device not in ("auto", "cuda", "cpu"):
         raise fail(f"--model-device: expected auto, cuda or cpu, got {model_device!r}")
     _print_json(run(parsed, cores, actions, work_ms, chaos_actions=chaos, log=lambda m: console.print(m),
-                    gpu_nodes=gpu_nodes, model_calls=model_calls, model_device=model_device), json_out)
+                    gpu_nodes=gpu_nodes, model_calls=model_calls, model_device=model_device,
+                    drain_sessions=drain_sessions), json_out)
 
 
 @bench_app.command("sessions")

@@ -7,6 +7,10 @@
   elsewhere.
 * ``model_chaos`` (``gpu_nodes`` > 0): model services on nodes of one GPU each, a node's agent
   killed with teacher calls in flight: how many were lost, answered twice, re-run.
+* ``drain``: a node holding ``drain_sessions`` sessions (each with a file) drained while a second
+  node has joined: the time until it holds nothing, each move's carry (snapshot, object store,
+  restore), and what the sessions' next steps, sent right after the drain began, took beside the
+  same step before it (the wait a moved session's step sees); every step checks its file.
 * ``engine``: the head's own cost at scale, with simulated agents: scheduling rounds per second
   with ``sessions`` open sessions spread over ``engine_nodes`` nodes and a queue of 10,000.
 
@@ -222,6 +226,69 @@ def model_chaos(gpu_nodes: int, calls: int, device: str, log: Callable[[str], No
     return row
 
 
+def drain(sessions: int, cores: int, log: Callable[[str], None]) -> dict:
+    """``sessions`` sessions opened on a one-node cluster, a second node joined, the first drained."""
+    from ..managers.sandbox.spec import SandboxConfig
+    from ..runtime import Tangram
+
+    c, _ = _cluster(1, cores)
+    try:
+        async def main() -> dict:
+            async with Tangram.ray(c.address, sandbox=SandboxConfig(warm_pool=1, warm_sessions=2,
+                                                                    session_idle_expiry_s=3600)) as tg:
+                rt = tg.runtime
+                opened = []
+                for i in range(sessions):
+                    s = await tg.session()
+                    r = await s.exec(f"echo {i} > f")
+                    assert r.ok, r.message
+                    opened.append(s)
+                before = []
+                for s in opened:
+                    t = time.perf_counter()
+                    r = await s.exec("cat f")
+                    before.append(time.perf_counter() - t)
+                first = next(iter(rt.nodes_by_id))
+                c.add_node(num_cpus=cores)
+                for _ in range(600):
+                    if sum(1 for n in rt.nodes() if n["state"] == "alive") == 2:
+                        break
+                    await asyncio.sleep(0.1)
+                t0 = time.perf_counter()
+                rt.drain_node(first)
+
+                async def step(i: int, s) -> tuple[float, bool]:
+                    t = time.perf_counter()
+                    r = await s.exec("cat f")
+                    return time.perf_counter() - t, r.ok and r.stdout == f"{i}\n"
+
+                during = await asyncio.gather(*(step(i, s) for i, s in enumerate(opened)))
+                while next(n for n in rt.nodes() if n["id"] == first)["state"] != "drained":
+                    if time.perf_counter() - t0 > 600:
+                        break
+                    await asyncio.sleep(0.05)
+                drained_s = time.perf_counter() - t0
+                moves = list(rt.sandboxes.move_s)
+                for s in opened:
+                    await s.close()
+                waits = [d for d, _ in during]
+                return {"sessions": sessions, "drained_s": round(drained_s, 3),
+                        "moved": len(moves), "move_p50_ms": round(_pct(moves, 50) * 1000, 1),
+                        "move_p99_ms": round(_pct(moves, 99) * 1000, 1),
+                        "step_before_p50_ms": round(_pct(before, 50) * 1000, 1),
+                        "moved_step_p50_ms": round(_pct(waits, 50) * 1000, 1),
+                        "moved_step_p99_ms": round(_pct(waits, 99) * 1000, 1),
+                        "files_intact": sum(ok for _, ok in during)}
+
+        r = asyncio.run(main())
+    finally:
+        _close(c)
+    log(f"drain: a node of {r['sessions']} sessions drained in {r['drained_s']} s ({r['moved']} moves, p50 "
+        f"{r['move_p50_ms']} ms each); their next steps p50 {r['moved_step_p50_ms']} ms, p99 {r['moved_step_p99_ms']} "
+        f"ms (before: p50 {r['step_before_p50_ms']} ms); files intact {r['files_intact']}/{r['sessions']}")
+    return r
+
+
 def engine_cost(nodes: int = 64, sessions: int = 10_000, depth: int = 10_000, seconds: float = 2.0) -> dict:
     """The head's engine with simulated agents: scheduling rounds (complete + submit + schedule)
     per second with ``sessions`` open sessions over ``nodes`` nodes of 64 cores and ``depth``
@@ -233,7 +300,7 @@ def engine_cost(nodes: int = 64, sessions: int = 10_000, depth: int = 10_000, se
 
 def run(nodes: tuple[int, ...] = (1, 2, 3), cores: int = 1, actions: int = 150, work_ms: float = 0.0,
         per_core: int = 4, chaos_actions: int = 300, log: Callable[[str], None] = print, gpu_nodes: int = 0,
-        model_calls: int = 400, model_device: str = "auto") -> dict:
+        model_calls: int = 400, model_device: str = "auto", drain_sessions: int = 0) -> dict:
     result = {"machine_cpus": len(os.sched_getaffinity(0))}
     result["engine"] = engine_cost()
     log(f"engine: {result['engine']['decisions_per_s']:,} decisions/s with {result['engine']['open_sessions']:,} "
@@ -244,6 +311,10 @@ def run(nodes: tuple[int, ...] = (1, 2, 3), cores: int = 1, actions: int = 150, 
         result["scaling_ratio"] = {str(r["nodes"]): round(r["actions_per_s"] / base, 2) for r in result["scaling"]}
     if chaos_actions:
         result["chaos"] = chaos(max(nodes), cores, chaos_actions, 100.0 if work_ms <= 0 else work_ms, log)
+    if drain_sessions and os.geteuid() != 0:
+        result["drain"] = {"skipped": "moving a session snapshots its layered workspace: overlay mounts need root"}
+    elif drain_sessions:
+        result["drain"] = drain(drain_sessions, cores, log)
     if gpu_nodes:
         result["model_chaos"] = model_chaos(gpu_nodes, model_calls, _model_device(model_device), log)
     return result

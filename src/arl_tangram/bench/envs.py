@@ -11,6 +11,9 @@
 * the same fork(8) of a *default* session (no image: its workspace is layered over the host's
   directories, ``rootfs.HOST_IMAGE``), and what that layering costs: the spawn of a layered default
   sandbox (what a new default session takes) beside a plain one (what one-shots keep), interleaved
+* over HTTP (a ``tangram serve`` subprocess, the sync client): a default session's fork(8),
+  snapshot (``POST /v1/sessions/{id}/snapshot``) and restore (``POST /v1/sessions {"restore"}``) plus
+  the restored session's first step, p50 of ``samples``
 * persistent-shell step p50 (host sandbox and image), beside a python-cell step
 
 The image is built here from host executables (dash and a few coreutils) into a temporary store,
@@ -202,6 +205,43 @@ async def _forks(tg: Tangram, image: str | None, prefix: str, workspace_mb: int,
     log(f"snapshot {result[prefix + 'snapshot_s']} s ({result[prefix + 'snapshot_bytes'] >> 20} MB), restore {result[prefix + 'restore_s']} s")
 
 
+def _over_http(samples: int, workspace_mb: int, children: int, tmp: str, log: Callable[[str], None]) -> dict:
+    from ..client import TangramClient
+    from .sessions import _Server
+
+    server = _Server(tmp, {"sandbox": {"workspace_mb": max(256, workspace_mb * 2),
+                                       "memory_mb": max(512, workspace_mb * 3)}})
+    forks, snaps, restores = [], [], []
+    try:
+        with TangramClient(server.url) as c:
+            for _ in range(samples):
+                s = c.session()
+                r = s.exec(python=f"import os\nblock = os.urandom(1 << 20)\nfor i in range({workspace_mb}):\n"
+                                  f"    open(f'f{{i}}', 'wb').write(block)", timeout_s=120)
+                assert r.outcome == "ok", r.message
+                t = time.perf_counter()
+                kids = s.fork(children)
+                forks.append((time.perf_counter() - t) * 1000)
+                t = time.perf_counter()
+                snap = s.snapshot()
+                snaps.append((time.perf_counter() - t) * 1000)
+                t = time.perf_counter()
+                back = c.restore(snap.snapshot)
+                r = back.exec("ls | wc -l")
+                restores.append((time.perf_counter() - t) * 1000)
+                assert r.outcome == "ok" and r.run.stdout.strip() == str(workspace_mb), r
+                for x in (s, *kids, back):
+                    x.close()
+                c.delete_snapshot(snap.snapshot)
+    finally:
+        server.stop()
+    out = {"fork_p50_ms": _pct(forks, 50), "snapshot_p50_ms": _pct(snaps, 50),
+           "restore_and_first_step_p50_ms": _pct(restores, 50), "workspace_mb": workspace_mb, "children": children}
+    log(f"over HTTP, a default session of {workspace_mb} MB: fork({children}) p50 {out['fork_p50_ms']} ms, snapshot "
+        f"{out['snapshot_p50_ms']} ms, restore + first step {out['restore_and_first_step_p50_ms']} ms")
+    return out
+
+
 def run(samples: int = 10, workspace_mb: int = 200, children: int = 8,
         log: Callable[[str], None] = lambda m: None) -> dict:
     if os.geteuid() != 0:
@@ -214,6 +254,7 @@ def run(samples: int = 10, workspace_mb: int = 200, children: int = 8,
         import_s = time.perf_counter() - t
         result = asyncio.run(_measure(samples, workspace_mb, children, log, store))
         result["image_build_and_import_s"] = round(import_s, 3)
+        result["http"] = _over_http(samples, workspace_mb, children, str(tmp), log)
         return result
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

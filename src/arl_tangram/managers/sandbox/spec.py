@@ -66,10 +66,11 @@ class SandboxConfig(BaseModel):
                                                 "host's system directories)")
     image_store: str | None = Field(None, description="image cache directory (default: $TANGRAM_IMAGE_STORE, else "
                                                       "~/.local/share/arl-tangram/images)")
-    snapshot_dir: str | None = Field(None, description="where the server keeps snapshots and where sessions moved "
-                                                       "off a draining Ray node pass through: a path every node "
-                                                       "can read (default: beside the server's journal on one "
-                                                       "machine; on Ray, the object store)")
+    snapshot_dir: str | None = Field(None, description="where the server keeps the snapshots of POST "
+                                                       "/v1/sessions/{id}/snapshot (default: beside its journal); on "
+                                                       "Ray a path every node can read (a node's agent writes it). "
+                                                       "Sessions moved off a draining node go through Ray's object "
+                                                       "store instead")
     max_idle_sandboxes: int = Field(64, ge=0, description="hard cap on idle prepared sandboxes (warm pool plus "
                                                           "prewarmed image sandboxes)")
 
