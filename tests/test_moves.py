@@ -9,6 +9,7 @@ import shutil
 import time
 from collections import Counter
 
+import httpx
 import pytest
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every Ray address on 127.0.0.1
@@ -84,3 +85,32 @@ def test_draining_the_busiest_node_moves_every_session_and_loses_no_one_shot(clu
     assert [(r.outcome, r.stdout) for r in reads] == [(Outcome.OK, f"file{i}\ndeep{i}\n") for i in range(6)]
     assert busiest not in homes_after and moves >= len(on_it)
     assert [(r.outcome, r.stdout) for r in shots] == [(Outcome.OK, f"{i}\n") for i in range(6)]  # 0 lost
+
+
+def test_a_node_is_drained_over_http_and_its_session_keeps_its_files(cluster, tmp_path):
+    from servers import Server
+
+    server = Server(tmp_path, args=("--ray", cluster.address), start_timeout_s=90)
+    try:
+        url = server.url
+        sid = httpx.post(f"{url}/v1/sessions", json={"job": "j"}).json()["session_id"]
+        r = httpx.post(f"{url}/v1/sessions/{sid}/exec", json={"command": "echo kept > f"}, timeout=60).json()
+        assert r["outcome"] == "ok", r
+        [home] = [n for n in httpx.get(f"{url}/v1/cluster").json()["nodes"] if n["sessions"]]
+        bad = httpx.post(f"{url}/v1/cluster/nodes/no-such-node/drain")
+        assert bad.status_code == 404 and "no-such-node" in bad.json()["message"]
+        d = httpx.post(f"{url}/v1/cluster/nodes/{home['name']}/drain")
+        assert d.status_code == 200 and d.json()["state"] in ("draining", "drained"), d.text
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            now = next(n for n in httpx.get(f"{url}/v1/cluster").json()["nodes"] if n["id"] == home["id"])
+            if now["state"] == "drained":
+                break
+            time.sleep(0.2)
+        assert now["state"] == "drained" and now["sessions"] == 0, now
+        r = httpx.post(f"{url}/v1/sessions/{sid}/exec", json={"command": "cat f"}, timeout=60).json()
+        assert r["outcome"] == "ok" and r["run"]["stdout"] == "kept\n", r
+        nodes = httpx.get(f"{url}/v1/cluster").json()["nodes"]
+        assert [n["id"] for n in nodes if n["sessions"]] != [home["id"]]
+    finally:
+        server.stop()
