@@ -23,9 +23,16 @@ class Recorder:
         self.loading: list[str] = []
         self.cancelled: list[str] = []
         self.evicted: list[tuple[str, tuple]] = []
+        self.resized: list[tuple[str, tuple[int, ...]]] = []
+        self.log: list[tuple[str, str]] = []  # ("start" | "resize", action id), in the order asked
 
     def start(self, action: Action, allocation: Allocation) -> None:
         self.started.append((action, allocation))
+        self.log.append(("start", action.id))
+
+    def resize(self, action_id: str, allocation: Allocation) -> None:
+        self.resized.append((action_id, allocation.units))
+        self.log.append(("resize", action_id))
 
     def close_session(self, trajectory: str) -> None:
         self.closed.append(trajectory)

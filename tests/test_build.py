@@ -20,7 +20,7 @@ from arl_tangram.core.cluster import ApiQuota, Cluster, CpuNode, GpuNode, ModelS
 from arl_tangram.core.pools import Instance
 from arl_tangram.core.records import Completion, Load, Loaded, Running
 from arl_tangram.policy.action_level import Options, tangram_policy
-from arl_tangram.policy.base import Costs, Evict, Grow, Prefetch, Release, Reserve, Start
+from arl_tangram.policy.base import Costs, Evict, Grow, Prefetch, Release, Reserve, Shrink, Start
 from arl_tangram.sim.compare import run_policy
 from arl_tangram.sim.workloads import generate
 
@@ -89,7 +89,8 @@ FROZEN = [
     CpuNode("c", 2, 8.0), GpuNode("g", 2, 40.0, 2, 20.0, ((0, 1),)), ApiQuota("s", 2.0, 3, 1.0),
     ModelSpec("m", 4.0, 2, 0.5, 10.0),
     Cluster((CpuNode("c", 2),), (GpuNode("g", 2),), (ApiQuota("s", 2.0, 3),), (ModelSpec("m", 4.0),)),
-    Load("k", "m", (0, 1), 2.0, Instance("m", (0, 1), 2.0)), Loaded("k"), Grow("a1", 1), Prefetch("m", (0,)),
+    Load("k", "m", (0, 1), 2.0, Instance("m", (0, 1), 2.0)), Loaded("k"), Grow("a1", 1), Shrink("a1", 1),
+    Prefetch("m", (0,)),
     Evict("m", (0,)), Reserve("k", "cpu", 0, 2), Release("k"), Costs(session_mem_gb=1.0),
     Options(ordering="fifo", job_weights={"j": 2.0}),
 ]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from arl_tangram.core import ApiQuota, Outcome, uniform_cluster
+from arl_tangram.core import Action, ApiQuota, Demand, Outcome, uniform_cluster
 from arl_tangram.core.cluster import Cluster
 from arl_tangram.core.pools import CapacityError, QuotaPool
 from arl_tangram.core.seam import Completion, Loaded
@@ -180,3 +180,70 @@ def test_a_draining_node_takes_no_new_work_and_its_sessions_move_off_it(harness)
         h.complete("s2-a")
         assert h.engine.cpu.nfree(node) == 0
     assert h.engine.remove_cpu_node(node, "gone") == [s for s in held if s != "s1"]
+
+
+def _grown(harness, **engine_kwargs):
+    """One elastic action grown onto a quiet 4-core node (it holds all 4 cores), and its harness."""
+    h = harness(uniform_cluster(cpus=4), tangram_policy(), **engine_kwargs)
+    h.submit("big", cpu=(1, 4), hint_s=20.0, parallel_fraction=0.9)
+    assert len(h.schedule()["big"].units) == 4, "a quiet pool grows an elastic action"
+    return h
+
+
+def test_a_queue_takes_cores_back_from_a_grown_action(harness):
+    h = _grown(harness)
+    before = h.allocation("big").units
+    h.submit("b", cpu=1)
+    h.submit("c", cpu=1)
+    started = h.schedule()
+    # the grown action keeps its first core and gives the rest back, in the same round that
+    # starts the queue on them; the manager is told before the starts are handed over
+    assert h.allocation("big").units == before[:1]
+    assert h.rec.resized == [("big", before[:1])]
+    assert h.rec.log[-3:] == [("resize", "big"), ("start", "b"), ("start", "c")]
+    assert set(started) == {"b", "c"}
+    assert set(started["b"].units + started["c"].units) <= set(before[1:])
+    cpu = h.engine.cpu
+    assert (cpu.total_free, cpu.meter.held, cpu.meter.running) == (1, 3, 3)
+    f = h.complete("big")
+    assert f.units == 1 and cpu.total_free == 2
+    assert h.engine.policy.job_units["default"]["cpu"] == 2  # b and c: the shrink was uncharged
+
+
+def test_a_shrink_the_manager_cannot_apply_is_refused(harness):
+    class NoResize:
+        def start(self, action, allocation): ...
+        def cancel(self, action_id): ...
+        def close_session(self, trajectory): ...
+
+    from arl_tangram.core.clock import ManualClock
+    from arl_tangram.core.seam import Pool
+    from arl_tangram.engine import Engine
+    from arl_tangram.policy import Shrink
+
+    engine = Engine(uniform_cluster(cpus=4), tangram_policy(), {Pool.CPU: NoResize()}, ManualClock())
+    assert not engine.cpu_resizes
+    with pytest.raises(CapacityError, match="cannot take cores back"):
+        engine._apply_all([Shrink("x", 1)], 0.0)
+    # nor does the policy ask: its grown action keeps its cores when a queue forms
+    engine.submit(Action("big", "sandbox", Demand({"cpu": (1, 4)}), hint_s=20.0, parallel_fraction=0.9))
+    engine.schedule()
+    assert len(engine.running["big"].allocation.units) == 4
+    engine.submit(Action("b", "sandbox", Demand({"cpu": (1, 1)})))
+    engine.schedule()
+    assert "b" in engine.pending and len(engine.running["big"].allocation.units) == 4
+
+
+def test_a_shrink_keeps_the_minimum_and_the_ledger(harness):
+    from arl_tangram.policy import Shrink
+
+    h = _grown(harness)
+    before = h.allocation("big").units
+    for bad, why in ((Shrink("big", 4), "at least 1 must stay"), (Shrink("big", 0), "at least"),
+                     (Shrink("nobody", 1), "not running")):
+        with pytest.raises(CapacityError, match=why):
+            h.engine._apply_all([bad], h.clock.now())
+        assert h.allocation("big").units == before and h.engine.cpu.total_free == 0
+    h.engine._apply_all([Shrink("big", 2)], h.clock.now())
+    assert h.allocation("big").units == before[:2] and h.engine.cpu.total_free == 2
+    assert h.rec.resized == [("big", before[:2])]

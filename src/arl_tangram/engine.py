@@ -32,8 +32,9 @@ from .core.clock import Clock
 from .core.cluster import Cluster, CpuNode, GpuNode, ModelSpec
 from .core.pools import EPS, CapacityError, CpuPool, GpuPool, Meter, QuotaPool, Units
 from .core.records import Load, Reservation, Running
-from .core.seam import Completion, Loaded, Manager, ModelHost, Pool, Report
-from .policy.base import Costs, Decision, Evict, Grow, Policy, Prefetch, Profile, Release, Reserve, Start, Wait
+from .core.seam import Completion, Loaded, Manager, ModelHost, Pool, Report, Resizer
+from .policy.base import (Costs, Decision, Evict, Grow, Policy, Prefetch, Profile, Release, Reserve, Shrink, Start,
+                          Wait)
 from .waits import DEFAULT_MAX_QUEUE_S, QueueDeadlines
 
 # an enum member read costs ~0.1 µs on Python 3.11 (a descriptor call); the two the CPU start
@@ -132,6 +133,9 @@ class Engine:
         if self.gpu.capacity and not isinstance(host, ModelHost):
             raise TypeError("a cluster with GPUs needs a ModelHost manager for Pool.GPU")
         self._model_host: ModelHost | None = host if isinstance(host, ModelHost) else None
+        resizer = self.managers.get(Pool.CPU)
+        #: the CPU manager can take cores back from a running action (``Shrink``; ``EngineView``)
+        self._resizer: Resizer | None = resizer if isinstance(resizer, Resizer) else None
         self._apply_all(policy.bind(self, now), now)
 
     # -- inputs ----------------------------------------------------------------------------------
@@ -305,6 +309,10 @@ class Engine:
             self.cluster = replace(self.cluster, models=(*self.cluster.models, *new))
             self._cluster_changed()
 
+    @property
+    def cpu_resizes(self) -> bool:
+        return self._resizer is not None
+
     def _cluster_changed(self) -> None:
         """Tell the policy that pools or services changed, if it wants to know (an optional
         ``on_cluster_change(now)`` returning decisions; a policy that plans its partitions once,
@@ -381,6 +389,7 @@ class Engine:
             self.usage.advance(now)
         started: list[Running] = []
         loads: list[Load] = []
+        shrunk: list[Running] | None = None
         for d in decisions:
             if type(d) is Start:  # nearly every decision: one type test before the match below
                 started.append(self._start(d, now))  # a direct call: compiled, a native one
@@ -392,6 +401,10 @@ class Engine:
                     loads.append(self._prefetch(d))
                 case Grow():
                     self._grow(d)
+                case Shrink():
+                    if shrunk is None:
+                        shrunk = []
+                    shrunk.append(self._shrink(d))
                 case Reserve():
                     self._reserve(d, now)
                 case Release():
@@ -400,6 +413,11 @@ class Engine:
                     self._evict(d)
                 case _:
                     raise TypeError(f"unknown decision {d!r}")
+        if shrunk is not None:  # before the starts that may run on the cores taken back
+            resizer = self._resizer
+            assert resizer is not None, "_shrink checked"
+            for run in shrunk:
+                resizer.resize(run.action.id, run.allocation)
         manager_of = self._manager_of
         for run in started:
             alloc = run.allocation
@@ -517,6 +535,27 @@ class Engine:
         assert alloc.node is not None, "a CPU allocation names its node"
         extra = self.cpu.admit(alloc.node, d.count)
         run.allocation = replace(alloc, units=alloc.units + extra)
+
+    def _shrink(self, d: Shrink) -> Running:
+        """Cores back from a running CPU action, down to no less than its minimum demand; the
+        manager is told once the round's decisions are applied, before any start is handed over."""
+        if self._resizer is None:
+            raise CapacityError(f"shrink of {d.action_id}: the CPU manager cannot take cores back from a running action")
+        run = self.running.get(d.action_id)
+        if run is None:
+            raise CapacityError(f"shrink of {d.action_id}, which is not running")
+        alloc = run.allocation
+        if alloc.pool != CPU or alloc.reservation:
+            raise CapacityError(f"only CPU actions outside reservations shrink, {d.action_id} is on "
+                                f"{alloc.reservation or alloc.pool}")
+        assert alloc.node is not None, "a CPU allocation names its node"
+        keep = len(alloc.units) - d.count
+        if d.count <= 0 or keep < run.action.demand.ranges[CPU][0]:
+            raise CapacityError(f"shrink of {d.action_id} by {d.count}: it holds {len(alloc.units)} cores, at least "
+                                f"{run.action.demand.ranges[CPU][0]} must stay")
+        self.cpu.release(alloc.node, alloc.units[keep:])
+        run.allocation = replace(alloc, units=alloc.units[:keep])
+        return run
 
     def _reserve(self, d: Reserve, now: float) -> None:
         if d.key in self.reservations:

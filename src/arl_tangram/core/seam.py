@@ -18,7 +18,7 @@ from typing import Callable, Protocol, runtime_checkable
 from .action import API_PREFIX, CPU, GPU, Action, Allocation
 from .records import Completion, Load, Loaded
 
-__all__ = ["Completion", "Loaded", "Load", "Manager", "ModelHost", "Pool", "Report", "Sink"]
+__all__ = ["Completion", "Loaded", "Load", "Manager", "ModelHost", "Pool", "Report", "Resizer", "Sink"]
 
 
 class Pool(str, enum.Enum):
@@ -91,4 +91,18 @@ class ModelHost(Manager, Protocol):
 
     def evict(self, model: str, gpus: tuple[int, ...]) -> None:
         """Drop the idle copy of ``model`` on ``gpus`` (scale to zero; no report follows)."""
+        ...
+
+
+@runtime_checkable
+class Resizer(Protocol):
+    """What a CPU manager does when it can take cores back from a running action (a sandbox's
+    cgroup cpuset shrinks while its processes run; a simulated run slows down). The engine sends
+    ``Shrink`` decisions only to such a manager; with any other, grown actions keep their cores
+    until they end."""
+
+    def resize(self, action_id: str, allocation: Allocation) -> None:
+        """From now on the running ``action_id`` has only ``allocation.units`` (a subset of the
+        units it had): stop using the others before returning, since the engine hands them to
+        the next starts right after. Unknown or finished ids are ignored."""
         ...

@@ -32,7 +32,7 @@ from typing import Any, Callable, Final, Iterator
 from ..core.action import CPU, GPU, Action, Finished, by_fields
 from ..core.cluster import DEFAULT_H2D_GBPS
 from ..core.pools import CpuPool, Instance
-from .base import Decision, EngineView, Evict, Grow, Prefetch, Start, Wait, pool_wait
+from .base import Decision, EngineView, Evict, Grow, Prefetch, Shrink, Start, Wait, pool_wait
 from .critical import CriticalPath
 from .predictor import DurationPredictor
 from .queues import JobQueues
@@ -77,6 +77,9 @@ class Options:
     #: on quota pools, order the trajectories that are not critical by the rest of their calls,
     #: within their slack (``critical.py`` says why)
     slack_order: bool = True
+    #: take cores back from grown actions when a queue forms (``_take_back``; needs a CPU manager
+    #: that can, ``EngineView.cpu_resizes``)
+    shrink: bool = True
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return by_fields(self)  # compiled, a frozen class's default pickling fails
@@ -87,7 +90,7 @@ CPU_NEW: Final = "cpu:new"  # the queue of sandbox actions that need a new sessi
 TANGRAM = Options()
 FIFO = Options(ordering="fifo", elastic=False, migrate=False, fair_share=False, residency_aware=False, prefetch=False,
                critical_boost_s=0.0, critical_path=False, dispatch_setup=False,
-               slack_order=False)
+               slack_order=False, shrink=False)
 
 
 class ActionLevelPolicy:
@@ -106,6 +109,7 @@ class ActionLevelPolicy:
         # action on dicts of every action in flight (74,000 in ``bench scheduler``):
         self._new_session: set[str] = set()  # ids waiting in ``CPU_NEW`` (cancel must find their queue)
         self.predicted: dict[str, float] = {}  # elastic and GPU actions (``_gain``, ``_resident_wait``)
+        self._grown: dict[str, int] = {}  # running actions given cores above their minimum -> how many
         self.job_units: dict[str, dict[str, int]] = {}
         self.critical = CriticalPath(options.critical_window, options.critical_path, options.projected_boost_s,
                                      slack_aging=options.aging_per_s if options.slack_order else 0.0)
@@ -180,6 +184,8 @@ class ActionLevelPolicy:
             self.predicted.pop(a.id, None)
         if self._new_session:
             self._new_session.discard(a.id)
+        if self._grown:
+            self._grown.pop(a.id, None)
         if finished.started_at is not None:
             self.job_units[a.job][a.pool] -= finished.units  # charged when it started
         self.predictor.observe(finished)
@@ -273,6 +279,10 @@ class ActionLevelPolicy:
         admitted: list[tuple[Action, int, int]] = []  # the elastic ones (to grow if nothing waits)
         skipped: dict[int, list] | None = None
         fair = self._fair
+        if self._grown and self.opt.shrink:
+            waiting = sum(q.size for q in queues)
+            if waiting > pool.total_free:
+                yield from self._take_back(waiting - pool.total_free)
         while queues and pool.total_free:
             q = queues[0] if len(queues) == 1 else min(queues, key=JobQueues.peek_key)
             entry = q.pop(fair)
@@ -369,9 +379,27 @@ class ActionLevelPolicy:
                 gain = self._gain(a, k)
                 if gain > 0:
                     heapq.heappush(heap, (-gain, aid, a, node, k))
+        grown = self._grown if self.opt.shrink and self.view.cpu_resizes else None
         for aid, n in extra.items():
             self._charge(self.view.running[aid].action.job, CPU, n)
+            if grown is not None:
+                grown[aid] = n
             yield Grow(aid, n)
+
+    def _take_back(self, need: int) -> Iterator[Decision]:
+        """A queue formed while actions hold cores a ``Grow`` gave them: take back up to ``need``
+        of those cores, every extra core of the most recently grown first (they have the most of
+        their run left at the grown speed: issue 23, below)."""
+        running = self.view.running
+        for aid in reversed(list(self._grown)):
+            if need <= 0:
+                break
+            n = self._grown.pop(aid)
+            if aid not in running:
+                continue
+            self._charge(running[aid].action.job, CPU, -n)
+            need -= n
+            yield Shrink(aid, n)
 
     def _schedule_gpu(self, now: float) -> Iterator[Decision]:
         """Models in order of their best waiting action; a model whose head cannot be placed is

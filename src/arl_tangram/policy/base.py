@@ -59,6 +59,22 @@ class Grow:
 
 
 @dataclass(frozen=True, slots=True)
+class Shrink:
+    """Take ``count`` cores back from a running CPU action that a ``Grow`` gave more than its
+    minimum: a queue formed, and a core serves a queued action better than the last cores of a
+    grown one (speed-ups are concave). The engine returns the cores to the pool at once (the next
+    decision of the round may start an action on them) and tells the pool's manager, which must
+    take them from the running action before that action starts (``core.seam.Resizer``). Only
+    engines whose CPU manager can do that accept it (``EngineView.cpu_resizes``)."""
+
+    action_id: str
+    count: int
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
+
+
+@dataclass(frozen=True, slots=True)
 class Prefetch:
     """Copy a registered model's weights onto the idle GPUs of ``block`` before anyone asks."""
 
@@ -105,7 +121,7 @@ class Release:
         return by_fields(self)  # compiled, a frozen class's default pickling fails
 
 
-Decision = Start | Grow | Prefetch | Evict | Reserve | Release
+Decision = Start | Grow | Shrink | Prefetch | Evict | Reserve | Release
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +181,10 @@ class EngineView(Protocol):
     def costs(self) -> Costs: ...
     @property
     def profile(self) -> Profile: ...
+    @property
+    def cpu_resizes(self) -> bool:
+        """The CPU manager takes cores back from running actions (``Shrink`` is accepted)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

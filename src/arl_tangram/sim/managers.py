@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from ..core.action import Action, Allocation, Outcome, Setup
+from ..core.action import CPU, Action, Allocation, Outcome, Setup
 from ..core.clock import Clock
 from ..core.cluster import ApiQuota, Cluster
 from ..core.pools import GpuPool, QuotaPool
@@ -25,13 +25,15 @@ Scheduler = Callable[[float, Callable[[], None]], None]
 
 class _SimManager:
     """What every simulated manager shares: completions due at a virtual time, reported to the
-    sink unless the action was cancelled first (then ``cancelled`` is reported at once)."""
+    sink unless the action was cancelled first (then ``cancelled`` is reported at once) or its
+    completion was moved (a resized run: only the latest one counts)."""
 
     def __init__(self, at: Scheduler, clock: Clock, sink: Sink) -> None:
         self.at = at
         self.clock = clock
         self.sink = sink
-        self._live: set[str] = set()
+        self._live: dict[str, int] = {}  # running action -> the number of its completion that counts
+        self._moves = 0
 
     def _finish_at(self, action: Action, setup: float, exec_s: float) -> None:
         outcome = Outcome.OK
@@ -40,19 +42,24 @@ class _SimManager:
         self._report_at(self.clock.now() + setup + exec_s, Completion(action.id, outcome, setup, exec_s))
 
     def _report_at(self, t: float, c: Completion) -> None:
-        self._live.add(c.action_id)
+        self._moves += 1
+        token = self._live[c.action_id] = self._moves
 
         def due() -> None:
-            if c.action_id in self._live:
-                self._live.discard(c.action_id)
+            if self._live.get(c.action_id) == token:
+                del self._live[c.action_id]
+                self._ended(c.action_id)
                 self.sink(c)
 
         self.at(t, due)
 
     def cancel(self, action_id: str) -> None:
-        if action_id in self._live:
-            self._live.discard(action_id)
+        if self._live.pop(action_id, None) is not None:
+            self._ended(action_id)
             self.sink(Completion(action_id, Outcome.CANCELLED, message="cancelled while running"))
+
+    def _ended(self, action_id: str) -> None:
+        """The action reported (or was cancelled): forget what a subclass kept of it."""
 
     def close_session(self, trajectory: str) -> None:
         pass
@@ -65,17 +72,45 @@ class _SimManager:
 
 
 class SimSandboxManager(_SimManager):
-    """Sessions cost ``Costs`` to create, thaw or restore; work shrinks with cores (Amdahl)."""
+    """Sessions cost ``Costs`` to create, thaw or restore; work shrinks with cores (Amdahl). A
+    run given fewer cores while it runs (``resize``) does the rest of its work at the new speed."""
 
     def __init__(self, at: Scheduler, clock: Clock, sink: Sink, costs: Costs = Costs()) -> None:
         super().__init__(at, clock, sink)
         self.setup_s = {Setup.CREATE: costs.session_create_s, Setup.THAW: costs.session_thaw_s,
                         Setup.RESTORE: costs.session_restore_s}
+        # running action -> (action, setup_s, when its execution starts, when its speed last
+        # changed, fraction of its work done by then, its speed factor since): grown runs only
+        self._runs: dict[str, tuple[Action, float, float, float, float, float]] = {}
 
     def start(self, action: Action, allocation: Allocation) -> None:
         setup = self.setup_s.get(allocation.setup, 0.0)
-        exec_s = action.payload.work_s * action.speed_factor(len(allocation.units))
-        self._finish_at(action, setup, exec_s)
+        speed = action.speed_factor(len(allocation.units))
+        self._finish_at(action, setup, action.payload.work_s * speed)
+        if len(allocation.units) > action.demand.min(CPU):  # only a grown run can be resized
+            t = self.clock.now() + setup
+            self._runs[action.id] = (action, setup, t, t, 0.0, speed)
+
+    def resize(self, action_id: str, allocation: Allocation) -> None:
+        run = self._runs.get(action_id)
+        if run is None:
+            return
+        action, setup, began, last, done, speed = run
+        now = self.clock.now()
+        work = action.payload.work_s
+        if now > last and work > 0:
+            done = min(1.0, done + (now - last) / (work * speed))
+        last = max(now, began)
+        speed = action.speed_factor(len(allocation.units))
+        self._runs[action_id] = (action, setup, began, last, done, speed)
+        exec_s = last + (1.0 - done) * work * speed - began
+        outcome = Outcome.OK
+        if action.timeout_s is not None and exec_s > action.timeout_s:
+            exec_s, outcome = action.timeout_s, Outcome.TIMEOUT
+        self._report_at(began + exec_s, Completion(action_id, outcome, setup, exec_s))
+
+    def _ended(self, action_id: str) -> None:
+        self._runs.pop(action_id, None)
 
 
 class SimModelManager(_SimManager):
@@ -120,7 +155,7 @@ class SimApiManager(_SimManager):
         self.rejections = 0
 
     def start(self, action: Action, allocation: Allocation) -> None:
-        self._live.add(action.id)
+        self._live[action.id] = 0
         self._attempt(action, self.clock.now(), 0)
 
     def _attempt(self, action: Action, first_at: float, tries: int) -> None:
@@ -138,8 +173,7 @@ class SimApiManager(_SimManager):
 
             def done() -> None:
                 limit.release()
-                if action.id in self._live:
-                    self._live.discard(action.id)
+                if self._live.pop(action.id, None) is not None:
                     self.sink(Completion(action.id, out, now - first_at, e))
 
             self.at(now + min(exec_s, action.timeout_s or exec_s), done)
