@@ -190,3 +190,49 @@ def _sandbox_processes() -> list[int]:
             out.append(ch)
             todo.append(ch)
     return out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to take one back")
+def test_a_run_on_a_node_is_shrunk_by_its_agent():
+    """``Shrink`` on Ray: the head's engine takes a core back and the node's agent shrinks the
+    run's sandbox (or pins it to one core when it starts, if the call beat the start: "1 1")."""
+    from arl_tangram.core import Allocation
+    from arl_tangram.managers.sandbox.cgroups import open_root
+
+    probe = open_root(tag=f"tangram-probe-{os.getpid()}")
+    if probe is None:
+        pytest.skip("no writable cgroups on this host")
+    probe.cleanup()
+    code = """
+import os, time
+first = len(os.sched_getaffinity(0))
+end = time.time() + 20
+while first > 1 and len(os.sched_getaffinity(0)) == first and time.time() < end:
+    time.sleep(0.01)
+print(first, len(os.sched_getaffinity(0)))
+"""
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
+    c.add_node(num_cpus=2)
+    c.wait_for_nodes()
+
+    async def main():
+        async with Tangram.ray(c.address, sandbox=SandboxConfig(warm_pool=1)) as tg:
+            rt = tg.runtime
+            assert rt.engine.cpu_resizes
+            run = asyncio.ensure_future(tg.run(code, cpus=2, id="grown", timeout_s=30))
+            for _ in range(600):
+                if any("grown" in n.running for n in rt.nodes_by_id.values()):
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(1.0)  # started in its sandbox
+            node = rt.engine.running["grown"].allocation.node
+            rt.sandboxes.resize("grown", Allocation("cpu", node, (0,)))
+            return await asyncio.wait_for(run, 60)
+
+    try:
+        r = asyncio.run(asyncio.wait_for(main(), 180))
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        c.shutdown()
+    assert r.outcome is Outcome.OK and r.stdout in ("2 1\n", "1 1\n"), (r.stdout, r.stderr)

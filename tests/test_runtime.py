@@ -143,6 +143,11 @@ def test_every_manager_satisfies_the_seam():
     assert isinstance(SimApiManager(at, clock, sink, ()), Manager)
     assert isinstance(SimModelManager(at, clock, sink, cluster), ModelHost)
     assert not isinstance(SimSandboxManager(at, clock, sink), ModelHost)
+    # what can take cores back from a running action (``Shrink``): the sandboxes, real and simulated
+    from arl_tangram.core.seam import Resizer
+    assert isinstance(SandboxManager(SandboxConfig(), sink), Resizer)
+    assert isinstance(SimSandboxManager(at, clock, sink), Resizer)
+    assert not isinstance(InProcessSandboxes(sink), Resizer)
 
 
 def test_a_model_batch_that_never_ends_still_answers_every_caller():

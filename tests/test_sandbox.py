@@ -418,3 +418,63 @@ def test_groups_left_by_a_killed_process_are_removed_at_start():
         assert not any(d.exists() for d in stale)
     finally:
         fresh.cleanup()
+
+
+@needs_cgroups
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to take one back")
+def test_a_shrunk_sandbox_really_has_fewer_cores():
+    """``Shrink`` at the manager: the engine takes a core back from a running one-shot; from then
+    on its processes see and use one core, while it runs (its cgroup's cpuset shrank)."""
+    from arl_tangram.core import Action, Allocation, Demand
+    from arl_tangram.managers.sandbox.manager import RunCode, SandboxManager
+
+    code = """
+import os, resource, time
+first = len(os.sched_getaffinity(0))
+end = time.time() + 20
+while len(os.sched_getaffinity(0)) == first and time.time() < end:
+    time.sleep(0.01)
+t = time.time()
+pids = []
+for _ in range(2):  # two busy processes on what is left
+    pid = os.fork()
+    if pid == 0:
+        stop = time.time() + 1.0
+        while time.time() < stop:
+            pass
+        os._exit(0)
+    pids.append(pid)
+for p in pids:
+    os.waitpid(p, 0)
+ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(first, len(os.sched_getaffinity(0)), round((ru.ru_utime + ru.ru_stime) / (time.time() - t), 2))
+"""
+
+    async def main():
+        done: list = []
+        m = SandboxManager(SandboxConfig(warm_pool=1), done.append)
+        await m.start_up()
+        try:
+            a = Action("grown", "sandbox", Demand({"cpu": (1, 2)}), payload=RunCode(code, run_timeout_s=30))
+            m.start(a, Allocation("cpu", 0, (0, 1)))
+            for _ in range(2000):  # until it is pinned and running
+                if m._pins.get("grown", [None])[0] is not None:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            m.resize("grown", Allocation("cpu", 0, (0,)))
+            for _ in range(6000):
+                if done:
+                    break
+                await asyncio.sleep(0.01)
+            m.resize("grown", Allocation("cpu", 0, (0,)))  # ended: ignored
+            return done, m._pins
+        finally:
+            await m.shut_down()
+
+    done, pins = asyncio.run(main())
+    assert len(done) == 1 and done[0].outcome is Outcome.OK, done
+    first, after, used = done[0].result.run.stdout.split()
+    assert (first, after) == ("2", "1")
+    assert float(used) <= 1.15, f"2 busy processes on the 1 core left used {used} cores"
+    assert not pins, "a finished run's pin is forgotten"

@@ -93,3 +93,38 @@ def test_a_worker_that_dies_idle_costs_no_run_and_a_cancel_at_once_ends_the_acti
                 assert (await asyncio.wait_for(task, 10)).outcome is Outcome.CANCELLED
 
     asyncio.run(main())
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to take one back")
+def test_a_run_on_a_worker_is_shrunk_there():
+    """``Shrink`` of a one-shot that a worker runs: the frame reaches the worker's manager, whose
+    sandbox's cgroup shrinks while the program runs (or, on a machine so loaded that the frame
+    beats the sandbox's start, is pinned to the one core when it starts: "1 1")."""
+    from arl_tangram.core import Allocation
+    from arl_tangram.managers.sandbox.cgroups import open_root
+
+    probe = open_root(tag=f"tangram-probe-{os.getpid()}")
+    if probe is None:
+        pytest.skip("no writable cgroups on this host")
+    probe.cleanup()
+    code = """
+import os, time
+first = len(os.sched_getaffinity(0))
+end = time.time() + 20
+while first > 1 and len(os.sched_getaffinity(0)) == first and time.time() < end:
+    time.sleep(0.01)
+print(first, len(os.sched_getaffinity(0)))
+"""
+
+    async def main():
+        async with Tangram.local(workers=1) as tg:
+            sw = tg.runtime.sandboxes
+            assert tg.runtime.engine.cpu_resizes
+            run = asyncio.ensure_future(tg.run(code, cpus=2, id="grown", timeout_s=30))
+            assert await _until(lambda: "grown" in sw.where)
+            await asyncio.sleep(0.8)  # started in its sandbox
+            sw.resize("grown", Allocation("cpu", 0, (0,)))
+            return await run
+
+    r = asyncio.run(main())
+    assert r.outcome is Outcome.OK and r.stdout in ("2 1\n", "1 1\n"), (r.stdout, r.stderr)

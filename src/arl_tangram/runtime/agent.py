@@ -167,6 +167,11 @@ class NodeAgent:
             if manager is not None:
                 manager.cancel(action_id)
 
+    def resize(self, action_id: str, allocation: Allocation) -> None:
+        """The engine took cores back from a sandbox run here (``SandboxManager.resize``)."""
+        if self.manager is not None:
+            self.manager.resize(action_id, allocation)
+
     def close_session(self, trajectory: str) -> None:
         if self.manager is not None:
             self.manager.close_session(trajectory)

@@ -179,6 +179,14 @@ class RemoteSandboxes:
     def cancel(self, action_id: str) -> None:
         cancel_on_nodes(self.runtime, action_id)
 
+    def resize(self, action_id: str, allocation: Allocation) -> None:
+        """Cores taken back from a run (``Shrink``): a call to its node's agent, whose sandbox
+        shrinks when the call arrives (a start the engine made on those cores may get there
+        first: for that long they are shared)."""
+        node = self.runtime.by_index.get(allocation.node) if allocation.node is not None else None
+        if node is not None and node.state == "alive" and action_id in node.running:
+            node.handle.resize.remote(action_id, allocation)
+
     def close_session(self, trajectory: str) -> None:
         node = self.homes.pop(trajectory, None)
         self._locks.pop(trajectory, None)

@@ -40,7 +40,7 @@ from ..managers.tasks import TaskSet
 log = logging.getLogger(__name__)
 
 ENV = "TANGRAM_SANDBOX_WORKER"  # JSON: fd, index, config, cpus
-CALLS = frozenset({"start", "run", "cancel", "shut_down"})
+CALLS = frozenset({"start", "run", "cancel", "resize", "shut_down"})
 
 
 class _Worker:
@@ -185,6 +185,16 @@ class SandboxWorkers:
         if w.up:  # the worker stops the run; its late answer finds no entry and is dropped
             w.caller.request("cancel", action_id).add_done_callback(_quiet)
 
+    def resize(self, action_id: str, allocation: Allocation) -> None:
+        """A run on a worker is told in a frame of its own, so its cgroup shrinks a pass of the
+        worker's loop after the engine handed the cores on (a start on the same worker comes
+        after it on the same link; on another worker or here, it may start first)."""
+        w = self.where.get(action_id)
+        if w is None:
+            self.local.resize(action_id, allocation)
+        elif w.up:
+            w.caller.request("resize", action_id, allocation).add_done_callback(_quiet)
+
     def close_session(self, trajectory: str) -> None:
         self.local.close_session(trajectory)
 
@@ -248,6 +258,9 @@ class _Served:
 
     def cancel(self, action_id: str) -> None:
         self.agent.cancel(action_id)
+
+    def resize(self, action_id: str, allocation: Allocation) -> None:
+        self.agent.resize(action_id, allocation)
 
     async def shut_down(self) -> None:
         await self.agent.shut_down()

@@ -89,6 +89,9 @@ class SandboxManager:
         self._reaper: asyncio.Task | None = None
         self._hostdirs: list[str] = []
         self._busy: set[Sandbox] = set()  # sandboxes running an action right now
+        #: running actions -> [their sandbox once it is pinned (None before), the cores they may
+        #: use]: registered at ``start`` so that a ``resize`` before the run is pinned is not lost
+        self._pins: dict[str, list] = {}
         self.images = ImageStore(c.image_store)
         self.imageboxes: ImageSandboxes | None = None
         self.pending_roots: dict[str, RootFs] = {}  # forked/restored sessions: root mounted, processes on first use
@@ -298,9 +301,40 @@ class SandboxManager:
 
     # -- the manager protocol --------------------------------------------------------------------
     def start(self, action: Action, allocation: Allocation) -> None:
-        self.tasks.run(action, lambda: self._run(action, allocation))
+        self._pins[action.id] = [None, self._cores(allocation)]
+        self.tasks.run(action, lambda: self._run_pinned(action, allocation))
+
+    async def _run_pinned(self, action: Action, allocation: Allocation) -> Completion:
+        try:
+            return await self._run(action, allocation)
+        finally:
+            self._pins.pop(action.id, None)
+
+    def resize(self, action_id: str, allocation: Allocation) -> None:
+        """The engine took cores back from a running action (``Shrink``): its sandbox's cgroup
+        is pinned to the cores it keeps before this returns (a cpuset write; the kernel moves its
+        threads off the others at once). A run not pinned yet is pinned to them when it is. The
+        process keeps the thread counts it started with (``OMP_NUM_THREADS``...): they now share
+        fewer cores. Without cgroups (the rlimits-and-affinity fallback) a running process keeps
+        the affinity it started with until it ends."""
+        pin = self._pins.get(action_id)
+        if pin is None:
+            return  # ended, or not ours
+        cores = self._cores(allocation)
+        pin[1] = cores
+        sb = pin[0]
+        if sb is not None and not sb.dead:
+            try:
+                sb.set_cpus(cores)
+            except OSError as e:  # the group is gone (the sandbox died): its run reports that
+                log.warning("cannot pin sandbox %s to cores %s: %s", sb.id, cores, e)
+
+    def _cores(self, allocation: Allocation) -> tuple[int, ...]:
+        """The host cores an allocation's units name."""
+        return tuple(self.host_cpus[u % len(self.host_cpus)] for u in allocation.units) or self.host_cpus[:1]
 
     def cancel(self, action_id: str) -> None:
+        self._pins.pop(action_id, None)  # a task cancelled before it ran never reaches its ``finally``
         self.tasks.cancel(action_id)
 
     def close_session(self, trajectory: str) -> None:
@@ -538,7 +572,8 @@ class SandboxManager:
         if isinstance(action.payload, Restore):  # a root to mount, no sandbox to start
             outcome, result = await self._restore(action, action.payload)
             return Completion(action.id, outcome, 0.0, time.monotonic() - t0, result.message, result)
-        cores = tuple(self.host_cpus[u % len(self.host_cpus)] for u in allocation.units) or self.host_cpus[:1]
+        pin = self._pins.get(action.id) or [None, self._cores(allocation)]
+        cores = pin[1]
         payload = action.payload
         sb = None
         message = ""
@@ -567,7 +602,9 @@ class SandboxManager:
                         sb = await self._take(image, session=True)
                     self.sessions[action.trajectory] = sb
                 sb.thaw()
+            cores = pin[1]  # a resize may have come while the sandbox was prepared
             sb.set_cpus(cores)
+            pin[0] = sb
             memory_mb = getattr(payload, "memory_mb", None)
             sb.set_memory((memory_mb or self.config.memory_mb) << 20)
             setup_s = time.monotonic() - t0
