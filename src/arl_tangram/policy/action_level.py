@@ -339,16 +339,22 @@ class ActionLevelPolicy:
         for ``elastic_quiet_s`` (the caller checks): growing into a burst delays the burst more
         than it speeds up the grown action (measured on rlvr at 0.5x and 0.25x).
 
-        Still open (issue 23): a step's onset looks quiet (the previous step's tail was), so the
-        first actions of its burst are grown just before it queues. rlvr at 0.125x / 0.25x: worst
-        seed ACT 0.992x fifo's, all of it from those actions (elastic off: 1.000x). Measured and
-        dropped (worst seed; rlvr 0.125x / 0.25x / 2x, code_agent 2x): a reserve for the arrivals
+        Issue 23: a step's onset looks quiet (the previous step's tail was), so the first actions
+        of its burst are grown just before it queues. rlvr at 0.125x / 0.25x: worst seed ACT
+        0.992x fifo's, all of it from those actions (elastic off: 1.000x). Measured and dropped
+        (worst seed; rlvr 0.125x / 0.25x / 2x, code_agent 2x): a reserve for the arrivals
         expected during the grown run (decayed rate, or the count over the last run length): no
         change, the onset accelerates; quiet also for ``elastic_quiet_s`` after each new session:
         1.000 / 1.000 / 1.000 (from 1.45), code_agent 1.002 (from 1.17); after each new step:
         1.000 / 1.001 / 1.36, code_agent 1.02; after a step whose pool queued: 0.998 / 0.994 /
-        1.45, code_agent at 1x 1.433 -> 1.414. Shrinking a grown action when a queue forms would
-        be the mechanism; the engine has no such decision yet."""
+        1.45, code_agent at 1x 1.433 -> 1.414. Kept: the cores are taken back when a queue forms
+        (``_take_back``, a ``Shrink`` the engine applies). Worst of seeds 0-2 against the best
+        baseline, without -> with it (``tangram evaluate`` cells, ACT / step): rlvr at 0.125x
+        0.9919 / 0.9998 -> 1.0004 / 1.0003, 0.25x 0.9921 / 1.0009 -> 1.0027 / 1.0009, 0.5x 1.006 ->
+        1.056, 1x 1.179 -> 1.255, 2x 1.445 (same); code_agent ACT 1.015 / 1.211 / 1.860 / 1.433 /
+        1.169 -> 1.048 / 1.311 / 1.984 / 1.462 / 1.169 at 0.125x-2x, step within 1% (1.172 ->
+        1.168 at 0.25x, 1.223 -> 1.214 at 0.5x); mixed ACT 1.617 / 1.218 / 1.654 / 1.974 / 2.036
+        -> 1.632 / 1.292 / 1.700 / 1.991 / 2.036, step within 0.6%."""
         pool = self._cpus
         heap = []
         for a, node, lo in admitted:
@@ -389,7 +395,9 @@ class ActionLevelPolicy:
     def _take_back(self, need: int) -> Iterator[Decision]:
         """A queue formed while actions hold cores a ``Grow`` gave them: take back up to ``need``
         of those cores, every extra core of the most recently grown first (they have the most of
-        their run left at the grown speed: issue 23, below)."""
+        their run left at the grown speed; ``_water_fill`` says why and what it measured). A core
+        serves a queued action at full speed and the last cores of a grown one at a fraction of
+        it (Amdahl), so with a queue they go back whole."""
         running = self.view.running
         for aid in reversed(list(self._grown)):
             if need <= 0:
