@@ -247,3 +247,16 @@ def test_a_shrink_keeps_the_minimum_and_the_ledger(harness):
     h.engine._apply_all([Shrink("big", 2)], h.clock.now())
     assert h.allocation("big").units == before[:2] and h.engine.cpu.total_free == 2
     assert h.rec.resized == [("big", before[:2])]
+
+
+def test_a_grown_action_on_a_draining_node_keeps_its_cores(harness):
+    """Cores released on a draining node go to no one, so taking them back would only slow the run."""
+    h = harness(uniform_cluster(cpus=8, cpu_nodes=2), tangram_policy())
+    h.submit("big", cpu=(1, 4), hint_s=20.0, parallel_fraction=0.9)
+    alloc = h.schedule()["big"]
+    assert len(alloc.units) == 4
+    h.engine.drain_cpu_node(alloc.node)
+    for i in range(5):
+        h.submit(f"q{i}", cpu=1)
+    assert len(h.schedule()) == 4  # the other node's cores; one waits
+    assert h.rec.resized == [] and len(h.allocation("big").units) == 4

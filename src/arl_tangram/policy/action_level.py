@@ -402,10 +402,15 @@ class ActionLevelPolicy:
         for aid in reversed(list(self._grown)):
             if need <= 0:
                 break
-            n = self._grown.pop(aid)
-            if aid not in running:
+            run = running.get(aid)
+            if run is None:
+                del self._grown[aid]
                 continue
-            self._charge(running[aid].action.job, CPU, -n)
+            node = run.allocation.node
+            if node is None or not self._cpus.alive[node]:
+                continue  # a draining node's cores go to no one: the run keeps them
+            n = self._grown.pop(aid)
+            self._charge(run.action.job, CPU, -n)
             need -= n
             yield Shrink(aid, n)
 
