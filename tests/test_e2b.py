@@ -395,6 +395,40 @@ def test_containment_as_e2b_commands(server, tmp_path):
         b.kill()
 
 
+def test_files_never_follow_a_symlink_the_sandbox_planted_to_the_host(server, tmp_path):
+    """Workspace files are read and written from the server process (``hostfiles``): links that
+    sandbox code plants, to a host file or a host directory, must never be followed there."""
+    host_dir = tmp_path / "host-only"
+    host_dir.mkdir()
+    secret = host_dir / "secret.txt"
+    secret.write_text("host secret")
+    sb = Sandbox.create()
+    try:
+        sb.files.write("/home/user/plain.txt", "plain")  # the fast path, first: the sandbox is started
+        assert sb.files.read("/home/user/plain.txt") == "plain"
+        sb.commands.run(f"ln -s {secret} /home/user/leak; ln -s {host_dir} /home/user/dir; "
+                        f"mkdir -p /home/user/a; ln -s {host_dir} /home/user/a/b; mkfifo /home/user/fifo")
+        for path in ("/home/user/leak", "/home/user/dir/secret.txt", "/home/user/a/b/secret.txt"):
+            try:
+                got = sb.files.read(path)
+            except FileNotFoundException:
+                got = None
+            assert got != "host secret", path
+        for path in ("/home/user/leak", "/home/user/dir/new.txt", "/home/user/a/b/new.txt"):
+            try:
+                sb.files.write(path, "overwritten")
+            except e2b.SandboxException:
+                pass  # refused inside the sandbox: fine
+        assert secret.read_text() == "host secret" and sorted(p.name for p in host_dir.iterdir()) == ["secret.txt"]
+        with pytest.raises(e2b.SandboxException):  # a FIFO is neither read nor hung on
+            sb.files.read("/home/user/fifo", request_timeout=5)
+        assert sb.commands.run("cat plain.txt").stdout == "plain"
+        sb.files.write("/home/user/plain.txt", "again")  # owned as the sandbox's user: it may change it
+        assert sb.commands.run("echo more >> plain.txt && cat plain.txt && rm plain.txt").stdout == "againmore\n"
+    finally:
+        sb.kill()
+
+
 # -- many at once ---------------------------------------------------------------------------------
 
 async def _many(n: int) -> list[float]:

@@ -24,7 +24,7 @@ from typing import Callable
 from ...core.action import Action, Allocation, Outcome, Setup
 from ...core.seam import Completion, Sink
 from ..tasks import TaskSet
-from . import envops, languages
+from . import envops, hostfiles, languages
 from .cgroups import CgroupRoot, open_root
 from .imagebox import ImageSandboxes, Prewarmed
 from .images import ImageError, ImageStore, resolve_in
@@ -49,6 +49,7 @@ _SANDBOX_IDS = itertools.count()
 SPAWNS_PER_CORE = 4
 
 #: seconds a workspace file transfer (put/get) may take before the sandbox is declared dead
+READ_MAX = 1 << 24  # the most one read of a file carries (the runner's own cap)
 FILES_TIMEOUT_S = 30.0
 
 #: sessions put to rest at once: a rest is mostly waiting (the runner packing, the disk, the
@@ -391,6 +392,37 @@ class SandboxManager:
     def has_session(self, trajectory: str) -> bool:
         """A session of that id has state here (a sandbox, or a root waiting for its first step)."""
         return self._exists(trajectory)
+
+    def host_files(self, trajectory: str, files: Files) -> tuple[Outcome, SandboxResult] | None:
+        """A session's file action carried out from this process (``hostfiles``: no runner round
+        trip, no base64), or None where it cannot be: the session's sandbox has not started, runs
+        without isolation, or a path is not plain (a symlink, a FIFO, ``..``): the runner does it
+        then. The caller holds the session's step lock."""
+        sb = self.sessions.get(trajectory)
+        if sb is None or sb.dead or sb.proc.returncode is not None:
+            return None
+        if sb.workspace_fd is None:
+            sb.workspace_fd = hostfiles.open_workspace(sb.proc.pid)
+            if sb.workspace_fd is None:
+                sb.workspace_fd = -1
+        if sb.workspace_fd < 0:
+            return None
+        out = SandboxResult()
+        try:
+            for rel, data in files.put.items():
+                hostfiles.write(sb.workspace_fd, rel, data)
+            for rel in files.get:
+                got = hostfiles.read(sb.workspace_fd, rel, READ_MAX)
+                if got is None:
+                    out.missing.append(rel)
+                else:
+                    out.files[rel] = got
+        except hostfiles.Unsafe:
+            return None
+        except OSError as e:  # the workspace is full, a directory where a file is named
+            return Outcome.FAILED, SandboxResult(message=f"files: {e.strerror or e}")
+        self._last_used[trajectory] = time.monotonic()
+        return Outcome.OK, out
 
     def _exists(self, trajectory: str) -> bool:
         return trajectory in self.sessions or trajectory in self.pending_roots or trajectory in self.rested

@@ -66,6 +66,7 @@ class Sandbox:
         self.oom_seen = 0  # the group's OOM-kill count when last read
         self._cpus: tuple[int, ...] | None = None  # what the group was last set to: a write costs a
         self._memory: int | None = -1  # cgroupfs round trip per action, and mostly nothing changes
+        self.workspace_fd: int | None = None  # hostfiles.open_workspace, once a session's files want it (-1: none)
 
     @classmethod
     async def spawn(cls, sid: str, argv: list[str], root: CgroupRoot | None, limits: Limits,
@@ -256,6 +257,9 @@ class Sandbox:
         if self.dead:
             return
         self.dead = True
+        if self.workspace_fd is not None and self.workspace_fd >= 0:
+            os.close(self.workspace_fd)
+            self.workspace_fd = None
         if self.group is None:
             self._signal_all(signal.SIGCONT)
             self._signal_all(signal.SIGKILL)

@@ -93,6 +93,8 @@ async def e2b_read(service: Service, sid: str, token: str | None, path: str) -> 
         except (SessionGone, NotFound):
             raise E2bError(502, GONE.format(id=sid)) from None
         box.used_at = time.time()
+        if r.outcome is Outcome.FAILED:  # not a regular file
+            raise E2bError(400, f"path {p}: {r.message or r.result.message}")
         if r.outcome is not Outcome.OK:
             raise E2bError(503, f"{r.outcome.value}: {r.message or r.result.message}")
         if rel in r.result.files:

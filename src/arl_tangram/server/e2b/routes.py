@@ -412,6 +412,41 @@ async def _cell_lines(out: dict):
         yield json.dumps(line) + "\n"
 
 
+def _form_files(ctype: str, body: bytes) -> list[tuple[str | None, bytes]]:
+    """The ``file`` parts of a multipart form: (file name, bytes). The body is cut at its
+    boundary with ``bytes.find`` and only each part's header block goes through ``email``'s
+    parser: parsing the whole body with it took 35-40% of a 1 MB upload's time in the server
+    (py-spy), its feed parser reading the payload line by line."""
+    head = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + ctype.encode() + b"\r\n\r\n")
+    boundary = head.get_param("boundary")
+    if not boundary:
+        raise E2bError(400, "body: not a multipart form (no boundary)")
+    delim = b"--" + str(boundary).encode()
+    start = body.find(delim)
+    if start < 0:
+        raise E2bError(400, "body: not a multipart form")
+    out: list[tuple[str | None, bytes]] = []
+    at = start + len(delim)
+    while not body.startswith(b"--", at):  # "--" after a delimiter closes the form
+        end = body.find(b"\r\n" + delim, at)
+        if end < 0:
+            raise E2bError(400, "body: the multipart form is cut short")
+        first = body.find(b"\n", at) + 1
+        split = body.find(b"\r\n\r\n", first, end + 2)
+        if split < 0:
+            raise E2bError(400, "body: a form part has no header block")
+        headers = BytesParser(policy=HTTP).parsebytes(body[first:split + 4], headersonly=True)
+        if headers.get_param("name", header="content-disposition") == "file":
+            encoding = str(headers.get("content-transfer-encoding", "")).lower()
+            if encoding in ("", "binary", "8bit", "7bit"):
+                data = body[split + 4:end]  # the one copy of the bytes
+            else:  # rare: let email decode it
+                data = BytesParser(policy=HTTP).parsebytes(body[first:end]).get_payload(decode=True) or b""
+            out.append((headers.get_filename(), data))
+        at = end + 2 + len(delim)
+    return out
+
+
 def _uploaded(request: Request, body: bytes) -> list[tuple[str, bytes]]:
     """The files of a ``POST /files``: an octet-stream body (the ``path`` parameter names it) or a
     multipart form of ``file`` parts (each part's file name is its path; ``path`` names a
@@ -424,18 +459,15 @@ def _uploaded(request: Request, body: bytes) -> list[tuple[str, bytes]]:
     ctype = request.headers.get("content-type", "")
     path = request.query_params.get("path")
     if ctype.startswith("multipart/form-data"):
-        msg = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + ctype.encode() + b"\r\n\r\n" + body)
-        if not msg.is_multipart():
-            raise E2bError(400, "body: not a multipart form")
-        parts = [p for p in msg.iter_parts() if p.get_param("name", header="content-disposition") == "file"]
+        parts = _form_files(ctype, body)
         if not parts:
             raise E2bError(400, "file: no file part in the form")
         out = []
-        for p in parts:
-            name = path if path and len(parts) == 1 else p.get_filename()
+        for filename, data in parts:
+            name = path if path and len(parts) == 1 else filename
             if not name:
                 raise E2bError(400, "file: a part has no file name (its path)")
-            out.append((name, p.get_payload(decode=True) or b""))
+            out.append((name, data))
         return out
     if not path:
         raise E2bError(400, "path: required for an octet-stream upload")
