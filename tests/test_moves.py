@@ -114,3 +114,20 @@ def test_a_node_is_drained_over_http_and_its_session_keeps_its_files(cluster, tm
         assert [n["id"] for n in nodes if n["sessions"]] != [home["id"]]
     finally:
         server.stop()
+
+
+def test_fork_children_on_other_nodes_get_their_files_carried(cluster):
+    """A fork's children are made beside their source; a child's step the engine places on another
+    node (it has no home yet: the most free cores win) brings its files along."""
+    async def main():
+        async with Tangram.ray(cluster.address, sandbox=SandboxConfig(warm_pool=1, warm_sessions=1)) as tg:
+            s = await tg.session()
+            assert (await s.exec("echo parent > f")).ok
+            kids = await s.fork(4)
+            reads = await asyncio.gather(*(k.exec("cat f; sleep 0.5") for k in kids))
+            homes = {tg.runtime.sandboxes.homes[k.id].ray_id for k in kids}
+            return reads, homes, tg.runtime.sandboxes.moves
+
+    reads, homes, moves = asyncio.run(asyncio.wait_for(main(), 180))
+    assert [(r.outcome, r.stdout) for r in reads] == [(Outcome.OK, "parent\n")] * 4, [r.message for r in reads]
+    assert len(homes) > 1 and moves >= 1  # they spread over the nodes, files and all
