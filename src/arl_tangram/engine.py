@@ -133,7 +133,9 @@ class Engine:
         if self.gpu.capacity and not isinstance(host, ModelHost):
             raise TypeError("a cluster with GPUs needs a ModelHost manager for Pool.GPU")
         self._model_host: ModelHost | None = host if isinstance(host, ModelHost) else None
-        resizer = self.managers.get(Pool.CPU)
+        # typed ``object``: narrowed from ``Manager``, the check made a type mypyc compiled as
+        # None (the compiled engine refused every CPU manager with a TypeError)
+        resizer: object = self.managers.get(Pool.CPU)
         #: the CPU manager can take cores back from a running action (``Shrink``; ``EngineView``)
         self._resizer: Resizer | None = resizer if isinstance(resizer, Resizer) else None
         self._apply_all(policy.bind(self, now), now)
