@@ -565,13 +565,16 @@ def bench_e2b(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
     samples: int = typer.Option(30, min=1, help="Calls per latency figure."),
     open_n: int = typer.Option(200, "--open", min=1, help="Sandboxes to open at once, each with a small state."),
+    open_concurrency: int = typer.Option(50, "--open-concurrency", min=1,
+                                         help="Of those, how many are being created at a time."),
 ) -> None:
     """E2B's own SDK against a local server: create + first command, commands.run("true"), 1 MB
     write + read, run_code (p50/p90), and N sandboxes open at once."""
     from .bench.e2b import run
 
     try:
-        _print_json(run(samples, open_n, log=lambda m: console.print(m)), json_out)
+        _print_json(run(samples, open_n, log=lambda m: console.print(m), open_concurrency=open_concurrency),
+                    json_out)
     except RuntimeError as e:
         raise fail(str(e))
 

@@ -36,6 +36,9 @@ class SandboxConfig(BaseModel):
     warm_sessions: int = Field(2, ge=0, description="layered sandboxes (copy-on-write workspace: they fork and "
                                                     "snapshot) waiting for new default sessions, within "
                                                     "max_idle_sandboxes beside warm_pool")
+    warm_shell: bool = Field(True, description="start the persistent shell in the sessions' warm sandboxes, "
+                                               "so that a session's first command does not wait for it (one "
+                                               "idle bash per such sandbox; off: started on the first command)")
     recycle: bool = Field(True, description="reuse a one-shot's sandbox after a verified wipe (bubblewrap only; "
                                             "see managers/sandbox/recycle.py for what is reset and checked)")
     recycle_pool_max: int = Field(32, ge=0, description="idle sandboxes kept for reuse (within max_idle_sandboxes); "
