@@ -601,3 +601,15 @@ def test_concurrent_calls_on_one_sandbox(server):
             await waiting.wait()
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_bench_e2b_prints_its_figures():
+    from arl_tangram.bench.e2b import run
+
+    out = run(2, 3, open_concurrency=2)
+    opened = out["open_at_once"]
+    assert (opened["open"], opened["listed"], opened["errors"], opened["again_errors"]) == (3, 3, [], 0)
+    assert opened["held_while_open"]["sessions"] == 3
+    assert all(out[k]["n"] == 2 for k in ("create_and_first_command", "commands_run_true", "write_and_read_1mb",
+                                          "run_code"))
