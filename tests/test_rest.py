@@ -4,6 +4,7 @@ processes end, and its next step wakes it with the state exactly as it was, or s
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import signal
 
@@ -183,7 +184,6 @@ def test_closing_a_rested_session_removes_its_state_from_disk():
             await s.close()
             await asyncio.sleep(0)
             assert "bye" not in manager.rested and manager.store.used == 0
-            import os
             assert not os.path.exists(path)
     asyncio.run(main())
 
@@ -230,9 +230,13 @@ def test_a_server_killed_with_sessions_at_rest_wakes_them_after_restart(tmp_path
         assert "tangram_sessions_at_rest 1.0" in metrics and "tangram_rest_disk_limit_bytes" in metrics
     finally:
         s.stop(signal.SIGKILL)
+    orphan = os.path.join(s.journal + ".rest", "0" * 40 + ".rest")  # written, never journaled
+    with open(orphan, "wb") as fh:
+        fh.write(b"x")
     s = Server(tmp_path, cfg, journal=s.journal)
     try:
         assert httpx.get(f"{s.url}/healthz").json()["recovered_sessions"] == {"at_rest": 1, "lost": 1}
+        assert not os.path.exists(orphan)
         assert httpx.get(f"{s.url}/v1/sessions/{sids[0]}").json()["state"] == "at_rest"
         r = httpx.post(f"{s.url}/v1/sessions/{sids[0]}/exec", json={"python": "print(f(), len(xs))"},
                        timeout=60).json()
@@ -256,3 +260,29 @@ def test_top_shows_awake_and_rested_sessions_and_the_disk_they_use():
     console.print(render("http://x", health, []))
     text = console.export_text()
     assert "sessions awake 1 (at most 256 idle), at rest 2 using 3.0 of 100 MB of disk; 5 rests, 3 wakes" in text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="image sandboxes mount overlays: root only")
+def test_an_image_session_rests_with_its_root_mounted_and_wakes_with_its_files_and_globals(tmp_path):
+    from imagekit import docker_archive, python_layer
+
+    from arl_tangram.managers.sandbox.images import ImageStore
+    store = ImageStore(tmp_path / "store")
+    store.import_path(docker_archive(tmp_path / "py.tar", [python_layer()]), "py")
+
+    async def main():
+        cfg = SandboxConfig(warm_pool=0, rest_after_s=0, image_store=str(store.root))
+        async with Tangram.local(sandbox=cfg) as tg:
+            manager = tg.runtime.sandbox_manager()
+            s = await tg.session(image="py")
+            r = await s.exec(python="import json\nxs = list(range(1000))\n"
+                                    "open('/workspace/w', 'w').write('disk')\nopen('/tmp/t', 'w').write('tmpfs')")
+            assert r.outcome is Outcome.OK, r.stderr
+            await _rest(tg, s.id)
+            assert manager.rested[s.id].rootfs is not None  # the workspace stayed where it was
+            r = await s.exec(python="print(json.dumps(xs[-1]), open('/workspace/w').read(), open('/tmp/t').read())")
+            assert r.outcome is Outcome.OK, r.stderr
+            assert r.stdout.split() == ["999", "disk", "tmpfs"] and r.result.info["woken"]
+            await s.close()
+    asyncio.run(main())

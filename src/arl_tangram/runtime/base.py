@@ -283,6 +283,10 @@ class Runtime:
         """A session an earlier server put to rest wakes here on its next step."""
         raise LookupError("this runtime cannot wake sessions put to rest by an earlier server")
 
+    def prune_rested(self) -> int:
+        """Once the sessions at rest are adopted: remove rested state no session owns (how many)."""
+        return 0
+
     def check_session(self, trajectory: str) -> None:
         """Raise ``SessionGone`` if the session has ended."""
         reason = self.ended.get(trajectory)

@@ -132,6 +132,10 @@ class LocalRuntime(Runtime):
             raise LookupError("no sandbox manager in this process to wake it")
         real.adopt_rested(trajectory, path, image)
 
+    def prune_rested(self) -> int:
+        real = self.sandbox_manager()
+        return real.prune_rested() if real is not None else 0
+
     def sandbox_workers(self) -> tuple[int, int] | None:
         s = self.sandboxes
         if not isinstance(s, SandboxWorkers):

@@ -217,6 +217,9 @@ class Service:
                 self._lost(sid, f"session {sid} was awake (not at rest) when the server stopped: its python state "
                                 "and files went with its sandbox")
         self.metrics.sessions.set(len(self.sessions))
+        pruned = self.runtime.prune_rested()
+        if pruned:
+            log.warning("removed %d rested session states that no open session owned", pruned)
         if any(self.recovered_sessions.values()):
             log.warning("sessions after restart: %d at rest (they wake on their next step), %d lost",
                         self.recovered_sessions["at_rest"], self.recovered_sessions["lost"])

@@ -451,9 +451,12 @@ class SandboxManager:
         and as many as are awake past ``max_awake_sessions``."""
         c = self.config
         now = time.monotonic()
-        idle = sorted((last, t) for t, last in self._last_used.items()
-                      if t in self.sessions and t not in self._using and t not in self._moving
-                      and self._unrestable.get(t) != last)
+        idle = []
+        for t in self.sessions:  # the awake ones, not the (many more) at rest
+            last = self._last_used.get(t, 0.0)
+            if t not in self._using and t not in self._moving and self._unrestable.get(t) != last:
+                idle.append((last, t))
+        idle.sort()
         over = len(self.sessions) - c.max_awake_sessions
         return [t for i, (last, t) in enumerate(idle) if i < over or (c.rest_after_s and now - last >= c.rest_after_s)]
 
@@ -561,6 +564,22 @@ class SandboxManager:
         if trajectory in self.pending_roots:
             return "pending"
         return None
+
+    def prune_rested(self) -> int:
+        """Remove the blobs in a configured ``rest_dir`` that no session at rest here owns (a
+        server killed between writing a blob and journaling it leaves one); returns how many."""
+        if self.store is None or self.store.owned:
+            return 0
+        keep = {os.path.basename(r.path) for r in self.rested.values()}
+        gone = 0
+        for name in os.listdir(self.store.dir):
+            if (name.endswith(".rest") or name.endswith(".rest.tmp")) and name not in keep:
+                try:
+                    os.unlink(os.path.join(self.store.dir, name))
+                    gone += 1
+                except FileNotFoundError:
+                    pass
+        return gone
 
     def adopt_rested(self, trajectory: str, path: str, image: str | None = None) -> None:
         """A session put to rest by an earlier server (its blob at ``path``): it wakes on its next
