@@ -96,12 +96,29 @@ def test_a_woken_session_has_every_kind_of_value_exactly_as_it_left_them():
             r = await s.exec(python=CHECK)
             assert r.outcome is Outcome.OK, r.stderr
             assert r.stdout.split() == ["hello", "tmp", "sub/data.txt"]
-            # the persistent shell's own state (its variables, jobs) is the one thing not carried
-            assert r.result.info["woken"] is True and set(r.result.info["dropped"]) == {"(shell)"}
+            assert r.result.info["woken"] is True and r.result.info["dropped"] == {}
             # and again: a second rest carries what the woken interpreter holds
             await _rest(tg, "kinds")
             r = await s.exec(python=CHECK)
             assert r.outcome is Outcome.OK, r.stderr
+    asyncio.run(main())
+
+
+def test_a_woken_session_s_shell_has_its_directory_variables_functions_aliases_and_options():
+    async def main():
+        async with Tangram.local(sandbox=_config()) as tg:
+            s = await tg.session(trajectory="shell")
+            r = await s.exec("mkdir -p a/b && cd a/b && export FOO='x y'\nBAR=$'multi\\nline'\narr=(1 2 3)\n"
+                             "declare -A m=([k]=v)\ngreet() { echo \"hi $1\"; }\nalias ll='ls -l'\n"
+                             "set -o pipefail\nshopt -s extglob")
+            assert r.outcome is Outcome.OK, r.stderr
+            await _rest(tg, "shell")
+            r = await s.exec('pwd; echo "$FOO|$BAR|${arr[2]}|${m[k]}"; greet you; alias ll; set -o | grep pipefail; '
+                             'shopt extglob; env | grep ^FOO=')
+            assert r.outcome is Outcome.OK, r.stderr
+            assert r.stdout.split("\n")[:5] == ["/workspace/a/b", "x y|multi", "line|3|v", "hi you", "alias ll='ls -l'"]
+            assert r.stdout.split()[-5:] == ["on", "extglob", "on", "FOO=x", "y"]
+            assert r.result.info["woken"] and r.result.info["dropped"] == {}
     asyncio.run(main())
 
 

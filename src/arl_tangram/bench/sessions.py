@@ -213,20 +213,24 @@ async def _past_capacity(url: str, attempts: int, concurrency: int, hang_s: floa
 
 
 def _cgroups_mb(pids: list[int]) -> float:
-    """``memory.current`` summed over the (v2) cgroups of ``pids``, each counted once."""
+    """The memory charge summed over the cgroups of ``pids``, each counted once (v2's
+    ``memory.current``, else v1's ``memory.usage_in_bytes``)."""
     groups = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/cgroup") as fh:
                 for line in fh:
-                    if line.startswith("0::"):
-                        groups.add(line[3:].strip())
-        except OSError:
+                    _, controllers, path = line.strip().split(":", 2)
+                    if controllers == "" and path != "/":
+                        groups.add(f"/sys/fs/cgroup{path}/memory.current")
+                    elif "memory" in controllers.split(",") and path != "/":
+                        groups.add(f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes")
+        except (OSError, ValueError):
             pass
     total = 0
     for g in groups:
         try:
-            with open(f"/sys/fs/cgroup{g}/memory.current") as fh:
+            with open(g) as fh:
                 total += int(fh.read())
         except (OSError, ValueError):
             pass

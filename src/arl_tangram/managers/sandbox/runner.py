@@ -729,6 +729,20 @@ def op_reset(req):
 REST = {"blob": b"", "modules": set()}
 REST_SKIP = ("__builtins__",)
 REST_CHUNK = 4 << 20  # bytes per answer line (base64: ~5.6 MB; the host reads lines up to 64 MB)
+# bash prints a script that re-creates its state: variables (not bash's own or read-only ones),
+# functions, aliases, options, the directory. Traps and the job table are not carried (a step's
+# background jobs are reaped when it ends anyway).
+SHELL_SAVE = r"""for __v in $(compgen -v); do
+  case $__v in BASH*|PPID|SHLVL|RANDOM|SRANDOM|SECONDS|LINENO|HISTCMD|FUNCNAME|GROUPS|PIPESTATUS|_|PWD|OLDPWD|\
+    EPOCH*|UID|EUID|SHELLOPTS|COMP*|DIRSTACK|__v|__d|__f) continue;; esac
+  __d=$(declare -p "$__v" 2>/dev/null) || continue
+  __f=${__d#declare }; __f=${__f%% *}
+  case $__f in *r*) continue;; esac
+  printf '%s\n' "$__d"
+done
+declare -f; alias -p; shopt -p; set +o | grep -v -e monitor -e history -e emacs -e vi
+printf 'cd -- %q\n' "$PWD"
+"""
 
 
 def _rest_fn(code, name, qualname, ncells):
@@ -876,10 +890,16 @@ def op_rest(req):
         files[token] = entries
         for rel, why in skipped.items():
             dropped[os.path.join(root, rel)] = why
-    if SHELL:
-        dropped["(shell)"] = "the persistent shell's variables, directory and background jobs end with its process"
+    shell = None
+    if SHELL and SHELL["alive"]():
+        if SHELL["STATE"]["name"] == "bash":
+            r = op_shell({"command": SHELL_SAVE, "timeout_s": 10, "max_output": 16 << 20})
+            if r.get("exit_code") == 0 and not r.get("truncated"):
+                shell = unb64(r["stdout"])
+        if shell is None:
+            dropped["(shell)"] = "the persistent shell's variables, functions and directory end with its process"
     blob = marshal.dumps({"ns": ns, "files": files, "cwd": os.getcwd(), "environ": dict(os.environ),
-                          "path": list(sys.path), "dropped": dropped}, 4)
+                          "path": list(sys.path), "dropped": dropped, "shell": shell}, 4)
     REST["blob"] = blob
     return {"size": len(blob), "dropped": dropped, "modules": sorted(REST["modules"])}
 
@@ -915,6 +935,12 @@ def op_wake(req):
         os.chdir(state["cwd"])
     except OSError as e:
         dropped["(cwd)"] = f"{state['cwd']}: {e}"
+    if state.get("shell"):  # a new bash, brought to where the old one was
+        r = op_shell({"command": state["shell"].decode("utf-8", "surrogateescape"), "timeout_s": 10,
+                      "env": dict(state["environ"])})
+        if r.get("error") or r.get("exit_code") != 0:
+            why = r.get("error") or unb64(r.get("stderr")).decode(errors="replace").strip()[-300:]
+            dropped["(shell)"] = f"its state was not restored in full: {why or r.get('note') or r.get('exit_code')}"
     return {"dropped": dropped, "names": len(ns), "load_s": time.monotonic() - start}
 
 
