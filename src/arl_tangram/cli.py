@@ -552,12 +552,16 @@ def bench_sessions(
     sessions: int = typer.Option(1000, "--sessions", "--n", min=1, help="Sessions to open and keep."),
     concurrency: int = typer.Option(16, min=1, help="Concurrent clients when opening and revisiting."),
     over: int = typer.Option(150, min=1, help="Session attempts against a 1 GB server, past its capacity."),
+    max_awake: int = typer.Option(256, "--max-awake", min=0, help="The server's sandbox.max_awake_sessions (256: "
+                                  "~2 GB of awake sessions, bounded on a shared host; the default is 1024)."),
+    rest_after: float = typer.Option(30.0, "--rest-after", min=0, help="The server's sandbox.rest_after_s."),
 ) -> None:
     """Session density over HTTP: open N sessions with a small state, revisit each (one at a time,
     then concurrently), idle memory per session, and refusals past capacity."""
     from .bench.sessions import run
 
-    _print_json(run(sessions, concurrency, over, log=lambda m: console.print(m)), json_out)
+    _print_json(run(sessions, concurrency, over, log=lambda m: console.print(m), max_awake=max_awake,
+                    rest_after_s=rest_after), json_out)
 
 
 @bench_app.command("e2b")

@@ -1,7 +1,8 @@
 """``tangram bench sessions``: session density over HTTP (issues #15, #25).
 
-A server is started on a free loopback port with the default rest settings (sessions past
-``max_awake_sessions`` or idle ``rest_after_s`` are put to rest: state on disk, no processes).
+A server is started on a free loopback port with sessions past ``max_awake`` (256: ~2 GB awake,
+bounded on a shared host) or idle ``rest_after_s`` (30) put to rest (state on disk, no
+processes); ``--max-awake`` above ``n`` keeps them all awake, as before issue #25.
 ``n`` sessions are opened at ``concurrency`` clients, each running one step that leaves a state
 (three imports, a list of 1,000 ints, a variable); then every session is revisited one at a time
 (a step that checks its state exactly; latency per step over HTTP, most of them waking a rested
@@ -238,12 +239,14 @@ def _cgroups_mb(pids: list[int]) -> float:
 
 
 def run(n: int = 1000, concurrency: int = 16, over_attempts: int = 150, log: Callable[[str], None] = lambda m: None,
-        ) -> dict:
+        max_awake: int = 256, rest_after_s: float = 30.0) -> dict:
     result: dict = {"cores": len(os.sched_getaffinity(0)), "sessions_target": n,
-                    "load_avg_1m_before": round(os.getloadavg()[0], 2)}
+                    "load_avg_1m_before": round(os.getloadavg()[0], 2),
+                    "max_awake_sessions": max_awake, "rest_after_s": rest_after_s}
     with tempfile.TemporaryDirectory() as tmp:
         avail0 = mem_available_mb()
-        server = _Server(tmp, {"sandbox": {"session_idle_expiry_s": 3600, "warm_pool": 8}})
+        server = _Server(tmp, {"sandbox": {"session_idle_expiry_s": 3600, "warm_pool": 8,
+                                           "max_awake_sessions": max_awake, "rest_after_s": rest_after_s}})
         try:
             time.sleep(1.0)
             rss0 = _rss_mb(server.proc.pid)

@@ -53,10 +53,10 @@ class SandboxConfig(BaseModel):
                                                           "memory")
     min_free_memory_mb: int = Field(1024, ge=0, description="new sessions are refused (HTTP 503) while the host's "
                                                             "available memory (MemAvailable) is below this")
-    rest_after_s: float = Field(30.0, ge=0, description="put a session idle this long to rest: its python "
+    rest_after_s: float = Field(120.0, ge=0, description="put a session idle this long to rest: its python "
                                 "state and tmpfs files to disk, its processes ended; its next step wakes it "
                                 "(0: only when more than max_awake_sessions are awake)")
-    max_awake_sessions: int = Field(256, ge=0, description="idle sessions kept awake (processes running, frozen); "
+    max_awake_sessions: int = Field(1024, ge=0, description="idle sessions kept awake (processes running, frozen); "
                                     "past this the least recently used are put to rest")
     rest_dir: str | None = Field(None, description="where rested sessions' state goes (default: a temporary "
                                  "directory; the server uses one beside its journal, so rested sessions survive "
