@@ -478,8 +478,13 @@ class SandboxManager:
         last = self._last_used.get(trajectory, 0.0)
         try:
             sb.thaw()
-            roots = ["/tmp"] if sb.rootfs is not None else (["workspace"] if self.mode is Isolation.NONE
-                                                            else ["workspace", "/tmp"])
+            # an image session's root stays mounted (its files are the image's and its own, on disk);
+            # a default session's layered workspace goes into the blob like a tmpfs one: a rested
+            # session then holds no mount (10,000 of them would slow every sandbox's start) and
+            # wakes after a restart too
+            keep_root = sb.rootfs is not None and not sb.rootfs.workspace_only
+            roots = ["/tmp"] if keep_root else (["workspace"] if self.mode is Isolation.NONE
+                                                else ["workspace", "/tmp"])
             try:
                 blob, dropped, modules = await pack(sb, roots)
                 path = await asyncio.to_thread(self.store.write, trajectory, blob)
@@ -490,12 +495,12 @@ class SandboxManager:
                 if not sb.dead:
                     sb.freeze()
                 return False
-            rested = Rested(path, len(blob), dropped, sb.rootfs.image.name if sb.rootfs is not None else None)
+            rested = Rested(path, len(blob), dropped, sb.rootfs.image.name if keep_root else None)
             stdlib = getattr(sys, "stdlib_module_names", frozenset())
             self._module_uses.update(m for m in modules if isinstance(m, str) and m.split(".")[0] in stdlib
                                      and m.split(".")[0] not in NEVER_WARM)
             self.sessions.pop(trajectory, None)
-            if sb.rootfs is not None:  # its files are on disk already: keep the root, end the processes
+            if keep_root:  # its files are on disk already: keep the root, end the processes
                 rested.rootfs = await self.imageboxes.stop_processes(sb)
             else:
                 self._kill_later(sb)
@@ -526,7 +531,7 @@ class SandboxManager:
             if rested.rootfs is not None:
                 sb = await self.imageboxes.spawn(rested.rootfs.image.name, rootfs=rested.rootfs)
             else:
-                sb = await self._take(image)
+                sb = await self._take(image, session=True)
             dropped = await load(sb, blob)
         except (OSError, SandboxDied, ImageError) as e:
             self.rest_counts["wake_failures"] += 1

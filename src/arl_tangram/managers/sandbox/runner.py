@@ -849,6 +849,8 @@ def _unpack(root, entries):
             os.makedirs(full, exist_ok=True)
             dirs.append((full, mode, mtime))
         elif kind == "l":
+            if os.path.lexists(full):  # what the fresh sandbox had there gives way
+                os.unlink(full)
             os.symlink(data.decode("utf-8", "surrogateescape"), full)
         else:
             with open(full, "wb") as fh:
