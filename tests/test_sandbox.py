@@ -372,7 +372,11 @@ def test_expiry_and_close_leave_nothing_behind():
 def test_a_sandbox_that_dies_is_an_infra_error_not_a_user_failure():
     async def body(tg):
         task = asyncio.create_task(tg.run("import time\ntime.sleep(30)", timeout_s=60))
-        await asyncio.sleep(0.5)
+        for _ in range(600):  # until it runs (a fixed 0.5 s was too short at load 8: its setup took 0.56 s)
+            if tg.runtime.sandboxes._busy:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
         for sb in list(tg.runtime.sandboxes._busy):
             sb.proc.kill()
         return await task

@@ -179,7 +179,9 @@ class SandboxManager:
         for d in self._hostdirs:
             shutil.rmtree(d, ignore_errors=True)
 
-    async def _spawn(self) -> Sandbox:
+    async def _spawn(self, warm: bool = True) -> Sandbox:
+        """A new sandbox of the default image; ``warm``: for the pool (``op_warm`` first), not for
+        a caller that waits for it (a one-shot would pay the imports for nothing)."""
         if self.config.image is not None:  # the warm pool holds sandboxes of the default image
             return await self.imageboxes.spawn(self.config.image)
         sid = f"sb-{next(_SANDBOX_IDS)}-{os.urandom(3).hex()}"  # unique across managers of a process
@@ -191,6 +193,8 @@ class SandboxManager:
         limits = Limits(self.config.memory_mb << 20, self.config.pids_max)
         sb = await Sandbox.spawn(sid, argv, self.root, limits, cwd=workspace)
         sb.recyclable = True  # our own tree (isolation.WRITABLE is all it can write), not an image's
+        if not warm:
+            return sb
         try:  # what a wake needs, imported now rather than on the woken session's step
             await sb.request({"op": "warm", "modules": self._warm_modules()}, 20.0)
         except SandboxDied:
@@ -288,7 +292,7 @@ class SandboxManager:
             sb = pool.pop(i)
             if not sb.dead and sb.proc.returncode is None:
                 return sb
-        return await self._spawn()
+        return await self._spawn(warm=False)
 
     async def _expire_sessions(self) -> None:
         c = self.config
