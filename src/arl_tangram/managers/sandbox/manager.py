@@ -214,7 +214,7 @@ class SandboxManager:
             if self.config.warm_shell:
                 # the session's shell, started before the session takes the sandbox: a session's
                 # first command was 22-25 ms of which ~20 were starting it (then 2-3 ms a step)
-                await sb.request({"op": "shell", "command": ":", "timeout_s": 10.0}, 20.0)
+                await sb.request({"op": "shell", "command": ":", "timeout_s": 10.0, "prestart": True}, 20.0)
         except SandboxDied:
             await sb.kill()
             raise

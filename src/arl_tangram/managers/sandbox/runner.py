@@ -594,8 +594,13 @@ def op_read(req):
 SHELL = {}
 
 
+SHELL_USED = []  # a step of the session's own ran in the shell (not only the pool's ``prestart``)
+
+
 def op_shell(req):
     """A step of the session's persistent shell (shell.py, loaded on first use)."""
+    if not req.get("prestart") and not SHELL_USED:
+        SHELL_USED.append(True)
     if not SHELL:
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shell.py")
         with open(path) as fh:
@@ -893,7 +898,7 @@ def op_rest(req):
         for rel, why in skipped.items():
             dropped[os.path.join(root, rel)] = why
     shell = None
-    if SHELL and SHELL["alive"]():
+    if SHELL and SHELL_USED and SHELL["alive"]():  # a shell no step of the session used holds nothing
         if SHELL["STATE"]["name"] == "bash":
             r = op_shell({"command": SHELL_SAVE, "timeout_s": 10, "max_output": 16 << 20})
             if r.get("exit_code") == 0 and not r.get("truncated"):
