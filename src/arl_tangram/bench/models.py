@@ -183,6 +183,8 @@ async def _replay(services: list[ModelServiceConfig], arrivals: list[tuple[float
         loads0 = rt.models.loads
         slow: list[dict] = []
         _GC_PAUSES.clear()
+        marks = _label_batches(rt.models)
+        prof = _profiler_start()
 
         async def one(at: float, svc: int) -> float:
             await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
@@ -193,8 +195,15 @@ async def _replay(services: list[ModelServiceConfig], arrivals: list[tuple[float
                          "setup_s": r.setup_s, "exec_s": r.exec_s})
             return r.act_s
 
+        async def stop_profiler() -> None:
+            await asyncio.sleep(PROFILE["seconds"])
+            _profiler_stop(prof, start, marks)
+
+        stopper = asyncio.ensure_future(stop_profiler()) if prof is not None else None
         acts = await asyncio.gather(*(one(t, s) for t, s in arrivals))
         span = time.perf_counter() - start
+        if stopper is not None:
+            await stopper
         rt.engine.usage.advance(rt.engine.clock.now())
         held = rt.engine.usage.gpu_held_s - held0
         # where the tail comes from: the slowest requests, loads during the run, allocator retries
@@ -211,6 +220,7 @@ async def _replay(services: list[ModelServiceConfig], arrivals: list[tuple[float
                         "slowest_batches": [phases(b) for b in sorted(batches, key=lambda b: b["submitted"]
                                                                       - b["returned"])[:8]],
                         "gc_pauses_over_20ms": list(_GC_PAUSES),
+                        "slow_batch_allocator": [m for m in marks if m["ms"] >= 100][:8],
                         "loads_during_run": rt.models.loads - loads0, "evictions": rt.models.evictions,
                         "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)
                         if torch.cuda.is_available() else 0}
@@ -239,6 +249,136 @@ def _release_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+#: the bench's profiler settings (``--profile``): where traces go, how long into each shared replay
+PROFILE: dict = {"dir": None, "seconds": 7.0, "runs": 0}
+
+#: allocator counters compared before and after each batch (``_label_batches``)
+_ALLOC_COUNTERS = ("num_device_alloc", "num_device_free", "num_sync_all_streams", "num_alloc_retries")
+
+
+def _alloc_counters() -> dict:
+    if not torch.cuda.is_available():
+        return {}
+    st = torch.cuda.memory_stats()
+    return {k: st.get(k, 0) for k in _ALLOC_COUNTERS}
+
+
+def _label_batches(models) -> list[dict]:
+    """Wrap every loaded op so that each batch is a named range in a profile (``batch MODEL xROWS``)
+    and leaves its duration and the allocator's counters around it (device mallocs and frees,
+    syncs of all streams, retries) in the returned list: where a slow batch waited."""
+    marks: list[dict] = []
+
+    def wrap(name: str, fn: Callable) -> Callable:
+        def op(module, batch):
+            before = _alloc_counters()
+            t = time.perf_counter()
+            with torch.profiler.record_function(f"batch {name} x{len(batch)}"):
+                out = fn(module, batch)
+            ms = (time.perf_counter() - t) * 1e3
+            after = _alloc_counters()
+            marks.append({"model": name, "rows": len(batch), "t": t, "ms": round(ms, 2),
+                          **{k: after[k] - before[k] for k in after if after[k] != before[k]}})
+            return out
+        op.tangram_inner = fn  # type: ignore[attr-defined]
+        return op
+
+    for name, ld in models.loaded.items():
+        ld.ops = {k: wrap(name, getattr(v, "tangram_inner", v)) for k, v in ld.ops.items()}
+    return marks
+
+
+def _profiler_start():
+    """A torch.profiler over the first ``PROFILE["seconds"]`` of a shared replay, or None."""
+    if PROFILE["dir"] is None:
+        return None
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    try:  # batches run in worker threads: without this only the event loop's thread is recorded
+        cfg = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except TypeError:
+        cfg = None
+    prof = torch.profiler.profile(activities=acts, experimental_config=cfg)
+    prof.start()
+    return prof
+
+
+def _profiler_stop(prof, start: float, marks: list[dict]) -> None:
+    """Stop, write the trace (gzip) and a summary of what ran during each batch of 100 ms or more
+    (``profile_summary``)."""
+    import gzip
+
+    prof.stop()
+    PROFILE["runs"] += 1
+    os.makedirs(PROFILE["dir"], exist_ok=True)
+    raw = os.path.join(tempfile.gettempdir(), f"tangram-trace-{os.getpid()}.json")
+    prof.export_chrome_trace(raw)
+    with open(raw) as fh:
+        trace = json.load(fh)
+    os.unlink(raw)
+    summary = profile_summary(trace.get("traceEvents", []))
+    base = os.path.join(PROFILE["dir"], f"run{PROFILE['runs']}")
+    with open(base + "-summary.json", "w") as fh:
+        json.dump({"slow_batches_by_counters": [m for m in marks if m["ms"] >= 100], **summary}, fh, indent=1)
+    windows = summary.get("windows_us", [])
+    keep = [e for e in trace.get("traceEvents", []) if e.get("ph") != "X"
+            or any(a - 20_000 <= e.get("ts", 0) <= b + 20_000 for a, b in windows)]
+    with gzip.open(base + "-slow.json.gz", "wt") as fh:
+        json.dump({**trace, "traceEvents": keep}, fh)
+
+
+def profile_summary(events: list[dict], slow_us: float = 100_000) -> dict:
+    """What a chrome trace shows during each ``batch ...`` range of at least ``slow_us``: the
+    batch thread's longest CPU ops and CUDA runtime/driver calls, runtime calls by name (count,
+    total ms), the GPU's kernels and copies in the range (count, busy ms, the longest, per
+    stream); and the trace's longest runtime calls overall."""
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    api = ("cuda_runtime", "cuda_driver")
+    gpu = ("kernel", "gpu_memcpy", "gpu_memset")
+    out: dict = {"events": len(xs), "batches": [], "windows_us": []}
+    out["longest_runtime_calls"] = [
+        {"name": e["name"], "ms": round(e["dur"] / 1e3, 2), "tid": e.get("tid")}
+        for e in sorted((e for e in xs if e.get("cat") in api), key=lambda e: -e["dur"])[:15]]
+    slow = sorted((e for e in xs if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("batch ")
+                   and e["dur"] >= slow_us), key=lambda e: e["ts"])
+    for b in slow[:6]:
+        a, z = b["ts"], b["ts"] + b["dur"]
+        inside = [e for e in xs if e["ts"] < z and e["ts"] + e["dur"] > a]
+        mine = [e for e in inside if e.get("tid") == b.get("tid") and e.get("pid") == b.get("pid") and e is not b]
+        calls: dict[str, list] = {}
+        for e in inside:
+            if e.get("cat") in api:
+                c = calls.setdefault(e["name"], [0, 0.0])
+                c[0] += 1
+                c[1] += e["dur"] / 1e3
+        kernels = [e for e in inside if e.get("cat") in gpu]
+        spans = sorted((max(a, e["ts"]), min(z, e["ts"] + e["dur"])) for e in kernels)
+        busy, end = 0.0, a
+        for s0, s1 in spans:
+            if s1 > end:
+                busy += s1 - max(s0, end)
+                end = s1
+        streams: dict[str, list] = {}
+        for e in kernels:
+            st = streams.setdefault(str(e.get("tid")), [0, 0.0])
+            st[0] += 1
+            st[1] += e["dur"] / 1e3
+        out["windows_us"].append((a, z))
+        out["batches"].append({
+            "name": b["name"], "ms": round(b["dur"] / 1e3, 2), "tid": b.get("tid"),
+            "own_longest": [{"name": e["name"], "cat": e.get("cat"), "ms": round(e["dur"] / 1e3, 2),
+                             "at_ms": round((e["ts"] - a) / 1e3, 2)}
+                            for e in sorted(mine, key=lambda e: -e["dur"])[:25]],
+            "runtime_calls": {k: [v[0], round(v[1], 2)] for k, v in sorted(calls.items(), key=lambda kv: -kv[1][1])[:15]},
+            "gpu_ops": len(kernels), "gpu_busy_ms": round(busy / 1e3, 2),
+            "gpu_longest": [{"name": e["name"][:120], "ms": round(e["dur"] / 1e3, 3), "stream": e.get("tid"),
+                             "at_ms": round((e["ts"] - a) / 1e3, 2)}
+                            for e in sorted(kernels, key=lambda e: -e["dur"])[:10]],
+            "gpu_by_stream": {k: [v[0], round(v[1], 2)] for k, v in streams.items()}})
+    return out
 
 
 def _mopd_services(device: str, vocab: int, share: float) -> tuple[list[ModelServiceConfig], list[str]]:
@@ -475,6 +615,7 @@ def run(device: str = "auto", log: Callable[[str], None] = print, requests: int 
     result.update({"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
                    "host": {"cpus": os.cpu_count(), "memory_gb": round(os.sysconf("SC_PAGE_SIZE")
                                                                        * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}})
+    result["graphs_min_gain"] = manager.MIN_GAIN
     if cuda:
         from ..managers.models.topology import discover_gpus
         result["gpus_discovered"] = [{"index": g.index, "memory_gb": round(g.memory_gb, 1), "island": g.island,
@@ -531,6 +672,11 @@ def main() -> None:
     ap.add_argument("--merge", default=None, help="JSON of an earlier run whose sections to include")
     ap.add_argument("--dedicated-gpus", type=int, default=1, help="replay that many dedicated services at once, "
                     "one per GPU")
+    ap.add_argument("--profile", default=None, help="a directory: profile each shared MOPD replay's first "
+                    "--profile-s seconds (torch.profiler; a summary of the slow batches and their trace)")
+    ap.add_argument("--profile-s", type=float, default=7.0)
+    ap.add_argument("--min-gain", type=float, default=None, help="keep a copy's CUDA graphs only where they are "
+                    "this many times faster than eager (default: graphs.MIN_GAIN; 0 keeps them always)")
     ap.add_argument("--dedicated-part", default=None, help=argparse.SUPPRESS)  # "i/n": a worker of the above
     args = ap.parse_args()
     if args.dedicated_part:
@@ -543,6 +689,9 @@ def main() -> None:
         with open(args.json, "w") as fh:
             json.dump({"acts": acts, "span_s": span}, fh)
         return
+    PROFILE["dir"], PROFILE["seconds"] = args.profile, args.profile_s
+    if args.min_gain is not None:
+        manager.MIN_GAIN = args.min_gain
     merge = None
     if args.merge:
         with open(args.merge) as fh:
