@@ -285,14 +285,32 @@ class SandboxManager:
                 sb = self._session_pool.pop()
                 if not sb.dead and sb.proc.returncode is None:
                     return sb
-            return await self._spawn_session()
+            return await self._made_for_action(self._spawn_session())
         pool = self._pool
         while pool:
             i = next((k for k in range(len(pool) - 1, -1, -1) if pool[k].cpus == cores), 0) if cores else 0
             sb = pool.pop(i)
             if not sb.dead and sb.proc.returncode is None:
                 return sb
-        return await self._spawn(warm=False)
+        return await self._made_for_action(self._spawn(warm=False))
+
+    async def _made_for_action(self, spawn) -> Sandbox:
+        """A sandbox made for an action, shielded from the action's cancel: a cancel that lands
+        inside ``create_subprocess_exec`` makes asyncio kill the half-started process and wait for
+        an exit its child watcher may never report (seen: a cancelled one-shot hung its caller for
+        good, 2 runs in 10 of test_runtime's cancel test once the sessions' warm pool made one-shots
+        spawn their own sandbox more often). The spawn finishes in the background; a sandbox
+        nobody wants any more is killed."""
+        task = self.tasks.spawn(spawn)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._kill_unwanted)
+            raise
+
+    def _kill_unwanted(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self._kill_later(task.result())
 
     async def _expire_sessions(self) -> None:
         c = self.config
