@@ -25,3 +25,12 @@ def test_profile_summary_names_what_a_slow_batch_waited_on():
     assert b["gpu_ops"] == 2 and b["gpu_busy_ms"] == 148.5  # overlapping kernels counted once
     assert b["gpu_by_stream"] == {"18": [2, 200.0]}
     assert out["longest_runtime_calls"][0]["ms"] == 250.0
+
+
+def test_bench_models_have_an_even_number_of_heads():
+    from arl_tangram.bench.models import GPU_SIZES_B
+    from arl_tangram.managers.models.tiny import TinyConfig
+
+    for b in GPU_SIZES_B:  # odd counts take nn.MultiheadAttention's slow path (TinyConfig.of_size)
+        c = TinyConfig.of_size(b)
+        assert c.heads % 2 == 0 and c.d_model == 128 * c.heads, (b, c)
