@@ -25,6 +25,7 @@ from arl_tangram.managers.sandbox.manager import SandboxConfig  # noqa: E402
 from arl_tangram.runtime import SessionGone, Tangram  # noqa: E402
 
 from servers import Server, free_port  # noqa: E402
+from shrink_probe import WATCH_CORES, needs_a_core_to_take_back  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(shutil.which("bwrap") is None,
                                                    reason="bubblewrap is not installed")]
@@ -192,25 +193,12 @@ def _sandbox_processes() -> list[int]:
     return out
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to take one back")
+@needs_a_core_to_take_back
 def test_a_run_on_a_node_is_shrunk_by_its_agent():
     """``Shrink`` on Ray: the head's engine takes a core back and the node's agent shrinks the
     run's sandbox (or pins it to one core when it starts, if the call beat the start: "1 1")."""
     from arl_tangram.core import Allocation
-    from arl_tangram.managers.sandbox.cgroups import open_root
-
-    probe = open_root(tag=f"tangram-probe-{os.getpid()}")
-    if probe is None:
-        pytest.skip("no writable cgroups on this host")
-    probe.cleanup()
-    code = """
-import os, time
-first = len(os.sched_getaffinity(0))
-end = time.time() + 20
-while first > 1 and len(os.sched_getaffinity(0)) == first and time.time() < end:
-    time.sleep(0.01)
-print(first, len(os.sched_getaffinity(0)))
-"""
+    code = WATCH_CORES
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
     c.add_node(num_cpus=2)
     c.wait_for_nodes()

@@ -15,6 +15,7 @@ from arl_tangram.core import Outcome
 from arl_tangram.runtime import Tangram
 
 from servers import children_of
+from shrink_probe import WATCH_CORES, needs_a_core_to_take_back
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
@@ -95,26 +96,13 @@ def test_a_worker_that_dies_idle_costs_no_run_and_a_cancel_at_once_ends_the_acti
     asyncio.run(main())
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to take one back")
+@needs_a_core_to_take_back
 def test_a_run_on_a_worker_is_shrunk_there():
     """``Shrink`` of a one-shot that a worker runs: the frame reaches the worker's manager, whose
     sandbox's cgroup shrinks while the program runs (or, on a machine so loaded that the frame
     beats the sandbox's start, is pinned to the one core when it starts: "1 1")."""
     from arl_tangram.core import Allocation
-    from arl_tangram.managers.sandbox.cgroups import open_root
-
-    probe = open_root(tag=f"tangram-probe-{os.getpid()}")
-    if probe is None:
-        pytest.skip("no writable cgroups on this host")
-    probe.cleanup()
-    code = """
-import os, time
-first = len(os.sched_getaffinity(0))
-end = time.time() + 20
-while first > 1 and len(os.sched_getaffinity(0)) == first and time.time() < end:
-    time.sleep(0.01)
-print(first, len(os.sched_getaffinity(0)))
-"""
+    code = WATCH_CORES
 
     async def main():
         async with Tangram.local(workers=1) as tg:
