@@ -110,6 +110,14 @@ def test_a_real_run_recorded_and_replayed_matches_the_measured_acts(tmp_path):
 
     async def run():
         async with Tangram.local("tangram") as tg:
+            # the simulator models a runtime whose warm pools are full; the first half second after a
+            # start, while both pools (one-shots', sessions' layered sandboxes) fill at once, a
+            # session's first step can pay a sandbox's start (50-140 ms measured) that it does not model
+            sm = tg.runtime.sandbox_manager()
+            for _ in range(200):
+                if len(sm._pool) >= sm.config.warm_pool and len(sm._session_pool) >= sm._warm_sessions():
+                    break
+                await asyncio.sleep(0.05)
             rec = TraceRecorder(path)
             tg.runtime.engine.listeners.append(rec)
 

@@ -318,6 +318,7 @@ def serve(
 
     import uvicorn
 
+    from .server.app import KEEP_ALIVE_S
     from .server.config import ConfigError, ServeConfig, build, build_service, load
     from .runtime.host import helper_processes
     from .server.fronts import listen
@@ -345,7 +346,8 @@ def serve(
         except Exception as e:  # isolation unavailable, unwritable journal: say it, exit 2
             raise fail(str(e))
         console.print(f"ARL-Tangram serving on http://{host}:{port} (docs at /docs, SandboxFusion at /run_code)")
-        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(cfg.drain_s) + 5)
+        uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(cfg.drain_s) + 5,
+                    timeout_keep_alive=KEEP_ALIVE_S)
         return
     try:
         sock = listen(host, port)

@@ -70,6 +70,13 @@ async def _too_large(limit: int, send) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+#: how long an idle HTTP connection stays open (uvicorn's default is 5 s). SDK clients keep pooled
+#: connections longer than that (E2B's pyqwest-based client among them): a request sent on one just
+#: as the server closed it is reset ("Connection reset by peer"), seen with 20 E2B sandboxes at once
+#: in CI. 75 s outlasts the clients' pools, as load balancers' keep-alives are set above their peers'.
+KEEP_ALIVE_S = 75
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 

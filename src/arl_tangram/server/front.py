@@ -67,7 +67,7 @@ def main() -> None:
     import uvicorn
 
     from ..runtime.host import die_with_parent
-    from .app import create_app
+    from .app import KEEP_ALIVE_S, create_app
 
     die_with_parent("front")
     spec: dict[str, Any] = json.loads(os.environ.pop(ENV))
@@ -78,7 +78,8 @@ def main() -> None:
     sock = socket.socket(fileno=spec["fd"])
     app = create_app(RemoteService(spec["link"]), token=token, max_body_bytes=spec["max_body_bytes"], keys=keys)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                           timeout_graceful_shutdown=int(spec["drain_s"]) + 5))
+                                           timeout_graceful_shutdown=int(spec["drain_s"]) + 5,
+                                           timeout_keep_alive=KEEP_ALIVE_S))
     server.run(sockets=[sock])
 
 

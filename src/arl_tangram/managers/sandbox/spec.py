@@ -33,7 +33,7 @@ class SandboxConfig(BaseModel):
     max_output_bytes: int = Field(1 << 20, ge=1024, description="stdout/stderr kept per stream; more is dropped "
                                                                 "and flagged")
     warm_pool: int = Field(4, ge=0, description="prepared sandboxes waiting for one-shot runs and new sessions")
-    warm_sessions: int = Field(2, ge=0, description="layered sandboxes (copy-on-write workspace: they fork and "
+    warm_sessions: int = Field(4, ge=0, description="layered sandboxes (copy-on-write workspace: they fork and "
                                                     "snapshot) waiting for new default sessions, within "
                                                     "max_idle_sandboxes beside warm_pool")
     warm_shell: bool = Field(True, description="start the persistent shell in the sessions' warm sandboxes, "
