@@ -8,7 +8,7 @@ to the managers once the round is over. Nothing here touches a clock, a thread o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Protocol
+from typing import Any, Final, Iterable, Mapping, Protocol
 
 from mypy_extensions import mypyc_attr
 
@@ -148,6 +148,23 @@ class Costs:
         create, 1 ms thaw)."""
         return cls(session_create_s=0.0005, session_thaw_s=0.0002, session_restore_s=0.01,
                    session_mem_gb=session_mem_gb)
+
+    @classmethod
+    def ray(cls, session_mem_gb: float, move_s: float | None = None) -> "Costs":
+        """A Ray cluster of these sandboxes: as ``local``, but a session's restore elsewhere is a
+        real move (snapshot on the old node's agent, the object store, restore on the new one),
+        ``move_s`` seconds: what the policy weighs against the wait a move saves. Default
+        ``MOVE_S``, measured by ``tangram bench cluster``."""
+        local = cls.local(session_mem_gb)
+        return cls(session_create_s=local.session_create_s, session_thaw_s=local.session_thaw_s,
+                   session_restore_s=MOVE_S if move_s is None else move_s, session_mem_gb=session_mem_gb)
+
+
+#: What a session's move between nodes of a Ray cluster costs, p50: ``tangram bench cluster --nodes
+#: 1 --drain-sessions 50`` on the 2-core VM (loopback cluster, load 6-12), issue 24: 0.32 s (the
+#: simulator's and ``Costs.local``'s 0.01 s priced it 30x too cheap, so sessions moved to save a
+#: few ms of waiting).
+MOVE_S: Final = 0.32
 
 
 @dataclass(slots=True)

@@ -210,11 +210,14 @@ class RayRuntime(Runtime):
                  max_queue_s: float | None = DEFAULT_MAX_QUEUE_S, models: list[ModelServiceConfig] | None = None,
                  gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
                  gpu_island_size: int | None = None, model_device: str = "auto",
-                 rejoin_after_s: float = REJOIN_AFTER_S) -> None:
+                 rejoin_after_s: float = REJOIN_AFTER_S, move_s: float | None = None) -> None:
         """``models``: ``ModelServiceConfig``s served on every GPU node (a node with Ray's ``GPU``
         resource): its agent loads them into the node's host memory and hosts the node's GPUs,
         discovered there (``gpus_per_node``, ``gpu_memory_gb``, ``gpu_island_size`` override, as
-        on one machine; ``model_device="cpu"`` serves on CPU "devices" standing in for GPUs)."""
+        on one machine; ``model_device="cpu"`` serves on CPU "devices" standing in for GPUs).
+        ``move_s``: what the policy expects a session's move to another node to cost (default
+        ``policy.MOVE_S``, what ``tangram bench cluster`` measured): a step waits for its full
+        node rather than move when the wait is predicted shorter."""
         super().__init__()
         self._owns_connection = connect(address)
         self.address = address
@@ -238,7 +241,7 @@ class RayRuntime(Runtime):
         self._monitor: asyncio.Task | None = None
         self._joining: set[asyncio.Task] = set()
         self._agent_cls = None
-        costs = Costs.local(self.config.memory_mb / 1024)
+        costs = Costs.ray(self.config.memory_mb / 1024, move_s)
         self._build(Cluster(), policy, managers, costs, profile, max_queue_s=max_queue_s,
                     session_headroom_gb=self.config.session_headroom_mb / 1024)  # agents measure idle sessions
         # a batch whose last GPU node died waits (max_queue_s) for one to join or come back

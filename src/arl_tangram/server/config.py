@@ -12,7 +12,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from ..managers.models.spec import HF_TASKS, hf_dir_problem
 from ..managers.sandbox.spec import SandboxConfig
-from ..policy import POLICIES
+from ..policy import MOVE_S, POLICIES
 from ..waits import DEFAULT_MAX_QUEUE_S
 
 
@@ -95,6 +95,9 @@ class ServeConfig(BaseModel):
     gpu_memory_gb: float | None = Field(None, gt=0, description="memory per GPU (default: the device's)")
     gpu_island_size: int | None = Field(None, ge=1, description="GPUs per NVLink island (default: discovered "
                                         "from NVML or nvidia-smi)")
+    move_s: float = Field(MOVE_S, ge=0, description="with --ray, what the policy expects moving a session to "
+                          "another node to cost, in seconds (default: what `tangram bench cluster` measured): a "
+                          "step whose node is full waits for it when that is predicted quicker than a move")
 
     @field_validator("api_keys")
     @classmethod
@@ -166,7 +169,7 @@ def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True,
         # the head loads no weights (it needs no torch); each GPU node's agent does. On Ray, gpus / gpu_memory_gb / gpu_island_size apply to every GPU node
         runtime = RayRuntime(ray, cfg.policy, cfg.sandbox, max_queue_s=cfg.max_queue_s, models=models,
                              gpus_per_node=cfg.gpus, gpu_memory_gb=cfg.gpu_memory_gb,
-                             gpu_island_size=cfg.gpu_island_size)
+                             gpu_island_size=cfg.gpu_island_size, move_s=cfg.move_s)
     else:
         workers = cfg.sandbox_workers
         if workers is None:
