@@ -224,6 +224,69 @@ def test_pause_keeps_files_and_connect_resumes(server):
         sb.kill()
 
 
+# -- streaming output -----------------------------------------------------------------------------
+
+def test_on_stdout_gets_output_while_the_command_runs(server):
+    """The first line reaches ``on_stdout`` while the command still runs: the callback itself asks
+    the server which processes run (a second connection) and finds this one."""
+    sb = Sandbox.create()
+    try:
+        seen: list[tuple[str, list[str]]] = []
+
+        def on_stdout(line: str) -> None:
+            running = [p.args[-1] for p in sb.commands.list()]
+            seen.append((line, running))
+
+        cmd = "echo first; sleep 1; echo second"
+        r = sb.commands.run(cmd, on_stdout=on_stdout)
+        assert r.stdout == "first\nsecond\n"
+        assert [line for line, _ in seen] == ["first\n", "second\n"]
+        assert cmd in seen[0][1]  # the command was still running when its first line came
+        assert sb.commands.list() == []
+    finally:
+        sb.kill()
+
+
+def test_a_background_command_streams_and_connect_sees_the_rest(server):
+    async def main():
+        sb = await AsyncSandbox.create()
+        try:
+            first = asyncio.Event()
+            lines: list[str] = []
+
+            def got(line: str) -> None:
+                lines.append(line)
+                first.set()
+
+            h = await sb.commands.run("echo started; sleep 60; echo not-reached", background=True, timeout=0,
+                                      on_stdout=got)
+            await asyncio.wait_for(first.wait(), 30)  # the 60 s sleep has not ended: it streamed
+            assert lines == ["started\n"] and [p.pid for p in await sb.commands.list()] == [h.pid]
+            again = await sb.commands.connect(h.pid)  # a re-attached stream: the output so far, then the rest
+            assert await sb.commands.kill(h.pid) is True
+            with pytest.raises(CommandExitException) as e:
+                await again.wait()
+            assert e.value.stdout == "started\n"
+            with pytest.raises(CommandExitException):
+                await h.wait()
+            assert lines == ["started\n"]
+
+            # a stream that floods: what reaches the callback is capped as the result is
+            total = 0
+
+            def count(chunk: str) -> None:
+                nonlocal total
+                total += len(chunk)
+
+            r = await sb.commands.run("head -c 3000000 /dev/zero | tr '\\0' a; echo done >&2", on_stdout=count)
+            assert total == len(r.stdout) == 1 << 20 and r.stderr == "done\n"
+            assert "cap" in (r.error or "")
+        finally:
+            await sb.kill()
+
+    asyncio.run(main())
+
+
 # -- errors ---------------------------------------------------------------------------------------
 
 def test_errors_in_e2b_shape(server):
@@ -467,6 +530,10 @@ def test_through_http_fronts(tmp_path):
         assert sb.files.read("/home/user/f") == "F"
         h = sb.commands.run("sleep 0.2; echo bg", background=True)
         assert h.wait().stdout == "bg\n"
+        seen = []  # streamed through the front's link: the first line while the command runs
+        r = sb.commands.run("echo one; sleep 0.5; echo two", on_stdout=lambda line: seen.append(
+            (line, [p.pid for p in sb.commands.list()])))
+        assert r.stdout == "one\ntwo\n" and seen[0][0] == "one\n" and seen[0][1]
         assert sb.run_code("2 + 2").text == "4"
         sb.kill()
         with pytest.raises(SandboxNotRunningException):

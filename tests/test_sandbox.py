@@ -316,6 +316,33 @@ def test_session_state_persists_across_execs():
     assert r2.stdout == "42 True\n" and r4.stdout == "data\n"
 
 
+def test_a_session_step_streams_its_output_while_it_runs_capped_as_its_result():
+    async def body(tg):
+        s = await tg.session()
+        chunks: list[tuple[str, bytes, str | None]] = []
+        r = await s.exec("echo one; sleep 1; echo two >&2; echo three", id="x-streamed",
+                         on_output=lambda k, d: chunks.append((k, d, tg.runtime.state_of("x-streamed"))))
+        total = {"stdout": 0, "stderr": 0}
+
+        def count(k: str, d: bytes) -> None:
+            total[k] += len(d)
+
+        flood = await s.exec("head -c 3000000 /dev/zero; echo e >&2", on_output=count)
+        endless = await s.exec("yes", timeout_s=2, on_output=count)
+        quiet = await s.exec("echo nobody listens")
+        await s.close()
+        return chunks, r, total, flood, endless, quiet
+
+    chunks, r, total, flood, endless, quiet = run(body, max_output_bytes=1 << 16)
+    assert chunks[0] == ("stdout", b"one\n", "running")  # the step had not ended when its first line came
+    assert b"".join(d for k, d, _ in chunks if k == "stdout") == b"one\nthree\n" == r.stdout.encode()
+    assert [d for k, d, _ in chunks if k == "stderr"] == [b"two\n"] and r.result.run.stderr == "two\n"
+    assert flood.result.run.truncated and len(flood.stdout) == 1 << 16 and endless.outcome is Outcome.TIMEOUT
+    # the cap holds for what is streamed too; and what is streamed is what the results say
+    assert total == {"stdout": 2 << 16, "stderr": len(flood.result.run.stderr) + len(endless.result.run.stderr)}
+    assert quiet.stdout == "nobody listens\n"
+
+
 @needs_cgroups
 def test_a_frozen_session_uses_no_cpu():
     async def body(tg):

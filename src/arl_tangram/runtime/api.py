@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import os
-from typing import Any
+from typing import Any, Callable
 
 from ..core.action import Action, Demand, Outcome, seconds
 from ..managers.models.spec import ModelCall
@@ -161,12 +161,16 @@ class Session:
     async def exec(self, command: str | None = None, *, python: str | None = None, stdin: bytes | None = None,
                    timeout_s: float = 10.0, cpus: int | tuple[int, int] = 1, parallel_fraction: float = 0.0,
                    hint_s: float | None = None, operation: str = "", memory_mb: int | None = None,
-                   id: str | None = None, jupyter: bool = False, remaining_turns: int | None = None) -> ActionResult:
+                   id: str | None = None, jupyter: bool = False, remaining_turns: int | None = None,
+                   on_output: Callable[[str, bytes], None] | None = None) -> ActionResult:
         """Run a shell ``command`` in the workspace, or a ``python`` cell in the session's
         interpreter (its variables carry over from call to call; ``jupyter``: an exception's
         traceback goes only into the cell's error record, as in a notebook). ``remaining_turns``:
         how many more actions the trajectory will send (the scheduler favours the step's last
-        finishers)."""
+        finishers). ``on_output(stream, data)``: a shell command's output as it comes
+        (``SandboxManager.listen``: capped as the result's, a slow callback slows the command);
+        where sessions run in another process (Ray's nodes) or for python cells, it is not
+        called and the output comes in the result only."""
         self._check()
         if (command is None) == (python is None):
             raise ValueError("exec: give exactly one of command or python")
@@ -180,7 +184,14 @@ class Session:
                         hint_s=hint_s, parallel_fraction=parallel_fraction,
                         timeout_s=timeout_s + ACTION_TIMEOUT_SLACK_S, payload=payload,
                         remaining_turns=remaining_turns)
-        return await self._step(action)
+        manager = self.runtime.sandbox_manager() if on_output is not None and command is not None else None
+        if manager is None:
+            return await self._step(action)
+        stop = manager.listen(action.id, on_output)
+        try:
+            return await self._step(action)
+        finally:
+            stop()
 
     async def put(self, files: dict[str, bytes], id: str | None = None) -> ActionResult:
         return await self.files(Files(put=files), id)

@@ -108,6 +108,7 @@ class SandboxManager:
         self._unrestable: dict[str, float] = {}  # failed to rest when last used at this time: not retried
         self._rester: asyncio.Task | None = None
         self._module_uses: Counter[str] = Counter()  # modules in rested sessions' namespaces
+        self._listeners: dict[str, Callable[[str, bytes], None]] = {}  # streamed steps (``listen``)
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start_up(self) -> None:
@@ -355,6 +356,29 @@ class SandboxManager:
                 sb.set_cpus(cores)
             except OSError as e:  # the group is gone (the sandbox died): its run reports that
                 log.warning("cannot pin sandbox %s to cores %s: %s", sb.id, cores, e)
+
+    def listen(self, action_id: str, on_output: Callable[[str, bytes], None]) -> Callable[[], None]:
+        """Stream the output of shell step ``action_id`` (not started yet) to ``on_output(stream,
+        data)`` while it runs, ``stream`` being ``stdout`` or ``stderr``; returns the call that
+        stops it. Bounded as every step's output is: past ``max_output_bytes`` a stream's bytes
+        are dropped (never forwarded, never held; the result says ``truncated``), and a caller
+        that returns late slows the step (its chunks wait in the runner's pipe), never grows
+        memory. A step nobody listens to pays nothing for this (one dict lookup). The step's
+        result still carries its whole (capped) output."""
+        cap = self.config.max_output_bytes
+        seen = {"stdout": 0, "stderr": 0}
+
+        def capped(stream: str, data: bytes) -> None:  # the runner caps too; this holds if it lies
+            room = cap - seen[stream]
+            if room > 0:
+                seen[stream] += min(room, len(data))
+                on_output(stream, data[:room])
+
+        def stop() -> None:
+            self._listeners.pop(action_id, None)
+
+        self._listeners[action_id] = capped
+        return stop
 
     def _cores(self, allocation: Allocation) -> tuple[int, ...]:
         """The host cores an allocation's units name."""
@@ -694,7 +718,7 @@ class SandboxManager:
             t1 = time.monotonic()
             self._busy.add(sb)
             try:
-                outcome, result = await self._execute(sb, payload, cores)
+                outcome, result = await self._execute(sb, payload, cores, self._listeners.get(action.id))
             finally:
                 self._busy.discard(sb)
             exec_s = time.monotonic() - t1
@@ -767,7 +791,8 @@ class SandboxManager:
             req["cpus"] = list(cores)
         return req
 
-    async def _execute(self, sb: Sandbox, payload, cores: tuple[int, ...]) -> tuple[Outcome, SandboxResult]:
+    async def _execute(self, sb: Sandbox, payload, cores: tuple[int, ...],
+                       on_output: Callable[[str, bytes], None] | None = None) -> tuple[Outcome, SandboxResult]:
         grace = self.config.grace_s
         if isinstance(payload, RunCode):
             return await self._run_code(sb, payload, cores)
@@ -786,9 +811,12 @@ class SandboxManager:
             elif payload.command is not None:  # a step of the session's persistent shell
                 req = {**base, "op": "shell", "command": payload.command, "timeout_s": payload.timeout_s,
                        "stdin": _b64(payload.stdin)}
+                if on_output is not None:
+                    req["stream"] = True
             else:
                 return Outcome.REJECTED, SandboxResult(message="exec: give a command or a python cell")
-            r = await sb.request(req, payload.timeout_s + grace + 1.0)  # + the shell's own kill window
+            # + the shell's own kill window
+            r = await sb.request(req, payload.timeout_s + grace + 1.0, on_output if "stream" in req else None)
             return _outcome(r), _result(r)
         if isinstance(payload, Files):
             out = SandboxResult()

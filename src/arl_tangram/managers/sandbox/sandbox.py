@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import marshal
 import os
@@ -116,8 +117,11 @@ class Sandbox:
             self._stderr += chunk
             del self._stderr[:-4096]
 
-    async def request(self, req: dict, timeout_s: float) -> dict:
-        """Send one request and wait for its answer; past ``timeout_s`` the sandbox is killed."""
+    async def request(self, req: dict, timeout_s: float,
+                      on_output: Callable[[str, bytes], None] | None = None) -> dict:
+        """Send one request and wait for its answer; past ``timeout_s`` the sandbox is killed.
+        ``on_output``: the request streams (a shell step with ``stream``): its output chunks come
+        first, each handed to ``on_output(stream, data)`` as it arrives."""
         async with self._lock:
             if self.dead:
                 raise SandboxDied("sandbox is closed")
@@ -127,7 +131,10 @@ class Sandbox:
                 data = marshal.dumps(req, 4)
                 self.proc.stdin.write(len(data).to_bytes(4, "little") + data)
                 await self.proc.stdin.drain()
-                line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+                if on_output is None:
+                    line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
+                else:
+                    line = await asyncio.wait_for(self._chunks(on_output), timeout_s)
             except asyncio.TimeoutError:
                 await self.kill()
                 raise SandboxDied(f"sandbox did not answer within {timeout_s:.1f}s and was killed",
@@ -139,6 +146,20 @@ class Sandbox:
                 await self.kill()
                 raise SandboxDied("sandbox exited: " + self._stderr.decode(errors="replace")[-500:])
             return json.loads(line)
+
+    async def _chunks(self, on_output: Callable[[str, bytes], None]) -> bytes:
+        """Hand a streamed request's chunk lines to ``on_output``; return its answer's line (the
+        first with an ``id``, or EOF). A line that is neither (a runner taken over by the user's
+        code) ends the request as a broken channel."""
+        while True:
+            line = await self.proc.stdout.readline()
+            if not line.startswith(b'{"stream":'):
+                return line
+            msg = json.loads(line)
+            stream, data = msg.get("stream"), msg.get("data")
+            if stream not in ("stdout", "stderr") or not isinstance(data, str):
+                raise ConnectionError("bad output chunk from the sandbox")
+            on_output(stream, base64.b64decode(data))
 
     def freeze(self) -> None:
         """Stop every process of the sandbox: it keeps memory and files but uses no CPU."""

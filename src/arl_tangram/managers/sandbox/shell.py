@@ -8,7 +8,8 @@ Each step is written to a file and sourced in the shell's own process by a one-l
     { . STEP; } <IN >OUT 2>ERR 3>&-; echo "NONCE $?" >&3
 
 OUT and ERR are FIFOs the runner reads while the step runs (stdout and stderr stay apart, each
-capped like every other step's output); the step's exit status comes back on a private pipe
+capped like every other step's output; a ``stream`` request also forwards what it keeps, chunk
+by chunk, to the host while the step runs: ``_emitter``); the step's exit status comes back on a private pipe
 (fd 3, closed for the step itself) behind a per-step random nonce. The runner also holds a
 writer of each FIFO open, so a step's end is never mistaken for the start of the next one.
 
@@ -122,8 +123,9 @@ def start(env, workspace, close_fds):
     return name
 
 
-def _drain(fd, buf, limit):
-    """Read what is there now; returns whether anything was dropped for the cap."""
+def _drain(fd, buf, limit, emit=None, name=""):
+    """Read what is there now; returns whether anything was dropped for the cap. ``emit``: a
+    streamed step's forwarder of what was kept (what the cap drops is never forwarded)."""
     dropped = False
     while True:
         try:
@@ -135,8 +137,24 @@ def _drain(fd, buf, limit):
         room = limit - len(buf)
         if room > 0:
             buf += chunk[:room]
+            if emit is not None:
+                emit(name, chunk[:room])
         if len(chunk) > room:
             dropped = True
+
+
+def _emitter(fd, b64):
+    """A streamed step's output chunks, sent to the host while the step runs: one JSON line each,
+    ``{"stream": "stdout"|"stderr", "data": <base64>}`` (no ``id``: the step's answer, last,
+    has one) on the runner's answer channel ``fd``. A blocking write: a host that reads slowly
+    slows the step down (backpressure), it never makes this process hold more."""
+
+    def emit(name, data):
+        line = ('{"stream":"' + name + '","data":"' + b64(data) + '"}\n').encode()
+        while line:
+            line = line[os.write(fd, line):]
+
+    return emit
 
 
 def _kill_descendants(root):
@@ -224,6 +242,10 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
             return {"error": "the shell dies as soon as it starts"}
     out_fd, err_fd, ctl = STATE["out"][0], STATE["err"][0], STATE["ctl"]
     bufs = {out_fd: bytearray(), err_fd: bytearray()}
+    # a streamed step (``stream``): its output also goes to the host as it comes (close_fds[1]
+    # is the runner's answer channel)
+    emit = _emitter(close_fds[1], b64) if req.get("stream") else None
+    names = {out_fd: "stdout", err_fd: "stderr"}
     ctl_buf = b""
     truncated = timed_out = False
     status = None
@@ -261,10 +283,10 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
                     word, _, code = text.partition(" ")
                     if word == nonce and code.strip().lstrip("-").isdigit():
                         status = int(code)
-            elif _drain(fd, bufs[fd], limit):
+            elif _drain(fd, bufs[fd], limit, emit, names[fd]):
                 truncated = True
     for fd in (out_fd, err_fd):
-        if _drain(fd, bufs[fd], limit):
+        if _drain(fd, bufs[fd], limit, emit, names[fd]):
             truncated = True
     if busy:
         stop()

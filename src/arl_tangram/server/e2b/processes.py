@@ -19,6 +19,10 @@ from .envelope import E2bError
 from .sandboxes import DEFAULT_TEMPLATES, GONE, Box, Proc, _NAME, _step_s, _translate, boxes
 
 
+#: ended processes kept per sandbox for streams still reading them (each holds its capped output)
+ENDED_KEPT = 4
+
+
 def _shell(box: Box, config: dict) -> str:
     """The session step of one E2B process: its argv, in its cwd, with the sandbox's and its own
     environment, in a subshell (the session's shell keeps no trace of it)."""
@@ -66,6 +70,7 @@ def e2b_proc_start(service: Service, sid: str, token: str | None, request: dict,
                 asyncio.get_running_loop().create_future())
     box.procs[pid] = proc
     proc.done.add_done_callback(_retrieved)
+    proc.done.add_done_callback(lambda _: proc.changed.set())
     if proc.stdin is None:
         _launch(service, box, proc)
     return pid
@@ -117,8 +122,8 @@ async def _exec(service: Service, box: Box, command: str | None, stdin: bytes | 
                     return {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": "", "stderr": ""}
                 proc.running = True
             r = await s.exec(command, python=python, stdin=stdin, timeout_s=timeout_s, id=id,
-                             jupyter=python is not None,
-                         operation=posixpath.basename(operation))
+                             jupyter=python is not None, operation=posixpath.basename(operation),
+                             on_output=proc.output if proc is not None else None)
     except Exception as e:
         service._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
         raise
@@ -177,14 +182,40 @@ def e2b_proc_find(service: Service, sid: str, token: str | None, process: Any) -
 async def e2b_proc_wait(service: Service, sid: str, token: str | None, pid: int) -> dict:
     """The result of process ``pid`` once it has ended (its output, then its exit)."""
     box = boxes(service).envd(sid, token)
-    proc = box.procs.get(pid)
-    if proc is None:
-        raise E2bError(404, f"process with pid {pid} not found")
+    proc = _streamed(box, pid)
     try:
         return await asyncio.shield(proc.done)
     finally:
-        if proc.done.done():
-            box.procs.pop(pid, None)
+        if proc.done.done() and box.procs.pop(pid, None) is not None:
+            box.ended[pid] = proc
+            while len(box.ended) > ENDED_KEPT:
+                del box.ended[next(iter(box.ended))]
+
+
+def _streamed(box: Box, pid: int) -> Proc:
+    """Process ``pid``, running or recently ended (a stream of it may still be reading)."""
+    proc = box.procs.get(pid) or box.ended.get(pid)
+    if proc is None:
+        raise E2bError(404, f"process with pid {pid} not found")
+    return proc
+
+
+async def e2b_proc_output(service: Service, sid: str, token: str | None, pid: int, sent: tuple[int, int],
+                          wait_s: float) -> tuple[bytes, bytes, bool]:
+    """Process ``pid``'s output past ``sent`` (bytes of stdout, of stderr a stream has sent),
+    once there is some, or it has ended (the third item: then its result is ``e2b_proc_wait``'s),
+    or ``wait_s`` has passed (a keepalive's turn). A long poll: one call per batch of output, so
+    the stream works through the fronts' link (request and answer) as in process."""
+    box = boxes(service).envd(sid, token)
+    proc = _streamed(box, pid)
+    o, e = sent
+    if len(proc.out["stdout"]) <= o and len(proc.out["stderr"]) <= e and not proc.done.done():
+        proc.changed.clear()
+        try:
+            await asyncio.wait_for(proc.changed.wait(), wait_s)
+        except asyncio.TimeoutError:
+            pass
+    return bytes(proc.out["stdout"][o:]), bytes(proc.out["stderr"][e:]), proc.done.done()
 
 
 def e2b_proc_list(service: Service, sid: str, token: str | None) -> list[dict]:
@@ -245,6 +276,7 @@ def e2b_proc_signal(service: Service, sid: str, token: str | None, process: Any,
 
 CALLS = {
     "e2b_proc_start": e2b_proc_start, "e2b_proc_find": e2b_proc_find, "e2b_proc_wait": e2b_proc_wait,
+    "e2b_proc_output": e2b_proc_output,
     "e2b_proc_list": e2b_proc_list, "e2b_proc_input": e2b_proc_input, "e2b_proc_close_stdin": e2b_proc_close_stdin,
     "e2b_proc_signal": e2b_proc_signal,
 }

@@ -241,7 +241,8 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
                 else:
                     pid = await _call(lambda: calls.e2b_proc_find(sid, token, msg.get("process")))
                 return StreamingResponse(
-                    _events(pid, lambda: calls.e2b_proc_wait(sid, token, pid), request),
+                    _events(pid, lambda sent, wait_s: calls.e2b_proc_output(sid, token, pid, sent, wait_s),
+                            lambda: calls.e2b_proc_wait(sid, token, pid), request),
                     media_type="application/connect+json")
             msg = envelope.decode(await request.body())
             if method == "List":
@@ -352,9 +353,12 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
         return await _rest(lambda: calls.e2b_context(_sid(request), _token(request), "restart", None, context_id))
 
 
-async def _events(pid: int, wait: Callable[[], Any], request: Request):
-    """A process's event stream: start (its pid), keepalives while it runs, its output, its end,
-    then the end of the stream (carrying the error, if it did not run to an end). At the stream's
+async def _events(pid: int, output: Callable[[tuple[int, int], float], Any], wait: Callable[[], Any],
+                  request: Request):
+    """A process's event stream: start (its pid), its output as the command writes it (a long poll
+    of ``e2b_proc_output``: a data event per batch, at most ``CHUNK`` bytes each; a re-attached
+    stream (``Connect``) gets the output so far first), keepalives while it is quiet, its end, then
+    the end of the stream (carrying the error, if it did not run to an end). At the stream's
     ``Connect-Timeout-Ms`` (a little before: the client's own deadline counts from its send) the
     stream ends with ``deadline_exceeded`` (the step's own timeout, the same, kills the process),
     before the client gives up on a response still in flight (an HTTP/1.1 connection then stays
@@ -366,34 +370,41 @@ async def _events(pid: int, wait: Callable[[], Any], request: Request):
         interval = KEEPALIVE_S
     limit = _timeout_header(request)
     deadline = time.monotonic() + max(0.05, limit - DEADLINE_MARGIN_S) if limit else None
-    waiting = asyncio.ensure_future(_call(wait))
+    sent = [0, 0]
     try:
-        while not waiting.done():
+        while True:
             left = deadline - time.monotonic() if deadline is not None else None
             if left is not None and left <= 0:  # the step's own timeout ends it now too
                 raise E2bError(504, f"the command ran past its timeout ({limit:g} s) and was killed: pass a longer "
                                     "'timeout' (0: no limit)", "deadline_exceeded")
-            done, _ = await asyncio.wait({waiting}, timeout=min(max(1.0, interval), left if left is not None
-                                                                 else interval))
-            if not done and (deadline is None or time.monotonic() < deadline):
+            out, err, done = await _call(lambda: output((sent[0], sent[1]), max(0.01, min(
+                max(1.0, interval), left if left is not None else interval))))
+            for i, (stream, data) in enumerate((("stdout", out), ("stderr", err))):
+                sent[i] += len(data)
+                for frame in _data(stream, data):
+                    yield frame
+            if done:
+                break
+            if not out and not err and (deadline is None or time.monotonic() < deadline):
                 yield envelope.frame({"event": {"keepalive": {}}})
-        result = waiting.result()
+        result = await _call(wait)
     except Exception as e:
         yield envelope.end(_fault(e))
         return
-    finally:
-        if not waiting.done():
-            waiting.cancel()
-    for stream in ("stdout", "stderr"):
-        data = result.get(stream, "").encode()
-        for at in range(0, len(data), CHUNK):
-            chunk = base64.b64encode(data[at:at + CHUNK]).decode()
-            yield envelope.frame({"event": {"data": {stream: chunk}}})
+    for i, stream in enumerate(("stdout", "stderr")):
+        if not sent[i]:  # not streamed (a sandbox on another node): all of it, now
+            for frame in _data(stream, result.get(stream, "").encode()):
+                yield frame
     endev: dict = {"exitCode": result["exit_code"], "exited": result["exited"], "status": result["status"]}
     if result.get("error"):
         endev["error"] = result["error"]
     yield envelope.frame({"event": {"end": endev}})
     yield envelope.end()
+
+
+def _data(stream: str, data: bytes):
+    for at in range(0, len(data), CHUNK):
+        yield envelope.frame({"event": {"data": {stream: base64.b64encode(data[at:at + CHUNK]).decode()}}})
 
 
 async def _cell_lines(out: dict):

@@ -83,6 +83,14 @@ class Proc:
     task: asyncio.Task | None = None
     killed: bool = False
     running: bool = False  # its step holds the sandbox
+    #: its output so far, as the step streams it (``Session.exec``'s ``on_output``: capped at the
+    #: sandbox's ``max_output_bytes`` a stream); ``changed`` is set at each chunk and at its end
+    out: dict[str, bytearray] = field(default_factory=lambda: {"stdout": bytearray(), "stderr": bytearray()})
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def output(self, stream: str, data: bytes) -> None:
+        self.out[stream] += data
+        self.changed.set()
 
 
 @dataclass
@@ -98,6 +106,9 @@ class Box:
     paused: bool = False
     timer: asyncio.TimerHandle | None = None
     procs: dict[int, Proc] = field(default_factory=dict)
+    #: the last few processes whose result was taken: a second stream of one (``Connect``) still
+    #: finishes (``processes.ENDED_KEPT`` of them, oldest dropped first)
+    ended: dict[int, Proc] = field(default_factory=dict)
     next_pid: int = 1000
     executions: int = 0
     contexts: dict[str, dict] = field(default_factory=dict)
