@@ -99,13 +99,17 @@ def test_bench_server_against_another_endpoint_prints_both(tmp_path):
                 time.sleep(0.1)
         out = tmp_path / "b.json"
         p = tangram("bench", "server", "--against", f"http://127.0.0.1:{port}", "--levels", "1",
-                    "--cpu-jobs", "2", "--json", str(out))
+                    "--cpu-jobs", "2", "--cpu", "--json", str(out))
         assert p.returncode == 0, p.stderr
         r = json.loads(out.read_text())
         for side in ("tangram", "against"):
             for key in ("python@c1", "bash@c1", "cpu_200ms@c2"):
                 assert r[side][key]["errors"] == 0 and r[side][key]["throughput_per_s"] > 0, (side, key, r)
         assert r["tangram_vs_against"]["python@c1"]["throughput_x"] > 0
+        # --cpu: our server's CPU by part (no fronts or workers on a small machine); the peer is not ours to read
+        burn = r["tangram"]["cpu_200ms@c2"]["cpu_ms_per_request"]
+        assert burn["engine"] > 0 and burn["sandboxes"] >= 150, burn  # each job burns 200 ms in its sandbox
+        assert "cpu_ms_per_request" not in r["against"]["python@c1"]
     finally:
         peer.terminate()
         peer.wait(30)

@@ -274,3 +274,74 @@ print(found)
     r, stats = asyncio.run(main())
     assert stats["recycled"] == 1 and r.outcome is Outcome.OK
     assert r.stdout == "False\n", r.stderr
+
+
+def test_a_child_forked_ahead_is_seen_by_no_other_kind_of_run():
+    """After a python run, the reset forks the next python child ahead; a bash run that comes
+    instead sees only the runner and the zygote (the child is killed first), and a python run
+    after it is forked as usual."""
+    listing = "for p in /proc/[0-9]*; do p=${p#/proc/}; [ $p != $$ ] && [ $p != $BASHPID ] && echo $p; done; true"
+    cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1)
+
+    async def main():
+        async with Tangram.local(sandbox=cfg, cores=2) as tg:
+            rec = tg.runtime.sandboxes.recycler
+            await tg.run("print(1)")
+            await _settle(tg, 0)
+            seen = await tg.run(listing, "bash")
+            await _settle(tg, 1)
+            again = await tg.run("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()"
+                                 " and int(p) != os.getpid()))")
+            return seen, again, rec.stats()
+
+    seen, again, stats = asyncio.run(main())
+    assert seen.outcome is Outcome.OK and again.outcome is Outcome.OK, (seen, again)
+    others = sorted(int(p) for p in seen.stdout.split() if int(p) not in (1, 2))
+    assert len(others) <= 1, seen.stdout  # at most the `[` or subshell bash forked to run the test itself
+    assert again.stdout == "[1, 2]\n", again.stdout
+    assert stats["recycled"] == 2 and not stats["discarded"], stats
+
+
+ZYGOTE_PROTOCOL = r'''
+import json, os, signal, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+sys.argv = ["runner"]
+import runner  # its fds 0 and 1 now go to /dev/null: answer on the protocol's copy
+out = os.fdopen(runner.PROTO_OUT, "w")
+z = runner.Zygote()
+req = {"cwd": tempfile.gettempdir(), "code": "import os\nprint(os.getpid())", "timeout_s": 10}
+seen = []
+def run():
+    r = z.run(req)
+    seen.append((r["exit_code"], runner.unb64(r["stdout"]).decode().strip()))
+run()
+z.fork_ahead()
+ahead = z.ahead
+run()                                  # the child forked ahead runs it
+z.fork_ahead()
+os.kill(z.ahead, signal.SIGKILL)       # it dies idle: the next run forks one, in step with the zygote
+run()
+run()
+z.fork_ahead()
+z.drop_ahead()
+run()
+print(json.dumps({"ahead": ahead, "seen": seen, "broken": z.broken}), file=out, flush=True)
+'''
+
+
+def test_the_zygote_protocol_survives_a_child_forked_ahead_dying_idle(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import arl_tangram.managers.sandbox.runner as runner_mod
+    script = tmp_path / "probe.py"
+    script.write_text(ZYGOTE_PROTOCOL)
+    p = subprocess.run([sys.executable, "-I", str(script), str(Path(runner_mod.__file__).parent)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["broken"] == ""
+    assert [code for code, _ in out["seen"]] == [0] * 5, out
+    assert out["seen"][1][1] == str(out["ahead"])  # the second run was the child forked ahead
+    assert len({pid for _, pid in out["seen"]}) == 5, out  # a fresh process every run

@@ -485,6 +485,8 @@ def bench_server(
                                            "concurrent client, at least 40)."),
     client: Optional[str] = typer.Option(None, help="Load generator: aiohttp (default where installed: ~0.1 ms "
                                          "of CPU a request) or httpx (~1.6 ms)."),
+    cpu: bool = typer.Option(False, "--cpu", help="Also give each tangram result its CPU per request by part: "
+                             "engine process, HTTP fronts, sandbox workers, sandboxes (ms)."),
 ) -> None:
     """/run_code latency and throughput over loopback HTTP, beside the same actions in-process or
     beside another SandboxFusion-compatible server (--against)."""
@@ -509,7 +511,7 @@ def bench_server(
         raise fail(f"--against: expected an http(s) URL, got {against!r}")
     _print_json(run(parsed, log=lambda m: console.print(m), against=against, cases=chosen, cpu_jobs=cpu_jobs,
                     server_cpus=server_cpus, client_procs=client_procs, variants=variants or None, requests=requests,
-                    client=client),
+                    client=client, cpu=cpu),
                 json_out)
 
 

@@ -28,6 +28,7 @@ from typing import Callable
 import httpx
 
 from ..managers.sandbox.spec import SandboxConfig
+from .cpu import CpuMeter
 from ..runtime import Tangram
 from ..sim.metrics import percentile
 
@@ -233,10 +234,11 @@ def parse_variant(text: str) -> tuple[str, str | None, int | None, int | None]:
 def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m: None, against: str | None = None,
         cases: tuple[str, ...] = ("python",), cpu_jobs: int = 32, server_cpus: str | None = None,
         client_procs: int = 1, variants: list[tuple[str, str | None, int | None, int | None]] | None = None,
-        requests: int | None = None, client: str | None = None) -> dict:
+        requests: int | None = None, client: str | None = None, cpu: bool = False) -> dict:
     """Measure; ``against``: a SandboxFusion-compatible base URL measured beside ours;
     ``variants``: several tangram servers (name, CPUs to pin it to, HTTP fronts, sandbox workers), all running
-    at once and measured in turn per case, so that they compare within the same minutes."""
+    at once and measured in turn per case, so that they compare within the same minutes; ``cpu``: each
+    tangram result also gets ``cpu_ms_per_request`` by part (engine, fronts, workers, sandboxes: ``bench/cpu.py``)."""
     variants = variants or [("tangram", server_cpus, None, None)]
     client = client or default_client()
     ports = {v[0]: free_port() for v in variants}
@@ -256,10 +258,15 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
             plan = [(case, c, requests) for case in cases if case != "cpu_200ms" for c in levels]
             if "cpu_200ms" in cases:
                 plan.append(("cpu_200ms", cpu_jobs, cpu_jobs))
+            meters = {v[0]: CpuMeter(p.pid) for v, p in zip(variants, procs)} if cpu else {}
             for case, c, n in plan:
                 key = f"{case}@c{c}" if against or len(cases) > 1 else str(c)
                 for name, base in targets.items():
+                    meter = meters.get(name)
+                    before = meter.read() if meter else None
                     r = results[name][key] = asyncio.run(_http_level(base, c, case, n, client_procs, client))
+                    if meter is not None and before is not None:
+                        r["cpu_ms_per_request"] = CpuMeter.per_request(before, meter.read(), r["n"] + r["errors"])
                     log(f"{name:>8} {case:>10} c={c:<4}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, "
                         f"{r['throughput_per_s']} req/s, {r['errors']} errors")
                     time.sleep(0.3)
