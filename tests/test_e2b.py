@@ -247,6 +247,29 @@ def test_on_stdout_gets_output_while_the_command_runs(server):
         sb.kill()
 
 
+def test_run_code_streams_its_output_while_the_cell_runs(server):
+    """The first print reaches ``on_stdout`` while the cell still runs: the callback asks the
+    server how many actions run (the cell's is one); none does once it has ended."""
+    def running() -> int:
+        return httpx.get(f"{server.url}/healthz").json()["running"]
+
+    sb = ci.Sandbox.create()
+    try:
+        seen = []
+        ex = sb.run_code("import time\nprint('first', flush=True)\ntime.sleep(1)\nprint('second')\n6 * 7",
+                         on_stdout=lambda m: seen.append((m.line, running())))
+        assert ex.text == "42" and ex.logs.stdout == ["first\n", "second\n"]
+        assert seen[0] == ("first\n", 1) and [line for line, _ in seen] == ["first\n", "second\n"]
+        assert running() == 0
+        # an error after some output: still the cell's error, with what it printed before
+        ex = sb.run_code("print('before')\nraise ValueError('late')")
+        assert ex.logs.stdout == ["before\n"] and ex.error.name == "ValueError"
+        assert sb.run_code("x = ").error.name == "SyntaxError"
+        assert sb.run_code("print('no newline', end='')").logs.stdout == ["no newline"]
+    finally:
+        sb.kill()
+
+
 def test_a_background_command_streams_and_connect_sees_the_rest(server):
     async def main():
         sb = await AsyncSandbox.create()

@@ -167,10 +167,10 @@ class Session:
         interpreter (its variables carry over from call to call; ``jupyter``: an exception's
         traceback goes only into the cell's error record, as in a notebook). ``remaining_turns``:
         how many more actions the trajectory will send (the scheduler favours the step's last
-        finishers). ``on_output(stream, data)``: a shell command's output as it comes
-        (``SandboxManager.listen``: capped as the result's, a slow callback slows the command);
-        where sessions run in another process (Ray's nodes) or for python cells, it is not
-        called and the output comes in the result only."""
+        finishers). ``on_output(stream, data)``: the step's output as it comes
+        (``SandboxManager.listen``: capped as the result's, a slow callback slows the step);
+        where sessions run in another process (Ray's nodes) it is not called and the output
+        comes in the result only."""
         self._check()
         if (command is None) == (python is None):
             raise ValueError("exec: give exactly one of command or python")
@@ -184,7 +184,7 @@ class Session:
                         hint_s=hint_s, parallel_fraction=parallel_fraction,
                         timeout_s=timeout_s + ACTION_TIMEOUT_SLACK_S, payload=payload,
                         remaining_turns=remaining_turns)
-        manager = self.runtime.sandbox_manager() if on_output is not None and command is not None else None
+        manager = self.runtime.sandbox_manager() if on_output is not None else None
         if manager is None:
             return await self._step(action)
         stop = manager.listen(action.id, on_output)

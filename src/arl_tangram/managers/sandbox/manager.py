@@ -358,7 +358,8 @@ class SandboxManager:
                 log.warning("cannot pin sandbox %s to cores %s: %s", sb.id, cores, e)
 
     def listen(self, action_id: str, on_output: Callable[[str, bytes], None]) -> Callable[[], None]:
-        """Stream the output of shell step ``action_id`` (not started yet) to ``on_output(stream,
+        """Stream the output of step ``action_id`` (a shell command or a python cell; not started
+        yet) to ``on_output(stream,
         data)`` while it runs, ``stream`` being ``stdout`` or ``stderr``; returns the call that
         stops it. Bounded as every step's output is: past ``max_output_bytes`` a stream's bytes
         are dropped (never forwarded, never held; the result says ``truncated``), and a caller
@@ -808,6 +809,8 @@ class SandboxManager:
             if payload.python is not None:
                 req = {**base, "op": "cell", "code": payload.python, "timeout_s": payload.timeout_s,
                        "jupyter": payload.jupyter}
+                if on_output is not None:
+                    req["stream"] = True
             elif payload.command is not None:  # a step of the session's persistent shell
                 req = {**base, "op": "shell", "command": payload.command, "timeout_s": payload.timeout_s,
                        "stdin": _b64(payload.stdin)}

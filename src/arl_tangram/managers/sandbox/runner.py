@@ -563,11 +563,13 @@ def recv_exact(sock, n):
 
 
 class Capture:
-    """Drain one pipe into a capped buffer in a thread, so a blocked cell cannot stall it."""
+    """Drain one pipe into a capped buffer in a thread, so a blocked cell cannot stall it;
+    ``emit(name, data)``: a streamed cell's forwarder of what is kept (``chunk_writer``)."""
 
-    def __init__(self, fd, limit):
+    def __init__(self, fd, limit, emit=None, name=""):
         import threading
         self.fd, self.limit, self.buf, self.truncated = fd, limit, bytearray(), False
+        self.emit, self.name = emit, name
         self.thread = threading.Thread(target=self.run, daemon=True)
 
     def start(self):
@@ -584,9 +586,26 @@ class Capture:
             room = self.limit - len(self.buf)
             if room > 0:
                 self.buf += chunk[:room]
+                if self.emit is not None:
+                    self.emit(self.name, chunk[:room])
             if len(chunk) > room:
                 self.truncated = True
         os.close(self.fd)
+
+
+def chunk_writer():
+    """A streamed request's output chunks, sent while it runs as ``shell.py``'s are (a JSON line
+    ``{"stream", "data"}`` each, no ``id``), from the capture threads (one lock: lines whole)."""
+    import threading
+    lock = threading.Lock()
+
+    def emit(name, data):
+        line = ('{"stream":"' + name + '","data":"' + b64(data) + '"}\n').encode()
+        with lock:
+            while line:
+                line = line[os.write(PROTO_OUT, line):]
+
+    return emit
 
 
 class CellTimeout(BaseException):
@@ -601,11 +620,12 @@ def op_cell(req):
     limit = int(req.get("max_output") or 1 << 20)
     saved = os.dup(1), os.dup(2)
     caps = []
+    emit = chunk_writer() if req.get("stream") else None
     for fd in (1, 2):
         r, w = os.pipe()
         os.dup2(w, fd)
         os.close(w)
-        cap = Capture(r, limit)
+        cap = Capture(r, limit, emit, "stdout" if fd == 1 else "stderr")
         cap.start()
         caps.append(cap)
     sys.stdout, sys.stderr = stream(1, "w"), stream(2, "w")

@@ -120,7 +120,7 @@ class Sandbox:
     async def request(self, req: dict, timeout_s: float,
                       on_output: Callable[[str, bytes], None] | None = None) -> dict:
         """Send one request and wait for its answer; past ``timeout_s`` the sandbox is killed.
-        ``on_output``: the request streams (a shell step with ``stream``): its output chunks come
+        ``on_output``: the request streams (a shell step or a cell with ``stream``): its output chunks come
         first, each handed to ``on_output(stream, data)`` as it arrives."""
         async with self._lock:
             if self.dead:

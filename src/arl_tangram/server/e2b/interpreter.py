@@ -3,21 +3,96 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from ...core.action import Outcome
 from ...managers.sandbox.isolation import HOME_ALIAS
 from ...runtime import SessionGone
 from ..service import NotFound, Service
 from .envelope import E2bError
-from .sandboxes import GONE, _NAME, _path, _step_s, _strings, boxes
+from .sandboxes import GONE, _NAME, _path, _step_s, _strings, boxes, poll
 
 
-async def e2b_execute(service: Service, sid: str, token: str | None, body: dict) -> dict:
-    """``POST /execute`` (port 49999): a cell in the sandbox's python interpreter."""
+@dataclass
+class Cell:
+    """A running ``/execute``: its output so far (capped as a step's), its result once done."""
+
+    done: asyncio.Future
+    out: dict[str, bytearray] = field(default_factory=lambda: {"stdout": bytearray(), "stderr": bytearray()})
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task | None = None
+
+    def output(self, stream: str, data: bytes) -> None:
+        self.out[stream] += data
+        self.changed.set()
+
+
+#: running cells by id, in the engine process (each is dropped once its result is taken, or
+#: ``UNTAKEN_S`` after it ended)
+CELLS: dict[str, Cell] = {}
+UNTAKEN_S = 60.0
+
+
+def e2b_cell_start(service: Service, sid: str, token: str | None, body: dict) -> str:
+    """``POST /execute``, streamed: the cell starts; its output (``e2b_cell_output``) and its
+    result (``e2b_cell_result``) are taken by its id."""
+    boxes(service).envd(sid, token)
+    cell = Cell(asyncio.get_running_loop().create_future())
+    cid = f"{sid}/{uuid.uuid4().hex}"
+
+    async def run() -> None:
+        try:
+            cell.done.set_result(await e2b_execute(service, sid, token, body, cell.output))
+        except BaseException as e:
+            cell.done.set_exception(e)
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            cell.changed.set()
+
+    CELLS[cid] = cell
+    cell.task = asyncio.get_running_loop().create_task(run())
+    # a caller gone is no error of the server's; its cell is forgotten a while after it ends
+    cell.done.add_done_callback(lambda f: f.cancelled() or f.exception())
+    cell.done.add_done_callback(lambda _: asyncio.get_running_loop().call_later(UNTAKEN_S, CELLS.pop, cid, None))
+    return cid
+
+
+def _cell(cid: str, sid: str) -> Cell:
+    cell = CELLS.get(cid) if cid.startswith(sid + "/") else None
+    if cell is None:
+        raise E2bError(404, "execution not found")
+    return cell
+
+
+async def e2b_cell_output(service: Service, sid: str, token: str | None, cid: str, sent: tuple[int, int],
+                          wait_s: float) -> tuple[bytes, bytes, bool]:
+    """A cell's output past ``sent``, as ``processes.e2b_proc_output`` (a long poll)."""
+    boxes(service).envd(sid, token)
+    cell = _cell(cid, sid)
+    return await poll(cell.out, cell.changed, cell.done, sent, wait_s)
+
+
+async def e2b_cell_result(service: Service, sid: str, token: str | None, cid: str) -> dict:
+    """The cell's result (as ``e2b_execute``'s) once it has run; the cell is then forgotten."""
+    boxes(service).envd(sid, token)
+    cell = _cell(cid, sid)
+    try:
+        return await asyncio.shield(cell.done)
+    finally:
+        if cell.done.done():
+            CELLS.pop(cid, None)
+
+
+async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
+                      on_output: Callable[[str, bytes], None] | None = None) -> dict:
+    """``POST /execute`` (port 49999): a cell in the sandbox's python interpreter (run by
+    ``e2b_cell_start``'s task, its output streamed to ``on_output``)."""
     box = boxes(service).envd(sid, token)
     code = body.get("code")
     if not isinstance(code, str):
@@ -47,7 +122,8 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict)
             if own:
                 await _set_env(s, own)
             try:
-                r = await s.exec(python=code, timeout_s=_step_s(box, None), jupyter=True, operation="run_code")
+                r = await s.exec(python=code, timeout_s=_step_s(box, None), jupyter=True, operation="run_code",
+                                 on_output=on_output)
             finally:
                 if own:  # this run's variables: back to the sandbox's (or unset)
                     await _set_env(s, {k: base.get(k) for k in own})
@@ -111,4 +187,5 @@ def e2b_context(service: Service, sid: str, token: str | None, op: str, body: di
     raise E2bError(501, f"contexts: {op} is not supported by this server")
 
 
-CALLS = {"e2b_execute": e2b_execute, "e2b_context": e2b_context}
+CALLS = {"e2b_context": e2b_context, "e2b_cell_start": e2b_cell_start,
+         "e2b_cell_output": e2b_cell_output, "e2b_cell_result": e2b_cell_result}

@@ -16,7 +16,7 @@ from ...core.action import Outcome
 from ...managers.sandbox.isolation import HOME_ALIAS
 from ..service import Service
 from .envelope import E2bError
-from .sandboxes import DEFAULT_TEMPLATES, GONE, Box, Proc, _NAME, _step_s, _translate, boxes
+from .sandboxes import DEFAULT_TEMPLATES, GONE, Box, Proc, _NAME, _step_s, _translate, boxes, poll
 
 
 #: ended processes kept per sandbox for streams still reading them (each holds its capped output)
@@ -208,14 +208,7 @@ async def e2b_proc_output(service: Service, sid: str, token: str | None, pid: in
     the stream works through the fronts' link (request and answer) as in process."""
     box = boxes(service).envd(sid, token)
     proc = _streamed(box, pid)
-    o, e = sent
-    if len(proc.out["stdout"]) <= o and len(proc.out["stderr"]) <= e and not proc.done.done():
-        proc.changed.clear()
-        try:
-            await asyncio.wait_for(proc.changed.wait(), wait_s)
-        except asyncio.TimeoutError:
-            pass
-    return bytes(proc.out["stdout"][o:]), bytes(proc.out["stderr"][e:]), proc.done.done()
+    return await poll(proc.out, proc.changed, proc.done, sent, wait_s)
 
 
 def e2b_proc_list(service: Service, sid: str, token: str | None) -> list[dict]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import codecs
 import gzip
 import json
 import logging
@@ -42,6 +43,8 @@ CHUNK = 1 << 16  # bytes of output per data event
 #: the stream's own deadline ends this much before the client's (which counts from its send)
 DEADLINE_MARGIN_S = 0.1
 PAGE_MAX = 100
+#: a cell's partial line (no newline yet) goes out after the cell has been quiet this long
+PARTIAL_S = 0.2
 
 
 def is_e2b(request: Request) -> bool:
@@ -326,11 +329,23 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
         try:
             sid, token = _sid(request), _token(request)
             body = await _json(request)
-            out = await _call(lambda: calls.e2b_execute(sid, token, body))
+            cid = await _call(lambda: calls.e2b_cell_start(sid, token, body))
+            # the answer waits for the cell's first output or its end: a cell that fails before
+            # it prints (a bad field, the sandbox gone) is still an HTTP error in E2B's shape
+            sent = (0, 0)
+            first: tuple[bytes, bytes] = (b"", b"")
+            while True:
+                out, err, done = await _call(lambda: calls.e2b_cell_output(sid, token, cid, sent, KEEPALIVE_S))
+                if out or err or done:
+                    first = (out, err)
+                    break
+            result = await _call(lambda: calls.e2b_cell_result(sid, token, cid)) if done else None
         except Exception as e:
             err = _fault(e)
             return JSONResponse(err.rest(), status_code=err.status)
-        return StreamingResponse(_cell_lines(out), media_type="application/x-ndjson")
+        poll = lambda sent, wait_s: calls.e2b_cell_output(sid, token, cid, sent, wait_s)  # noqa: E731
+        return StreamingResponse(_cell_lines(first, result, poll, lambda: calls.e2b_cell_result(sid, token, cid)),
+                                 media_type="application/x-ndjson")
 
     @router.post("/contexts", include_in_schema=False)
     async def create_context(request: Request) -> Response:
@@ -407,19 +422,50 @@ def _data(stream: str, data: bytes):
         yield envelope.frame({"event": {"data": {stream: base64.b64encode(data[at:at + CHUNK]).decode()}}})
 
 
-async def _cell_lines(out: dict):
+async def _cell_lines(first: tuple[bytes, bytes], result: dict | None, poll: Callable[[tuple[int, int], float], Any],
+                      take: Callable[[], Any]):
+    """A cell's NDJSON lines: its output as it comes (a ``stdout``/``stderr`` line per batch,
+    ``first`` the batch that started the answer), then its results, its error, the execution
+    count. Whole lines go out as they come (``print`` writes its text and its newline apart: a
+    Jupyter kernel's stream gives them as one message, and the SDK's ``logs`` show them so); a
+    partial line goes out once the cell has been quiet for ``PARTIAL_S``, or at its end. An
+    infrastructure failure after output went out cuts the stream (the SDK raises), rather than
+    become an error of the user's code."""
+    decoders = {k: codecs.getincrementaldecoder("utf-8")("replace") for k in ("stdout", "stderr")}
+    held = {"stdout": "", "stderr": ""}
+    sent = [0, 0]
+
+    def lines(out: bytes, err: bytes, flush: bool = False):
+        for i, (stream, data) in enumerate((("stdout", out), ("stderr", err))):
+            sent[i] += len(data)
+            text = held[stream] + decoders[stream].decode(data, flush)
+            cut = len(text) if flush else text.rfind("\n") + 1
+            held[stream] = text[cut:]
+            if cut:
+                yield json.dumps({"type": stream, "text": text[:cut], "timestamp": time.time_ns()}) + "\n"
+
+    for line in lines(*first):
+        yield line
+    while result is None:
+        out, err, done = await _call(lambda: poll((sent[0], sent[1]), PARTIAL_S if any(held.values())
+                                                  else KEEPALIVE_S))
+        for line in lines(out, err, flush=not out and not err):
+            yield line
+        if done:
+            result = await _call(take)
+    for line in lines(b"", b"", True):
+        yield line
     now = time.time_ns()
-    lines = []
-    if out["stdout"]:
-        lines.append({"type": "stdout", "text": out["stdout"], "timestamp": now})
-    if out["stderr"]:
-        lines.append({"type": "stderr", "text": out["stderr"], "timestamp": now})
-    for r in out["results"]:
-        lines.append({"type": "result", **r})
-    if out["error"]:
-        lines.append({"type": "error", **out["error"]})
-    lines.append({"type": "number_of_executions", "execution_count": out["execution_count"]})
-    for line in lines:
+    rest = []
+    for i, stream in enumerate(("stdout", "stderr")):
+        if not sent[i] and result[stream]:  # not streamed (a sandbox on another node): now
+            rest.append({"type": stream, "text": result[stream], "timestamp": now})
+    for r in result["results"]:
+        rest.append({"type": "result", **r})
+    if result["error"]:
+        rest.append({"type": "error", **result["error"]})
+    rest.append({"type": "number_of_executions", "execution_count": result["execution_count"]})
+    for line in rest:
         yield json.dumps(line) + "\n"
 
 

@@ -68,6 +68,20 @@ def _field_error(where: str, err: ValidationError) -> E2bError:
     return E2bError(400, f"{where}{'.' + loc if loc and where != loc else ''}: {first['msg']}")
 
 
+async def poll(out: dict[str, bytearray], changed: asyncio.Event, done: asyncio.Future, sent: tuple[int, int],
+               wait_s: float) -> tuple[bytes, bytes, bool]:
+    """A long poll of streamed output: ``out``'s bytes past ``sent`` (of stdout, of stderr) once
+    there are some, or ``done`` (the third item), or ``wait_s`` has passed (a keepalive's turn)."""
+    o, e = sent
+    if len(out["stdout"]) <= o and len(out["stderr"]) <= e and not done.done():
+        changed.clear()
+        try:
+            await asyncio.wait_for(changed.wait(), wait_s)
+        except asyncio.TimeoutError:
+            pass
+    return bytes(out["stdout"][o:]), bytes(out["stderr"][e:]), done.done()
+
+
 @dataclass
 class Proc:
     """One E2B process: one step of the sandbox's session."""
