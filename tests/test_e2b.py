@@ -401,7 +401,8 @@ def _check_keys_scope_jobs(srv: Server) -> None:
         native_b = TangramClient(srv.url, token=KEY_B)
         with pytest.raises(TangramError) as e:  # B's sandbox is B's session: A cannot join it
             native_a.session(trajectory=b.sandbox_id)
-        assert e.value.status == 422 and "trajectory" in str(e.value)
+        # 409, saying nothing of whose it is (the same answer as for any id in use)
+        assert e.value.status == 409 and "trajectory" in str(e.value) and "job-b" not in str(e.value)
         r = httpx.post(f"{srv.url}/v1/sessions/{b.sandbox_id}/exec", json={"command": "true"},
                        headers={"Authorization": f"Bearer {KEY_A}"})
         assert r.status_code == 404 and "no session" in r.json()["message"]
@@ -410,6 +411,23 @@ def _check_keys_scope_jobs(srv: Server) -> None:
         r = httpx.get(f"{srv.url}/v1/actions/act-of-b", headers={"Authorization": f"Bearer {KEY_A}"})
         assert r.status_code == 404
         assert native_b.get("act-of-b").outcome == "ok"
+        r = httpx.post(f"{srv.url}/v1/actions", json={"id": "act-of-b", "action": {"code": "print(3)"}},
+                       headers={"Authorization": f"Bearer {KEY_A}"})  # reusing B's id tells nothing of it
+        assert r.status_code == 409 and "in use" in r.json()["message"] and "job-b" not in r.text
+        # the server-wide views are the token's: a key sees its own job only (/v1/jobs)
+        for path in ("/metrics", "/v1/cluster"):
+            r = httpx.get(f"{srv.url}{path}", headers={"Authorization": f"Bearer {KEY_A}"})
+            assert r.status_code == 403 and "token" in r.json()["message"]
+            r = httpx.get(f"{srv.url}{path}", headers={"Authorization": "Bearer admin-token-0123456789"})
+            assert r.status_code == 200
+        for headers in ({"Authorization": f"Bearer {KEY_A}"}, {}):
+            assert set(httpx.get(f"{srv.url}/healthz", headers=headers).json()) == {"status", "version"}
+        full = httpx.get(f"{srv.url}/healthz", headers={"Authorization": "Bearer admin-token-0123456789"}).json()
+        assert "running" in full and "sessions" in full
+        from arl_tangram import top
+        health, jobs, cluster = top.snapshot(native_a)  # `tangram top` with a key: its job, no nodes
+        assert cluster is None and {j.job for j in jobs} == {"job-a"} and "queued" not in health
+        top.render(srv.url, health, jobs, cluster)
         s = native_a.session()
         assert s.job == "job-a" and s.exec("echo $HOME").outcome == "ok"
         assert {j.job for j in native_a.jobs()} == {"job-a"}  # its actions carry its job, and only those show

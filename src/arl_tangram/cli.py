@@ -367,7 +367,8 @@ def top(
     url: str = typer.Option("http://127.0.0.1:8080", help="The server to watch."),
     interval: float = typer.Option(1.0, min=0.1, help="Seconds between refreshes."),
     once: bool = typer.Option(False, "--once", help="Print one frame and exit."),
-    token: Optional[str] = typer.Option(None, envvar="TANGRAM_TOKEN", help="Bearer token of the server."),
+    token: Optional[str] = typer.Option(None, envvar="TANGRAM_TOKEN",
+                                        help="Bearer token of the server (a job's API key: that job only)."),
 ) -> None:
     """A live view of a running server: queue, ACT percentiles per job, its nodes."""
     import httpx

@@ -14,8 +14,17 @@ from .api import v1
 from .client import TangramClient, TangramError
 
 
-def snapshot(client: TangramClient) -> tuple[dict, list[v1.JobStats], dict]:
-    return client.health(), client.jobs(), client.cluster()
+def snapshot(client: TangramClient) -> tuple[dict, list[v1.JobStats], dict | None]:
+    """What the server shows this client: with an API key, its job's stats only (the server's
+    figures and nodes are the token's: 403, shown as such)."""
+    health, jobs = client.health(), client.jobs()
+    try:
+        cluster = client.cluster()
+    except TangramError as e:
+        if e.status != 403:
+            raise
+        cluster = None
+    return health, jobs, cluster
 
 
 def nodes_table(cluster: dict) -> Table:
@@ -35,10 +44,15 @@ def nodes_table(cluster: dict) -> Table:
 
 
 def render(url: str, health: dict, jobs: list[v1.JobStats], cluster: dict | None = None) -> Group:
-    cores = health.get("cores") or 1
-    head = (f"[bold]{url}[/]  v{health.get('version')}  isolation {health.get('isolation')}   "
-            f"queued [bold]{health['queued']}[/]  running [bold]{health['running']}[/] on {cores} cores   "
-            f"sessions {health['sessions']}")
+    if "queued" not in health:  # an API key's view: its job only
+        head = (f"[bold]{url}[/]  v{health.get('version')}  (an API key: this job's figures only; the "
+                "server's need its token)")
+        health = {}
+    else:
+        cores = health.get("cores") or 1
+        head = (f"[bold]{url}[/]  v{health.get('version')}  isolation {health.get('isolation')}   "
+                f"queued [bold]{health['queued']}[/]  running [bold]{health['running']}[/] on {cores} cores   "
+                f"sessions {health['sessions']}")
     if "session_mem_reserved_mb" in health:  # servers since issue #15
         head += (f"\nsession memory: {health['session_mem_used_mb']:,.0f} MB in use, "
                  f"{health['session_mem_reserved_mb']:,.0f} MB reserved of {health['memory_mb']:,} MB "

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..runtime import NoRoom, SessionGone
 from .calls import DIALECTS, Local
-from .service import CALLER_JOB, BadRequest, Forbidden, NotFound, Overloaded, Service, Unavailable
+from .service import CALLER_JOB, BadRequest, Conflict, Forbidden, NotFound, Overloaded, Service, Unavailable
 from ..link import PeerGone, RemoteFault
 
 if TYPE_CHECKING:
@@ -95,29 +95,39 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
         yield
         await service.stop()
 
+    def presented(request: Request) -> list[str]:
+        headers = request.headers
+        given = headers.get("authorization", "")
+        return ([given[7:]] if given[:7].lower() == "bearer " else []) + [v for h in key_headers if (v := headers.get(h))]
+
+    def is_admin(request: Request) -> bool:
+        """Whether the request may see every job's figures (``/metrics``, ``/v1/cluster``,
+        ``/healthz``'s details): it carries the token, or the server has neither token nor keys."""
+        if token is None and not jobs:
+            return True
+        return token is not None and any(hmac.compare_digest(c.encode(), token.encode()) for c in presented(request))
+
     async def auth(request: Request) -> None:  # async: a sync dependency costs a thread hand-off per request
         """The token (every job), a job's API key (that job: ``CALLER_JOB``), or 401. With neither
         configured (loopback only: the CLI refuses otherwise), anything goes, as it always did."""
         if token is None and not jobs:
             return
-        headers = request.headers
-        given = headers.get("authorization", "")
-        presented = [given[7:]] if given[:7].lower() == "bearer " else []
-        presented += [v for h in key_headers if (v := headers.get(h))]
-        for cred in presented:
+        presented_ = presented(request)
+        for cred in presented_:
             if token is not None and hmac.compare_digest(cred.encode(), token.encode()):
                 return
             job = jobs.get(_digest(cred))
             if job is not None:
                 CALLER_JOB.set(job)
                 return
-        raise StarletteHTTPException(401, "unknown API key" if presented else "missing bearer token or API key")
+        raise StarletteHTTPException(401, "unknown API key" if presented_ else "missing bearer token or API key")
 
     app = FastAPI(title="ARL-Tangram", version=__version__, lifespan=lifespan,
                   description="Action-level resource management for agentic RL: a SandboxFusion-compatible "
                               "code runner and a native API with sessions, job identity and outcomes that "
                               "keep infrastructure errors apart from the code's own failures.")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.state.is_admin = is_admin  # the server-wide views ask it (``server/native.py``)
     guarded = [Depends(auth)]
 
     @app.exception_handler(RequestValidationError)
@@ -160,6 +170,10 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
     @app.exception_handler(NotFound)
     async def not_found(request: Request, exc: NotFound):
         return JSONResponse({"message": str(exc)}, status_code=404)
+
+    @app.exception_handler(Conflict)
+    async def conflict(request: Request, exc: Conflict):
+        return JSONResponse({"message": str(exc)}, status_code=409)
 
     @app.exception_handler(Forbidden)
     async def forbidden(request: Request, exc: Forbidden):

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from ..runtime import NoRoom, SessionGone
 from . import e2b, native, sandboxfusion
 from .dialect import Dialect
-from .service import CALLER_JOB, BadRequest, Forbidden, Unavailable, NotFound, Overloaded, Service, Unavailable
+from .service import CALLER_JOB, BadRequest, Conflict, Forbidden, NotFound, Overloaded, Service, Unavailable
 
 DIALECTS: tuple[Dialect, ...] = (sandboxfusion.DIALECT, native.DIALECT, e2b.DIALECT)
 
@@ -35,7 +35,8 @@ def _joined(dialects: tuple[Dialect, ...]) -> dict[str, Callable[..., Any]]:
 CALLS = _joined(DIALECTS)
 
 #: the errors ``server/app.py`` maps to a status: they cross the front link as themselves
-RELAYED: tuple[type[BaseException], ...] = (Overloaded, NotFound, BadRequest, Forbidden, Unavailable, NoRoom, SessionGone,
+RELAYED: tuple[type[BaseException], ...] = (Overloaded, NotFound, BadRequest, Conflict, Forbidden, Unavailable, NoRoom,
+                                            SessionGone,
                                             e2b.E2bError)
 #: the link's call for a call made by a request with a job's API key (``scoped`` below)
 SCOPED = "scoped"

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import PlainTextResponse
 
 from ..api import v1
 from .dialect import Dialect, answer
-from .service import Service
+from .service import Forbidden, Service
 
 
 def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
@@ -115,22 +115,39 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
     async def job_stats(job: str) -> v1.JobStats:
         return await answer(calls.job_stats(job))
 
-    @router.get("/v1/cluster", response_model=v1.ClusterInfo, tags=["stats"], dependencies=guarded)
-    async def cluster() -> v1.ClusterInfo:
+    @router.get("/v1/cluster", response_model=v1.ClusterInfo, tags=["stats"], dependencies=guarded,
+                responses={403: {"model": v1.Error}})
+    async def cluster(request: Request) -> v1.ClusterInfo:
+        _every_job(request, "GET /v1/cluster")
         return await answer(calls.cluster())
 
     @router.post("/v1/cluster/nodes/{node_id}/drain", response_model=v1.ClusterNode, tags=["stats"],
                  dependencies=guarded, responses={404: {"model": v1.Error}, 422: {"model": v1.Error}})
-    async def drain_node(node_id: str) -> v1.ClusterNode:
+    async def drain_node(node_id: str, request: Request) -> v1.ClusterNode:
+        _every_job(request, "POST /v1/cluster/nodes/{id}/drain")
         return await answer(calls.drain_node(node_id))
 
-    @router.get("/metrics", tags=["stats"], dependencies=guarded)
-    async def metrics() -> PlainTextResponse:
+    @router.get("/metrics", tags=["stats"], dependencies=guarded, responses={403: {"model": v1.Error}})
+    async def metrics(request: Request) -> PlainTextResponse:
+        _every_job(request, "GET /metrics")
         return PlainTextResponse(await answer(calls.metrics_text()), media_type="text/plain; version=0.0.4")
 
     @router.get("/healthz", tags=["stats"])
-    async def healthz() -> dict:
-        return await answer(calls.health())
+    async def healthz(request: Request) -> dict:
+        """Liveness for anyone; the server's figures (every job's) only with the token, or where
+        the server has no token and no keys."""
+        health = await answer(calls.health())
+        if request.app.state.is_admin(request):
+            return health
+        return {"status": health["status"], "version": health["version"]}
+
+
+def _every_job(request: Request, what: str) -> None:
+    """The views of the whole server (every job's actions, nodes, metrics) are the token's: an API
+    key acts as one job and sees only it (``/v1/jobs``)."""
+    if not request.app.state.is_admin(request):
+        raise Forbidden(f"{what}: shows every job's figures, so it needs the server's token (--token); an API "
+                        "key sees its own job in /v1/jobs")
 
 
 

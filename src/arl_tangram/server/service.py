@@ -53,6 +53,11 @@ class BadRequest(ValueError):
     pass
 
 
+class Conflict(ValueError):
+    """An id the request chose is in use by what it may not see (HTTP 409): the answer says that
+    much and nothing of whose it is or what it holds."""
+
+
 class Forbidden(PermissionError):
     """A request acting as one job (its API key's) names another (HTTP 403, naming the field)."""
 
@@ -317,7 +322,7 @@ class Service:
             req = req.model_copy(update={"job": job})
         id = req.id or f"a-{uuid.uuid4().hex}"
         if req.id and CALLER_JOB.get() is not None and not visible(self._job_of(id) or job):  # another job's id: as if unknown, never its result
-            raise BadRequest(f"id: {id!r} is taken")
+            raise Conflict(f"id: {id!r} is in use: choose another (or send none: the server makes one)")
         task = self._inflight.get(id)
         if task is None:
             # everything that can reject the request is checked before it is journaled
@@ -424,7 +429,8 @@ class Service:
         job = job_for(req.job, UNNAMED_JOB)
         sid = req.trajectory or f"s-{uuid.uuid4().hex}"
         if sid in self.sessions and not visible(self.sessions[sid].job):
-            raise BadRequest(f"trajectory: {sid!r} is taken")  # another job's session: never joined
+            # another job's session: never joined, and nothing said of it
+            raise Conflict(f"trajectory: {sid!r} is in use: choose another (or send none: the server makes one)")
         if sid not in self.sessions and req.restore is not None:
             await self._restore(sid, job, req)
         elif sid not in self.sessions:

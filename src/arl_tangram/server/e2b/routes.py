@@ -13,7 +13,6 @@ shape; they are left out of the OpenAPI (it documents the native API; E2B docume
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import codecs
 import gzip
