@@ -110,6 +110,8 @@ def command(mode: Isolation, layout: Layout, probe: bool = False, workspace: str
     tail = [layout.interpreter, *layout.interpreter_args, "/run/tangram/runner.py", "--reap"]
     if mode is Isolation.BWRAP and layout.pycache is not None:
         tail = [layout.interpreter, *layout.interpreter_args, "-c", BOOT, "--reap"]
+    if layered:  # a session's sandbox: its runner makes no zygote for one-shots (runner.SESSION)
+        tail.append("--session")
     if probe:
         tail = [layout.interpreter, "-I", "-S", "-c", "pass"]
     if mode is Isolation.BWRAP:

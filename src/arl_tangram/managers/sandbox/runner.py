@@ -126,6 +126,9 @@ def print_exc(quiet=False):
 # Only in a PID namespace of our own (the host passes --reap, and we double-check that we are
 # one of its first processes): outside one, "every other process" would be the host's.
 REAP = "--reap" in sys.argv and os.getpid() <= 3
+#: a session's sandbox (the host passes --session): it never runs one-shots from a clean template,
+#: so it starts no zygote (a fork at start, and its kill at the first step: ~1-2 ms of the start)
+SESSION = "--session" in sys.argv
 
 
 KEEP = []  # the session's persistent shell (shell.py fills it): spared by reap_strays
@@ -629,26 +632,27 @@ def op_cell(req):
         cap.start()
         caps.append(cap)
     sys.stdout, sys.stderr = stream(1, "w"), stream(2, "w")
-    import signal
+    # the C modules under ``signal`` and ``ast``: those pull in enum, contextlib and collections,
+    # ~5 ms of CPU at every session's start (python -X importtime), for names these already have
+    import _ast
     start = time.monotonic()
     exit_code, timed_out = 0, False
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, float(req.get("timeout_s") or 10))
+    _signal.signal(_signal.SIGALRM, _alarm)
+    _signal.setitimer(_signal.ITIMER_REAL, float(req.get("timeout_s") or 10))
     display, raised = [], []
     try:
         try:
-            import ast
-            tree = ast.parse(req["code"], "<cell>")
-            last = tree.body[-1] if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+            tree = compile(req["code"], "<cell>", "exec", _ast.PyCF_ONLY_AST)  # what ast.parse does
+            last = tree.body[-1] if tree.body and isinstance(tree.body[-1], _ast.Expr) else None
             if last is not None:  # like a notebook: the value of a final expression is displayed
                 tree.body.pop()
             exec(compile(tree, "<cell>", "exec"), NAMESPACE)
             if last is not None:
-                value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), NAMESPACE)
+                value = eval(compile(_ast.Expression(last.value), "<cell>", "eval"), NAMESPACE)
                 if value is not None:
                     display.append({"text/plain": repr(value)})
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
+            _signal.setitimer(_signal.ITIMER_REAL, 0)
     except CellTimeout:
         exit_code, timed_out = 1, True
         print("cell timed out", file=sys.stderr)
@@ -1072,10 +1076,9 @@ def op_warm(req):
     """Import what waking a session needs (pickle) and the modules rested sessions use most,
     before this sandbox is taken: a wake then pays for neither (sys.modules only; the session's
     namespace stays empty, and python one-shots fork from the zygote, made before this)."""
-    import ast  # noqa: F401  (these three: what a session's first cell imports, op_cell)
+    import _ast  # noqa: F401  (these two: what a session's first cell imports, op_cell)
     import importlib
     import pickle  # noqa: F401
-    import signal  # noqa: F401
     import threading  # noqa: F401
     failed = []
     for name in req.get("modules") or ():
@@ -1127,7 +1130,7 @@ def main():
     global ZYGOTE
     os.chdir(WORKSPACE)
     snapshot()
-    if REAP and LIBC is not None:
+    if REAP and LIBC is not None and not SESSION:
         ZYGOTE = Zygote()
         SNAPSHOT[ZYGOTE.pid] = process_state(ZYGOTE.pid)
     while True:
