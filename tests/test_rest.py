@@ -189,6 +189,63 @@ def test_a_step_sent_while_its_session_is_put_to_rest_waits_then_wakes_it():
     asyncio.run(main())
 
 
+def test_a_rest_is_recorded_durably_while_the_session_s_processes_still_live():
+    """A crash between recording a rest and ending the processes must leave a session that wakes
+    from its blob: so the record (the server's journal commit: ``rest_barriers``) comes first."""
+    async def main():
+        async with Tangram.local(sandbox=_config()) as tg:
+            manager = tg.runtime.sandbox_manager()
+            s = await tg.session(trajectory="order")
+            await s.exec(python="v = 7")
+            pid = manager.sessions["order"].proc.pid
+            seen = []
+
+            async def barrier() -> None:
+                await asyncio.sleep(0.05)  # a slow commit: the processes must wait for it
+                seen.append((manager.session_state("order"), manager.rested["order"].path,
+                             os.path.exists(f"/proc/{pid}") and _alive(pid)))
+
+            tg.runtime.rest_barriers.append(barrier)
+            assert await manager.rest("order")
+            assert seen and seen[0][0] == "resting" and os.path.exists(seen[0][1]) and seen[0][2] is True
+            r = await s.exec(python="print(v)")
+            assert r.outcome is Outcome.OK and r.stdout.strip() == "7" and r.result.info["woken"]
+    asyncio.run(main())
+
+
+def test_a_session_closed_while_its_rest_is_recorded_leaves_no_blob_and_no_process():
+    async def main():
+        async with Tangram.local(sandbox=_config()) as tg:
+            manager = tg.runtime.sandbox_manager()
+            s = await tg.session(trajectory="gone")
+            await s.exec(python="v = 1")
+            sb = manager.sessions["gone"]
+            closing = asyncio.get_running_loop().create_future()
+
+            async def barrier() -> None:
+                closing.set_result(manager.rested["gone"].path)
+                await asyncio.sleep(0.05)
+
+            tg.runtime.rest_barriers.append(barrier)
+            resting = asyncio.ensure_future(manager.rest("gone"))
+            path = await closing
+            await s.close()
+            assert await resting is False
+            await asyncio.sleep(0.2)
+            assert manager.session_state("gone") is None and manager.store.used == 0
+            assert not os.path.exists(path) and sb.dead
+    asyncio.run(main())
+
+
+def _alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def test_closing_a_rested_session_removes_its_state_from_disk():
     async def main():
         async with Tangram.local(sandbox=_config()) as tg:

@@ -16,7 +16,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol
 
 from ..core.action import CPU, Action, Finished, InvalidAction, Outcome
 from ..core.cluster import Cluster
@@ -150,6 +150,9 @@ class Runtime:
         self.session_listeners: list[Callable[[str, str], None]] = []  # (session, reason) when one ends
         # (session, its blob's path) when one is put to rest, (session, None) when it wakes
         self.rest_listeners: list[Callable[[str, str | None], None]] = []
+        #: awaited after a session is recorded at rest and before its processes end (the server's
+        #: journal commit): a crash between them then leaves a session that wakes from its state
+        self.rest_barriers: list[Callable[[], Awaitable[None]]] = []
         self._recorders: list = []  # TraceRecorders, closed with the runtime
         self._first_submitted: dict[str, float] = {}  # re-run actions: when the first run was submitted
 
@@ -270,6 +273,11 @@ class Runtime:
             self.tick()
         for listener in self.rest_listeners:
             listener(trajectory, path)
+
+    async def rest_recorded(self) -> None:
+        """Return once what ``rest_listeners`` were told is durable (``rest_barriers``)."""
+        for barrier in self.rest_barriers:
+            await barrier()
 
     def session_state(self, trajectory: str) -> str | None:
         """Where a session's state is (``SandboxManager.session_state``); None where unknown here."""

@@ -93,6 +93,7 @@ class LocalRuntime(Runtime):
                     max_queue_s=max_queue_s, session_headroom_gb=headroom_gb)
         if real is not None:
             real.on_rest = self.session_rested
+            real.rest_recorded = self.rest_recorded
 
     def _expire(self, trajectory: str) -> None:
         self.end_session(trajectory, f"session {trajectory} expired: unused for more than {self._expiry_s:g} s "

@@ -180,6 +180,8 @@ class Service:
         runtime.session_listeners.append(self._session_ended)
         runtime.rest_listeners.append(self._session_rested)
         self.journal = journal
+        if journal is not None:
+            runtime.rest_barriers.append(journal.durable)
         self.max_queue = max_queue
         self.drain_s = drain_s
         self.sessions: dict[str, Session] = {}

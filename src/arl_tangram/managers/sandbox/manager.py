@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from typing import Callable
+from typing import Awaitable, Callable
 
 from ...core.action import Action, Allocation, Outcome, Setup
 from ...core.seam import Completion, Sink
@@ -101,6 +101,7 @@ class SandboxManager:
         self.rested: dict[str, Rested] = {}
         self.store: RestStore | None = None
         self.on_rest: Callable[[str, str | None], None] | None = None  # (session, blob path; None: woken)
+        self.rest_recorded: Callable[[], Awaitable[None]] | None = None  # returns once on_rest's news is durable
         self.rest_counts = {"rests": 0, "wakes": 0, "rest_failures": 0, "wake_failures": 0}
         self._using: set[str] = set()  # sessions a step of which is being carried out: never put to rest
         self._moving: dict[str, asyncio.Future] = {}  # sessions being put to rest now
@@ -227,24 +228,34 @@ class SandboxManager:
         return min(c.warm_sessions, max(0, c.max_idle_sandboxes - c.warm_pool)) if self.layered else 0
 
     async def _keep_pool_full(self) -> None:
-        """Refill the pool and the sessions' pool, ``SPAWNS_PER_CORE`` spawns in flight per core
-        (within the pools' sizes), sleeping until a sandbox is taken when they are full."""
+        """Refill the sessions' pool and the one-shot pool, ``SPAWNS_PER_CORE`` spawns in flight
+        per core (within the pools' sizes), sleeping until a sandbox is taken when they are full.
+
+        The sessions' pool comes first: at start-up a session's first step otherwise paid a
+        layered spawn while one-shot sandboxes filled (50-140 ms in the first half second), and
+        a one-shot without a warm sandbox pays less (a plain spawn, no layered root). A take wakes
+        the loop even while spawns are in flight: it used to wait for one of them to finish, so
+        back-to-back creates drained the sessions' pool and most of them started a sandbox of
+        their own (issue 22's create + first command under load)."""
         in_flight: dict[asyncio.Task, list[Sandbox]] = {}
         parallel = max(1, SPAWNS_PER_CORE * len(self.host_cpus))
-        pools = [(self._pool, self.config.warm_pool, self._spawn),
-                 (self._session_pool, self._warm_sessions(), self._spawn_session)]
+        pools = [(self._session_pool, self._warm_sessions(), self._spawn_session),
+                 (self._pool, self.config.warm_pool, self._spawn)]
+        loop = asyncio.get_running_loop()
+        taken: asyncio.Task | None = None
         try:
             while not self._closing:
+                self._taken.clear()
                 for pool, size, spawn in pools:
                     while (len(in_flight) < parallel
                            and len(pool) + sum(p is pool for p in in_flight.values()) < size):
-                        in_flight[asyncio.get_running_loop().create_task(spawn())] = pool
-                if not in_flight:
-                    self._taken.clear()
-                    await self._taken.wait()
-                    continue
-                done, _ = await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
+                        in_flight[loop.create_task(spawn())] = pool
+                if taken is None or taken.done():
+                    taken = loop.create_task(self._taken.wait())
+                done, _ = await asyncio.wait([*in_flight, taken], return_when=asyncio.FIRST_COMPLETED)
                 for t in done:
+                    if t is taken:
+                        continue
                     pool = in_flight.pop(t)
                     try:
                         pool.append(t.result())
@@ -252,6 +263,8 @@ class SandboxManager:
                         log.error("cannot prepare a sandbox: %s", e)
                         await asyncio.sleep(1.0)
         finally:  # shutting down: let half-made sandboxes finish starting, then kill them
+            if taken is not None:
+                taken.cancel()
             for t in in_flight:
                 try:
                     sb = await t
@@ -547,17 +560,32 @@ class SandboxManager:
             self._module_uses.update(m for m in modules if isinstance(m, str) and m.split(".")[0] in stdlib
                                      and m.split(".")[0] not in NEVER_WARM)
             self.sessions.pop(trajectory, None)
+            recorded = trajectory not in self._close_after_rest
+            if recorded:
+                # recorded (the journal committed) before the processes end: a crash between the two
+                # then leaves a session that wakes from its blob, never one marked awake whose
+                # processes are gone (the order was the other way round)
+                self.rested[trajectory] = rested
+                self.rest_counts["rests"] += 1
+                if self.on_rest is not None:
+                    self.on_rest(trajectory, path)
+                if self.rest_recorded is not None:
+                    try:
+                        await self.rest_recorded()
+                    except Exception as e:  # the journal failed: the server reports that itself
+                        log.warning("session %s: its rest could not be recorded: %s", trajectory, e)
             if keep_root:  # its files are on disk already: keep the root, end the processes
                 rested.rootfs = await self.imageboxes.stop_processes(sb)
             else:
                 self._kill_later(sb)
             if trajectory in self._close_after_rest:
-                self._forget(rested)
+                if recorded:  # closed while it was recorded: close_session forgot it, but not a root kept since
+                    self.rested.pop(trajectory, None)
+                    if rested.rootfs is not None:
+                        self.imageboxes.drop(rested.rootfs)
+                else:
+                    self._forget(rested)
                 return False
-            self.rested[trajectory] = rested
-            self.rest_counts["rests"] += 1
-            if self.on_rest is not None:
-                self.on_rest(trajectory, path)
             return True
         except SandboxDied as e:  # it died packing: its state is gone, as with any dead sandbox
             log.warning("session %s died while being put to rest: %s", trajectory, e)
