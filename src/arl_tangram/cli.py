@@ -560,13 +560,17 @@ def bench_sessions(
     max_awake: int = typer.Option(256, "--max-awake", min=0, help="The server's sandbox.max_awake_sessions (256: "
                                   "~2 GB of awake sessions, bounded on a shared host; the default is 1024)."),
     rest_after: float = typer.Option(30.0, "--rest-after", min=0, help="The server's sandbox.rest_after_s."),
+    baseline: Optional[Path] = typer.Option(None, "--baseline", help="Another checkout's src directory: the same "
+                                            "run against a server from it first, then this/baseline ratios."),
 ) -> None:
     """Session density over HTTP: open N sessions with a small state, revisit each (one at a time,
     then concurrently), idle memory per session, and refusals past capacity."""
     from .bench.sessions import run
 
+    if baseline is not None and not (baseline / "arl_tangram" / "__init__.py").is_file():
+        raise fail(f"--baseline: {baseline} is not a src directory holding arl_tangram")
     _print_json(run(sessions, concurrency, over, log=lambda m: console.print(m), max_awake=max_awake,
-                    rest_after_s=rest_after), json_out)
+                    rest_after_s=rest_after, baseline=str(baseline.resolve()) if baseline else None), json_out)
 
 
 @bench_app.command("e2b")

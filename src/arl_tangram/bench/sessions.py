@@ -44,7 +44,7 @@ CHECK = ("assert state['i'] == {i} and set(state) <= {{'i', 'visits'}}, state\na
 class _Server:
     """``tangram serve`` in a subprocess with ``config``."""
 
-    def __init__(self, tmp: str, config: dict) -> None:
+    def __init__(self, tmp: str, config: dict, sources: str | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         path = os.path.join(tmp, f"config-{self.port}.json")
@@ -52,7 +52,8 @@ class _Server:
             json.dump(config, fh)
         self.proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(self.port),
                                       "--journal", os.path.join(tmp, f"journal-{self.port}.sqlite3"), "--config",
-                                      path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, "PYTHONPATH": sources} if sources else None)
         try:
             wait_up(self.url, timeout_s=60)
         except RuntimeError:
@@ -238,49 +239,83 @@ def _cgroups_mb(pids: list[int]) -> float:
     return total / (1 << 20)
 
 
+def _density_run(tmp: str, n: int, concurrency: int, log: Callable[[str], None], max_awake: int,
+                  rest_after_s: float, sources: str | None = None) -> dict:
+    """One server (from ``sources``, another checkout's ``src``, when given) through the density run."""
+    result: dict = {"sources": "baseline" if sources else "this", "load_avg_1m_before": round(os.getloadavg()[0], 2)}
+    avail0 = mem_available_mb()
+    server = _Server(tmp, {"sandbox": {"session_idle_expiry_s": 3600, "warm_pool": 8,
+                                       "max_awake_sessions": max_awake, "rest_after_s": rest_after_s}}, sources)
+    try:
+        time.sleep(1.0)
+        rss0 = _rss_mb(server.proc.pid)
+        avail1 = mem_available_mb()
+
+        def measure(k: int) -> dict:
+            """Idle memory per session now (MB), and where the sessions are."""
+            k = max(1, k)
+            health = httpx.get(f"{server.url}/healthz", timeout=30).json()
+            sandboxes = [p for p in _descendants(server.proc.pid) if p != server.proc.pid]
+            avail2 = mem_available_mb()
+            rest = health.get("rest") or {}
+            return {"cgroup_charge": round(health["session_mem_used_mb"] / k, 3),
+                    "sandbox_cgroups_now": round(_cgroups_mb(sandboxes) / k, 3),
+                    "sandbox_pss": round(_pss_mb(sandboxes) / k, 3),
+                    "server_rss_growth": round((_rss_mb(server.proc.pid) - rss0) / k, 3),
+                    "host_available_drop": round((avail1 - avail2) / k, 3) if avail1 and avail2 else None,
+                    "goal": 1.5, "sessions": k, "awake": rest.get("awake"), "at_rest": rest.get("at_rest"),
+                    "rest_disk_per_session_kb": round(rest.get("rest_bytes", 0) / k / 1024, 1),
+                    "sandbox_processes": len(sandboxes), "load_avg_1m": round(os.getloadavg()[0], 2)}
+
+        density, sids = asyncio.run(_density(server.url, n, concurrency, log, measure))
+        result.update(density)
+        time.sleep(1.0)
+        result["idle_memory_per_session_mb"] = measure(len(sids))
+        health = httpx.get(f"{server.url}/healthz", timeout=30).json()
+        result["rest"] = health.get("rest")
+        result["server"] = {"sessions_placed": health["sessions_placed"],
+                            "session_mem_reserved_mb": health["session_mem_reserved_mb"],
+                            "session_mem_used_mb": health["session_mem_used_mb"],
+                            "host_available_mb_before": avail0}
+        result["load_avg_1m_after"] = round(os.getloadavg()[0], 2)
+        log(f"idle memory per session after revisits: {result['idle_memory_per_session_mb']}")
+    finally:
+        server.stop()
+    return result
+
+
+def _ratios(this: dict, base: dict) -> dict:
+    """This run's figures over the baseline's (above 1: more opens per second, longer latencies)."""
+    def r(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    return {"opens_per_s": r(this["open"]["sessions_per_s"], base["open"]["sessions_per_s"]),
+            "revisit_p50": r(this["revisit_sequential"]["p50_ms"], base["revisit_sequential"]["p50_ms"]),
+            "revisit_p99": r(this["revisit_sequential"]["p99_ms"], base["revisit_sequential"]["p99_ms"]),
+            "concurrent_steps_per_s": r(this["revisit_concurrent"]["steps_per_s"],
+                                        base["revisit_concurrent"]["steps_per_s"]),
+            "idle_mb_per_session": r(this["idle_memory_per_session_mb"]["sandbox_cgroups_now"],
+                                     base["idle_memory_per_session_mb"]["sandbox_cgroups_now"])}
+
+
 def run(n: int = 1000, concurrency: int = 16, over_attempts: int = 150, log: Callable[[str], None] = lambda m: None,
-        max_awake: int = 256, rest_after_s: float = 30.0) -> dict:
+        max_awake: int = 256, rest_after_s: float = 30.0, baseline: str | None = None) -> dict:
+    """The density run and the past-capacity run; with ``baseline`` (another checkout's ``src``
+    directory) the density run goes first against a server from those sources, and ``ratios``
+    compares the two (the same machine within minutes: its load is printed beside each)."""
     result: dict = {"cores": len(os.sched_getaffinity(0)), "sessions_target": n,
                     "load_avg_1m_before": round(os.getloadavg()[0], 2),
                     "max_awake_sessions": max_awake, "rest_after_s": rest_after_s}
     with tempfile.TemporaryDirectory() as tmp:
-        avail0 = mem_available_mb()
-        server = _Server(tmp, {"sandbox": {"session_idle_expiry_s": 3600, "warm_pool": 8,
-                                           "max_awake_sessions": max_awake, "rest_after_s": rest_after_s}})
-        try:
-            time.sleep(1.0)
-            rss0 = _rss_mb(server.proc.pid)
-            avail1 = mem_available_mb()
-
-            def measure(k: int) -> dict:
-                """Idle memory per session now (MB), and where the sessions are."""
-                k = max(1, k)
-                health = httpx.get(f"{server.url}/healthz", timeout=30).json()
-                sandboxes = [p for p in _descendants(server.proc.pid) if p != server.proc.pid]
-                avail2 = mem_available_mb()
-                rest = health.get("rest") or {}
-                return {"cgroup_charge": round(health["session_mem_used_mb"] / k, 3),
-                        "sandbox_cgroups_now": round(_cgroups_mb(sandboxes) / k, 3),
-                        "sandbox_pss": round(_pss_mb(sandboxes) / k, 3),
-                        "server_rss_growth": round((_rss_mb(server.proc.pid) - rss0) / k, 3),
-                        "host_available_drop": round((avail1 - avail2) / k, 3) if avail1 and avail2 else None,
-                        "goal": 1.5, "sessions": k, "awake": rest.get("awake"), "at_rest": rest.get("at_rest"),
-                        "rest_disk_per_session_kb": round(rest.get("rest_bytes", 0) / k / 1024, 1),
-                        "sandbox_processes": len(sandboxes), "load_avg_1m": round(os.getloadavg()[0], 2)}
-
-            density, sids = asyncio.run(_density(server.url, n, concurrency, log, measure))
-            result.update(density)
-            time.sleep(1.0)
-            result["idle_memory_per_session_mb"] = measure(len(sids))
-            health = httpx.get(f"{server.url}/healthz", timeout=30).json()
-            result["rest"] = health.get("rest")
-            result["server"] = {"sessions_placed": health["sessions_placed"],
-                                "session_mem_reserved_mb": health["session_mem_reserved_mb"],
-                                "session_mem_used_mb": health["session_mem_used_mb"],
-                                "host_available_mb_before": avail0}
-            log(f"idle memory per session after revisits: {result['idle_memory_per_session_mb']}")
-        finally:
-            server.stop()
+        if baseline is not None:
+            log(f"baseline: a server from {baseline}")
+            base = _density_run(tmp, n, concurrency, log, max_awake, rest_after_s, baseline)
+            log("this checkout's server")
+        result.update(_density_run(tmp, n, concurrency, log, max_awake, rest_after_s))
+        if baseline is not None:
+            result["baseline"] = base
+            result["ratios"] = _ratios(result, base)
+            log(f"this / baseline: {result['ratios']}")
         small = _Server(tmp, {"memory_gb": 1.0, "max_queue_s": 20,
                               "sandbox": {"session_idle_expiry_s": 3600, "warm_pool": 4}})
         try:
