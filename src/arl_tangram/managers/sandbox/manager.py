@@ -55,6 +55,9 @@ FILES_TIMEOUT_S = 30.0
 #: sessions put to rest at once: a rest is mostly waiting (the runner packing, the disk, the
 #: sandbox's death), and a pass that keeps up with new sessions must overlap a few
 REST_PARALLEL = 4
+#: a rested session's blob up to this size is read by the event loop itself when it wakes
+#: (a page-cache read of a few KB: tens of microseconds), larger ones in a thread
+INLINE_READ = 256 << 10
 #: modules a fresh warm-pool sandbox imports before it is taken (``runner.op_warm``): those rested
 #: sessions use most, up to this many; standard library ones only (importing runs a module's code
 #: in a sandbox another session will get) and none with side effects
@@ -602,7 +605,10 @@ class SandboxManager:
         (nothing is lost: a later step tries again) and ``SandboxDied`` says why."""
         sb = None
         try:
-            blob = await asyncio.to_thread(self.store.read, rested.path)
+            # a small blob (most are a few KB) is read here: a hop to a thread costs more, and
+            # waits behind whatever else holds the default executor's few threads
+            blob = (self.store.read(rested.path) if rested.size <= INLINE_READ
+                    else await asyncio.to_thread(self.store.read, rested.path))
             if rested.rootfs is not None:
                 sb = await self.imageboxes.spawn(rested.rootfs.image.name, rootfs=rested.rootfs)
             else:

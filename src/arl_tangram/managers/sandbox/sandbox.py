@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import json
 import marshal
 import os
@@ -12,6 +13,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .cgroups import CgroupRoot, Group
+
+
+#: where a kill's cleanup runs (waiting for the group's processes to exit and removing it, polling
+#: every few ms; unmounting a root): its own threads, not the loop's default executor, whose few
+#: threads (cores + 4) the latency-critical work shares: a wake reading its blob, a spawn mounting a
+#: root, a rest writing one. With rests and wakes at a few per second, kills held those threads and
+#: a wake's read waited behind them.
+_CLEANUP = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sandbox-cleanup")
 
 
 class SandboxDied(RuntimeError):
@@ -292,8 +301,9 @@ class Sandbox:
             pass
         await self.proc.wait()
         self._stderr_task.cancel()
+        loop = asyncio.get_running_loop()
         if self.group is not None:  # stragglers (unshare/none modes) and the directories
-            await asyncio.to_thread(self.group.remove)
+            await loop.run_in_executor(_CLEANUP, self.group.remove)
         if self.on_kill is not None:
             hook, self.on_kill = self.on_kill, None
-            await asyncio.to_thread(hook)
+            await loop.run_in_executor(_CLEANUP, hook)
