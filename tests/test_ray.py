@@ -224,3 +224,29 @@ def test_a_run_on_a_node_is_shrunk_by_its_agent():
             ray.shutdown()
         c.shutdown()
     assert r.outcome is Outcome.OK and r.stdout in ("2 1\n", "1 1\n"), (r.stdout, r.stderr)
+
+
+def test_a_session_put_to_rest_on_its_node_drops_the_head_s_memory_reservation(cluster):
+    """The node's manager rests an idle session (its processes end): the head hears of it at its
+    next poll and reserves nothing for it; its next step wakes it there, state intact."""
+    c, _ = cluster
+
+    async def main():
+        async with Tangram.ray(c.address, sandbox=SandboxConfig(warm_pool=1, rest_after_s=0.5)) as tg:
+            rt = tg.runtime
+            s = await tg.session()
+            r = await s.exec(python="xs = list(range(1000))")
+            assert r.outcome is Outcome.OK, r.message
+            reserved = rt.engine.cpu.session_mem[s.id]
+            for _ in range(300):
+                if rt.engine.cpu.session_mem[s.id] == 0.0:
+                    break
+                await asyncio.sleep(0.1)
+            rested = rt.engine.cpu.session_mem[s.id]
+            woken = await s.exec(python="print(len(xs))")
+            return reserved, rested, woken, rt.engine.cpu.session_mem[s.id]
+
+    reserved, rested, woken, after = asyncio.run(asyncio.wait_for(main(), 180))
+    assert reserved > 0 and rested == 0.0
+    assert woken.outcome is Outcome.OK and woken.stdout == "1000\n" and woken.result.info.get("woken")
+    assert after > 0  # awake again: its measured memory is reserved again

@@ -62,6 +62,7 @@ class NodeAgent:
         self._waiting: dict[str, Callable[[Completion], None]] = {}  # action id -> where its completion goes
         self._loading: dict[str, asyncio.Future] = {}  # prefetch key -> resolved when resident
         self._expired: list[str] = []
+        self._rested: dict[str, str | None] = {}  # session -> its blob here (None: woken) since the head last asked
         self.problem = ""
         self.model_problem = ""
 
@@ -84,6 +85,7 @@ class NodeAgent:
             return {**info, "sandboxes": False, "isolation": None, "cgroups": None, "problem": "no cores for sandboxes"}
         try:
             self.manager = SandboxManager(config, self._report, self._expired.append)
+            self.manager.on_rest = self._rested.__setitem__
             await self.manager.start_up()
         except Exception as e:  # isolation unavailable: the node serves no sandboxes, and says why
             self.manager = None
@@ -216,6 +218,13 @@ class NodeAgent:
 
     def take_expired(self) -> list[str]:
         out, self._expired[:] = list(self._expired), []
+        return out
+
+    def take_rested(self) -> list[tuple[str, str | None]]:
+        """Sessions put to rest here (their blob's path on this node) or woken (None) since the
+        last call, the latest news of each: the head drops a rested one's memory reservation."""
+        out = list(self._rested.items())
+        self._rested.clear()
         return out
 
     def sessions(self) -> list[str]:

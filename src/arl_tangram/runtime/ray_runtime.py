@@ -429,6 +429,12 @@ class RayRuntime(Runtime):
                         self.sandboxes.homes.pop(s, None)
                         self.end_session(s, f"session {s} expired: unused for more than "
                                             f"{self.config.session_idle_expiry_s:g} s; its state is gone")
+                    # rests since the last poll: a rested session holds no memory on its node (it
+                    # held the head's reservation until its next step); the path names the node, so
+                    # a restarted server says why it cannot wake it
+                    for s, path in await node.handle.take_rested.remote():
+                        if self.sandboxes.homes.get(s) is node:
+                            self.session_rested(s, f"{node.name}:{path}" if path else None)
             except asyncio.CancelledError:
                 raise
             except Exception:
