@@ -330,10 +330,13 @@ def test_a_session_step_streams_its_output_while_it_runs_capped_as_its_result():
         flood = await s.exec("head -c 3000000 /dev/zero; echo e >&2", on_output=count)
         endless = await s.exec("yes", timeout_s=2, on_output=count)
         quiet = await s.exec("echo nobody listens")
+        broken = await s.exec("echo a; echo b", on_output=lambda k, d: 1 / 0)  # the listener's bug, not the step's
+        after = await s.exec("echo $((6 * 7))")
         await s.close()
-        return chunks, r, total, flood, endless, quiet
+        return chunks, r, total, flood, endless, quiet, broken, after
 
-    chunks, r, total, flood, endless, quiet = run(body, max_output_bytes=1 << 16)
+    chunks, r, total, flood, endless, quiet, broken, after = run(body, max_output_bytes=1 << 16)
+    assert (broken.outcome, broken.stdout, after.stdout) == (Outcome.OK, "a\nb\n", "42\n")
     assert chunks[0] == ("stdout", b"one\n", "running")  # the step had not ended when its first line came
     assert b"".join(d for k, d, _ in chunks if k == "stdout") == b"one\nthree\n" == r.stdout.encode()
     assert [d for k, d, _ in chunks if k == "stderr"] == [b"two\n"] and r.result.run.stderr == "two\n"

@@ -4,7 +4,8 @@ A server is started on a free loopback port and the official ``e2b`` / ``e2b-cod
 SDKs are pointed at it the way a user would (``E2B_API_URL``, ``E2B_SANDBOX_URL``,
 ``E2B_API_KEY``). The host's 1-minute load average before and after is printed beside the
 figures (on a shared machine they move with it). Measured, one call at a time (latency as the SDK's caller sees it, HTTP and
-the SDK's own work included): create + the first command; ``commands.run("true")``; a 1 MB
+the SDK's own work included): create + the first command; ``commands.run("true")``; a streamed
+command's first line (``on_stdout``) and its end (a line, 0.2 s asleep, a line); a 1 MB
 ``files.write`` + ``files.read``; ``run_code``. Then ``open`` sandboxes are created at once from
 asyncio (``open_concurrency`` being created at a time), each given a small state (a file and a
 command), all kept open (what the server holds then is printed), then killed.
@@ -20,6 +21,10 @@ from typing import Callable
 
 from ..sim.metrics import percentile
 from .sessions import _Server
+
+
+#: the streamed command: a line, this long quiet, a line (the first should come long before its end)
+STREAM_SLEEP_S = 0.2
 
 
 def _p(xs: list[float]) -> dict:
@@ -55,6 +60,14 @@ def run(n: int = 30, open_n: int = 200, log: Callable[[str], None] = lambda m: N
                 t = time.perf_counter()
                 sb.commands.run("true")
                 true.append(time.perf_counter() - t)
+            first, whole = [], []  # streaming: the first line's arrival, the call's end
+            for _ in range(max(1, n // 3)):
+                seen: list[float] = []
+                t = time.perf_counter()
+                sb.commands.run(f"echo a; sleep {STREAM_SLEEP_S}; echo b",
+                                on_stdout=lambda _: seen.append(time.perf_counter()))
+                whole.append(time.perf_counter() - t)
+                first.append(seen[0] - t)
             mb = os.urandom(1 << 20)
             files = []
             for i in range(n):
@@ -79,6 +92,7 @@ def run(n: int = 30, open_n: int = 200, log: Callable[[str], None] = lambda m: N
             server.stop()
     return {"create_and_first_command": _p(create), "commands_run_true": _p(true),
             "write_and_read_1mb": _p(files), "run_code": _p(code), "open_at_once": opened,
+            "stream_first_line": _p(first), "stream_whole_command": _p(whole), "stream_sleep_ms": STREAM_SLEEP_S * 1000,
             "e2b_published_start_ms": 150, "cpus": os.cpu_count(),
             "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "note": "E2B's own service publishes ~150 ms sandbox starts (its docs); ours are on loopback, "

@@ -389,7 +389,11 @@ class SandboxManager:
             room = cap - seen[stream]
             if room > 0:
                 seen[stream] += min(room, len(data))
-                on_output(stream, data[:room])
+                try:
+                    on_output(stream, data[:room])
+                except Exception:  # the listener's bug: it hears no more, the step runs on
+                    log.exception("output listener of %s failed: it is dropped", action_id)
+                    seen[stream] = seen["stdout"] = seen["stderr"] = cap
 
         def stop() -> None:
             self._listeners.pop(action_id, None)
