@@ -133,3 +133,13 @@ def test_bench_cluster_prints_scaling_chaos_and_engine_figures(tmp_path):
     assert r["engine"]["open_sessions"] == 10_000 and r["engine"]["queued"] == 10_000
     if os.geteuid() == 0:  # moves snapshot layered workspaces (overlay mounts)
         assert r["drain"]["files_intact"] == 4 and r["drain"]["moved"] == 4 and r["drain"]["drained_s"] > 0
+
+
+def test_bench_zygote_compares_a_child_forked_on_demand_and_ahead(tmp_path):
+    out = tmp_path / "z.json"
+    p = tangram("bench", "zygote", "--runs", "10", "--rounds", "1", "--gap-ms", "0", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    for mode in ("on_demand", "ahead"):
+        assert r[mode]["run_p50_ms"] > 0 and r[mode]["child_cpu_ms"] > 0 and r[mode]["child_faults"] > 0, r
+    assert set(r["ahead_vs_on_demand"]) == {"run_p50_ms", "child_cpu_ms", "child_faults", "runner_cpu_ms"}

@@ -414,6 +414,20 @@ def bench_sandbox(
     _print_json(result, json_out)
 
 
+@bench_app.command("zygote")
+def bench_zygote(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    runs: int = typer.Option(300, min=10, help="One-shots per measurement."),
+    rounds: int = typer.Option(3, min=1, help="Alternating measurements of each mode."),
+    gap_ms: float = typer.Option(2.0, "--gap-ms", min=0.0, help="Idle time after each run (the sandbox in its pool)."),
+) -> None:
+    """A python one-shot's child alone (the sandbox runner's zygote, outside a sandbox): forked on
+    demand vs forked ahead, run latency, CPU and page faults, as ratios."""
+    from .bench.zygote import run
+
+    _print_json(run(runs, rounds, gap_ms / 1000, log=lambda m: console.print(m)), json_out)
+
+
 @bench_app.command("envs")
 def bench_envs(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),

@@ -145,7 +145,7 @@ class SandboxManager:
         self._fill = asyncio.get_running_loop().create_task(self._keep_pool_full())
         self._reaper = asyncio.get_running_loop().create_task(self._expire_sessions())
         self.recycler = Recycler(self.config.recycle and self.mode is Isolation.BWRAP, self._put_back,
-                                 self.tasks.spawn, self.config.recycle_max_uses)
+                                 self.tasks.spawn, self.config.recycle_max_uses, ahead=self.config.fork_ahead)
         log.info("sandboxes: isolation %s, cgroups %s, %d CPUs, warm pool %d", self.mode.value,
                  "v2" if self.root and self.root.v2 else ("v1" if self.root else "unavailable"), len(self.host_cpus),
                  self.config.warm_pool)

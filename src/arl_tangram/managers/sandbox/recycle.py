@@ -35,13 +35,15 @@ class Recycler:
     (which returns False when the pool is full); everything else is killed."""
 
     def __init__(self, enabled: bool, put: Callable[[Sandbox], bool], spawn: Callable[[Awaitable], object],
-                 max_uses: int = 1000, timeout_s: float = 10.0) -> None:
-        """``spawn`` runs a background coroutine that shutdown waits for (the manager's TaskSet)."""
+                 max_uses: int = 1000, timeout_s: float = 10.0, ahead: bool = True) -> None:
+        """``spawn`` runs a background coroutine that shutdown waits for (the manager's TaskSet);
+        ``ahead``: the reset after a python run forks the next python child ahead (runner.py)."""
         self.enabled = enabled
         self.put = put
         self.spawn = spawn
         self.max_uses = max_uses
         self.timeout_s = timeout_s
+        self.ahead = ahead
         self.recycled = 0
         self.discarded: Counter[str] = Counter()
 
@@ -71,7 +73,7 @@ class Recycler:
         if sb.uses + 1 >= self.max_uses:
             return "worn out"
         try:
-            r = await sb.request({"op": "reset", "dirs": WRITABLE}, self.timeout_s)
+            r = await sb.request({"op": "reset", "dirs": WRITABLE, "ahead": self.ahead}, self.timeout_s)
         except SandboxDied as e:
             return f"unclean: reset failed ({e})"
         if not r.get("clean"):

@@ -381,7 +381,7 @@ class Zygote:
     request from the socket, so no request ever enters the zygote's (or a later child's) memory.
 
     The next run's child may be forked *ahead* (``fork_ahead``, asked by the reset of a recycled
-    sandbox whose last run was python): it waits, blocked on the socket, for its descriptors and
+    sandbox whose last run was python, ``SandboxConfig.fork_ahead``): it waits on the socket for its descriptors and
     request, so the fork and the ~200 page faults of a forked interpreter's way back from
     ``fork`` (Python's at-fork handlers included: a third of a ~2.3 ms child's CPU) are paid off
     the run's latency path (measured on the 2-core VM, side by side with the runner before it:
@@ -836,7 +836,7 @@ def op_reset(req):
             why.append(f"process {pid}: {', '.join(changed)} changed")
     if ZYGOTE is not None and ZYGOTE.broken:
         why.append(f"zygote: {ZYGOTE.broken}")
-    if not why and ZYGOTE is not None and LAST[0] == "python":  # the next run is likely python too
+    if not why and ZYGOTE is not None and LAST[0] == "python" and req.get("ahead"):  # the next is likely python too
         ZYGOTE.fork_ahead()
         if ZYGOTE.broken:
             why.append(f"zygote: {ZYGOTE.broken}")
