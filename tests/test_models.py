@@ -364,3 +364,100 @@ def test_a_graph_capture_has_its_gpu_alone_and_goes_before_new_batches():
     writer.join(5)
     late.join(5)
     assert order == ["capture", "late batch"]
+
+
+def _storage_of(t):
+    return t.untyped_storage().data_ptr()
+
+
+def test_weights_are_packed_per_gpu_of_the_block_and_a_copy_is_views_of_one_allocation_per_gpu():
+    """Packing (``packing``): at registration every tensor lies in one host buffer, each GPU's
+    part of a split copy contiguous and in layer order; a load is one copy per part and the
+    copy's parameters are views of one allocation per device, equal to the registered weights,
+    and stay so across an eviction and a reload."""
+    from arl_tangram.managers.models.tiny import teacher_model
+
+    kw = {"layers": 4, "seed": 7, "d_model": 64}
+
+    async def body(tg):
+        mm = tg.runtime.models
+        ld = mm.loaded["t"]
+        first = await tg.logprobs("t", [3, 1, 4, 1, 5, 9])
+        inst = mm.instances[("t", (0, 1))]
+        params = dict(inst.module.named_parameters())
+        await _wait_gone(tg, "t")
+        again = await tg.logprobs("t", [3, 1, 4, 1, 5, 9])
+        inst2 = mm.instances[("t", (0, 1))]
+        return ld, first, again, params, inst2, list(mm.load_log)
+
+    ld, first, again, params, inst2, loads = run(body, models=[M("t", f"{TINY}:teacher_model", kw, gpus=2, idle_s=0.05)],
+                                                 gpus=2)
+    lay = ld.layout
+    assert lay.k == 2 and lay.parts[0][0] == 0 and lay.parts[0][1] == lay.parts[1][0] and lay.parts[1][1] == lay.total
+    base = ld.packed.data_ptr()
+    for name, t in ld.host_state.items():  # every host tensor a view of the one buffer, at its slot
+        assert t.data_ptr() == base + lay.at(name)
+    parts = {name: s.part for name, s in lay.slots.items()}
+    assert parts["embed.weight"] == 0 and parts["blocks.layers.0.linear1.weight"] == 0
+    assert parts["blocks.layers.3.linear1.weight"] == 1 and parts["out.weight"] == 1
+    order = [n for n in lay.slots if lay.slots[n].part == 0]  # layer order inside a part
+    assert [lay.slots[n].offset for n in order] == sorted(lay.slots[n].offset for n in order)
+    # the registered weights are the loader's own, bit for bit
+    module, _ = teacher_model(**kw)
+    for name, p in module.named_parameters():
+        assert torch.equal(ld.host_state[name], p.detach())
+    # the device copy: parameters equal the registered weights, views of one allocation per part
+    for name, p in params.items():
+        assert torch.equal(p.detach(), ld.host_state[name]) and p.data_ptr() != ld.host_state[name].data_ptr()
+    allocs = {parts[n]: {_storage_of(p) for n2, p in params.items() if parts[n2] == parts[n]} for n in params}
+    assert all(len(s) == 1 for s in allocs.values()) and allocs[0] != allocs[1]
+    assert [x["packed"] for x in loads] == [True, True] and loads[0]["bytes"] == lay.total
+    assert first.ok and again.ok and first.result == again.result  # evicted and reloaded: bit-identical
+    for name, p in inst2.module.named_parameters():
+        assert torch.equal(p.detach(), ld.host_state[name])
+
+
+async def _wait_gone(tg, model, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while tg.runtime.engine.gpu.instances.get(model) and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    assert not tg.runtime.engine.gpu.instances.get(model), "the idle copy was not evicted"
+
+
+def test_a_model_larger_than_one_gpu_is_served_split_and_answers_as_unsplit():
+    """Its weights need more than one device's memory: the engine places it on two, each part
+    crosses as one copy, and it answers as the same model computed whole outside the service."""
+    from arl_tangram.managers.models.tiny import reward_model, score
+
+    kw = {"layers": 6, "seed": 11, "d_model": 128}
+    module, _ = reward_model(**kw)
+    weights_gb = sum(p.numel() * p.element_size() for p in module.parameters()) / 1e9
+    seqs = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7, 9]]
+    want = [score(module, [s])[0] for s in seqs]
+
+    async def body(tg):
+        rs = await asyncio.gather(*(tg.score("big", s) for s in seqs))
+        return rs, tg.runtime.models.load_log
+
+    rs, loads = run(body, models=[M("big", f"{TINY}:reward_model", kw, gpus=2, memory_gb=weights_gb * 1.5)], gpus=2,
+                    gpu_memory_gb=weights_gb * 0.9)
+    assert all(r.ok for r in rs), rs[0].message
+    assert [r.result for r in rs] == pytest.approx(want, abs=1e-5)
+    assert loads[0]["gpus"] == [0, 1] and loads[0]["packed"]
+
+
+def test_packing_with_pack_off_loads_tensor_by_tensor_and_answers_the_same():
+    """The comparison the multigpu bench makes: the same registered weights loaded per tensor."""
+    seqs = [[3, 1, 4, 1, 5], [9, 2, 6]]
+
+    on = run(lambda tg: _with_pack(tg, True, seqs),
+             models=[M("rm", f"{TINY}:reward_model", {"layers": 4}, gpus=2)], gpus=2)
+    off = run(lambda tg: _with_pack(tg, False, seqs), models=[M("rm", f"{TINY}:reward_model", {"layers": 4}, gpus=2)],
+              gpus=2)
+    assert on[1] is True and off[1] is False and on[0] == off[0]
+
+
+async def _with_pack(tg, pack, seqs):
+    tg.runtime.models.pack = pack
+    rs = await asyncio.gather(*(tg.score("rm", s) for s in seqs))
+    return [r.result for r in rs], tg.runtime.models.load_log[0]["packed"]

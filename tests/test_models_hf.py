@@ -77,6 +77,9 @@ def test_weights_lie_in_one_host_buffer_and_every_buffer_is_carried(dirs):
     assert len({v.untyped_storage().data_ptr() for v in weights}) == 1
     assert ld.aliases == {"lm_head.weight": "model.embed_tokens.weight"}
     assert "model.rotary_emb.inv_freq" in ld.host_state and "model.rotary_emb.inv_freq" not in ld.persistent
+    # read straight into the packed layout (``packing``), the constructor's buffers too
+    assert {v.untyped_storage().data_ptr() for v in ld.host_state.values()} == {ld.packed.data_ptr()}
+    assert all(v.data_ptr() == ld.packed.data_ptr() + ld.layout.at(k) for k, v in ld.host_state.items())
     assert all(p.device.type == "meta" for p in ld.skeleton.parameters())
     assert ld.vocab == 96 and ld.max_len == 64
     from arl_tangram.managers.models.manager import logits_gb

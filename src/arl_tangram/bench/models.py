@@ -543,7 +543,10 @@ def _h2d_concurrent_gbps(n: int, gb: float = 4.0) -> float:
 
 async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> dict:
     """The same weights as a 1-GPU copy and as a copy split over 2 GPUs: load time from host RAM
-    (scaled to zero between rounds, so every round loads) and the scores of both."""
+    (scaled to zero between rounds, so every round loads) and the scores of both. Each round loads
+    both copies packed (``packing``: one copy per GPU) and tensor by tensor (one copy per tensor,
+    the load before packing), alternating, so the two ways compare in one run; the load log's
+    CUDA events give each GPU's copy time apart from the issuing thread's."""
     cuda = device == "cuda"
     if cuda and torch.cuda.device_count() < 2:
         return {"skipped": f"needs 2 GPUs, this host has {torch.cuda.device_count()}"}
@@ -569,32 +572,49 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> 
     async with Tangram.local(sandboxes=False, models=services, gpus=2, gpu_island_size=2) as tg:
         rt = tg.runtime
         for _ in range(rounds):
-            for name in ("one", "two"):
-                rs = await asyncio.gather(*(tg.score(name, s) for s in seqs))
-                assert all(r.ok for r in rs), rs[0].message
-                scores[name] = [r.result for r in rs]
-                resident = await tg.score(name, seqs[0])
-                latency[name].append(resident.act_s)
-                await _wait_scaled_to_zero(rt, name)
+            for pack in (True, False):
+                rt.models.pack = pack
+                for name in ("one", "two"):
+                    rs = await asyncio.gather(*(tg.score(name, s) for s in seqs))
+                    assert all(r.ok for r in rs), rs[0].message
+                    scores[name] = [r.result for r in rs]
+                    resident = await tg.score(name, seqs[0])
+                    latency[name].append(resident.act_s)
+                    await _wait_scaled_to_zero(rt, name)
+        rt.models.pack = True
         log_ = rt.models.load_log
         islands = rt.cluster.gpu_nodes[0].islands()
     _release_memory()
-    # the load itself (skeleton, copies, assignment); the warm-up after it is reported apart
-    loads = {n: sorted(x["seconds"] - x.get("warm_s", 0.0) for x in log_ if x["model"] == n) for n in ("one", "two")}
-    warm = {n: [round(x.get("warm_s", 0.0), 3) for x in log_ if x["model"] == n] for n in ("one", "two")}
-    phases = {n: {k: round(min(x[k] for x in log_ if x["model"] == n), 4) for k in ("issue_s", "build_s", "wait_s")}
-              for n in ("one", "two")}
+    out: dict = {"params_b": billions, "gpus": 2, "islands": islands, "discovered_island_of_each_gpu": discovered,
+                 "rounds": rounds}
+    for mode, packed in (("packed", True), ("per_tensor", False)):
+        mine = [x for x in log_ if x.get("packed") is packed]
+        # the load itself (skeleton, copies, assignment); the warm-up after it is reported apart
+        loads = {n: sorted(x["seconds"] - x.get("warm_s", 0.0) for x in mine if x["model"] == n) for n in ("one", "two")}
+        one, two = loads["one"][len(loads["one"]) // 2], loads["two"][len(loads["two"]) // 2]
+        phases = {n: {k: round(min(x[k] for x in mine if x["model"] == n), 4) for k in ("issue_s", "build_s", "wait_s")}
+                  for n in ("one", "two")}
+        res = {"load_s_1gpu": one, "load_s_2gpu": two, "load_speedup": one / two, "load_speedup_best":
+               loads["one"][0] / loads["two"][0], "load_s_all": loads, "load_phases_min_s": phases}
+        if packed and cuda:  # per GPU: the copy engine's time (CUDA events) and its rate
+            copies = {n: [x["copy_s"] for x in mine if x["model"] == n] for n in ("one", "two")}
+            res["copy_s_per_gpu"] = copies
+            res["copy_gbps_per_gpu_best"] = {
+                n: [round(x["bytes"] / len(x["copy_s"]) / min(c[i] for c in copies[n]) / 1e9, 1)
+                    for i in range(len(copies[n][0]))] for n in ("one", "two")
+                for x in [next(y for y in mine if y["model"] == n)]}
+        out[mode] = res
+    out["packed_over_per_tensor_2gpu_load"] = out["per_tensor"]["load_s_2gpu"] / out["packed"]["load_s_2gpu"]
+    out["load_speedup"] = out["packed"]["load_speedup"]
+    out["warm_s"] = {n: [round(x.get("warm_s", 0.0), 3) for x in log_ if x["model"] == n] for n in ("one", "two")}
     diff = max(abs(a - b) for a, b in zip(scores["one"], scores["two"]))
     scale = max(abs(a) for a in scores["one"]) or 1.0
-    one, two = loads["one"][len(loads["one"]) // 2], loads["two"][len(loads["two"]) // 2]
-    out = {"params_b": billions, "gpus": 2, "islands": islands, "discovered_island_of_each_gpu": discovered,
-           "rounds": rounds,
-           "load_s_1gpu": one, "load_s_2gpu": two, "load_speedup": one / two,
-           "load_s_all": loads, "load_phases_min_s": phases, "warm_s": warm, "score_max_abs_diff": diff, "score_max_rel_diff": diff / scale,
-           "scores_identical": diff == 0.0,
-           "resident_act_s_1gpu": min(latency["one"]), "resident_act_s_2gpu": min(latency["two"])}
+    out.update({"score_max_abs_diff": diff, "score_max_rel_diff": diff / scale, "scores_identical": diff == 0.0,
+                "resident_act_s_1gpu": min(latency["one"]), "resident_act_s_2gpu": min(latency["two"]),
+                "resident_ratio_2gpu_over_1gpu": min(latency["two"]) / min(latency["one"])})
     if cuda:
         out["h2d_concurrent_2gpu_gbps"] = _h2d_concurrent_gbps(2)
+        out["h2d_one_gpu_gbps"] = _h2d_concurrent_gbps(1)
         out["device_names"] = [torch.cuda.get_device_name(i) for i in range(2)]
     return out
 

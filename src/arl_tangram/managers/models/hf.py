@@ -26,7 +26,7 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -139,14 +139,22 @@ def _find(name: str, aliases: list[str], index: dict[str, _Entry], prefix: str) 
     return None
 
 
-def _read(entries: dict[str, _Entry], cast: dict[str, torch.dtype]) -> tuple[torch.Tensor | None, dict]:
-    """Lay ``entries`` out in one host buffer and read them into it, every file in a thread of its
-    own (reads from the page cache run at memory speed; several files go in parallel)."""
-    offsets, total = {}, 0
-    for name, e in entries.items():
-        offsets[name] = total
-        n = e.nbytes // max(1, e.dtype.itemsize) * cast[name].itemsize
-        total += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def _read(entries: dict[str, _Entry], cast: dict[str, torch.dtype],
+          place: Callable[[dict[str, tuple[torch.dtype, tuple[int, ...]]]], tuple[dict[str, int], int]] | None = None,
+          ) -> tuple[torch.Tensor | None, dict]:
+    """Read ``entries`` into one host buffer, every file in a thread of its own (reads from the
+    page cache run at memory speed; several files go in parallel). ``place`` says where each
+    tensor lies in the buffer and how big the buffer is (the model manager's packed layout, which
+    may hold more than the checkpoint: buffers its constructor made); by default in order."""
+    shapes = {name: (cast[name], e.shape) for name, e in entries.items()}
+    if place is not None:
+        offsets, total = place(shapes)
+    else:
+        offsets, total = {}, 0
+        for name, e in entries.items():
+            offsets[name] = total
+            n = e.nbytes // max(1, e.dtype.itemsize) * cast[name].itemsize
+            total += (n + _ALIGN - 1) // _ALIGN * _ALIGN
     storage = torch.empty(total, dtype=torch.uint8) if total else None
     tensors: dict[str, torch.Tensor] = {}
     for name, e in entries.items():
@@ -177,9 +185,13 @@ def _read(entries: dict[str, _Entry], cast: dict[str, torch.dtype]) -> tuple[tor
     return storage, tensors
 
 
-def load(path: str, task: str, dtype: str | None = None) -> HfModel:
+def load(path: str, task: str, dtype: str | None = None,
+         layout_for: Callable[[nn.Module, dict[str, tuple[torch.dtype, tuple[int, ...]]]], Any] | None = None,
+         ) -> HfModel:
     """Read the model at ``path`` for ``task`` (``logprobs`` or ``score``), floating-point weights
-    cast to ``dtype`` (default: as stored). Raises ``ModelDirError`` naming the path."""
+    cast to ``dtype`` (default: as stored). ``layout_for(skeleton, {name: (dtype, shape)})``, if
+    given, returns a ``packing.Layout`` the weights are read into (so they are packed for loading
+    with no second host copy). Raises ``ModelDirError`` naming the path."""
     problem = hf_dir_problem(path)
     if problem is not None:
         raise ModelDirError(problem)
@@ -214,7 +226,12 @@ def load(path: str, task: str, dtype: str | None = None) -> HfModel:
         if p is not None and tuple(p.shape) != e.shape:
             raise ModelDirError(f"hf: {path}: {e.key} has shape {list(e.shape)}, the config makes "
                                 f"{n} {list(p.shape)}")
-    storage, tensors = _read(entries, cast)
+    place = None
+    if layout_for is not None:
+        def place(shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[dict[str, int], int]:
+            lay = layout_for(module, shapes)
+            return {n: lay.at(n) for n in shapes}, lay.total
+    storage, tensors = _read(entries, cast, place)
     emb = module.get_input_embeddings()
     config = module.config
     max_pos = getattr(config, "max_position_embeddings", None)

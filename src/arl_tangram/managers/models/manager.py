@@ -42,7 +42,9 @@ from ...core.records import Load
 from ...core.seam import Completion, Loaded, Sink
 from ..tasks import TaskSet
 from .devices import Device, batch_on
+from . import packing
 from .graphs import MIN_GAIN, Graphs
+from .packing import Layout
 from .placement import place
 from .spec import ModelCall, ModelCard, ModelDirError, ModelServiceConfig, call_problem
 
@@ -69,24 +71,34 @@ class HostModel:
     aliases: dict[str, str] = field(default_factory=dict)
     persistent: frozenset[str] = frozenset()
     pinned: list[int] = field(default_factory=list)  # host pointers registered with CUDA
+    layout: Layout | None = None  # where each tensor lies in ``packed`` (``packing``)
+    packed: torch.Tensor | None = None  # the one host buffer every tensor of ``host_state`` is a view of
 
 
 def _load(spec: ModelServiceConfig, pin: bool) -> HostModel:
-    """Weights into host memory once (page-locked in place with CUDA), the module onto meta."""
+    """Weights into host memory once, packed for a copy on ``spec.gpus`` GPUs (``packing``: each
+    GPU's part contiguous, so a load is one copy per GPU), page-locked in place with CUDA; the
+    module onto meta."""
     max_len = None
+    lay: Layout | None = None
     if spec.hf is not None:
         from . import hf
 
-        got = hf.load(spec.hf, spec.task or "", spec.dtype)
+        def layout_for(module: torch.nn.Module, sizes: dict[str, tuple[torch.dtype, tuple]]) -> Layout:
+            nonlocal lay
+            lay = _layout(module, spec.gpus, sizes)
+            return lay
+
+        got = hf.load(spec.hf, spec.task or "", spec.dtype, layout_for=layout_for)
         module, ops, vocab, max_len = got.module, got.ops, got.vocab, got.max_positions
-        tensors = got.tensors
+        tensors, buffer = got.tensors, got.storage
     else:
         mod_name, _, fn_name = (spec.loader or "").partition(":")
         fn = getattr(importlib.import_module(mod_name), fn_name)
         module, ops = fn(**spec.kwargs)
         emb = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else getattr(module, "embed", None)
         vocab = getattr(emb, "num_embeddings", None)
-        tensors = {}
+        tensors, buffer = {}, None
     module.eval().requires_grad_(False)  # served, never trained: no autograd on any copy
     state: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -99,15 +111,30 @@ def _load(spec: ModelServiceConfig, pin: bool) -> HostModel:
         state[n] = tensors[n] if n in tensors else p.detach().contiguous()
     for n, b in module.named_buffers(remove_duplicate=False):
         state[n] = tensors[n] if n in tensors else b.detach().contiguous()
+    del tensors
     persistent = frozenset(module.state_dict().keys())
-    pinned: list[int] = []
-    if pin:  # by storage: an HF checkpoint's tensors are views of one buffer, registered once
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in state.values() if t.numel()}
-        pinned = [_pin_in_place(st) for st in storages.values()]
     skeleton = module.to("meta")  # the module lets go of its tensors; ``state`` keeps them
+    if lay is None:  # from the meta skeleton: placing a copy of the real module would copy its weights
+        lay = _layout(skeleton, spec.gpus, {})
+    buffer = packing.pack(state, lay, buffer)  # each tensor into its slot, the original let go
+    pinned = [p for p in [_pin_in_place(buffer.untyped_storage())] if p] if pin else []
     weights = sum(v.numel() * v.element_size() for v in state.values()) / 1e9
     return HostModel(spec, ops, state, skeleton, weights, vocab, max_len, aliases, persistent,
-                     [p for p in pinned if p])
+                     pinned, lay, buffer)
+
+
+def _layout(module: torch.nn.Module, k: int, sizes: dict[str, tuple[torch.dtype, tuple]]) -> Layout:
+    """The packed layout of ``module``'s parameters (under their first name) and buffers for a
+    copy on ``k`` GPUs; ``sizes`` overrides a tensor's dtype and shape (a checkpoint's, as read)."""
+    seen: set[int] = set()
+    tensors = []
+    for n, p in module.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            tensors.append((n, *sizes.get(n, (p.dtype, tuple(p.shape)))))
+    for n, b in module.named_buffers(remove_duplicate=False):
+        tensors.append((n, *sizes.get(n, (b.dtype, tuple(b.shape)))))
+    return packing.layout(tensors, packing.stage_of(module, k) if k > 1 else {}, k)
 
 
 def _pin_in_place(storage: torch.UntypedStorage) -> int:
@@ -204,6 +231,7 @@ class ModelManager:
             sys.setswitchinterval(GPU_SWITCH_INTERVAL_S)
         self.evictions = 0
         self.graphs = graphs  # CUDA graphs for single-GPU copies where they pay (``graphs``)
+        self.pack = True  # load a packed copy with one copy per GPU (``packing``); off: tensor by tensor
 
     def load_all(self) -> list[ModelSpec]:
         """Load every service into host RAM; a loader that raises marks only its service failed, a
@@ -268,16 +296,21 @@ class ModelManager:
         # the copies start first and cross the host links while this thread builds the module
         # around them: the skeleton's copy, the placement's hooks, the assignment (a fixed cost
         # that does not shrink with more GPUs, so hidden it lets k links load k times as fast)
+        lay = ld.layout
         where = {k: devices[i] for k, i in self._plan(name, len(devices)).items()}
-        host = dict(ld.host_state)
-        for alias, first in ld.aliases.items():  # a tied weight used on another GPU of the split: its own copy there
-            if where.get(alias, devices[0]) != where.get(first, devices[0]):
-                host[alias] = ld.host_state[first]
-        if self.cuda:
-            state, nbytes, pending = self._copy_to_gpus(host, where, devices[0], wait=False)
-        else:
-            state = {k: v.to(where.get(k, devices[0])) for k, v in host.items()}
-            nbytes, pending = sum(v.numel() * v.element_size() for v in host.values()), []
+        packed = self.pack and lay is not None and ld.packed is not None and lay.k == len(devices)
+        copy_times: list = []
+        if packed:
+            state, nbytes, pending, copy_times = self._copy_packed(ld, lay, devices)
+        else:  # tensor by tensor (``pack`` off: the comparison ``bench models --sections multigpu`` makes)
+            state, nbytes, pending = self._copy_to_gpus(dict(ld.host_state), where, devices[0], wait=False)
+        extra = {alias: ld.host_state[first] for alias, first in ld.aliases.items()
+                 if where.get(alias, devices[0]) != where.get(first, devices[0])}
+        if extra:  # a tied weight used on another GPU of the split: its own copy there
+            got, n, more = self._copy_to_gpus(extra, {a: where[a] for a in extra}, devices[0], wait=False)
+            state.update(got)
+            nbytes += n
+            pending += [st for st in more if st not in pending]
         t_prepare = time.perf_counter()
         module = copy.deepcopy(ld.skeleton)
         hops: dict = {}
@@ -290,6 +323,7 @@ class ModelManager:
         t_copy = time.perf_counter()
         for st in pending:
             st.synchronize()
+        copy_s = [round(a.elapsed_time(b) / 1e3, 5) for a, b in copy_times]
         gpus = [self._gpu(d) for d in dict.fromkeys(devices)] if self.cuda else []
         if self.cuda and len(gpus) == 1 and self.graphs:
             module.tangram_graphs = Graphs(gpus[0])  # kept by ``_warm`` only where they pay
@@ -302,7 +336,8 @@ class ModelManager:
             self.loads += 1
             self.load_log.append({"model": name, "gpus": list(block), "bytes": nbytes, "seconds": seconds,
                                   "issue_s": t_prepare - t, "build_s": t_copy - t_prepare,
-                                  "wait_s": t_assign - t_copy, **warm})
+                                  "wait_s": t_assign - t_copy, "copy_s": copy_s, "packed": packed,
+                                  **warm})
             self.instances[(name, block)] = inst
         return inst
 
@@ -371,6 +406,31 @@ class ModelManager:
             where = place(probe, [torch.device("meta", i) for i in range(k)])
             plan = self._plans[key] = {n: d.index or 0 for n, d in where.items()}
         return plan
+
+    def _copy_packed(self, ld: HostModel, lay: Layout, devices: list[torch.device]):
+        """The packed host buffer onto the block: one allocation and one asynchronous copy per GPU
+        (each on that GPU's load stream, all issued before any is waited for), the tensors views of
+        the allocations. Returns the views, the bytes, the streams to wait for and, on CUDA, a
+        (start, end) event pair per copy (the time each GPU's copy engine spent, for the load log)."""
+        assert ld.packed is not None
+        with self._memory:
+            parts = packing.device_parts(ld.packed, lay, devices)
+        pending, events = [], []
+        for part, (start, end) in zip(parts, lay.parts):
+            if not self.cuda:
+                part.copy_(ld.packed[start:end])
+                continue
+            stream = self._load_stream(part.device)
+            with torch.cuda.stream(stream):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(stream)
+                part.copy_(ld.packed[start:end], non_blocking=True)
+                b.record(stream)
+            events.append((a, b))
+            if stream not in pending:
+                pending.append(stream)
+        state = packing.views(parts, lay, ld.host_state)
+        return state, lay.total, pending, events
 
     def _copy_to_gpus(self, host: dict[str, torch.Tensor], where: dict, first: torch.device, wait: bool = True):
         """Host tensors onto their GPUs, every GPU's link busy at once: one allocation per GPU
