@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from ..managers.models import manager
+from ..managers.models import manager, packing
 from ..managers.models.manager import ModelServiceConfig
 from ..runtime import Tangram
 from ..sim.metrics import percentile
@@ -541,6 +541,62 @@ def _h2d_concurrent_gbps(n: int, gb: float = 4.0) -> float:
     return round(n * k * 2 / best / 1e9, 1)
 
 
+def _h2d_sources(n: int, gb: float = 7.0, reps: int = 3) -> dict:
+    """Host-to-GPU copies of ``gb`` to each of ``n`` GPUs at once (one copy per GPU, as a packed
+    load makes), from page-locked memory made two ways: torch's ``pin_memory`` (cudaHostAlloc) and
+    torch's allocation registered in place (cudaHostRegister, what the manager does). Per GPU: the
+    best copy time by CUDA events; in total: the best wall time of all copies."""
+    k = int(gb * 1e9) // 4096 * 4096
+    out: dict = {}
+    for kind in ("pin_memory", "registered"):
+        if kind == "pin_memory":
+            host = torch.empty(n * k, dtype=torch.uint8).pin_memory()
+            ptr = 0
+        else:
+            host = packing.host_buffer(n * k)
+            host.fill_(1)  # touch every page first, as reading weights into it does
+            ptr = manager._pin_in_place(host.untyped_storage())
+        devs = [torch.empty(k, dtype=torch.uint8, device=f"cuda:{i}") for i in range(n)]
+        streams = [torch.cuda.Stream(f"cuda:{i}") for i in range(n)]
+        walls, per_gpu = [], [[] for _ in range(n)]
+        for _ in range(reps):
+            evs = []
+            t = time.perf_counter()
+            for i, (d, st) in enumerate(zip(devs, streams)):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(st)
+                with torch.cuda.stream(st):
+                    d.copy_(host[i * k:(i + 1) * k], non_blocking=True)
+                b.record(st)
+                evs.append((a, b))
+            for st in streams:
+                st.synchronize()
+            walls.append(time.perf_counter() - t)
+            for i, (a, b) in enumerate(evs):
+                per_gpu[i].append(a.elapsed_time(b) / 1e3)
+        out[kind] = {"wall_s_best": round(min(walls), 4), "total_gbps": round(n * k / min(walls) / 1e9, 1),
+                     "per_gpu_gbps_best": [round(k / min(x) / 1e9, 1) for x in per_gpu],
+                     "per_gpu_s_all": [[round(v, 4) for v in x] for x in per_gpu]}
+        if ptr:
+            manager._unpin([ptr])
+        del host, devs
+        torch.cuda.empty_cache()
+    return out
+
+
+#: how the multigpu section loads: packed; tensor by tensor; packed once the previous eviction's
+#: device memory has been handed back (a free on a GPU while a copy to it runs may slow the copy)
+MULTI_GPU_MODES = ("packed", "per_tensor", "packed_settled")
+
+
+def _settle() -> None:
+    time.sleep(0.3)
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
+        torch.cuda.empty_cache()
+
+
 async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> dict:
     """The same weights as a 1-GPU copy and as a copy split over 2 GPUs: load time from host RAM
     (scaled to zero between rounds, so every round loads) and the scores of both. Each round loads
@@ -571,12 +627,17 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> 
     # the GPUs have no NVLink between them)
     async with Tangram.local(sandboxes=False, models=services, gpus=2, gpu_island_size=2) as tg:
         rt = tg.runtime
+        modes: list[str] = []  # the way each load of the log was made
         for _ in range(rounds):
-            for pack in (True, False):
-                rt.models.pack = pack
+            for mode in MULTI_GPU_MODES:
+                rt.models.pack = mode != "per_tensor"
                 for name in ("one", "two"):
+                    if mode == "packed_settled":  # the last eviction's memory handed back before this load
+                        await asyncio.to_thread(_settle)
+                    n = len(rt.models.load_log)
                     rs = await asyncio.gather(*(tg.score(name, s) for s in seqs))
                     assert all(r.ok for r in rs), rs[0].message
+                    modes += [mode] * (len(rt.models.load_log) - n)
                     scores[name] = [r.result for r in rs]
                     resident = await tg.score(name, seqs[0])
                     latency[name].append(resident.act_s)
@@ -587,8 +648,14 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> 
     _release_memory()
     out: dict = {"params_b": billions, "gpus": 2, "islands": islands, "discovered_island_of_each_gpu": discovered,
                  "rounds": rounds}
-    for mode, packed in (("packed", True), ("per_tensor", False)):
-        mine = [x for x in log_ if x.get("packed") is packed]
+    out["loads"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in x.items()
+                     if k in ("model", "packed", "seconds", "warm_s", "issue_s", "alloc_s", "build_s", "wait_s", "copy_s")}
+                    for x in log_]
+    for i, x in enumerate(out["loads"]):
+        x["mode"] = modes[i] if i < len(modes) else None
+    for mode in MULTI_GPU_MODES:
+        packed = mode != "per_tensor"
+        mine = [x for i, x in enumerate(log_) if i < len(modes) and modes[i] == mode]
         # the load itself (skeleton, copies, assignment); the warm-up after it is reported apart
         loads = {n: sorted(x["seconds"] - x.get("warm_s", 0.0) for x in mine if x["model"] == n) for n in ("one", "two")}
         one, two = loads["one"][len(loads["one"]) // 2], loads["two"][len(loads["two"]) // 2]
@@ -606,6 +673,7 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> 
         out[mode] = res
     out["packed_over_per_tensor_2gpu_load"] = out["per_tensor"]["load_s_2gpu"] / out["packed"]["load_s_2gpu"]
     out["load_speedup"] = out["packed"]["load_speedup"]
+    out["load_speedup_settled"] = out["packed_settled"]["load_speedup"]
     out["warm_s"] = {n: [round(x.get("warm_s", 0.0), 3) for x in log_ if x["model"] == n] for n in ("one", "two")}
     diff = max(abs(a - b) for a, b in zip(scores["one"], scores["two"]))
     scale = max(abs(a) for a in scores["one"]) or 1.0
@@ -615,6 +683,8 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> 
     if cuda:
         out["h2d_concurrent_2gpu_gbps"] = _h2d_concurrent_gbps(2)
         out["h2d_one_gpu_gbps"] = _h2d_concurrent_gbps(1)
+        out["h2d_sources_2gpu"] = _h2d_sources(2)
+        out["h2d_sources_1gpu"] = _h2d_sources(1, gb=14.0)
         out["device_names"] = [torch.cuda.get_device_name(i) for i in range(2)]
     return out
 
@@ -710,6 +780,7 @@ def main() -> None:
             json.dump({"acts": acts, "span_s": span}, fh)
         return
     PROFILE["dir"], PROFILE["seconds"] = args.profile, args.profile_s
+
     if args.min_gain is not None:
         manager.MIN_GAIN = args.min_gain
     merge = None

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from . import graphs
+from . import graphs, packing
 from .spec import ModelDirError, hf_dir_problem
 
 #: safetensors dtype names
@@ -155,7 +155,7 @@ def _read(entries: dict[str, _Entry], cast: dict[str, torch.dtype],
             offsets[name] = total
             n = e.nbytes // max(1, e.dtype.itemsize) * cast[name].itemsize
             total += (n + _ALIGN - 1) // _ALIGN * _ALIGN
-    storage = torch.empty(total, dtype=torch.uint8) if total else None
+    storage = packing.host_buffer(total) if total else None
     tensors: dict[str, torch.Tensor] = {}
     for name, e in entries.items():
         n = e.nbytes // max(1, e.dtype.itemsize) * cast[name].itemsize
@@ -226,12 +226,12 @@ def load(path: str, task: str, dtype: str | None = None,
         if p is not None and tuple(p.shape) != e.shape:
             raise ModelDirError(f"hf: {path}: {e.key} has shape {list(e.shape)}, the config makes "
                                 f"{n} {list(p.shape)}")
-    place = None
-    if layout_for is not None:
-        def place(shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[dict[str, int], int]:
-            lay = layout_for(module, shapes)
-            return {n: lay.at(n) for n in shapes}, lay.total
-    storage, tensors = _read(entries, cast, place)
+    def place(shapes: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> tuple[dict[str, int], int]:
+        assert layout_for is not None
+        lay = layout_for(module, shapes)
+        return {n: lay.at(n) for n in shapes}, lay.total
+
+    storage, tensors = _read(entries, cast, place if layout_for is not None else None)
     emb = module.get_input_embeddings()
     config = module.config
     max_pos = getattr(config, "max_position_embeddings", None)
