@@ -584,20 +584,27 @@ def _h2d_sources(n: int, gb: float = 7.0, reps: int = 3) -> dict:
     return out
 
 
-#: how the multigpu section loads: packed; tensor by tensor; packed once the previous eviction's
-#: device memory has been handed back (a free on a GPU while a copy to it runs may slow the copy)
+#: how the multigpu section loads: packed; tensor by tensor; packed once the GPUs were left quiet
+#: (0.3 s, device syncs, the cache handed back: 1.83x the 1-GPU load on 2x H200 where right after an
+#: eviction gave 1.45x); ``--multigpu-modes`` adds the parts of that apart: ``packed_synced`` (the
+#: pause and syncs, the cache kept: does a load into blocks the caching allocator reuses copy
+#: slower?) and ``packed_emptied`` (the cache handed back alone, no pause)
 MULTI_GPU_MODES = ("packed", "per_tensor", "packed_settled")
+SETTLE = {"packed_settled": (0.3, True, True), "packed_synced": (0.3, True, False), "packed_emptied": (0.0, False, True)}
 
 
-def _settle() -> None:
-    time.sleep(0.3)
+def _settle(mode: str) -> None:
+    pause, sync, empty = SETTLE[mode]
+    time.sleep(pause)
     if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
+        for i in range(torch.cuda.device_count()) if sync else ():
             torch.cuda.synchronize(i)
-        torch.cuda.empty_cache()
+        if empty:
+            torch.cuda.empty_cache()
 
 
-async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> dict:
+async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
+                     modes: tuple[str, ...] = MULTI_GPU_MODES) -> dict:
     """The same weights as a 1-GPU copy and as a copy split over 2 GPUs: load time from host RAM
     (scaled to zero between rounds, so every round loads) and the scores of both. Each round loads
     both copies packed (``packing``: one copy per GPU) and tensor by tensor (one copy per tensor,
@@ -627,17 +634,17 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> 
     # the GPUs have no NVLink between them)
     async with Tangram.local(sandboxes=False, models=services, gpus=2, gpu_island_size=2) as tg:
         rt = tg.runtime
-        modes: list[str] = []  # the way each load of the log was made
+        made: list[str] = []  # the way each load of the log was made
         for _ in range(rounds):
-            for mode in MULTI_GPU_MODES:
+            for mode in modes:
                 rt.models.pack = mode != "per_tensor"
                 for name in ("one", "two"):
-                    if mode == "packed_settled":  # the last eviction's memory handed back before this load
-                        await asyncio.to_thread(_settle)
+                    if mode in SETTLE:  # the GPUs left quiet before this load, in one of the ways
+                        await asyncio.to_thread(_settle, mode)
                     n = len(rt.models.load_log)
                     rs = await asyncio.gather(*(tg.score(name, s) for s in seqs))
                     assert all(r.ok for r in rs), rs[0].message
-                    modes += [mode] * (len(rt.models.load_log) - n)
+                    made += [mode] * (len(rt.models.load_log) - n)
                     scores[name] = [r.result for r in rs]
                     resident = await tg.score(name, seqs[0])
                     latency[name].append(resident.act_s)
@@ -652,10 +659,10 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> 
                      if k in ("model", "packed", "seconds", "warm_s", "issue_s", "alloc_s", "build_s", "wait_s", "copy_s")}
                     for x in log_]
     for i, x in enumerate(out["loads"]):
-        x["mode"] = modes[i] if i < len(modes) else None
-    for mode in MULTI_GPU_MODES:
+        x["mode"] = made[i] if i < len(made) else None
+    for mode in modes:
         packed = mode != "per_tensor"
-        mine = [x for i, x in enumerate(log_) if i < len(modes) and modes[i] == mode]
+        mine = [x for i, x in enumerate(log_) if i < len(made) and made[i] == mode]
         # the load itself (skeleton, copies, assignment); the warm-up after it is reported apart
         loads = {n: sorted(x["seconds"] - x.get("warm_s", 0.0) for x in mine if x["model"] == n) for n in ("one", "two")}
         one, two = loads["one"][len(loads["one"]) // 2], loads["two"][len(loads["two"]) // 2]
@@ -671,9 +678,11 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3) -> 
                     for i in range(len(copies[n][0]))] for n in ("one", "two")
                 for x in [next(y for y in mine if y["model"] == n)]}
         out[mode] = res
-    out["packed_over_per_tensor_2gpu_load"] = out["per_tensor"]["load_s_2gpu"] / out["packed"]["load_s_2gpu"]
-    out["load_speedup"] = out["packed"]["load_speedup"]
-    out["load_speedup_settled"] = out["packed_settled"]["load_speedup"]
+    if "packed" in out and "per_tensor" in out:
+        out["packed_over_per_tensor_2gpu_load"] = out["per_tensor"]["load_s_2gpu"] / out["packed"]["load_s_2gpu"]
+    for mode in modes:
+        out[f"load_speedup_{mode}"] = out[mode]["load_speedup"]
+    out["load_speedup"] = out[modes[0]]["load_speedup"]
     out["warm_s"] = {n: [round(x.get("warm_s", 0.0), 3) for x in log_ if x["model"] == n] for n in ("one", "two")}
     diff = max(abs(a - b) for a, b in zip(scores["one"], scores["two"]))
     scale = max(abs(a) for a in scores["one"]) or 1.0
@@ -694,12 +703,16 @@ SECTIONS = ("h2d", "throughput", "hf", "mopd", "dedicated", "ttfs", "multigpu")
 
 def run(device: str = "auto", log: Callable[[str], None] = print, requests: int | None = None,
         sections: tuple[str, ...] = SECTIONS, shares: list[str] | None = None, merge: dict | None = None,
-        dedicated_gpus: int = 1) -> dict:
+        dedicated_gpus: int = 1, multigpu_modes: tuple[str, ...] = MULTI_GPU_MODES) -> dict:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"sections: unknown {', '.join(sorted(unknown))} (known: {', '.join(SECTIONS)})")
+    known_modes = ("packed", "per_tensor", *SETTLE)
+    bad = [m for m in multigpu_modes if m not in known_modes]
+    if bad or not multigpu_modes:
+        raise ValueError(f"multigpu_modes: unknown {', '.join(bad) or '(none given)'} (known: {', '.join(known_modes)})")
     cuda = device == "cuda"
     result: dict = dict(merge or {})
     result.update({"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
@@ -746,7 +759,7 @@ def run(device: str = "auto", log: Callable[[str], None] = print, requests: int 
         result["time_to_first_score"] = asyncio.run(_time_to_first_score(device, vocab, 512 if cuda else 64))
         log(f"time to first score: {result['time_to_first_score']}")
     if "multigpu" in sections:
-        result["multi_gpu"] = asyncio.run(_multi_gpu(device, vocab, 512 if cuda else 64))
+        result["multi_gpu"] = asyncio.run(_multi_gpu(device, vocab, 512 if cuda else 64, modes=multigpu_modes))
         log(f"multi-GPU instance: {result['multi_gpu']}")
     return result
 
@@ -767,6 +780,8 @@ def main() -> None:
     ap.add_argument("--profile-s", type=float, default=7.0)
     ap.add_argument("--min-gain", type=float, default=None, help="keep a copy's CUDA graphs only where they are "
                     "this many times faster than eager (default: graphs.MIN_GAIN; 0 keeps them always)")
+    ap.add_argument("--multigpu-modes", default=",".join(MULTI_GPU_MODES),
+                    help=f"the multigpu section's ways to load, of packed, per_tensor, {', '.join(SETTLE)}")
     ap.add_argument("--dedicated-part", default=None, help=argparse.SUPPRESS)  # "i/n": a worker of the above
     args = ap.parse_args()
     if args.dedicated_part:
@@ -789,7 +804,8 @@ def main() -> None:
             merge = json.load(fh)
     shares = args.shares.split(",") if args.shares else None
     result = run(args.device, requests=args.requests, sections=tuple(x for x in args.sections.split(",") if x),
-                 shares=shares, merge=merge, dedicated_gpus=args.dedicated_gpus)
+                 shares=shares, merge=merge, dedicated_gpus=args.dedicated_gpus,
+                 multigpu_modes=tuple(args.multigpu_modes.split(",")))
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
