@@ -420,12 +420,13 @@ def bench_zygote(
     runs: int = typer.Option(300, min=10, help="One-shots per measurement."),
     rounds: int = typer.Option(3, min=1, help="Alternating measurements of each mode."),
     gap_ms: float = typer.Option(2.0, "--gap-ms", min=0.0, help="Idle time after each run (the sandbox in its pool)."),
+    code: str = typer.Option("print(1)", help="The one-shot's program (e.g. 'raise ValueError(1)': a failing one)."),
 ) -> None:
     """A python one-shot's child alone (the sandbox runner's zygote, outside a sandbox): forked on
     demand vs forked ahead, run latency, CPU and page faults, as ratios."""
     from .bench.zygote import run
 
-    _print_json(run(runs, rounds, gap_ms / 1000, log=lambda m: console.print(m)), json_out)
+    _print_json(run(runs, rounds, gap_ms / 1000, log=lambda m: console.print(m), code=code), json_out)
 
 
 @bench_app.command("envs")
