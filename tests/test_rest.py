@@ -14,6 +14,8 @@ import pytest
 from arl_tangram.core import Outcome
 from arl_tangram.managers.sandbox.spec import SandboxConfig
 from arl_tangram.runtime import NoRoom, Tangram
+from arl_tangram.runtime.local import LocalRuntime
+from arl_tangram.server.service import Service
 
 from servers import Server
 
@@ -360,3 +362,17 @@ def test_an_image_session_rests_with_its_root_mounted_and_wakes_with_its_files_a
             assert r.stdout.split() == ["999", "disk", "tmpfs"] and r.result.info["woken"]
             await s.close()
     asyncio.run(main())
+
+
+def test_a_server_answers_once_the_sessions_warm_sandboxes_are_ready():
+    """Right after a server starts, a new session (or a wake) finds a warm layered sandbox: the
+    sessions' pool was full before it answered (its first steps paid a layered start before)."""
+    async def main():
+        runtime = LocalRuntime(sandbox=SandboxConfig(warm_pool=1, warm_sessions=3))
+        service = Service(runtime)
+        await service.start()
+        try:
+            return len(runtime.sandbox_manager()._session_pool)
+        finally:
+            await service.stop()
+    assert asyncio.run(main()) == 3

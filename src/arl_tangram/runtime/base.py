@@ -274,6 +274,11 @@ class Runtime:
         for listener in self.rest_listeners:
             listener(trajectory, path)
 
+    async def warm_up(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until new sessions find warm sandboxes; False if they do not
+        yet (this runtime keeps none here: True)."""
+        return True
+
     async def rest_recorded(self) -> None:
         """Return once what ``rest_listeners`` were told is durable (``rest_barriers``)."""
         for barrier in self.rest_barriers:

@@ -123,6 +123,10 @@ class LocalRuntime(Runtime):
         real = self.sandbox_manager()
         return real.session_state(trajectory) if real is not None else None
 
+    async def warm_up(self, timeout_s: float) -> bool:
+        real = self.sandbox_manager()
+        return await real.sessions_warm(timeout_s) if real is not None and real.mode is not None else True
+
     def rest_stats(self) -> dict | None:
         real = self.sandbox_manager()
         return real.rest_stats() if real is not None and real.store is not None else None

@@ -34,6 +34,8 @@ from .journal import Journal
 from .snapshots import Snapshots, UnknownSnapshot
 
 log = logging.getLogger(__name__)
+#: seconds a starting server waits for the sessions' warm pool before it answers (runtime.warm_up)
+WARM_UP_S = 10.0
 
 
 class Overloaded(Exception):
@@ -203,6 +205,8 @@ class Service:
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
         await self.runtime.start()
+        if not await self.runtime.warm_up(WARM_UP_S):
+            log.warning("the sessions' warm sandboxes were not ready within %.0f s: serving anyway", WARM_UP_S)
         self.metrics.cores.set(self.runtime.snapshot().cores)
         if self.journal is not None:
             self._recover()
