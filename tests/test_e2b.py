@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import shutil
+import sqlite3
 import time
 
 import httpx
@@ -637,6 +638,8 @@ def test_image_template_files_fork_and_metrics(tmp_path):
         snap = sb.create_snapshot(name="tiny-e2b-snap")
         from_snap = Sandbox.create(template="tiny-e2b-snap", timeout=60)
         assert from_snap.commands.run("cat state.txt; cat /etc/motd").stdout == "s1from the image\n"
+        with sqlite3.connect(srv.journal) as db:  # an open session the journal knows, as a created one
+            assert db.execute("SELECT state FROM sessions WHERE id=?", (from_snap.sandbox_id,)).fetchall() == [("awake",)]
         from_snap.kill()
         assert Sandbox.delete_snapshot(snap.snapshot_id) is True
         assert Sandbox.delete_snapshot(snap.snapshot_id) is False

@@ -335,6 +335,9 @@ async def _from_snapshot(service: Service, reg: Boxes, snap: dict, sid: str, job
         raise E2bError(400, f"templateID: snapshot {snap['id']} cannot be restored: {e}") from None
     service.sessions[sid] = session
     service.metrics.sessions.set(len(service.sessions))
+    if service.journal is not None:  # an open session as any other: a restart knows it (issue 25)
+        service.journal.session_open(sid, job, session.image)
+        await service.journal.durable()
     now = time.time()
     box = reg.boxes[sid] = Box(sid, job, snap["id"], metadata, env, secrets.token_urlsafe(24), now, now + timeout)
     box.used_at = now
