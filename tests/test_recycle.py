@@ -345,3 +345,26 @@ def test_the_zygote_protocol_survives_a_child_forked_ahead_dying_idle(tmp_path):
     assert [code for code, _ in out["seen"]] == [0] * 5, out
     assert out["seen"][1][1] == str(out["ahead"])  # the second run was the child forked ahead
     assert len({pid for _, pid in out["seen"]}) == 5, out  # a fresh process every run
+
+
+def test_fork_ahead_is_the_configs_to_choose():
+    """With ``fork_ahead`` a recycled sandbox waits in the pool with one process more (the next
+    run's child) than without; either way the runs are recycled and correct."""
+    async def main(ahead: bool):
+        cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1, fork_ahead=ahead)
+        async with Tangram.local(sandbox=cfg, cores=2) as tg:
+            mgr = tg.runtime.sandboxes
+            r = await tg.run("print(1)")
+            await _settle(tg, 0)
+            pooled = list(mgr._pool)
+            if len(pooled) != 1 or pooled[0].group is None:
+                pytest.skip("no cgroups here: the sandbox's processes cannot be counted from the host")
+            procs = pooled[0].group.pids()
+            again = await tg.run("print(2)")
+            return r, procs, again, await _settle(tg, 1)
+
+    runs = {ahead: asyncio.run(main(ahead)) for ahead in (True, False)}
+    for r, _, again, stats in runs.values():
+        assert r.stdout == "1\n" and again.stdout == "2\n"
+        assert stats["recycled"] == 2 and not stats["discarded"], stats
+    assert len(runs[True][1]) == len(runs[False][1]) + 1, (runs[True][1], runs[False][1])
