@@ -3,7 +3,8 @@
 * cold: every action spawns its own sandbox (isolation + interpreter start-up in the ACT)
 * warm: the action takes a prepared sandbox from the pool (measured with the pool full), both
   with a fresh sandbox per one-shot (``fresh``) and with used ones reset and reused (``recycled``)
-* session exec: a python cell in a live session (thaw, run, freeze)
+* session exec: a python cell in a live session (thaw, run, freeze); a shell step with and without
+  a listener of its output (``on_output``: what streaming costs, as a ratio of one run)
 * throughput: trivial one-shots at a concurrency of 4 per core, the pool refilling as it goes
 * interpreter start-up: what starting each candidate interpreter costs, for choosing one
 """
@@ -90,9 +91,20 @@ async def _warm(samples: int, pool: int, cores: int, recycle: bool, log: Callabl
             t = time.perf_counter()
             r = await s.exec(python="x += 1")
             execs.append((time.perf_counter() - t) * 1000)
+        # a shell step nobody listens to, and one streamed to a listener (alternating, one run)
+        shell: dict[bool, list[float]] = {False: [], True: []}
+        for i in range(samples * 2):
+            heard = bool(i % 2)
+            t = time.perf_counter()
+            r = await s.exec("echo hi", on_output=(lambda k, d: None) if heard else None)
+            shell[heard].append((time.perf_counter() - t) * 1000)
+            assert r.stdout == "hi\n", r.message
         await s.close()
         result["session_exec_p50_ms"] = round(_pct(execs, 50), 2)
         result["session_exec_p99_ms"] = round(_pct(execs, 99), 2)
+        result["session_shell_p50_ms"] = round(_pct(shell[False], 50), 2)
+        result["session_shell_streamed_p50_ms"] = round(_pct(shell[True], 50), 2)
+        result["streamed_vs_plain_shell_p50"] = round(_pct(shell[True], 50) / _pct(shell[False], 50), 3)
         log(f"session exec p50 {result['session_exec_p50_ms']} ms")
         await _wait_pool(tg, pool)
         concurrency = 4 * cores

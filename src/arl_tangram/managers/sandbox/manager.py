@@ -868,8 +868,21 @@ class SandboxManager:
                     req["stream"] = True
             else:
                 return Outcome.REJECTED, SandboxResult(message="exec: give a command or a python cell")
-            # + the shell's own kill window
-            r = await sb.request(req, payload.timeout_s + grace + 1.0, on_output if "stream" in req else None)
+            if "stream" not in req:  # + the shell's own kill window
+                r = await sb.request(req, payload.timeout_s + grace + 1.0)
+                return _outcome(r), _result(r)
+            assert on_output is not None
+            streamed = {"stdout": 0, "stderr": 0}
+
+            def counted(stream: str, data: bytes) -> None:
+                streamed[stream] += len(data)
+                on_output(stream, data)
+
+            r = await sb.request(req, payload.timeout_s + grace + 1.0, counted)
+            for stream in ("stdout", "stderr"):  # what the step had not sent before it ended
+                data = base64.b64decode(r.get(stream) or "")
+                if len(data) > streamed[stream]:
+                    on_output(stream, data[streamed[stream]:])
             return _outcome(r), _result(r)
         if isinstance(payload, Files):
             out = SandboxResult()

@@ -8,8 +8,8 @@ Each step is written to a file and sourced in the shell's own process by a one-l
     { . STEP; } <IN >OUT 2>ERR 3>&-; echo "NONCE $?" >&3
 
 OUT and ERR are FIFOs the runner reads while the step runs (stdout and stderr stay apart, each
-capped like every other step's output; a ``stream`` request also forwards what it keeps, chunk
-by chunk, to the host while the step runs: ``_emitter``); the step's exit status comes back on a private pipe
+capped like every other step's output; a ``stream`` request also forwards what it keeps to the
+host while the step runs, ``COALESCE_S`` at a time: ``_emitter``); the step's exit status comes back on a private pipe
 (fd 3, closed for the step itself) behind a per-step random nonce. The runner also holds a
 writer of each FIFO open, so a step's end is never mistaken for the start of the next one.
 
@@ -123,9 +123,8 @@ def start(env, workspace, close_fds):
     return name
 
 
-def _drain(fd, buf, limit, emit=None, name=""):
-    """Read what is there now; returns whether anything was dropped for the cap. ``emit``: a
-    streamed step's forwarder of what was kept (what the cap drops is never forwarded)."""
+def _drain(fd, buf, limit):
+    """Read what is there now; returns whether anything was dropped for the cap."""
     dropped = False
     while True:
         try:
@@ -137,10 +136,15 @@ def _drain(fd, buf, limit, emit=None, name=""):
         room = limit - len(buf)
         if room > 0:
             buf += chunk[:room]
-            if emit is not None:
-                emit(name, chunk[:room])
         if len(chunk) > room:
             dropped = True
+
+
+#: a streamed step's output waits this long for more before it is sent: a step that ends by then
+#: sends none (its answer has it all, and the host hands the rest to the listener), so a short
+#: command costs no extra wake-ups of the host (measured: 1.25 vs 3.18 ms p50 for `echo hi` at
+#: load 17 when every read was sent at once)
+COALESCE_S = 0.005
 
 
 def _emitter(fd, b64):
@@ -246,6 +250,8 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
     # is the runner's answer channel)
     emit = _emitter(close_fds[1], b64) if req.get("stream") else None
     names = {out_fd: "stdout", err_fd: "stderr"}
+    sent = {out_fd: 0, err_fd: 0}  # bytes of each stream emitted so far
+    unsent_since = None  # when output not yet emitted first came
     ctl_buf = b""
     truncated = timed_out = False
     status = None
@@ -271,7 +277,8 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
                          "one (cwd, variables and functions reset)")
             status = -9
             break
-        for fd, ev in poll.poll(max(0.0, left) * 1000):
+        wait = left if unsent_since is None else min(left, unsent_since + COALESCE_S - time.monotonic())
+        for fd, ev in poll.poll(max(0.0, wait) * 1000):
             if fd == ctl:
                 chunk = os.read(ctl, 4096)
                 if not chunk:  # the shell exited (`exit N`), or was replaced (`exec prog`)
@@ -283,10 +290,21 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
                     word, _, code = text.partition(" ")
                     if word == nonce and code.strip().lstrip("-").isdigit():
                         status = int(code)
-            elif _drain(fd, bufs[fd], limit, emit, names[fd]):
+            elif _drain(fd, bufs[fd], limit):
                 truncated = True
+        if emit is not None and status is None and (len(bufs[out_fd]) > sent[out_fd] or
+                                                    len(bufs[err_fd]) > sent[err_fd]):
+            now = time.monotonic()
+            if unsent_since is None:
+                unsent_since = now
+            if now - unsent_since >= COALESCE_S:
+                for fd in (out_fd, err_fd):
+                    if len(bufs[fd]) > sent[fd]:
+                        emit(names[fd], bytes(bufs[fd][sent[fd]:]))
+                        sent[fd] = len(bufs[fd])
+                unsent_since = None
     for fd in (out_fd, err_fd):
-        if _drain(fd, bufs[fd], limit, emit, names[fd]):
+        if _drain(fd, bufs[fd], limit):
             truncated = True
     if busy:
         stop()
