@@ -334,10 +334,10 @@ def test_the_zygote_protocol_survives_a_child_forked_ahead_dying_idle(tmp_path):
     import sys
     from pathlib import Path
 
-    import arl_tangram.managers.sandbox.runner as runner_mod
+    from arl_tangram.managers.sandbox.isolation import RUNNER  # (importing runner.py would take over our fds)
     script = tmp_path / "probe.py"
     script.write_text(ZYGOTE_PROTOCOL)
-    p = subprocess.run([sys.executable, "-I", str(script), str(Path(runner_mod.__file__).parent)],
+    p = subprocess.run([sys.executable, "-I", str(script), str(Path(RUNNER).parent)],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
@@ -368,3 +368,35 @@ def test_fork_ahead_is_the_configs_to_choose():
         assert r.stdout == "1\n" and again.stdout == "2\n"
         assert stats["recycled"] == 2 and not stats["discarded"], stats
     assert len(runs[True][1]) == len(runs[False][1]) + 1, (runs[True][1], runs[False][1])
+
+
+NO_TRACEBACK = r"""
+import builtins, json, os, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+sys.argv = ["runner"]
+real = builtins.__import__
+def without_traceback(name, *args, **kwargs):
+    if name == "traceback":
+        raise ImportError("an image's minimal python")
+    return real(name, *args, **kwargs)
+builtins.__import__ = without_traceback
+import runner
+out = os.fdopen(runner.PROTO_OUT, "w")
+z = runner.Zygote()
+r = z.run({"cwd": tempfile.gettempdir(), "code": "print(5)", "timeout_s": 10})
+print(json.dumps({"exit": r["exit_code"], "stdout": runner.unb64(r["stdout"]).decode(), "broken": z.broken}), file=out)
+"""
+
+
+def test_a_python_without_a_module_the_rehearsal_uses_still_runs_one_shots(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from arl_tangram.managers.sandbox.isolation import RUNNER
+    script = tmp_path / "probe.py"
+    script.write_text(NO_TRACEBACK)
+    p = subprocess.run([sys.executable, "-I", str(script), str(Path(RUNNER).parent)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == {"exit": 0, "stdout": "5\n", "broken": ""}

@@ -465,7 +465,10 @@ class Zygote:
         if not select.select([self.sock], [], [], timeout_s)[0]:
             self.broken = self.broken or f"no {tags!r} from the zygote in {timeout_s} s"
             return None
-        data = recv_exact(self.sock, 5)
+        try:
+            data = recv_exact(self.sock, 5)
+        except OSError:  # the zygote is gone
+            data = None
         if not data or data[:1].decode("latin-1") not in tags:
             self.broken = self.broken or f"the zygote sent {data[:1]!r} where {tags!r} was due"
             return None
@@ -550,6 +553,8 @@ def rehearse():
             except ValueError:
                 print_exc()
             marshal.loads(marshal.dumps({"code": "", "env": {}, "cpus": None, "cwd": None, "as_bytes": None}, 4))
+    except Exception:  # an image's minimal python may lack a module: a rehearsal is only a saving
+        pass
     finally:
         os.environ.clear()
         os.environ.update(environ)
