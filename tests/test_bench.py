@@ -124,7 +124,7 @@ def test_bench_cluster_prints_scaling_chaos_and_engine_figures(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "c.json"
     p = tangram("bench", "cluster", "--nodes", "1,2", "--actions", "20", "--chaos", "40", "--drain-sessions", "4",
-                "--json", str(out))
+                "--restart-sessions", "3", "--json", str(out))
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
     assert [row["nodes"] for row in r["scaling"]] == [1, 2]
@@ -133,6 +133,8 @@ def test_bench_cluster_prints_scaling_chaos_and_engine_figures(tmp_path):
     assert r["engine"]["open_sessions"] == 10_000 and r["engine"]["queued"] == 10_000
     if os.geteuid() == 0:  # moves snapshot layered workspaces (overlay mounts)
         assert r["drain"]["files_intact"] == 4 and r["drain"]["moved"] == 4 and r["drain"]["drained_s"] > 0
+    restart = r["restart"]  # the head killed with -9 holding 3 sessions, started again
+    assert restart["reattached"] == 3 and restart["lost"] == 0 and restart["intact"] == 3, restart
 
 
 def test_bench_zygote_compares_a_child_forked_on_demand_and_ahead(tmp_path):

@@ -115,8 +115,9 @@ def test_serve_with_ray_restart_recovers_and_leaks_no_sandbox(cluster, tmp_path)
     c, _ = cluster
     journal = tmp_path / "journal.sqlite3"
 
-    def serve() -> Server:
-        return Server(tmp_path, journal=journal, args=("--ray", c.address), start_timeout_s=60)
+    def serve() -> Server:  # agents outlive a head for their lease: 3 s here (test_reattach.py: a head back in time)
+        return Server(tmp_path, journal=journal, config={"lease_s": 3}, args=("--ray", c.address),
+                      start_timeout_s=60)
 
     head = serve()
     url = head.url
@@ -137,7 +138,7 @@ def test_serve_with_ray_restart_recovers_and_leaks_no_sandbox(cluster, tmp_path)
     deadline = time.time() + 60
     while time.time() < deadline and any(_alive(p) for p in sandboxes):
         time.sleep(0.5)
-    assert not [p for p in sandboxes if _alive(p)], "sandboxes of the dead head leaked"
+    assert not [p for p in sandboxes if _alive(p)], "sandboxes of the dead head outlived their agents' lease"
     head2 = serve()
     url2 = head2.url
     try:

@@ -311,7 +311,7 @@ def test_a_server_killed_with_sessions_at_rest_wakes_them_after_restart(tmp_path
         fh.write(b"x")
     s = Server(tmp_path, cfg, journal=s.journal)
     try:
-        assert httpx.get(f"{s.url}/healthz").json()["recovered_sessions"] == {"at_rest": 1, "lost": 1}
+        assert httpx.get(f"{s.url}/healthz").json()["recovered_sessions"] == {"at_rest": 1, "reattached": 0, "lost": 1}
         assert not os.path.exists(orphan)
         assert httpx.get(f"{s.url}/v1/sessions/{sids[0]}").json()["state"] == "at_rest"
         r = httpx.post(f"{s.url}/v1/sessions/{sids[0]}/exec", json={"python": "print(f(), len(xs))"},

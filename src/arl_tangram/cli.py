@@ -545,10 +545,13 @@ def bench_cluster(
     model_device: str = typer.Option("auto", help="cuda, cpu (CPU devices stand in for GPUs) or auto."),
     drain_sessions: int = typer.Option(50, min=0, help="Sessions on the node drained by the drain run (their "
                                        "moves to a node that joined); 0 skips it."),
+    restart_sessions: int = typer.Option(20, min=0, help="Sessions held by `tangram serve --ray` when it is "
+                                         "killed with -9 and started again (the restart run); 0 skips it."),
 ) -> None:
     """The Ray backend: scaling over nodes, a node killed mid-run, the engine's cost at 64 nodes,
-    a node of --drain-sessions sessions drained, and (--gpu-nodes) model services with a GPU
-    node's agent killed mid-run."""
+    a node of --drain-sessions sessions drained, the head killed with -9 holding --restart-sessions
+    sessions and started again, and (--gpu-nodes) model services with a GPU node's agent killed
+    mid-run."""
     from .bench.cluster import run  # first: it keeps the loopback clusters' addresses on 127.0.0.1
 
     try:
@@ -563,7 +566,7 @@ def bench_cluster(
         raise fail(f"--model-device: expected auto, cuda or cpu, got {model_device!r}")
     _print_json(run(parsed, cores, actions, work_ms, chaos_actions=chaos, log=lambda m: console.print(m),
                     gpu_nodes=gpu_nodes, model_calls=model_calls, model_device=model_device,
-                    drain_sessions=drain_sessions), json_out)
+                    drain_sessions=drain_sessions, restart_sessions=restart_sessions), json_out)
 
 
 @bench_app.command("sessions")

@@ -255,6 +255,14 @@ class Engine:
         self.cpu.drain(index)
         return sorted(s for s, home in self.cpu.homes.items() if home == index)
 
+    def adopt_session(self, session: str, node: int) -> None:
+        """A session that lives on ``node`` already (a restarted head re-attaching its node's
+        sessions) is homed there: its next step thaws it there. It reserves its estimate
+        (``Costs.session_mem_gb``), or what the node has left when less: it exists whatever the
+        ledger says, and its next step settles its measured use."""
+        mem = min(self.costs.session_mem_gb, max(0.0, self.cpu.free_mem[node]))
+        self.cpu.attach(session, node, mem)
+
     def move_session(self, session: str) -> int | None:
         """Where ``session`` goes off its draining home: the node with the most free cores that
         has room for its reserved memory; it is homed there now (its memory reserved there). None

@@ -11,6 +11,10 @@
   node has joined: the time until it holds nothing, each move's carry (snapshot, object store,
   restore), and what the sessions' next steps, sent right after the drain began, took beside the
   same step before it (the wait a moved session's step sees); every step checks its file.
+* ``restart`` (``restart_sessions`` > 0): ``tangram serve --ray`` with that many sessions (each
+  with a file and a Python variable) killed with -9 and started again on the same journal and
+  cluster: the time until the new head answers with every session re-attached, and each session's
+  first step after it (which reads the file and the variable) beside the same step before.
 * ``engine``: the head's own cost at scale, with simulated agents: scheduling rounds per second
   with ``sessions`` open sessions spread over ``engine_nodes`` nodes and a queue of 10,000.
 
@@ -289,6 +293,96 @@ def drain(sessions: int, cores: int, log: Callable[[str], None]) -> dict:
     return r
 
 
+def restart(sessions: int, cores: int, log: Callable[[str], None], concurrency: int = 8) -> dict:
+    """``tangram serve --ray`` over 2 loopback nodes with ``sessions`` sessions, killed with -9 and
+    started again: its readiness (process start to ``/healthz``, the re-attach included) and each
+    session's first step after it."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    import httpx
+
+    c, _ = _cluster(2, cores)
+    state = tempfile.mkdtemp(prefix="tangram-bench-restart-")
+    journal = os.path.join(state, "journal.sqlite3")
+    config = os.path.join(state, "config.json")
+    with open(config, "w") as fh:
+        fh.write('{"sandbox": {"session_idle_expiry_s": 3600}}')
+    procs: list[subprocess.Popen] = []
+
+    def serve() -> tuple[str, float]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        t = time.perf_counter()
+        out = open(os.path.join(state, f"server-{port}.log"), "w")
+        procs.append(subprocess.Popen([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port),
+                                       "--journal", journal, "--config", config, "--ray", c.address],
+                                      stdout=out, stderr=subprocess.STDOUT))
+        url = f"http://127.0.0.1:{port}"
+        while time.perf_counter() - t < 300:
+            if procs[-1].poll() is not None:
+                raise RuntimeError(f"tangram serve --ray exited (log: {out.name})")
+            try:
+                if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
+                    return url, time.perf_counter() - t
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"tangram serve --ray did not answer in 300 s (log: {out.name})")
+
+    async def steps(url: str, sids: list[str], body: Callable[[int], dict]) -> list[tuple[float, dict]]:
+        gate = asyncio.Semaphore(concurrency)
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one(i: int, sid: str) -> tuple[float, dict]:
+                async with gate:
+                    t = time.perf_counter()
+                    r = await client.post(f"{url}/v1/sessions/{sid}/exec", json=body(i))
+                    return time.perf_counter() - t, r.json()
+            return await asyncio.gather(*(one(i, sid) for i, sid in enumerate(sids)))
+
+    check = {"python": "print(x, open('f').read().strip())"}
+    try:
+        url, first_start_s = serve()
+        sids = [httpx.post(f"{url}/v1/sessions", json={"job": "bench"}, timeout=60).json()["session_id"]
+                for _ in range(sessions)]
+        made = asyncio.run(steps(url, sids, lambda i: {"command": f"echo file{i} > f"}))
+        made += asyncio.run(steps(url, sids, lambda i: {"python": f"x = {i}"}))
+        assert all(r["outcome"] == "ok" for _, r in made), next(r for _, r in made if r["outcome"] != "ok")
+        before = asyncio.run(steps(url, sids, lambda i: check))
+        procs[-1].send_signal(signal.SIGKILL)
+        procs[-1].wait()
+        url, ready_s = serve()
+        health = httpx.get(f"{url}/healthz", timeout=30).json()
+        after = asyncio.run(steps(url, sids, lambda i: check))
+        intact = sum(r.get("outcome") == "ok" and (r.get("run") or {}).get("stdout") == f"{i} file{i}\n"
+                     for i, (_, r) in enumerate(after))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+        _close(c)
+    waits = [d for d, _ in after]
+    r = {"sessions": sessions, "nodes": 2, "first_start_s": round(first_start_s, 2),
+         "restart_ready_s": round(ready_s, 2), "reattached": health["recovered_sessions"].get("reattached"),
+         "lost": health["recovered_sessions"].get("lost"),
+         "step_before_p50_ms": round(_pct([d for d, _ in before], 50) * 1000, 1),
+         "first_step_after_p50_ms": round(_pct(waits, 50) * 1000, 1),
+         "first_step_after_p99_ms": round(_pct(waits, 99) * 1000, 1), "intact": intact}
+    log(f"restart: tangram serve --ray killed with -9 holding {sessions} sessions, answering again {r['restart_ready_s']} s "
+        f"after its start (first start {r['first_start_s']} s) with {r['reattached']} re-attached, {r['lost']} lost; "
+        f"first steps after p50 {r['first_step_after_p50_ms']} ms, p99 {r['first_step_after_p99_ms']} ms (before: "
+        f"p50 {r['step_before_p50_ms']} ms); files and variables intact {intact}/{sessions}")
+    return r
+
+
 def engine_cost(nodes: int = 64, sessions: int = 10_000, depth: int = 10_000, seconds: float = 2.0) -> dict:
     """The head's engine with simulated agents: scheduling rounds (complete + submit + schedule)
     per second with ``sessions`` open sessions over ``nodes`` nodes of 64 cores and ``depth``
@@ -300,7 +394,8 @@ def engine_cost(nodes: int = 64, sessions: int = 10_000, depth: int = 10_000, se
 
 def run(nodes: tuple[int, ...] = (1, 2, 3), cores: int = 1, actions: int = 150, work_ms: float = 0.0,
         per_core: int = 4, chaos_actions: int = 300, log: Callable[[str], None] = print, gpu_nodes: int = 0,
-        model_calls: int = 400, model_device: str = "auto", drain_sessions: int = 0) -> dict:
+        model_calls: int = 400, model_device: str = "auto", drain_sessions: int = 0,
+        restart_sessions: int = 0) -> dict:
     result = {"machine_cpus": len(os.sched_getaffinity(0))}
     result["engine"] = engine_cost()
     log(f"engine: {result['engine']['decisions_per_s']:,} decisions/s with {result['engine']['open_sessions']:,} "
@@ -315,6 +410,8 @@ def run(nodes: tuple[int, ...] = (1, 2, 3), cores: int = 1, actions: int = 150, 
         result["drain"] = {"skipped": "moving a session snapshots its layered workspace: overlay mounts need root"}
     elif drain_sessions:
         result["drain"] = drain(drain_sessions, cores, log)
+    if restart_sessions:
+        result["restart"] = restart(restart_sessions, cores, log)
     if gpu_nodes:
         result["model_chaos"] = model_chaos(gpu_nodes, model_calls, _model_device(model_device), log)
     return result

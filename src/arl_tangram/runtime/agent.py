@@ -11,6 +11,14 @@ own (0..n-1); the head maps its global ids to them (``RemoteModels``).
 The class knows nothing of Ray (``RayRuntime`` wraps it as an actor pinned to its node), so it is
 tested like any manager. Sessions the manager expires are collected here and picked up by the
 head's membership loop (``take_expired``), which ends them in the engine.
+
+**A lease** (issue 24): on Ray the agent outlives the head that started it (a detached actor), so
+its sessions, files and processes both, survive a head restart. The head renews the lease at each
+look at the agent (``take_expired(lease_s)``); a restarted head takes the agent over (``attach``:
+what it runs for the dead head is cancelled, the head journals those as ended; its sessions are
+listed) and says which sessions it owns (``keep``: the others are closed). An agent whose lease
+runs out with no head closes everything it holds and, on Ray, exits: nothing is left that nobody
+owns.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import asyncio
 import os
 import socket
 import tempfile
+import time
 import uuid
 from typing import Callable
 
@@ -42,12 +51,14 @@ class NodeAgent:
     def __init__(self, name: str, cores: int, config: SandboxConfig | None = None, cpu_offset: int = 0,
                  cpus: tuple[int, ...] | None = None, *, sandboxes: bool = True, models: list | None = None,
                  gpus: int | None = None, gpu_memory_gb: float | None = None, gpu_island_size: int | None = None,
-                 model_device: str = "auto") -> None:
+                 model_device: str = "auto", exit_when_orphaned: bool = False) -> None:
         """``cpus``: exactly these host CPUs (a sandbox worker of one machine uses its engine's);
         ``sandboxes``: False on a node without cores for them. ``models``: the
         ``ModelServiceConfig``s this node serves on its GPUs (discovered; ``gpus``,
         ``gpu_memory_gb``, ``gpu_island_size`` override, as ``LocalHost.detect``), or on ``gpus``
-        CPU "devices" without CUDA (``model_device``)."""
+        CPU "devices" without CUDA (``model_device``). ``exit_when_orphaned``: once its lease
+        runs out with no head renewing it, the process exits after closing what it holds (a
+        detached Ray actor; a sandbox worker has no lease)."""
         self.name = name
         self.cores = cores
         self.config = config or SandboxConfig()
@@ -60,19 +71,30 @@ class NodeAgent:
         self.manager: SandboxManager | None = None
         self.models: Any = None  # the node's ModelManager, once its weights are in host memory
         self._waiting: dict[str, Callable[[Completion], None]] = {}  # action id -> where its completion goes
+        self._step_of: dict[str, str] = {}  # action id -> its session, for session steps waiting here
+        self._leftover: dict[str, asyncio.Future] = {}  # session -> its step a dead head started, until it ends
         self._loading: dict[str, asyncio.Future] = {}  # prefetch key -> resolved when resident
         self._expired: list[str] = []
         self._rested: dict[str, str | None] = {}  # session -> its blob here (None: woken) since the head last asked
         self.problem = ""
         self.model_problem = ""
+        self.info: dict | None = None  # what ``start`` returned: a head that takes the agent over gets it again
+        self.exit_when_orphaned = exit_when_orphaned
+        self.lease_until: float | None = None  # monotonic; None: no lease (never renewed)
+        self._lease_task: asyncio.Task | None = None
+        self.orphaned = False  # the lease ran out: everything was closed
 
-    async def start(self) -> dict:
+    async def start(self, lease_s: float | None = None) -> dict:
         """Start the sandbox manager and the model host; returns what the head shows of this
         node. A node where sandboxes cannot run (no bubblewrap, say) reports why and gets no
-        sandbox actions; one whose model services cannot load reports why and gets no GPU work."""
+        sandbox actions; one whose model services cannot load reports why and gets no GPU work.
+        ``lease_s``: the head's first lease (the module docstring)."""
+        if lease_s is not None:
+            self.renew(lease_s)
         info = await self._start_sandboxes()
         if self.model_configs:
             info.update(await self._start_models())
+        self.info = info
         return info
 
     async def _start_sandboxes(self) -> dict:
@@ -120,6 +142,7 @@ class NodeAgent:
 
     def _report(self, r: Report) -> None:
         if isinstance(r, Completion):
+            self._step_of.pop(r.action_id, None)
             done = self._waiting.pop(r.action_id, None)
             if done is not None:
                 done(r)
@@ -139,6 +162,8 @@ class NodeAgent:
         elif manager is None:
             raise RuntimeError(f"node {self.name} runs no sandboxes: {self.problem}")
         self._waiting[action.id] = done
+        if action.trajectory is not None:
+            self._step_of[action.id] = action.trajectory
         manager.start(action, allocation)
 
     async def prefetch(self, key: str, model: str, block: tuple[int, ...], per_gpu_gb: float) -> None:
@@ -159,7 +184,11 @@ class NodeAgent:
             self.models.evict(model, block)
 
     async def run(self, action: Action, allocation: Allocation) -> Completion:
-        """Run one action the head's engine started on this node; its ``Completion``."""
+        """Run one action the head's engine started on this node; its ``Completion``. A session's
+        step waits for the step a dead head left running in it (``attach``)."""
+        left = self._leftover.get(action.trajectory) if action.trajectory is not None else None
+        if left is not None:
+            await asyncio.shield(left)
         fut = asyncio.get_running_loop().create_future()
         self.run_cb(action, allocation, lambda c: fut.done() or fut.set_result(c))  # done: the caller gave up
         return await fut
@@ -216,7 +245,11 @@ class NodeAgent:
             raise RuntimeError(f"restore of session {trajectory} on node {self.name}: {done.message}")
         return True
 
-    def take_expired(self) -> list[str]:
+    async def take_expired(self, lease_s: float | None = None) -> list[str]:
+        """The sessions the manager expired since the last call; ``lease_s`` renews the lease
+        (the head's membership loop calls this at each look, so a live head keeps its agents)."""
+        if lease_s is not None:
+            self.renew(lease_s)
         out, self._expired[:] = list(self._expired), []
         return out
 
@@ -228,7 +261,82 @@ class NodeAgent:
         return out
 
     def sessions(self) -> list[str]:
-        return list(self.manager.sessions) if self.manager is not None else []
+        """Every session held here: awake, at rest, or made by a fork and not stepped yet."""
+        m = self.manager
+        if m is None:
+            return []
+        return sorted({*m.sessions, *m.rested, *m.pending_roots})
+
+    # -- the lease: outliving a head (issue 24) ------------------------------------------------
+    def renew(self, lease_s: float) -> None:
+        """The head is alive: the agent holds on to its work for ``lease_s`` more seconds (called
+        from the agent's event loop: the first renewal starts the watch)."""
+        self.lease_until = time.monotonic() + lease_s
+        if self._lease_task is None:
+            self._lease_task = asyncio.get_running_loop().create_task(self._watch_lease())
+
+    async def attach(self, lease_s: float) -> dict | None:
+        """A restarted head takes this agent over: its lease renewed, the one-shots it runs for
+        the dead head cancelled (nobody awaits their answers; the new head's journal re-runs
+        them), resident model copies dropped (the new engine starts with empty GPUs), and what
+        ``start`` said, with ``sessions`` (``sessions()``) and ``cancelled``. A session's step in
+        flight runs to its end, its answer lost (the journal ends it, saying so): cancelling it
+        would kill the session's processes, the Python state a re-attach keeps; the session's
+        next step waits for it. None when the agent cannot be taken over (it never started, or
+        its lease ran out and it closed everything)."""
+        if self.info is None or self.orphaned:
+            return None
+        self.renew(lease_s)
+        loop = asyncio.get_running_loop()
+        cancelled = sorted(aid for aid in self._waiting if aid not in self._step_of)
+        for aid in cancelled:
+            self.cancel(aid)
+        for aid, traj in self._step_of.items():
+            left = self._leftover[traj] = loop.create_future()
+
+            def ended(c: Completion, left: asyncio.Future = left, traj: str = traj) -> None:
+                if not left.done():
+                    left.set_result(None)
+                if self._leftover.get(traj) is left:
+                    del self._leftover[traj]
+
+            self._waiting[aid] = ended
+        if self.models is not None:
+            for model, block in self.resident():
+                self.models.evict(model, block)
+        return {**self.info, "sessions": self.sessions(), "cancelled": cancelled}
+
+    def keep(self, sessions: list[str]) -> list[str]:
+        """The head owns ``sessions``; every other session here is closed (it belonged to a head
+        that died and whose journal no longer lists it). Returns those closed."""
+        owned = set(sessions)
+        gone = [s for s in self.sessions() if s not in owned]
+        for s in gone:
+            self.close_session(s)
+        return gone
+
+    async def _watch_lease(self) -> None:
+        while True:
+            until = self.lease_until
+            now = time.monotonic()
+            if until is not None and now >= until:
+                break
+            await asyncio.sleep(min(1.0, max(0.05, (until or now + 1.0) - now)))
+        await self.orphan()
+
+    async def orphan(self) -> None:
+        """The lease ran out with no head renewing it: close everything (running actions, sessions,
+        the managers) and, on Ray, exit, so that nothing is left running that nobody owns."""
+        self.orphaned = True
+        for aid in list(self._waiting):
+            self.cancel(aid)
+        self.reset()
+        await self.shut_down()
+        for aid, done in list(self._waiting.items()):  # a manager shutting down reports nothing more
+            del self._waiting[aid]
+            done(Completion(aid, Outcome.CANCELLED, message=f"node {self.name}'s agent lost its head (its lease ran out)"))
+        if self.exit_when_orphaned:
+            os._exit(0)  # a detached actor's process: Ray then lists the actor dead and frees its name
 
     def reset(self) -> int:
         """Close every session this agent holds (a new head does this to an agent it inherits:
@@ -239,6 +347,9 @@ class NodeAgent:
         return len(held)
 
     async def shut_down(self) -> None:
+        task, self._lease_task = self._lease_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
         if self.manager is not None:
             await self.manager.shut_down()
         if self.models is not None:

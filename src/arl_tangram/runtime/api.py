@@ -260,6 +260,7 @@ class Tangram:
 
     async def __aenter__(self) -> "Tangram":
         await self.runtime.start()
+        self.runtime.prune_live()  # no journal here: what an earlier head left running is nobody's
         return self
 
     async def __aexit__(self, *exc) -> None:

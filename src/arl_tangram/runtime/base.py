@@ -300,6 +300,15 @@ class Runtime:
         """Once the sessions at rest are adopted: remove rested state no session owns (how many)."""
         return 0
 
+    def adopt_live(self, trajectory: str, image: str | None) -> bool:
+        """A session an earlier server left awake is re-attached where it still lives (a node
+        agent that outlived the head, on Ray); False where it did not survive."""
+        return False
+
+    def prune_live(self) -> int:
+        """Once the journal's sessions are re-attached: close the live sessions nobody owns (how many)."""
+        return 0
+
     def check_session(self, trajectory: str) -> None:
         """Raise ``SessionGone`` if the session has ended."""
         reason = self.ended.get(trajectory)

@@ -46,6 +46,7 @@ class Node:
     gpu_index: int | None = None  # in the engine's GPU pool, once it serves models
     died_at: float | None = None  # monotonic time it was lost (its raylet may live on)
     rejoins: int = 0  # new agents started on this Ray node after its agent died
+    adopted: bool = False  # its agent outlived an earlier head and is taken over (``NodeAgent.attach``)
 
     @property
     def name(self) -> str:

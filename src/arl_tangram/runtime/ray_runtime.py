@@ -28,10 +28,18 @@ the move (each session's steps and its move take one lock, in order); once the n
 session and runs nothing its state is ``drained``. The same carry makes the policy's migration
 real: a step the engine places away from its session's node (``Setup.RESTORE``) brings the files.
 
-When the head dies its agents die with it (they are owned by the head's Ray driver), and with
-them their sandboxes (``bwrap --die-with-parent``); a new head starts new agents, whose sandbox
-managers reap the cgroups the old ones left. Nothing is re-attached: the journal re-runs one-shots
-and ends session steps, as on one machine.
+**The head restarts, sessions stay** (issue 24). Agents are detached actors named after their
+node (``agent_name``): they outlive the head's Ray driver, and with them their sandboxes, files and
+processes (a session's Python state included). The head renews each agent's lease at every look
+(``MEMBERSHIP_POLL_S``; ``lease_s``, default ``LEASE_S``). A restarted head on the same Ray cluster
+finds each node's agent by name and takes it over (``NodeAgent.attach``): the one-shots it ran for
+the dead head are cancelled (the journal re-runs them), a session's step in flight runs to its end
+(the journal ends it ``infra_error``: its answer is lost), and its sessions are an inventory. The service then re-attaches the journal's open sessions found there
+(``adopt_live``: homed on their node again, their next step sees their files and their Python
+state) and the agent closes the rest (``prune_live``). A session whose agent died meanwhile ends as
+before, saying so. An agent whose lease runs out with no head closes everything and exits: nothing
+is left that nobody owns. The head must join the cluster as a driver (``ray.init(address=...)`` of a
+cluster started with ``ray start``), never start one of its own: that one would die with it.
 """
 
 from __future__ import annotations
@@ -67,6 +75,15 @@ AGENT_START_WARN_S = 60.0
 #: most ``MAX_REJOINS`` times (an agent killed for memory, say; not one that dies at every start)
 REJOIN_AFTER_S = 30.0
 MAX_REJOINS = 3
+#: seconds an agent keeps its work with no head renewing its lease: long enough for a head killed
+#: with -9 to be started again (its Python, Ray's connection, the journal: 5-15 s on the loaded
+#: 2-core VM), short enough that a head that does not come back leaves nothing running for long
+LEASE_S = 60.0
+
+
+def agent_name(ray_id: str) -> str:
+    """The detached agent of a Ray node, by name: a restarted head finds it again."""
+    return f"tangram-agent-{ray_id}"
 
 
 def connect(address: str) -> bool:
@@ -210,20 +227,25 @@ class RayRuntime(Runtime):
                  max_queue_s: float | None = DEFAULT_MAX_QUEUE_S, models: list[ModelServiceConfig] | None = None,
                  gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
                  gpu_island_size: int | None = None, model_device: str = "auto",
-                 rejoin_after_s: float = REJOIN_AFTER_S, move_s: float | None = None) -> None:
+                 rejoin_after_s: float = REJOIN_AFTER_S, move_s: float | None = None,
+                 lease_s: float = LEASE_S) -> None:
         """``models``: ``ModelServiceConfig``s served on every GPU node (a node with Ray's ``GPU``
         resource): its agent loads them into the node's host memory and hosts the node's GPUs,
         discovered there (``gpus_per_node``, ``gpu_memory_gb``, ``gpu_island_size`` override, as
         on one machine; ``model_device="cpu"`` serves on CPU "devices" standing in for GPUs).
         ``move_s``: what the policy expects a session's move to another node to cost (default
         ``policy.MOVE_S``, what ``tangram bench cluster`` measured): a step waits for its full
-        node rather than move when the wait is predicted shorter."""
+        node rather than move when the wait is predicted shorter. ``lease_s``: how long the agents
+        keep their work once this head stops renewing their lease (the module docstring)."""
         super().__init__()
         self._owns_connection = connect(address)
         self.address = address
         self.config = sandbox or SandboxConfig()
         self.poll_s = poll_s
         self.rejoin_after_s = rejoin_after_s
+        self.lease_s = lease_s
+        self.inventory: dict[str, Node] = {}  # sessions found on agents taken over, until adopted or pruned
+        self.reattached = {"agents": 0, "sessions": 0, "pruned": 0, "cancelled": 0}
         self.nodes_by_id: dict[str, Node] = {}
         self.by_index: dict[int, Node] = {}
         self.sandboxes = RemoteSandboxes(self, self.report)
@@ -269,31 +291,79 @@ class RayRuntime(Runtime):
     def _spawn_agent(self, entry: dict) -> Node:
         """The node as the head sees it, with its agent starting (pinned to it)."""
         ray = ray_module()
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         res = entry.get("Resources", {})
         node = Node(entry["NodeID"], entry.get("NodeManagerAddress", ""), int(res.get("CPU", 0)),
                     int(res.get("GPU", 0)))
         self.nodes_by_id[node.ray_id] = node
+        try:  # an agent an earlier head started, still there: taken over in ``_join``
+            node.handle = ray.get_actor(agent_name(node.ray_id))
+            node.adopted = True
+            return node
+        except ValueError:  # none by that name
+            pass
+        self._new_agent(node)
+        return node
+
+    def _new_agent(self, node: Node) -> None:
+        """Start the node's agent: detached (it outlives this head), named after its node."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         if self._agent_cls is None:
-            self._agent_cls = ray.remote(num_cpus=0, max_restarts=0)(NodeAgent)
+            self._agent_cls = ray_module().remote(num_cpus=0, max_restarts=0)(NodeAgent)
         offset = sum(n.cores for n in self.nodes_by_id.values() if n is not node)
         hosts_models = bool(self.model_configs) and node.gpus >= 1
         opts = self.model_options
         # the agent holds all of the node's GPUs: Ray then shows it exactly those (CUDA_VISIBLE_DEVICES)
+        node.adopted = False
         node.handle = self._agent_cls.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node.ray_id, soft=False), max_concurrency=10_000,
-            num_gpus=node.gpus if hosts_models else 0,
+            num_gpus=node.gpus if hosts_models else 0, name=agent_name(node.ray_id), lifetime="detached",
         ).remote(node.name, node.cores, self.config, offset, sandboxes=node.cores >= 1,
                  models=self.model_configs if hosts_models else None, gpus=opts["gpus"] or (node.gpus or None),
                  gpu_memory_gb=opts["gpu_memory_gb"], gpu_island_size=opts["gpu_island_size"],
-                 model_device=opts["model_device"])
-        return node
+                 model_device=opts["model_device"], exit_when_orphaned=True)
+
+    async def _take_over(self, node: Node) -> dict | None:
+        """Take over the agent an earlier head left on ``node`` (``NodeAgent.attach``): what it
+        says of itself and its sessions, or None when it cannot be (then it is replaced)."""
+        try:
+            info = await node.handle.attach.remote(self.lease_s)
+        except Exception as e:  # it died meanwhile, or is an agent of an older version
+            log.warning("node %s (%s): the agent an earlier head left cannot be taken over (%s: %s); starting "
+                        "a new one", node.name, node.address, type(e).__name__, e)
+            info = None
+        if info is None:
+            ray = ray_module()
+            try:
+                ray.kill(node.handle)
+            except Exception:
+                pass
+            for _ in range(100):  # its name is free once Ray has it dead
+                try:
+                    ray.get_actor(agent_name(node.ray_id))
+                except ValueError:
+                    break
+                await asyncio.sleep(0.1)
+            return None
+        self.reattached["agents"] += 1
+        self.reattached["cancelled"] += len(info.get("cancelled", ()))
+        for s in info.get("sessions", ()):
+            self.inventory[s] = node
+        log.warning("node %s (%s): took over the agent an earlier head left: %d sessions, %d actions in flight "
+                    "cancelled", node.name, node.address, len(info.get("sessions", ())),
+                    len(info.get("cancelled", ())))
+        return info
 
     async def _join(self, node: Node) -> None:
         """Wait for the node's agent to start, then add what it serves to the engine."""
+        if node.adopted:
+            taken = await self._take_over(node)
+            if taken is not None:
+                node.info = taken
+                return await self._joined(node)
+            self._new_agent(node)
         try:
-            started = asyncio.ensure_future(node.handle.start.remote())
+            started = asyncio.ensure_future(node.handle.start.remote(self.lease_s))
             while not (await asyncio.wait({started}, timeout=AGENT_START_WARN_S))[0]:
                 log.warning("node %s (%s): its agent has not started yet (loading the services' weights, or waiting "
                             "for Ray to grant it the node's %d GPUs, which something else may hold)", node.name,
@@ -306,6 +376,12 @@ class RayRuntime(Runtime):
             log.error("node %s (%s): %s", node.name, node.address, node.info["problem"])
             return
         if node.state == "dead":  # lost while its agent started
+            return
+        await self._joined(node)
+
+    async def _joined(self, node: Node) -> None:
+        """The node's agent is up (started, or taken over): what it serves joins the engine."""
+        if node.state == "dead":
             return
         node.state = "alive"
         if node.info.get("sandboxes"):
@@ -421,7 +497,7 @@ class RayRuntime(Runtime):
                     self._settle_drain(node)
                 for node in [n for n in self.nodes_by_id.values() if n.serving]:
                     try:
-                        expired = await node.handle.take_expired.remote()
+                        expired = await node.handle.take_expired.remote(self.lease_s)  # renews its lease
                     except agent_gone() as e:  # the node is up, its agent is not: nothing runs there
                         self.node_lost(node, f"its agent is gone ({type(e).__name__})")
                         continue
@@ -440,6 +516,36 @@ class RayRuntime(Runtime):
             except Exception:
                 log.exception("cluster membership check failed; trying again")
             await asyncio.sleep(self.poll_s)
+
+    # -- re-attach after a head restart ---------------------------------------------------------
+    def adopt_live(self, trajectory: str, image: str | None) -> bool:
+        """The journal's open session ``trajectory`` is re-attached if an agent taken over holds
+        it (homed on its node again: its next step runs there, files and processes as they were)."""
+        node = self.inventory.pop(trajectory, None)
+        if node is None or node.state != "alive" or node.index is None:
+            return False
+        self.sandboxes.homes[trajectory] = node
+        self.engine.adopt_session(trajectory, node.index)
+        self.reattached["sessions"] += 1
+        return True
+
+    def prune_live(self) -> int:
+        """Close the sessions found on agents taken over that nobody re-attached (how many)."""
+        owned: dict[int, list[str]] = {}
+        nodes: dict[int, Node] = {}
+        for s, node in self.sandboxes.homes.items():
+            owned.setdefault(id(node), []).append(s)
+        for node in self.inventory.values():
+            nodes[id(node)] = node
+        gone = len(self.inventory)
+        for key, node in nodes.items():
+            if node.serving:
+                node.handle.keep.remote(owned.get(key, []))
+        self.inventory.clear()
+        self.reattached["pruned"] += gone
+        if gone:
+            log.warning("closed %d sessions an earlier head left that no open session owned", gone)
+        return gone
 
     # -- one re-run of one-shots whose node died -------------------------------------------------
     def _retry(self, f: Finished, result: Any) -> bool:

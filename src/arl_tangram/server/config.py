@@ -98,6 +98,9 @@ class ServeConfig(BaseModel):
     move_s: float = Field(MOVE_S, ge=0, description="with --ray, what the policy expects moving a session to "
                           "another node to cost, in seconds (default: what `tangram bench cluster` measured): a "
                           "step whose node is full waits for it when that is predicted quicker than a move")
+    lease_s: float = Field(60.0, gt=0, description="with --ray, how long the nodes' agents keep their sessions "
+                           "once the head stops renewing their lease: a head restarted within it re-attaches them; "
+                           "after it they close everything and exit")
 
     @field_validator("api_keys")
     @classmethod
@@ -169,7 +172,8 @@ def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True,
         # the head loads no weights (it needs no torch); each GPU node's agent does. On Ray, gpus / gpu_memory_gb / gpu_island_size apply to every GPU node
         runtime = RayRuntime(ray, cfg.policy, cfg.sandbox, max_queue_s=cfg.max_queue_s, models=models,
                              gpus_per_node=cfg.gpus, gpu_memory_gb=cfg.gpu_memory_gb,
-                             gpu_island_size=cfg.gpu_island_size, move_s=cfg.move_s)
+                             gpu_island_size=cfg.gpu_island_size, move_s=cfg.move_s,
+                             lease_s=cfg.lease_s)
     else:
         workers = cfg.sandbox_workers
         if workers is None:

@@ -194,7 +194,8 @@ class Service:
         self._outcomes: dict[str, dict[str, int]] = {}
         self.started_at = time.time()
         self.recovered = {"rerun": 0, "infra_error": 0, "rejected": 0}
-        self.recovered_sessions = {"at_rest": 0, "lost": 0}  # sessions of the server before a restart
+        # sessions of the server before a restart: woken from rest, re-attached live (Ray), lost
+        self.recovered_sessions = {"at_rest": 0, "reattached": 0, "lost": 0}
         self.fronts = 0  # HTTP front processes (server/fronts.py sets it; 0: HTTP in this process)
         self.on_stop: list = []  # callables run once the sessions are closed (a dialect's own cleanup)
         if snapshot_dir is None and journal is not None:
@@ -224,16 +225,21 @@ class Service:
                     continue
                 self.sessions[sid] = Session(self.runtime, sid, job, image)
                 self.recovered_sessions["at_rest"] += 1
+            elif self.runtime.adopt_live(sid, image):  # its node's agent outlived the head (Ray)
+                self.sessions[sid] = Session(self.runtime, sid, job, image)
+                self.recovered_sessions["reattached"] += 1
             else:
                 self._lost(sid, f"session {sid} was awake (not at rest) when the server stopped: its python state "
                                 "and files went with its sandbox")
+        self.runtime.prune_live()
         self.metrics.sessions.set(len(self.sessions))
         pruned = self.runtime.prune_rested()
         if pruned:
             log.warning("removed %d rested session states that no open session owned", pruned)
         if any(self.recovered_sessions.values()):
-            log.warning("sessions after restart: %d at rest (they wake on their next step), %d lost",
-                        self.recovered_sessions["at_rest"], self.recovered_sessions["lost"])
+            log.warning("sessions after restart: %d at rest (they wake on their next step), %d re-attached live, "
+                        "%d lost", self.recovered_sessions["at_rest"], self.recovered_sessions["reattached"],
+                        self.recovered_sessions["lost"])
 
     def _lost(self, sid: str, reason: str) -> None:
         self.runtime.ended[sid] = reason
@@ -258,7 +264,8 @@ class Service:
                 self._launch(e.id, self._run_code(e.id, spec, files), spec.job)
                 self.recovered["rerun"] += 1
             else:
-                msg = "the server restarted while this action was in flight; its session state is gone (retry it)"
+                msg = ("the server restarted while this action was in flight (retry it); its session state is gone "
+                       "unless the session was re-attached on its node (Ray)")
                 self._finish_unrunnable(e.id, "infra_error", msg)
                 self.recovered["infra_error"] += 1
         if any(self.recovered.values()):
