@@ -29,19 +29,20 @@ def _step(agent, aid, traj, cell):
 
 @needs_bwrap
 def test_an_agent_taken_over_keeps_its_sessions_and_cancels_the_dead_heads_runs():
-    from arl_tangram.runtime.agent import NodeAgent
+    from arl_tangram.runtime.agent import HeldElsewhere, NodeAgent
 
     async def main():
         agent = NodeAgent("n1", 1, SandboxConfig(warm_pool=0, warm_sessions=0))
-        await agent.start()
+        await agent.start(30.0)  # the first head's lease
         try:
-            await agent.take_expired(30.0)  # the first head's lease
             for t in ("kept", "orphan"):
                 assert (await _step(agent, f"{t}-1", t, "x = 41")).outcome is Outcome.OK
             shot = asyncio.ensure_future(agent.run(Action("shot", "sandbox", payload=RunCode(
                 "import time; time.sleep(30)")), Allocation("cpu", 0, (0,))))
             step = asyncio.ensure_future(_step(agent, "slow", "kept", "import time; time.sleep(2); x = 41"))
             await asyncio.sleep(0.5)
+            with pytest.raises(HeldElsewhere, match="another head"):  # a second head on the cluster
+                await agent.attach(30.0, "another head")
             info = await agent.attach(30.0)  # the head restarted: the old one awaits these no more
             cut = await asyncio.wait_for(shot, 20)
             closed = agent.keep(["kept"])

@@ -43,6 +43,10 @@ from ..managers.sandbox.spec import Restore, SandboxConfig, Snapshot
 from .host import LocalHost, host_cpus, memory_gb
 
 
+class HeldElsewhere(RuntimeError):
+    """Another head, alive (its lease runs), holds this agent: it is not taken over."""
+
+
 class NodeAgent:
     """Runs sandbox actions on this node for a remote engine. ``cores``: what the cluster gives
     this node (Ray's ``CPU`` resource); ``cpu_offset`` spreads several agents of one machine (test
@@ -81,14 +85,16 @@ class NodeAgent:
         self.info: dict | None = None  # what ``start`` returned: a head that takes the agent over gets it again
         self.exit_when_orphaned = exit_when_orphaned
         self.lease_until: float | None = None  # monotonic; None: no lease (never renewed)
+        self.owner: str | None = None  # the head holding the lease (a restarted one says the same)
         self._lease_task: asyncio.Task | None = None
         self.orphaned = False  # the lease ran out: everything was closed
 
-    async def start(self, lease_s: float | None = None) -> dict:
+    async def start(self, lease_s: float | None = None, owner: str | None = None) -> dict:
         """Start the sandbox manager and the model host; returns what the head shows of this
         node. A node where sandboxes cannot run (no bubblewrap, say) reports why and gets no
         sandbox actions; one whose model services cannot load reports why and gets no GPU work.
-        ``lease_s``: the head's first lease (the module docstring)."""
+        ``lease_s``: the head's first lease, ``owner`` that head (the module docstring)."""
+        self.owner = owner
         if lease_s is not None:
             self.renew(lease_s)
         info = await self._start_sandboxes()
@@ -275,17 +281,23 @@ class NodeAgent:
         if self._lease_task is None:
             self._lease_task = asyncio.get_running_loop().create_task(self._watch_lease())
 
-    async def attach(self, lease_s: float) -> dict | None:
+    async def attach(self, lease_s: float, owner: str | None = None) -> dict | None:
         """A restarted head takes this agent over: its lease renewed, the one-shots it runs for
         the dead head cancelled (nobody awaits their answers; the new head's journal re-runs
         them), resident model copies dropped (the new engine starts with empty GPUs), and what
-        ``start`` said, with ``sessions`` (``sessions()``) and ``cancelled``. A session's step in
+        ``start`` said, with ``sessions`` (``sessions()``) and ``cancelled``. Only the head that
+        held it (``owner``: a restarted head names itself as before) or any head once the lease ran
+        out may: ``HeldElsewhere`` otherwise (a second head on the cluster). A session's step in
         flight runs to its end, its answer lost (the journal ends it, saying so): cancelling it
         would kill the session's processes, the Python state a re-attach keeps; the session's
         next step waits for it. None when the agent cannot be taken over (it never started, or
         its lease ran out and it closed everything)."""
         if self.info is None or self.orphaned:
             return None
+        if self.owner != owner and self.lease_until is not None and time.monotonic() < self.lease_until:
+            raise HeldElsewhere(f"node {self.name}'s agent is held by another head ({self.owner}) whose lease "
+                                f"runs {self.lease_until - time.monotonic():.0f} s more: one head per Ray cluster")
+        self.owner = owner
         self.renew(lease_s)
         loop = asyncio.get_running_loop()
         cancelled = sorted(aid for aid in self._waiting if aid not in self._step_of)

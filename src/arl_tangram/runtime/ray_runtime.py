@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from dataclasses import replace
@@ -228,7 +229,7 @@ class RayRuntime(Runtime):
                  gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
                  gpu_island_size: int | None = None, model_device: str = "auto",
                  rejoin_after_s: float = REJOIN_AFTER_S, move_s: float | None = None,
-                 lease_s: float = LEASE_S) -> None:
+                 lease_s: float = LEASE_S, owner: str | None = None) -> None:
         """``models``: ``ModelServiceConfig``s served on every GPU node (a node with Ray's ``GPU``
         resource): its agent loads them into the node's host memory and hosts the node's GPUs,
         discovered there (``gpus_per_node``, ``gpu_memory_gb``, ``gpu_island_size`` override, as
@@ -236,7 +237,10 @@ class RayRuntime(Runtime):
         ``move_s``: what the policy expects a session's move to another node to cost (default
         ``policy.MOVE_S``, what ``tangram bench cluster`` measured): a step waits for its full
         node rather than move when the wait is predicted shorter. ``lease_s``: how long the agents
-        keep their work once this head stops renewing their lease (the module docstring)."""
+        keep their work once this head stops renewing their lease (the module docstring);
+        ``owner``: who this head is (``tangram serve``: its journal), the same across its restarts,
+        so that it takes over its agents at once while another head's stay its own; default: a
+        head of its own (it takes over agents only once their lease has run out)."""
         super().__init__()
         self._owns_connection = connect(address)
         self.address = address
@@ -244,6 +248,7 @@ class RayRuntime(Runtime):
         self.poll_s = poll_s
         self.rejoin_after_s = rejoin_after_s
         self.lease_s = lease_s
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{time.time():.0f}"
         self.inventory: dict[str, Node] = {}  # sessions found on agents taken over, until adopted or pruned
         self.reattached = {"agents": 0, "sessions": 0, "pruned": 0, "cancelled": 0}
         self.nodes_by_id: dict[str, Node] = {}
@@ -327,8 +332,12 @@ class RayRuntime(Runtime):
         """Take over the agent an earlier head left on ``node`` (``NodeAgent.attach``): what it
         says of itself and its sessions, or None when it cannot be (then it is replaced)."""
         try:
-            info = await node.handle.attach.remote(self.lease_s)
-        except Exception as e:  # it died meanwhile, or is an agent of an older version
+            info = await node.handle.attach.remote(self.lease_s, self.owner)
+        except Exception as e:  # it died meanwhile, is an agent of an older version, or another head's
+            if "HeldElsewhere" in f"{type(e).__name__}: {e}":
+                node.info = {"problem": str(e).splitlines()[-1]}
+                raise
+
             log.warning("node %s (%s): the agent an earlier head left cannot be taken over (%s: %s); starting "
                         "a new one", node.name, node.address, type(e).__name__, e)
             info = None
@@ -357,13 +366,20 @@ class RayRuntime(Runtime):
     async def _join(self, node: Node) -> None:
         """Wait for the node's agent to start, then add what it serves to the engine."""
         if node.adopted:
-            taken = await self._take_over(node)
+            try:
+                taken = await self._take_over(node)
+            except Exception:  # another live head holds it: not ours to use or to replace
+                node.state = "dead"
+                node.died_at = time.monotonic()
+                node.rejoins = MAX_REJOINS
+                log.error("node %s (%s): %s", node.name, node.address, node.info.get("problem"))
+                return
             if taken is not None:
                 node.info = taken
                 return await self._joined(node)
             self._new_agent(node)
         try:
-            started = asyncio.ensure_future(node.handle.start.remote(self.lease_s))
+            started = asyncio.ensure_future(node.handle.start.remote(self.lease_s, self.owner))
             while not (await asyncio.wait({started}, timeout=AGENT_START_WARN_S))[0]:
                 log.warning("node %s (%s): its agent has not started yet (loading the services' weights, or waiting "
                             "for Ray to grant it the node's %d GPUs, which something else may hold)", node.name,

@@ -173,7 +173,7 @@ def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True,
         runtime = RayRuntime(ray, cfg.policy, cfg.sandbox, max_queue_s=cfg.max_queue_s, models=models,
                              gpus_per_node=cfg.gpus, gpu_memory_gb=cfg.gpu_memory_gb,
                              gpu_island_size=cfg.gpu_island_size, move_s=cfg.move_s,
-                             lease_s=cfg.lease_s)
+                             lease_s=cfg.lease_s, owner=f"tangram serve {path.resolve()}")
     else:
         workers = cfg.sandbox_workers
         if workers is None:
