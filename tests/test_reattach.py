@@ -214,3 +214,33 @@ def test_agents_whose_head_does_not_come_back_close_everything_and_exit(cluster,
         assert r.status_code == 404 and "awake" in r.text, r.text
     finally:
         head2.stop()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@needs_bwrap
+def test_a_session_at_rest_on_its_node_is_re_attached_after_a_head_restart(cluster, tmp_path):
+    """A session the node's manager put to rest (the journal says so, naming the node): the head
+    killed with -9 and started again re-attaches it, and its next step wakes it, state intact."""
+    from servers import Server
+
+    journal = tmp_path / "journal.sqlite3"
+    config = {"lease_s": 60, "sandbox": {"rest_after_s": 0.5}}
+
+    def serve() -> Server:
+        return Server(tmp_path, journal=journal, config=config, args=("--ray", cluster.address), start_timeout_s=90)
+
+    head = serve()
+    sid = httpx.post(f"{head.url}/v1/sessions", json={"job": "j"}).json()["session_id"]
+    assert _exec(head.url, sid, python="xs = list(range(1000))")["outcome"] == "ok"
+    assert _exec(head.url, sid, command="echo rested > f")["outcome"] == "ok"
+    time.sleep(5)  # rested on its node after 0.5 s idle; the head hears of it at its next poll
+    head.stop(signal.SIGKILL)
+    head2 = serve()
+    try:
+        health = httpx.get(f"{head2.url}/healthz").json()
+        assert health["recovered_sessions"] == {"at_rest": 1, "reattached": 0, "lost": 0}, health
+        got = _exec(head2.url, sid, python="print(len(xs), open('f').read().strip())")
+        assert got["outcome"] == "ok" and got["run"]["stdout"] == "1000 rested\n", got
+    finally:
+        head2.stop()

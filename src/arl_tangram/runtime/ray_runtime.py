@@ -545,6 +545,16 @@ class RayRuntime(Runtime):
         self.reattached["sessions"] += 1
         return True
 
+    def adopt_rested(self, trajectory: str, path: str, image: str | None) -> None:
+        """A session the journal says is at rest on a node (``node:path``): re-attached if that
+        node's agent, taken over, still holds it (its next step wakes it there); ``LookupError``
+        saying why not otherwise."""
+        if not self.adopt_live(trajectory, image):
+            node = path.split(":", 1)[0]
+            raise LookupError(f"the agent of node {node}, which held it, did not outlive the head (or no longer "
+                              "holds it)")
+        self.engine.cpu.settle_session(trajectory, 0.0, 0.0)  # at rest: it holds no memory until it wakes
+
     def prune_live(self) -> int:
         """Close the sessions found on agents taken over that nobody re-attached (how many)."""
         owned: dict[int, list[str]] = {}
