@@ -68,11 +68,11 @@ def test_an_agent_whose_lease_runs_out_closes_everything_and_cannot_be_taken_ove
 
     async def main():
         agent = NodeAgent("n1", 1, SandboxConfig(warm_pool=0, warm_sessions=0))
-        await agent.start()
+        await agent.start(60.0)
         try:
-            await agent.take_expired(0.5)
             assert (await _step(agent, "a", "t", "print(1)")).outcome is Outcome.OK
             running = asyncio.ensure_future(_step(agent, "b", "t2", "import time; time.sleep(30)"))
+            await agent.take_expired(0.5)  # the head's last renewal (short: a step under load outlived 0.5 s)
             deadline = time.monotonic() + 20
             while not agent.orphaned and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
