@@ -296,7 +296,7 @@ def drain(sessions: int, cores: int, log: Callable[[str], None]) -> dict:
 def restart(sessions: int, cores: int, log: Callable[[str], None]) -> dict:
     """``tangram serve --ray`` over 2 loopback nodes with ``sessions`` sessions, killed with -9 and
     started again: its readiness (process start to ``/healthz``, the re-attach included) and each
-    session's first step after it. The steps that are measured go one at a time: sent at once, a
+    session's first step after it. Every step goes one at a time: sent at once, a
     node's queue made the policy move sessions to the other node (the new head has no durations
     yet: each step predicted 1 s, over a move's 0.32 s), and a move starts the session's processes
     afresh (1 of 6 sessions lost its Python variable that way, its files kept)."""
@@ -353,8 +353,8 @@ def restart(sessions: int, cores: int, log: Callable[[str], None]) -> dict:
         url, first_start_s = serve()
         sids = [httpx.post(f"{url}/v1/sessions", json={"job": "bench"}, timeout=60).json()["session_id"]
                 for _ in range(sessions)]
-        made = asyncio.run(steps(url, sids, lambda i: {"command": f"echo file{i} > f"}, 8))
-        made += asyncio.run(steps(url, sids, lambda i: {"python": f"x = {i}"}, 8))
+        made = asyncio.run(steps(url, sids, lambda i: {"command": f"echo file{i} > f"}))
+        made += asyncio.run(steps(url, sids, lambda i: {"python": f"x = {i}"}))
         assert all(r["outcome"] == "ok" for _, r in made), next(r for _, r in made if r["outcome"] != "ok")
         before = asyncio.run(steps(url, sids, lambda i: check))
         procs[-1].send_signal(signal.SIGKILL)
