@@ -116,7 +116,7 @@ class ActionLevelPolicy:
                                      slack_aging=options.aging_per_s if options.slack_order else 0.0)
         self._model_rate: dict[str, tuple[float, float]] = {}
         self._cpu_queued_at = -math.inf
-        self._home_waits: dict[int, float] = {}  # a full home node -> its predicted wait, this round
+        self._home_ready: dict[int, float] = {}  # a full home node -> when ``_home_wait`` predicted it frees
         self._cpu_only = False  # the cluster has CPU nodes only (set by ``bind``)
         # the fair-share test the queues call, bound once (not a new bound method every round)
         self._fair: Callable[[str], bool] | None = self._favoured if options.fair_share else None
@@ -280,8 +280,6 @@ class ActionLevelPolicy:
             queues.append(new)
         admitted: list[tuple[Action, int, int]] = []  # the elastic ones (to grow if nothing waits)
         skipped: dict[int, list] | None = None
-        if self._home_waits:
-            self._home_waits.clear()
         fair = self._fair
         if self._grown and self.opt.shrink:
             waiting = sum(q.size for q in queues)
@@ -333,7 +331,8 @@ class ActionLevelPolicy:
             away = pool.best_node(lo, self.view.costs.session_mem_gb)
             if away is None:
                 return None
-            if pool.alive[home] and self._home_wait(home, lo, now) <= self.view.costs.session_restore_s:
+            move_s = self.view.costs.session_restore_s
+            if move_s > 0 and pool.alive[home] and self._home_wait(home, lo, now) <= move_s:
                 return None  # a draining home takes nothing again: its sessions move whatever the wait
             return away
         return pool.best_node(lo, self.view.costs.session_mem_gb)
@@ -346,11 +345,14 @@ class ActionLevelPolicy:
         24: a real move on Ray measured 0.32 s p50, while steps of a few ms freed the home node
         sooner). An action already past its prediction is expected to run as long again as it has
         (its duration is plainly not the usual one), rather than to end at once, which would pin
-        its node's sessions behind a straggler. Computed once per node and round, and only when
-        another node has room: it reads the running actions."""
-        known = self._home_waits.get(home)
-        if known is not None:
-            return known
+        its node's sessions behind a straggler. It reads every running action, so it is computed
+        only when another node has room, and kept as a time (the node predicted free then) until
+        that time passes, not once per node and round (thousands of running actions read for each
+        of up to ``lookahead`` skipped steps, at one round per event). Free moves
+        (``session_restore_s`` 0) skip it."""
+        known = self._home_ready.get(home)
+        if known is not None and known > now:
+            return known - now
         ends: list[tuple[float, int]] = []
         for r in self.view.running.values():
             alloc = r.allocation
@@ -369,7 +371,8 @@ class ActionLevelPolicy:
             if free >= lo:
                 wait = left
                 break
-        self._home_waits[home] = wait
+        if wait < math.inf:
+            self._home_ready[home] = now + wait
         return wait
 
     def _gain(self, a: Action, units: int) -> float:
