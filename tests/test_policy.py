@@ -187,6 +187,13 @@ def test_a_session_moves_only_when_the_wait_it_saves_is_more_than_the_move_costs
         assert again.node == home and again.setup == "thaw"
 
 
+def test_unpriced_moves_go_whenever_the_home_is_full(harness):
+    h = harness(cpu_cluster(1, nodes=2), tangram_policy(price_moves=False), costs=Costs(session_restore_s=0.32))
+    home, _ = _home_busy_for(h, 0.1)
+    got = h.schedule()["s2"]
+    assert got.node != home and got.setup == "restore"
+
+
 def test_the_wait_counts_down_as_the_home_node_runs(harness):
     """A 2 s action on the home node, 1.8 s in: 0.2 s are left, less than the move, so the step
     waits; past its prediction it is expected to run as long again, and the step moves."""
