@@ -19,7 +19,7 @@ from arl_tangram.link import Caller, Hub, PeerGone, RemoteFault
 from arl_tangram.server.calls import CALLS, RELAYED
 from arl_tangram.server.service import BadRequest, NotFound, Overloaded, Service
 
-from servers import Server, cmdline
+from servers import Server, alive, cmdline
 
 REAL = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
@@ -92,13 +92,6 @@ def _fronts(server: Server) -> list[int]:
     return [p for p in server.children() if "arl_tangram.server.front" in cmdline(p)]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return not open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return False
-
-
 def test_a_session_is_shared_by_every_front_and_a_dead_front_is_replaced(tmp_path):
     s = Server(tmp_path, double=True, args=("--fronts", "2"))
     try:
@@ -141,7 +134,7 @@ def test_sigterm_finishes_the_requests_in_flight_and_stops_every_front(tmp_path)
     r = asyncio.run(main())
     assert r.status_code == 200 and r.json()["run_result"]["stdout"] == "finished\n"
     assert s.proc.wait(30) == 0
-    assert not any(_alive(p) for p in fronts)
+    assert not any(alive(p) for p in fronts)
     s.stop()
 
 
@@ -154,9 +147,9 @@ def test_the_fronts_die_with_a_killed_engine_process_and_the_journal_recovers(tm
     assert ack.status_code == 202
     s.stop(signal.SIGKILL)
     deadline = time.time() + 15
-    while time.time() < deadline and any(_alive(p) for p in fronts):
+    while time.time() < deadline and any(alive(p) for p in fronts):
         time.sleep(0.1)
-    assert not any(_alive(p) for p in fronts), "a front outlived its engine process"
+    assert not any(alive(p) for p in fronts), "a front outlived its engine process"
     s2 = Server(tmp_path, double=True, journal=journal, args=("--fronts", "2"))
     try:
         deadline = time.time() + 60
@@ -207,9 +200,9 @@ def test_fronts_and_sandbox_workers_together_and_nothing_outlives_sigterm(tmp_pa
     s.stop()
     assert s.proc.returncode == 0
     deadline = time.time() + 10
-    while time.time() < deadline and any(_alive(p) for p in kids):
+    while time.time() < deadline and any(alive(p) for p in kids):
         time.sleep(0.1)
-    assert not any(_alive(p) for p in kids), [cmdline(p) for p in kids if _alive(p)]
+    assert not any(alive(p) for p in kids), [cmdline(p) for p in kids if alive(p)]
 
 
 def test_top_shows_the_helper_processes_and_hides_them_when_there_are_none():

@@ -15,12 +15,13 @@ import pytest
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every Ray address on 127.0.0.1
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
 
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from arl_tangram.core import Outcome  # noqa: E402
 from arl_tangram.managers.sandbox.manager import SandboxConfig  # noqa: E402
 from arl_tangram.runtime import Tangram  # noqa: E402
 from arl_tangram.server.service import NotFound, Service  # noqa: E402
+
+from raycluster import loopback_cluster  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow,
               pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed"),
@@ -29,14 +30,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow,
 
 @pytest.fixture
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(3):
-        c.add_node(num_cpus=2)
-    c.wait_for_nodes()
-    yield c
-    if ray.is_initialized():
-        ray.shutdown()
-    c.shutdown()
+    with loopback_cluster(*[{"num_cpus": 2}] * 3) as (c, _):
+        yield c
 
 
 def test_draining_the_busiest_node_moves_every_session_and_loses_no_one_shot(cluster):

@@ -24,7 +24,8 @@ from arl_tangram.core import Outcome  # noqa: E402
 from arl_tangram.managers.sandbox.manager import SandboxConfig  # noqa: E402
 from arl_tangram.runtime import SessionGone, Tangram  # noqa: E402
 
-from servers import Server, free_port  # noqa: E402
+from raycluster import loopback_cluster  # noqa: E402
+from servers import Server, alive, free_port  # noqa: E402
 from shrink_probe import WATCH_CORES, needs_a_core_to_take_back  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.skipif(shutil.which("bwrap") is None,
@@ -33,13 +34,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.skipif(shutil.which("bwrap") is None,
 
 @pytest.fixture
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [c.add_node(num_cpus=1) for _ in range(2)]
-    c.wait_for_nodes()
-    yield c, nodes
-    if ray.is_initialized():
-        ray.shutdown()
-    c.shutdown()
+    with loopback_cluster({"num_cpus": 1}, {"num_cpus": 1}) as (c, nodes):
+        yield c, nodes
 
 
 def _node_of(tg, trajectory):
@@ -136,9 +132,9 @@ def test_serve_with_ray_restart_recovers_and_leaks_no_sandbox(cluster, tmp_path)
     assert sandboxes, "the agents should be running sandboxes now"
     head.stop(signal.SIGKILL)
     deadline = time.time() + 60
-    while time.time() < deadline and any(_alive(p) for p in sandboxes):
+    while time.time() < deadline and any(alive(p) for p in sandboxes):
         time.sleep(0.5)
-    assert not [p for p in sandboxes if _alive(p)], "sandboxes of the dead head outlived their agents' lease"
+    assert not [p for p in sandboxes if alive(p)], "sandboxes of the dead head outlived their agents' lease"
     head2 = serve()
     url2 = head2.url
     try:
@@ -161,14 +157,6 @@ def test_an_unreachable_ray_address_is_one_clear_line():
     p = subprocess.run([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--ray",
                         f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "ray start --head" in " ".join(p.stderr.split())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _sandbox_processes() -> list[int]:

@@ -24,6 +24,7 @@ from arl_tangram.managers.models import tiny  # noqa: E402
 from arl_tangram.managers.models.spec import ModelServiceConfig  # noqa: E402
 from arl_tangram.runtime import Tangram  # noqa: E402
 
+from raycluster import loopback_cluster  # noqa: E402
 from servers import Server  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -42,13 +43,8 @@ def gpu_cluster(monkeypatch):
     """A head without GPUs and two nodes of one "GPU" and no cores each; the agents import this
     checkout's sources and ``tests/model_fixtures.py`` (Ray workers inherit the environment)."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (TESTS, os.environ.get("PYTHONPATH")) if p))
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    nodes = [c.add_node(num_cpus=0, num_gpus=1) for _ in range(2)]
-    c.wait_for_nodes()
-    yield c, nodes
-    if ray.is_initialized():
-        ray.shutdown()
-    c.shutdown()
+    with loopback_cluster(*[{"num_cpus": 0, "num_gpus": 1}] * 2) as (c, nodes):
+        yield c, nodes
 
 
 def _rm(delay_s: float) -> list[ModelServiceConfig]:

@@ -6,7 +6,6 @@ killed with -9 and started again."""
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
 import threading
@@ -17,6 +16,8 @@ import pytest
 
 from arl_tangram.core import Action, Allocation, Outcome
 from arl_tangram.managers.sandbox.spec import Exec, RunCode, SandboxConfig
+
+from raycluster import loopback_cluster
 
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
@@ -90,18 +91,9 @@ def test_an_agent_whose_lease_runs_out_closes_everything_and_cannot_be_taken_ove
 
 @pytest.fixture
 def cluster():
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep every Ray address on 127.0.0.1
-    ray = pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
-    for _ in range(2):
-        c.add_node(num_cpus=2)
-    c.wait_for_nodes()
-    yield c
-    if ray.is_initialized():
-        ray.shutdown()
-    c.shutdown()
+    pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
+    with loopback_cluster({"num_cpus": 2}, {"num_cpus": 2}) as (c, _):
+        yield c
 
 
 def _exec(url, sid, **body):

@@ -17,7 +17,7 @@ from arl_tangram.runtime import NoRoom, Tangram
 from arl_tangram.runtime.local import LocalRuntime
 from arl_tangram.server.service import Service
 
-from servers import Server
+from servers import Server, alive
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
@@ -205,7 +205,7 @@ def test_a_rest_is_recorded_durably_while_the_session_s_processes_still_live():
             async def barrier() -> None:
                 await asyncio.sleep(0.05)  # a slow commit: the processes must wait for it
                 seen.append((manager.session_state("order"), manager.rested["order"].path,
-                             os.path.exists(f"/proc/{pid}") and _alive(pid)))
+                             os.path.exists(f"/proc/{pid}") and alive(pid)))
 
             tg.runtime.rest_barriers.append(barrier)
             assert await manager.rest("order")
@@ -237,15 +237,6 @@ def test_a_session_closed_while_its_rest_is_recorded_leaves_no_blob_and_no_proce
             assert manager.session_state("gone") is None and manager.store.used == 0
             assert not os.path.exists(path) and sb.dead
     asyncio.run(main())
-
-
-def _alive(pid: int) -> bool:
-    """``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_closing_a_rested_session_removes_its_state_from_disk():
