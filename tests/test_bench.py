@@ -108,7 +108,10 @@ def test_bench_server_against_another_endpoint_prints_both(tmp_path):
         assert r["tangram_vs_against"]["python@c1"]["throughput_x"] > 0
         # --cpu: our server's CPU by part (no fronts or workers on a small machine); the peer is not ours to read
         burn = r["tangram"]["cpu_200ms@c2"]["cpu_ms_per_request"]
-        assert burn["engine"] > 0 and burn["sandboxes"] >= 150, burn  # each job burns 200 ms in its sandbox
+        assert burn["sandboxes"] >= 150, burn  # each job burns 200 ms in its sandbox
+        # a process's time is read in clock ticks (10 ms): the engine's share of two 200 ms jobs can
+        # be under one tick (CI once read 0.0), of the python case's many one-shots it is not
+        assert r["tangram"]["python@c1"]["cpu_ms_per_request"]["engine"] > 0, r["tangram"]["python@c1"]
         assert "cpu_ms_per_request" not in r["against"]["python@c1"]
     finally:
         peer.terminate()

@@ -210,6 +210,9 @@ def model_chaos(gpu_nodes: int, calls: int, device: str, log: Callable[[str], No
                 for (i, _), k in answers.items():
                     per_call[i] += k
                 ok = sum(k for (_, o), k in answers.items() if o == "ok")
+                # a batch recorded twice ran on the killed agent (only a lost node's batches re-run),
+                # seen running at the look or not: CI once saw one re-run that the look had missed
+                on_victim |= {a for a, k in records.items() if k > 1}
                 rerun = [records[a] for a in on_victim]
                 return {"gpu_nodes": gpu_nodes, "device": "cuda" if cuda else "cpu", "calls": calls,
                         "batches_running_on_killed_agent": len(on_victim),
