@@ -470,7 +470,10 @@ class Zygote:
         except OSError:  # the zygote is gone
             data = None
         if not data or data[:1].decode("latin-1") not in tags:
-            self.broken = self.broken or f"the zygote sent {data[:1]!r} where {tags!r} was due"
+            # the zygote gone (its child may kill it: a user's program) is ``broken``, never a crash
+            # of this method, which would report the user's run as the runner's failure
+            said = f"sent {data[:1]!r}" if data else "is gone"
+            self.broken = self.broken or f"the zygote {said} where {tags!r} was due"
             return None
         self.tag = data[:1].decode("latin-1")
         return int.from_bytes(data[1:], "little", signed=True)
