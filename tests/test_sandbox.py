@@ -346,6 +346,30 @@ def test_a_session_step_streams_its_output_while_it_runs_capped_as_its_result():
     assert quiet.stdout == "nobody listens\n"
 
 
+def test_a_streamed_cell_writing_a_byte_at_a_time_is_coalesced():
+    """Each read of a cell's pipe used to be its own chunk line: hostile output written a byte at a
+    time cost the engine process a line, a decode and a call per byte. Chunks now leave at most
+    every CELL_COALESCE_S (the bound below counts the cell's whole duration), all bytes in order."""
+    from arl_tangram.managers.sandbox.runner import CELL_COALESCE_S
+    cell = "import os\nfor i in range(20000):\n    os.write(1, b'x')\nos.write(2, b'end')"
+
+    async def body(tg):
+        s = await tg.session()
+        await s.exec(python="1")
+        chunks: list[tuple[str, bytes]] = []
+        t = time.monotonic()
+        r = await s.exec(python=cell, timeout_s=60, on_output=lambda k, d: chunks.append((k, d)))
+        took = time.monotonic() - t
+        await s.close()
+        return r, chunks, took
+
+    r, chunks, took = run(body)
+    assert r.outcome is Outcome.OK and r.stdout == "x" * 20000
+    assert b"".join(d for k, d in chunks if k == "stdout") == b"x" * 20000
+    assert b"".join(d for k, d in chunks if k == "stderr") == b"end"
+    assert len(chunks) <= 2 * (took / CELL_COALESCE_S + 2), (len(chunks), took)
+
+
 @needs_cgroups
 def test_a_frozen_session_uses_no_cpu():
     async def body(tg):
