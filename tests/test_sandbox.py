@@ -346,6 +346,43 @@ def test_a_session_step_streams_its_output_while_it_runs_capped_as_its_result():
     assert quiet.stdout == "nobody listens\n"
 
 
+FORGE_ANSWER = """import os, stat, fcntl
+hit = []
+for fd in range(3, 64):  # the runner's answer channel is a pipe the cell's process holds
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        continue
+    if stat.S_ISFIFO(st.st_mode) and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_WRONLY:
+        os.write(fd, b'{"id": %s, "stdout": ""}\\n')
+        hit.append(fd)
+print('real', hit)"""
+
+
+@pytest.mark.parametrize("forged_id", ["wrong", "next"])
+def test_a_cell_that_forges_answers_never_shifts_its_sessions_answers(forged_id):
+    """A session's cell runs in the runner and can write lines of its own on the answer channel;
+    one taken as an answer used to shift every later answer by one step. An answer out of turn
+    now breaks the sandbox: at once (a wrong id), or at the next request (a guessed id: the real
+    answer then comes out of turn). No later step gets another step's answer."""
+    async def body(tg):
+        s = await tg.session()
+        await s.exec(python="x = 41")
+        sb = tg.runtime.sandboxes.sessions[s.id]
+        fid = str(sb._seq + 1) if forged_id == "next" else "123456789"
+        forged = await s.exec(python=FORGE_ANSWER % fid)
+        later = [await s.exec(python="print('second')"), await s.exec(python="print('third')")]
+        await s.close()
+        return forged, later
+
+    forged, later = run(body)
+    assert forged.outcome is not Outcome.OK
+    assert all("real" not in r.stdout for r in later), [r.stdout for r in later]
+    assert later[-1].outcome is Outcome.OK and later[-1].stdout == "third\n"
+    if forged_id == "wrong":
+        assert forged.outcome is Outcome.INFRA_ERROR and later[0].stdout == "second\n"
+
+
 def test_a_streamed_cell_writing_a_byte_at_a_time_is_coalesced():
     """Each read of a cell's pipe used to be its own chunk line: hostile output written a byte at a
     time cost the engine process a line, a decode and a call per byte. Chunks now leave at most

@@ -154,12 +154,21 @@ class Sandbox:
             if not line:
                 await self.kill()
                 raise SandboxDied("sandbox exited: " + self._stderr.decode(errors="replace")[-500:])
-            return json.loads(line)
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                answer = None
+            if not isinstance(answer, dict) or answer.get("id") != self._seq:
+                # a session's code runs in the runner and can write lines of its own: one that is
+                # not this request's answer would shift every later answer by one step; the
+                # channel is broken, so is the sandbox
+                await self.kill()
+                raise SandboxDied("sandbox answered out of turn (its channel was written to by the code it runs)")
+            return answer
 
     async def _chunks(self, on_output: Callable[[str, bytes], None]) -> bytes:
-        """Hand a streamed request's chunk lines to ``on_output``; return its answer's line (the
-        first with an ``id``, or EOF). A line that is neither (a runner taken over by the user's
-        code) ends the request as a broken channel."""
+        """Hand a streamed request's chunk lines to ``on_output``; return the first other line (EOF
+        included), which ``request`` checks is this request's answer."""
         while True:
             line = await self.proc.stdout.readline()
             if not line.startswith(b'{"stream":'):
