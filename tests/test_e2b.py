@@ -725,3 +725,22 @@ def test_bench_e2b_prints_its_figures():
     assert all(out[k]["n"] == 2 for k in ("create_and_first_command", "commands_run_true", "write_and_read_1mb",
                                           "run_code"))
     assert out["stream_first_line"]["n"] == out["stream_whole_command"]["n"] == 1  # (streaming: its own tests)
+
+
+def test_a_character_cut_between_streamed_batches_survives_a_quiet_poll():
+    """run_code's NDJSON stream: a quiet poll sends the partial line held so far, but a UTF-8
+    character cut between two batches must wait for its other bytes (flushing the decoder there
+    turned one "é" into two U+FFFD)."""
+    from arl_tangram.server.e2b.routes import _cell_lines
+
+    batches = iter([(b"", b"", False), (b"\xa9 ok\n", b"", True)])  # quiet, then the rest
+    result = {"stdout": "caf\u00e9 ok\n", "stderr": "", "results": [], "error": None, "execution_count": 1}
+
+    async def collect():
+        gen = _cell_lines((b"caf\xc3", b""), None, lambda sent, wait: next(batches), lambda: result)
+        return [json.loads(line) async for line in gen]
+
+    lines = asyncio.run(collect())
+    text = "".join(x["text"] for x in lines if x["type"] == "stdout")
+    assert text == "caf\u00e9 ok\n" and "\ufffd" not in text, lines
+    assert lines[-1] == {"type": "number_of_executions", "execution_count": 1}

@@ -14,11 +14,24 @@ head's membership loop (``take_expired``), which ends them in the engine.
 
 **A lease** (issue 24): on Ray the agent outlives the head that started it (a detached actor), so
 its sessions, files and processes both, survive a head restart. The head renews the lease at each
-look at the agent (``take_expired(lease_s)``); a restarted head takes the agent over (``attach``:
-what it runs for the dead head is cancelled, the head journals those as ended; its sessions are
-listed) and says which sessions it owns (``keep``: the others are closed). An agent whose lease
-runs out with no head closes everything it holds and, on Ray, exits: nothing is left that nobody
-owns.
+look at the agent (``take_expired(lease_s, owner)``); a restarted head takes the agent over
+(``attach``: what it runs for the dead head is cancelled, the head journals those as ended; its
+sessions are listed) and says which sessions it owns (``keep``: the others are closed). An agent
+whose lease runs out with no head closes everything it holds and, on Ray, exits: nothing is left
+that nobody owns.
+
+The lease is armed when ``start`` returns, never before: a GPU agent loads every service's weights
+in ``start`` (minutes for big models, longer than ``lease_s``), and a lease running meanwhile
+orphaned the agent in its own start (review of issue 24, H3). Renewals during ``start`` only move
+the deadline the armed lease begins from.
+
+**Owners.** A head names itself (``owner``: ``tangram serve``'s is a UUID stored in its journal
+file, so the same file is the same head across restarts and another host's journal another head).
+Only the owner, or any head once the lease ran out, takes the agent over; the calls that act for a
+head (``take_expired``, ``run``, ``keep``) carry its name, and a head that was replaced gets
+``Replaced`` from them: the node is lost to it. A taken-over agent's one-shots of the dead head
+are cancelled and ``attach`` returns once they ended, so a re-run with the same id (the new head's
+journal re-runs them) never meets the cancelled run's completion (review M1).
 """
 
 from __future__ import annotations
@@ -45,6 +58,16 @@ from .host import LocalHost, host_cpus, memory_gb
 
 class HeldElsewhere(RuntimeError):
     """Another head, alive (its lease runs), holds this agent: it is not taken over."""
+
+
+class Replaced(RuntimeError):
+    """The head calling was replaced: another head took this agent over (``attach``). The node is
+    not the caller's any more; it treats it as lost."""
+
+
+#: seconds ``attach`` waits for the one-shots it cancelled to end (a sandbox run is killed in
+#: milliseconds; a model batch ends at its next step); a re-run of one still ending waits in ``run``
+ATTACH_CANCEL_WAIT_S = 10.0
 
 
 class NodeAgent:
@@ -77,6 +100,8 @@ class NodeAgent:
         self._waiting: dict[str, Callable[[Completion], None]] = {}  # action id -> where its completion goes
         self._step_of: dict[str, str] = {}  # action id -> its session, for session steps waiting here
         self._leftover: dict[str, asyncio.Future] = {}  # session -> its step a dead head started, until it ends
+        self._dying: dict[str, asyncio.Future] = {}  # action id -> resolved when its cancelled run (``attach``) ended
+        self._epoch = 0  # ``attach``es so far: a step of a replaced head not yet started never starts
         self._loading: dict[str, asyncio.Future] = {}  # prefetch key -> resolved when resident
         self._expired: list[str] = []
         self._rested: dict[str, str | None] = {}  # session -> its blob here (None: woken) since the head last asked
@@ -87,20 +112,28 @@ class NodeAgent:
         self.lease_until: float | None = None  # monotonic; None: no lease (never renewed)
         self.owner: str | None = None  # the head holding the lease (a restarted one says the same)
         self._lease_task: asyncio.Task | None = None
+        self._lease_s: float | None = None  # the head's lease, armed when ``start`` returns
+        self._armed = False  # ``start`` returned: renewals from now on start the lease's watch
         self.orphaned = False  # the lease ran out: everything was closed
 
     async def start(self, lease_s: float | None = None, owner: str | None = None) -> dict:
         """Start the sandbox manager and the model host; returns what the head shows of this
         node. A node where sandboxes cannot run (no bubblewrap, say) reports why and gets no
         sandbox actions; one whose model services cannot load reports why and gets no GPU work.
-        ``lease_s``: the head's first lease, ``owner`` that head (the module docstring)."""
+        ``lease_s``: the head's lease, ``owner`` that head (the module docstring); the lease runs
+        from when ``start`` returns (or from the head's latest renewal, if later), never during it."""
         self.owner = owner
         if lease_s is not None:
-            self.renew(lease_s)
-        info = await self._start_sandboxes()
-        if self.model_configs:
-            info.update(await self._start_models())
-        self.info = info
+            self._lease_s = lease_s
+        try:
+            info = await self._start_sandboxes()
+            if self.model_configs:
+                info.update(await self._start_models())
+            self.info = info
+        finally:  # armed even if start failed: an agent nobody renews must not live on
+            self._armed = True
+            if self._lease_s is not None:
+                self.renew(self._lease_s)
         return info
 
     async def _start_sandboxes(self) -> dict:
@@ -189,12 +222,24 @@ class NodeAgent:
         if self.models is not None:
             self.models.evict(model, block)
 
-    async def run(self, action: Action, allocation: Allocation) -> Completion:
+    async def run(self, action: Action, allocation: Allocation, owner: str | None = None) -> Completion:
         """Run one action the head's engine started on this node; its ``Completion``. A session's
-        step waits for the step a dead head left running in it (``attach``)."""
+        step waits for the step a dead head left running in it (``attach``); a re-run of a one-shot
+        ``attach`` cancelled waits for the cancelled run to end (same id). ``owner``: the head
+        asking (``Replaced`` if another took the agent over; None: no check, as in a sandbox
+        worker). A step that waited here when another head took the agent over never starts: it
+        ends ``cancelled`` (its head is gone; the new head's journal ends it)."""
+        self._check_owner(owner)
+        epoch = self._epoch
+        dying = self._dying.get(action.id)
+        if dying is not None:
+            await asyncio.shield(dying)
         left = self._leftover.get(action.trajectory) if action.trajectory is not None else None
         if left is not None:
             await asyncio.shield(left)
+        if self._epoch != epoch:
+            return Completion(action.id, Outcome.CANCELLED,
+                              message=f"node {self.name}'s agent was taken over by another head before it ran")
         fut = asyncio.get_running_loop().create_future()
         self.run_cb(action, allocation, lambda c: fut.done() or fut.set_result(c))  # done: the caller gave up
         return await fut
@@ -251,9 +296,11 @@ class NodeAgent:
             raise RuntimeError(f"restore of session {trajectory} on node {self.name}: {done.message}")
         return True
 
-    async def take_expired(self, lease_s: float | None = None) -> list[str]:
+    async def take_expired(self, lease_s: float | None = None, owner: str | None = None) -> list[str]:
         """The sessions the manager expired since the last call; ``lease_s`` renews the lease
-        (the head's membership loop calls this at each look, so a live head keeps its agents)."""
+        (the head's membership loop calls this at each look, so a live head keeps its agents).
+        ``owner``: the head renewing; ``Replaced`` if another head took the agent over."""
+        self._check_owner(owner)
         if lease_s is not None:
             self.renew(lease_s)
         out, self._expired[:] = list(self._expired), []
@@ -276,10 +323,19 @@ class NodeAgent:
     # -- the lease: outliving a head (issue 24) ------------------------------------------------
     def renew(self, lease_s: float) -> None:
         """The head is alive: the agent holds on to its work for ``lease_s`` more seconds (called
-        from the agent's event loop: the first renewal starts the watch)."""
+        from the agent's event loop). The watch starts with the first renewal after ``start``
+        returned: one during ``start`` only sets the lease that ``start`` arms."""
         self.lease_until = time.monotonic() + lease_s
-        if self._lease_task is None:
+        if not self._armed:
+            self._lease_s = lease_s
+            return
+        if self._lease_task is None and not self.orphaned:
             self._lease_task = asyncio.get_running_loop().create_task(self._watch_lease())
+
+    def _check_owner(self, owner: str | None) -> None:
+        if owner is not None and self.owner is not None and owner != self.owner:
+            raise Replaced(f"node {self.name}'s agent was taken over by another head ({self.owner}): "
+                           "one head per Ray cluster")
 
     async def attach(self, lease_s: float, owner: str | None = None) -> dict | None:
         """A restarted head takes this agent over: its lease renewed, the one-shots it runs for
@@ -298,12 +354,27 @@ class NodeAgent:
             raise HeldElsewhere(f"node {self.name}'s agent is held by another head ({self.owner}) whose lease "
                                 f"runs {self.lease_until - time.monotonic():.0f} s more: one head per Ray cluster")
         self.owner = owner
+        self._epoch += 1
         self.renew(lease_s)
         loop = asyncio.get_running_loop()
-        cancelled = sorted(aid for aid in self._waiting if aid not in self._step_of)
+        cancelled = sorted(aid for aid in self._waiting if aid not in self._step_of and aid not in self._dying)
+        for aid in cancelled:
+            dying = self._dying[aid] = loop.create_future()
+
+            def died(c: Completion, aid: str = aid, dying: asyncio.Future = dying,
+                     answer: Callable[[Completion], None] = self._waiting[aid]) -> None:
+                answer(c)  # to the dead head's call (on Ray: nobody awaits it any more)
+                if not dying.done():
+                    dying.set_result(None)
+                if self._dying.get(aid) is dying:
+                    del self._dying[aid]
+
+            self._waiting[aid] = died
         for aid in cancelled:
             self.cancel(aid)
         for aid, traj in self._step_of.items():
+            if traj in self._leftover:  # an earlier attach's: its waiters (and ours) wait for the same end
+                continue
             left = self._leftover[traj] = loop.create_future()
 
             def ended(c: Completion, left: asyncio.Future = left, traj: str = traj) -> None:
@@ -316,11 +387,16 @@ class NodeAgent:
         if self.models is not None:
             for model, block in self.resident():
                 self.models.evict(model, block)
+        dying = [self._dying[a] for a in cancelled if a in self._dying]
+        if dying:  # a re-run with the same id must not meet the cancelled run's completion (M1)
+            await asyncio.wait(dying, timeout=ATTACH_CANCEL_WAIT_S)
         return {**self.info, "sessions": self.sessions(), "cancelled": cancelled}
 
-    def keep(self, sessions: list[str]) -> list[str]:
+    def keep(self, sessions: list[str], owner: str | None = None) -> list[str]:
         """The head owns ``sessions``; every other session here is closed (it belonged to a head
-        that died and whose journal no longer lists it). Returns those closed."""
+        that died and whose journal no longer lists it). Returns those closed. ``owner``: the head
+        saying so (``Replaced`` if another took the agent over)."""
+        self._check_owner(owner)
         owned = set(sessions)
         gone = [s for s in self.sessions() if s not in owned]
         for s in gone:

@@ -168,7 +168,8 @@ class Session:
         traceback goes only into the cell's error record, as in a notebook). ``remaining_turns``:
         how many more actions the trajectory will send (the scheduler favours the step's last
         finishers). ``on_output(stream, data)``: the step's output as it comes
-        (``SandboxManager.listen``: capped as the result's, a slow callback slows the step);
+        (``SandboxManager.listen``: capped as the result's; called on the runtime's event loop, so
+        it must return at once);
         where sessions run in another process (Ray's nodes) it is not called and the output
         comes in the result only."""
         self._check()

@@ -3,16 +3,31 @@
 Shared by the head's managers (``RemoteSandboxes`` for cores, ``RemoteModels`` for GPUs): an
 answer that does not come because the node (or its agent) died ends the action ``infra_error``
 with ``NodeLost`` as its result, which the runtime re-runs once elsewhere if it is a one-shot.
+So does an answer ``Replaced``: another head took the node's agent over, and the node is lost to
+this one.
+
+**Looks at the agents** (``look_at_agents``: the head's membership loop, every poll): each agent's
+lease is renewed and its expired and rested sessions collected, all agents at once, each under a
+timeout. One after the other with no timeout, one agent whose event loop hung (Ray still lists it
+alive) stalled every renewal, and after ``lease_s`` every other agent orphaned itself, taking every
+session of the cluster with it (review of issue 24, M3). A call that times out stays pending and is
+awaited again at the next look (no second call piles up behind it); a serving node whose agent has
+not answered for ``lease_s`` since the last renewal it did answer is lost (its lease has run out:
+whatever it still holds, it closes). A node still starting (a GPU node loading its weights) is
+renewed too, never lost for silence: Ray may not have placed its agent yet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.action import Action, Allocation, Outcome
 from ..core.seam import Completion
+from .agent import Replaced
 
 if TYPE_CHECKING:
     from .ray_runtime import RayRuntime
@@ -47,6 +62,9 @@ class Node:
     died_at: float | None = None  # monotonic time it was lost (its raylet may live on)
     rejoins: int = 0  # new agents started on this Ray node after its agent died
     adopted: bool = False  # its agent outlived an earlier head and is taken over (``NodeAgent.attach``)
+    look: asyncio.Future | None = None  # the look at its agent still unanswered (``look_at_agents``)
+    renewed_at: float | None = None  # monotonic time the last renewal it answered was sent
+    why: str = ""  # why it was lost (``/v1/cluster`` shows it)
 
     @property
     def name(self) -> str:
@@ -73,6 +91,61 @@ def agent_gone() -> tuple[type[BaseException], ...]:
     return (e.RayActorError, e.NodeDiedError, e.WorkerCrashedError, e.ObjectLostError)
 
 
+#: seconds a look waits for one agent's answer before it goes on without it (the call stays pending)
+LOOK_TIMEOUT_S = 5.0
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Look:
+    """What one look at a node's agent found: sessions it expired, sessions it rested or woke
+    (``take_rested``), or why the node is lost to this head."""
+
+    node: Node
+    expired: list[str] = field(default_factory=list)
+    rested: list[tuple[str, str | None]] = field(default_factory=list)
+    lost: str | None = None
+
+
+async def look_at_agents(nodes: list[Node], lease_s: float, owner: str | None, timeout_s: float) -> list[Look]:
+    """Renew the lease of every node's agent and collect its news, all at once, each waited for
+    at most ``timeout_s`` (the module docstring)."""
+    return list(await asyncio.gather(*(_look(n, lease_s, owner, timeout_s) for n in nodes)))
+
+
+async def _look(node: Node, lease_s: float, owner: str | None, timeout_s: float) -> Look:
+    call = node.look
+    if call is None:
+        call = node.look = asyncio.ensure_future(_ask(node, lease_s, owner))
+    try:
+        sent, expired, rested = await asyncio.wait_for(asyncio.shield(call), timeout_s)
+    except asyncio.TimeoutError:
+        silent = time.monotonic() - node.renewed_at if node.renewed_at is not None else 0.0
+        if node.serving and silent > lease_s:
+            return Look(node, lost=f"its agent has not answered for {silent:.0f} s: its lease ran out")
+        return Look(node)
+    except Replaced as e:
+        return Look(node, lost=str(e).strip().splitlines()[-1])
+    except agent_gone() as e:
+        return Look(node, lost=f"its agent is gone ({type(e).__name__})")
+    except Exception as e:  # a bug, a call Ray could not make: looked at again next time
+        log.warning("node %s: looking at its agent failed: %s: %s", node.name, type(e).__name__, e)
+        return Look(node)
+    finally:
+        if call.done():
+            node.look = None
+    node.renewed_at = max(node.renewed_at or sent, sent)
+    return Look(node, expired, rested)
+
+
+async def _ask(node: Node, lease_s: float, owner: str | None) -> tuple[float, list[str], list]:
+    sent = time.monotonic()
+    expired = await node.handle.take_expired.remote(lease_s, owner)  # renews its lease
+    rested = await node.handle.take_rested.remote()
+    return sent, list(expired), list(rested)
+
+
 async def run_on_node(runtime: "RayRuntime", node: Node, action: Action, allocation: Allocation) -> Completion:
     """Run ``action`` on ``node``'s agent (``allocation`` in the node's own unit ids) and await its
     ``Completion`` unless ``node`` is lost first; then the action ends ``infra_error`` with
@@ -80,7 +153,7 @@ async def run_on_node(runtime: "RayRuntime", node: Node, action: Action, allocat
     (``RayRuntime._retry``). The agent's ``run`` serves sandboxes and models alike."""
     node.running.add(action.id)
     lost = asyncio.ensure_future(node.lost.wait())
-    answer = asyncio.ensure_future(_agent_run(node, action, allocation))
+    answer = asyncio.ensure_future(_agent_run(node, action, allocation, runtime.owner))
     try:
         await asyncio.wait({lost, answer}, return_when=asyncio.FIRST_COMPLETED)
         if answer.done():
@@ -88,6 +161,8 @@ async def run_on_node(runtime: "RayRuntime", node: Node, action: Action, allocat
                 return answer.result()
             except agent_gone() as e:
                 runtime.node_lost(node, f"its agent failed ({type(e).__name__})")
+            except Replaced as e:  # another head took the agent over: the node is not ours any more
+                runtime.node_lost(node, str(e).strip().splitlines()[-1])
         answer.cancel()
         return _lost(runtime, node, action)
     finally:
@@ -95,8 +170,8 @@ async def run_on_node(runtime: "RayRuntime", node: Node, action: Action, allocat
         node.running.discard(action.id)
 
 
-async def _agent_run(node: Node, action: Action, allocation: Allocation) -> Completion:
-    return await node.handle.run.remote(action, allocation)
+async def _agent_run(node: Node, action: Action, allocation: Allocation, owner: str | None) -> Completion:
+    return await node.handle.run.remote(action, allocation, owner)
 
 
 def cancel_on_nodes(runtime: "RayRuntime", action_id: str) -> None:

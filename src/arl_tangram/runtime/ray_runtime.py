@@ -31,14 +31,21 @@ real: a step the engine places away from its session's node (``Setup.RESTORE``) 
 **The head restarts, sessions stay** (issue 24). Agents are detached actors named after their
 node (``agent_name``): they outlive the head's Ray driver, and with them their sandboxes, files and
 processes (a session's Python state included). The head renews each agent's lease at every look
-(``MEMBERSHIP_POLL_S``; ``lease_s``, default ``LEASE_S``). A restarted head on the same Ray cluster
+(``MEMBERSHIP_POLL_S``; ``lease_s``, default ``LEASE_S``), every agent at once, each under a timeout
+(``ray_nodes.look_at_agents``: one hung agent stalls no other's renewal), agents still starting
+included; the looks begin before the first joins end (a GPU node loads its weights in its agent's
+start, minutes maybe, while the other nodes' leases, taken-over agents' too, must be renewed). An
+agent's lease runs from the end of its start. A restarted head on the same Ray cluster
 finds each node's agent by name and takes it over (``NodeAgent.attach``): the one-shots it ran for
 the dead head are cancelled (the journal re-runs them), a session's step in flight runs to its end
 (the journal ends it ``infra_error``: its answer is lost), and its sessions are an inventory. The service then re-attaches the journal's open sessions found there
 (``adopt_live``: homed on their node again, their next step sees their files and their Python
 state) and the agent closes the rest (``prune_live``). A session whose agent died meanwhile ends as
 before, saying so. An agent whose lease runs out with no head closes everything and exits: nothing
-is left that nobody owns. The head must join the cluster as a driver (``ray.init(address=...)`` of a
+is left that nobody owns. Heads are told apart by ``owner`` (``tangram serve``: the UUID in its
+journal): a second head finds the agents held (``HeldElsewhere``) and uses none of them; a head
+whose agent another took over (its lease ran out while it lived: a hung head) hears ``Replaced`` at
+its next renewal or run and counts the node lost, the reason in ``/v1/cluster``. The head must join the cluster as a driver (``ray.init(address=...)`` of a
 cluster started with ``ray start``), never start one of its own: that one would die with it.
 """
 
@@ -61,7 +68,8 @@ from ..managers.tasks import TaskSet
 from ..policy import Costs, Policy, Profile
 from ..waits import DEFAULT_MAX_QUEUE_S
 from .agent import NodeAgent
-from .ray_nodes import Node, NodeLost, RayUnavailable, agent_gone, cancel_on_nodes, ray_module, run_on_node
+from .ray_nodes import (LOOK_TIMEOUT_S, Node, NodeLost, RayUnavailable, cancel_on_nodes, look_at_agents, ray_module,
+                        run_on_node)
 
 __all__ = ["Node", "NodeLost", "RayRuntime", "RayUnavailable", "RemoteSandboxes", "connect"]
 from .base import Runtime
@@ -248,6 +256,7 @@ class RayRuntime(Runtime):
         self.poll_s = poll_s
         self.rejoin_after_s = rejoin_after_s
         self.lease_s = lease_s
+        self.look_timeout_s = min(LOOK_TIMEOUT_S, lease_s / 4)  # a hung agent holds up no other's renewal
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{time.time():.0f}"
         self.inventory: dict[str, Node] = {}  # sessions found on agents taken over, until adopted or pruned
         self.reattached = {"agents": 0, "sessions": 0, "pruned": 0, "cancelled": 0}
@@ -400,6 +409,7 @@ class RayRuntime(Runtime):
         if node.state == "dead":
             return
         node.state = "alive"
+        node.renewed_at = time.monotonic()  # its start (or attach) just renewed its lease
         if node.info.get("sandboxes"):
             node.index = self.engine.add_cpu_node(CpuNode(node.name, node.cores, node.info.get("memory_gb", 8.0)))
             self.by_index[node.index] = node
@@ -480,6 +490,7 @@ class RayRuntime(Runtime):
             return
         node.state = "dead"
         node.died_at = time.monotonic()
+        node.why = why
         log.error("node %s (%s) lost: %s", node.name, node.address, why)
         held = [s for s, home in self.sandboxes.homes.items() if home is node]
         if node.index is not None:
@@ -511,20 +522,25 @@ class RayRuntime(Runtime):
                     if (node.state == "starting" or node.serving) and node.ray_id not in table:
                         self.node_lost(node, "Ray reports the node dead")
                     self._settle_drain(node)
-                for node in [n for n in self.nodes_by_id.values() if n.serving]:
-                    try:
-                        expired = await node.handle.take_expired.remote(self.lease_s)  # renews its lease
-                    except agent_gone() as e:  # the node is up, its agent is not: nothing runs there
-                        self.node_lost(node, f"its agent is gone ({type(e).__name__})")
+                # renew every lease (agents still starting too: theirs runs from their start's end;
+                # not one being taken over: it is another head's until ``attach`` returns)
+                held = [n for n in self.nodes_by_id.values()
+                        if n.serving or (n.state == "starting" and not n.adopted and n.handle is not None)]
+                for look in await look_at_agents(held, self.lease_s, self.owner, self.look_timeout_s):
+                    node = look.node
+                    if not node.serving:
+                        continue  # starting: its join says if it failed
+                    if look.lost is not None:  # gone, replaced by another head, or silent past its lease
+                        self.node_lost(node, look.lost)
                         continue
-                    for s in expired:
+                    for s in look.expired:
                         self.sandboxes.homes.pop(s, None)
                         self.end_session(s, f"session {s} expired: unused for more than "
                                             f"{self.config.session_idle_expiry_s:g} s; its state is gone")
                     # rests since the last poll: a rested session holds no memory on its node (it
                     # held the head's reservation until its next step); the path names the node, so
                     # a restarted server says why it cannot wake it
-                    for s, path in await node.handle.take_rested.remote():
+                    for s, path in look.rested:
                         if self.sandboxes.homes.get(s) is node:
                             self.session_rested(s, f"{node.name}:{path}" if path else None)
             except asyncio.CancelledError:
@@ -566,7 +582,7 @@ class RayRuntime(Runtime):
         gone = len(self.inventory)
         for key, node in nodes.items():
             if node.serving:
-                node.handle.keep.remote(owned.get(key, []))
+                node.handle.keep.remote(owned.get(key, []), self.owner)
         self.inventory.clear()
         self.reattached["pruned"] += gone
         if gone:
@@ -585,12 +601,15 @@ class RayRuntime(Runtime):
 
     # -- lifecycle and views ---------------------------------------------------------------------
     async def start(self) -> None:
-        """Join every node there is now (agents start, GPU nodes load their weights), then watch."""
+        """Join every node there is now (agents start, GPU nodes load their weights) while the
+        watch already runs: it renews the leases of the agents up (taken over) and starting while
+        the others still start."""
         entries = [e for e in await asyncio.to_thread(self._table) if self._wanted(e)]
         for entry in entries:
             self._join_later(entry)
-        await asyncio.gather(*self._joining, return_exceptions=True)
+        joins = list(self._joining)
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
+        await asyncio.gather(*joins, return_exceptions=True)
         await super().start()
 
     async def _shut_down_managers(self) -> None:
@@ -628,6 +647,8 @@ class RayRuntime(Runtime):
             free = pool.nfree(n.index) if n.index is not None and n.state == "alive" else 0
             gpu_node = n.info.get("gpu_node")
             problem = n.info.get("problem", "") if n.cores else n.info.get("model_problem", "")
+            if n.state == "dead" and n.why:
+                problem = f"lost: {n.why}"
             out.append({"id": n.ray_id, "name": n.name, "address": n.address, "state": n.state, "cores": n.cores,
                         "cores_free": free, "gpus": gpu_node.gpus if gpu_node is not None else 0,
                         "islands": self._islands(n),

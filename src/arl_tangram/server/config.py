@@ -169,11 +169,12 @@ def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True,
         models = [ModelServiceConfig(**m.model_dump()) for m in cfg.models]
     if ray is not None:
         from ..runtime.ray_runtime import RayRuntime
+        from .journal import journal_owner
         # the head loads no weights (it needs no torch); each GPU node's agent does. On Ray, gpus / gpu_memory_gb / gpu_island_size apply to every GPU node
         runtime = RayRuntime(ray, cfg.policy, cfg.sandbox, max_queue_s=cfg.max_queue_s, models=models,
                              gpus_per_node=cfg.gpus, gpu_memory_gb=cfg.gpu_memory_gb,
                              gpu_island_size=cfg.gpu_island_size, move_s=cfg.move_s,
-                             lease_s=cfg.lease_s, owner=f"tangram serve {path.resolve()}")
+                             lease_s=cfg.lease_s, owner=f"tangram serve {journal_owner(str(path))}")
     else:
         workers = cfg.sandbox_workers
         if workers is None:

@@ -10,6 +10,12 @@ One journal, one server: a server holds an exclusive lock on ``<journal>.lock`` 
 A second server on the same journal would "recover" the first one's running actions and run them
 again, so it refuses to start (``JournalBusy``, naming the journal and the holder's pid). The lock
 is ``flock``'s, which the kernel drops when its holder dies: a crashed server leaves no stale lock.
+
+The journal also names its server (``journal_owner``: a UUID made once and kept in the file): a
+head on Ray says it to its node agents, so that the same journal is the same head across restarts
+(it takes its agents over at once) and another journal, on any host, another head. The file's
+path named the head before, and every host's default path was the same: two heads counted as one
+(review of issue 24, M2). A journal written before keeps its tables and gets an id when opened.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import json
 import os
 import sqlite3
 import time
+import uuid
 from dataclasses import dataclass, replace
 
 
@@ -65,6 +72,7 @@ class Journal:
         # woken by the next server; one awake when the server died lost its state with it
         self._db.execute("""CREATE TABLE IF NOT EXISTS sessions (
             id TEXT PRIMARY KEY, job TEXT NOT NULL, image TEXT, state TEXT NOT NULL, path TEXT, at REAL NOT NULL)""")
+        self.owner = _owner(self._db)
         self._queue: list[tuple] = []
         self._pending: dict[str, Entry] = {}  # written, not yet committed
         self._waiters: list[asyncio.Future] = []
@@ -238,6 +246,22 @@ def _lock(path: str) -> int:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     return fd
+
+
+def journal_owner(path: str) -> str:
+    """The id of the server whose journal is ``path`` (made and stored in the file the first time:
+    the module docstring). Readable before the server takes the journal's lock."""
+    db = _connect(path)
+    try:
+        return _owner(db)
+    finally:
+        db.close()
+
+
+def _owner(db: sqlite3.Connection) -> str:
+    db.execute("CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+    db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('owner', ?)", (uuid.uuid4().hex,))
+    return db.execute("SELECT value FROM meta WHERE key='owner'").fetchone()[0]
 
 
 def _connect(path: str) -> sqlite3.Connection:

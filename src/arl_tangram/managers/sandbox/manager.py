@@ -390,9 +390,11 @@ class SandboxManager:
         yet) to ``on_output(stream,
         data)`` while it runs, ``stream`` being ``stdout`` or ``stderr``; returns the call that
         stops it. Bounded as every step's output is: past ``max_output_bytes`` a stream's bytes
-        are dropped (never forwarded, never held; the result says ``truncated``), and a caller
-        that returns late slows the step (its chunks wait in the runner's pipe), never grows
-        memory. A step nobody listens to pays nothing for this (one dict lookup). The step's
+        are dropped (never forwarded, never held; the result says ``truncated``). ``on_output`` is
+        called on the event loop of this manager's process: it must return at once (hand the
+        bytes on, as the E2B API's buffers do), for a slow one stalls every other action of the
+        process, not only this step. Chunks come at most every 5 ms per step (the runner
+        coalesces). A step nobody listens to pays nothing for this (one dict lookup). The step's
         result still carries its whole (capped) output."""
         cap = self.config.max_output_bytes
         seen = {"stdout": 0, "stderr": 0}
