@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import time
+import weakref
 
 import pytest
 
@@ -220,6 +222,66 @@ def test_an_idle_copy_scales_to_zero_and_the_next_request_reloads_it():
     first, gone, second, loads, evictions = run(body, models=[M("rm", f"{TINY}:reward_model", idle_s=0.2)])
     assert gone and evictions == 1 and loads == 2
     assert second.ok and second.setup_s > 0 and second.result == first.result
+
+
+async def _scaled_to_zero(tg, model: str) -> None:
+    rt = tg.runtime
+    for _ in range(250):
+        if not rt.engine.gpu.instances[model] and not rt.models.instances:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{model} did not scale to zero")
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_an_evicted_copys_weights_are_freed_at_eviction_without_the_garbage_collector(gpus):
+    """A split copy's placement wrappers once made a cycle (module -> forward -> module): its
+    weights stayed on the GPUs until the collector's next full pass, and 7B loads on 80 GB cards
+    ran out of memory with evicted copies still allocated."""
+    async def body(tg):
+        mm = tg.runtime.models
+        await tg.score("rm", [1, 2, 3])
+        inst = next(iter(mm.instances.values()))
+        refs = [weakref.ref(t) for t in list(inst.module.parameters()) + list(inst.module.buffers())]
+        del inst
+        gc.disable()
+        try:
+            await _scaled_to_zero(tg, "rm")
+            return sum(r() is not None for r in refs), len(refs), mm.evictions
+        finally:
+            gc.enable()
+
+    alive, n, evictions = run(body, models=[M("rm", f"{TINY}:reward_model", gpus=gpus, idle_s=0.2)], gpus=2)
+    assert n > 0 and evictions == 1 and alive == 0, (alive, n)
+
+
+@pytest.mark.parametrize("way", ["deferred", "lazy", "kept"])
+def test_an_evicted_copys_memory_goes_back_the_chosen_way(way):
+    """``deferred`` (the default) hands the cache back only once no load has begun for
+    ``hand_back_after_s``: a load right after an eviction gets the evicted copy's blocks instead of
+    racing the driver's work on freed memory (a slower copy, docs/models.md); ``lazy`` hands back
+    right after each eviction; ``kept`` never."""
+    async def body(tg):
+        mm = tg.runtime.models
+        assert mm.hand_back == "deferred"
+        mm.hand_back, mm.hand_back_after_s = way, 1.0
+        first = await tg.score("rm", [1, 2, 3])
+        await _scaled_to_zero(tg, "rm")
+        again = await tg.score("rm", [1, 2, 3])  # loads again within the quiet spell
+        reloaded = time.perf_counter()
+        early = list(mm.hand_back_log)
+        await _scaled_to_zero(tg, "rm")
+        await asyncio.sleep(2.5)
+        return first, again, early, list(mm.hand_back_log), reloaded, mm.evictions
+
+    first, again, early, log, reloaded, evictions = run(body, models=[M("rm", f"{TINY}:reward_model", idle_s=0.2)])
+    assert first.ok and again.ok and again.result == first.result and evictions == 2
+    if way == "deferred":
+        assert early == [] and len(log) == 1 and log[0][0] > reloaded, (early, log)
+    elif way == "lazy":
+        assert len(log) == 2, log
+    else:
+        assert log == []
 
 
 def test_engine_shares_a_gpu_by_compute_share_and_evicts_idle_copies():

@@ -285,3 +285,13 @@ def test_a_hugging_face_model_on_the_gpu_nodes_answers_as_transformers_does(gpu_
     assert long.outcome is Outcome.REJECTED and "longer than model 't''s 64 positions" in long.message
     assert oob.outcome is Outcome.REJECTED and "id 96 out of range [0, 96)" in oob.message
     assert [m.name for m in models] == ["t"] and models[0].weights_gb > 0
+
+
+def test_the_cluster_bench_with_no_node_counts_runs_no_scaling_or_chaos():
+    """``tangram bench cluster --nodes ""``: the model chaos run alone (on the accelerator machine,
+    which has no bubblewrap for the one-shots' sandboxes); here with no GPU nodes either."""
+    from arl_tangram.bench.cluster import run
+
+    out = run((), chaos_actions=300, gpu_nodes=0, drain_sessions=0, restart_sessions=0, log=lambda m: None)
+    assert out["scaling"] == [] and "chaos" not in out and "model_chaos" not in out
+    assert out["engine"]["decisions_per_s"] > 0

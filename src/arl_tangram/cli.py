@@ -534,7 +534,8 @@ def bench_server(
 @bench_app.command("cluster")
 def bench_cluster(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
-    nodes: str = typer.Option("1,2,3", help="Comma-separated node counts of the loopback Ray clusters."),
+    nodes: str = typer.Option("1,2,3", help="Comma-separated node counts of the loopback Ray clusters "
+                              "(empty: no scaling or chaos run)."),
     cores: int = typer.Option(1, min=1, help="CPUs each node gives the cluster."),
     actions: int = typer.Option(150, min=1, help="One-shots per scaling run."),
     work_ms: float = typer.Option(0.0, min=0, help="CPU time each one-shot burns (0: a trivial program)."),
@@ -555,7 +556,7 @@ def bench_cluster(
     from .bench.cluster import run  # first: it keeps the loopback clusters' addresses on 127.0.0.1
 
     try:
-        parsed = tuple(int(x) for x in nodes.split(","))
+        parsed = tuple(int(x) for x in nodes.split(",")) if nodes.strip() else ()
     except ValueError:
         raise fail(f"--nodes: expected comma-separated integers, got {nodes!r}")
     try:

@@ -410,11 +410,13 @@ def run(nodes: tuple[int, ...] = (1, 2, 3), cores: int = 1, actions: int = 150, 
     result["engine"] = engine_cost()
     log(f"engine: {result['engine']['decisions_per_s']:,} decisions/s with {result['engine']['open_sessions']:,} "
         f"open sessions on {result['engine']['nodes']} nodes")
-    result["scaling"] = scaling(nodes, cores, actions, work_ms, per_core, log)
+    # no node counts: no scaling or chaos run (the model chaos run alone, on a machine without
+    # bubblewrap for the one-shots' sandboxes: the accelerator machine)
+    result["scaling"] = scaling(nodes, cores, actions, work_ms, per_core, log) if nodes else []
     if len(result["scaling"]) > 1:
         base = result["scaling"][0]["actions_per_s"]
         result["scaling_ratio"] = {str(r["nodes"]): round(r["actions_per_s"] / base, 2) for r in result["scaling"]}
-    if chaos_actions:
+    if chaos_actions and nodes:
         result["chaos"] = chaos(max(nodes), cores, chaos_actions, 100.0 if work_ms <= 0 else work_ms, log)
     if drain_sessions and os.geteuid() != 0:
         result["drain"] = {"skipped": "moving a session snapshots its layered workspace: overlay mounts need root"}

@@ -584,13 +584,69 @@ def _h2d_sources(n: int, gb: float = 7.0, reps: int = 3) -> dict:
     return out
 
 
-#: how the multigpu section loads: packed; tensor by tensor; packed once the GPUs were left quiet
-#: (0.3 s, device syncs, the cache handed back: 1.83x the 1-GPU load on 2x H200 where right after an
-#: eviction gave 1.45x); ``--multigpu-modes`` adds the parts of that apart: ``packed_synced`` (the
-#: pause and syncs, the cache kept: does a load into blocks the caching allocator reuses copy
-#: slower?) and ``packed_emptied`` (the cache handed back alone, no pause)
-MULTI_GPU_MODES = ("packed", "per_tensor", "packed_settled")
+#: the destination of a raw copy (``_h2d_after_free``): blocks the caching allocator kept from a
+#: freed tensor twice the size; fresh driver memory right after the freed tensor went back to the
+#: driver; fresh driver memory once that hand-back was 0.3 s ago
+AFTER_FREE_CASES = ("reused", "fresh_after_free", "fresh_settled")
+
+
+def _h2d_after_free(n: int, gb: float = 7.0, reps: int = 3) -> dict:
+    """One copy of ``gb`` from page-locked memory to each of ``n`` GPUs at once, right after a
+    tensor of twice that size on each was freed, by where the copy lands (``AFTER_FREE_CASES``),
+    the cases alternating: separates "a load into blocks reused from an evicted copy copies
+    slower" from "a load racing the hand-back of the evicted copy's memory copies slower" (the
+    2-GPU load right after an eviction: its first GPU's copy at ~45 GB/s, not 55). Per GPU: each
+    copy's time by CUDA events."""
+    k = int(gb * 1e9) // 4096 * 4096
+    host = torch.empty(n * k, dtype=torch.uint8).pin_memory()
+    streams = [torch.cuda.Stream(f"cuda:{i}") for i in range(n)]
+    per: dict[str, list[list[float]]] = {c: [[] for _ in range(n)] for c in AFTER_FREE_CASES}
+    for _ in range(reps):
+        for case in AFTER_FREE_CASES:
+            big = [torch.empty(2 * k, dtype=torch.uint8, device=f"cuda:{i}").fill_(1) for i in range(n)]
+            for i in range(n):
+                torch.cuda.synchronize(i)
+            del big
+            if case != "reused":
+                torch.cuda.empty_cache()
+            if case == "fresh_settled":
+                time.sleep(0.3)
+            dsts = [torch.empty(k, dtype=torch.uint8, device=f"cuda:{i}") for i in range(n)]
+            evs = []
+            for i, (d, st) in enumerate(zip(dsts, streams)):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(st)
+                with torch.cuda.stream(st):
+                    d.copy_(host[i * k:(i + 1) * k], non_blocking=True)
+                b.record(st)
+                evs.append((a, b))
+            for st in streams:
+                st.synchronize()
+            for i, (a, b) in enumerate(evs):
+                per[case][i].append(a.elapsed_time(b) / 1e3)
+            del dsts
+            torch.cuda.empty_cache()
+            time.sleep(0.3)
+    out: dict = {"gpus": n, "bytes_per_gpu": k, "reps": reps}
+    for case, xs in per.items():
+        out[case] = {"copy_s_per_gpu": [[round(v, 4) for v in x] for x in xs],
+                     "gbps_per_gpu_median": [round(k / sorted(x)[len(x) // 2] / 1e9, 1) for x in xs]}
+    del host
+    return out
+
+
+#: how the multigpu section loads, alternating in one run: packed, as the manager does by default
+#: (evictions hand memory back once loads are quiet: the next load reuses the evicted copy's
+#: blocks); packed with the hand-back right after each eviction (``packed_lazy``, the way before:
+#: 1.45x the 1-GPU load on 2x H200); with no hand-back (``packed_kept``); packed once the GPUs were
+#: left quiet (0.3 s, device syncs, the cache handed back: 1.83x there). Also: ``per_tensor``, and
+#: the parts of settling apart: ``packed_synced`` (pause and syncs, the cache kept) and
+#: ``packed_emptied`` (the cache handed back alone, no pause)
+MULTI_GPU_MODES = ("packed", "packed_lazy", "packed_kept", "packed_settled")
 SETTLE = {"packed_settled": (0.3, True, True), "packed_synced": (0.3, True, False), "packed_emptied": (0.0, False, True)}
+#: packed loads with the manager's evictions handing memory back one way (``manager.HAND_BACK``);
+#: ``packed``, ``per_tensor`` and the ``SETTLE`` modes use the manager's default ("deferred")
+HAND_BACK_MODES = {"packed_lazy": "lazy", "packed_kept": "kept", "packed_deferred": "deferred"}
 
 
 def _settle(mode: str) -> None:
@@ -638,6 +694,7 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
         for _ in range(rounds):
             for mode in modes:
                 rt.models.pack = mode != "per_tensor"
+                rt.models.hand_back = HAND_BACK_MODES.get(mode, manager.HAND_BACK)
                 for name in ("one", "two"):
                     if mode in SETTLE:  # the GPUs left quiet before this load, in one of the ways
                         await asyncio.to_thread(_settle, mode)
@@ -650,13 +707,15 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
                     latency[name].append(resident.act_s)
                     await _wait_scaled_to_zero(rt, name)
         rt.models.pack = True
+        rt.models.hand_back = manager.HAND_BACK
         log_ = rt.models.load_log
         islands = rt.cluster.gpu_nodes[0].islands()
     _release_memory()
     out: dict = {"params_b": billions, "gpus": 2, "islands": islands, "discovered_island_of_each_gpu": discovered,
                  "rounds": rounds}
     out["loads"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in x.items()
-                     if k in ("model", "packed", "seconds", "warm_s", "issue_s", "alloc_s", "build_s", "wait_s", "copy_s")}
+                     if k in ("model", "packed", "seconds", "warm_s", "issue_s", "alloc_s", "build_s", "wait_s", "copy_s",
+                              "new_segments", "since_hand_back_s", "hand_back")}
                     for x in log_]
     for i, x in enumerate(out["loads"]):
         x["mode"] = made[i] if i < len(made) else None
@@ -703,13 +762,13 @@ SECTIONS = ("h2d", "throughput", "hf", "mopd", "dedicated", "ttfs", "multigpu")
 
 def run(device: str = "auto", log: Callable[[str], None] = print, requests: int | None = None,
         sections: tuple[str, ...] = SECTIONS, shares: list[str] | None = None, merge: dict | None = None,
-        dedicated_gpus: int = 1, multigpu_modes: tuple[str, ...] = MULTI_GPU_MODES) -> dict:
+        dedicated_gpus: int = 1, multigpu_modes: tuple[str, ...] = MULTI_GPU_MODES, multigpu_rounds: int = 3) -> dict:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"sections: unknown {', '.join(sorted(unknown))} (known: {', '.join(SECTIONS)})")
-    known_modes = ("packed", "per_tensor", *SETTLE)
+    known_modes = ("packed", "per_tensor", *SETTLE, *HAND_BACK_MODES)
     bad = [m for m in multigpu_modes if m not in known_modes]
     if bad or not multigpu_modes:
         raise ValueError(f"multigpu_modes: unknown {', '.join(bad) or '(none given)'} (known: {', '.join(known_modes)})")
@@ -728,6 +787,11 @@ def run(device: str = "auto", log: Callable[[str], None] = print, requests: int 
     duration_s, seq_len = (20.0, 512) if cuda else (6.0, 64)
     if "h2d" in sections:
         result["h2d"] = h2d_gbps(device, 4.0 if cuda else 0.0)
+        if cuda:
+            try:  # a diagnostic: its failure must not cost the sections after it
+                result["h2d"]["after_free"] = _h2d_after_free(min(2, torch.cuda.device_count()))
+            except Exception as e:
+                result["h2d"]["after_free"] = {"error": f"{type(e).__name__}: {e}"}
         log(f"h2d: {result['h2d']}")
     if "throughput" in sections:
         result["throughput"] = asyncio.run(_throughput(device, 256 if cuda else 64, 512 if cuda else 96, vocab))
@@ -759,7 +823,8 @@ def run(device: str = "auto", log: Callable[[str], None] = print, requests: int 
         result["time_to_first_score"] = asyncio.run(_time_to_first_score(device, vocab, 512 if cuda else 64))
         log(f"time to first score: {result['time_to_first_score']}")
     if "multigpu" in sections:
-        result["multi_gpu"] = asyncio.run(_multi_gpu(device, vocab, 512 if cuda else 64, modes=multigpu_modes))
+        result["multi_gpu"] = asyncio.run(_multi_gpu(device, vocab, 512 if cuda else 64, rounds=multigpu_rounds,
+                                                     modes=multigpu_modes))
         log(f"multi-GPU instance: {result['multi_gpu']}")
     return result
 
@@ -781,7 +846,9 @@ def main() -> None:
     ap.add_argument("--min-gain", type=float, default=None, help="keep a copy's CUDA graphs only where they are "
                     "this many times faster than eager (default: graphs.MIN_GAIN; 0 keeps them always)")
     ap.add_argument("--multigpu-modes", default=",".join(MULTI_GPU_MODES),
-                    help=f"the multigpu section's ways to load, of packed, per_tensor, {', '.join(SETTLE)}")
+                    help=f"the multigpu section's ways to load, of packed, per_tensor, "
+                    f"{', '.join((*SETTLE, *HAND_BACK_MODES))}")
+    ap.add_argument("--multigpu-rounds", type=int, default=3, help="loads of each way and copy in the multigpu section")
     ap.add_argument("--dedicated-part", default=None, help=argparse.SUPPRESS)  # "i/n": a worker of the above
     args = ap.parse_args()
     if args.dedicated_part:
@@ -805,7 +872,7 @@ def main() -> None:
     shares = args.shares.split(",") if args.shares else None
     result = run(args.device, requests=args.requests, sections=tuple(x for x in args.sections.split(",") if x),
                  shares=shares, merge=merge, dedicated_gpus=args.dedicated_gpus,
-                 multigpu_modes=tuple(args.multigpu_modes.split(",")))
+                 multigpu_modes=tuple(args.multigpu_modes.split(",")), multigpu_rounds=args.multigpu_rounds)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

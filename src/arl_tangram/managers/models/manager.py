@@ -203,6 +203,22 @@ class DeviceCopy:
 #: and 52 ms at 0.2 ms, average 32.8/42.8 ms vs 12.9/11.9 ms (`bench models --shares 1,1@0.2`).
 GPU_SWITCH_INTERVAL_S = 0.0002
 
+#: when an evicted copy's device memory goes back to the driver (``ModelManager.hand_back``):
+#: "deferred": once no load has started or run for ``HAND_BACK_AFTER_S`` (a load that follows
+#: the eviction sooner, as the engine's evict-then-prefetch does, gets the evicted copy's cached
+#: blocks); "lazy": in a thread right after the eviction; "kept": never by an eviction (the caching
+#: allocator hands cached blocks back itself when an allocation would otherwise fail).
+#: Why not "lazy", as before: a copy into device memory the driver handed out right after other
+#: memory went back to it runs slower while the driver is still busy with the freed memory — one
+#: H100, 7 GB from page-locked memory right after 14 GB were freed: 43.8 GB/s, into blocks the
+#: allocator kept from the freed tensor 53.8, into fresh memory 0.3 s after the free 54.9
+#: (``bench models --sections h2d``, ``after_free``). That made the first GPU's part of a 2-GPU load
+#: right after an eviction copy at ~45 GB/s (2x H200), and waiting for no load to be copying before
+#: handing back did not help (the driver's work goes on after ``cudaFree`` returns).
+HAND_BACK = "deferred"
+HAND_BACK_WAYS = ("deferred", "lazy", "kept")
+HAND_BACK_AFTER_S = 2.0
+
 
 class ModelManager:
     """Implements the engine's ``ModelHost`` protocol for ``Pool.GPU``; reports to ``sink``.
@@ -232,7 +248,14 @@ class ModelManager:
         self.evictions = 0
         self.graphs = graphs  # CUDA graphs for single-GPU copies where they pay (``graphs``)
         self._alloc_s: dict[int, float] = {}  # per loading thread: its last packed load's device allocation
+        self._fresh: dict[int, int] = {}  # per loading thread: new device segments (cudaMalloc) of that allocation
         self.pack = True  # load a packed copy with one copy per GPU (``packing``); off: tensor by tensor
+        self.hand_back = HAND_BACK  # when an evicted copy's device memory goes back to the driver
+        self.hand_back_after_s = HAND_BACK_AFTER_S
+        self.hand_back_log: list[tuple[float, float]] = []  # (start, end) of each hand-back, perf_counter
+        self._loads_begun = 0  # loads started so far (a deferred hand-back waits for a quiet spell)
+        self._loading = 0  # loads in progress
+        self._hand_back_waiting = False  # a deferred hand-back is armed
 
     def load_all(self) -> list[ModelSpec]:
         """Load every service into host RAM; a loader that raises marks only its service failed, a
@@ -291,6 +314,16 @@ class ModelManager:
         inst = self.instances.get((name, block))
         if inst is not None:
             return inst
+        with self._lock:
+            self._loads_begun += 1
+            self._loading += 1
+        try:
+            return self._load_copy(name, block)
+        finally:
+            with self._lock:
+                self._loading -= 1
+
+    def _load_copy(self, name: str, block: tuple[int, ...]) -> DeviceCopy:
         ld = self.loaded[name]
         t = time.perf_counter()
         devices = [self.device(g) for g in block]
@@ -339,6 +372,9 @@ class ModelManager:
                                   "issue_s": t_prepare - t, "build_s": t_copy - t_prepare,
                                   "wait_s": t_assign - t_copy, "copy_s": copy_s, "packed": packed,
                                   "alloc_s": self._alloc_s.pop(threading.get_ident(), None),
+                                  "new_segments": self._fresh.pop(threading.get_ident(), None),
+                                  "since_hand_back_s": t - self.hand_back_log[-1][1] if self.hand_back_log else None,
+                                  "hand_back": self.hand_back,
                                   **warm})
             self.instances[(name, block)] = inst
         return inst
@@ -417,7 +453,9 @@ class ModelManager:
         assert ld.packed is not None
         t = time.perf_counter()
         with self._memory:
+            segments = _segments(devices) if self.cuda else 0
             parts = packing.device_parts(ld.packed, lay, devices)
+            self._fresh[threading.get_ident()] = (_segments(devices) - segments) if self.cuda else 0
         self._alloc_s[threading.get_ident()] = time.perf_counter() - t
         pending, events = [], []
         for part, (start, end) in zip(parts, lay.parts):
@@ -500,17 +538,41 @@ class ModelManager:
         """Scale to zero: drop the copy and give its memory back to the driver (``empty_cache``
         waits for the device, so it runs in a thread, off the event loop, and not while a load
         allocates)."""
-        if self.instances.pop((model, tuple(gpus)), None) is not None:
-            self.evictions += 1
-            if self.cuda:
-                self.tasks.spawn(asyncio.to_thread(self._empty_cache))
+        inst = self.instances.pop((model, tuple(gpus)), None)
+        if inst is None:
+            return
+        self.evictions += 1
+        g = getattr(inst.module, "tangram_graphs", None)
+        if g is not None:  # its graphs' pool back to the cache now; ``wanted`` holds closures over the module
+            g.drop()
+        del inst, g
+        if self.hand_back == "lazy":
+            self.tasks.spawn(asyncio.to_thread(self._empty_cache))
+        elif self.hand_back == "deferred" and not self._hand_back_waiting:
+            self._hand_back_waiting = True
+            self.tasks.spawn(self._hand_back_when_quiet())
+
+    async def _hand_back_when_quiet(self) -> None:
+        """Hand the cached memory back once ``hand_back_after_s`` went by with no load begun or
+        running (a load in that time took the evicted copies' blocks: wait again)."""
+        try:
+            while True:
+                begun = self._loads_begun
+                await asyncio.sleep(self.hand_back_after_s)
+                if self._loads_begun == begun and not self._loading:
+                    break
+            await asyncio.to_thread(self._empty_cache)
+        finally:
+            self._hand_back_waiting = False
 
     def _empty_cache(self) -> None:
-        """Tried: waiting with the hand-back until no load is copying (the first GPU's copy of a
-        2-GPU load right after an eviction ran at ~45 GB/s, 0.150 s, against 0.123 s once the GPUs
-        had been left quiet for 0.3 s); measured no change (2x H200: still 0.150 s), so not kept."""
+        """Give the cached device memory back to the driver (``empty_cache`` waits for the device:
+        in a thread, and not while a load allocates). On CPU devices only the log is written."""
         with self._memory:
-            torch.cuda.empty_cache()
+            t = time.perf_counter()
+            if self.cuda:
+                torch.cuda.empty_cache()
+            self.hand_back_log.append((t, time.perf_counter()))
 
     def close_session(self, trajectory: str) -> None:
         pass
@@ -556,6 +618,12 @@ class ModelManager:
         # one runtime after another was killed for host memory at its third (128 GiB host)
         self.loaded.clear()
         self._load_streams.clear()
+
+
+def _segments(devices: list[torch.device]) -> int:
+    """Device memory segments the caching allocator got from the driver so far (cudaMalloc calls)
+    on ``devices``: a load that adds none reused blocks cached from an evicted copy."""
+    return sum(torch.cuda.memory_stats(d).get("segment.all.allocated", 0) for d in dict.fromkeys(devices))
 
 
 def _run_op(op: Callable, inst: DeviceCopy, batch: list, capture: bool = True, timing: dict | None = None):

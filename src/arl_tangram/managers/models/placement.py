@@ -16,6 +16,7 @@ k times; it is the next step when one model's latency, not capacity, is the bott
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterator
 
 import torch
@@ -93,11 +94,21 @@ def _move(x: Any, device: torch.device, hops: dict) -> Any:
 def _follow(sub: nn.Module, dev: torch.device, hops: dict) -> None:
     """Move ``sub``'s tensor inputs onto ``dev`` before its own ``forward`` runs. An instance
     attribute, not a forward pre-hook: a hook turns off ``TransformerEncoderLayer``'s fused fast
-    path (measured: other kernels, scores no longer bit-identical to one GPU's)."""
-    inner = sub.forward
+    path (measured: other kernels, scores no longer bit-identical to one GPU's). The attribute
+    reaches ``sub`` through a weak reference: holding its bound ``forward`` made a cycle
+    (sub -> forward -> sub) that kept an evicted copy's weights on its GPUs until the garbage
+    collector's next full pass (2x H100: the 7B loads of ``bench models --sections multigpu`` ran
+    out of memory with 50 GiB of evicted copies still allocated)."""
+    if "forward" in sub.__dict__:  # already an instance attribute: wrap it as it is
+        inner = sub.forward
 
-    def forward(*args, **kwargs):
-        return inner(*_move(args, dev, hops), **_move(kwargs, dev, hops))
+        def forward(*args, **kwargs):
+            return inner(*_move(args, dev, hops), **_move(kwargs, dev, hops))
+    else:
+        own, ref = type(sub).forward, weakref.ref(sub)
+
+        def forward(*args, **kwargs):
+            return own(ref(), *_move(args, dev, hops), **_move(kwargs, dev, hops))
 
     sub.forward = forward
 
