@@ -252,7 +252,7 @@ def _release_memory() -> None:
 
 
 #: the bench's profiler settings (``--profile``): where traces go, how long into each shared replay
-PROFILE: dict = {"dir": None, "seconds": 7.0, "runs": 0}
+PROFILE: dict = {"dir": None, "seconds": 7.0, "runs": 0, "slow_ms": 100.0}
 
 #: allocator counters compared before and after each batch (``_label_batches``)
 _ALLOC_COUNTERS = ("num_device_alloc", "num_device_free", "num_sync_all_streams", "num_alloc_retries")
@@ -319,10 +319,11 @@ def _profiler_stop(prof, start: float, marks: list[dict]) -> None:
     with open(raw) as fh:
         trace = json.load(fh)
     os.unlink(raw)
-    summary = profile_summary(trace.get("traceEvents", []))
+    summary = profile_summary(trace.get("traceEvents", []), PROFILE["slow_ms"] * 1e3)
     base = os.path.join(PROFILE["dir"], f"run{PROFILE['runs']}")
     with open(base + "-summary.json", "w") as fh:
-        json.dump({"slow_batches_by_counters": [m for m in marks if m["ms"] >= 100], **summary}, fh, indent=1)
+        json.dump({"slow_batches_by_counters": [m for m in marks if m["ms"] >= PROFILE["slow_ms"]], **summary}, fh,
+                  indent=1)
     windows = summary.get("windows_us", [])
     keep = [e for e in trace.get("traceEvents", []) if e.get("ph") != "X"
             or any(a - 20_000 <= e.get("ts", 0) <= b + 20_000 for a, b in windows)]
@@ -344,7 +345,7 @@ def profile_summary(events: list[dict], slow_us: float = 100_000) -> dict:
         for e in sorted((e for e in xs if e.get("cat") in api), key=lambda e: -e["dur"])[:15]]
     slow = sorted((e for e in xs if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("batch ")
                    and e["dur"] >= slow_us), key=lambda e: e["ts"])
-    for b in slow[:6]:
+    for b in sorted(sorted(slow, key=lambda e: -e["dur"])[:6], key=lambda e: e["ts"]):  # the 6 longest
         a, z = b["ts"], b["ts"] + b["dur"]
         inside = [e for e in xs if e["ts"] < z and e["ts"] + e["dur"] > a]
         mine = [e for e in inside if e.get("tid") == b.get("tid") and e.get("pid") == b.get("pid") and e is not b]
@@ -641,7 +642,9 @@ def _h2d_after_free(n: int, gb: float = 7.0, reps: int = 3) -> dict:
 #: 1.45x the 1-GPU load on 2x H200); with no hand-back (``packed_kept``); packed once the GPUs were
 #: left quiet (0.3 s, device syncs, the cache handed back: 1.83x there). Also: ``per_tensor``, and
 #: the parts of settling apart: ``packed_synced`` (pause and syncs, the cache kept) and
-#: ``packed_emptied`` (the cache handed back alone, no pause)
+#: ``packed_emptied`` (the cache handed back alone, no pause); ``packed_alloc_first``: every GPU's
+#: part allocated before the first copy is issued (the way before; now each copy goes as soon as
+#: its part is allocated)
 MULTI_GPU_MODES = ("packed", "packed_lazy", "packed_kept", "packed_settled")
 SETTLE = {"packed_settled": (0.3, True, True), "packed_synced": (0.3, True, False), "packed_emptied": (0.0, False, True)}
 #: packed loads with the manager's evictions handing memory back one way (``manager.HAND_BACK``);
@@ -695,6 +698,7 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
             for mode in modes:
                 rt.models.pack = mode != "per_tensor"
                 rt.models.hand_back = HAND_BACK_MODES.get(mode, manager.HAND_BACK)
+                rt.models.alloc_first = mode == "packed_alloc_first"
                 for name in ("one", "two"):
                     if mode in SETTLE:  # the GPUs left quiet before this load, in one of the ways
                         await asyncio.to_thread(_settle, mode)
@@ -708,6 +712,7 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
                     await _wait_scaled_to_zero(rt, name)
         rt.models.pack = True
         rt.models.hand_back = manager.HAND_BACK
+        rt.models.alloc_first = False
         log_ = rt.models.load_log
         islands = rt.cluster.gpu_nodes[0].islands()
     _release_memory()
@@ -768,7 +773,7 @@ def run(device: str = "auto", log: Callable[[str], None] = print, requests: int 
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"sections: unknown {', '.join(sorted(unknown))} (known: {', '.join(SECTIONS)})")
-    known_modes = ("packed", "per_tensor", *SETTLE, *HAND_BACK_MODES)
+    known_modes = ("packed", "per_tensor", "packed_alloc_first", *SETTLE, *HAND_BACK_MODES)
     bad = [m for m in multigpu_modes if m not in known_modes]
     if bad or not multigpu_modes:
         raise ValueError(f"multigpu_modes: unknown {', '.join(bad) or '(none given)'} (known: {', '.join(known_modes)})")
@@ -843,10 +848,12 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="a directory: profile each shared MOPD replay's first "
                     "--profile-s seconds (torch.profiler; a summary of the slow batches and their trace)")
     ap.add_argument("--profile-s", type=float, default=7.0)
+    ap.add_argument("--profile-slow-ms", type=float, default=100.0, help="the batches the profile summary "
+                    "describes: those of at least this many ms")
     ap.add_argument("--min-gain", type=float, default=None, help="keep a copy's CUDA graphs only where they are "
                     "this many times faster than eager (default: graphs.MIN_GAIN; 0 keeps them always)")
     ap.add_argument("--multigpu-modes", default=",".join(MULTI_GPU_MODES),
-                    help=f"the multigpu section's ways to load, of packed, per_tensor, "
+                    help=f"the multigpu section's ways to load, of packed, per_tensor, packed_alloc_first, "
                     f"{', '.join((*SETTLE, *HAND_BACK_MODES))}")
     ap.add_argument("--multigpu-rounds", type=int, default=3, help="loads of each way and copy in the multigpu section")
     ap.add_argument("--dedicated-part", default=None, help=argparse.SUPPRESS)  # "i/n": a worker of the above
@@ -861,7 +868,7 @@ def main() -> None:
         with open(args.json, "w") as fh:
             json.dump({"acts": acts, "span_s": span}, fh)
         return
-    PROFILE["dir"], PROFILE["seconds"] = args.profile, args.profile_s
+    PROFILE["dir"], PROFILE["seconds"], PROFILE["slow_ms"] = args.profile, args.profile_s, args.profile_slow_ms
 
     if args.min_gain is not None:
         manager.MIN_GAIN = args.min_gain

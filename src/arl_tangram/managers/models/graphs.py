@@ -12,8 +12,12 @@ So a copy replays a graph for batches of at most ``MAX_TOKENS`` padded tokens (e
 hold a memory pool of their largest batch's activations: 12 copies at 4096 tokens held 5.2 GB) — rows padded up
 to a power of two, lengths up to a power of two from 64 — and runs bigger batches eagerly. Whether
 graphs pay is measured per copy when it is warmed (``ModelManager._warm``): a copy whose graph is
-not at least ``MIN_GAIN`` times faster than its eager batch (a 7B model) drops its graphs and
-their memory. Graphs of one copy share one memory pool and replay under one lock (a graph's
+slower than its eager batch (``MIN_GAIN``) drops its graphs and their memory. Graphs pay beyond
+what the warm-up measures alone: an eager batch is bound by its thread's kernel launches, which
+slow down when other threads want the interpreter. One H100, 12 teachers sharing it (share 1): a
+3B teacher's one-row eager batch took 36-40 ms in a burst of arrivals with its GPU busy 7.9 ms of
+it (530 kernels; torch.profiler, ``bench models --profile``), against 9 ms eager / 8 ms graphed
+when warmed alone. Graphs of one copy share one memory pool and replay under one lock (a graph's
 static output is read before the next replay).
 
 Dropped: ``torch.compile`` (measured: 27 s to compile the 0.5B model for one shape, 16.6 ms vs
@@ -36,8 +40,11 @@ log = logging.getLogger(__name__)
 MAX_TOKENS = 2048
 #: graphs a copy keeps (least recently used go first)
 MAX_GRAPHS = 16
-#: a copy keeps its graphs only if a graph runs at least this many times faster than eager
-MIN_GAIN = 1.15
+#: a copy keeps its graphs only if a graph runs at least this many times faster than eager. Was
+#: 1.15 (the 3B and 7B teachers then ran eagerly): one H100, 12 teachers sharing it at share 1, the
+#: same machine one run each (``bench models --sections mopd --shares 1 --min-gain``): average ACT
+#: 6.77 ms at 1.15 vs 6.28 ms at 1.0 (0.93x), p99 28.7 vs 22.3 ms (0.78x)
+MIN_GAIN = 1.0
 #: the shortest padded length
 MIN_LEN = 64
 

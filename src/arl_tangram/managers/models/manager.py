@@ -13,7 +13,8 @@ live, which to evict and how much of a GPU's compute each batch gets; this manag
 * a batch runs on a stream taken from its GPU's pool (``devices``), so batches of services that
   share a GPU (their compute shares add up to at most 1) overlap on it instead of queueing behind
   one another; the thread that runs a batch waits on that stream only, never on the whole device;
-* an eviction drops the device copy (scale to zero also hands the memory back to the driver).
+* an eviction drops the device copy; its memory goes back to the driver once no load has run for
+  a while (``HAND_BACK``), so a load right after an eviction reuses the evicted copy's blocks.
 
 A loader or a batch that fails (an exception, a GPU out of memory) fails that service's actions
 with a message and leaves the others serving; a Hugging Face directory that cannot be read stops
@@ -214,7 +215,10 @@ GPU_SWITCH_INTERVAL_S = 0.0002
 #: allocator kept from the freed tensor 53.8, into fresh memory 0.3 s after the free 54.9
 #: (``bench models --sections h2d``, ``after_free``). That made the first GPU's part of a 2-GPU load
 #: right after an eviction copy at ~45 GB/s (2x H200), and waiting for no load to be copying before
-#: handing back did not help (the driver's work goes on after ``cudaFree`` returns).
+#: handing back did not help (the driver's work goes on after ``cudaFree`` returns). A caveat of
+#: keeping blocks: a smaller part carved from a larger evicted block leaves the rest of that block
+#: cached for loads only (batches allocate on other streams) until the part is evicted; the
+#: caching allocator's own retry on a failed allocation frees only whole unused blocks.
 HAND_BACK = "deferred"
 HAND_BACK_WAYS = ("deferred", "lazy", "kept")
 HAND_BACK_AFTER_S = 2.0
@@ -250,6 +254,7 @@ class ModelManager:
         self._alloc_s: dict[int, float] = {}  # per loading thread: its last packed load's device allocation
         self._fresh: dict[int, int] = {}  # per loading thread: new device segments (cudaMalloc) of that allocation
         self.pack = True  # load a packed copy with one copy per GPU (``packing``); off: tensor by tensor
+        self.alloc_first = False  # a packed load allocates every GPU's part before the first copy (the way before)
         self.hand_back = HAND_BACK  # when an evicted copy's device memory goes back to the driver
         self.hand_back_after_s = HAND_BACK_AFTER_S
         self.hand_back_log: list[tuple[float, float]] = []  # (start, end) of each hand-back, perf_counter
@@ -449,16 +454,33 @@ class ModelManager:
         """The packed host buffer onto the block: one allocation and one asynchronous copy per GPU
         (each on that GPU's load stream, all issued before any is waited for), the tensors views of
         the allocations. Returns the views, the bytes, the streams to wait for and, on CUDA, a
-        (start, end) event pair per copy (the time each GPU's copy engine spent, for the load log)."""
+        (start, end) event pair per copy (the time each GPU's copy engine spent, for the load log).
+
+        Each GPU's copy is issued as soon as its part is allocated (``alloc_first`` off), so the
+        next GPU's allocation overlaps the copies already running: 2x H200, 7B on 2 GPUs, the
+        second GPU's part a fresh 7 GB ``cudaMalloc`` of ~13 ms, which with every part allocated
+        first came before any copy (load 0.136 s, copies 0.122 s)."""
         assert ld.packed is not None
-        t = time.perf_counter()
-        with self._memory:
-            segments = _segments(devices) if self.cuda else 0
-            parts = packing.device_parts(ld.packed, lay, devices)
-            self._fresh[threading.get_ident()] = (_segments(devices) - segments) if self.cuda else 0
-        self._alloc_s[threading.get_ident()] = time.perf_counter() - t
+        fresh, alloc_s = 0, 0.0
+        parts: list[torch.Tensor] = []
         pending, events = [], []
-        for part, (start, end) in zip(parts, lay.parts):
+
+        def allocate(i: int) -> torch.Tensor:
+            nonlocal fresh, alloc_s
+            t0 = time.perf_counter()
+            with self._memory:
+                before = _segments([devices[i]]) if self.cuda else 0
+                part = packing.device_part(lay, i, devices[i])
+                fresh += (_segments([devices[i]]) - before) if self.cuda else 0
+            alloc_s += time.perf_counter() - t0
+            return part
+
+        if self.alloc_first:
+            parts = [allocate(i) for i in range(len(lay.parts))]
+        for i, (start, end) in enumerate(lay.parts):
+            part = parts[i] if self.alloc_first else allocate(i)
+            if not self.alloc_first:
+                parts.append(part)
             if not self.cuda:
                 part.copy_(ld.packed[start:end])
                 continue
@@ -471,6 +493,8 @@ class ModelManager:
             events.append((a, b))
             if stream not in pending:
                 pending.append(stream)
+        self._fresh[threading.get_ident()] = fresh
+        self._alloc_s[threading.get_ident()] = alloc_s
         state = packing.views(parts, lay, ld.host_state)
         return state, lay.total, pending, events
 
@@ -535,9 +559,9 @@ class ModelManager:
         self.tasks.spawn(copy(), lambda: Loaded(load.key))
 
     def evict(self, model: str, gpus: tuple[int, ...]) -> None:
-        """Scale to zero: drop the copy and give its memory back to the driver (``empty_cache``
-        waits for the device, so it runs in a thread, off the event loop, and not while a load
-        allocates)."""
+        """Scale to zero: drop the copy; its memory goes back to the driver as ``hand_back`` says
+        (``empty_cache`` waits for the device, so it runs in a thread, off the event loop, and
+        not while a load allocates)."""
         inst = self.instances.pop((model, tuple(gpus)), None)
         if inst is None:
             return
@@ -610,6 +634,8 @@ class ModelManager:
     async def shut_down(self) -> None:
         await self.tasks.close()
         self.instances.clear()
+        if self.cuda:  # a deferred hand-back still waiting was cancelled with the tasks
+            self._empty_cache()
         sys.setswitchinterval(self._switch_interval)
         for ld in self.loaded.values():
             _unpin(ld.pinned)  # before the host tensors are freed

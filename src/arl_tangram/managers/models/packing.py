@@ -131,9 +131,10 @@ def pack(state: dict[str, torch.Tensor], lay: Layout, buffer: torch.Tensor | Non
     return buffer
 
 
-def device_parts(buffer: torch.Tensor, lay: Layout, devices: list[torch.device]) -> list[torch.Tensor]:
-    """One empty allocation per part, on the device of the block that part goes to."""
-    return [torch.empty(end - start, dtype=torch.uint8, device=devices[i]) for i, (start, end) in enumerate(lay.parts)]
+def device_part(lay: Layout, i: int, device: torch.device) -> torch.Tensor:
+    """An empty allocation for part ``i`` on ``device`` (the GPU of the block that part goes to)."""
+    start, end = lay.parts[i]
+    return torch.empty(end - start, dtype=torch.uint8, device=device)
 
 
 def views(parts: list[torch.Tensor], lay: Layout, names: Iterable[str]) -> dict[str, torch.Tensor]:
