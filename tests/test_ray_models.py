@@ -287,11 +287,17 @@ def test_a_hugging_face_model_on_the_gpu_nodes_answers_as_transformers_does(gpu_
     assert [m.name for m in models] == ["t"] and models[0].weights_gb > 0
 
 
-def test_the_cluster_bench_with_no_node_counts_runs_no_scaling_or_chaos():
+def test_the_cluster_bench_with_no_node_counts_runs_no_scaling_or_chaos(tmp_path):
     """``tangram bench cluster --nodes ""``: the model chaos run alone (on the accelerator machine,
     which has no bubblewrap for the one-shots' sandboxes); here with no GPU nodes either."""
-    from arl_tangram.bench.cluster import run
+    import json
+    import subprocess
+    import sys
 
-    out = run((), chaos_actions=300, gpu_nodes=0, drain_sessions=0, restart_sessions=0, log=lambda m: None)
-    assert out["scaling"] == [] and "chaos" not in out and "model_chaos" not in out
-    assert out["engine"]["decisions_per_s"] > 0
+    out = tmp_path / "c.json"
+    p = subprocess.run([sys.executable, "-m", "arl_tangram.cli", "bench", "cluster", "--nodes", "", "--drain-sessions",
+                        "0", "--restart-sessions", "0", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert r["scaling"] == [] and "chaos" not in r and "model_chaos" not in r
+    assert r["engine"]["decisions_per_s"] > 0
