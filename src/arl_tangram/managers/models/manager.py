@@ -567,8 +567,9 @@ class ModelManager:
             return
         self.evictions += 1
         g = getattr(inst.module, "tangram_graphs", None)
-        if g is not None:  # its graphs' pool back to the cache now; ``wanted`` holds closures over the module
-            g.drop()
+        if g is not None:  # its graphs' pool back to the cache now; ``wanted`` holds closures over the
+            # module. In a thread: ``drop`` waits for a capture that may be running
+            self.tasks.spawn(asyncio.to_thread(g.drop))
         del inst, g
         if self.hand_back == "lazy":
             self.tasks.spawn(asyncio.to_thread(self._empty_cache))
