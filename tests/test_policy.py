@@ -194,6 +194,38 @@ def test_unpriced_moves_go_whenever_the_home_is_full(harness):
     assert got.node != home and got.setup == "restore"
 
 
+def _home_full_for(h, busy_s):
+    """Session t's home node (4 cores) runs a 4-core action predicted to end in ``busy_s`` (its
+    own job, as ``_home_busy_for``); the other node is idle."""
+    h.submit("s1", trajectory="t")
+    home = h.schedule()["s1"].node
+    h.complete("s1")
+    h.submit("hog1", job="hogs", cpu=4, hint_s=busy_s)
+    h.submit("hog2", job="hogs", cpu=4, hint_s=busy_s)
+    got = h.schedule()
+    h.complete(next(i for i, a in got.items() if a.node != home), exec_s=busy_s)
+    return home
+
+
+@pytest.mark.parametrize("another_waits", [False, True])
+def test_a_step_waiting_for_its_home_by_choice_is_no_queue_for_elasticity(harness, another_waits):
+    """Issue 24's move pricing: a step that chose to wait for its full home node (the wait is
+    shorter than a move) does not stop an elastic action on the other node from growing (counted
+    as a queue, it stopped all growth: ``Options.price_moves``); an action that waits because
+    nothing fits it still does."""
+    h = harness(cpu_cluster(4, nodes=2), tangram_policy(elastic_reserve_fraction=0.0),
+                costs=Costs(session_restore_s=0.32))
+    home = _home_full_for(h, 0.1)
+    h.submit("s2", trajectory="t", hint_s=0.5)
+    h.submit("e", job="other", cpu=(1, 4), parallel_fraction=0.9, hint_s=60)
+    if another_waits:
+        h.submit("big", job="other", cpu=4, hint_s=100)
+    got = h.schedule()
+    assert "s2" not in got and "big" not in got  # s2 waits for its home; nothing fits big
+    assert got["e"].node != home
+    assert got["e"].count == (1 if another_waits else 4)
+
+
 def test_the_wait_counts_down_as_the_home_node_runs(harness):
     """A 2 s action on the home node, 1.8 s in: 0.2 s are left, less than the move, so the step
     waits; past its prediction it is expected to run as long again, and the step moves."""
