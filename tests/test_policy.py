@@ -226,6 +226,32 @@ def test_a_step_waiting_for_its_home_by_choice_is_no_queue_for_elasticity(harnes
     assert got["e"].count == (1 if another_waits else 4)
 
 
+def test_nothing_grows_into_the_home_a_step_chose_to_wait_for(harness):
+    """Sessions t and u live on one node, which has 2 free cores; t's step needs 3 and chose to
+    wait for them (the hog there ends before a move would). u's elastic step starts there at its
+    minimum and does not grow into the core t's step waits for; an action on the other node does."""
+    h = harness(cpu_cluster(4, nodes=2), tangram_policy(elastic_reserve_fraction=0.0),
+                costs=Costs(session_restore_s=0.32))
+    h.submit("s1", trajectory="t")
+    home = h.schedule()["s1"].node
+    h.submit("blocker", job="b", cpu=4)  # fills the other node, so u's session lands beside t's
+    h.submit("u1", trajectory="u")
+    got = h.schedule()
+    assert got["u1"].node == home and got["blocker"].node != home
+    h.complete("s1")
+    h.complete("u1")
+    h.submit("hog", job="hogs", cpu=2, hint_s=0.1)
+    assert h.schedule()["hog"].node == home
+    h.complete("blocker")
+    h.submit("s2", trajectory="t", cpu=3, hint_s=0.5)
+    h.submit("u2", trajectory="u", cpu=(1, 4), parallel_fraction=0.9, hint_s=60)
+    h.submit("e", job="other", cpu=(1, 4), parallel_fraction=0.9, hint_s=60)
+    got = h.schedule()
+    assert "s2" not in got  # it waits for its home
+    assert got["u2"].node == home and got["u2"].count == 1
+    assert got["e"].node != home and got["e"].count == 4
+
+
 def test_the_wait_counts_down_as_the_home_node_runs(harness):
     """A 2 s action on the home node, 1.8 s in: 0.2 s are left, less than the move, so the step
     waits; past its prediction it is expected to run as long again, and the step moves."""

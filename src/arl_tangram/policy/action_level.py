@@ -300,7 +300,7 @@ class ActionLevelPolicy:
 
         Steps left waiting because they chose to wait for their own full node (``_cpu_node``: the
         wait is predicted shorter than a move) do not make the pool busy for elasticity: only
-        their home can serve them, and it has no core free to grow anything into. Counted as a
+        their home can serve them, and nothing grows there (``_water_fill``). Counted as a
         queue they stopped all growth for ``elastic_quiet_s`` after each (``Options.price_moves``
         has the figures: code_agent's worst ACT at 0.5x 1.618x -> 2.005x the best baseline's).
         The take-back below still counts them: not counting them (last round's number) measured
@@ -445,11 +445,18 @@ class ActionLevelPolicy:
         -> 1.632 / 1.292 / 1.700 / 1.991 / 2.036, step within 0.6%. With it, a shorter quiet
         window (``elastic_quiet_s`` 2 / 5 s instead of 10), measured and dropped: rlvr's worst ACT
         at 0.5x 1.056 -> 1.067 / 1.062 and code_agent's at 0.25x 1.311 -> 1.353 / 1.321, but
-        mixed at 0.25x 1.292 -> 1.284 / 1.279 (its mean step ratio 1.161 -> 1.154 / 1.153)."""
+        mixed at 0.25x 1.292 -> 1.284 / 1.279 (its mean step ratio 1.161 -> 1.154 / 1.153).
+
+        Nothing grows on a node that a step of this round chose to wait for (``_claimed``: the
+        wait for its cores is shorter than a move): the cores free there are the ones it waits
+        for. (The built-in workloads' CPU actions all need one core at minimum, so a home too
+        full for one has no core free and the sweep is identical with or without this; it
+        matters for steps whose minimum is more.)"""
         pool = self._cpus
         heap = []
+        claimed = self._claimed  # a home that steps chose to wait for keeps its free cores for them
         for a, node, lo in admitted:
-            if a.demand.ranges[CPU][1] > lo:
+            if a.demand.ranges[CPU][1] > lo and node not in claimed:
                 gain = self._gain(a, lo)
                 if gain > 0:
                     heap.append((-gain, a.id, a, node, lo))
