@@ -6,10 +6,12 @@ killed with -9 and started again."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import shutil
 import signal
 import threading
 import time
+import types
 
 import httpx
 import pytest
@@ -85,6 +87,237 @@ def test_an_agent_whose_lease_runs_out_closes_everything_and_cannot_be_taken_ove
     orphaned, held, ended, taken = asyncio.run(main())
     assert orphaned and held == [] and taken is None
     assert ended.outcome is Outcome.CANCELLED
+
+
+class InProcess:
+    """A test double of a Ray actor handle at the head's seam: ``handle.method.remote(*args)``
+    calls the agent itself, in this event loop (what Ray does across processes)."""
+
+    def __init__(self, agent) -> None:
+        self.agent = agent
+
+    def __getattr__(self, name):
+        method = getattr(self.agent, name)
+
+        async def call(*args):
+            out = method(*args)
+            return await out if inspect.isawaitable(out) else out
+
+        return types.SimpleNamespace(remote=lambda *args: call(*args))
+
+
+class Hung:
+    """An agent Ray still lists alive whose event loop hangs: no call of it ever answers."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __getattr__(self, name):
+        def remote(*args):
+            self.calls += 1
+            return asyncio.get_running_loop().create_future()  # never resolved
+
+        return types.SimpleNamespace(remote=remote)
+
+
+def test_an_agent_s_lease_runs_from_the_end_of_its_start():
+    """H3: a start longer than the lease (a GPU agent loading weights) does not orphan the agent
+    in its own start, the head renewing it meanwhile or not; once started, the lease runs."""
+    from arl_tangram.runtime.agent import NodeAgent
+
+    class SlowStart(NodeAgent):
+        async def _start_sandboxes(self):  # stands for ModelManager.load_all of big weights
+            await asyncio.sleep(1.0)
+            return {"name": self.name, "sandboxes": False, "problem": "no cores for sandboxes"}
+
+    async def main():
+        agent = SlowStart("n0", 1, sandboxes=False)
+        start = asyncio.ensure_future(agent.start(0.3, "head"))
+        await asyncio.sleep(0.1)
+        await agent.take_expired(0.3, "head")  # the head renews a starting agent
+        info = await start
+        orphaned_in_start = agent.orphaned
+        taken = await agent.attach(0.3, "head")  # the head restarted: it takes its agent over
+        deadline = time.monotonic() + 20  # no renewal any more: the lease runs out
+        while not agent.orphaned and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await agent.shut_down()
+        return info, orphaned_in_start, taken, agent.orphaned
+
+    info, orphaned_in_start, taken, orphaned_later = asyncio.run(main())
+    assert info["name"] == "n0" and not orphaned_in_start
+    assert taken is not None and taken["sessions"] == []
+    assert orphaned_later
+
+
+@needs_bwrap
+def test_a_re_run_of_a_one_shot_attach_cancelled_gets_its_own_result():
+    """M1: the new head's journal re-runs a one-shot ``attach`` cancelled, with the same id, at
+    once: after ``attach`` returned, or while it still runs. Each re-run gets its own result; the
+    dead head's call got ``cancelled``; nothing is left tracked."""
+    from arl_tangram.runtime.agent import NodeAgent
+
+    def shot(aid, code):
+        return Action(aid, "sandbox", payload=RunCode(code))
+
+    async def main():
+        agent = NodeAgent("n1", 1, SandboxConfig(warm_pool=0, warm_sessions=0))
+        await agent.start(30.0, "head")
+        try:
+            firsts = [asyncio.ensure_future(agent.run(shot(a, "import time; time.sleep(30)"), Allocation("cpu", 0, (0,))))
+                      for a in ("after", "during")]
+            await asyncio.sleep(1.0)
+            attach = asyncio.ensure_future(agent.attach(30.0, "head"))
+            await asyncio.sleep(0)  # attach cancelled both and waits for them to end
+            during = await agent.run(shot("during", "print('during')"), Allocation("cpu", 0, (0,)), "head")
+            info = await attach
+            after = await agent.run(shot("after", "print('after')"), Allocation("cpu", 0, (0,)), "head")
+            olds = [await asyncio.wait_for(f, 20) for f in firsts]
+            return info, during, after, olds, dict(agent.manager.tasks.actions), dict(agent._waiting)
+        finally:
+            await agent.shut_down()
+
+    info, during, after, olds, tracked, waiting = asyncio.run(main())
+    assert info["cancelled"] == ["after", "during"]
+    assert during.outcome is Outcome.OK and during.result.run.stdout == "during\n", during
+    assert after.outcome is Outcome.OK and after.result.run.stdout == "after\n", after
+    assert [o.outcome for o in olds] == [Outcome.CANCELLED, Outcome.CANCELLED]
+    assert tracked == {} and waiting == {}
+
+
+@needs_bwrap
+def test_a_second_attach_leaves_no_step_waiting_forever():
+    """L3: a head takes the agent over while a dead head's step runs; that head's next step waits
+    for it; then another head takes over. The waiting step never runs (its head is gone), and ends;
+    the newest head's step runs after the first one ended, state intact."""
+    from arl_tangram.runtime.agent import NodeAgent
+
+    async def main():
+        agent = NodeAgent("n1", 1, SandboxConfig(warm_pool=0, warm_sessions=0))
+        await agent.start(30.0, "head")
+        try:
+            assert (await _step(agent, "s0", "t", "x = 1")).outcome is Outcome.OK
+            asyncio.ensure_future(_step(agent, "s1", "t", "import time; time.sleep(2); x = 2"))
+            await asyncio.sleep(0.5)
+            await agent.attach(30.0, "head")  # the head restarted
+            waiting = asyncio.ensure_future(_step(agent, "s2", "t", "x = 3"))  # waits for s1
+            await asyncio.sleep(0.2)
+            await agent.attach(30.0, "head")  # ... and restarted again
+            last = await asyncio.wait_for(_step(agent, "s3", "t", "print(x)"), 30)
+            stuck = await asyncio.wait_for(waiting, 30)
+            return stuck, last, dict(agent._leftover)
+        finally:
+            await agent.shut_down()
+
+    stuck, last, leftover = asyncio.run(main())
+    assert stuck.outcome is Outcome.CANCELLED and "taken over" in stuck.message, stuck
+    assert last.outcome is Outcome.OK and last.result.run.stdout == "2\n", last
+    assert leftover == {}
+
+
+def test_a_head_is_an_id_kept_in_its_journal(tmp_path, monkeypatch):
+    """M2: the owner a head tells its agents is a UUID stored in its journal file: the same file
+    names the same head across restarts; another file (another host's default path) another head.
+    A journal written before the id existed keeps its rows and gets one."""
+    import sqlite3
+
+    from arl_tangram.runtime import ray_runtime
+    from arl_tangram.server.config import ServeConfig, build_service
+    from arl_tangram.server.journal import Journal, journal_owner
+
+    a, b, old = (str(tmp_path / f"{n}.sqlite3") for n in ("a", "b", "old"))
+    first = journal_owner(a)
+    j = Journal(a)
+    assert j.owner == first
+    j.close()
+    assert journal_owner(a) == first and journal_owner(b) != first
+    db = sqlite3.connect(old)  # the tables of a journal before the id
+    db.execute("""CREATE TABLE actions (id TEXT PRIMARY KEY, job TEXT NOT NULL, kind TEXT NOT NULL,
+        request TEXT NOT NULL, state TEXT NOT NULL, outcome TEXT, response TEXT, safe INTEGER NOT NULL,
+        accepted_at REAL NOT NULL, finished_at REAL)""")
+    db.execute("INSERT INTO actions VALUES ('x', 'j', 'run_code', '{}', 'accepted', NULL, NULL, 1, 1.0, NULL)")
+    db.commit()
+    db.close()
+    j = Journal(old)
+    try:
+        assert [e.id for e in j.unfinished()] == ["x"] and len(j.owner) == 32 and journal_owner(old) == j.owner
+    finally:
+        j.close()
+
+    told = {}
+
+    class Stop(Exception):
+        pass
+
+    def runtime(*args, **kwargs):  # the RayRuntime build_service makes, stopped once told its owner
+        told.update(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(ray_runtime, "RayRuntime", runtime)
+    with pytest.raises(Stop):
+        build_service(ServeConfig(), tmp_path / "a.sqlite3", ray="auto")
+    assert told["owner"] == f"tangram serve {first}"
+
+
+def test_a_head_whose_agent_another_took_over_is_told_and_counts_the_node_lost():
+    """M2: an agent whose loop hung past its lease is taken over by another head; the calls of the
+    head it had (renewal, run, keep) answer ``Replaced``, and that head's look says the node is lost."""
+    from arl_tangram.runtime.agent import NodeAgent, Replaced
+    from arl_tangram.runtime.ray_nodes import Node, look_at_agents
+
+    async def main():
+        agent = NodeAgent("n0", 1, sandboxes=False)
+        await agent.start(0.3, "head A")
+        time.sleep(0.5)  # the agent's event loop hangs past A's lease; head B attaches first
+        taken = await agent.attach(60.0, "head B")
+        refused = []
+        for call in (lambda: agent.take_expired(60.0, "head A"), lambda: agent.keep([], "head A"),
+                     lambda: agent.run(Action("a", "sandbox", payload=RunCode("1")), Allocation("cpu", 0, (0,)),
+                                       "head A")):
+            with pytest.raises(Replaced, match="taken over by another head"):
+                out = call()
+                if inspect.isawaitable(out):
+                    await out
+            refused.append(True)
+        node = Node("n0" * 8, "127.0.0.1", 1, 0, handle=InProcess(agent), state="alive")
+        (look,) = await look_at_agents([node], 60.0, "head A", 5.0)
+        (mine,) = await look_at_agents([node], 60.0, "head B", 5.0)
+        await agent.shut_down()
+        return taken, refused, look, mine
+
+    taken, refused, look, mine = asyncio.run(main())
+    assert taken is not None and refused == [True] * 3
+    assert look.lost is not None and "taken over by another head (head B)" in look.lost
+    assert mine.lost is None
+
+
+def test_one_hung_agent_holds_up_no_other_s_renewal():
+    """M3: the head renews every agent at once, each under a timeout: an agent whose loop hangs
+    stalls no other's lease; it gets one call, not one per look, and once it has not answered for a
+    lease it is lost."""
+    from arl_tangram.runtime.agent import NodeAgent
+    from arl_tangram.runtime.ray_nodes import Node, look_at_agents
+
+    async def main():
+        agent = NodeAgent("n0", 1, sandboxes=False)
+        await agent.start(1.0, "head")
+        hung = Hung()
+        live = Node("a" * 24, "127.0.0.1", 1, 0, handle=InProcess(agent), state="alive", renewed_at=time.monotonic())
+        stuck = Node("b" * 24, "127.0.0.1", 1, 0, handle=hung, state="alive", renewed_at=time.monotonic())
+        lost = None
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.0:  # three leases
+            looks = await asyncio.wait_for(look_at_agents([stuck, live], 1.0, "head", 0.1), 10)
+            assert looks[1].lost is None
+            lost = lost or looks[0].lost
+            await asyncio.sleep(0.1)
+        await agent.shut_down()
+        return agent.orphaned, hung.calls, lost
+
+    orphaned, calls, lost = asyncio.run(main())
+    assert not orphaned
+    assert calls == 1
+    assert lost is not None and "has not answered" in lost
 
 
 # -- the whole of it: `tangram serve --ray` killed with -9 and started again ----------------------
