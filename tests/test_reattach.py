@@ -469,3 +469,55 @@ def test_a_session_at_rest_on_its_node_is_re_attached_after_a_head_restart(clust
         assert got["outcome"] == "ok" and got["run"]["stdout"] == "1000 rested\n", got
     finally:
         head2.stop()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@needs_bwrap
+def test_a_restarted_head_renews_the_agents_it_took_over_while_another_node_still_joins(cluster):
+    """H3, the head's side: a restarted head whose other node takes longer than the lease to join
+    (a GPU node loading weights) renews the agent it took over meanwhile: that agent keeps its
+    session. And M2 over Ray: a call naming another head is answered ``Replaced``."""
+    import ray
+
+    from arl_tangram.runtime import Tangram
+    from arl_tangram.runtime.agent import Replaced
+    from arl_tangram.runtime.ray_runtime import RayRuntime, agent_name
+
+    lease_s = 3.0
+    config = SandboxConfig(warm_pool=0, warm_sessions=0)
+
+    async def main():
+        first = Tangram.ray(cluster.address, sandbox=config, lease_s=lease_s, owner="head")
+        await first.__aenter__()
+        s = await first.session()
+        assert (await s.exec(python="x = 5")).outcome is Outcome.OK
+        home = first.runtime.sandboxes.homes[s.id].ray_id
+        first.runtime._monitor.cancel()  # the head dies (its agents live on: never closed)
+        second = RayRuntime(cluster.address, sandbox=config, lease_s=lease_s, owner="head")
+        join = second._join
+
+        async def slow_join(node):  # the other node joins after three leases
+            if node.ray_id != home:
+                await asyncio.sleep(3 * lease_s)
+            await join(node)
+
+        second._join = slow_join
+        await second.start()
+        try:
+            agent = ray.get_actor(agent_name(home))
+            held = await agent.sessions.remote()
+            kept = second.adopt_live(s.id, None)
+            states = sorted(n["state"] for n in second.nodes())
+            try:
+                await agent.take_expired.remote(lease_s, "another head")
+                refused = None
+            except Exception as e:
+                refused = e
+            return s.id, held, kept, states, refused
+        finally:
+            await second.close()
+
+    sid, held, kept, states, refused = asyncio.run(main())
+    assert held == [sid] and kept and states == ["alive", "alive"]
+    assert isinstance(refused, Replaced) and "taken over by another head (head)" in str(refused)
