@@ -246,9 +246,10 @@ class RayRuntime(Runtime):
         ``policy.MOVE_S``, what ``tangram bench cluster`` measured): a step waits for its full
         node rather than move when the wait is predicted shorter. ``lease_s``: how long the agents
         keep their work once this head stops renewing their lease (the module docstring);
-        ``owner``: who this head is (``tangram serve``: its journal), the same across its restarts,
-        so that it takes over its agents at once while another head's stay its own; default: a
-        head of its own (it takes over agents only once their lease has run out)."""
+        ``owner``: who this head is (``tangram serve``: the UUID kept in its journal file,
+        ``journal_owner``), the same across its restarts, so that it takes over its agents at once
+        while another head's stay its own; default: a head of its own (it takes over agents only
+        once their lease has run out)."""
         super().__init__()
         self._owns_connection = connect(address)
         self.address = address
