@@ -521,3 +521,38 @@ def test_a_restarted_head_renews_the_agents_it_took_over_while_another_node_stil
     sid, held, kept, states, refused = asyncio.run(main())
     assert held == [sid] and kept and states == ["alive", "alive"]
     assert isinstance(refused, Replaced) and "taken over by another head (head)" in str(refused)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@needs_bwrap
+def test_a_node_lost_while_its_agent_lived_is_taken_back_without_the_sessions_it_lost(cluster):
+    """A node the head counted lost while its agent lived on (silent past its lease, say) is found
+    again and taken over; the sessions the head ended with it are closed on the agent, not kept."""
+    import ray
+
+    from arl_tangram.runtime import Tangram
+    from arl_tangram.runtime.ray_runtime import agent_name
+
+    async def main():
+        async with Tangram.ray(cluster.address, sandbox=SandboxConfig(warm_pool=0, warm_sessions=0),
+                               rejoin_after_s=1.0) as tg:
+            rt = tg.runtime
+            s = await tg.session()
+            assert (await s.exec(python="x = 5")).outcome is Outcome.OK
+            node = rt.sandboxes.homes[s.id]
+            agent = ray.get_actor(agent_name(node.ray_id))
+            rt.node_lost(node, "its agent has not answered for 61 s: its lease ran out")
+            lost = next(n for n in rt.nodes() if n["id"] == node.ray_id)
+            deadline = time.monotonic() + 60
+            while rt.nodes_by_id[node.ray_id] is node and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            again = rt.nodes_by_id[node.ray_id]
+            while again.state == "starting" and time.monotonic() < deadline:
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1.0)  # the keep the take-over sent
+            return lost, again.state, again.adopted, await agent.sessions.remote()
+
+    lost, state, adopted, held = asyncio.run(main())
+    assert lost["state"] == "dead" and lost["problem"] == "lost: its agent has not answered for 61 s: its lease ran out"
+    assert state == "alive" and adopted and held == []

@@ -233,7 +233,11 @@ class NodeAgent:
         epoch = self._epoch
         dying = self._dying.get(action.id)
         if dying is not None:
-            await asyncio.shield(dying)
+            try:
+                await asyncio.wait_for(asyncio.shield(dying), ATTACH_CANCEL_WAIT_S)
+            except asyncio.TimeoutError:  # never met: it would take this run's answer
+                return Completion(action.id, Outcome.INFRA_ERROR, message=f"node {self.name}: the cancelled run of "
+                                  f"{action.id} did not end in {ATTACH_CANCEL_WAIT_S:g} s; try again")
         left = self._leftover.get(action.trajectory) if action.trajectory is not None else None
         if left is not None:
             await asyncio.shield(left)

@@ -260,6 +260,7 @@ class RayRuntime(Runtime):
         self.look_timeout_s = min(LOOK_TIMEOUT_S, lease_s / 4)  # a hung agent holds up no other's renewal
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{time.time():.0f}"
         self.inventory: dict[str, Node] = {}  # sessions found on agents taken over, until adopted or pruned
+        self._pruned = False  # the journal's sessions are re-attached: an agent taken over later holds none of ours
         self.reattached = {"agents": 0, "sessions": 0, "pruned": 0, "cancelled": 0}
         self.nodes_by_id: dict[str, Node] = {}
         self.by_index: dict[int, Node] = {}
@@ -366,8 +367,11 @@ class RayRuntime(Runtime):
             return None
         self.reattached["agents"] += 1
         self.reattached["cancelled"] += len(info.get("cancelled", ()))
-        for s in info.get("sessions", ()):
-            self.inventory[s] = node
+        if self._pruned:  # a node this head lost (its agent silent past its lease) and finds again:
+            node.handle.keep.remote([], self.owner)  # its sessions ended with it here; close them there
+        else:
+            for s in info.get("sessions", ()):
+                self.inventory[s] = node
         log.warning("node %s (%s): took over the agent an earlier head left: %d sessions, %d actions in flight "
                     "cancelled", node.name, node.address, len(info.get("sessions", ())),
                     len(info.get("cancelled", ())))
@@ -581,6 +585,7 @@ class RayRuntime(Runtime):
         for node in self.inventory.values():
             nodes[id(node)] = node
         gone = len(self.inventory)
+        self._pruned = True
         for key, node in nodes.items():
             if node.serving:
                 node.handle.keep.remote(owned.get(key, []), self.owner)
