@@ -22,8 +22,8 @@ that nobody owns.
 
 The lease is armed when ``start`` returns, never before: a GPU agent loads every service's weights
 in ``start`` (minutes for big models, longer than ``lease_s``), and a lease running meanwhile
-orphaned the agent in its own start (review of issue 24, H3). Renewals during ``start`` only move
-the deadline the armed lease begins from.
+orphaned the agent in its own start (review of issue 24, H3). A renewal during ``start`` only
+records the head's ``lease_s``; the lease runs ``lease_s`` from the end of ``start``.
 
 **Owners.** A head names itself (``owner``: ``tangram serve``'s is a UUID stored in its journal
 file, so the same file is the same head across restarts and another host's journal another head).
@@ -121,7 +121,7 @@ class NodeAgent:
         node. A node where sandboxes cannot run (no bubblewrap, say) reports why and gets no
         sandbox actions; one whose model services cannot load reports why and gets no GPU work.
         ``lease_s``: the head's lease, ``owner`` that head (the module docstring); the lease runs
-        from when ``start`` returns (or from the head's latest renewal, if later), never during it."""
+        from when ``start`` returns, never during it."""
         self.owner = owner
         if lease_s is not None:
             self._lease_s = lease_s
@@ -351,7 +351,14 @@ class NodeAgent:
         flight runs to its end, its answer lost (the journal ends it, saying so): cancelling it
         would kill the session's processes, the Python state a re-attach keeps; the session's
         next step waits for it. None when the agent cannot be taken over (it never started, or
-        its lease ran out and it closed everything)."""
+        its lease ran out and it closed everything).
+
+        Returns once the cancelled one-shots ended (at most ``ATTACH_CANCEL_WAIT_S``): their ids
+        come back as the journal's re-runs, which must not get the cancelled run's completion
+        (review M1: they did, and the old run's bookkeeping dropped the re-run's). Attached twice
+        while a dead head's step still runs, the session keeps the one wait for it (review L3: the
+        second replaced the first's, and a step waiting on that one waited forever); a step of an
+        earlier head still waiting here when another takes over never starts (``cancelled``)."""
         if self.info is None or self.orphaned:
             return None
         if self.owner != owner and self.lease_until is not None and time.monotonic() < self.lease_until:
