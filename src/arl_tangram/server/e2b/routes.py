@@ -434,11 +434,13 @@ async def _cell_lines(first: tuple[bytes, bytes], result: dict | None, poll: Cal
     held = {"stdout": "", "stderr": ""}
     sent = [0, 0]
 
-    def lines(out: bytes, err: bytes, flush: bool = False):
+    def lines(out: bytes, err: bytes, flush: bool = False, final: bool = False):
+        # ``flush``: a partial line goes out too; only at the ``final`` end may the decoder give up
+        # on a character cut between batches (a quiet poll that did so split one into two U+FFFD)
         for i, (stream, data) in enumerate((("stdout", out), ("stderr", err))):
             sent[i] += len(data)
-            text = held[stream] + decoders[stream].decode(data, flush)
-            cut = len(text) if flush else text.rfind("\n") + 1
+            text = held[stream] + decoders[stream].decode(data, final)
+            cut = len(text) if flush or final else text.rfind("\n") + 1
             held[stream] = text[cut:]
             if cut:
                 yield json.dumps({"type": stream, "text": text[:cut], "timestamp": time.time_ns()}) + "\n"
@@ -452,7 +454,7 @@ async def _cell_lines(first: tuple[bytes, bytes], result: dict | None, poll: Cal
             yield line
         if done:
             result = await _call(take)
-    for line in lines(b"", b"", True):
+    for line in lines(b"", b"", final=True):
         yield line
     now = time.time_ns()
     rest = []
