@@ -403,3 +403,59 @@ def test_a_python_without_a_module_the_rehearsal_uses_still_runs_one_shots(tmp_p
                        timeout=60)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == {"exit": 0, "stdout": "5\n", "broken": ""}
+
+
+# A python one-shot's child says how it ended on a pipe of its own and closes its streams before
+# its exit (the address space's teardown then comes after the answer). A child can forge that
+# report: it may claim any exit code (as os._exit could) but must not outlive its run.
+FORGED_END = r'''
+import os, time
+for fd in map(int, os.listdir("/proc/self/fd")):
+    if fd > 2:
+        try:
+            os.write(fd, (0).to_bytes(4, "little"))
+        except OSError:
+            pass
+os.close(1)
+os.close(2)
+time.sleep(0.3)
+open("/tmp/late", "w").write("outlived its run")
+time.sleep(600)
+'''
+
+
+def test_a_child_that_reports_its_end_and_lingers_is_killed():
+    t = time.monotonic()
+    out = attack_then_inspect(FORGED_END, timeout_s=20)
+    assert out["attack"].outcome is Outcome.OK, out["attack"]  # the code it chose to report
+    assert time.monotonic() - t < 15  # never waited for to its timeout
+    assert_pristine(out, reused=True)  # no /tmp/late, no process left
+
+
+@pytest.mark.parametrize("code, exit_code", [
+    ("import sys\nsys.exit(3)", 3),
+    ("import sys\nsys.exit(256 + 4)", 4),              # as the kernel keeps it: the low byte
+    ("import sys\nsys.exit('bye')", 1),
+    ("raise ValueError('no')", 1),
+    ("import os\nos._exit(5)", 5),                      # no report: the zygote's wait status
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)", -11),
+    ("print('ok')", 0),
+], ids=["exit-3", "exit-260", "exit-text", "raise", "os-exit", "signal", "ok"])
+def test_a_python_child_ends_with_the_status_a_fresh_process_would(code, exit_code):
+    cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1)
+
+    async def main():
+        async with Tangram.local(sandbox=cfg, cores=2) as tg:
+            await tg.run("print(0)")
+            await _settle(tg, 0)  # the next run is the child forked ahead in a recycled sandbox
+            r = await tg.run(code)
+            stats = await _settle(tg, 1)
+            return r, await tg.run("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()"
+                                   " and int(p) != os.getpid()))"), stats
+
+    r, after, stats = asyncio.run(main())
+    assert r.result.run.exit_code == exit_code, (r.result.run, r.stderr)
+    assert (r.outcome is Outcome.OK) == (exit_code == 0)
+    if code.startswith("raise"):
+        assert "ValueError: no" in r.stderr
+    assert after.stdout == "[1, 2]\n" and stats["recycled"] == 2 and not stats["discarded"], (after, stats)
