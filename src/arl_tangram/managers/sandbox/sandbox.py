@@ -140,11 +140,12 @@ class Sandbox:
                 data = marshal.dumps(req, 4)
                 self.proc.stdin.write(len(data).to_bytes(4, "little") + data)
                 await self.proc.stdin.drain()
-                if on_output is None:
-                    line = await asyncio.wait_for(self.proc.stdout.readline(), timeout_s)
-                else:
-                    line = await asyncio.wait_for(self._chunks(on_output), timeout_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout_s):  # wait_for would make a task (a loop pass) per request
+                    if on_output is None:
+                        line = await self.proc.stdout.readline()
+                    else:
+                        line = await self._chunks(on_output)
+            except TimeoutError:
                 await self.kill()
                 raise SandboxDied(f"sandbox did not answer within {timeout_s:.1f}s and was killed",
                                   deadline=True) from None
