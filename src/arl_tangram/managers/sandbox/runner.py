@@ -457,6 +457,7 @@ class Zygote:
         code = 1
         status_fd = fds[3]
         try:
+            os.set_inheritable(status_fd, False)  # not into programs the user's code execs
             os.setsid()
             _signal.signal(SIGINT, _signal.default_int_handler)
             for target, fd in zip((0, 1, 2), fds):
@@ -1256,6 +1257,8 @@ def main():
             return
         req = marshal.loads(read_exact(int.from_bytes(head, "little")))
         result = None
+        if ZYGOTE is not None:  # the last python run's exit is over before anything else runs here
+            ZYGOTE.settle()  # (its pid is spared by the reaping only until then)
         if ZYGOTE is not None and req["op"] in ("cell", "shell"):
             drop_zygote()
         elif ZYGOTE is not None and ZYGOTE.ahead is not None and req["op"] not in AHEAD_STAYS:
