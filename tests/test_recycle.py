@@ -459,3 +459,42 @@ def test_a_python_child_ends_with_the_status_a_fresh_process_would(code, exit_co
     if code.startswith("raise"):
         assert "ValueError: no" in r.stderr
     assert after.stdout == "[1, 2]\n" and stats["recycled"] == 2 and not stats["discarded"], (after, stats)
+
+
+OUT_OF_PROTOCOL = r'''
+import json, os, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+sys.argv = ["runner"]
+import runner
+out = os.fdopen(runner.PROTO_OUT, "w")
+z = runner.Zygote()
+req = {"cwd": tempfile.gettempdir(), "code": "print(1)", "timeout_s": 10}
+first = z.run(req)["exit_code"]
+z.settle()
+z.sock.sendall(b"g" + (5).to_bytes(4, "little") + b"stale")  # a run's bytes without its descriptors
+z.fork_ahead()
+try:
+    z.run(req)
+    ran = True
+except RuntimeError:
+    ran = False
+print(json.dumps({"first": first, "broken": z.broken, "ran": ran}), file=out, flush=True)
+'''
+
+
+def test_the_zygote_ends_on_a_message_out_of_protocol(tmp_path):
+    """A request's bytes that reach the zygote itself (a run's child died before reading them)
+    are never taken for a run: the zygote ends, and the runner finds it broken (its sandbox is
+    then discarded, not recycled)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from arl_tangram.managers.sandbox.isolation import RUNNER
+    script = tmp_path / "probe.py"
+    script.write_text(OUT_OF_PROTOCOL)
+    p = subprocess.run([sys.executable, "-I", str(script), str(Path(RUNNER).parent)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["first"] == 0 and out["broken"] and not out["ran"], out

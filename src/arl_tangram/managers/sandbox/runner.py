@@ -507,6 +507,17 @@ class Zygote:
         self.tag = data[:1].decode("latin-1")
         return int.from_bytes(data[1:], "little", signed=True)
 
+    def send(self, data, anc=()):
+        """Send to the zygote's side; False, and the zygote broken, when it is gone."""
+        try:
+            sent = self.sock.sendmsg([data], anc)
+            if sent < len(data):
+                self.sock.sendall(data[sent:])
+            return True
+        except OSError as e:
+            self.broken = self.broken or f"the zygote is gone ({e.strerror or e})"
+            return False
+
     def settle(self):
         """Read the wait status the zygote owes for a child that reported its own end (its exit
         ran on after the runner's answer): before anything else is asked of the zygote."""
@@ -519,8 +530,8 @@ class Zygote:
         self.settle()
         if self.ahead is not None or self.broken:
             return
-        self.sock.sendall(b"f")
-        self.ahead = self.reply("P", 2.0)
+        if self.send(b"f"):
+            self.ahead = self.reply("P", 2.0)
 
     def drop_ahead(self):
         """Kill the child forked ahead (a request of another kind comes, or a session's first step)."""
@@ -553,12 +564,14 @@ class Zygote:
         anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds))]
         msg = b"g" + len(data).to_bytes(4, "little") + data
         del data
-        sent = self.sock.sendmsg([msg], anc)
-        if sent < len(msg):
-            self.sock.sendall(msg[sent:])
+        ok = self.send(msg, anc)
         del msg
         for fd in fds:
             os.close(fd)
+        if not ok:
+            for fd in (in_w, out_r, err_r, st_r):
+                os.close(fd)
+            raise RuntimeError(f"zygote: {self.broken}")
         if ahead is None:
             child = self.reply("P", 10.0)
         else:  # "A": the child took it; "S": it had died idle, and the zygote forks one for this run
