@@ -476,7 +476,10 @@ class Zygote:
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except BaseException:
-            print_exc()
+            try:
+                print_exc()
+            except BaseException:  # stderr gone: the exit status still says it failed
+                pass
         try:
             os.write(status_fd, (code & 0xFF).to_bytes(4, "little"))
             for fd in (0, 1, 2):
