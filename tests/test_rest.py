@@ -235,7 +235,9 @@ def test_a_session_closed_while_its_rest_is_recorded_leaves_no_blob_and_no_proce
             assert await resting is False
             await asyncio.sleep(0.2)
             assert manager.session_state("gone") is None and manager.store.used == 0
-            assert not os.path.exists(path) and sb.dead
+            assert not os.path.exists(path)
+            # its processes are gone: the sandbox was reset for another session (or killed)
+            assert sb.dead or (sb in manager._session_pool and manager.recycler.sessions_recycled == 1)
     asyncio.run(main())
 
 
@@ -367,3 +369,208 @@ def test_a_server_answers_once_the_sessions_warm_sandboxes_are_ready():
         finally:
             await service.stop()
     assert asyncio.run(main()) == 3
+
+
+# -- a session's sandbox is reused once its session has left (put to rest, or closed) ---------------
+
+INSPECT = r'''
+import json, os, resource, signal, sys
+def files(root):
+    out = []
+    for d, dirs, names in os.walk(root):
+        out += [os.path.relpath(os.path.join(d, n), root) for n in dirs + names]
+    return sorted(out)
+procs = []
+for p in os.listdir("/proc"):
+    if p.isdigit() and int(p) != os.getpid():
+        with open(f"/proc/{p}/cmdline", "rb") as fh:
+            procs.append(fh.read().split(b"\0")[0].decode(errors="replace").rsplit("/", 1)[-1])
+print(json.dumps({
+    "files": {r: files(r) for r in ("/workspace", "/tmp", "/dev/shm")},
+    "procs": sorted(procs),
+    "env": dict(os.environ), "cwd": os.getcwd(), "umask": os.umask(0o022),
+    "signals": {s.name: getattr(signal.getsignal(s), "__qualname__", str(signal.getsignal(s)))
+                for s in signal.Signals if s not in (signal.SIGKILL, signal.SIGSTOP)},
+    "limits": {n: resource.getrlimit(getattr(resource, n)) for n in dir(resource) if n.startswith("RLIMIT_")},
+    "planted": "planted_mod" in sys.modules, "dumps": json.dumps([1]),
+    "globals": sorted(k for k in globals() if not k.startswith("__")),
+    "ipc": [open(f"/proc/sysvipc/{k}").read().count("\n") for k in ("shm", "msg", "sem")],
+}, sort_keys=True))
+'''
+
+ATTACK = r'''
+import json, os, resource, signal, subprocess, sys, types, threading, time
+for d in ("/workspace", "/tmp", "/dev/shm"):
+    open(f"{d}/left-{os.getpid()}", "w").write("secret")
+    os.makedirs(f"{d}/deep/er", exist_ok=True)
+    os.chmod(f"{d}/deep", 0)
+os.environ["LEAK"] = "1"
+os.chdir("/tmp")
+os.umask(0o077)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+signal.signal(signal.SIGUSR1, lambda *a: None)
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+sys.modules["planted_mod"] = types.ModuleType("planted_mod")
+json.dumps = lambda *a, **k: "patched"
+subprocess.Popen(["sleep", "1000"], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+threading.Thread(target=time.sleep, args=(1000,), daemon=True).start()
+secret = "the earlier session's"
+'''
+
+
+def _recycling_config(**kw) -> SandboxConfig:
+    return _config(warm_sessions=1, **kw)
+
+
+async def _recycled(manager, before: int) -> None:
+    for _ in range(200):
+        if manager.recycler.sessions_recycled > before and not manager._moving:
+            return
+        await asyncio.sleep(0.025)
+    raise AssertionError(f"no session sandbox was recycled: {manager.recycler.stats()}")
+
+
+def _take_recycled(manager, sb) -> None:
+    """Make ``sb`` (back in the sessions' pool) the one the next session takes."""
+    pool = manager._session_pool
+    assert sb in pool, "the rested session's sandbox is not in the sessions' pool"
+    pool.remove(sb)
+    pool.append(sb)
+
+
+def test_a_session_in_a_recycled_sandbox_sees_nothing_of_the_session_before_it():
+    async def main():  # no shell started ahead: a recycled sandbox starts its shell on first use
+        async with Tangram.local(sandbox=_recycling_config(warm_shell=False)) as tg:
+            manager = tg.runtime.sandbox_manager()
+            fresh = await tg.session(trajectory="fresh")
+            r = await fresh.exec(python=INSPECT)
+            assert r.outcome is Outcome.OK, r.stderr
+            want = __import__("json").loads(r.stdout)
+
+            a = await tg.session(trajectory="a")
+            r = await a.exec("ipcmk -M 4096 >/dev/null; ipcmk -Q >/dev/null; cd /tmp; export SHELL_LEAK=1; "
+                             "(sleep 1000 &) ; true")
+            assert r.outcome is Outcome.OK, r.stderr
+            r = await a.exec(python=ATTACK)
+            assert r.outcome is Outcome.OK, r.stderr
+            sb = manager.sessions["a"]
+            before = manager.recycler.sessions_recycled
+            await _rest(tg, "a")
+            await _recycled(manager, before)
+            _take_recycled(manager, sb)
+
+            b = await tg.session(trajectory="b")
+            r = await b.exec(python=INSPECT)
+            assert r.outcome is Outcome.OK, r.stderr
+            assert manager.sessions["b"] is sb  # the same sandbox, reused
+            got = __import__("json").loads(r.stdout)
+            assert got == want
+            r = await b.exec("echo ${SHELL_LEAK:-unset} $(pwd)")
+            assert r.stdout.split() == ["unset", "/workspace"]
+
+            # and the earlier session wakes elsewhere with everything it had (a module comes back by
+            # name, freshly imported: what the session patched in it is not carried, rest.py says so)
+            r = await a.exec(python="print(secret, os.getcwd(), os.environ['LEAK'], json.dumps([1]), "
+                                    "sorted(os.listdir('/workspace')) != [])")
+            assert r.outcome is Outcome.OK, r.stderr
+            assert r.stdout.split() == ["the", "earlier", "session's", "/tmp", "1", "[1]", "True"]
+    asyncio.run(main())
+
+
+def test_a_closed_session_s_sandbox_is_reused_and_a_forked_one_is_not():
+    async def main():
+        async with Tangram.local(sandbox=_recycling_config()) as tg:
+            manager = tg.runtime.sandbox_manager()
+            a = await tg.session(trajectory="closed")
+            assert (await a.exec(python="x = 1\nopen('/workspace/f', 'w').write('a')")).outcome is Outcome.OK
+            sb = manager.sessions["closed"]
+            before = manager.recycler.sessions_recycled
+            await a.close()
+            await _recycled(manager, before)
+            _take_recycled(manager, sb)
+            b = await tg.session(trajectory="after")
+            r = await b.exec(python="print('x' in globals(), os.listdir('/workspace')) if 'os' in globals() else "
+                                    "print('x' in globals(), __import__('os').listdir('/workspace'))")
+            assert r.outcome is Outcome.OK, r.stderr
+            assert manager.sessions["after"] is sb and r.stdout.strip() == "False []"
+
+            src = await tg.session(trajectory="src")
+            assert (await src.exec(python="y = 2")).outcome is Outcome.OK
+            await src.fork(1)
+            assert (await src.exec(python="z = 3")).outcome is Outcome.OK
+            forked = manager.sessions["src"]
+            assert forked.rootfs.session_layers  # its workspace is stacked on the fork's layer
+            assert await manager.recycler.session_verdict(forked) == "not recyclable"
+    asyncio.run(main())
+
+
+def test_a_cell_that_ends_its_interpreter_is_reported_and_so_is_the_next_step_and_a_rest():
+    async def main():
+        async with Tangram.local(sandbox=_recycling_config()) as tg:
+            manager = tg.runtime.sandbox_manager()
+            s = await tg.session(trajectory="dies")
+            assert (await s.exec(python="x = 1")).outcome is Outcome.OK
+            sb = manager.sessions["dies"]
+            r = await s.exec(python="import os; os._exit(3)")
+            assert "the session's python interpreter exited with code 3: its variables are gone" in r.message
+            assert manager.sessions["dies"] is sb and not sb.dead  # the sandbox lives on
+            r = await s.exec(python="print('x' in globals())")
+            assert r.outcome is Outcome.OK and r.stdout.strip() == "False"
+            assert "a new python interpreter: the session's earlier one exited with code 3" in r.message
+            r = await s.exec(python="print('x' in globals())")  # said once
+            assert r.message == ""
+
+            # it dies again, then is put to rest before any other step: the wake says so
+            assert (await s.exec(python="y = 2")).outcome is Outcome.OK
+            r = await s.exec(python="import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+            assert "killed by signal 9" in r.message
+            await _rest(tg, "dies")
+            r = await s.exec(python="print('y' in globals())")
+            assert r.outcome is Outcome.OK and r.stdout.strip() == "False"
+            assert "(namespace)" in r.result.info["dropped"]
+            assert "killed by signal 9 before its rest" in r.message
+    asyncio.run(main())
+
+
+def test_a_cell_that_ignores_its_timeout_is_ended_without_losing_the_sandbox():
+    async def main():
+        async with Tangram.local(sandbox=_recycling_config()) as tg:
+            manager = tg.runtime.sandbox_manager()
+            s = await tg.session(trajectory="stubborn")
+            assert (await s.exec(python="x = 1")).outcome is Outcome.OK
+            sb = manager.sessions["stubborn"]
+            r = await s.exec(python="import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True: pass",
+                             timeout_s=0.5)
+            assert r.outcome is Outcome.TIMEOUT, r.message
+            assert "did not stop at its cell's timeout" in r.message
+            r = await s.exec(python="print('x' in globals())")
+            assert r.outcome is Outcome.OK and r.stdout.strip() == "False"
+            assert "its variables are gone" in r.message and manager.sessions["stubborn"] is sb
+            r = await s.exec(python="import time\ntime.sleep(5)", timeout_s=0.3)  # an ordinary timeout keeps state
+            assert r.outcome is Outcome.TIMEOUT
+            assert (await s.exec(python="print(time.time() > 0)")).stdout.strip() == "True"
+    asyncio.run(main())
+
+
+def test_every_kind_of_value_survives_rest_and_wake_through_recycled_sandboxes():
+    async def main():
+        async with Tangram.local(sandbox=_recycling_config()) as tg:
+            manager = tg.runtime.sandbox_manager()
+            s = await tg.session(trajectory="kinds2")
+            r = await s.exec("mkdir -p sub && printf hello > sub/data.txt && printf tmp > /tmp/scratch && "
+                             "ln -s sub/data.txt link")
+            assert r.outcome is Outcome.OK, r.message
+            assert (await s.exec(python=STATE)).outcome is Outcome.OK
+            for _ in range(3):  # each wake in a recycled sandbox (another session's, then its own)
+                before = manager.recycler.sessions_recycled
+                await _rest(tg, "kinds2")
+                await _recycled(manager, before)
+                other = await tg.session()
+                assert (await other.exec(python="noise = list(range(10))")).outcome is Outcome.OK
+                r = await s.exec(python=CHECK)
+                assert r.outcome is Outcome.OK, r.stderr
+                assert r.stdout.split() == ["hello", "tmp", "sub/data.txt"]
+                assert r.result.info["dropped"] == {}
+            assert manager.recycler.sessions_recycled >= 3
+    asyncio.run(main())

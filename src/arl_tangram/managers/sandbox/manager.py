@@ -436,10 +436,38 @@ class SandboxManager:
         if pending is not None:
             self.imageboxes.drop(pending)
         if sb is not None:
-            self._kill_later(sb)
+            if sb in self._busy or trajectory in self._using:  # a step still runs in it: no reuse
+                self._kill_later(sb)
+            else:
+                self._release_session(sb)
 
     def _kill_later(self, sb: Sandbox) -> None:
         self.tasks.spawn(sb.kill())
+
+    def _release_session(self, sb: Sandbox) -> None:
+        """A session has left ``sb`` (its state packed, or the session closed): reset it for the
+        next session and put it in the sessions' pool (``Recycler.session_verdict``: the same wipe
+        and checks as a one-shot's), or kill it when that cannot be verified or the pool is full.
+        An open or a wake then costs a fork of the sandbox's zygote, not a new sandbox."""
+        self.tasks.spawn(self._recycle_session(sb))
+
+    async def _recycle_session(self, sb: Sandbox) -> None:
+        if not sb.dead and sb.frozen:
+            sb.thaw()
+        if (not self._closing and len(self._session_pool) < self._session_pool_cap()
+                and await self.recycler.session_verdict(sb) is None and self._put_back_session(sb)):
+            return
+        await sb.kill()
+
+    def _session_pool_cap(self) -> int:
+        c = self.config
+        return min(max(c.warm_sessions, c.recycle_pool_max), c.max_idle_sandboxes) if self.layered else 0
+
+    def _put_back_session(self, sb: Sandbox) -> bool:
+        if self._closing or len(self._session_pool) >= self._session_pool_cap():
+            return False
+        self._session_pool.append(sb)
+        return True
 
     async def prewarm(self, image: str, n: int) -> Prewarmed:
         """Have ``n`` more sandboxes of ``image`` ready for new sessions and one-shots, within
@@ -597,8 +625,8 @@ class SandboxManager:
                         log.warning("session %s: its rest could not be recorded: %s", trajectory, e)
             if keep_root:  # its files are on disk already: keep the root, end the processes
                 rested.rootfs = await self.imageboxes.stop_processes(sb)
-            else:
-                self._kill_later(sb)
+            else:  # reset for another session (recycle.py), or killed
+                self._release_session(sb)
             if trajectory in self._close_after_rest:
                 if recorded:  # closed while it was recorded: close_session forgot it, but not a root kept since
                     self.rested.pop(trajectory, None)

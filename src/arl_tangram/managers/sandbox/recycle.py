@@ -46,6 +46,8 @@ class Recycler:
         self.ahead = ahead
         self.recycled = 0
         self.discarded: Counter[str] = Counter()
+        self.sessions_recycled = 0  # session sandboxes reused after their session left (session_verdict)
+        self.sessions_discarded: Counter[str] = Counter()
 
     def release(self, sb: Sandbox) -> None:
         """A one-shot is done with ``sb`` (its result already reported)."""
@@ -62,11 +64,27 @@ class Recycler:
                 log.warning("sandbox %s not recycled: %s", sb.id, reason)
         await sb.kill()
 
-    async def _verdict(self, sb: Sandbox) -> str | None:
+    async def session_verdict(self, sb: Sandbox) -> str | None:
+        """A session has left ``sb`` (put to rest, or closed): None when it is verified pristine
+        for another session, else why not. Only a default session's sandbox qualifies: its root is
+        the host's, read-only, and its layered workspace has no layer under it (a fork's or a
+        restore's would carry that session's files); an image's root may be written anywhere."""
+        rootfs = sb.rootfs
+        recyclable = rootfs is not None and rootfs.workspace_only and not rootfs.session_layers
+        reason = await self._verdict(sb, recyclable)
+        if reason is None:
+            self.sessions_recycled += 1
+        else:
+            self.sessions_discarded[reason] += 1
+            if reason.startswith("unclean"):
+                log.warning("session sandbox %s not recycled: %s", sb.id, reason)
+        return reason
+
+    async def _verdict(self, sb: Sandbox, recyclable: bool | None = None) -> str | None:
         """None when ``sb`` is verified pristine, else why not."""
         if not self.enabled:
             return "recycling off"
-        if not sb.recyclable:
+        if not (sb.recyclable if recyclable is None else recyclable):
             return "not recyclable"  # an image's sandbox: its root may be writable
         if sb.dead or sb.proc.returncode is not None:
             return "dead"
@@ -82,4 +100,5 @@ class Recycler:
         return None
 
     def stats(self) -> dict:
-        return {"enabled": self.enabled, "recycled": self.recycled, "discarded": dict(self.discarded)}
+        return {"enabled": self.enabled, "recycled": self.recycled, "discarded": dict(self.discarded),
+                "sessions_recycled": self.sessions_recycled, "sessions_discarded": dict(self.sessions_discarded)}

@@ -9,7 +9,8 @@ start so nothing the user's code prints can corrupt the channel. Requests:
 * ``run``    fork+exec ``argv`` (a shell command, a compiled binary) in its own process group
 * ``python`` run ``code`` in a forked child of this warm interpreter (a one-shot python action
              without paying interpreter start-up)
-* ``cell``   run ``code`` in this process's persistent namespace (a stateful python session)
+* ``cell``   run ``code`` in the session's persistent namespace: in its own interpreter, a child
+             forked from the zygote that lives across steps (``SessionChild``), never in this runner
 * ``write`` / ``read`` files in the workspace (``run`` and ``python`` also take ``files`` to write
              first and ``fetch`` paths to read afterwards: one round trip for a whole one-shot)
 
@@ -62,6 +63,7 @@ except (ImportError, ValueError, OSError):
     pass
 PROTO_IN = os.dup(0)
 PROTO_OUT = os.dup(1)
+OUT = [PROTO_OUT]  # where answers and streamed chunks go (a session's interpreter: its pipe to the runner)
 _null = os.open(os.devnull, os.O_RDWR)
 os.dup2(_null, 0)
 os.dup2(_null, 1)
@@ -126,8 +128,8 @@ def print_exc(quiet=False):
 # Only in a PID namespace of our own (the host passes --reap, and we double-check that we are
 # one of its first processes): outside one, "every other process" would be the host's.
 REAP = "--reap" in sys.argv and os.getpid() <= 3
-#: a session's sandbox (the host passes --session): it never runs one-shots from a clean template,
-#: so it starts no zygote (a fork at start, and its kill at the first step: ~1-2 ms of the start)
+#: a session's sandbox (the host passes --session): its zygote forks session interpreters (never
+#: one-shots) and imports what they need first (``session_preload``, ``op_warm``)
 SESSION = "--session" in sys.argv
 
 
@@ -140,7 +142,8 @@ def reap_strays(keep=()):
     passes: the host then discards the sandbox instead of recycling it)."""
     if not REAP:
         return True
-    keep = {1, os.getpid(), *((ZYGOTE.pid, ZYGOTE.ahead, ZYGOTE.owed) if ZYGOTE else ()), *KEEP, *keep}  # owed: killed, exiting
+    keep = {1, os.getpid(), *((ZYGOTE.pid, ZYGOTE.ahead, ZYGOTE.owed) if ZYGOTE else ()), *KEEP, *keep,  # owed: killed, exiting
+            *((CHILD[0].pid,) if CHILD[0] is not None else ())}
     for attempt in range(20):
         found = False
         for name in os.listdir("/proc"):
@@ -420,17 +423,26 @@ class Zygote:
     @staticmethod
     def serve(sock):
         rehearse()
+        if SESSION:
+            session_preload()
         while True:
             msg, anc, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(RUN_FDS * 4))
             if not msg:
                 return
             fds = receive_fds(anc)
-            if not _in_turn(msg, fds, b"fg"):  # out of protocol (stale bytes of a lost request):
-                for fd in fds:                 # end, so the runner's next read finds the zygote broken
-                    os.close(fd)
+            if msg == b"w" and not fds:  # a session sandbox's warm-up: modules its sessions' interpreters will share
+                Zygote.warm(sock)
+                continue
+            session = msg == b"s" and len(fds) == 2  # a session's interpreter, with its two pipes
+            if not session and not _in_turn(msg, fds, b"fg"):  # out of protocol (stale bytes of a lost
+                for fd in fds:                                  # request): end, so the runner's next read
+                    os.close(fd)                                # finds the zygote broken
                 return
             pid = os.fork()
             if pid == 0:
+                if msg == b"s":  # a session's interpreter: it talks to the runner on its own pipes
+                    sock.close()
+                    session_main(*fds)
                 if msg == b"f":  # forked ahead: the run's descriptors come later, to the child itself
                     warm()
                     msg, anc, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(RUN_FDS * 4))
@@ -444,6 +456,21 @@ class Zygote:
             sock.sendall(b"P" + pid.to_bytes(4, "little"))
             _, status = os.waitpid(pid, 0)
             sock.sendall(b"S" + status.to_bytes(4, "little", signed=True))
+
+    @staticmethod
+    def warm(sock):
+        """Import the standard library modules the host names (those rested sessions use most:
+        ``manager.WARM_MODULES``), so that every session's interpreter forked later shares them
+        instead of importing them itself; answers ``W`` and how many failed."""
+        import importlib
+        names = marshal.loads(recv_exact(sock, int.from_bytes(recv_exact(sock, 4), "little")))
+        failed = 0
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except BaseException:
+                failed += 1
+        sock.sendall(b"W" + failed.to_bytes(4, "little"))
 
     @staticmethod
     def child(sock, fds):
@@ -732,15 +759,17 @@ class Capture:
 
 def chunk_writer():
     """A streamed request's output chunks, sent while it runs as ``shell.py``'s are (a JSON line
-    ``{"stream", "data"}`` each, no ``id``), from the capture threads (one lock: lines whole)."""
+    ``{"stream", "data"}`` each, no ``id``), from the capture threads (one lock: lines whole); to
+    ``OUT[0]``: the host's channel in the runner, the runner's in a session's interpreter."""
     import threading
     lock = threading.Lock()
+    out = OUT[0]
 
     def emit(name, data):
         line = ('{"stream":"' + name + '","data":"' + b64(data) + '"}\n').encode()
         with lock:
             while line:
-                line = line[os.write(PROTO_OUT, line):]
+                line = line[os.write(out, line):]
 
     return emit
 
@@ -753,7 +782,8 @@ def _alarm(signum, frame):
     raise CellTimeout()
 
 
-def op_cell(req):
+def cell_here(req):
+    """A python cell in this process's namespace: in the session's interpreter (``SessionChild``)."""
     limit = int(req.get("max_output") or 1 << 20)
     saved = os.dup(1), os.dup(2)
     caps = []
@@ -934,6 +964,7 @@ def op_reset(req):
     no extended attributes, no System V IPC object, empty keyrings, and our and the zygote's
     rlimits, priority and affinity as they were at start. ``clean`` False: discard the sandbox."""
     why = []
+    end_session()  # a session's sandbox: its interpreter and shell go first (nothing in a one-shot's)
     if not reap_strays():
         why.append("processes survived the reaping")
     for path, mode in (req.get("dirs") or {}).items():
@@ -977,14 +1008,264 @@ def op_reset(req):
     return {"clean": not why, "why": "; ".join(why)}
 
 
+# -- a session's interpreter: a child holding the namespace, so that the sandbox can be reused ------
+# A session's cells run in a child forked from the zygote (``Zygote.serve``'s ``s``), not in this
+# runner: the runner and the zygote then never run the session's code, and once the session has
+# left (put to rest, ``op_rest`` + ``op_reset``) the sandbox is reset exactly as a one-shot's is and
+# serves the next session (recycle.py, manager.py). The child gets two pipes (requests in, answers
+# out) and nothing else of ours; it answers JSON lines, which this runner parses with ``json``
+# (safe on hostile bytes), checks field by field and sends on in its own framing: nothing the
+# session writes reaches the host's channel as it wrote it. A child that dies, answers nonsense or
+# runs past its cell's timeout is ended, and the next step says its variables are gone (``LOST``).
+
+CHILD = [None]  # the session's interpreter (a SessionChild), when one lives
+LOST = [""]  # why the session's last interpreter ended, until a step has said so
+CHILD_GRACE_S = 1.0  # past a cell's own timeout (its alarm, in the child), the runner ends the child
+CHILD_LINE_MAX = 1 << 30  # an answer longer than this is nonsense
+REST_CHILD_S = 50.0  # packing or loading a namespace (the host gives the whole rest 60 s: rest.REST_TIMEOUT_S)
+LATE_CELL = "did not stop at its cell's timeout and was ended"
+LATE_PACK = "did not pack or load its state in time and was ended"
+CELL_FIELDS = {"stdout": str, "stderr": str, "truncated": bool, "timed_out": bool, "exit_code": int,
+               "duration_s": (int, float), "display": list, "raised": list}
+
+
+def session_preload():
+    """What a session's interpreter needs, imported once in the zygote (shared by every child
+    forked from it): the cell's ``_ast``, its output threads, pickle for rest and wake."""
+    import _ast  # noqa: F401
+    import importlib  # noqa: F401
+    import pickle  # noqa: F401
+    import threading  # noqa: F401
+    import types  # noqa: F401
+
+
+def session_main(fd_in, fd_out):
+    """The session's interpreter (in the child): one request at a time from the runner, until
+    the pipe closes. Never returns."""
+    try:
+        OUT[0] = fd_out
+        os.setsid()
+        os.chdir(WORKSPACE)
+        if LIBC is not None:
+            LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # an ordinary process of the user's, as one-shots are
+        ops = {"cell": cell_here, "pack": pack_here, "load": load_here}
+        while True:
+            head = _read_fd(fd_in, 4)
+            if head is None:
+                break
+            req = marshal.loads(_read_fd(fd_in, int.from_bytes(head, "little")))
+            try:
+                result = ops[req["op"]](req)
+            except Exception as e:
+                result = {"error": f"{type(e).__name__}: {e}"[:1000]}
+            data = (to_json(result) + "\n").encode()
+            while data:
+                data = data[os.write(fd_out, data):]
+    finally:
+        os._exit(0)
+
+
+def _read_fd(fd, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+class SessionChild:
+    """In the runner: the session's interpreter and the runner's ends of its pipes."""
+
+    def __init__(self):
+        req_r, self.req_w = os.pipe()
+        self.ans_r, ans_w = os.pipe()
+        if ZYGOTE is not None:
+            ZYGOTE.settle()
+            if ZYGOTE.ahead is not None:
+                ZYGOTE.drop_ahead()
+            fds = (req_r, ans_w)
+            anc = [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, b"".join(fd.to_bytes(4, sys.byteorder) for fd in fds))]
+            pid = ZYGOTE.reply("P", 10.0) if ZYGOTE.send(b"s", anc) else None
+        else:  # no zygote (no bubblewrap, or an image's python without ctypes): never recycled
+            pid = os.fork()
+            if pid == 0:
+                for fd in (self.req_w, self.ans_r, PROTO_IN, PROTO_OUT):
+                    os.close(fd)
+                session_main(req_r, ans_w)
+        os.close(req_r)
+        os.close(ans_w)
+        if pid is None:
+            self.close()
+            raise RuntimeError(f"zygote: {ZYGOTE.broken}")
+        self.pid = pid
+        self.buf = bytearray()
+
+    def close(self):
+        for fd in (self.req_w, self.ans_r):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def wait(self, kill):
+        """Its wait status once it has ended (killed first with ``kill``); None if unknown."""
+        if kill:
+            try:
+                os.kill(self.pid, SIGKILL)
+            except OSError:
+                pass
+        if ZYGOTE is not None:
+            return ZYGOTE.reply("S", 2.0)  # (a one-shot's owed status was settled before this child was forked)
+        try:
+            return os.waitpid(self.pid, 0)[1]
+        except ChildProcessError:
+            return None
+
+
+def start_child():
+    """The session's interpreter, started if none lives; the note a step reports when an earlier
+    one had ended (its variables with it)."""
+    note = ""
+    if CHILD[0] is None:
+        if LOST[0]:
+            note = f"a new python interpreter: the session's earlier one {LOST[0]}, its variables are gone"
+            LOST[0] = ""
+        if "json" not in sys.modules:
+            import json  # noqa: F401  (the child's answers are parsed with it: once per sandbox)
+        CHILD[0] = SessionChild()
+    return note
+
+
+def end_child(why, kill=True):
+    """End the session's interpreter (``why`` it ended: kept for the next step); its status."""
+    child, CHILD[0] = CHILD[0], None
+    if child is None:
+        return None
+    child.close()
+    status = child.wait(kill)
+    if not kill:
+        if status is None:
+            why = "ended"
+        elif os.WIFSIGNALED(status):
+            why = f"was killed by signal {os.WTERMSIG(status)}"
+        else:
+            why = f"exited with code {os.WEXITSTATUS(status)}"
+    LOST[0] = why
+    return status
+
+
+def _json_line(line):
+    import json
+
+    def no_constant(name):
+        raise ValueError(name)
+
+    try:
+        msg = json.loads(line, parse_constant=no_constant)
+    except (ValueError, RecursionError, UnicodeDecodeError):
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
+def child_call(req, timeout_s, relay=False, late=LATE_CELL):
+    """``req`` to the session's interpreter; its answer (a dict), its streamed chunks sent on to
+    the host if ``relay``. None when it died, answered nonsense or ran past ``timeout_s`` (it is
+    then ended and ``LOST`` says why)."""
+    child = CHILD[0]
+    data = marshal.dumps(req, 4)
+    data = memoryview(len(data).to_bytes(4, "little") + data)
+    deadline = time.monotonic() + timeout_s
+    os.set_blocking(child.req_w, False)
+    while data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([], [child.req_w], [], left)[1]:
+            end_child("did not read its request in time")
+            return None
+        try:
+            data = data[os.write(child.req_w, data[:1 << 20]):]
+        except BlockingIOError:
+            continue
+        except OSError:  # it is gone
+            end_child("", kill=False)
+            return None
+    while True:
+        nl = child.buf.find(b"\n")
+        if nl >= 0:
+            line = bytes(child.buf[:nl])
+            del child.buf[:nl + 1]
+            msg = _json_line(line)
+            if msg is None:
+                end_child("answered what is not an answer")
+                return None
+            if "stream" in msg:
+                name, chunk = msg.get("stream"), msg.get("data")
+                if name not in ("stdout", "stderr") or not isinstance(chunk, str):
+                    end_child("sent a malformed output chunk")
+                    return None
+                if relay:
+                    out = (to_json({"stream": name, "data": b64(unb64(chunk))}) + "\n").encode()
+                    while out:
+                        out = out[os.write(PROTO_OUT, out):]
+                continue
+            return msg
+        left = deadline - time.monotonic()
+        if left <= 0:
+            end_child(late)
+            return None
+        if not select.select([child.ans_r], [], [], left)[0]:
+            continue
+        chunk = os.read(child.ans_r, 1 << 20)
+        if not chunk:
+            end_child("", kill=False)
+            return None
+        child.buf += chunk
+        if len(child.buf) > CHILD_LINE_MAX:
+            end_child("answered more than the runner takes")
+            return None
+
+
+def op_cell(req):
+    """A step of the session's python: relayed to its interpreter, its answer checked field by field."""
+    start = time.monotonic()
+    note = start_child()
+    timeout_s = float(req.get("timeout_s") or 10)
+    r = child_call({k: v for k, v in req.items() if k not in ("id", "files", "fetch")}, timeout_s + CHILD_GRACE_S,
+                   relay=bool(req.get("stream")))
+    if r is not None and "error" not in r:
+        try:
+            for k, kind in CELL_FIELDS.items():
+                if not isinstance(r.get(k), kind) or (kind is int and type(r[k]) is not int):
+                    raise ValueError(k)
+            result = {k: r[k] for k in CELL_FIELDS}
+            result["stdout"], result["stderr"] = b64(unb64(r["stdout"])), b64(unb64(r["stderr"]))
+        except (ValueError, TypeError, binascii.Error):
+            end_child("answered a malformed result")
+            r = None
+    if r is not None and "error" in r:
+        end_child("failed: " + str(r.get("error"))[:300])
+        r = None
+    if r is None:  # it ended: the step says so, and the next says its variables are gone
+        timed_out = LOST[0] == LATE_CELL
+        result = {"stdout": "", "stderr": "", "truncated": False, "timed_out": timed_out,
+                  "exit_code": 1, "duration_s": time.monotonic() - start, "display": [], "raised": []}
+        note = (note + "; " if note else "") + f"the session's python interpreter {LOST[0]}: its variables are gone"
+    if note:
+        result["note"] = note
+    return result
+
+
 # -- rest and wake: a session's python state and files to bytes, and back ---------------------------
-# A session idle long enough is put to rest by its host (manager.py): ``rest`` packs this
-# interpreter's namespace (pickled; functions and classes defined in the session by their code,
-# modules by name) and the sandbox's tmpfs files into one blob the host fetches in chunks and
-# keeps on disk; the sandbox is then killed. ``wake``, in a fresh sandbox of the same kind, loads
-# it back. Only the standard library of the sandbox's own python is used: an image's python may
-# not be the server's. What pickle cannot carry (open files, sockets, threads, generators, running
+# A session idle long enough is put to rest by its host (manager.py): ``rest`` packs its
+# interpreter's namespace (``pack_here``, in the child: pickled; functions and classes defined in
+# the session by their code, modules by name) and the sandbox's tmpfs files into one blob the host
+# fetches in chunks and keeps on disk; the sandbox is then reset for another session (or killed).
+# ``wake``, in a sandbox of the same kind, loads it back (the files here, the namespace in a new
+# child). Only the standard library of the sandbox's own python is used: an image's python may not
+# be the server's. What pickle cannot carry (open files, sockets, threads, generators, running
 # processes) is named in ``dropped`` and is missing after the wake, never silently different.
+# The runner never unpickles or unmarshals what the child packed: it carries it as bytes.
 
 REST = {"blob": b"", "modules": set()}
 REST_SKIP = ("__builtins__",)
@@ -1127,10 +1408,9 @@ def _rest_root(token):
     return WORKSPACE if token == "workspace" else token
 
 
-def op_rest(req):
-    """Pack this session (``roots``: the tmpfs directories whose files go with it, ``workspace``
-    for the workspace) and answer its size
-    and what cannot be carried; the host then fetches the blob with ``rest_chunk``."""
+def pack_here(req):
+    """In the session's interpreter: its namespace, directory, environment and ``sys.path`` as
+    one marshal blob (opaque to the runner), what could not be carried and the modules it holds."""
     state = {k: v for k, v in NAMESPACE.items() if k not in REST_SKIP}
     dropped = {}
     REST["modules"] = set()
@@ -1145,6 +1425,60 @@ def op_rest(req):
             except BaseException as e:
                 dropped[k] = f"{type(e).__name__}: {e}"[:300]
         ns = _rest_dump(keep)
+    blob = marshal.dumps({"ns": ns, "cwd": os.getcwd(), "environ": dict(os.environ), "path": list(sys.path)}, 4)
+    return {"state": b64(blob), "dropped": dropped, "modules": sorted(REST["modules"])}
+
+
+def load_here(req):
+    """In a new session interpreter: a ``pack_here`` blob back in place."""
+    state = marshal.loads(req["state"])
+    dropped = {}
+    try:
+        import pickle
+        ns = pickle.loads(state["ns"])
+    except BaseException as e:
+        ns = {}
+        dropped["(namespace)"] = f"could not be loaded: {type(e).__name__}: {e}"[:300]
+    NAMESPACE.update(ns)
+    os.environ.clear()
+    os.environ.update(state["environ"])
+    sys.path[:] = state["path"]
+    try:
+        os.chdir(state["cwd"])
+    except OSError as e:
+        dropped["(cwd)"] = f"{state['cwd']}: {e}"
+    return {"dropped": dropped, "names": len(ns)}
+
+
+def _str_dict(value):
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def op_rest(req):
+    """Pack this session (``roots``: the tmpfs directories whose files go with it, ``workspace``
+    for the workspace) and answer its size and what cannot be carried; the host then fetches the
+    blob with ``rest_chunk``. A session whose interpreter had ended packs no namespace and says so
+    (``dropped["(namespace)"]``): its wake never looks like the state it lost."""
+    dropped = {}
+    child_state, modules = None, []
+    if CHILD[0] is not None:
+        r = child_call({"op": "pack"}, REST_CHILD_S, late=LATE_PACK)
+        ok = (r is not None and isinstance(r.get("state"), str) and _str_dict(r.get("dropped"))
+              and isinstance(r.get("modules"), list) and all(isinstance(m, str) for m in r["modules"]))
+        if ok:
+            try:
+                child_state = unb64(r["state"])
+            except binascii.Error:
+                ok = False
+        if ok:
+            dropped.update(r["dropped"])
+            modules = r["modules"]
+        else:
+            if CHILD[0] is not None:
+                end_child("answered a malformed state")
+            child_state = None
+    if child_state is None and LOST[0]:
+        dropped["(namespace)"] = f"the session's python interpreter {LOST[0]} before its rest: its variables were lost"
     files = {}
     for token in req.get("roots") or ():
         root = _rest_root(token)
@@ -1160,10 +1494,9 @@ def op_rest(req):
                 shell = unb64(r["stdout"])
         if shell is None:
             dropped["(shell)"] = "the persistent shell's variables, functions and directory end with its process"
-    blob = marshal.dumps({"ns": ns, "files": files, "cwd": os.getcwd(), "environ": dict(os.environ),
-                          "path": list(sys.path), "dropped": dropped, "shell": shell}, 4)
+    blob = marshal.dumps({"v": 2, "child": child_state, "files": files, "dropped": dropped, "shell": shell}, 4)
     REST["blob"] = blob
-    return {"size": len(blob), "dropped": dropped, "modules": sorted(REST["modules"])}
+    return {"size": len(blob), "dropped": dropped, "modules": modules}
 
 
 def op_rest_chunk(req):
@@ -1173,7 +1506,7 @@ def op_rest_chunk(req):
 
 def op_wake(req):
     """Append a chunk of a rested session's blob; with ``last``, load it: the files back in their
-    tmpfs, the namespace back in this interpreter (and what could not be carried, named)."""
+    tmpfs, the namespace in a new session interpreter (and what could not be carried, named)."""
     start = time.monotonic()
     REST["blob"] += unb64(req.get("data"))
     if not req.get("last"):
@@ -1183,33 +1516,45 @@ def op_wake(req):
     for token, entries in state["files"].items():
         _unpack(_rest_root(token), entries)
     dropped = dict(state["dropped"])
-    try:
-        import pickle
-        ns = pickle.loads(state["ns"])
-    except BaseException as e:
-        ns = {}
-        dropped["(namespace)"] = f"could not be loaded: {type(e).__name__}: {e}"[:300]
-    NAMESPACE.update(ns)
-    os.environ.clear()
-    os.environ.update(state["environ"])
-    sys.path[:] = state["path"]
-    try:
-        os.chdir(state["cwd"])
-    except OSError as e:
-        dropped["(cwd)"] = f"{state['cwd']}: {e}"
+    child_state = state.get("child")
+    if "ns" in state:  # a blob of a runner before sessions had their own interpreter
+        child_state = marshal.dumps({k: state[k] for k in ("ns", "cwd", "environ", "path")}, 4)
+    names = 0
+    if child_state is not None:
+        if CHILD[0] is not None:  # a sandbox for a wake is pristine: this is only defence
+            end_child("was replaced by a woken session's")
+        LOST[0] = ""
+        start_child()
+        r = child_call({"op": "load", "state": child_state}, REST_CHILD_S, late=LATE_PACK)
+        if r is None or not _str_dict(r.get("dropped")) or type(r.get("names")) is not int:
+            if CHILD[0] is not None:
+                end_child("answered a malformed load")
+            LOST[0] = ""  # said here, in what the wake dropped
+            dropped["(namespace)"] = "could not be loaded: the session's python interpreter ended while loading it"
+        else:
+            dropped.update(r["dropped"])
+            names = r["names"]
     if state.get("shell"):  # a new bash, brought to where the old one was
-        r = op_shell({"command": state["shell"].decode("utf-8", "surrogateescape"), "timeout_s": 10,
-                      "env": dict(state["environ"])})
+        r = op_shell({"command": state["shell"].decode("utf-8", "surrogateescape"), "timeout_s": 10})
         if r.get("error") or r.get("exit_code") != 0:
             why = r.get("error") or unb64(r.get("stderr")).decode(errors="replace").strip()[-300:]
             dropped["(shell)"] = f"its state was not restored in full: {why or r.get('note') or r.get('exit_code')}"
-    return {"dropped": dropped, "names": len(ns), "load_s": time.monotonic() - start}
+    return {"dropped": dropped, "names": names, "load_s": time.monotonic() - start}
 
 
 def op_warm(req):
-    """Import what waking a session needs (pickle) and the modules rested sessions use most,
-    before this sandbox is taken: a wake then pays for neither (sys.modules only; the session's
-    namespace stays empty, and python one-shots fork from the zygote, made before this)."""
+    """Import what a session's first cell and a wake need, and the modules rested sessions use
+    most, before this sandbox is taken: in a session sandbox into its zygote (every session
+    interpreter forked from it shares them), elsewhere into this runner."""
+    if SESSION and ZYGOTE is not None and not ZYGOTE.broken:
+        ZYGOTE.settle()
+        data = marshal.dumps([str(m) for m in req.get("modules") or ()], 4)
+        failed = ZYGOTE.reply("W", 20.0) if ZYGOTE.send(b"w" + len(data).to_bytes(4, "little") + data) else None
+        if failed is None:
+            raise RuntimeError(f"zygote: {ZYGOTE.broken}")
+        if "json" not in sys.modules:
+            import json  # noqa: F401  (the runner parses its session interpreter's answers with it)
+        return {"failed": failed}
     import _ast  # noqa: F401  (these two: what a session's first cell imports, op_cell)
     import importlib
     import pickle  # noqa: F401
@@ -1221,6 +1566,18 @@ def op_warm(req):
         except BaseException:
             failed.append(name)
     return {"failed": failed}
+
+
+def end_session():
+    """A session leaves this sandbox (``op_reset``): its interpreter, its shell and its packed
+    blob go, and nothing of it is remembered (the next session starts as in a fresh sandbox)."""
+    end_child("")
+    LOST[0] = ""
+    if SHELL:
+        SHELL["stop"]()
+    SHELL_USED.clear()
+    REST["blob"] = b""
+    REST["modules"] = set()
 
 
 OPS = {"run": op_run, "shell": op_shell, "python": op_python, "cell": op_cell, "write": op_write, "read": op_read,
@@ -1244,27 +1601,11 @@ LAST = [""]  # the last run's op: a reset after a python run forks the next chil
 AHEAD_STAYS = ("python", "reset", "ping")  # requests that leave a child forked ahead alive
 
 
-def drop_zygote():
-    """A session's sandbox needs no template for one-shots (and is never recycled): its zygote
-    goes at the session's first step, with the ~3 MB of private pages it held (measured: 10.7 MB
-    charged to an idle session's cgroup with it, see rest.py)."""
-    global ZYGOTE
-    zygote, ZYGOTE = ZYGOTE, None
-    zygote.drop_ahead()
-    SNAPSHOT.pop(zygote.pid, None)
-    zygote.sock.close()  # its serve loop ends on EOF
-    try:
-        os.kill(zygote.pid, SIGKILL)
-        os.waitpid(zygote.pid, 0)
-    except OSError:
-        pass
-
-
 def main():
     global ZYGOTE
     os.chdir(WORKSPACE)
     snapshot()
-    if REAP and LIBC is not None and not SESSION:
+    if REAP and LIBC is not None:  # a session's sandbox too: its interpreter forks from it (SessionChild)
         ZYGOTE = Zygote()
         SNAPSHOT[ZYGOTE.pid] = process_state(ZYGOTE.pid)
     while True:
@@ -1275,9 +1616,7 @@ def main():
         result = None
         if ZYGOTE is not None:  # the last python run's exit is over before anything else runs here
             ZYGOTE.settle()  # (its pid is spared by the reaping only until then)
-        if ZYGOTE is not None and req["op"] in ("cell", "shell"):
-            drop_zygote()
-        elif ZYGOTE is not None and ZYGOTE.ahead is not None and req["op"] not in AHEAD_STAYS:
+        if ZYGOTE is not None and ZYGOTE.ahead is not None and req["op"] not in AHEAD_STAYS:
             ZYGOTE.drop_ahead()  # only a python run (its own child) may ever see it
         if req["op"] in ("run", "python"):
             LAST[0] = req["op"]
