@@ -64,14 +64,14 @@ class Recycler:
                 log.warning("sandbox %s not recycled: %s", sb.id, reason)
         await sb.kill()
 
-    async def session_verdict(self, sb: Sandbox) -> str | None:
+    async def session_verdict(self, sb: Sandbox, prefork: bool = False) -> str | None:
         """A session has left ``sb`` (put to rest, or closed): None when it is verified pristine
         for another session, else why not. Only a default session's sandbox qualifies: its root is
         the host's, read-only, and its layered workspace has no layer under it (a fork's or a
         restore's would carry that session's files); an image's root may be written anywhere."""
         rootfs = sb.rootfs
         recyclable = rootfs is not None and rootfs.workspace_only and not rootfs.session_layers
-        reason = await self._verdict(sb, recyclable)
+        reason = await self._verdict(sb, recyclable, {"prefork": prefork})
         if reason is None:
             self.sessions_recycled += 1
         else:
@@ -80,7 +80,7 @@ class Recycler:
                 log.warning("session sandbox %s not recycled: %s", sb.id, reason)
         return reason
 
-    async def _verdict(self, sb: Sandbox, recyclable: bool | None = None) -> str | None:
+    async def _verdict(self, sb: Sandbox, recyclable: bool | None = None, extra: dict | None = None) -> str | None:
         """None when ``sb`` is verified pristine, else why not."""
         if not self.enabled:
             return "recycling off"
@@ -91,7 +91,7 @@ class Recycler:
         if sb.uses + 1 >= self.max_uses:
             return "worn out"
         try:
-            r = await sb.request({"op": "reset", "dirs": WRITABLE, "ahead": self.ahead}, self.timeout_s)
+            r = await sb.request({"op": "reset", "dirs": WRITABLE, "ahead": self.ahead, **(extra or {})}, self.timeout_s)
         except SandboxDied as e:
             return f"unclean: reset failed ({e})"
         if not r.get("clean"):

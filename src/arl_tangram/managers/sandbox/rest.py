@@ -9,18 +9,36 @@ the processes can. So a session idle for ``rest_after_s``, or the least recently
 than ``max_awake_sessions`` are awake, is *put to rest*: the runner packs its namespace (pickled:
 functions and classes defined in the session by their code, modules by name) and its tmpfs files
 (the workspace, /tmp) into one blob (``runner.op_rest``), the host fetches it in chunks and writes
-it here, and the sandbox is killed (its cgroup removed). An image session's workspace is on
-disk already: its root stays mounted and only /tmp goes into the blob. The next step *wakes* it:
-a sandbox from the warm pool (or the session's own root) loads the blob (``runner.op_wake``).
+it here, and the sandbox is reset for another session (below) or killed. An image session's
+workspace is on disk already: its root stays mounted and only /tmp goes into the blob. The next
+step *wakes* it: a sandbox from the sessions' pool (or the session's own root) loads the blob
+(``runner.op_wake``).
+
+A session's python runs in its own interpreter, a child forked from the sandbox's zygote
+(``runner.SessionChild``), never in the runner: so once the session has left (put to rest, or
+closed) its sandbox is reset exactly as a one-shot's is (the child and the shell killed, every
+writable place wiped, IPC and keyrings emptied, the runner's and zygote's rlimits and affinity
+checked: ``recycle.Recycler.session_verdict``) and goes back to the sessions' pool. An open or
+a wake then costs a fork of a warm zygote and a cell, not a new sandbox (bubblewrap, an
+interpreter: 27-50 ms of CPU); before this, every wake and every open took a fresh sandbox, and
+a stream of them was bounded by how fast the pool refilled (10,000 opens took 1189 s at load
+9-16). Only a default session's sandbox is reused (its root is the host's, read-only; a fork's or
+a restore's workspace has layers under it); an image session's is not (its root is writable).
 
 Costs, measured on the 2-core VM shared with other work (load 4-10): packing a small session
-(a list of 1,000 ints, three modules; a 2-5 KB blob) 3-12 ms, loading it 0.4-2.5 ms once the warm
-sandbox has imported pickle and what a first cell needs (``op_warm``: 11-40 ms before). A wake's
-real price is the sandbox it consumes: every wake takes a fresh one from the warm pool (a woken
-session's old sandbox ran the session's code and cannot be reused), 27 ms of CPU inside it to
-start (35 ms before the runner was compiled once, ``isolation.compile_runner``); so a stream of
-wakes is bounded by how fast the pool refills, not by the blob. Dropped: keeping the sandbox
+(a list of 1,000 ints, three modules; a 2-5 KB blob) 3-12 ms, loading it 0.4-2.5 ms once the
+warm sandbox's zygote has imported pickle and what a first cell needs (``op_warm``: into the
+zygote, so every session interpreter forked from it shares them). Dropped: keeping the sandbox
 and resting only the interpreter (bubblewrap, the runner and the kernel's share stay: ~6 MB).
+
+What a rest carries: the values a step can hold (ints, strings, lists, dicts, functions and
+classes defined in the session, by their code; modules, by name: re-imported at the wake, so an
+attribute the session patched in a module is not carried), the files of the workspace and /tmp,
+the directory, environment and ``sys.path``, and a bash shell's variables, functions, aliases,
+options and directory. Not carried, and named in ``dropped``: open files and sockets, threads,
+generators, locks, running processes. A session whose interpreter had ended before its rest (it
+exited, was killed, ignored its cell's timeout) carries no namespace, and the wake says
+``(namespace)``: never an empty namespace passed off as its own.
 
 The host never unpickles or unmarshals a blob: it is the session's own bytes, loaded only inside
 the session's next sandbox. What a sandbox could not carry is said in the answers (``dropped``:

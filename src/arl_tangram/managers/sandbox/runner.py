@@ -1001,6 +1001,8 @@ def op_reset(req):
             why.append(f"process {pid}: {', '.join(changed)} changed")
     if ZYGOTE is not None and ZYGOTE.broken:
         why.append(f"zygote: {ZYGOTE.broken}")
+    if not why and req.get("prefork"):  # a session's sandbox: the next session's interpreter, forked now
+        why += prefork_child()
     if not why and ZYGOTE is not None and LAST[0] == "python" and req.get("ahead"):  # the next is likely python too
         ZYGOTE.fork_ahead()
         if ZYGOTE.broken:
@@ -1101,6 +1103,7 @@ class SessionChild:
             raise RuntimeError(f"zygote: {ZYGOTE.broken}")
         self.pid = pid
         self.buf = bytearray()
+        self.used = False  # a request of the session's has reached it (a preforked one holds nothing yet)
 
     def close(self):
         for fd in (self.req_w, self.ans_r):
@@ -1136,6 +1139,19 @@ def start_child():
             import json  # noqa: F401  (the child's answers are parsed with it: once per sandbox)
         CHILD[0] = SessionChild()
     return note
+
+
+def prefork_child():
+    """Fork the next session's interpreter now, in a sandbox no session holds (after a verified
+    reset, or a fresh sandbox's warm-up): it holds only the zygote's memory until the session's
+    first cell or wake. Returns what went wrong (a list, empty when nothing did)."""
+    if CHILD[0] is not None or ZYGOTE is None or not SESSION:
+        return []
+    try:
+        start_child()
+    except (OSError, RuntimeError) as e:
+        return [f"session interpreter: {e}"]
+    return []
 
 
 def end_child(why, kill=True):
@@ -1174,6 +1190,7 @@ def child_call(req, timeout_s, relay=False, late=LATE_CELL):
     the host if ``relay``. None when it died, answered nonsense or ran past ``timeout_s`` (it is
     then ended and ``LOST`` says why)."""
     child = CHILD[0]
+    child.used = True
     data = marshal.dumps(req, 4)
     data = memoryview(len(data).to_bytes(4, "little") + data)
     deadline = time.monotonic() + timeout_s
@@ -1461,7 +1478,7 @@ def op_rest(req):
     (``dropped["(namespace)"]``): its wake never looks like the state it lost."""
     dropped = {}
     child_state, modules = None, []
-    if CHILD[0] is not None:
+    if CHILD[0] is not None and CHILD[0].used:  # (one forked ahead holds nothing of the session's)
         r = child_call({"op": "pack"}, REST_CHILD_S, late=LATE_PACK)
         ok = (r is not None and isinstance(r.get("state"), str) and _str_dict(r.get("dropped"))
               and isinstance(r.get("modules"), list) and all(isinstance(m, str) for m in r["modules"]))
@@ -1521,7 +1538,7 @@ def op_wake(req):
         child_state = marshal.dumps({k: state[k] for k in ("ns", "cwd", "environ", "path")}, 4)
     names = 0
     if child_state is not None:
-        if CHILD[0] is not None:  # a sandbox for a wake is pristine: this is only defence
+        if CHILD[0] is not None and CHILD[0].used:  # a sandbox for a wake is pristine: only defence
             end_child("was replaced by a woken session's")
         LOST[0] = ""
         start_child()
@@ -1554,6 +1571,10 @@ def op_warm(req):
             raise RuntimeError(f"zygote: {ZYGOTE.broken}")
         if "json" not in sys.modules:
             import json  # noqa: F401  (the runner parses its session interpreter's answers with it)
+        if req.get("prefork"):
+            why = prefork_child()
+            if why:
+                raise RuntimeError("; ".join(why))
         return {"failed": failed}
     import _ast  # noqa: F401  (these two: what a session's first cell imports, op_cell)
     import importlib

@@ -73,6 +73,7 @@ class Sandbox:
         self.on_kill = None  # called (in a thread) once the processes are gone: releases the root
         self.uses = 0  # one-shots run in it before (recycling)
         self.recyclable = False  # a plain warm-pool sandbox (not an image's): recycling may reuse it
+        self.warmed: frozenset[str] = frozenset()  # modules its zygote imported (``runner.op_warm``)
         self.oom_seen = 0  # the group's OOM-kill count when last read
         self._cpus: tuple[int, ...] | None = None  # what the group was last set to: a write costs a
         self._memory: int | None = -1  # cgroupfs round trip per action, and mostly nothing changes
