@@ -52,6 +52,9 @@ SPAWNS_PER_CORE = 4
 READ_MAX = 1 << 24  # the most one read of a file carries (the runner's own cap)
 FILES_TIMEOUT_S = 30.0
 
+#: seconds a new session (or a wake) waits for a session sandbox being reset when the sessions'
+#: pool is empty, before it starts a sandbox of its own: a reset is ~3-9 ms, a start 50-140 ms
+RETURN_WAIT_S = 0.05
 #: sessions put to rest at once: a rest is mostly waiting (the runner packing, the disk, the
 #: sandbox's death), and a pass that keeps up with new sessions must overlap a few
 REST_PARALLEL = 4
@@ -87,6 +90,8 @@ class SandboxManager:
         self._last_used: dict[str, float] = {}
         self._pool: list[Sandbox] | None = None  # oldest first
         self._session_pool: list[Sandbox] = []  # layered default sandboxes for new sessions
+        self._returning = 0  # session sandboxes being reset for the sessions' pool (``_recycle_session``)
+        self._returned: asyncio.Event | None = None  # set when one is put back
         self.layered = False  # default sessions get a copy-on-write workspace (bwrap, overlays)
         self._closing = False
         self._fill: asyncio.Task | None = None
@@ -259,6 +264,10 @@ class SandboxManager:
         parallel = max(1, SPAWNS_PER_CORE * len(self.host_cpus))
         pools = [(self._session_pool, self._warm_sessions(), self._spawn_session),
                  (self._pool, self.config.warm_pool, self._spawn)]
+        # sandboxes on their way back to the sessions' pool count as there: a new session takes a
+        # sandbox and the one it sends to rest comes back a few ms later, and a spawn started meanwhile
+        # (~50 ms of CPU: bubblewrap, an interpreter, the warm-up) was mostly waste (measured: 15
+        # spawns for 200 sessions opened one at a time past max_awake_sessions)
         loop = asyncio.get_running_loop()
         taken: asyncio.Task | None = None
         try:
@@ -266,7 +275,8 @@ class SandboxManager:
                 self._taken.clear()
                 for pool, size, spawn in pools:
                     while (len(in_flight) < parallel
-                           and len(pool) + sum(p is pool for p in in_flight.values()) < size):
+                           and len(pool) + sum(p is pool for p in in_flight.values())
+                           + (self._coming_back() if pool is self._session_pool else 0) < size):
                         in_flight[loop.create_task(spawn())] = pool
                 if taken is None or taken.done():
                     taken = loop.create_task(self._taken.wait())
@@ -313,10 +323,23 @@ class SandboxManager:
             return self.imageboxes.take(image) or await self.imageboxes.spawn(image)
         self._taken.set()
         if session and self.layered:
-            while self._session_pool:
-                sb = self._session_pool.pop()
-                if not sb.dead and sb.proc.returncode is None:
-                    return sb
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + RETURN_WAIT_S
+            while True:
+                while self._session_pool:
+                    sb = self._session_pool.pop()
+                    if not sb.dead and sb.proc.returncode is None:
+                        return sb
+                left = deadline - loop.time()
+                if not self._coming_back() or left <= 0:
+                    break
+                if self._returned is None:
+                    self._returned = asyncio.Event()
+                self._returned.clear()
+                try:
+                    await asyncio.wait_for(self._returned.wait(), left)
+                except asyncio.TimeoutError:
+                    pass
             return await self._made_for_action(self._spawn_session())
         pool = self._pool
         while pool:
@@ -452,6 +475,7 @@ class SandboxManager:
         next session and put it in the sessions' pool (``Recycler.session_verdict``: the same wipe
         and checks as a one-shot's), or kill it when that cannot be verified or the pool is full.
         An open or a wake then costs a fork of the sandbox's zygote, not a new sandbox."""
+        self._returning += 1
         self.tasks.spawn(self._recycle_session(sb))
 
     async def _recycle_session(self, sb: Sandbox) -> None:
@@ -460,6 +484,14 @@ class SandboxManager:
         (``prefork``), off the next open's or wake's latency path (measured, 200 opens one at a
         time on the 2-core VM: a first cell importing json, re and collections 11.4 ms p50 in a
         recycled sandbox that had not imported them, a wake 7.9 ms)."""
+        try:
+            await self._reuse_session(sb)
+        finally:
+            self._returning -= 1
+            if self._returned is not None:
+                self._returned.set()
+
+    async def _reuse_session(self, sb: Sandbox) -> None:
         if not sb.dead and sb.frozen:
             sb.thaw()
         if self._closing or len(self._session_pool) >= self._session_pool_cap():
@@ -477,6 +509,11 @@ class SandboxManager:
             except SandboxDied as e:
                 log.warning("session sandbox %s not recycled: warming it failed: %s", sb.id, e)
         await sb.kill()
+
+    def _coming_back(self) -> int:
+        """Session sandboxes on their way to the sessions' pool: being reset, or their session
+        being put to rest (most come back; an image session's does not, nor an unclean one)."""
+        return self._returning + len(self._moving)
 
     def _session_pool_cap(self) -> int:
         c = self.config

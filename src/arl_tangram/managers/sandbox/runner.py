@@ -1039,6 +1039,11 @@ def session_preload():
     import pickle  # noqa: F401
     import threading  # noqa: F401
     import types  # noqa: F401
+    try:  # a cell's own steps once, on /dev/null: what they make lazily is then made here, not per child
+        for _ in range(3):
+            cell_here({"code": "_ = [i for i in range(3)]\ndel _", "timeout_s": 5, "max_output": 1024})
+    except Exception:  # a saving only
+        pass
 
 
 def session_main(fd_in, fd_out):
