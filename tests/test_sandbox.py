@@ -280,7 +280,7 @@ def test_daemonised_children_do_not_outlive_the_action():
     first, second = run(body)
     count1, procs = first.stdout.split("\n", 1)
     assert count1.strip() == second.stdout.strip(), "a background loop kept running after its action"
-    assert "sleep" not in procs and procs.count("python3") <= 2  # the runner and its zygote
+    assert "sleep" not in procs and procs.count("python3") <= 3  # the runner, its zygote, the session's interpreter
 
 
 def test_sessions_cannot_see_each_other():
