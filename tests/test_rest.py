@@ -574,3 +574,33 @@ def test_every_kind_of_value_survives_rest_and_wake_through_recycled_sandboxes()
                 assert r.result.info["dropped"] == {}
             assert manager.recycler.sessions_recycled >= 3
     asyncio.run(main())
+
+
+def test_a_python_one_shot_in_a_session_s_sandbox_runs_and_the_sandbox_is_then_never_reused():
+    from arl_tangram.core import Action, Allocation
+    from arl_tangram.managers.sandbox.spec import Exec, RunCode
+    from arl_tangram.runtime.agent import NodeAgent
+
+    async def main():
+        agent = NodeAgent("n1", 1, SandboxConfig(warm_pool=0, warm_sessions=1))
+        await agent.start()
+        try:
+            cores = Allocation("cpu", 0, (0,))
+            c = await agent.run(Action("c1", "sandbox", trajectory="t", payload=Exec(python="x = 41")), cores)
+            assert c.outcome is Outcome.OK, c.message
+            c = await agent.run(Action("r", "sandbox", trajectory="t", payload=RunCode("print(6 * 7)")), cores)
+            assert c.outcome is Outcome.OK and c.result.run.stdout == "42\n", c.message
+            c = await agent.run(Action("c2", "sandbox", trajectory="t", payload=Exec(python="print(x + 1)")), cores)
+            assert c.outcome is Outcome.OK and c.result.run.stdout == "42\n", c.message  # its state untouched
+            manager = agent.manager
+            sb = manager.sessions["t"]
+            manager.close_session("t")
+            for _ in range(200):
+                if sb.dead:
+                    break
+                await asyncio.sleep(0.025)
+            assert sb.dead and sb not in manager._session_pool
+            assert any("forked from the runner" in why for why in manager.recycler.sessions_discarded)
+        finally:
+            await agent.shut_down()
+    asyncio.run(main())

@@ -371,7 +371,13 @@ def python_body(code, env):
 
 
 def op_python(req):
-    if ZYGOTE is not None:
+    if CHILD[0] is not None:  # a session's sandbox (a python one-shot with a trajectory: rare)
+        if not CHILD[0].used:  # one forked ahead holds nothing: the zygote is needed for this run
+            end_child("")
+            LOST[0] = ""
+        else:  # the zygote waits on the session's interpreter: fork from here, and never reuse the sandbox
+            TAINTED[0] = "a python one-shot was forked from the runner (the session's interpreter held the zygote)"
+    if ZYGOTE is not None and CHILD[0] is None:
         return ZYGOTE.run(req)
     code = req["code"]
     env = env_for(req)
@@ -965,6 +971,8 @@ def op_reset(req):
     rlimits, priority and affinity as they were at start. ``clean`` False: discard the sandbox."""
     why = []
     end_session()  # a session's sandbox: its interpreter and shell go first (nothing in a one-shot's)
+    if TAINTED[0]:
+        why.append(TAINTED[0])
     if not reap_strays():
         why.append("processes survived the reaping")
     for path, mode in (req.get("dirs") or {}).items():
@@ -1022,6 +1030,7 @@ def op_reset(req):
 
 CHILD = [None]  # the session's interpreter (a SessionChild), when one lives
 LOST = [""]  # why the session's last interpreter ended, until a step has said so
+TAINTED = [""]  # why this sandbox must never be reset for reuse (op_python), once it is so
 CHILD_GRACE_S = 1.0  # past a cell's own timeout (its alarm, in the child), the runner ends the child
 CHILD_LINE_MAX = 1 << 30  # an answer longer than this is nonsense
 REST_CHILD_S = 50.0  # packing or loading a namespace (the host gives the whole rest 60 s: rest.REST_TIMEOUT_S)
