@@ -604,3 +604,25 @@ def test_a_python_one_shot_in_a_session_s_sandbox_runs_and_the_sandbox_is_then_n
         finally:
             await agent.shut_down()
     asyncio.run(main())
+
+
+def test_the_step_that_wakes_a_session_runs_in_the_wake_and_is_reported_as_any_step():
+    async def main():
+        async with Tangram.local(sandbox=_recycling_config()) as tg:
+            s = await tg.session(trajectory="rides")
+            assert (await s.exec(python="x = 1")).outcome is Outcome.OK
+            await _rest(tg, "rides")
+            r = await s.exec(python="print(x)\nx")  # the output and the displayed value, as any step
+            assert r.outcome is Outcome.OK and r.stdout == "1\n" and r.result.info["woken"] is True
+            assert r.result.run.display == [{"text/plain": "1"}]
+            await _rest(tg, "rides")
+            r = await s.exec(python="import time\ntime.sleep(5)", timeout_s=0.3)
+            assert r.outcome is Outcome.TIMEOUT and r.result.info["woken"] is True
+            assert (await s.exec(python="print(x)")).stdout == "1\n"  # a cell's own timeout keeps the state
+            await _rest(tg, "rides")
+            r = await s.exec(python="raise ValueError('boom')")
+            assert r.outcome is Outcome.FAILED and "ValueError: boom" in r.stderr
+            await _rest(tg, "rides")
+            r = await s.exec(python="b = bytearray(600 << 20)\nb[::4096] = b'x' * len(b[::4096])", memory_mb=128)
+            assert r.outcome is Outcome.OOM, (r.outcome, r.message)
+    asyncio.run(main())

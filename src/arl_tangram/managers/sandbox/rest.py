@@ -123,6 +123,9 @@ async def pack(sb: Sandbox, roots: list[str]) -> tuple[bytes, dict[str, str], li
     size = int(r["size"])
     parts: list[bytes] = []
     got = 0
+    if r.get("data"):  # a small blob came with the answer (runner.REST_INLINE)
+        parts.append(base64.b64decode(r["data"]))
+        got = len(parts[0])
     while got < size:
         c = await sb.request({"op": "rest_chunk", "offset": got}, REST_TIMEOUT_S)
         data = base64.b64decode(c.get("data") or "")
@@ -133,18 +136,26 @@ async def pack(sb: Sandbox, roots: list[str]) -> tuple[bytes, dict[str, str], li
     return b"".join(parts), dict(r.get("dropped") or {}), list(r.get("modules") or [])
 
 
-async def load(sb: Sandbox, blob: bytes) -> dict[str, str]:
-    """Load a blob into a fresh sandbox; returns what was dropped (at rest and now)."""
+async def load(sb: Sandbox, blob: bytes, then: dict | None = None) -> tuple[dict[str, str], dict | None]:
+    """Load a blob into a fresh sandbox; returns what was dropped (at rest and now) and, with
+    ``then`` (a ``cell`` request; its ``_timeout`` is the host's wait for it), that cell's answer,
+    run by the same request once the state is loaded (``runner.op_wake``)."""
     off = 0
     while True:
         chunk = blob[off:off + WAKE_CHUNK]
         off += len(chunk)
         last = off >= len(blob)
-        r = await sb.request({"op": "wake", "data": base64.b64encode(chunk).decode(), "last": last}, REST_TIMEOUT_S)
+        req = {"op": "wake", "data": base64.b64encode(chunk).decode(), "last": last}
+        timeout_s = REST_TIMEOUT_S
+        if last and then is not None:
+            req["then"] = {k: v for k, v in then.items() if k != "_timeout"}
+            timeout_s += float(then.get("_timeout") or 0)
+        r = await sb.request(req, timeout_s)
         if "error" in r:
             raise SandboxDied(f"the sandbox could not load the session's state: {r['error']}")
         if last:
-            return dict(r.get("dropped") or {})
+            answer = r.get("then")
+            return dict(r.get("dropped") or {}), (answer if isinstance(answer, dict) else None)
 
 
 class RestFailed(RuntimeError):

@@ -1300,6 +1300,7 @@ def op_cell(req):
 
 REST = {"blob": b"", "modules": set()}
 REST_SKIP = ("__builtins__",)
+REST_INLINE = 256 << 10  # a blob up to this size rides on the rest's own answer
 REST_CHUNK = 4 << 20  # bytes per answer line (base64: ~5.6 MB; the host reads lines up to 64 MB)
 # bash prints a script that re-creates its state: variables (not bash's own or read-only ones),
 # functions, aliases, options, the directory. Traps and the job table are not carried (a step's
@@ -1527,7 +1528,10 @@ def op_rest(req):
             dropped["(shell)"] = "the persistent shell's variables, functions and directory end with its process"
     blob = marshal.dumps({"v": 2, "child": child_state, "files": files, "dropped": dropped, "shell": shell}, 4)
     REST["blob"] = blob
-    return {"size": len(blob), "dropped": dropped, "modules": modules}
+    answer = {"size": len(blob), "dropped": dropped, "modules": modules}
+    if len(blob) <= REST_INLINE:  # most sessions: the blob in this answer, no ``rest_chunk`` round trip
+        answer["data"] = b64(blob)
+    return answer
 
 
 def op_rest_chunk(req):
@@ -1570,7 +1574,11 @@ def op_wake(req):
         if r.get("error") or r.get("exit_code") != 0:
             why = r.get("error") or unb64(r.get("stderr")).decode(errors="replace").strip()[-300:]
             dropped["(shell)"] = f"its state was not restored in full: {why or r.get('note') or r.get('exit_code')}"
-    return {"dropped": dropped, "names": names, "load_s": time.monotonic() - start}
+    answer = {"dropped": dropped, "names": names, "load_s": time.monotonic() - start}
+    if req.get("then"):  # the step that woke the session: its cell, without another round trip
+        answer["then"] = op_cell(req["then"])
+        reap_strays()
+    return answer
 
 
 def op_warm(req):
