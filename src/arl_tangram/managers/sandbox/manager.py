@@ -761,7 +761,11 @@ class SandboxManager:
         c = self.config
         return {"awake": len(self.sessions), "at_rest": len(self.rested), "resting_now": len(self._moving),
                 "rest_bytes": self.store.used if self.store is not None else 0, "rest_disk_mb": c.rest_disk_mb,
-                "max_awake_sessions": c.max_awake_sessions, "rest_after_s": c.rest_after_s, **self.rest_counts}
+                "max_awake_sessions": c.max_awake_sessions, "rest_after_s": c.rest_after_s, **self.rest_counts,
+                # session sandboxes reset for another session once theirs left, and those killed instead
+                "sandboxes_reused": self.recycler.sessions_recycled,
+                "sandboxes_not_reused": sum(self.recycler.sessions_discarded.values()),
+                "session_pool": len(self._session_pool)}
 
     def session_state(self, trajectory: str) -> str | None:
         """``running``, ``awake`` (processes alive, frozen), ``resting`` (being put to rest),
