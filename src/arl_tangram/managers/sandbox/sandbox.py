@@ -161,7 +161,8 @@ class Sandbox:
             except ValueError:
                 answer = None
             if not isinstance(answer, dict) or answer.get("id") != self._seq:
-                # a session's code runs in the runner and can write lines of its own: one that is
+                # a runner taken over could write lines of its own (a session's code ran in the runner
+                # before it had its own interpreter, runner.SessionChild): one that is
                 # not this request's answer would shift every later answer by one step; the
                 # channel is broken, so is the sandbox
                 await self.kill()
