@@ -626,3 +626,24 @@ def test_the_step_that_wakes_a_session_runs_in_the_wake_and_is_reported_as_any_s
             r = await s.exec(python="b = bytearray(600 << 20)\nb[::4096] = b'x' * len(b[::4096])", memory_mb=128)
             assert r.outcome is Outcome.OOM, (r.outcome, r.message)
     asyncio.run(main())
+
+
+def test_a_blob_rested_before_sessions_had_their_own_interpreter_still_wakes(tmp_path):
+    import marshal
+    import pickle
+
+    async def main():
+        async with Tangram.local(sandbox=_recycling_config()) as tg:
+            manager = tg.runtime.sandbox_manager()
+            blob = marshal.dumps({"ns": pickle.dumps({"a": [1, 2], "b": "x"}, 4),
+                                  "files": {"workspace": [("f.txt", "f", 0o644, 0.0, b"kept")], "/tmp": []},
+                                  "cwd": "/workspace", "environ": {"PATH": "/usr/bin:/bin", "OLD": "1"},
+                                  "path": ["/usr/lib/python3"], "dropped": {}, "shell": None}, 4)
+            path = tmp_path / "old.rest"
+            path.write_bytes(blob)
+            manager.adopt_rested("old", str(path))
+            s = await tg.session(trajectory="old")
+            r = await s.exec(python="import os\nprint(a, b, os.environ.get('OLD'), open('f.txt').read())")
+            assert r.outcome is Outcome.OK, (r.message, r.stderr)
+            assert r.stdout == "[1, 2] x 1 kept\n" and r.result.info["woken"] is True
+    asyncio.run(main())
