@@ -647,3 +647,23 @@ def test_a_blob_rested_before_sessions_had_their_own_interpreter_still_wakes(tmp
             assert r.outcome is Outcome.OK, (r.message, r.stderr)
             assert r.stdout == "[1, 2] x 1 kept\n" and r.result.info["woken"] is True
     asyncio.run(main())
+
+
+def test_a_cell_that_closes_its_interpreter_s_channel_ends_that_interpreter_not_the_sandbox():
+    async def main():
+        async with Tangram.local(sandbox=_recycling_config()) as tg:
+            manager = tg.runtime.sandbox_manager()
+            s = await tg.session(trajectory="closes")
+            assert (await s.exec(python="x = 1")).outcome is Outcome.OK
+            sb = manager.sessions["closes"]
+            r = await s.exec(python="import os, time\nfor fd in range(3, 64):\n    try: os.close(fd)\n    except OSError: pass\n"
+                                    "time.sleep(30)", timeout_s=60)  # it lives on without its channel
+            assert "closed its channel to the runner" in r.message, r.message
+            r = await s.exec(python="import os\nfor fd in range(3, 64):\n    try: os.close(fd)\n    except OSError: pass")
+            assert "exited with code 0" in r.message, r.message  # its answer could not go: it ended
+            r = await s.exec(python="print('x' in globals())")
+            assert r.outcome is Outcome.OK and r.stdout == "False\n" and manager.sessions["closes"] is sb
+            before = manager.recycler.sessions_recycled
+            await s.close()
+            await _recycled(manager, before)  # its zygote still answers: the sandbox is reused
+    asyncio.run(main())

@@ -1174,6 +1174,8 @@ def end_child(why, kill=True):
     if child is None:
         return None
     child.close()
+    if not kill and _running(child.pid):  # it closed its end of the channel but lives on
+        kill, why = True, "closed its channel to the runner and was ended"
     status = child.wait(kill)
     if not kill:
         if status is None:
@@ -1184,6 +1186,23 @@ def end_child(why, kill=True):
             why = f"exited with code {os.WEXITSTATUS(status)}"
     LOST[0] = why
     return status
+
+
+def _running(pid, grace_s=0.1):
+    """``pid`` still runs ``grace_s`` after its channel closed (a process that exits closes its
+    descriptors a moment before it becomes a zombie; the session's interpreter is the zygote's
+    child, so the runner cannot wait for it without blocking on the zygote's report)."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return False
+        except (OSError, IndexError):
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.002)
 
 
 def _json_line(line):
