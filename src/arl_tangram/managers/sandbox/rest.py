@@ -25,9 +25,11 @@ a stream of them was bounded by how fast the pool refilled (10,000 opens took 11
 9-16). Only a default session's sandbox is reused (its root is the host's, read-only; a fork's or
 a restore's workspace has layers under it); an image session's is not (its root is writable).
 
-Measured over HTTP (``tangram bench sessions --n 1000 --baseline``, 2-core VM, load 6-18): 1,000
-sessions opened in 29.4 s against 108.3 s before (3.70x the opens per second), revisits one at a
-time p50 16.8 / p99 54 ms against 27.3 / 760 ms, 6.97x the steps per second at 16 clients; an
+Measured over HTTP (``tangram bench sessions --n 1000 --baseline``, 2-core VM, load 4-13): 1,000
+sessions opened in 32.7 s against 108.9 s before (3.33x the opens per second), revisits one at a
+time p50 14.1 / p99 64 ms against 27.1 / 836 ms, 7.79x the steps per second at 16 clients;
+10,000 (``--n 10000``, load 6-8) opened in 136 s (1189 s before), 0.34 MB idle each, revisits
+p50 12.8 / p99 73 ms, 10000/10000 states exact. An
 awake session costs more (~13 MB against ~7: its sandbox keeps the zygote, and the session's
 interpreter is a third process), which 256 awake of 10,000 spread to ~0.3 MB a session. Per
 session, one at a time without HTTP (200 sessions past ``max_awake_sessions`` 8, load 3-7): an
