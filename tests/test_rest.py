@@ -395,6 +395,7 @@ print(json.dumps({
     "planted": "planted_mod" in sys.modules, "dumps": json.dumps([1]),
     "globals": sorted(k for k in globals() if not k.startswith("__")),
     "ipc": [open(f"/proc/sysvipc/{k}").read().count("\n") for k in ("shm", "msg", "sem")],
+    "keys": "leaked-key" in open("/proc/keys").read() if os.path.exists("/proc/keys") else None,
 }, sort_keys=True))
 '''
 
@@ -415,6 +416,9 @@ sys.modules["planted_mod"] = types.ModuleType("planted_mod")
 json.dumps = lambda *a, **k: "patched"
 subprocess.Popen(["sleep", "1000"], start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 threading.Thread(target=time.sleep, args=(1000,), daemon=True).start()
+import ctypes, platform
+if platform.machine() == "x86_64":  # add_key(2) into the user keyring, which outlives processes
+    ctypes.CDLL(None).syscall(248, b"user", b"leaked-key", b"secret", 6, -4)
 secret = "the earlier session's"
 '''
 
