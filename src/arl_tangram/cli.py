@@ -493,10 +493,14 @@ def bench_server(
                                                                           "(taskset list, e.g. 0-1)."),
     client_procs: int = typer.Option(1, "--client-procs", min=1, help="Load-generator processes (one Python "
                                                                       "client tops out near 800 req/s)."),
-    variant: Optional[list[str]] = typer.Option(None, "--variant", help="NAME=CPUS:FRONTS[:WORKERS], repeatable: "
+    variant: Optional[list[str]] = typer.Option(None, "--variant", help="NAME=CPUS:FRONTS[:WORKERS][@SRC], repeatable: "
                                                 "several tangram servers measured in turn in one run (e.g. --variant "
                                                 "two=0-1: --variant all=:), the first being the reference; an empty "
-                                                "part is the server's default."),
+                                                "part is the server's default; @SRC runs another checkout's code "
+                                                "(its src directory) for an A/B (e.g. --variant main=::@../main/src "
+                                                "--variant this=::)."),
+    rounds: int = typer.Option(1, "--rounds", min=1, help="Repeat the whole plan, the servers alternating: each "
+                               "figure is then the round of median throughput, every round listed beside it."),
     requests: Optional[int] = typer.Option(None, min=1, help="Requests per case and level (default: 5 per "
                                            "concurrent client, at least 40)."),
     client: Optional[str] = typer.Option(None, help="Load generator: aiohttp (default where installed: ~0.1 ms "
@@ -527,7 +531,7 @@ def bench_server(
         raise fail(f"--against: expected an http(s) URL, got {against!r}")
     _print_json(run(parsed, log=lambda m: console.print(m), against=against, cases=chosen, cpu_jobs=cpu_jobs,
                     server_cpus=server_cpus, client_procs=client_procs, variants=variants or None, requests=requests,
-                    client=client, cpu=cpu),
+                    client=client, cpu=cpu, rounds=rounds),
                 json_out)
 
 

@@ -177,15 +177,21 @@ async def _inproc(levels: tuple[int, ...]) -> dict:
 
 
 def _serve(port: int, journal: str, cpus: str | None = None, fronts: int | None = None,
-           workers: int | None = None) -> subprocess.Popen:
+           workers: int | None = None, src: str | None = None) -> subprocess.Popen:
+    """A server; ``src``: another checkout's ``src`` directory, whose code it runs (its sources,
+    ``ARL_TANGRAM_PURE=1``), for an A/B of two versions of the code in one run."""
     argv = [sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--journal", journal]
+    env = None
+    if src is not None:
+        env = dict(os.environ, ARL_TANGRAM_PURE="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (os.path.abspath(src), os.environ.get("PYTHONPATH")) if p))
     if fronts is not None:
         argv += ["--fronts", str(fronts)]
     if workers is not None:
         argv += ["--sandbox-workers", str(workers)]
     if cpus:
         argv = ["taskset", "-c", cpus, *argv]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
 def free_port() -> int:
@@ -208,6 +214,16 @@ def wait_up(url: str, path: str = "/healthz", timeout_s: float = 30.0) -> None:
     raise RuntimeError(f"{url} did not come up")
 
 
+def _median_round(runs: list[dict]) -> dict:
+    """The run of median throughput, with every run's figures beside it."""
+    ranked = sorted(runs, key=lambda r: r["throughput_per_s"])
+    mid = dict(ranked[(len(ranked) - 1) // 2])
+    mid["rounds"] = [{"throughput_per_s": r["throughput_per_s"], "p50_ms": r["p50_ms"],
+                      **({"engine_cpu_ms": r["cpu_ms_per_request"].get("engine")} if "cpu_ms_per_request" in r else {})}
+                     for r in runs]
+    return mid
+
+
 def _ratios(ours: dict, peer: dict) -> dict:
     out = {}
     for key in ours:
@@ -221,25 +237,37 @@ def _ratios(ours: dict, peer: dict) -> dict:
     return out
 
 
-def parse_variant(text: str) -> tuple[str, str | None, int | None, int | None]:
-    """``NAME=CPUS:FRONTS[:WORKERS]`` (any part may be empty: the server's default) -> its parts."""
+Variant = tuple[str, str | None, int | None, int | None, str | None]
+
+
+def parse_variant(text: str) -> Variant:
+    """``NAME=CPUS:FRONTS[:WORKERS][@SRC]`` (any part may be empty: the server's default; ``SRC``:
+    another checkout's ``src`` directory, whose code that server runs) -> its parts."""
+    text, at, src = text.partition("@")
     name, eq, spec = text.partition("=")
     parts = spec.split(":")
-    if not eq or not name or len(parts) not in (2, 3) or any(p and not p.isdigit() for p in parts[1:]):
-        raise ValueError(f"expected NAME=CPUS:FRONTS[:WORKERS] (e.g. two=0-1: or big=:4:4), got {text!r}")
+    if not eq or not name or len(parts) not in (2, 3) or any(p and not p.isdigit() for p in parts[1:]) \
+            or (at and not src):
+        raise ValueError("expected NAME=CPUS:FRONTS[:WORKERS][@SRC] (e.g. two=0-1: or big=:4:4 or "
+                         f"main=::@../main/src), got {text + at + src!r}")
+    if src and not os.path.isdir(os.path.join(src, "arl_tangram")):
+        raise ValueError(f"{src!r} has no arl_tangram package (give a checkout's src directory)")
     cpus, fronts, workers = (parts + [""])[:3]
-    return name, cpus or None, int(fronts) if fronts else None, int(workers) if workers else None
+    return name, cpus or None, int(fronts) if fronts else None, int(workers) if workers else None, src or None
 
 
 def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m: None, against: str | None = None,
         cases: tuple[str, ...] = ("python",), cpu_jobs: int = 32, server_cpus: str | None = None,
-        client_procs: int = 1, variants: list[tuple[str, str | None, int | None, int | None]] | None = None,
-        requests: int | None = None, client: str | None = None, cpu: bool = False) -> dict:
+        client_procs: int = 1, variants: list[Variant] | None = None,
+        requests: int | None = None, client: str | None = None, cpu: bool = False, rounds: int = 1) -> dict:
     """Measure; ``against``: a SandboxFusion-compatible base URL measured beside ours;
     ``variants``: several tangram servers (name, CPUs to pin it to, HTTP fronts, sandbox workers), all running
     at once and measured in turn per case, so that they compare within the same minutes; ``cpu``: each
-    tangram result also gets ``cpu_ms_per_request`` by part (engine, fronts, workers, sandboxes: ``bench/cpu.py``)."""
-    variants = variants or [("tangram", server_cpus, None, None)]
+    tangram result also gets ``cpu_ms_per_request`` by part (engine, fronts, workers, sandboxes: ``bench/cpu.py``);
+    ``rounds``: the whole plan that many times, the targets alternating within each (on a shared machine one
+    pass is noise): each result is then the round of median throughput, with every round's figures beside it
+    (``rounds``: throughput, p50, and engine CPU per request where measured)."""
+    variants = variants or [("tangram", server_cpus, None, None, None)]
     client = client or default_client()
     ports = {v[0]: free_port() for v in variants}
     targets = {v[0]: f"http://127.0.0.1:{ports[v[0]]}" for v in variants}
@@ -247,8 +275,8 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
         targets["against"] = against.rstrip("/")
     results: dict[str, dict] = {name: {} for name in targets}
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [_serve(ports[name], os.path.join(tmp, f"journal-{name}.sqlite3"), cpus, fronts, workers)
-                 for name, cpus, fronts, workers in variants]
+        procs = [_serve(ports[name], os.path.join(tmp, f"journal-{name}.sqlite3"), cpus, fronts, workers, src)
+                 for name, cpus, fronts, workers, src in variants]
         try:
             for v in variants:
                 wait_up(targets[v[0]], "/healthz", timeout_s=60)
@@ -259,17 +287,22 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
             if "cpu_200ms" in cases:
                 plan.append(("cpu_200ms", cpu_jobs, cpu_jobs))
             meters = {v[0]: CpuMeter(p.pid) for v, p in zip(variants, procs)} if cpu else {}
-            for case, c, n in plan:
+            every: dict[tuple[str, str], list[dict]] = {}
+            for case, c, n in plan * rounds:
                 key = f"{case}@c{c}" if against or len(cases) > 1 else str(c)
                 for name, base in targets.items():
                     meter = meters.get(name)
                     before = meter.read() if meter else None
                     r = results[name][key] = asyncio.run(_http_level(base, c, case, n, client_procs, client))
+                    every.setdefault((name, key), []).append(r)
                     if meter is not None and before is not None:
                         r["cpu_ms_per_request"] = CpuMeter.per_request(before, meter.read(), r["n"] + r["errors"])
                     log(f"{name:>8} {case:>10} c={c:<4}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, "
                         f"{r['throughput_per_s']} req/s, {r['errors']} errors")
                     time.sleep(0.3)
+            if rounds > 1:
+                for (name, key), runs in every.items():
+                    results[name][key] = _median_round(runs)
         finally:
             for proc in procs:
                 proc.terminate()
@@ -279,8 +312,8 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
                  "client": client}
     if len(variants) > 1:
         first = variants[0][0]
-        out["servers"] = {name: {"cpus": cpus, "fronts": fronts, "sandbox_workers": workers, **results[name]}
-                          for name, cpus, fronts, workers in variants}
+        out["servers"] = {name: {"cpus": cpus, "fronts": fronts, "sandbox_workers": workers, "src": src,
+                                 **results[name]} for name, cpus, fronts, workers, src in variants}
         out[f"vs_{first}"] = {v[0]: _ratios(results[v[0]], results[first]) for v in variants[1:]}
         if against:
             out["against"] = {"url": against, **results["against"]}
