@@ -120,6 +120,28 @@ def test_bench_server_against_another_endpoint_prints_both(tmp_path):
     assert bad.returncode != 0 and "--against" in bad.stderr + bad.stdout
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_bench_server_runs_another_checkouts_code_beside_this_one_in_rounds(tmp_path):
+    """``@SRC``: a server of another checkout's code (here this checkout's own ``src``, by path), for
+    an A/B in one run; ``--rounds``: each figure the median round, every round listed."""
+    import arl_tangram
+
+    src = os.path.dirname(os.path.dirname(os.path.abspath(arl_tangram.__file__)))
+    out = tmp_path / "b.json"
+    p = tangram("bench", "server", "--variant", f"other=::@{src}", "--variant", "this=::", "--levels", "1",
+                "--requests", "5", "--rounds", "2", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert r["servers"]["other"]["src"] == src and r["servers"]["this"]["src"] is None
+    for name in ("other", "this"):
+        level = r["servers"][name]["1"]
+        assert level["errors"] == 0 and len(level["rounds"]) == 2, level
+        assert level["throughput_per_s"] in [x["throughput_per_s"] for x in level["rounds"]]
+    assert r["vs_other"]["this"]["1"]["throughput_x"] > 0
+    bad = tangram("bench", "server", "--variant", f"x=::@{tmp_path}")
+    assert bad.returncode != 0 and "arl_tangram" in bad.stderr + bad.stdout
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")

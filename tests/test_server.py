@@ -77,6 +77,10 @@ def test_unknown_language_is_422_and_missing_toolchain_says_so(server):
     assert r.status_code == 422 and r.json()["message"].startswith("language")
     r = httpx.post(f"{server.url}/run_code", json={"code": "x", "language": "racket"}).json()
     assert r["status"] == "SandboxError" and "toolchain" in r["message"]
+    # every field of SandboxFusion's response, as its clients read it (the engine process answers a dict that
+    # the route's response model completes)
+    assert {k: r[k] for k in ("compile_result", "run_result", "executor_pod_name", "files")} == {
+        "compile_result": None, "run_result": None, "executor_pod_name": None, "files": {}}
 
 
 # -- native API and errors ------------------------------------------------------------------------
