@@ -497,7 +497,8 @@ def bench_server(
                                                 "several tangram servers measured in turn in one run (e.g. --variant "
                                                 "two=0-1: --variant all=:), the first being the reference; an empty "
                                                 "part is the server's default; @SRC runs another checkout's code "
-                                                "(its src directory) for an A/B (e.g. --variant main=::@../main/src "
+                                                "(its src directory, as sources: run the bench with ARL_TANGRAM_PURE=1 "
+                                                "for a like-for-like A/B, e.g. --variant main=::@../main/src "
                                                 "--variant this=::)."),
     rounds: int = typer.Option(1, "--rounds", min=1, help="Repeat the whole plan, the servers alternating: each "
                                "figure is then the round of median throughput, every round listed beside it."),

@@ -179,7 +179,8 @@ async def _inproc(levels: tuple[int, ...]) -> dict:
 def _serve(port: int, journal: str, cpus: str | None = None, fronts: int | None = None,
            workers: int | None = None, src: str | None = None) -> subprocess.Popen:
     """A server; ``src``: another checkout's ``src`` directory, whose code it runs (its sources,
-    ``ARL_TANGRAM_PURE=1``), for an A/B of two versions of the code in one run."""
+    ``ARL_TANGRAM_PURE=1``), for an A/B of two versions of the code in one run (run the bench itself
+    with ``ARL_TANGRAM_PURE=1`` too, or the ratio is sources against this checkout's compiled build)."""
     argv = [sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--journal", journal]
     env = None
     if src is not None:
