@@ -561,20 +561,11 @@ def _h2d_sources(n: int, gb: float = 7.0, reps: int = 3) -> dict:
         streams = [torch.cuda.Stream(f"cuda:{i}") for i in range(n)]
         walls, per_gpu = [], [[] for _ in range(n)]
         for _ in range(reps):
-            evs = []
             t = time.perf_counter()
-            for i, (d, st) in enumerate(zip(devs, streams)):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record(st)
-                with torch.cuda.stream(st):
-                    d.copy_(host[i * k:(i + 1) * k], non_blocking=True)
-                b.record(st)
-                evs.append((a, b))
-            for st in streams:
-                st.synchronize()
+            took = _copies_at_once(host, devs, streams, k)
             walls.append(time.perf_counter() - t)
-            for i, (a, b) in enumerate(evs):
-                per_gpu[i].append(a.elapsed_time(b) / 1e3)
+            for i, s in enumerate(took):
+                per_gpu[i].append(s)
         out[kind] = {"wall_s_best": round(min(walls), 4), "total_gbps": round(n * k / min(walls) / 1e9, 1),
                      "per_gpu_gbps_best": [round(k / min(x) / 1e9, 1) for x in per_gpu],
                      "per_gpu_s_all": [[round(v, 4) for v in x] for x in per_gpu]}
@@ -583,6 +574,22 @@ def _h2d_sources(n: int, gb: float = 7.0, reps: int = 3) -> dict:
         del host, devs
         torch.cuda.empty_cache()
     return out
+
+
+def _copies_at_once(host, dsts: list, streams: list, k: int) -> list[float]:
+    """Copy ``host``'s i-th ``k`` bytes to ``dsts[i]`` on ``streams[i]``, all issued before any
+    wait; each copy's seconds by CUDA events."""
+    evs = []
+    for i, (d, st) in enumerate(zip(dsts, streams)):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(st)
+        with torch.cuda.stream(st):
+            d.copy_(host[i * k:(i + 1) * k], non_blocking=True)
+        b.record(st)
+        evs.append((a, b))
+    for st in streams:
+        st.synchronize()
+    return [a.elapsed_time(b) / 1e3 for a, b in evs]
 
 
 #: the destination of a raw copy (``_h2d_after_free``): blocks the caching allocator kept from a
@@ -613,18 +620,8 @@ def _h2d_after_free(n: int, gb: float = 7.0, reps: int = 3) -> dict:
             if case == "fresh_settled":
                 time.sleep(0.3)
             dsts = [torch.empty(k, dtype=torch.uint8, device=f"cuda:{i}") for i in range(n)]
-            evs = []
-            for i, (d, st) in enumerate(zip(dsts, streams)):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record(st)
-                with torch.cuda.stream(st):
-                    d.copy_(host[i * k:(i + 1) * k], non_blocking=True)
-                b.record(st)
-                evs.append((a, b))
-            for st in streams:
-                st.synchronize()
-            for i, (a, b) in enumerate(evs):
-                per[case][i].append(a.elapsed_time(b) / 1e3)
+            for i, s in enumerate(_copies_at_once(host, dsts, streams, k)):
+                per[case][i].append(s)
             del dsts
             torch.cuda.empty_cache()
             time.sleep(0.3)

@@ -1649,13 +1649,7 @@ OPS = {"run": op_run, "shell": op_shell, "python": op_python, "cell": op_cell, "
 
 
 def read_exact(n):
-    buf = b""
-    while len(buf) < n:
-        chunk = os.read(PROTO_IN, n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
+    return _read_fd(PROTO_IN, n)
 
 
 ZYGOTE = None
