@@ -469,7 +469,7 @@ class Zygote:
         ``manager.WARM_MODULES``), so that every session's interpreter forked later shares them
         instead of importing them itself; answers ``W`` and how many failed."""
         import importlib
-        names = marshal.loads(recv_exact(sock, int.from_bytes(recv_exact(sock, 4), "little")))
+        names = read_message(sock.fileno())
         failed = 0
         for name in names:
             try:
@@ -496,8 +496,7 @@ class Zygote:
             for target, fd in zip((0, 1, 2), fds):
                 os.dup2(fd, target)
                 os.close(fd)
-            head = recv_exact(sock, 4)
-            req = marshal.loads(recv_exact(sock, int.from_bytes(head, "little")))
+            req = read_message(sock.fileno())
             sock.close()
             LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # the user's process is ordinary again (zygote: LIBC is set)
             if req.get("cpus"):
@@ -531,7 +530,7 @@ class Zygote:
             self.broken = self.broken or f"no {tags!r} from the zygote in {timeout_s} s"
             return None
         try:
-            data = recv_exact(self.sock, 5)
+            data = read_exact(self.sock.fileno(), 5)
         except OSError:  # the zygote is gone
             data = None
         if not data or data[:1].decode("latin-1") not in tags:
@@ -703,14 +702,26 @@ def rehearse():
         sys.stdin, sys.stdout, sys.stderr = streams
 
 
-def recv_exact(sock, n):
+def read_exact(fd, n):
+    """``n`` bytes from descriptor ``fd`` (a pipe or a socket), or None at its end."""
     buf = b""
     while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
+        chunk = os.read(fd, n - len(buf))
         if not chunk:
             return None
         buf += chunk
     return buf
+
+
+def read_message(fd):
+    """One framed message (4-byte length, then marshal) from ``fd``; None at its end."""
+    head = read_exact(fd, 4)
+    return None if head is None else marshal.loads(read_exact(fd, int.from_bytes(head, "little")))
+
+
+def write_all(fd, data):
+    while data:
+        data = data[os.write(fd, data):]
 
 
 #: how long a streamed cell's output may wait to go out with more (shell.py's COALESCE_S)
@@ -774,8 +785,7 @@ def chunk_writer():
     def emit(name, data):
         line = ('{"stream":"' + name + '","data":"' + b64(data) + '"}\n').encode()
         with lock:
-            while line:
-                line = line[os.write(out, line):]
+            write_all(out, line)
 
     return emit
 
@@ -1066,29 +1076,16 @@ def session_main(fd_in, fd_out):
             LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # an ordinary process of the user's, as one-shots are
         ops = {"cell": cell_here, "pack": pack_here, "load": load_here}
         while True:
-            head = _read_fd(fd_in, 4)
-            if head is None:
+            req = read_message(fd_in)
+            if req is None:
                 break
-            req = marshal.loads(_read_fd(fd_in, int.from_bytes(head, "little")))
             try:
                 result = ops[req["op"]](req)
             except Exception as e:
                 result = {"error": f"{type(e).__name__}: {e}"[:1000]}
-            data = (to_json(result) + "\n").encode()
-            while data:
-                data = data[os.write(fd_out, data):]
+            write_all(fd_out, (to_json(result) + "\n").encode())
     finally:
         os._exit(0)
-
-
-def _read_fd(fd, n):
-    buf = b""
-    while len(buf) < n:
-        chunk = os.read(fd, n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return buf
 
 
 class SessionChild:
@@ -1648,10 +1645,6 @@ OPS = {"run": op_run, "shell": op_shell, "python": op_python, "cell": op_cell, "
        "ping": lambda req: {"pid": os.getpid()}}
 
 
-def read_exact(n):
-    return _read_fd(PROTO_IN, n)
-
-
 ZYGOTE = None
 LAST = [""]  # the last run's op: a reset after a python run forks the next child ahead
 AHEAD_STAYS = ("python", "reset", "ping")  # requests that leave a child forked ahead alive
@@ -1665,10 +1658,9 @@ def main():
         ZYGOTE = Zygote()
         SNAPSHOT[ZYGOTE.pid] = process_state(ZYGOTE.pid)
     while True:
-        head = read_exact(4)
-        if head is None:
+        req = read_message(PROTO_IN)
+        if req is None:
             return
-        req = marshal.loads(read_exact(int.from_bytes(head, "little")))
         result = None
         if ZYGOTE is not None:  # the last python run's exit is over before anything else runs here
             ZYGOTE.settle()  # (its pid is spared by the reaping only until then)
@@ -1691,9 +1683,7 @@ def main():
         if req.get("fetch") and "error" not in result and "files_error" not in result:
             result["fetched"] = op_read({"paths": req["fetch"]})
         result["id"] = req.get("id")
-        data = (to_json(result) + "\n").encode()
-        while data:
-            data = data[os.write(PROTO_OUT, data):]
+        write_all(PROTO_OUT, (to_json(result) + "\n").encode())
 
 
 if __name__ == "__main__":
