@@ -751,8 +751,7 @@ class SandboxManager:
             pin.append(sb.oom_seen)  # what the step's OOM check counts from
             sb.set_cpus(cores)
             sb.set_memory((p.memory_mb or self.config.memory_mb) << 20)
-            return {**self._base(cores, sb), "op": "cell", "code": p.python, "timeout_s": p.timeout_s,
-                    "jupyter": p.jupyter, "_timeout": p.timeout_s + self.config.grace_s + 1.0}
+            return {**_cell_request(self._base(cores, sb), p), "_timeout": p.timeout_s + self.config.grace_s + 1.0}
 
         return cell
 
@@ -983,8 +982,7 @@ class SandboxManager:
         if isinstance(payload, Exec):
             base = self._base(cores, sb)
             if payload.python is not None:
-                req = {**base, "op": "cell", "code": payload.python, "timeout_s": payload.timeout_s,
-                       "jupyter": payload.jupyter}
+                req = _cell_request(base, payload)
                 if on_output is not None:
                     req["stream"] = True
             elif payload.command is not None:  # a step of the session's persistent shell
@@ -1084,6 +1082,11 @@ def _which_in(rootfs: RootFs, exe: str) -> str | None:
         if d and resolve_in(rootfs.root, f"{d}/{exe}") is not None:
             return f"{d}/{exe}"
     return None
+
+
+def _cell_request(base: dict, p: Exec) -> dict:
+    """A python step's request to its sandbox (run on its own, or riding on a wake's)."""
+    return {**base, "op": "cell", "code": p.python, "timeout_s": p.timeout_s, "jupyter": p.jupyter}
 
 
 def _b64(data: bytes | None) -> str | None:
