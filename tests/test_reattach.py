@@ -261,7 +261,8 @@ def test_a_head_is_an_id_kept_in_its_journal(tmp_path, monkeypatch):
 
 def test_a_head_whose_agent_another_took_over_is_told_and_counts_the_node_lost():
     """M2: an agent whose loop hung past its lease is taken over by another head; the calls of the
-    head it had (renewal, run, keep) answer ``Replaced``, and that head's look says the node is lost."""
+    head it had answer ``Replaced`` (every call that acts for a head: review L2, only renewal, run and
+    keep checked), and that head's look says the node is lost; the new head's same calls pass."""
     from arl_tangram.runtime.agent import NodeAgent, Replaced
     from arl_tangram.runtime.ray_nodes import Node, look_at_agents
 
@@ -270,15 +271,25 @@ def test_a_head_whose_agent_another_took_over_is_told_and_counts_the_node_lost()
         await agent.start(0.3, "head A")
         time.sleep(0.5)  # the agent's event loop hangs past A's lease; head B attaches first
         taken = await agent.attach(60.0, "head B")
+        calls = {
+            "take_expired": lambda h: agent.take_expired(60.0, h), "keep": lambda h: agent.keep([], h),
+            "run": lambda h: agent.run(Action("a", "sandbox", payload=RunCode("1")), Allocation("cpu", 0, (0,)), h),
+            "cancel": lambda h: agent.cancel("a", h), "resize": lambda h: agent.resize("a", Allocation("cpu", 0, (0,)), h),
+            "close_session": lambda h: agent.close_session("t", h), "evict": lambda h: agent.evict("m", (0,), h),
+            "prefetch": lambda h: agent.prefetch("k", "m", (0,), 1.0, h),
+            "export_session": lambda h: agent.export_session("t", h),
+            "import_session": lambda h: agent.import_session("t", None, h)}
         refused = []
-        for call in (lambda: agent.take_expired(60.0, "head A"), lambda: agent.keep([], "head A"),
-                     lambda: agent.run(Action("a", "sandbox", payload=RunCode("1")), Allocation("cpu", 0, (0,)),
-                                       "head A")):
+        for name, call in calls.items():
             with pytest.raises(Replaced, match="taken over by another head"):
-                out = call()
+                out = call("head A")
                 if inspect.isawaitable(out):
                     await out
-            refused.append(True)
+            refused.append(name)
+        for name in ("cancel", "resize", "close_session", "evict", "export_session", "import_session"):
+            out = calls[name]("head B")  # the new head's own: nothing here to act on, and no refusal
+            if inspect.isawaitable(out):
+                await out
         node = Node("n0" * 8, "127.0.0.1", 1, 0, handle=InProcess(agent), state="alive")
         (look,) = await look_at_agents([node], 60.0, "head A", 5.0)
         (mine,) = await look_at_agents([node], 60.0, "head B", 5.0)
@@ -286,7 +297,8 @@ def test_a_head_whose_agent_another_took_over_is_told_and_counts_the_node_lost()
         return taken, refused, look, mine
 
     taken, refused, look, mine = asyncio.run(main())
-    assert taken is not None and refused == [True] * 3
+    assert taken is not None and refused == ["take_expired", "keep", "run", "cancel", "resize", "close_session",
+                                             "evict", "prefetch", "export_session", "import_session"]
     assert look.lost is not None and "taken over by another head (head B)" in look.lost
     assert mine.lost is None
 

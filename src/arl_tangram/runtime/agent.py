@@ -27,9 +27,14 @@ records the head's ``lease_s``; the lease runs ``lease_s`` from the end of ``sta
 
 **Owners.** A head names itself (``owner``: ``tangram serve``'s is a UUID stored in its journal
 file, so the same file is the same head across restarts and another host's journal another head).
-Only the owner, or any head once the lease ran out, takes the agent over; the calls that act for a
-head (``take_expired``, ``run``, ``keep``) carry its name, and a head that was replaced gets
-``Replaced`` from them: the node is lost to it. A taken-over agent's one-shots of the dead head
+Only the owner, or any head once the lease ran out, takes the agent over; every call that acts
+for a head (``take_expired``, ``run``, ``keep``, ``cancel``, ``resize``, ``close_session``,
+``prefetch``, ``evict``, ``export_session``, ``import_session``) carries its name, and a head that
+was replaced gets ``Replaced`` from it and treats the node as lost: it cannot cancel, close or
+evict what the new head runs (review of this round, L2: only three calls checked). In practice a
+head whose lease ran out mostly finds the agent gone instead: the agent's watch orphans it within
+~50 ms of the lease's end (it closes everything and exits), so another head can take it over
+only in that moment or before the lease was first armed; both end as a lost node for the old head. A taken-over agent's one-shots of the dead head
 are cancelled and ``attach`` returns once they ended, so a re-run with the same id (the new head's
 journal re-runs them) never meets the cancelled run's completion (review M1).
 """
@@ -205,9 +210,11 @@ class NodeAgent:
             self._step_of[action.id] = action.trajectory
         manager.start(action, allocation)
 
-    async def prefetch(self, key: str, model: str, block: tuple[int, ...], per_gpu_gb: float) -> None:
+    async def prefetch(self, key: str, model: str, block: tuple[int, ...], per_gpu_gb: float,
+                       owner: str | None = None) -> None:
         """Copy ``model`` onto this node's GPUs ``block``; returns once it is resident (or once
         the copy failed: the first call that needs it then makes it, and reports)."""
+        self._check_owner(owner)
         if self.models is None:
             raise RuntimeError(f"node {self.name} serves no models: {self.model_problem}")
         fut = self._loading[key] = asyncio.get_running_loop().create_future()
@@ -218,7 +225,8 @@ class NodeAgent:
         """The copies on this node's GPUs: (model, this node's GPU ids)."""
         return sorted(self.models.instances) if self.models is not None else []
 
-    def evict(self, model: str, block: tuple[int, ...]) -> None:
+    def evict(self, model: str, block: tuple[int, ...], owner: str | None = None) -> None:
+        self._check_owner(owner)
         if self.models is not None:
             self.models.evict(model, block)
 
@@ -248,24 +256,28 @@ class NodeAgent:
         self.run_cb(action, allocation, lambda c: fut.done() or fut.set_result(c))  # done: the caller gave up
         return await fut
 
-    def cancel(self, action_id: str) -> None:
+    def cancel(self, action_id: str, owner: str | None = None) -> None:
+        self._check_owner(owner)
         for manager in (self.manager, self.models):
             if manager is not None:
                 manager.cancel(action_id)
 
-    def resize(self, action_id: str, allocation: Allocation) -> None:
+    def resize(self, action_id: str, allocation: Allocation, owner: str | None = None) -> None:
         """The engine took cores back from a sandbox run here (``SandboxManager.resize``)."""
+        self._check_owner(owner)
         if self.manager is not None:
             self.manager.resize(action_id, allocation)
 
-    def close_session(self, trajectory: str) -> None:
+    def close_session(self, trajectory: str, owner: str | None = None) -> None:
+        self._check_owner(owner)
         if self.manager is not None:
             self.manager.close_session(trajectory)
 
-    async def export_session(self, trajectory: str) -> bytes | None:
+    async def export_session(self, trajectory: str, owner: str | None = None) -> bytes | None:
         """A session's files as a snapshot (what a move carries to another node through the
         object store), taken as an action on the session, so after its running step; None when
         it has nothing here (never ran a step, or already closed)."""
+        self._check_owner(owner)
         manager = self.manager
         if manager is None or not manager.has_session(trajectory):
             return None
@@ -281,9 +293,10 @@ class NodeAgent:
         finally:
             os.unlink(path)
 
-    async def import_session(self, trajectory: str, data: bytes | None) -> bool:
+    async def import_session(self, trajectory: str, data: bytes | None, owner: str | None = None) -> bool:
         """Make ``trajectory`` a session here from ``export_session``'s bytes (its processes start
         on its next step); False when there was nothing to carry."""
+        self._check_owner(owner)
         if data is None:
             return False
         if self.manager is None:

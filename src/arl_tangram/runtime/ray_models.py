@@ -25,6 +25,7 @@ from ..core.records import Load, Loaded
 from ..core.seam import Sink
 from ..managers.models.spec import ModelCard, ModelServiceConfig, call_problem
 from ..managers.tasks import TaskSet
+from .agent import Replaced
 from .ray_nodes import Node, agent_gone, cancel_on_nodes, run_on_node
 
 if TYPE_CHECKING:
@@ -85,12 +86,14 @@ class RemoteModels:
 
     async def _prefetch(self, node: Node, key: str, model: str, block: tuple[int, ...], per_gpu_gb: float) -> None:
         lost = asyncio.ensure_future(node.lost.wait())
-        copy = asyncio.ensure_future(node.handle.prefetch.remote(key, model, block, per_gpu_gb))
+        copy = asyncio.ensure_future(node.handle.prefetch.remote(key, model, block, per_gpu_gb, self.runtime.owner))
         try:
             await asyncio.wait({lost, copy}, return_when=asyncio.FIRST_COMPLETED)
             error = copy.exception() if copy.done() else None
             if isinstance(error, agent_gone()):  # the node's copies and loads leave the engine with it
                 self.runtime.node_lost(node, f"its agent failed ({type(error).__name__})")
+            elif isinstance(error, Replaced):  # another head took the agent over: not our node any more
+                self.runtime.node_lost(node, str(error).strip().splitlines()[-1])
             elif error is not None:  # the first call that needs the copy makes it, and reports
                 log.error("prefetching %s onto node %s's GPUs %s failed: %s", model, node.name, block, error)
         finally:
@@ -102,7 +105,7 @@ class RemoteModels:
     def evict(self, model: str, gpus: tuple[int, ...]) -> None:
         node = self._node(gpus)
         if node.state == "alive":
-            node.handle.evict.remote(model, self._local(gpus))
+            node.handle.evict.remote(model, self._local(gpus), self.runtime.owner)
 
     def close_session(self, trajectory: str) -> None:
         pass

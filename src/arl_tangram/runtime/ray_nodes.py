@@ -178,7 +178,7 @@ def cancel_on_nodes(runtime: "RayRuntime", action_id: str) -> None:
     """Tell the live agent running ``action_id`` to cancel it (wherever it runs)."""
     for node in runtime.nodes_by_id.values():
         if action_id in node.running and node.serving:
-            node.handle.cancel.remote(action_id)
+            node.handle.cancel.remote(action_id, runtime.owner)
 
 
 def _lost(runtime: "RayRuntime", node: Node, action: Action) -> Completion:

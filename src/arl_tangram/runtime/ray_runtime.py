@@ -167,13 +167,13 @@ class RemoteSandboxes:
         head), restored there; then closed on ``old``. None, or why it failed."""
         t = time.perf_counter()
         try:
-            data = old.handle.export_session.remote(traj)
-            await new.handle.import_session.remote(traj, data)
+            data = old.handle.export_session.remote(traj, self.runtime.owner)
+            await new.handle.import_session.remote(traj, data, self.runtime.owner)
         except Exception as e:  # an agent gone, a snapshot that cannot be restored there
             log.error("session %s: cannot move it from node %s to %s: %s", traj, old.name, new.name, e)
             return f"session {traj} could not be moved to node {new.name}: {type(e).__name__}: {e}"
         self.homes[traj] = new
-        old.handle.close_session.remote(traj)
+        old.handle.close_session.remote(traj, self.runtime.owner)
         self.moves += 1
         self.move_s.append(time.perf_counter() - t)
         log.info("session %s moved from node %s to %s in %.3f s", traj, old.name, new.name, self.move_s[-1])
@@ -211,13 +211,13 @@ class RemoteSandboxes:
         first: for that long they are shared)."""
         node = self.runtime.by_index.get(allocation.node) if allocation.node is not None else None
         if node is not None and node.state == "alive" and action_id in node.running:
-            node.handle.resize.remote(action_id, allocation)
+            node.handle.resize.remote(action_id, allocation, self.runtime.owner)
 
     def close_session(self, trajectory: str) -> None:
         node = self.homes.pop(trajectory, None)
         self._locks.pop(trajectory, None)
         if node is not None and node.serving:
-            node.handle.close_session.remote(trajectory)
+            node.handle.close_session.remote(trajectory, self.runtime.owner)
 
     async def start_up(self) -> None:
         pass  # the agents start as their nodes join (RayRuntime._join)
