@@ -226,8 +226,21 @@ async def _replay(services: list[ModelServiceConfig], arrivals: list[tuple[float
                         if torch.cuda.is_available() else 0}
         _replay.copies = [{k: x.get(k) for k in ("model", "graphs", "warm_s", "logprobs")}  # type: ignore[attr-defined]
                           for x in rt.models.load_log]
+        _replay.requests = slow  # type: ignore[attr-defined]  # every request's phases (``_breakdown``)
     _release_memory()
     return list(acts), span, held
+
+
+def _breakdown(requests: list[dict]) -> dict:
+    """Where the average ACT goes, over all requests and per service: waiting for a batch and the
+    GPU (queue), loading (setup) and the batch itself (exec), in ms; shared and dedicated runs
+    side by side say whether a gap is queueing behind other services or slower batches."""
+    def avg(xs: list[dict]) -> dict:
+        n = len(xs) or 1
+        return {"n": len(xs), **{f"{k}_ms": round(sum(x[f"{k}_s"] for x in xs) / n * 1e3, 3)
+                                 for k in ("act", "queue", "setup", "exec")}}
+    models = sorted({x["model"] for x in requests}, key=lambda m: (len(m), m))
+    return {"all": avg(requests), "by_model": {m: avg([x for x in requests if x["model"] == m]) for m in models}}
 
 
 _GC_PAUSES: list[float] = []
@@ -420,8 +433,10 @@ async def _mopd_shared(device: str, requests: int, duration_s: float, seq_len: i
             key = f"{base}#{sum(k.split('#')[0] == base for k in by) + 1}"
         by[key] = {"compute_share": share, "switch_interval_ms": effective * 1e3, **_stats(acts),
                    "gpu_seconds_held": held, "tail": getattr(_replay, "tail", {}),
+                   "breakdown": _breakdown(getattr(_replay, "requests", [])),
                    "copies": getattr(_replay, "copies", [])}
-        log(f"mopd shared, {key}: { {k: v for k, v in by[key].items() if k not in ('copies', 'tail')} }")
+        log(f"mopd shared, {key}: { {k: v for k, v in by[key].items() if k not in ('copies', 'tail', 'breakdown')} }")
+        log(f"mopd shared, {key}, ms: {by[key]['breakdown']['all']}")
     sizes = GPU_SIZES_B if device == "cuda" else (0.5,) * 12
     return {"services": 12, "params_b": list(sizes), "requests": requests, "seq_len": seq_len,
             "shared_devices": 1, "dedicated_devices": 12, "by_compute_share": by}
@@ -433,12 +448,14 @@ async def _dedicated_acts(device: str, requests: int, duration_s: float, seq_len
     arrivals = _arrivals(len(services), requests, duration_s, 0)
     acts: list[float] = []
     span = 0.0
+    _dedicated_acts.requests = []  # type: ignore[attr-defined]
     for i, svc in enumerate(services):
         mine = [(t, 0) for t, s in arrivals if s == i]
         if mine and (only is None or i in only):
             a, sp, _ = await _replay([svc], mine, seq_len, vocab, [names[i]])
             acts += a
             span = max(span, sp)
+            _dedicated_acts.requests += getattr(_replay, "requests", [])  # type: ignore[attr-defined]
     return acts, span
 
 
@@ -447,8 +464,10 @@ def _mopd_dedicated(device: str, requests: int, duration_s: float, seq_len: int,
     """Each service alone on a device, its own arrivals only: what a dedicated GPU gives it. With
     ``gpus`` > 1, that many services replay at once, one per GPU (a process each, so they share
     neither a GPU nor an interpreter)."""
+    reqs: list[dict] = []
     if gpus <= 1:
         acts, span = asyncio.run(_dedicated_acts(device, requests, duration_s, seq_len, vocab))
+        reqs = getattr(_dedicated_acts, "requests", [])
     else:
         with tempfile.TemporaryDirectory() as tmp:
             procs = []
@@ -466,7 +485,8 @@ def _mopd_dedicated(device: str, requests: int, duration_s: float, seq_len: int,
                     part = json.load(fh)
                 acts += part["acts"]
                 span = max(span, part["span_s"])
-    return {**_stats(acts), "gpu_seconds_held": span * 12, "parallel_gpus": gpus}
+                reqs += part.get("requests", [])
+    return {**_stats(acts), "gpu_seconds_held": span * 12, "parallel_gpus": gpus, "breakdown": _breakdown(reqs)}
 
 
 def _compare(m: dict) -> None:
@@ -483,6 +503,12 @@ def _compare(m: dict) -> None:
         m["p99_ratio_shared_over_dedicated"] = by[best]["p99_act_s"] / d["p99_act_s"]
         m["ratios_by_compute_share"] = {k: {"avg": v["avg_act_s"] / d["avg_act_s"],
                                             "p99": v["p99_act_s"] / d["p99_act_s"]} for k, v in by.items()}
+        ded = (d.get("breakdown") or {}).get("by_model") or {}
+        if ded:  # per service: which ones the gap comes from, and whether it is queueing or the batch
+            m["by_model_shared_minus_dedicated_ms"] = {
+                k: {name: {f: round(x[f] - ded[name][f], 3) for f in ("act_ms", "queue_ms", "exec_ms")}
+                    for name, x in (v.get("breakdown") or {}).get("by_model", {}).items() if name in ded}
+                for k, v in by.items()}
 
 
 async def _wait_scaled_to_zero(rt, model: str, timeout_s: float = 60.0) -> None:
@@ -812,7 +838,8 @@ def run(device: str = "auto", log: Callable[[str], None] = print, requests: int 
     if "dedicated" in sections:
         d = _mopd_dedicated(device, requests, duration_s, seq_len, vocab, dedicated_gpus)
         result.setdefault("mopd", {})["task_isolated_dedicated"] = d
-        log(f"mopd dedicated: {d}")
+        log(f"mopd dedicated: { {k: v for k, v in d.items() if k != 'breakdown'} }")
+        log(f"mopd dedicated, ms: {d['breakdown']['all']}")
     if "mopd" in result:
         _compare(result["mopd"])
         m = result["mopd"]
@@ -863,7 +890,7 @@ def main() -> None:
                                                  20.0 if cuda else 6.0, 512 if cuda else 64,
                                                  32000 if cuda else 512, range(i, 12, n)))
         with open(args.json, "w") as fh:
-            json.dump({"acts": acts, "span_s": span}, fh)
+            json.dump({"acts": acts, "span_s": span, "requests": getattr(_dedicated_acts, "requests", [])}, fh)
         return
     PROFILE["dir"], PROFILE["seconds"], PROFILE["slow_ms"] = args.profile, args.profile_s, args.profile_slow_ms
 
