@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from ..managers.models import manager, packing
+from ..managers.models.graphs import GRAPH_JUDGES
 from ..managers.models.manager import ModelServiceConfig
 from ..runtime import Tangram
 from ..sim.metrics import percentile
@@ -403,13 +404,17 @@ def _mopd_services(device: str, vocab: int, share: float) -> tuple[list[ModelSer
             for i, (n, b) in enumerate(zip(names, sizes))], names
 
 
-def _variant(spec: str) -> tuple[float, float | None]:
-    """``"0.25"`` or ``"0.25@5"``: a compute share, and optionally the interpreter's thread switch
-    interval in ms during that run instead of the model manager's (``GPU_SWITCH_INTERVAL_S``, 0.2 ms
-    on CUDA; Python's default, 5 ms, lets a thread that comes back from a CUDA call wait that long
-    for the GIL while other batches' threads run Python)."""
+def _variant(spec: str) -> tuple[float, float | None, str | None]:
+    """``"0.25"``, ``"0.25@5"``, ``"1+one_row"``: a compute share, and optionally the interpreter's
+    thread switch interval in ms during that run instead of the model manager's
+    (``GPU_SWITCH_INTERVAL_S``, 0.2 ms on CUDA; Python's default, 5 ms, lets a thread that comes back
+    from a CUDA call wait that long for the GIL while other batches' threads run Python) and how
+    warm-ups judge graphs (``graphs.GRAPH_JUDGE``)."""
+    spec, _, judge = spec.partition("+")
     share, _, ms = spec.partition("@")
-    return float(share), (float(ms) if ms else None)
+    if judge and judge not in GRAPH_JUDGES:
+        raise ValueError(f"shares: unknown graph judge {judge!r} (known: {', '.join(GRAPH_JUDGES)})")
+    return float(share), (float(ms) if ms else None), (judge or None)
 
 
 async def _mopd_shared(device: str, requests: int, duration_s: float, seq_len: int, vocab: int,
@@ -418,20 +423,23 @@ async def _mopd_shared(device: str, requests: int, duration_s: float, seq_len: i
     arrivals = _arrivals(12, requests, duration_s, 0)
     by = {}
     for spec in variants:
-        share, switch_ms = _variant(spec)
+        share, switch_ms, judge = _variant(spec)
         services, names = _mopd_services(device, vocab, share)
-        chosen = manager.GPU_SWITCH_INTERVAL_S
+        chosen, chosen_judge = manager.GPU_SWITCH_INTERVAL_S, manager.GRAPH_JUDGE
         if switch_ms is not None:
             manager.GPU_SWITCH_INTERVAL_S = switch_ms / 1000  # what the manager sets while it serves
+        if judge is not None:
+            manager.GRAPH_JUDGE = judge
         effective = manager.GPU_SWITCH_INTERVAL_S if device == "cuda" else sys.getswitchinterval()
         try:
             acts, _, held = await _replay(services, arrivals, seq_len, vocab, names)
         finally:
-            manager.GPU_SWITCH_INTERVAL_S = chosen
-        key = base = f"{share:.3g}" + (f"@{switch_ms:g}ms" if switch_ms is not None else "")
+            manager.GPU_SWITCH_INTERVAL_S, manager.GRAPH_JUDGE = chosen, chosen_judge
+        key = base = f"{share:.3g}" + (f"@{switch_ms:g}ms" if switch_ms is not None else "") + (f"+{judge}" if judge else "")
         while key in by:  # the same variant again (a second run in the process): its own entry
             key = f"{base}#{sum(k.split('#')[0] == base for k in by) + 1}"
-        by[key] = {"compute_share": share, "switch_interval_ms": effective * 1e3, **_stats(acts),
+        by[key] = {"compute_share": share, "switch_interval_ms": effective * 1e3,
+                   "graph_judge": judge or manager.GRAPH_JUDGE, **_stats(acts),
                    "gpu_seconds_held": held, "tail": getattr(_replay, "tail", {}),
                    "breakdown": _breakdown(getattr(_replay, "requests", [])),
                    "copies": getattr(_replay, "copies", [])}
@@ -673,6 +681,9 @@ SETTLE = {"packed_settled": (0.3, True, True), "packed_synced": (0.3, True, Fals
 #: packed loads with the manager's evictions handing memory back one way (``manager.HAND_BACK``);
 #: ``packed``, ``per_tensor`` and the ``SETTLE`` modes use the manager's default ("deferred")
 HAND_BACK_MODES = {"packed_lazy": "lazy", "packed_kept": "kept", "packed_deferred": "deferred"}
+#: packed loads whose parts come from another stream's cache (``manager.ALLOC_ON``): ``packed_load_stream``
+#: allocates each GPU's part on that GPU's load stream; ``packed_default_stream`` on the thread's current one
+ALLOC_MODES = {"packed_load_stream": "load", "packed_default_stream": "default"}
 
 
 def _settle(mode: str) -> None:
@@ -716,12 +727,14 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
     # the GPUs have no NVLink between them)
     async with Tangram.local(sandboxes=False, models=services, gpus=2, gpu_island_size=2) as tg:
         rt = tg.runtime
+        rt.models.trace_cache = True  # what each GPU's cache held before each part was allocated
         made: list[str] = []  # the way each load of the log was made
         for _ in range(rounds):
             for mode in modes:
                 rt.models.pack = mode != "per_tensor"
                 rt.models.hand_back = HAND_BACK_MODES.get(mode, manager.HAND_BACK)
                 rt.models.alloc_first = mode == "packed_alloc_first"
+                rt.models.alloc_on = ALLOC_MODES.get(mode, manager.ALLOC_ON)
                 for name in ("one", "two"):
                     if mode in SETTLE:  # the GPUs left quiet before this load, in one of the ways
                         await asyncio.to_thread(_settle, mode)
@@ -736,6 +749,7 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
         rt.models.pack = True
         rt.models.hand_back = manager.HAND_BACK
         rt.models.alloc_first = False
+        rt.models.alloc_on = manager.ALLOC_ON
         log_ = rt.models.load_log
         islands = rt.cluster.gpu_nodes[0].islands()
     _release_memory()
@@ -743,7 +757,8 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
                  "rounds": rounds}
     out["loads"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in x.items()
                      if k in ("model", "packed", "seconds", "warm_s", "issue_s", "alloc_s", "build_s", "wait_s", "copy_s",
-                              "new_segments", "since_hand_back_s", "hand_back")}
+                              "new_segments", "new_segments_per_gpu", "cache_before", "alloc_on",
+                              "since_hand_back_s", "hand_back")}
                     for x in log_]
     for i, x in enumerate(out["loads"]):
         x["mode"] = made[i] if i < len(made) else None
@@ -796,7 +811,7 @@ def run(device: str = "auto", log: Callable[[str], None] = print, requests: int 
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"sections: unknown {', '.join(sorted(unknown))} (known: {', '.join(SECTIONS)})")
-    known_modes = ("packed", "per_tensor", "packed_alloc_first", *SETTLE, *HAND_BACK_MODES)
+    known_modes = ("packed", "per_tensor", "packed_alloc_first", *SETTLE, *HAND_BACK_MODES, *ALLOC_MODES)
     bad = [m for m in multigpu_modes if m not in known_modes]
     if bad or not multigpu_modes:
         raise ValueError(f"multigpu_modes: unknown {', '.join(bad) or '(none given)'} (known: {', '.join(known_modes)})")
@@ -806,6 +821,7 @@ def run(device: str = "auto", log: Callable[[str], None] = print, requests: int 
                    "host": {"cpus": os.cpu_count(), "memory_gb": round(os.sysconf("SC_PAGE_SIZE")
                                                                        * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)}})
     result["graphs_min_gain"] = manager.MIN_GAIN
+    result["graphs_judge"] = manager.GRAPH_JUDGE
     if cuda:
         from ..managers.models.topology import discover_gpus
         result["gpus_discovered"] = [{"index": g.index, "memory_gb": round(g.memory_gb, 1), "island": g.island,
@@ -865,7 +881,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None)
     ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {', '.join(SECTIONS)}")
     ap.add_argument("--shares", default=None, help="shared MOPD runs: compute shares, each optionally with a "
-                    "thread switch interval in ms, e.g. 1,1@5,0.25 (default interval: the manager's 0.2 ms on CUDA)")
+                    "thread switch interval in ms and a graph judge, e.g. 1,1@5,0.25,1+one_row (default interval: "
+                    "the manager's 0.2 ms on CUDA; judge: graphs.GRAPH_JUDGE)")
     ap.add_argument("--merge", default=None, help="JSON of an earlier run whose sections to include")
     ap.add_argument("--dedicated-gpus", type=int, default=1, help="replay that many dedicated services at once, "
                     "one per GPU")
@@ -878,7 +895,7 @@ def main() -> None:
                     "this many times faster than eager (default: graphs.MIN_GAIN; 0 keeps them always)")
     ap.add_argument("--multigpu-modes", default=",".join(MULTI_GPU_MODES),
                     help=f"the multigpu section's ways to load, of packed, per_tensor, packed_alloc_first, "
-                    f"{', '.join((*SETTLE, *HAND_BACK_MODES))}")
+                    f"{', '.join((*SETTLE, *HAND_BACK_MODES, *ALLOC_MODES))}")
     ap.add_argument("--multigpu-rounds", type=int, default=3, help="loads of each way and copy in the multigpu section")
     ap.add_argument("--dedicated-part", default=None, help=argparse.SUPPRESS)  # "i/n": a worker of the above
     args = ap.parse_args()

@@ -45,6 +45,13 @@ MAX_GRAPHS = 16
 #: same machine one run each (``bench models --sections mopd --shares 1 --min-gain``): average ACT
 #: 6.77 ms at 1.15 vs 6.28 ms at 1.0 (0.93x), p99 28.7 vs 22.3 ms (0.78x)
 MIN_GAIN = 1.0
+#: which batches a copy's warm-up times, eager and graphed, to decide whether its graphs pay:
+#: "buckets", one batch of every bucket it captured (1, 2, 4 rows of 512 tokens), summed; "one_row",
+#: one row only (the way before). A 7B teacher is compute-bound: one H100, its one-row graph 15.95
+#: vs 15.52 ms eager dropped its graphs (``bench models --sections mopd --shares 1``), while its
+#: two-row batches, the slowest of that run, ran 28.6 ms eager against 25.3 ms of GPU time graphed
+GRAPH_JUDGE = "buckets"
+GRAPH_JUDGES = ("buckets", "one_row")
 #: the shortest padded length
 MIN_LEN = 64
 

@@ -44,7 +44,7 @@ from ...core.seam import Completion, Loaded, Sink
 from ..tasks import TaskSet
 from .devices import Device, batch_on
 from . import packing
-from .graphs import MIN_GAIN, Graphs
+from .graphs import GRAPH_JUDGE, MIN_GAIN, Graphs
 from .packing import Layout
 from .placement import place
 from .spec import ModelCall, ModelCard, ModelDirError, ModelServiceConfig, call_problem
@@ -220,6 +220,11 @@ GPU_SWITCH_INTERVAL_S = 0.0002
 #: cached for loads only (batches allocate on other streams) until the part is evicted; the
 #: caching allocator's own retry on a failed allocation frees only whole unused blocks.
 HAND_BACK = "deferred"
+#: the stream whose cache a packed load's per-GPU parts are allocated from: "default" (the
+#: loading thread's current stream, the way so far) or "load" (the GPU's load stream, which
+#: nothing but loads allocates on)
+ALLOC_ON = "default"
+ALLOC_WAYS = ("default", "load")
 HAND_BACK_WAYS = ("deferred", "lazy", "kept")
 HAND_BACK_AFTER_S = 2.0
 
@@ -251,10 +256,15 @@ class ModelManager:
             sys.setswitchinterval(GPU_SWITCH_INTERVAL_S)
         self.evictions = 0
         self.graphs = graphs  # CUDA graphs for single-GPU copies where they pay (``graphs``)
+        self.graph_judge = GRAPH_JUDGE  # which batches the warm-up times to decide that (``graphs.GRAPH_JUDGE``)
         self._alloc_s: dict[int, float] = {}  # per loading thread: its last packed load's device allocation
         self._fresh: dict[int, int] = {}  # per loading thread: new device segments (cudaMalloc) of that allocation
         self.pack = True  # load a packed copy with one copy per GPU (``packing``); off: tensor by tensor
         self.alloc_first = False  # a packed load allocates every GPU's part before the first copy (the way before)
+        self.alloc_on = ALLOC_ON  # which stream's cache a packed load's parts come from (``ALLOC_ON``)
+        self.trace_cache = False  # benchmarks: the load log says what each GPU's cache held before each part
+        self._cache_before: dict[int, list] = {}
+        self._fresh_per_gpu: dict[int, list[int]] = {}
         self.hand_back = HAND_BACK  # when an evicted copy's device memory goes back to the driver
         self.hand_back_after_s = HAND_BACK_AFTER_S
         self.hand_back_log: list[tuple[float, float]] = []  # (start, end) of each hand-back, perf_counter
@@ -378,6 +388,9 @@ class ModelManager:
                                   "wait_s": t_assign - t_copy, "copy_s": copy_s, "packed": packed,
                                   "alloc_s": self._alloc_s.pop(threading.get_ident(), None),
                                   "new_segments": self._fresh.pop(threading.get_ident(), None),
+                                  "new_segments_per_gpu": self._fresh_per_gpu.pop(threading.get_ident(), None),
+                                  "cache_before": self._cache_before.pop(threading.get_ident(), None),
+                                  "alloc_on": self.alloc_on,
                                   "since_hand_back_s": t - self.hand_back_log[-1][1] if self.hand_back_log else None,
                                   "hand_back": self.hand_back,
                                   **warm})
@@ -392,9 +405,9 @@ class ModelManager:
         sharing a GPU averaged 8.4x the ACT of dedicated GPUs (136 ms, p99 1.86 s), the same run
         again 1.48x. Shapes: a full batch of long sequences eagerly (the pool's largest blocks), a
         single short one (the small kernels cuBLAS picks for few rows), then every graph bucket
-        of ``WARM_LEN`` tokens, and one row eager vs graphed: graphs that do not pay are dropped
-        (``graphs``). An op that fails here is logged, not fatal: a custom op may not take token
-        lists."""
+        of ``WARM_LEN`` tokens, timed eager and graphed (every bucket, or one row: ``graph_judge``):
+        graphs that do not pay are dropped (``graphs``). An op that fails here is logged, not
+        fatal: a custom op may not take token lists."""
         t = time.perf_counter()
         n = min(ld.max_len or WARM_LEN, WARM_LEN)
         vocab = max(2, ld.vocab or 2)
@@ -406,7 +419,7 @@ class ModelManager:
 
         def timed(op: Callable, b: list) -> float:
             t0 = time.perf_counter()
-            _run_op(op, inst, b)
+            _run_op(op, inst, b, capture=False)  # the buckets' captures are this thread's, below
             return time.perf_counter() - t0
 
         for op_name, op in ld.ops.items():
@@ -417,17 +430,26 @@ class ModelManager:
                     _run_op(op, inst, batch(rows, length))
                 if g is None:
                     continue
-                eager = min(timed(op, batch(1, n)) for _ in range(3))
                 g.enabled = True
-                rows = 1
-                while g.enabled and g.bucket(rows, n, ld.max_len) is not None and rows <= ld.spec.max_batch:
-                    _run_op(op, inst, batch(rows, n), capture=False)
+                sizes, rows = [], 1
+                while g.bucket(rows, n, ld.max_len) is not None and rows <= ld.spec.max_batch:
+                    sizes.append(rows)
                     rows *= 2
+                judged = sizes if self.graph_judge == "buckets" else sizes[:1]
+                eager: dict[int, float] = {}
+                for rows in sizes:  # eagerly, leaving each bucket's inputs for its capture
+                    _run_op(op, inst, batch(rows, n), capture=False)
+                    if rows in judged:
+                        g.enabled = False
+                        eager[rows] = min(timed(op, batch(rows, n)) for _ in range(3 if rows == 1 else 1))
+                        g.enabled = True
                 with inst.gpus[0].gate.exclusive():
                     g.capture_wanted()
-                graphed = min(timed(op, batch(1, n)) for _ in range(3)) if g.enabled else float("inf")
-                out[op_name] = {"eager_1x%d_ms" % n: round(eager * 1e3, 3), "graph_1x%d_ms" % n: round(graphed * 1e3, 3)}
-                if eager < graphed * MIN_GAIN:
+                graphed = {r: min(timed(op, batch(r, n)) for _ in range(3 if r == 1 else 1)) if g.enabled
+                           else float("inf") for r in eager}
+                out[op_name] = {**{"eager_%dx%d_ms" % (r, n): round(t * 1e3, 3) for r, t in eager.items()},
+                                **{"graph_%dx%d_ms" % (r, n): round(t * 1e3, 3) for r, t in graphed.items()}}
+                if sum(eager.values()) < sum(graphed.values()) * MIN_GAIN:
                     g.drop()
             except Exception as e:
                 log.warning("warming %s's %s failed (its first calls pay the warm-up): %s: %s",
@@ -465,13 +487,22 @@ class ModelManager:
         parts: list[torch.Tensor] = []
         pending, events = [], []
 
+        per_gpu: list[int] = []
+
         def allocate(i: int) -> torch.Tensor:
             nonlocal fresh, alloc_s
             t0 = time.perf_counter()
             with self._memory:
+                if self.cuda and self.trace_cache:
+                    self._cache_before.setdefault(threading.get_ident(), []).append(_cache_of(devices[i]))
                 before = _segments([devices[i]]) if self.cuda else 0
-                part = packing.device_part(lay, i, devices[i])
-                fresh += (_segments([devices[i]]) - before) if self.cuda else 0
+                on = torch.cuda.stream(self._load_stream(devices[i])) if self.cuda and self.alloc_on == "load" \
+                    else contextlib.nullcontext()
+                with on:
+                    part = packing.device_part(lay, i, devices[i])
+                got = (_segments([devices[i]]) - before) if self.cuda else 0
+                fresh += got
+                per_gpu.append(got)
             alloc_s += time.perf_counter() - t0
             return part
 
@@ -494,6 +525,7 @@ class ModelManager:
             if stream not in pending:
                 pending.append(stream)
         self._fresh[threading.get_ident()] = fresh
+        self._fresh_per_gpu[threading.get_ident()] = per_gpu
         self._alloc_s[threading.get_ident()] = alloc_s
         state = packing.views(parts, lay, ld.host_state)
         return state, lay.total, pending, events
@@ -645,6 +677,18 @@ class ModelManager:
         # one runtime after another was killed for host memory at its third (128 GiB host)
         self.loaded.clear()
         self._load_streams.clear()
+
+
+def _cache_of(device: torch.device, least: int = 1 << 28) -> list[dict]:
+    """The caching allocator's segments of at least ``least`` bytes on ``device`` (size, bytes
+    allocated in it, the stream whose pool it belongs to): what a load could have reused."""
+    out = []
+    for seg in torch.cuda.memory_snapshot():
+        if seg.get("device") == device.index and seg.get("total_size", 0) >= least:
+            out.append({"gb": round(seg["total_size"] / 1e9, 3), "allocated_gb": round(seg.get("allocated_size", 0) / 1e9, 3),
+                        "stream": seg.get("stream"), "blocks": [(round(b["size"] / 1e9, 3), b["state"][0])
+                                                               for b in seg.get("blocks", [])][:6]})
+    return out
 
 
 def _segments(devices: list[torch.device]) -> int:
