@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from ..managers.models import manager, packing
+from ..managers.models import graphs as graphs_mod, manager, packing
 from ..managers.models.graphs import GRAPH_JUDGES
 from ..managers.models.manager import ModelServiceConfig
 from ..runtime import Tangram
@@ -684,6 +684,9 @@ HAND_BACK_MODES = {"packed_lazy": "lazy", "packed_kept": "kept", "packed_deferre
 #: packed loads whose parts come from another stream's cache (``manager.ALLOC_ON``): ``packed_load_stream``
 #: allocates each GPU's part on that GPU's load stream; ``packed_default_stream`` on the thread's current one
 ALLOC_MODES = {"packed_load_stream": "load", "packed_default_stream": "default"}
+#: packed loads with graph captures that empty every GPU's cache first (``graphs.EMPTY_CACHE_ON_CAPTURE``,
+#: the way before): the 1-GPU copy's warm-up then hands the evicted 2-GPU copy's blocks back
+CAPTURE_MODES = {"packed_capture_empties": True}
 
 
 def _settle(mode: str) -> None:
@@ -728,6 +731,7 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
     async with Tangram.local(sandboxes=False, models=services, gpus=2, gpu_island_size=2) as tg:
         rt = tg.runtime
         rt.models.trace_cache = True  # what each GPU's cache held before each part was allocated
+        empties = graphs_mod.EMPTY_CACHE_ON_CAPTURE
         made: list[str] = []  # the way each load of the log was made
         for _ in range(rounds):
             for mode in modes:
@@ -735,6 +739,7 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
                 rt.models.hand_back = HAND_BACK_MODES.get(mode, manager.HAND_BACK)
                 rt.models.alloc_first = mode == "packed_alloc_first"
                 rt.models.alloc_on = ALLOC_MODES.get(mode, manager.ALLOC_ON)
+                graphs_mod.EMPTY_CACHE_ON_CAPTURE = CAPTURE_MODES.get(mode, empties)
                 for name in ("one", "two"):
                     if mode in SETTLE:  # the GPUs left quiet before this load, in one of the ways
                         await asyncio.to_thread(_settle, mode)
@@ -750,6 +755,7 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
         rt.models.hand_back = manager.HAND_BACK
         rt.models.alloc_first = False
         rt.models.alloc_on = manager.ALLOC_ON
+        graphs_mod.EMPTY_CACHE_ON_CAPTURE = empties
         log_ = rt.models.load_log
         islands = rt.cluster.gpu_nodes[0].islands()
     _release_memory()
@@ -757,7 +763,7 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
                  "rounds": rounds}
     out["loads"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in x.items()
                      if k in ("model", "packed", "seconds", "warm_s", "issue_s", "alloc_s", "build_s", "wait_s", "copy_s",
-                              "new_segments", "new_segments_per_gpu", "cache_before", "alloc_on",
+                              "new_segments", "new_segments_per_gpu", "cache_before", "alloc_on", "graphs",
                               "since_hand_back_s", "hand_back")}
                     for x in log_]
     for i, x in enumerate(out["loads"]):
@@ -811,7 +817,7 @@ def run(device: str = "auto", log: Callable[[str], None] = print, requests: int 
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise ValueError(f"sections: unknown {', '.join(sorted(unknown))} (known: {', '.join(SECTIONS)})")
-    known_modes = ("packed", "per_tensor", "packed_alloc_first", *SETTLE, *HAND_BACK_MODES, *ALLOC_MODES)
+    known_modes = ("packed", "per_tensor", "packed_alloc_first", *SETTLE, *HAND_BACK_MODES, *ALLOC_MODES, *CAPTURE_MODES)
     bad = [m for m in multigpu_modes if m not in known_modes]
     if bad or not multigpu_modes:
         raise ValueError(f"multigpu_modes: unknown {', '.join(bad) or '(none given)'} (known: {', '.join(known_modes)})")
@@ -895,7 +901,7 @@ def main() -> None:
                     "this many times faster than eager (default: graphs.MIN_GAIN; 0 keeps them always)")
     ap.add_argument("--multigpu-modes", default=",".join(MULTI_GPU_MODES),
                     help=f"the multigpu section's ways to load, of packed, per_tensor, packed_alloc_first, "
-                    f"{', '.join((*SETTLE, *HAND_BACK_MODES, *ALLOC_MODES))}")
+                    f"{', '.join((*SETTLE, *HAND_BACK_MODES, *ALLOC_MODES, *CAPTURE_MODES))}")
     ap.add_argument("--multigpu-rounds", type=int, default=3, help="loads of each way and copy in the multigpu section")
     ap.add_argument("--dedicated-part", default=None, help=argparse.SUPPRESS)  # "i/n": a worker of the above
     args = ap.parse_args()

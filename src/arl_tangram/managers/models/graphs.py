@@ -52,6 +52,17 @@ MIN_GAIN = 1.0
 #: two-row batches, the slowest of that run, ran 28.6 ms eager against 25.3 ms of GPU time graphed
 GRAPH_JUDGE = "buckets"
 GRAPH_JUDGES = ("buckets", "one_row")
+#: capture through ``torch.cuda.graph``, whose entry synchronises the device and hands every GPU's
+#: cached memory back to the driver (``empty_cache``) before each capture. Off: ``capture_begin`` /
+#: ``capture_end`` on the side stream, the same capture without those. Why: a copy's warm-up captures
+#: its buckets, so every load of a single-GPU copy emptied the caches of all GPUs: the blocks that
+#: evictions keep for the next load (``manager.HAND_BACK``) went back too. 2x H200, 7B teacher, a
+#: 2-GPU copy loaded after a 1-GPU copy's load: the second GPU's cache was empty before each load
+#: (``bench models --sections multigpu``, the load log's ``cache_before``), its part a fresh 7 GB
+#: ``cudaMalloc`` every time, though the evicted 2-GPU copy's block had been kept. A capture that
+#: needs memory while the GPU is full now fails (no hand-back may run inside a capture) and that
+#: copy's batches run eagerly (``capture_wanted``)
+EMPTY_CACHE_ON_CAPTURE = False
 #: the shortest padded length
 MIN_LEN = 64
 
@@ -142,8 +153,16 @@ class Graphs:
         side.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: loads in other threads may allocate meanwhile (the gate keeps other batches off)
-        with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
-            static_out = fn(*static_in)
+        if EMPTY_CACHE_ON_CAPTURE:  # the way before (``torch.cuda.graph``: sync, empty_cache, capture)
+            with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
+                static_out = fn(*static_in)
+        else:
+            with torch.cuda.stream(side):
+                graph.capture_begin(self.pool, capture_error_mode="thread_local")
+                try:
+                    static_out = fn(*static_in)
+                finally:
+                    graph.capture_end()
         side.synchronize()
         self.captures += 1
         return graph, static_in, static_out
