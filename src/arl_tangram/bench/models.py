@@ -700,7 +700,7 @@ def _settle(mode: str) -> None:
 
 
 async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
-                     modes: tuple[str, ...] = MULTI_GPU_MODES) -> dict:
+                     modes: tuple[str, ...] = MULTI_GPU_MODES, raw: bool = True) -> dict:
     """The same weights as a 1-GPU copy and as a copy split over 2 GPUs: load time from host RAM
     (scaled to zero between rounds, so every round loads) and the scores of both. Each round loads
     both copies packed (``packing``: one copy per GPU) and tensor by tensor (one copy per tensor,
@@ -798,11 +798,12 @@ async def _multi_gpu(device: str, vocab: int, seq_len: int, rounds: int = 3,
                 "resident_act_s_1gpu": min(latency["one"]), "resident_act_s_2gpu": min(latency["two"]),
                 "resident_ratio_2gpu_over_1gpu": min(latency["two"]) / min(latency["one"])})
     if cuda:
+        out["device_names"] = [torch.cuda.get_device_name(i) for i in range(2)]
+    if cuda and raw:  # the raw copies the loads compare with (``--no-multigpu-raw`` skips them)
         out["h2d_concurrent_2gpu_gbps"] = _h2d_concurrent_gbps(2)
         out["h2d_one_gpu_gbps"] = _h2d_concurrent_gbps(1)
         out["h2d_sources_2gpu"] = _h2d_sources(2)
         out["h2d_sources_1gpu"] = _h2d_sources(1, gb=14.0)
-        out["device_names"] = [torch.cuda.get_device_name(i) for i in range(2)]
     return out
 
 
@@ -811,7 +812,8 @@ SECTIONS = ("h2d", "throughput", "hf", "mopd", "dedicated", "ttfs", "multigpu")
 
 def run(device: str = "auto", log: Callable[[str], None] = print, requests: int | None = None,
         sections: tuple[str, ...] = SECTIONS, shares: list[str] | None = None, merge: dict | None = None,
-        dedicated_gpus: int = 1, multigpu_modes: tuple[str, ...] = MULTI_GPU_MODES, multigpu_rounds: int = 3) -> dict:
+        dedicated_gpus: int = 1, multigpu_modes: tuple[str, ...] = MULTI_GPU_MODES, multigpu_rounds: int = 3,
+        multigpu_raw: bool = True) -> dict:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     unknown = set(sections) - set(SECTIONS)
@@ -875,7 +877,7 @@ def run(device: str = "auto", log: Callable[[str], None] = print, requests: int 
         log(f"time to first score: {result['time_to_first_score']}")
     if "multigpu" in sections:
         result["multi_gpu"] = asyncio.run(_multi_gpu(device, vocab, 512 if cuda else 64, rounds=multigpu_rounds,
-                                                     modes=multigpu_modes))
+                                                     modes=multigpu_modes, raw=multigpu_raw))
         log(f"multi-GPU instance: {result['multi_gpu']}")
     return result
 
@@ -903,6 +905,7 @@ def main() -> None:
                     help=f"the multigpu section's ways to load, of packed, per_tensor, packed_alloc_first, "
                     f"{', '.join((*SETTLE, *HAND_BACK_MODES, *ALLOC_MODES, *CAPTURE_MODES))}")
     ap.add_argument("--multigpu-rounds", type=int, default=3, help="loads of each way and copy in the multigpu section")
+    ap.add_argument("--no-multigpu-raw", action="store_true", help="skip the multigpu section's raw copies")
     ap.add_argument("--dedicated-part", default=None, help=argparse.SUPPRESS)  # "i/n": a worker of the above
     args = ap.parse_args()
     if args.dedicated_part:
@@ -926,7 +929,8 @@ def main() -> None:
     shares = args.shares.split(",") if args.shares else None
     result = run(args.device, requests=args.requests, sections=tuple(x for x in args.sections.split(",") if x),
                  shares=shares, merge=merge, dedicated_gpus=args.dedicated_gpus,
-                 multigpu_modes=tuple(args.multigpu_modes.split(",")), multigpu_rounds=args.multigpu_rounds)
+                 multigpu_modes=tuple(args.multigpu_modes.split(",")), multigpu_rounds=args.multigpu_rounds,
+                 multigpu_raw=not args.no_multigpu_raw)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
