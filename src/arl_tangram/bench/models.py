@@ -684,9 +684,9 @@ HAND_BACK_MODES = {"packed_lazy": "lazy", "packed_kept": "kept", "packed_deferre
 #: packed loads whose parts come from another stream's cache (``manager.ALLOC_ON``): ``packed_load_stream``
 #: allocates each GPU's part on that GPU's load stream; ``packed_default_stream`` on the thread's current one
 ALLOC_MODES = {"packed_load_stream": "load", "packed_default_stream": "default"}
-#: packed loads with graph captures that empty every GPU's cache first (``graphs.EMPTY_CACHE_ON_CAPTURE``,
-#: the way before): the 1-GPU copy's warm-up then hands the evicted 2-GPU copy's blocks back
-CAPTURE_MODES = {"packed_capture_empties": True}
+#: packed loads whose graph captures empty every GPU's cache first, or not (``graphs.EMPTY_CACHE_ON_CAPTURE``):
+#: emptying, the 1-GPU copy's warm-up hands the evicted 2-GPU copy's blocks back before its next load
+CAPTURE_MODES = {"packed_capture_empties": True, "packed_capture_keeps": False}
 
 
 def _settle(mode: str) -> None:

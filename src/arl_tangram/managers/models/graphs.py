@@ -46,23 +46,32 @@ MAX_GRAPHS = 16
 #: 6.77 ms at 1.15 vs 6.28 ms at 1.0 (0.93x), p99 28.7 vs 22.3 ms (0.78x)
 MIN_GAIN = 1.0
 #: which batches a copy's warm-up times, eager and graphed, to decide whether its graphs pay:
-#: "buckets", one batch of every bucket it captured (1, 2, 4 rows of 512 tokens), summed; "one_row",
-#: one row only (the way before). A 7B teacher is compute-bound: one H100, its one-row graph 15.95
-#: vs 15.52 ms eager dropped its graphs (``bench models --sections mopd --shares 1``), while its
-#: two-row batches, the slowest of that run, ran 28.6 ms eager against 25.3 ms of GPU time graphed
-GRAPH_JUDGE = "buckets"
+#: "one_row", one row of 512 tokens; "buckets", one batch of every bucket it captured (1, 2, 4 rows),
+#: summed. Why "buckets" was tried: a 7B teacher is compute-bound, and on one H100 its one-row graph
+#: (15.95 ms) vs eager (15.52) dropped its graphs, while its two-row batches, the slowest of that
+#: run, took 28.6 ms eager against 25.3 ms of GPU time graphed. Measured (2x H200, GPU 0, 12
+#: teachers at share 1, alternating one_row, buckets, one_row, buckets in one run): the 7B's graphs
+#: paid at every bucket there (eager/graphed 15.1/13.9-14.1, 28.3-29.7/26.2-26.4, 53.1-55.3/50.2-50.9
+#: ms), so both ways kept every copy's graphs; average ACT 5.88, 6.31, 6.41, 6.31 ms, p99 19.7, 21.1,
+#: 22.2, 21.6 ms (the same settings differ by 9% between runs); the 7B's warm-up took 0.73-0.75 s
+#: against 0.58-0.59 s, all twelve 3.9-4.1 s against 3.2-3.3 s. Not the default: no gain measured,
+#: a slower load; an H100 run where the two ways decide differently is still to be made
+GRAPH_JUDGE = "one_row"
 GRAPH_JUDGES = ("buckets", "one_row")
 #: capture through ``torch.cuda.graph``, whose entry synchronises the device and hands every GPU's
-#: cached memory back to the driver (``empty_cache``) before each capture. Off: ``capture_begin`` /
-#: ``capture_end`` on the side stream, the same capture without those. Why: a copy's warm-up captures
-#: its buckets, so every load of a single-GPU copy emptied the caches of all GPUs: the blocks that
-#: evictions keep for the next load (``manager.HAND_BACK``) went back too. 2x H200, 7B teacher, a
-#: 2-GPU copy loaded after a 1-GPU copy's load: the second GPU's cache was empty before each load
-#: (``bench models --sections multigpu``, the load log's ``cache_before``), its part a fresh 7 GB
-#: ``cudaMalloc`` every time, though the evicted 2-GPU copy's block had been kept. A capture that
-#: needs memory while the GPU is full now fails (no hand-back may run inside a capture) and that
-#: copy's batches run eagerly (``capture_wanted``)
-EMPTY_CACHE_ON_CAPTURE = False
+#: cached memory back to the driver (``empty_cache``) before each capture (read in torch's source).
+#: Off: ``capture_begin`` / ``capture_end`` on the side stream, the same capture without those.
+#: Why off is wanted: a copy's warm-up captures its buckets, so every load of a single-GPU copy
+#: empties the caches of all GPUs, the blocks that evictions keep for the next load
+#: (``manager.HAND_BACK``) too. 2x H200 (NV18), 7B, a 2-GPU copy loaded after a 1-GPU copy's load and
+#: eviction, 8 loads: the second GPU's cache held no segment before any of them (the load log's
+#: ``cache_before``), its part a fresh 7 GB ``cudaMalloc`` each time, while the first GPU's 13.15 GB
+#: block (in use by the 1-GPU copy during its warm-up) stayed cached and was reused. On by default
+#: until off is measured on a GPU (``bench models --sections multigpu --multigpu-modes
+#: packed_capture_keeps,packed_capture_empties`` alternates the two): the off path has not run on
+#: a GPU yet. With it off, a capture that needs memory while the GPU is full fails (no hand-back may
+#: run inside a capture) and that copy's batches run eagerly (``capture_wanted``)
+EMPTY_CACHE_ON_CAPTURE = True
 #: the shortest padded length
 MIN_LEN = 64
 
