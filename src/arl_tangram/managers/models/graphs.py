@@ -66,12 +66,15 @@ GRAPH_JUDGES = ("buckets", "one_row")
 #: (``manager.HAND_BACK``) too. 2x H200 (NV18), 7B, a 2-GPU copy loaded after a 1-GPU copy's load and
 #: eviction, 8 loads: the second GPU's cache held no segment before any of them (the load log's
 #: ``cache_before``), its part a fresh 7 GB ``cudaMalloc`` each time, while the first GPU's 13.15 GB
-#: block (in use by the 1-GPU copy during its warm-up) stayed cached and was reused. On by default
-#: until off is measured on a GPU (``bench models --sections multigpu --multigpu-modes
-#: packed_capture_keeps,packed_capture_empties`` alternates the two): the off path has not run on
-#: a GPU yet. With it off, a capture that needs memory while the GPU is full fails (no hand-back may
-#: run inside a capture) and that copy's batches run eagerly (``capture_wanted``)
-EMPTY_CACHE_ON_CAPTURE = True
+#: block (in use by the 1-GPU copy during its warm-up) stayed cached and was reused. Off measured
+#: (``bench models --sections multigpu --multigpu-modes packed_capture_empties,packed_capture_keeps
+#: --multigpu-rounds 4 --no-multigpu-raw``, 2x H200 NV18, alternating): the second GPU's part reused
+#: the evicted block (no new segment in any warm round), every copy kept its 3 graphs, 2-GPU load
+#: 0.126 s vs 0.135 s median, **1.90x** the 1-GPU load (best 1.94x) against 1.79x (best 1.80x);
+#: resident 1.10x, identical scores. So off by default. With it off, a capture that needs memory
+#: while the GPU is full fails (no hand-back may run inside a capture) and that copy's batches run
+#: eagerly (``capture_wanted``)
+EMPTY_CACHE_ON_CAPTURE = False
 #: the shortest padded length
 MIN_LEN = 64
 
