@@ -255,6 +255,45 @@ def test_an_evicted_copys_weights_are_freed_at_eviction_without_the_garbage_coll
     assert n > 0 and evictions == 1 and alive == 0, (alive, n)
 
 
+def test_dropping_a_copys_graphs_lets_go_of_what_they_hold_at_once_even_while_a_capture_runs():
+    """Review L3: an eviction dropped its copy's graphs only in a thread, which waits for a capture
+    holding the lock; meanwhile the inputs kept for captures (closures over the module: its weights)
+    stayed allocated though the engine counted them free. ``drop_now`` lets them go at once; the
+    graphs themselves go at once when no capture runs, else when ``drop`` gets the lock."""
+    import threading
+
+    from arl_tangram.managers.models.graphs import Graphs
+
+    class Weights:  # stands in for a module whose weights a kept closure holds
+        pass
+
+    def fill(g: Graphs) -> weakref.ref:
+        w = Weights()
+        g.wanted[("k",)] = (lambda x, w=w: x, ())
+        g.graphs[("k",)] = ("graph", [], None)
+        return weakref.ref(w)
+
+    free = Graphs(capture=False)
+    held = fill(free)
+    assert free.drop_now() and held() is None and not free.graphs and not free.enabled
+
+    busy = Graphs(capture=False)
+    held = fill(busy)
+    busy.lock.acquire()  # a capture running
+    try:
+        assert busy.drop_now() is False
+        assert held() is None and not busy.enabled  # the weights went at once
+        assert busy.graphs  # the graphs wait for the capture
+        later = threading.Thread(target=busy.drop)
+        later.start()
+        later.join(0.2)
+        assert later.is_alive()
+    finally:
+        busy.lock.release()
+    later.join(5)
+    assert not later.is_alive() and not busy.graphs
+
+
 @pytest.mark.parametrize("way", ["deferred", "lazy", "kept"])
 def test_an_evicted_copys_memory_goes_back_the_chosen_way(way):
     """``deferred`` (the default) hands the cache back only once no load has begun for

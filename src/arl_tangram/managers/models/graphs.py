@@ -180,11 +180,30 @@ class Graphs:
         return graph, static_in, static_out
 
     def drop(self) -> None:
-        """Stop using graphs and let go of them (their pool goes back to the allocator's cache)."""
+        """Stop using graphs and let go of them (their pool goes back to the allocator's cache);
+        waits for a capture that is running (call it off the event loop, or ``drop_now`` first)."""
+        self.enabled = False
+        self.wanted = {}
         with self.lock:
-            self.enabled = False
             self.graphs.clear()
             self.wanted.clear()
+
+    def drop_now(self) -> bool:
+        """``drop`` without waiting: the inputs kept for captures (closures over the copy's module,
+        so its weights) go at once, the graphs too unless a capture holds the lock; False then, and
+        ``drop`` must follow (in a thread). Review L3: an eviction that always dropped in a thread
+        kept the evicted weights and graph pool alive until the thread got the lock, memory the
+        engine's ledger already counted free, and a lazy hand-back could run before the drop."""
+        self.enabled = False
+        self.wanted = {}  # a running capture keeps its own reference to what it captures
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            self.graphs.clear()
+            self.wanted.clear()
+        finally:
+            self.lock.release()
+        return True
 
 
 def shape_of(module: torch.nn.Module, seqs: list[list[int]], max_len: int | None = None) -> tuple[int, int]:

@@ -604,12 +604,20 @@ class ModelManager:
             return
         self.evictions += 1
         g = getattr(inst.module, "tangram_graphs", None)
-        if g is not None:  # its graphs' pool back to the cache now; ``wanted`` holds closures over the
-            # module. In a thread: ``drop`` waits for a capture that may be running
-            self.tasks.spawn(asyncio.to_thread(g.drop))
+        dropping = None
+        if g is not None and not g.drop_now():  # its graphs' pool back to the cache now; ``wanted``
+            # holds closures over the module. A capture running: ``drop`` waits for it, in a thread
+            dropping = g.drop
         del inst, g
-        if self.hand_back == "lazy":
-            self.tasks.spawn(asyncio.to_thread(self._empty_cache))
+        if self.hand_back == "lazy":  # after the drop: the graphs' pool must be in the cache first
+            def hand_back(drop=dropping) -> None:
+                if drop is not None:
+                    drop()
+                self._empty_cache()
+
+            self.tasks.spawn(asyncio.to_thread(hand_back))
+        elif dropping is not None:
+            self.tasks.spawn(asyncio.to_thread(dropping))
         elif self.hand_back == "deferred" and not self._hand_back_waiting:
             self._hand_back_waiting = True
             self.tasks.spawn(self._hand_back_when_quiet())
