@@ -241,6 +241,45 @@ def test_a_session_closed_while_its_rest_is_recorded_leaves_no_blob_and_no_proce
     asyncio.run(main())
 
 
+SLOW_PACK = """
+class Slow:
+    def __reduce__(self):
+        import time; time.sleep(0.5)
+        return (int, (1,))
+s = Slow()
+"""
+
+
+def test_a_session_closed_while_it_is_packed_releases_its_sandbox_once():
+    """Review H1: ``close_session`` during a rest's pack released the sandbox, and the rest
+    released it again: reset twice, put in the sessions' pool twice, two later sessions shared
+    it (one read the other's globals). Now only the rest releases it, once."""
+    async def main():
+        async with Tangram.local(sandbox=SandboxConfig(warm_pool=0, warm_sessions=2, rest_after_s=0, recycle_pool_max=4)) as tg:
+            manager = tg.runtime.sandbox_manager()
+            a = await tg.session(trajectory="A")
+            assert (await a.exec(python=SLOW_PACK)).outcome is Outcome.OK
+            sb = manager.sessions["A"]
+            resting = asyncio.ensure_future(manager.rest("A"))
+            await asyncio.sleep(0.15)  # packing (Slow's pickling takes 0.5 s)
+            assert manager.session_state("A") == "resting"
+            manager.close_session("A")
+            assert await resting is False
+            for _ in range(200):
+                if not manager._returning and not manager._moving:
+                    break
+                await asyncio.sleep(0.025)
+            assert sum(x is sb for x in manager._session_pool) <= 1
+            assert manager.session_state("A") is None and manager.store.used == 0
+            c, d = await tg.session(trajectory="C"), await tg.session(trajectory="D")
+            assert (await c.exec(python="secret = 'C-only'")).outcome is Outcome.OK
+            assert (await d.exec(python="y = 1")).outcome is Outcome.OK
+            assert manager.sessions["C"] is not manager.sessions["D"]
+            r = await d.exec(python="print(globals().get('secret'))")
+            assert r.outcome is Outcome.OK and r.stdout == "None\n"
+    asyncio.run(main())
+
+
 def test_closing_a_rested_session_removes_its_state_from_disk():
     async def main():
         async with Tangram.local(sandbox=_config()) as tg:

@@ -91,6 +91,7 @@ class SandboxManager:
         self._pool: list[Sandbox] | None = None  # oldest first
         self._session_pool: list[Sandbox] = []  # layered default sandboxes for new sessions
         self._returning = 0  # session sandboxes being reset for the sessions' pool (``_recycle_session``)
+        self._releasing: set[Sandbox] = set()  # those sandboxes: a second release of one is refused
         self._returned: asyncio.Event | None = None  # set when one is put back
         self.layered = False  # default sessions get a copy-on-write workspace (bwrap, overlays)
         self._closing = False
@@ -453,7 +454,8 @@ class SandboxManager:
         sb = self.sessions.pop(trajectory, None)
         self._last_used.pop(trajectory, None)
         self._unrestable.pop(trajectory, None)
-        if trajectory in self._moving:  # being put to rest: its blob goes once it is written
+        resting = trajectory in self._moving
+        if resting:  # being put to rest: its blob goes once it is written
             self._close_after_rest.add(trajectory)
         rested = self.rested.pop(trajectory, None)
         if rested is not None:
@@ -461,7 +463,9 @@ class SandboxManager:
         pending = self.pending_roots.pop(trajectory, None)
         if pending is not None:
             self.imageboxes.drop(pending)
-        if sb is not None:
+        # a resting session's sandbox is released by ``rest`` alone (review H1: released here too,
+        # it was reset twice, put in the sessions' pool twice, and two later sessions shared it)
+        if sb is not None and not resting:
             if sb in self._busy or trajectory in self._using:  # a step still runs in it: no reuse
                 self._kill_later(sb)
             else:
@@ -474,7 +478,14 @@ class SandboxManager:
         """A session has left ``sb`` (its state packed, or the session closed): reset it for the
         next session and put it in the sessions' pool (``Recycler.session_verdict``: the same wipe
         and checks as a one-shot's), or kill it when that cannot be verified or the pool is full.
-        An open or a wake then costs a fork of the sandbox's zygote, not a new sandbox."""
+        An open or a wake then costs a fork of the sandbox's zygote, not a new sandbox.
+
+        Once per sandbox: one already being reset or back in the pool is refused (logged), so one
+        sandbox never ends up in the pool twice, for two sessions (review H1)."""
+        if sb in self._releasing or sb in self._session_pool:
+            log.warning("session sandbox %s released twice: the second release is ignored", sb.id)
+            return
+        self._releasing.add(sb)
         self._returning += 1
         self.tasks.spawn(self._recycle_session(sb))
 
@@ -487,6 +498,7 @@ class SandboxManager:
         try:
             await self._reuse_session(sb)
         finally:
+            self._releasing.discard(sb)
             self._returning -= 1
             if self._returned is not None:
                 self._returned.set()
@@ -520,6 +532,8 @@ class SandboxManager:
         return min(max(c.warm_sessions, c.recycle_pool_max), c.max_idle_sandboxes) if self.layered else 0
 
     def _put_back_session(self, sb: Sandbox) -> bool:
+        if sb in self._session_pool:  # (``_release_session`` refuses a second release: never twice here)
+            return True
         if self._closing or len(self._session_pool) >= self._session_pool_cap():
             return False
         self._session_pool.append(sb)
@@ -657,7 +671,9 @@ class SandboxManager:
                 log.warning("session %s cannot be put to rest: %s", trajectory, e)
                 self.rest_counts["rest_failures"] += 1
                 self._unrestable[trajectory] = last
-                if not sb.dead:
+                if trajectory in self._close_after_rest:  # closed meanwhile: its sandbox is ours to let go
+                    self._release_session(sb)
+                elif not sb.dead:
                     sb.freeze()
                 return False
             rested = Rested(path, len(blob), dropped, sb.rootfs.image.name if keep_root else None)
@@ -696,6 +712,7 @@ class SandboxManager:
             log.warning("session %s died while being put to rest: %s", trajectory, e)
             self.rest_counts["rest_failures"] += 1
             self.sessions.pop(trajectory, None)
+            self._kill_later(sb)
             return False
         finally:
             self._close_after_rest.discard(trajectory)
