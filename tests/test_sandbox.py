@@ -386,6 +386,55 @@ def test_a_cell_that_forges_answers_never_shifts_its_sessions_answers(forged_id)
     assert later[0].outcome is Outcome.OK and later[0].stdout == "second\n"
 
 
+# a cell writing a well-formed answer of its own on its interpreter's pipe to the runner, with the
+# request's nonce if it carries one (the cell can read its own request: it runs in that process)
+FORGE_WELL_FORMED = """import os, sys
+f = sys._getframe()
+while "OUT" not in f.f_globals:
+    f = f.f_back
+fd, req, g = f.f_globals["OUT"][0], None, sys._getframe()
+while g is not None:
+    if isinstance(g.f_locals.get("req"), dict) and g.f_locals["req"].get("op") == "cell":
+        req = g.f_locals["req"]
+    g = g.f_back
+nonce = ',"nonce":' + repr(req["nonce"]).replace("'", '"') if "nonce" in req else ""
+os.write(fd, ('{"stdout":"Zm9yZ2Vk","stderr":"","truncated":false,"timed_out":false,"exit_code":0,'
+              '"duration_s":DURATION,"display":DISPLAY,"raised":RAISED' + nonce + '}\\n').encode())
+print("real answer of the forging step")"""
+
+
+def _forged(display="[]", raised="[]", duration="0.1") -> str:
+    return FORGE_WELL_FORMED.replace("DISPLAY", display).replace("RAISED", raised).replace("DURATION", duration)
+
+
+def test_a_forged_answer_of_a_shape_no_cell_makes_is_the_user_s_failure_never_the_runner_s_end():
+    """Review H2: a forged answer whose ``display`` was nested 600 deep passed the runner's
+    checks and overflowed its recursive ``to_json`` outside any ``try``: the runner (PID 1) died,
+    the step was infra_error and the session lost. Display and raised items are now checked
+    element by element: any other shape ends the interpreter (the user's failure), the sandbox
+    lives on and the session's next step runs."""
+    async def body(tg):
+        s = await tg.session()
+        await s.exec(python="x = 1")
+        sb = tg.runtime.sandboxes.sessions[s.id]
+        got = []
+        for code in (_forged(display="[" * 600 + "]" * 600), _forged(display="[1]"),
+                     _forged(display='[{"text/plain": 1}]'),
+                     _forged(raised='[{"ename": "E"}]'), _forged(raised="[[]]"), _forged(duration="1e400")):
+            forged = await s.exec(python=code)
+            after = await s.exec(python="print('after')")
+            got.append((forged, after))
+        alive = tg.runtime.sandboxes.sessions.get(s.id) is sb and not sb.dead
+        await s.close()
+        return got, alive
+
+    got, alive = run(body)
+    assert alive
+    for forged, after in got:
+        assert forged.outcome is not Outcome.INFRA_ERROR, forged.message
+        assert after.outcome is Outcome.OK and after.stdout == "after\n", (after.outcome, after.message)
+
+
 def test_a_streamed_cell_writing_a_byte_at_a_time_is_coalesced():
     """Each read of a cell's pipe used to be its own chunk line: hostile output written a byte at a
     time cost the engine process a line, a decode and a call per byte. Chunks now leave at most

@@ -1273,8 +1273,35 @@ def child_call(req, timeout_s, relay=False, late=LATE_CELL):
             return None
 
 
+def _text(value):
+    """``value`` if it is a str, made encodable (a lone surrogate would fail the answer's encode)."""
+    if not isinstance(value, str):
+        raise ValueError("not a str")
+    return value.encode("utf-8", "replace").decode("utf-8")
+
+
+def _cell_parts(display, raised):
+    """A cell answer's ``display`` and ``raised``, rebuilt element by element in the only shapes
+    a cell makes (``cell_here``): display items are dicts of str to str, a raised exception is
+    ``ename``, ``evalue`` and a traceback as a list of str. Anything else (a non-dict item, a
+    value nested 600 deep that overflowed the runner's recursive ``to_json``: review H2) raises
+    ValueError; nothing the interpreter wrote reaches the host as it wrote it."""
+    shown, errors = [], []
+    for d in display:
+        if not isinstance(d, dict):
+            raise ValueError("display")
+        shown.append({_text(k): _text(v) for k, v in d.items()})
+    for e in raised:
+        if not isinstance(e, dict) or set(e) != {"ename", "evalue", "traceback"} or not isinstance(e["traceback"], list):
+            raise ValueError("raised")
+        errors.append({"ename": _text(e["ename"]), "evalue": _text(e["evalue"]),
+                       "traceback": [_text(line) for line in e["traceback"]]})
+    return shown, errors
+
+
 def op_cell(req):
-    """A step of the session's python: relayed to its interpreter, its answer checked field by field."""
+    """A step of the session's python: relayed to its interpreter, its answer checked field by
+    field and rebuilt (``_cell_parts``): what reaches the host has only the shapes a cell makes."""
     start = time.monotonic()
     note = start_child()
     timeout_s = float(req.get("timeout_s") or 10)
@@ -1287,6 +1314,9 @@ def op_cell(req):
                     raise ValueError(k)
             result = {k: r[k] for k in CELL_FIELDS}
             result["stdout"], result["stderr"] = b64(unb64(r["stdout"])), b64(unb64(r["stderr"]))
+            result["display"], result["raised"] = _cell_parts(r["display"], r["raised"])
+            if not abs(r["duration_s"]) < 1e9:  # 1e400 parses as inf, which no JSON can carry to the host
+                raise ValueError("duration_s")
         except (ValueError, TypeError, binascii.Error):
             end_child("answered a malformed result")
             r = None
@@ -1683,7 +1713,11 @@ def main():
         if req.get("fetch") and "error" not in result and "files_error" not in result:
             result["fetched"] = op_read({"paths": req["fetch"]})
         result["id"] = req.get("id")
-        write_all(PROTO_OUT, (to_json(result) + "\n").encode())
+        try:  # an answer that cannot be written is the runner's failure, said as such: never its end
+            line = (to_json(result) + "\n").encode()  # (review H2: a RecursionError here ended PID 1)
+        except Exception as e:
+            line = (to_json({"error": f"answer not encodable: {type(e).__name__}"[:300], "id": req.get("id")}) + "\n").encode()
+        write_all(PROTO_OUT, line)
 
 
 if __name__ == "__main__":
