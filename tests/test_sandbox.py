@@ -364,8 +364,9 @@ def test_a_cell_that_forges_answers_never_shifts_its_sessions_answers(forged_id)
     """A session's cell could write lines of its own on the answer channel (it ran in the runner);
     one taken as an answer used to shift every later answer by one step. Cells now run in the
     session's own interpreter, whose only channel is a pipe to the runner: the runner checks each
-    answer and sends it on with the request's id, so a forged one ends that interpreter (the step
-    fails saying its variables are gone) and the host never sees it; the host's own check (an
+    answer and sends it on with the request's id, so a malformed or out-of-turn one ends that
+    interpreter (the step fails saying its variables are gone) and the host never sees it (a
+    well-formed one: the next test); the host's own check (an
     answer out of turn breaks the sandbox) stays as a second line. No later step gets another
     step's answer."""
     async def body(tg):
@@ -433,6 +434,30 @@ def test_a_forged_answer_of_a_shape_no_cell_makes_is_the_user_s_failure_never_th
     for forged, after in got:
         assert forged.outcome is not Outcome.INFRA_ERROR, forged.message
         assert after.outcome is Outcome.OK and after.stdout == "after\n", (after.outcome, after.message)
+
+
+def test_a_well_formed_forged_answer_answers_only_its_own_step():
+    """Review M4: a forged answer of the right shape (and, now, the request's nonce, which the cell
+    can read) was accepted, and the forging step's real answer then answered the next step, and so
+    on. Now the forged line answers the forging step only (as if it had printed it); its real
+    answer, left on the pipe, ends that interpreter before the next cell, which runs in a new one
+    and says so. Also: a display with a lone surrogate is passed on, made encodable."""
+    async def body(tg):
+        s = await tg.session()
+        await s.exec(python="x = 1")
+        forged = await s.exec(python=_forged())
+        later = [await s.exec(python="print('second')"), await s.exec(python="print('third')")]
+        lone = await s.exec(python=_forged(display='[{"text/plain": "\\\\ud800"}]'))
+        after = await s.exec(python="print('after')")
+        await s.close()
+        return forged, later, lone, after
+
+    forged, later, lone, after = run(body)
+    assert forged.outcome is not Outcome.INFRA_ERROR
+    assert [(r.outcome, r.stdout) for r in later] == [(Outcome.OK, "second\n"), (Outcome.OK, "third\n")]
+    assert "its variables are gone" in later[0].message and later[1].message == ""
+    assert lone.outcome is Outcome.OK and lone.result.run.display == [{"text/plain": "?"}]
+    assert after.outcome is Outcome.OK and after.stdout == "after\n"
 
 
 def test_a_streamed_cell_writing_a_byte_at_a_time_is_coalesced():

@@ -1035,8 +1035,11 @@ def op_reset(req):
 # serves the next session (recycle.py, manager.py). The child gets two pipes (requests in, answers
 # out) and nothing else of ours; it answers JSON lines, which this runner parses with ``json``
 # (safe on hostile bytes), checks field by field and sends on in its own framing: nothing the
-# session writes reaches the host's channel as it wrote it. A child that dies, answers nonsense or
-# runs past its cell's timeout is ended, and the next step says its variables are gone (``LOST``).
+# session writes reaches the host's channel as it wrote it. Each request carries a nonce its answer
+# must repeat (``child_call``). A child that dies, answers nonsense or out of turn, writes between
+# requests or runs past its cell's timeout is ended, and the next step says its variables are gone
+# (``LOST``). A cell can still forge its *own* step's answer (it runs in the process that answers):
+# that is no more than printing what it likes; no other step's answer is ever affected.
 
 CHILD = [None]  # the session's interpreter (a SessionChild), when one lives
 LOST = [""]  # why the session's last interpreter ended, until a step has said so
@@ -1083,6 +1086,7 @@ def session_main(fd_in, fd_out):
                 result = ops[req["op"]](req)
             except Exception as e:
                 result = {"error": f"{type(e).__name__}: {e}"[:1000]}
+            result["nonce"] = req.get("nonce")  # whose answer this is (``child_call`` checks it)
             write_all(fd_out, (to_json(result) + "\n").encode())
     finally:
         os._exit(0)
@@ -1115,6 +1119,11 @@ class SessionChild:
         self.pid = pid
         self.buf = bytearray()
         self.used = False  # a request of the session's has reached it (a preforked one holds nothing yet)
+
+    def stray(self):
+        """Whether it wrote to the runner outside a request: a cell's own process holds the answer
+        pipe and can write lines on it (a legitimate interpreter writes nothing between requests)."""
+        return bool(self.buf) or bool(select.select([self.ans_r], [], [], 0)[0])
 
     def close(self):
         for fd in (self.req_w, self.ans_r):
@@ -1218,10 +1227,21 @@ def _json_line(line):
 def child_call(req, timeout_s, relay=False, late=LATE_CELL):
     """``req`` to the session's interpreter; its answer (a dict), its streamed chunks sent on to
     the host if ``relay``. None when it died, answered nonsense or ran past ``timeout_s`` (it is
-    then ended and ``LOST`` says why)."""
+    then ended and ``LOST`` says why).
+
+    The cell's code runs in that process and can write lines of its own on the answer pipe, even
+    well-formed ones carrying this request's nonce (it can read its own request): such a line is
+    taken as *this* request's answer only (the user's own step, as if it had printed it). Its real
+    answer then comes with a nonce no later request has, or lies in the pipe before the next
+    request: either ends the interpreter (review M4: a forged answer used to shift every later
+    answer of the session by one step). So no step ever gets another step's answer."""
     child = CHILD[0]
     child.used = True
-    data = marshal.dumps(req, 4)
+    if child.stray():
+        end_child("wrote to the runner outside its answers")
+        return None
+    nonce = os.urandom(8).hex()
+    data = marshal.dumps({**req, "nonce": nonce}, 4)
     data = memoryview(len(data).to_bytes(4, "little") + data)
     deadline = time.monotonic() + timeout_s
     os.set_blocking(child.req_w, False)
@@ -1256,6 +1276,9 @@ def child_call(req, timeout_s, relay=False, late=LATE_CELL):
                     while out:
                         out = out[os.write(PROTO_OUT, out):]
                 continue
+            if msg.get("nonce") != nonce:  # an answer to an earlier request (or none): out of turn
+                end_child("answered out of turn")
+                return None
             return msg
         left = deadline - time.monotonic()
         if left <= 0:
@@ -1303,6 +1326,8 @@ def op_cell(req):
     """A step of the session's python: relayed to its interpreter, its answer checked field by
     field and rebuilt (``_cell_parts``): what reaches the host has only the shapes a cell makes."""
     start = time.monotonic()
+    if CHILD[0] is not None and CHILD[0].stray():  # (``child_call``) a fresh interpreter runs this cell
+        end_child("wrote to the runner outside its answers")
     note = start_child()
     timeout_s = float(req.get("timeout_s") or 10)
     r = child_call({k: v for k, v in req.items() if k not in ("id", "files", "fetch")}, timeout_s + CHILD_GRACE_S,
