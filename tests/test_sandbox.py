@@ -460,6 +460,30 @@ def test_a_well_formed_forged_answer_answers_only_its_own_step():
     assert after.outcome is Outcome.OK and after.stdout == "after\n"
 
 
+BAD_CHUNK = """import os, sys
+f = sys._getframe()
+while "OUT" not in f.f_globals:
+    f = f.f_back
+os.write(f.f_globals["OUT"][0], b'{"stream":"stdout","data":"A"}\\n')"""
+
+
+def test_a_streamed_cell_s_malformed_output_chunk_ends_its_interpreter_not_the_step_as_infra():
+    """Review M2: a chunk line whose data is not base64 raised out of the runner's relay: the
+    user's step was infra_error and its interpreter lived on, its real answer then answering the
+    next step. Now it ends that interpreter (the user's failure) and the next step runs."""
+    async def body(tg):
+        s = await tg.session()
+        got: list = []
+        bad = await s.exec(python=BAD_CHUNK, on_output=lambda name, data: got.append((name, data)))
+        after = await s.exec(python="print('next')")
+        await s.close()
+        return bad, after
+
+    bad, after = run(body)
+    assert bad.outcome is Outcome.FAILED and "malformed output chunk" in bad.message, (bad.outcome, bad.message)
+    assert after.outcome is Outcome.OK and after.stdout == "next\n"
+
+
 def test_a_streamed_cell_writing_a_byte_at_a_time_is_coalesced():
     """Each read of a cell's pipe used to be its own chunk line: hostile output written a byte at a
     time cost the engine process a line, a decode and a call per byte. Chunks now leave at most

@@ -1272,7 +1272,12 @@ def child_call(req, timeout_s, relay=False, late=LATE_CELL):
                     end_child("sent a malformed output chunk")
                     return None
                 if relay:
-                    out = (to_json({"stream": name, "data": b64(unb64(chunk))}) + "\n").encode()
+                    try:
+                        data = b64(unb64(chunk))
+                    except binascii.Error:  # review M2: it escaped op_cell, the user's step became infra_error
+                        end_child("sent a malformed output chunk")
+                        return None
+                    out = (to_json({"stream": name, "data": data}) + "\n").encode()
                     while out:
                         out = out[os.write(PROTO_OUT, out):]
                 continue
