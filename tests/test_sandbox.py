@@ -484,6 +484,34 @@ def test_a_streamed_cell_s_malformed_output_chunk_ends_its_interpreter_not_the_s
     assert after.outcome is Outcome.OK and after.stdout == "next\n"
 
 
+@needs_cgroups
+def test_a_cell_flooding_its_answer_pipe_without_a_newline_is_its_own_failure():
+    """Review M1: the runner buffered a session interpreter's answer up to 1 GiB: a cell writing
+    hundreds of MB without a newline on its answer pipe grew the runner (PID 1, in the sandbox's
+    memory limit) until it was OOM-killed, an infra_error. The runner now stops at 60 MB (the host
+    reads no longer line) and ends the interpreter: the user's failure; the sandbox lives on."""
+    cell = """import os, sys
+f = sys._getframe()
+while "OUT" not in f.f_globals:
+    f = f.f_back
+chunk = b"x" * (1 << 20)
+for i in range(320):
+    os.write(f.f_globals["OUT"][0], chunk)"""
+
+    async def body(tg):
+        s = await tg.session()
+        await s.exec(python="x = 1")
+        flood = await s.exec(python=cell, timeout_s=60)
+        after = await s.exec(python="print('after')")
+        await s.close()
+        return flood, after
+
+    flood, after = run(body, memory_mb=256)
+    assert flood.outcome is Outcome.FAILED and "answered more than the runner takes" in flood.message, \
+        (flood.outcome, flood.message)
+    assert after.outcome is Outcome.OK and after.stdout == "after\n"
+
+
 def test_a_streamed_cell_writing_a_byte_at_a_time_is_coalesced():
     """Each read of a cell's pipe used to be its own chunk line: hostile output written a byte at a
     time cost the engine process a line, a decode and a call per byte. Chunks now leave at most

@@ -1045,7 +1045,11 @@ CHILD = [None]  # the session's interpreter (a SessionChild), when one lives
 LOST = [""]  # why the session's last interpreter ended, until a step has said so
 TAINTED = [""]  # why this sandbox must never be reset for reuse (op_python), once it is so
 CHILD_GRACE_S = 1.0  # past a cell's own timeout (its alarm, in the child), the runner ends the child
-CHILD_LINE_MAX = 1 << 30  # an answer longer than this is nonsense
+CHILD_LINE_MAX = 1 << 30  # a pack's answer (the namespace, fetched by the host in chunks) longer than this is nonsense
+# a cell's answer longer than this could not reach the host anyway (it reads lines up to 64 MB): the
+# runner stops buffering there (review M1: a cell writing 700 MB without a newline grew the runner to
+# its sandbox's memory limit, OOM-killed: infra_error)
+CELL_LINE_MAX = 60 << 20
 REST_CHILD_S = 50.0  # packing or loading a namespace (the host gives the whole rest 60 s: rest.REST_TIMEOUT_S)
 LATE_CELL = "did not stop at its cell's timeout and was ended"
 LATE_PACK = "did not pack or load its state in time and was ended"
@@ -1118,6 +1122,7 @@ class SessionChild:
             raise RuntimeError(f"zygote: {ZYGOTE.broken}")
         self.pid = pid
         self.buf = bytearray()
+        self.scanned = 0  # how much of ``buf`` holds no newline: each read is searched once
         self.used = False  # a request of the session's has reached it (a preforked one holds nothing yet)
 
     def stray(self):
@@ -1224,7 +1229,7 @@ def _json_line(line):
     return msg if isinstance(msg, dict) else None
 
 
-def child_call(req, timeout_s, relay=False, late=LATE_CELL):
+def child_call(req, timeout_s, relay=False, late=LATE_CELL, line_max=CELL_LINE_MAX):
     """``req`` to the session's interpreter; its answer (a dict), its streamed chunks sent on to
     the host if ``relay``. None when it died, answered nonsense or ran past ``timeout_s`` (it is
     then ended and ``LOST`` says why).
@@ -1258,7 +1263,8 @@ def child_call(req, timeout_s, relay=False, late=LATE_CELL):
             end_child("", kill=False)
             return None
     while True:
-        nl = child.buf.find(b"\n")
+        nl = child.buf.find(b"\n", child.scanned)
+        child.scanned = len(child.buf) if nl < 0 else 0
         if nl >= 0:
             line = bytes(child.buf[:nl])
             del child.buf[:nl + 1]
@@ -1296,7 +1302,7 @@ def child_call(req, timeout_s, relay=False, late=LATE_CELL):
             end_child("", kill=False)
             return None
         child.buf += chunk
-        if len(child.buf) > CHILD_LINE_MAX:
+        if len(child.buf) > line_max:
             end_child("answered more than the runner takes")
             return None
 
@@ -1570,7 +1576,7 @@ def op_rest(req):
     dropped = {}
     child_state, modules = None, []
     if CHILD[0] is not None and CHILD[0].used:  # (one forked ahead holds nothing of the session's)
-        r = child_call({"op": "pack"}, REST_CHILD_S, late=LATE_PACK)
+        r = child_call({"op": "pack"}, REST_CHILD_S, late=LATE_PACK, line_max=CHILD_LINE_MAX)
         ok = (r is not None and isinstance(r.get("state"), str) and _str_dict(r.get("dropped"))
               and isinstance(r.get("modules"), list) and all(isinstance(m, str) for m in r["modules"]))
         if ok:
