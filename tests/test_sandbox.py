@@ -536,6 +536,37 @@ def test_a_streamed_cell_writing_a_byte_at_a_time_is_coalesced():
     assert len(chunks) <= 2 * (took / CELL_COALESCE_S + 2), (len(chunks), took)
 
 
+def test_a_streamed_cell_writing_chunk_lines_itself_is_capped_and_coalesced():
+    """Review M3: a streamed cell could write chunk lines straight on its answer pipe, past its
+    Capture's cap and coalescing: the runner relayed each line and the engine process parsed and
+    decoded every one (200k lines: 1.69 s of its CPU). The runner now relays at most
+    ``max_output_bytes`` a stream, in chunks at most every CELL_COALESCE_S."""
+    from arl_tangram.managers.sandbox.runner import CELL_COALESCE_S
+    cell = """import os, sys
+f = sys._getframe()
+while "OUT" not in f.f_globals:
+    f = f.f_back
+line = b'{"stream":"stdout","data":"eA=="}\\n' * 1000
+for i in range(100):
+    os.write(f.f_globals["OUT"][0], line)
+print('own')"""
+
+    async def body(tg):
+        s = await tg.session()
+        await s.exec(python="1")
+        chunks: list[tuple[str, bytes]] = []
+        t = time.monotonic()
+        r = await s.exec(python=cell, timeout_s=60, on_output=lambda k, d: chunks.append((k, d)))
+        took = time.monotonic() - t
+        await s.close()
+        return r, chunks, took
+
+    r, chunks, took = run(body, max_output_bytes=4096)
+    got = b"".join(d for k, d in chunks if k == "stdout")
+    assert len(got) <= 4096 and got.startswith(b"x" * 100), len(got)
+    assert len(chunks) <= 2 * (took / CELL_COALESCE_S + 2), (len(chunks), took)
+
+
 @needs_cgroups
 def test_a_frozen_session_uses_no_cpu():
     async def body(tg):
