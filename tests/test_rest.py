@@ -576,6 +576,26 @@ def test_a_cell_that_ends_its_interpreter_is_reported_and_so_is_the_next_step_an
     asyncio.run(main())
 
 
+def test_a_cell_that_kills_its_sandbox_s_zygote_fails_and_the_session_starts_anew():
+    """Review M5: a cell killing its interpreter's parent (the sandbox's zygote) left every later
+    python step of the session failing as infra_error, and the sandbox was never replaced. The
+    step that finds no interpreter can start is now the user's failure, the sandbox is replaced,
+    and the next step runs in a new one, saying the session restarted."""
+    async def main():
+        async with Tangram.local(sandbox=_recycling_config()) as tg:
+            manager = tg.runtime.sandbox_manager()
+            s = await tg.session(trajectory="z")
+            got = [await s.exec(python=code) for code in
+                   ("import os; os.kill(os.getppid(), 9)", "import os; os._exit(3)", "print(1)")]
+            sb = manager.sessions["z"]
+            r = await s.exec(python="print(2)")
+            assert all(g.outcome is not Outcome.INFRA_ERROR for g in got), [(g.outcome, g.message) for g in got]
+            assert got[2].outcome is Outcome.FAILED and "zygote" in got[2].message
+            assert sb.dead and manager.sessions["z"] is not sb
+            assert r.outcome is Outcome.OK and r.stdout == "2\n" and "session restarted" in r.message
+    asyncio.run(main())
+
+
 def test_a_cell_that_ignores_its_timeout_is_ended_without_losing_the_sandbox():
     async def main():
         async with Tangram.local(sandbox=_recycling_config()) as tg:

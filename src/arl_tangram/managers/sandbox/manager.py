@@ -908,6 +908,7 @@ class SandboxManager:
             try:
                 if answer is not None:
                     outcome, result = _outcome(answer), _result(answer)
+                    await self._drop_broken(sb, answer)
                 else:
                     outcome, result = await self._execute(sb, payload, cores, self._listeners.get(action.id))
             finally:
@@ -1011,6 +1012,7 @@ class SandboxManager:
                 return Outcome.REJECTED, SandboxResult(message="exec: give a command or a python cell")
             if "stream" not in req:  # + the shell's own kill window
                 r = await sb.request(req, payload.timeout_s + grace + 1.0)
+                await self._drop_broken(sb, r)
                 return _outcome(r), _result(r)
             assert on_output is not None
             streamed = {"stdout": 0, "stderr": 0}
@@ -1020,6 +1022,7 @@ class SandboxManager:
                 on_output(stream, data)
 
             r = await sb.request(req, payload.timeout_s + grace + 1.0, counted)
+            await self._drop_broken(sb, r)
             for stream in ("stdout", "stderr"):  # what the step had not sent before it ended
                 data = base64.b64decode(r.get(stream) or "")
                 if len(data) > streamed[stream]:
@@ -1037,6 +1040,14 @@ class SandboxManager:
                 out.missing = r.get("missing", [])
             return Outcome.OK, out
         return Outcome.REJECTED, SandboxResult(message=f"payload: {type(payload).__name__} is not a sandbox request")
+
+    async def _drop_broken(self, sb: Sandbox, r: dict) -> None:
+        """A step's answer says ``broken`` (``runner._no_interpreter``: its zygote is gone, so no
+        python can run in ``sb`` any more): the sandbox is killed, and the session's next step takes
+        a new one, saying it restarted (review M5: every later python step was infra_error)."""
+        if r.get("broken"):
+            log.warning("session sandbox %s replaced: %s", sb.id, str(r["broken"])[:300])
+            await sb.kill()
 
     async def _run_code(self, sb: Sandbox, p: RunCode, cores: tuple[int, ...]) -> tuple[Outcome, SandboxResult]:
         grace = self.config.grace_s

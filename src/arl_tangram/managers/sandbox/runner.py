@@ -1378,13 +1378,41 @@ def _cell_parts(display, raised):
     return shown, errors
 
 
+def _zygote_ended():
+    """Whether the zygote was ended or stopped: in a session's sandbox only the session's own
+    code can do that (a signal to its interpreter's parent, or the memory it used)."""
+    try:
+        pid, _ = os.waitpid(ZYGOTE.pid, os.WNOHANG)
+        return bool(pid) or process_state(ZYGOTE.pid)["stopped"]
+    except (ChildProcessError, OSError, IndexError):  # reaped (reap_strays), or gone
+        return True
+
+
+def _no_interpreter(why, start):
+    """A cell's answer when no session interpreter can be started here (review M5: the session's
+    code killed the zygote, and every later python step was the runner's error, forever). It says
+    ``broken``: the host replaces the sandbox, and the session's next step starts anew, saying its
+    state was lost. The step is the user's failure when the session ended or stopped the zygote,
+    the runner's error (infra_error) when the zygote lives but stopped answering."""
+    if ZYGOTE is not None and _zygote_ended():
+        return {"stdout": "", "stderr": "", "truncated": False, "timed_out": False, "exit_code": 1,
+                "duration_s": time.monotonic() - start, "display": [], "raised": [], "broken": why,
+                "note": "the session's code ended its sandbox's zygote (the template its python interpreters are "
+                        "forked from): no python can run there; the next step starts in a new sandbox, "
+                        "its files and variables are gone"}
+    return {"error": f"RuntimeError: {why}", "broken": why}
+
+
 def op_cell(req):
     """A step of the session's python: relayed to its interpreter, its answer checked field by
     field and rebuilt (``_cell_parts``): what reaches the host has only the shapes a cell makes."""
     start = time.monotonic()
     if CHILD[0] is not None and CHILD[0].stray():  # (``child_call``) a fresh interpreter runs this cell
         end_child("wrote to the runner outside its answers")
-    note = start_child()
+    try:
+        note = start_child()
+    except RuntimeError as e:  # the zygote is broken: no interpreter can be started in this sandbox
+        return _no_interpreter(str(e), start)
     timeout_s = float(req.get("timeout_s") or 10)
     r = child_call({k: v for k, v in req.items() if k not in ("id", "files", "fetch")}, timeout_s + CHILD_GRACE_S,
                    relay=Relay(int(req.get("max_output") or 1 << 20)) if req.get("stream") else None)
