@@ -7,12 +7,13 @@ import asyncio
 import os
 import shutil
 import signal
+import time
 
 import httpx
 import pytest
 
 from arl_tangram.core import Outcome
-from arl_tangram.managers.sandbox.spec import SandboxConfig
+from arl_tangram.managers.sandbox.spec import Files, SandboxConfig
 from arl_tangram.runtime import NoRoom, Tangram
 from arl_tangram.runtime.local import LocalRuntime
 from arl_tangram.server.service import Service
@@ -188,6 +189,28 @@ def test_a_step_sent_while_its_session_is_put_to_rest_waits_then_wakes_it():
             r = await s.exec(python="print(len(v))")
             assert await resting is True
             assert r.outcome is Outcome.OK and r.stdout.strip() == "1000" and r.result.info["woken"]
+    asyncio.run(main())
+
+
+def test_a_file_written_while_its_session_is_put_to_rest_is_there_after_the_wake():
+    """Review M6: ``Session.files`` while the session was being put to rest wrote into the sandbox
+    from the engine process after the pack had taken its files: acknowledged, then lost with the
+    reset. It now goes the action's way, which waits for the rest and wakes the session."""
+    async def main():
+        async with Tangram.local(sandbox=_config()) as tg:
+            manager = tg.runtime.sandbox_manager()
+            s = await tg.session(trajectory="late")
+            assert (await s.exec(python="x = 1")).outcome is Outcome.OK
+            write = manager.store.write
+            manager.store.write = lambda *a: (time.sleep(0.3), write(*a))[1]  # a slow disk: the window
+            resting = asyncio.ensure_future(manager.rest("late"))
+            await asyncio.sleep(0.15)  # packed; the blob is being written
+            assert manager.session_state("late") == "resting"
+            r = await s.files(Files(put={"late.txt": b"acknowledged"}))
+            assert r.outcome is Outcome.OK
+            await resting
+            r = await s.exec(python="print(open('/workspace/late.txt').read())")
+            assert r.outcome is Outcome.OK and r.stdout == "acknowledged\n", (r.outcome, r.stderr)
     asyncio.run(main())
 
 

@@ -580,9 +580,11 @@ class SandboxManager:
         """A session's file action carried out from this process (``hostfiles``: no runner round
         trip, no base64), or None where it cannot be: the session's sandbox has not started, runs
         without isolation, or a path is not plain (a symlink, a FIFO, ``..``): the runner does it
-        then. The caller holds the session's step lock."""
+        then, as it does while the session is being put to rest (the action waits for the rest, then
+        wakes it: review M6, a file written here after the pack was acknowledged, then lost). The
+        caller holds the session's step lock."""
         sb = self.sessions.get(trajectory)
-        if sb is None or sb.dead or sb.proc.returncode is not None:
+        if sb is None or sb.dead or sb.proc.returncode is not None or trajectory in self._moving:
             return None
         if sb.workspace_fd is None:
             sb.workspace_fd = hostfiles.open_workspace(sb.proc.pid)
