@@ -692,6 +692,68 @@ def test_a_python_one_shot_in_a_session_s_sandbox_runs_and_the_sandbox_is_then_n
     asyncio.run(main())
 
 
+# counts a needle in every writable mapping of the one-shot's process, and a control needle never
+# used anywhere: the scan's own objects (the needles, the copies) count the same for both
+SCAN_MEMORY = r"""
+import ctypes
+def needle(s):
+    return bytes(reversed(s.encode()))
+found = {"secret": needle("gnoleb 1937_A_TERCESPOT"), "control": needle("gnoleb 0000_Z_TERCESPOT")}
+hits = dict.fromkeys(found, 0)
+for line in open("/proc/self/maps").read().splitlines():
+    parts = line.split()
+    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+    if not parts[1].startswith("rw") or (len(parts) > 5 and parts[5].startswith("[v")):
+        continue
+    try:
+        data = ctypes.string_at(lo, hi - lo)
+    except Exception:
+        continue
+    for k, m in found.items():
+        hits[k] += data.count(m)
+print(hits["secret"], hits["control"])
+"""
+
+
+def test_a_python_one_shot_in_a_recycled_session_sandbox_reads_nothing_of_earlier_sessions():
+    """Review H3: a python one-shot sent to a session's sandbox whose interpreter holds the zygote
+    ran in a fork of the runner, whose heap still held earlier sessions' cells and answers: it
+    found session A's secret in session B's sandbox. It now runs in a new interpreter (exec)."""
+    from arl_tangram.core import Action, Allocation
+    from arl_tangram.managers.sandbox.spec import Exec, RunCode
+    from arl_tangram.runtime.agent import NodeAgent
+
+    async def main():
+        agent = NodeAgent("n1", 1, SandboxConfig(warm_pool=0, warm_sessions=1, rest_after_s=0))
+        await agent.start()
+        try:
+            cores = Allocation("cpu", 0, (0,))
+            manager = agent.manager
+            c = await agent.run(Action("a1", "sandbox", trajectory="A", payload=Exec(
+                python="password = 'TOPSECRET_A_7391 belongs to job A'\nprint(password)")), cores)
+            assert c.outcome is Outcome.OK, c.message
+            sb = manager.sessions["A"]
+            before = manager.recycler.sessions_recycled
+            manager.close_session("A")
+            await _recycled(manager, before)
+            _take_recycled(manager, sb)
+            c = await agent.run(Action("b1", "sandbox", trajectory="B", payload=Exec(python="y = 1")), cores)
+            assert c.outcome is Outcome.OK and manager.sessions["B"] is sb, c.message
+            c = await agent.run(Action("b2", "sandbox", trajectory="B", payload=RunCode(SCAN_MEMORY)), cores)
+            assert c.outcome is Outcome.OK, (c.message, c.result.run.stderr)
+            secret, control = map(int, c.result.run.stdout.split())
+            assert secret == control, (secret, control)
+            c = await agent.run(Action("b3", "sandbox", trajectory="B", payload=RunCode(
+                "import sys\nprint(sys.argv, __name__)\nraise ValueError('mine')")), cores)
+            assert c.outcome is Outcome.FAILED and c.result.run.stdout == "['main.py'] __main__\n"
+            assert 'File "main.py", line 3' in c.result.run.stderr and "<string>" not in c.result.run.stderr
+            c = await agent.run(Action("b4", "sandbox", trajectory="B", payload=Exec(python="print(y)")), cores)
+            assert c.outcome is Outcome.OK and c.result.run.stdout == "1\n"  # the session's state untouched
+        finally:
+            await agent.shut_down()
+    asyncio.run(main())
+
+
 def test_the_step_that_wakes_a_session_runs_in_the_wake_and_is_reported_as_any_step():
     async def main():
         async with Tangram.local(sandbox=_recycling_config()) as tg:

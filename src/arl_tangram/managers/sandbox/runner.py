@@ -370,13 +370,64 @@ def python_body(code, env):
             pass
 
 
+# a python one-shot in a new interpreter: its code comes on the descriptor named in argv[1]; a
+# traceback starts at the program's own frames, as a one-shot's from the zygote does
+FRESH_BOOT = """import os, sys
+with os.fdopen(int(sys.argv[1]), "rb") as f:
+    code = f.read()
+sys.argv = ["main.py"]
+def hook(t, v, tb, orig=sys.excepthook):
+    if tb is not None and tb.tb_frame.f_code.co_filename == "<string>":
+        tb = tb.tb_next
+        v = v.with_traceback(tb)  # (what Python 3.11's default hook prints)
+    orig(t, v, tb)
+sys.excepthook = hook
+del os, f, hook
+exec(compile(code, "main.py", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+"""
+
+
+def python_fresh(req):
+    """A python one-shot run by a new interpreter (a fork of this runner that execs at once: none
+    of the runner's memory reaches the program). For a session's sandbox whose interpreter holds
+    the zygote: a child forked from the runner itself read what the runner's heap still held of
+    the sessions before (their cells' requests and answers, rest blobs: review H3)."""
+    if not sys.executable:
+        raise RuntimeError("no python executable to start a fresh interpreter with")
+    code = req["code"].encode("utf-8", "surrogateescape")
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("main.py", 0)  # close-on-exec, made inheritable in the child only
+    else:
+        import tempfile
+        f = tempfile.TemporaryFile()
+        fd = os.dup(f.fileno())
+        f.close()
+    try:
+        write_all(fd, code)
+        os.lseek(fd, 0, os.SEEK_SET)
+        argv = [sys.executable, "-c", FRESH_BOOT, str(fd)]
+        env = env_for(req)
+
+        def body():
+            for sig in RESTORED:
+                _signal.signal(sig, _signal.SIG_DFL)
+            os.set_inheritable(fd, True)
+            os.execve(sys.executable, argv, env)
+
+        return spawn(req, body)
+    finally:
+        os.close(fd)
+
+
 def op_python(req):
     if CHILD[0] is not None:  # a session's sandbox (a python one-shot with a trajectory: rare)
         if not CHILD[0].used:  # one forked ahead holds nothing: the zygote is needed for this run
             end_child("")
             LOST[0] = ""
-        else:  # the zygote waits on the session's interpreter: fork from here, and never reuse the sandbox
+        else:  # the zygote waits on the session's interpreter: a new interpreter runs it, and the
+            # sandbox is never reused
             TAINTED[0] = "a python one-shot was forked from the runner (the session's interpreter held the zygote)"
+            return python_fresh(req)
     if ZYGOTE is not None and CHILD[0] is None:
         return ZYGOTE.run(req)
     code = req["code"]
