@@ -754,6 +754,34 @@ def test_a_python_one_shot_in_a_recycled_session_sandbox_reads_nothing_of_earlie
     asyncio.run(main())
 
 
+def test_a_session_sandbox_whose_first_action_was_a_python_one_shot_is_recycled():
+    """Review L1: the runner's last op ("python") outlived the session, so the reset after it left
+    preforked the next session's interpreter and then asked the zygote, which waits on that
+    interpreter, for a one-shot child forked ahead: no answer in 2 s, the sandbox discarded."""
+    from arl_tangram.core import Action, Allocation
+    from arl_tangram.managers.sandbox.spec import RunCode
+    from arl_tangram.runtime.agent import NodeAgent
+
+    async def main():
+        agent = NodeAgent("n1", 1, SandboxConfig(warm_pool=0, warm_sessions=1))
+        await agent.start()
+        try:
+            manager = agent.manager
+            c = await agent.run(Action("r", "sandbox", trajectory="t", payload=RunCode("print(1)")),
+                                Allocation("cpu", 0, (0,)))
+            assert c.outcome is Outcome.OK, c.message
+            before = manager.recycler.sessions_recycled
+            manager.close_session("t")
+            for _ in range(200):
+                if manager.recycler.sessions_recycled > before or manager.recycler.sessions_discarded:
+                    break
+                await asyncio.sleep(0.025)
+            assert manager.recycler.sessions_recycled == before + 1, manager.recycler.stats()
+        finally:
+            await agent.shut_down()
+    asyncio.run(main())
+
+
 def test_the_step_that_wakes_a_session_runs_in_the_wake_and_is_reported_as_any_step():
     async def main():
         async with Tangram.local(sandbox=_recycling_config()) as tg:

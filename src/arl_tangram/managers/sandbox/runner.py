@@ -1072,7 +1072,9 @@ def op_reset(req):
         why.append(f"zygote: {ZYGOTE.broken}")
     if not why and req.get("prefork"):  # a session's sandbox: the next session's interpreter, forked now
         why += prefork_child()
-    if not why and ZYGOTE is not None and LAST[0] == "python" and req.get("ahead"):  # the next is likely python too
+    # the next is likely python too; never in a session's sandbox, whose zygote waits on the next
+    # session's interpreter (review L1: asked to fork ahead then, it could not answer: discarded)
+    if not why and ZYGOTE is not None and LAST[0] == "python" and req.get("ahead") and not SESSION:
         ZYGOTE.fork_ahead()
         if ZYGOTE.broken:
             why.append(f"zygote: {ZYGOTE.broken}")
@@ -1827,6 +1829,8 @@ def end_session():
     SHELL_USED.clear()
     REST["blob"] = b""
     REST["modules"] = set()
+    if SESSION:  # (a one-shot sandbox's reset reads it next: its fork-ahead)
+        LAST[0] = ""  # the last run's op: nothing of a session's leads the next session's sandbox
 
 
 OPS = {"run": op_run, "shell": op_shell, "python": op_python, "cell": op_cell, "write": op_write, "read": op_read,
