@@ -436,6 +436,20 @@ def test_a_forged_answer_of_a_shape_no_cell_makes_is_the_user_s_failure_never_th
         assert after.outcome is Outcome.OK and after.stdout == "after\n", (after.outcome, after.message)
 
 
+def test_a_cell_raising_a_lone_surrogate_keeps_its_interpreter():
+    async def body(tg):
+        s = await tg.session()
+        await s.exec(python="x = 41")
+        r = await s.exec(python="raise ValueError('bad \\ud800')")
+        after = await s.exec(python="print(x + 1)")
+        await s.close()
+        return r, after
+
+    r, after = run(body)
+    assert r.outcome is Outcome.FAILED and r.result.run.error[0]["evalue"] == "bad ?", (r.message, r.result.run.error)
+    assert after.outcome is Outcome.OK and after.stdout == "42\n" and after.message == ""
+
+
 def test_a_well_formed_forged_answer_answers_only_its_own_step():
     """Review M4: a forged answer of the right shape (and, now, the request's nonce, which the cell
     can read) was accepted, and the forging step's real answer then answered the next step, and so

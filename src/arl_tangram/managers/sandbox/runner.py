@@ -863,6 +863,7 @@ def cell_here(req):
         cap.start()
         caps.append(cap)
     sys.stdout, sys.stderr = stream(1, "w"), stream(2, "w")
+    sys.stderr.reconfigure(errors="backslashreplace")  # as Python's own: a traceback never fails to print
     # the C modules under ``signal`` and ``ast``: those pull in enum, contextlib and collections,
     # ~5 ms of CPU at every session's start (python -X importtime), for names these already have
     import _ast
@@ -1144,7 +1145,9 @@ def session_main(fd_in, fd_out):
             except Exception as e:
                 result = {"error": f"{type(e).__name__}: {e}"[:1000]}
             result["nonce"] = req.get("nonce")  # whose answer this is (``child_call`` checks it)
-            write_all(fd_out, (to_json(result) + "\n").encode())
+            # "replace": a lone surrogate (``raise ValueError('\ud800')``) failed this encode and
+            # ended the interpreter; it is now a "?"
+            write_all(fd_out, (to_json(result) + "\n").encode("utf-8", "replace"))
     finally:
         os._exit(0)
 
