@@ -1431,7 +1431,8 @@ def _cell_parts(display, raised):
             raise ValueError("display")
         shown.append({_text(k): _text(v) for k, v in d.items()})
     for e in raised:
-        if not isinstance(e, dict) or set(e) != {"ename", "evalue", "traceback"} or not isinstance(e["traceback"], list):
+        if (not isinstance(e, dict) or set(e) != {"ename", "evalue", "traceback"}
+                or not isinstance(e["traceback"], list)):
             raise ValueError("raised")
         errors.append({"ename": _text(e["ename"]), "evalue": _text(e["evalue"]),
                        "traceback": [_text(line) for line in e["traceback"]]})
@@ -1887,7 +1888,7 @@ def main():
         try:  # an answer that cannot be written is the runner's failure, said as such: never its end
             line = (to_json(result) + "\n").encode()  # (review H2: a RecursionError here ended PID 1)
         except Exception as e:
-            line = (to_json({"error": f"answer not encodable: {type(e).__name__}"[:300], "id": req.get("id")}) + "\n").encode()
+            line = (to_json({"error": f"answer not encodable: {type(e).__name__}", "id": req.get("id")}) + "\n").encode()
         write_all(PROTO_OUT, line)
 
 
