@@ -155,6 +155,7 @@ class Runtime:
         self.rest_barriers: list[Callable[[], Awaitable[None]]] = []
         self._recorders: list = []  # TraceRecorders, closed with the runtime
         self._first_submitted: dict[str, float] = {}  # re-run actions: when the first run was submitted
+        self._round_due = False  # a round is asked for at the end of this loop pass (``tick_soon``)
 
     def _build(self, cluster: Cluster, policy: str | Policy, managers: Mapping[Pool, Manager], costs: Costs,
                profile: Profile | None, *, max_queue_s: float | None = DEFAULT_MAX_QUEUE_S,
@@ -169,11 +170,33 @@ class Runtime:
 
     # -- the loop --------------------------------------------------------------------------------
     def tick(self) -> None:
-        """A scheduling round now (after anything changed). Not coalesced per loop iteration: a
-        core freed by a completion would then stay idle until the next loop pass, and on many
-        cores serving one-shots the hold time per action, not the engine's CPU, sets the
-        throughput (coalescing gains little: docs/performance.md, "The engine")."""
+        """A scheduling round now (after anything changed that is not a report or a submission:
+        those ask for ``tick_soon``)."""
+        self._round_due = False
         self.driver.tick()
+
+    def tick_soon(self) -> None:
+        """One scheduling round for everything this loop pass brings (the completions read from
+        every worker's link and every local sandbox, the submissions), run once its callbacks are
+        done: the reports are applied to the engine as they come (their futures resolve, their
+        cores go back to the ledger at once) and one ``schedule()`` then hands the freed cores on,
+        as vLLM's engine core applies a step's outputs and then schedules once. A freed core waits
+        only for the rest of the pass, never for an idle ``epoll`` (coalescing over a wait, 16
+        events a round, was measured and dropped: docs/performance.md, "The engine"). A round that
+        is due runs at most once; ``tick()`` in between makes it a no-op round, not a lost one."""
+        if self._round_due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a tool, a test calling the sink by hand): at once
+            self.tick()
+            return
+        self._round_due = True
+        loop.call_soon(self._due_round)
+
+    def _due_round(self) -> None:
+        if self._round_due:
+            self.tick()
 
     def _arm(self, at: float) -> None:
         if self._wake is not None:
@@ -194,7 +217,7 @@ class Runtime:
         if isinstance(r, Completion):
             self._results[r.action_id] = r.result
         self.engine.report(r)
-        self.tick()
+        self.tick_soon()
 
     def _finished(self, f: Finished) -> None:
         result = self._results.pop(f.action.id, None)
@@ -228,7 +251,7 @@ class Runtime:
         except BaseException:
             self._futures.pop(action.id, None)
             raise
-        self.tick()
+        self.tick_soon()
         return await fut
 
     def cancel(self, action_id: str) -> bool:
