@@ -61,3 +61,35 @@ def test_close_commits_what_is_queued(tmp_path):
         j.accept(f"b{i}", "job", "exec", {}, False)
     j.close()
     assert len(_rows(path)) == 50
+
+
+def test_the_wal_is_checkpointed_by_its_thread_not_in_a_commit(tmp_path, monkeypatch):
+    """Commits on the loop never checkpoint (SQLite's automatic checkpoint is off on the journal's
+    connection); every ``CHECKPOINT_EVERY`` commits the checkpointer thread copies the WAL into the
+    database file: a copy of that file alone, without the WAL, then holds the rows."""
+    import shutil
+    import time
+
+    from arl_tangram.server import journal as journal_mod
+
+    monkeypatch.setattr(journal_mod, "CHECKPOINT_EVERY", 8)
+    path = str(tmp_path / "j.sqlite3")
+    j = Journal(path)
+    assert j._db.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
+
+    async def main():
+        for i in range(8):
+            j.accept(f"c{i}", "job", "run_code", {"i": i}, True)
+            await j.durable()  # one commit each
+
+    asyncio.run(main())
+    assert j.commits == 8 and j._checkpointer is not None
+    deadline = time.monotonic() + 10
+    while j._checkpointer.done < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert j._checkpointer.done >= 1
+    shutil.copy(path, tmp_path / "alone.sqlite3")  # the database file without its WAL
+    assert len(_rows(str(tmp_path / "alone.sqlite3"))) == 8
+    j.close()
+    assert j._checkpointer is None
+    assert len(_rows(path)) == 8
