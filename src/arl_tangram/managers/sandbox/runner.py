@@ -541,8 +541,7 @@ class Zygote:
         tears down its address space (~0.9 ms for the zygote's ~15 MB on the 2-core VM, the
         largest part of a trivial run), which then happens after the runner has answered. The
         code it reports is what the program could make its exit status anyway; a child that
-        dies by a signal reports nothing and its wait status comes from the zygote, as before.
-        Then it yields the CPU once, so that the runner it just woke runs before its teardown."""
+        dies by a signal reports nothing and its wait status comes from the zygote, as before."""
         code = 1
         status_fd = fds[3]
         try:
@@ -572,10 +571,6 @@ class Zygote:
             os.write(status_fd, (code & 0xFF).to_bytes(4, "little"))
             for fd in (0, 1, 2):
                 os.close(fd)
-            # the runner, woken by those closes, most often waits on this CPU behind the exit's
-            # teardown that follows (~0.6-1 ms: the scheduler does not preempt for it); yielding
-            # lets it answer first (zygote probe, 2-core VM: run p50 1.19-1.64 -> 0.76-0.91 ms)
-            os.sched_yield()
         except BaseException:
             pass
         os._exit(code)
