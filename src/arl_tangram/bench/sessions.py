@@ -150,12 +150,20 @@ async def _density(url: str, n: int, concurrency: int, log: Callable[[str], None
         lat: list[float] = []
         correct = 0
         woken: list[int] = []
+        lat_woken: list[float] = []
+        lat_awake: list[float] = []
         for i, sid in opened:  # one at a time
             t = time.perf_counter()
+            before = len(woken)
             ok = await _visit(c, sid, i, woken)
-            lat.append(time.perf_counter() - t)
+            el = time.perf_counter() - t
+            lat.append(el)
+            (lat_woken if len(woken) > before else lat_awake).append(el)
             correct += ok
-        out["revisit_sequential"] = {**_lat(lat), "state_intact": correct, "woken_from_rest": len(woken)}
+        # the two kinds apart: a step that wakes its session (most of them past max_awake) and
+        # one whose session was awake
+        out["revisit_sequential"] = {**_lat(lat), "state_intact": correct, "woken_from_rest": len(woken),
+                                     "woken": _lat(lat_woken), "awake": _lat(lat_awake)}
         log(f"revisited one at a time: p50 {out['revisit_sequential']['p50_ms']} ms, p99 "
             f"{out['revisit_sequential']['p99_ms']} ms, {correct}/{len(opened)} with their state")
 
