@@ -795,6 +795,14 @@ def test_the_step_that_wakes_a_session_runs_in_the_wake_and_is_reported_as_any_s
             r = await s.exec(python="import time\ntime.sleep(5)", timeout_s=0.3)
             assert r.outcome is Outcome.TIMEOUT and r.result.info["woken"] is True
             assert (await s.exec(python="print(x)")).stdout == "1\n"  # a cell's own timeout keeps the state
+            await _rest(tg, "rides")  # the cell rides on the load (runner.load_here): its own timeout still holds
+            r = await s.exec(python="import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True: pass",
+                             timeout_s=0.5)
+            assert r.outcome is Outcome.TIMEOUT and r.result.info["woken"] is True, r.message
+            assert "did not stop at its cell's timeout" in r.message and r.result.run.timed_out
+            r = await s.exec(python="print('x' in globals())")
+            assert r.stdout.strip() == "False" and "its variables are gone" in r.message
+            assert (await s.exec(python="x = 1")).outcome is Outcome.OK
             await _rest(tg, "rides")
             r = await s.exec(python="raise ValueError('boom')")
             assert r.outcome is Outcome.FAILED and "ValueError: boom" in r.stderr
@@ -842,4 +850,32 @@ def test_a_cell_that_closes_its_interpreter_s_channel_ends_that_interpreter_not_
             before = manager.recycler.sessions_recycled
             await s.close()
             await _recycled(manager, before)  # its zygote still answers: the sandbox is reused
+    asyncio.run(main())
+
+
+def test_a_wake_past_max_awake_puts_the_least_recently_used_to_rest_while_its_step_runs():
+    """The least recently used goes to rest as the step that wakes another session starts, not
+    once that step is over (its pack and reset then no longer compete with the step's answer)."""
+    async def main():
+        async with Tangram.local(sandbox=_recycling_config(max_awake_sessions=1, rest_after_s=600)) as tg:
+            manager = tg.runtime.sandbox_manager()
+            a = await tg.session(trajectory="a")
+            assert (await a.exec(python="x = 'a'")).outcome is Outcome.OK
+            b = await tg.session(trajectory="b")
+            assert (await b.exec(python="x = 'b'")).outcome is Outcome.OK
+            for _ in range(500):  # a, the least recently used, goes to rest
+                if manager.session_state("a") == "at_rest" and manager.session_state("b") == "awake":
+                    break
+                await asyncio.sleep(0.01)
+            assert manager.session_state("a") == "at_rest"
+            step = asyncio.create_task(a.exec(python="import time\ntime.sleep(2)\nprint(x)"))
+            for _ in range(150):
+                if manager.session_state("b") == "at_rest":
+                    break
+                await asyncio.sleep(0.01)
+            assert manager.session_state("b") == "at_rest" and not step.done()  # while a's step still runs
+            r = await step
+            assert r.outcome is Outcome.OK and r.stdout == "a\n" and r.result.info["woken"] is True
+            r = await b.exec(python="print(x)")
+            assert r.outcome is Outcome.OK and r.stdout == "b\n" and r.result.info["woken"] is True
     asyncio.run(main())

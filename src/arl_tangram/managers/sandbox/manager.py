@@ -638,7 +638,9 @@ class SandboxManager:
             if t not in self._using and t not in self._moving and self._unrestable.get(t) != last:
                 idle.append((last, t))
         idle.sort()
-        over = len(self.sessions) - c.max_awake_sessions
+        # sessions a step is making awake (waking, or opening) count as awake already
+        coming = sum(1 for t in self._using if t not in self.sessions)
+        over = len(self.sessions) + coming - c.max_awake_sessions
         return [t for i, (last, t) in enumerate(idle) if i < over or (c.rest_after_s and now - last >= c.rest_after_s)]
 
     async def _rest_pass(self) -> None:
@@ -873,6 +875,11 @@ class SandboxManager:
         traj = action.trajectory
         if traj is not None:
             self._using.add(traj)
+            if traj not in self.sessions and len(self.sessions) >= self.config.max_awake_sessions:
+                # it is about to be awake (a wake, or a new session): the least recently used goes to
+                # rest now, alongside the wake, rather than after the step, when its pack and reset
+                # competed with the answer and the next request for the cores
+                self._want_rest()
         try:
             if traj is None:
                 sb = await self._take(image, cores)
