@@ -100,13 +100,16 @@ class RestStore:
         return os.path.join(self.dir, hashlib.sha256(trajectory.encode()).hexdigest()[:40] + ".rest")
 
     def write(self, trajectory: str, blob: bytes) -> str:
-        """Write atomically (a crash leaves the old blob or the new one, never half of one)."""
+        """Write atomically (a killed server leaves the old blob or the new one, never half of
+        one). Not synced: the journal that records the rest promises as much (``synchronous=
+        NORMAL``: a killed process, not a power cut), and a session whose blob a power cut lost
+        is reported gone when the server starts again (``adopt_rested``). An fsync per rest was
+        0.2 ms of a thread and a commit of the file system's journal on every wake past
+        ``max_awake_sessions`` (0.4 ms a write with it, 0.2 without, 2-core VM)."""
         path = self.path(trajectory)
         tmp = path + ".tmp"
         with open(tmp, "wb") as fh:
             fh.write(blob)
-            fh.flush()
-            os.fsync(fh.fileno())
         os.replace(tmp, path)
         self.used += len(blob)
         return path
