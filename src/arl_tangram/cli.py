@@ -582,7 +582,7 @@ def bench_sessions(
     concurrency: int = typer.Option(16, min=1, help="Concurrent clients when opening and revisiting."),
     over: int = typer.Option(150, min=1, help="Session attempts against a 1 GB server, past its capacity."),
     max_awake: int = typer.Option(256, "--max-awake", min=0, help="The server's sandbox.max_awake_sessions (256: "
-                                  "~2 GB of awake sessions, bounded on a shared host; the default is 1024)."),
+                                  "~3.4 GB of awake sessions, bounded on a shared host; the default is 640)."),
     rest_after: float = typer.Option(30.0, "--rest-after", min=0, help="The server's sandbox.rest_after_s."),
     baseline: Optional[Path] = typer.Option(None, "--baseline", help="Another checkout's src directory: the same "
                                             "run against a server from it first, then this/baseline ratios."),

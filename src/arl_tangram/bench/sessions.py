@@ -1,6 +1,6 @@
 """``tangram bench sessions``: session density over HTTP (issues #15, #25).
 
-A server is started on a free loopback port with sessions past ``max_awake`` (256: ~2 GB awake,
+A server is started on a free loopback port with sessions past ``max_awake`` (256: ~3.4 GB awake,
 bounded on a shared host) or idle ``rest_after_s`` (30) put to rest (state on disk, no
 processes); ``--max-awake`` above ``n`` keeps them all awake, as before issue #25.
 ``n`` sessions are opened at ``concurrency`` clients, each running one step that leaves a state

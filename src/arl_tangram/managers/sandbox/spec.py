@@ -59,8 +59,9 @@ class SandboxConfig(BaseModel):
     rest_after_s: float = Field(120.0, ge=0, description="put a session idle this long to rest: its python "
                                 "state and tmpfs files to disk, its processes ended; its next step wakes it "
                                 "(0: only when more than max_awake_sessions are awake)")
-    max_awake_sessions: int = Field(1024, ge=0, description="idle sessions kept awake (processes running, frozen); "
-                                    "past this the least recently used are put to rest")
+    max_awake_sessions: int = Field(640, ge=0, description="idle sessions kept awake (processes running, frozen); "
+                                    "past this the least recently used are put to rest (640: ~8.5 GB at ~13 MB "
+                                    "an awake session)")
     rest_dir: str | None = Field(None, description="where rested sessions' state goes (default: a temporary "
                                  "directory; the server uses one beside its journal, so rested sessions survive "
                                  "a restart)")
