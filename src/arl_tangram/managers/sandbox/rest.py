@@ -31,12 +31,36 @@ time p50 14.1 / p99 64 ms against 27.1 / 836 ms, 7.79x the steps per second at 1
 10,000 (``--n 10000``, load 6-8) opened in 136 s (1189 s before), 0.34 MB idle each, revisits
 p50 12.8 / p99 73 ms, 10000/10000 states exact. An
 awake session costs more (~13 MB against ~7: its sandbox keeps the zygote, and the session's
-interpreter is a third process), which 256 awake of 10,000 spread to ~0.3 MB a session. Per
+interpreter is a third process; its cgroup's charge after a step importing three modules: the
+runner 5.0 MB private dirty, the zygote 1.5, the interpreter 1.6, bash 0.3, bubblewrap 0.15, the
+rest kernel objects), which 256 awake of 10,000 spread to ~0.3 MB a session. Ending an awake
+session's zygote would free its 1.5 MB, but then its sandbox could not be reset for another
+session (the next interpreter must come from a zygote that never held a request) and an
+interpreter restarted after a crash would fork from the runner, whose heap has relayed earlier
+sessions' cells: not done. Per
 session, one at a time without HTTP (200 sessions past ``max_awake_sessions`` 8, load 3-7): an
 open 7-8 ms of sandbox CPU (its first cell 1.8, the reset and the next interpreter's fork 2.4,
 the rest of the session it displaces 0.7) and ~3 ms of this process's; a revisit's wake 2 ms.
-The step that wakes a session rides on the wake's last request (``load(then=...)``), and a
-blob up to 256 KB on the rest's own answer: one round trip fewer each.
+The step that wakes a session rides on the wake's last request (``load(then=...)``), and a blob up
+to 256 KB on the rest's own answer: one round trip fewer each. Past ``max_awake_sessions`` (640 by default: ~8.5 GB of awake sessions) the least
+recently used goes to rest as a wake or an open *starts* (``manager._run``), so that its pack
+overlaps the wake rather than the step's answer and the next request.
+
+Where a revisit's time goes (issue #25's follow-up; HTTP, 300 sessions revisited one at a time
+past ``max_awake_sessions`` 100, 2-core VM at load 1-3): a one-at-a-time scan past the LRU bound
+wakes at every step (600 of 600 in ``tangram bench sessions --n 600``), and every wake sends the
+least recently used to rest. Per woken step, CPU: the client 2.0 ms, the server 3.4, the sandboxes
+5.4; per awake step 2.2, 2.2 and 2.1 (p50 ~9-11 ms against ~6). Of the sandboxes': the wake 2.5-3.4
+ms (the interpreter's load 0.5, the cell 1.0-1.6 in an interpreter just forked against 0.7 in one
+that has run a cell: its first writes to the zygote's pages), the reset of the displaced session's
+sandbox 2.2-3.2 (ending its interpreter 0.8-0.9, forking the next 1.0), its pack 0.6-0.9. On two
+cores that work competes with the client and the server, so the p50 moves with the machine's load
+more than with any one hop. Dropped, measured: the interpreter forked ahead warming itself (a load
+and a cell of its own before the session's first request): the wake's CPU 0.4-0.9 ms less, the
+reset's 1.5-1.9 more, more CPU in all; ``gc.freeze()`` in the zygote: an awake session's charge
+unchanged (13.3 MB against 13.2-13.5); the waking cell riding on the interpreter's load request
+(one request to it, two answer lines): the sandbox's CPU per wake 3.8-4.7 ms against 4.3-4.5,
+within the noise, and not carried over the answers' nonces (``runner.child_call``).
 
 Costs, measured on the 2-core VM shared with other work (load 4-10): packing a small session
 (a list of 1,000 ints, three modules; a 2-5 KB blob) 3-12 ms, loading it 0.4-2.5 ms once the
