@@ -598,3 +598,27 @@ def test_registering_a_loaders_model_keeps_one_host_copy_of_its_weights():
     grown, weights = (float(x) for x in p.stdout.split())
     assert weights > 3e8
     assert grown < 1.6 * weights, f"host memory grew {grown / 1e9:.2f} GB for {weights / 1e9:.2f} GB of weights"
+
+
+def test_a_capture_that_ran_out_of_memory_is_told_apart_from_other_failures():
+    """With the caches kept through a capture, an out-of-memory error means "hand them back and
+    capture again" (``graphs._capture``), whether the forward raised it or ``capture_end`` raised
+    its own error while it unwound; any other failure turns graphs off for the copy."""
+    from arl_tangram.managers.models.graphs import _out_of_memory
+
+    def raised(inner: BaseException, outer: BaseException | None = None) -> BaseException:
+        try:
+            try:
+                raise inner
+            finally:
+                if outer is not None:
+                    raise outer
+        except BaseException as e:
+            return e
+
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 126.00 MiB")
+    assert _out_of_memory(raised(oom))
+    assert _out_of_memory(raised(oom, RuntimeError("CUDA error: operation failed due to a previous error during capture")))
+    assert _out_of_memory(raised(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")))
+    assert not _out_of_memory(raised(RuntimeError("operation not permitted when stream is capturing")))
+    assert not _out_of_memory(None)

@@ -72,11 +72,23 @@ GRAPH_JUDGES = ("buckets", "one_row")
 #: the evicted block (no new segment in any warm round), every copy kept its 3 graphs, 2-GPU load
 #: 0.126 s vs 0.135 s median, **1.90x** the 1-GPU load (best 1.94x) against 1.79x (best 1.80x);
 #: resident 1.10x, identical scores. So off by default. With it off, a capture that needs memory
-#: while the GPU is full fails (no hand-back may run inside a capture) and that copy's batches run
-#: eagerly (``capture_wanted``)
+#: while the GPU's free memory sits in the caches runs out of memory (no hand-back may run inside a
+#: capture): it is captured again the way before, which hands the caches back first (seen on one
+#: H100 with 12 teachers: a capture failed with 41 GiB cached and unused, and that copy ran eager)
 EMPTY_CACHE_ON_CAPTURE = False
 #: the shortest padded length
 MIN_LEN = 64
+
+
+def _out_of_memory(e: BaseException | None) -> bool:
+    """Whether ``e`` is, or was raised while handling, a CUDA out-of-memory error (a capture's
+    ``capture_end`` may raise its own error over the forward's)."""
+    seen = 0
+    while e is not None and seen < 8:
+        if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e):
+            return True
+        e, seen = e.__context__, seen + 1
+    return False
 
 
 def _pow2(n: int, least: int = 1) -> int:
@@ -165,16 +177,27 @@ class Graphs:
         side.synchronize()
         graph = torch.cuda.CUDAGraph()
         # thread_local: loads in other threads may allocate meanwhile (the gate keeps other batches off)
-        if EMPTY_CACHE_ON_CAPTURE:  # the way before (``torch.cuda.graph``: sync, empty_cache, capture)
+        static_out = None
+        if not EMPTY_CACHE_ON_CAPTURE:
+            try:
+                with torch.cuda.stream(side):
+                    graph.capture_begin(self.pool, capture_error_mode="thread_local")
+                    try:
+                        static_out = fn(*static_in)
+                    finally:
+                        graph.capture_end()
+            except Exception as e:
+                if not _out_of_memory(e):
+                    raise
+                # the GPU's free memory sits in the caches, which no capture may hand back: once
+                # more the way that empties them first (a full H100 of 12 teachers: a 7B's capture
+                # ran out of memory with 41 GiB cached and unused, and that copy ran eager)
+                log.info("a CUDA graph capture ran out of memory with the caches kept: captured again "
+                         "after handing them back")
+                graph, static_out = torch.cuda.CUDAGraph(), None
+        if static_out is None:  # ``torch.cuda.graph``: sync, empty_cache (every GPU), capture
             with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
                 static_out = fn(*static_in)
-        else:
-            with torch.cuda.stream(side):
-                graph.capture_begin(self.pool, capture_error_mode="thread_local")
-                try:
-                    static_out = fn(*static_in)
-                finally:
-                    graph.capture_end()
         side.synchronize()
         self.captures += 1
         return graph, static_in, static_out
