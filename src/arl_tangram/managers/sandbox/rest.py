@@ -55,9 +55,12 @@ ms (the interpreter's load 0.5, the cell 1.0-1.6 in an interpreter just forked a
 that has run a cell: its first writes to the zygote's pages), the reset of the displaced session's
 sandbox 2.2-3.2 (ending its interpreter 0.8-0.9, forking the next 1.0), its pack 0.6-0.9. On two
 cores that work competes with the client and the server, so the p50 moves with the machine's load
-more than with any one hop. Dropped, measured: the interpreter forked ahead warming itself (a load
-and a cell of its own before the session's first request): the wake's CPU 0.4-0.9 ms less, the
-reset's 1.5-1.9 more, more CPU in all; ``gc.freeze()`` in the zygote: an awake session's charge
+more than with any one hop. The interpreter forked ahead warms itself (``runner.session_warm``: a
+load and a cell of its own before the session's first request): the wake's CPU 0.4-0.9 ms less, the
+reset's 1.5-1.9 more, more CPU in all, but off the revisit's path: ``tangram bench sessions --n 1000
+--baseline`` (main's code first, then this, 2-core VM, load 1.5-5.5), revisit p50 7.37 vs 9.45 ms
+and 6.74 vs 8.69 ms (0.78x both), p99 0.80x / 1.06x; steps/s at 16 clients 1.09x / 0.76x (the
+CPU shows there). Dropped, measured: ``gc.freeze()`` in the zygote: an awake session's charge
 unchanged (13.3 MB against 13.2-13.5); the waking cell riding on the interpreter's load request
 (one request to it, two answer lines): the sandbox's CPU per wake 3.8-4.7 ms against 4.3-4.5,
 within the noise, and not carried over the answers' nonces (``runner.child_call``).

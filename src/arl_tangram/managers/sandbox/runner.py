@@ -1140,6 +1140,35 @@ def session_preload():
         pass
 
 
+def session_warm(fd_in):
+    """In an interpreter forked ahead (a reset's prefork: no request waits for it yet), a wake's
+    own steps once, a blob loaded and a cell run, so that its first writes to the zygote's pages (the
+    copy-on-write faults of refcounts and lazily made state) are taken now, off the path of the
+    session it will hold: a woken session's cell cost 1.0-1.6 ms in a just-forked interpreter
+    against 0.7 ms in a warm one. Leaves nothing: the namespace, environment, path and directory
+    are as they were, and nothing is written to the runner. Skipped when a request already waits
+    (an interpreter started for a step: the step must not wait for it)."""
+    if select.select([fd_in], [], [], 0)[0]:
+        return
+    names, environ, path, cwd = dict(NAMESPACE), dict(os.environ), list(sys.path), os.getcwd()
+    try:
+        import pickle
+        pickle.loads(marshal.loads(marshal.dumps({"ns": _rest_dump({"x": list(range(1000)), "y": "warm"})}, 4))["ns"])
+        cell_here({"code": "_ = [i for i in range(3)]\ndel _\n1 + 1", "timeout_s": 5, "max_output": 1024})
+    except BaseException:  # a saving only
+        pass
+    finally:
+        NAMESPACE.clear()
+        NAMESPACE.update(names)
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.path[:] = path
+        try:
+            os.chdir(cwd)
+        except OSError:
+            pass
+
+
 def session_main(fd_in, fd_out):
     """The session's interpreter (in the child): one request at a time from the runner, until
     the pipe closes. Never returns."""
@@ -1150,6 +1179,7 @@ def session_main(fd_in, fd_out):
         if LIBC is not None:
             LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # an ordinary process of the user's, as one-shots are
         ops = {"cell": cell_here, "pack": pack_here, "load": load_here}
+        session_warm(fd_in)
         while True:
             req = read_message(fd_in)
             if req is None:
