@@ -532,13 +532,9 @@ for i in range(320):
     assert after.outcome is Outcome.OK and after.stdout == "after\n"
 
 
-def test_a_streamed_cell_writing_a_byte_at_a_time_is_coalesced():
-    """Each read of a cell's pipe used to be its own chunk line: hostile output written a byte at a
-    time cost the engine process a line, a decode and a call per byte. Chunks now leave at most
-    every CELL_COALESCE_S (the bound below counts the cell's whole duration), all bytes in order."""
-    from arl_tangram.managers.sandbox.runner import CELL_COALESCE_S
-    cell = "import os\nfor i in range(20000):\n    os.write(1, b'x')\nos.write(2, b'end')"
-
+def _streamed_cell(cell: str, **config) -> tuple:
+    """``cell`` run streamed in a session (after a first step): its result, the chunks its listener
+    got, and how long it took."""
     async def body(tg):
         s = await tg.session()
         await s.exec(python="1")
@@ -549,7 +545,17 @@ def test_a_streamed_cell_writing_a_byte_at_a_time_is_coalesced():
         await s.close()
         return r, chunks, took
 
-    r, chunks, took = run(body)
+    return run(body, **config)
+
+
+def test_a_streamed_cell_writing_a_byte_at_a_time_is_coalesced():
+    """Each read of a cell's pipe used to be its own chunk line: hostile output written a byte at a
+    time cost the engine process a line, a decode and a call per byte. Chunks now leave at most
+    every CELL_COALESCE_S (the bound below counts the cell's whole duration), all bytes in order."""
+    from arl_tangram.managers.sandbox.runner import CELL_COALESCE_S
+    cell = "import os\nfor i in range(20000):\n    os.write(1, b'x')\nos.write(2, b'end')"
+
+    r, chunks, took = _streamed_cell(cell)
     assert r.outcome is Outcome.OK and r.stdout == "x" * 20000
     assert b"".join(d for k, d in chunks if k == "stdout") == b"x" * 20000
     assert b"".join(d for k, d in chunks if k == "stderr") == b"end"
@@ -571,17 +577,7 @@ for i in range(100):
     os.write(f.f_globals["OUT"][0], line)
 print('own')"""
 
-    async def body(tg):
-        s = await tg.session()
-        await s.exec(python="1")
-        chunks: list[tuple[str, bytes]] = []
-        t = time.monotonic()
-        r = await s.exec(python=cell, timeout_s=60, on_output=lambda k, d: chunks.append((k, d)))
-        took = time.monotonic() - t
-        await s.close()
-        return r, chunks, took
-
-    r, chunks, took = run(body, max_output_bytes=4096)
+    r, chunks, took = _streamed_cell(cell, max_output_bytes=4096)
     got = b"".join(d for k, d in chunks if k == "stdout")
     assert len(got) <= 4096 and got.startswith(b"x" * 100), len(got)
     assert len(chunks) <= 2 * (took / CELL_COALESCE_S + 2), (len(chunks), took)
