@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..sim.metrics import percentile
+
 ORDER = ("client", "http_in", "sf_in", "svc_in", "submit", "mgr_run", "sb_req", "sb_ans", "mgr_done", "report",
          "finished", "svc_out", "resp_start", "client_end")
 
@@ -129,9 +131,9 @@ def _instrument(s: _Stamps) -> None:
     gc.callbacks.append(s.on_gc)
 
 
-def _q(values: list[float], p: float) -> float:
-    v = sorted(values)
-    return round(v[min(len(v) - 1, int(p * len(v)))], 3)
+def _q(values: list[float], q: float) -> float:
+    """The ``q``th percentile (0..100) as the other benches take it (``sim.metrics.percentile``)."""
+    return round(percentile(sorted(values), q), 3)
 
 
 def run(requests: int = 500, code: str = "print(1)", language: str = "python", port: int = 18777,
@@ -198,10 +200,10 @@ def run(requests: int = 500, code: str = "print(1)", language: str = "python", p
     pauses = [(g[2] - g[0]) / 1e6 for g in s.gc if len(g) > 2]
     return {
         "requests": len(windows), "code": code, "language": language,
-        "hops_ms": {name: {"p50": _q(v, .5), "p90": _q(v, .9), "p99": _q(v, .99), "mean": round(statistics.mean(v), 3)}
+        "hops_ms": {name: {"p50": _q(v, 50), "p90": _q(v, 90), "p99": _q(v, 99), "mean": round(statistics.mean(v), 3)}
                     for name, v in gaps.items()},
-        "total_ms": {"p50": _q(totals, .5), "p90": _q(totals, .9), "p99": _q(totals, .99)},
-        "journal_commits": {"n": len(s.commits_ms), "p50_ms": _q(s.commits_ms, .5),
+        "total_ms": {"p50": _q(totals, 50), "p90": _q(totals, 90), "p99": _q(totals, 99)},
+        "journal_commits": {"n": len(s.commits_ms), "p50_ms": _q(s.commits_ms, 50),
                             "max_ms": round(max(s.commits_ms, default=0.0), 3),
                             "over_1ms": sum(1 for c in s.commits_ms if c > 1)},
         "gc": {"collections": len(s.gc), "gen2": sum(1 for g in s.gc if g[1] == 2),
