@@ -1152,8 +1152,8 @@ def session_warm(fd_in):
         return
     names, environ, path, cwd = dict(NAMESPACE), dict(os.environ), list(sys.path), os.getcwd()
     try:
-        import pickle
-        pickle.loads(marshal.loads(marshal.dumps({"ns": _rest_dump({"x": list(range(1000)), "y": "warm"})}, 4))["ns"])
+        load_here({"state": marshal.dumps({"ns": _rest_dump({"x": list(range(1000)), "y": "warm"}), "cwd": cwd,
+                                            "environ": environ, "path": path}, 4)})
         cell_here({"code": "_ = [i for i in range(3)]\ndel _\n1 + 1", "timeout_s": 5, "max_output": 1024})
     except BaseException:  # a saving only
         pass
