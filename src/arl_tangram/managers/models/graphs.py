@@ -194,7 +194,7 @@ class Graphs:
                 # ran out of memory with 41 GiB cached and unused, and that copy ran eager)
                 log.info("a CUDA graph capture ran out of memory with the caches kept: captured again "
                          "after handing them back")
-                graph, static_out = torch.cuda.CUDAGraph(), None
+                graph = torch.cuda.CUDAGraph()
         if static_out is None:  # ``torch.cuda.graph``: sync, empty_cache (every GPU), capture
             with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
                 static_out = fn(*static_in)
