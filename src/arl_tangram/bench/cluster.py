@@ -319,7 +319,11 @@ def restart(sessions: int, cores: int, log: Callable[[str], None]) -> dict:
         fh.write('{"sandbox": {"session_idle_expiry_s": 3600}}')
     procs: list[subprocess.Popen] = []
 
-    def serve() -> tuple[str, float]:
+    def serve(tries: int = 3) -> tuple[str, float]:
+        """A server on a free port: its URL and how long it took to answer. The server binds its
+        port only once its nodes joined (seconds later), and Ray's own processes bind free ports
+        meanwhile: a port taken in that window is tried again on another, the time counted from
+        the try that served (in CI one was: 'address already in use')."""
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
@@ -331,6 +335,12 @@ def restart(sessions: int, cores: int, log: Callable[[str], None]) -> dict:
         url = f"http://127.0.0.1:{port}"
         while time.perf_counter() - t < 300:
             if procs[-1].poll() is not None:
+                out.close()
+                with open(out.name) as fh:
+                    taken = "address already in use" in fh.read()
+                if taken and tries > 1:
+                    log(f"port {port} was taken before the server bound it: another port")
+                    return serve(tries - 1)
                 raise RuntimeError(f"tangram serve --ray exited (log: {out.name})")
             try:
                 if httpx.get(f"{url}/healthz", timeout=5).status_code == 200:
