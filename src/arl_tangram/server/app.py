@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..runtime import NoRoom, SessionGone
 from .calls import DIALECTS, Local
+from .lean import LeanRoute
 from .service import CALLER_JOB, BadRequest, Conflict, Forbidden, NotFound, Overloaded, Service, Unavailable
 from ..link import PeerGone, RemoteFault
 
@@ -201,6 +202,7 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
         name = exc.type_name if isinstance(exc, RemoteFault) else type(exc).__name__
         return JSONResponse({"message": f"internal error: {name}"}, status_code=500)
 
+    app.router.route_class = LeanRoute  # the hot routes' well-formed requests skip FastAPI's handler
     calls = Local(service) if isinstance(service, Service) else service
     for dialect in DIALECTS:  # on the app's own router: an included router is one more hop per request
         dialect.routes(app.router, calls, guarded)
