@@ -93,3 +93,17 @@ def test_the_wal_is_checkpointed_by_its_thread_not_in_a_commit(tmp_path, monkeyp
     j.close()
     assert j._checkpointer is None
     assert len(_rows(path)) == 8
+
+
+def test_ids_the_server_makes_sort_by_time_and_do_not_repeat():
+    import re
+    import time as _time
+
+    from arl_tangram.server.journal import new_id
+
+    first = [new_id("sf") for _ in range(2000)]
+    _time.sleep(0.002)
+    later = new_id("sf")
+    assert all(re.fullmatch(r"sf-[0-9a-f]{32}", i) for i in first)
+    assert len(set(first)) == len(first)
+    assert later > max(first)  # a later millisecond sorts after every id of the earlier ones

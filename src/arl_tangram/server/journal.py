@@ -37,6 +37,16 @@ log = logging.getLogger(__name__)
 CHECKPOINT_EVERY = 256
 
 
+def new_id(prefix: str) -> str:
+    """An id for an action the server names itself: ``prefix-`` and 32 hex digits, the first 12
+    the time in ms (as a UUIDv7's), the other 20 random (80 bits). Ids made later sort later, so
+    their rows go at the end of the journal's id index instead of on a random page of it (as a
+    ``uuid4`` did): a commit of 8 accepts and 8 finishes on a 50,000-row journal took 0.75-0.85x
+    the time (2-core VM, alternating), and no ``uuid4`` is built (2.3% of the engine process's
+    samples at 2,000 one-shots/s on 16 cores)."""
+    return f"{prefix}-{time.time_ns() // 1_000_000:012x}{os.urandom(10).hex()}"
+
+
 @dataclass(frozen=True)
 class Entry:
     id: str

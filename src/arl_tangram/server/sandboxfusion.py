@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import time
-import uuid
 from typing import Any, Sequence
 
 from fastapi import APIRouter
@@ -22,6 +21,7 @@ from ..managers.sandbox import languages
 from ..managers.sandbox.spec import CommandResult, Files
 from ..runtime import ActionResult
 from .dialect import Dialect
+from .journal import new_id
 from .service import BadRequest, Service, decode_files, job_for
 
 
@@ -52,7 +52,7 @@ async def sf_run_code(service: Service, req: sf.RunCodeRequest) -> dict[str, Any
     service.admit()
     given = {p: d for p, d in req.files.items() if d is not None}
     files = decode_files("files", given)
-    id = f"sf-{uuid.uuid4().hex}"
+    id = new_id("sf")
     # journaled whole (files included) so that a recovery re-run is the same program
     spec = v1.ActionRequest(id=id, job=job_for(None, "sandboxfusion"), action=v1.RunCodeAction(
         code=req.code, language=req.language, stdin=req.stdin, files=given, fetch_files=req.fetch_files,

@@ -30,7 +30,7 @@ from ..managers.sandbox.spec import CommandResult, Files, SandboxResult
 from ..managers.sandbox.images import ImageError
 from ..runtime import ActionResult, NoRoom, Runtime, Session, Tangram
 from ..runtime.api import SessionError
-from .journal import Journal
+from .journal import Journal, new_id
 from .snapshots import Snapshots, UnknownSnapshot
 
 log = logging.getLogger(__name__)
@@ -333,7 +333,7 @@ class Service:
         job = job_for(req.job, UNNAMED_JOB)
         if job != req.job:
             req = req.model_copy(update={"job": job})
-        id = req.id or f"a-{uuid.uuid4().hex}"
+        id = req.id or new_id("a")
         if req.id and CALLER_JOB.get() is not None and not visible(self._job_of(id) or job):  # another job's id: as if unknown, never its result
             raise Conflict(f"id: {id!r} is in use: choose another (or send none: the server makes one)")
         task = self._inflight.get(id)
@@ -592,7 +592,7 @@ class Service:
             raise BadRequest("command/python: give exactly one")
         self._check_cpus("cpus", req.cpus)
         self.admit()
-        id = f"x-{uuid.uuid4().hex}"
+        id = new_id("x")
         if self.journal is not None:
             self.journal.accept(id, s.job, "exec", req.model_dump_json(), False)
         try:
