@@ -497,9 +497,9 @@ def bench_server(
                                                 "several tangram servers measured in turn in one run (e.g. --variant "
                                                 "two=0-1: --variant all=:), the first being the reference; an empty "
                                                 "part is the server's default; @SRC runs another checkout's code "
-                                                "(its src directory, as sources: run the bench with ARL_TANGRAM_PURE=1 "
-                                                "for a like-for-like A/B, e.g. --variant main=::@../main/src "
-                                                "--variant this=::)."),
+                                                "(its src directory, run as the bench runs: with ARL_TANGRAM_PURE=1 both "
+                                                "sides' sources, e.g. --variant main=::@../main/src --variant this=::; "
+                                                "without it, each side's compiled hot path where built in place)."),
     rounds: int = typer.Option(1, "--rounds", min=1, help="Repeat the whole plan, the servers alternating: each "
                                "figure is then the round of median throughput, every round listed beside it."),
     requests: Optional[int] = typer.Option(None, min=1, help="Requests per case and level (default: 5 per "

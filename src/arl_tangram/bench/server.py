@@ -178,13 +178,16 @@ async def _inproc(levels: tuple[int, ...]) -> dict:
 
 def _serve(port: int, journal: str, cpus: str | None = None, fronts: int | None = None,
            workers: int | None = None, src: str | None = None) -> subprocess.Popen:
-    """A server; ``src``: another checkout's ``src`` directory, whose code it runs (its sources,
-    ``ARL_TANGRAM_PURE=1``), for an A/B of two versions of the code in one run (run the bench itself
-    with ``ARL_TANGRAM_PURE=1`` too, or the ratio is sources against this checkout's compiled build)."""
+    """A server; ``src``: another checkout's ``src`` directory, whose code it runs, for an A/B of
+    two versions of the code in one run. Both sides run as the bench does: with
+    ``ARL_TANGRAM_PURE=1`` set, their sources; without it, each its compiled hot path where it has
+    one built (``python setup.py build_ext --inplace`` in that checkout), as an installed package
+    runs (the engine process, the limit of one-shot throughput on 16 cores, runs its compiled
+    modules there)."""
     argv = [sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--journal", journal]
     env = None
     if src is not None:
-        env = dict(os.environ, ARL_TANGRAM_PURE="1",
+        env = dict(os.environ,
                    PYTHONPATH=os.pathsep.join(p for p in (os.path.abspath(src), os.environ.get("PYTHONPATH")) if p))
     if fronts is not None:
         argv += ["--fronts", str(fronts)]
