@@ -100,9 +100,16 @@ async def _poster(kind: str, concurrency: int):
 
 
 async def _load(url: str, concurrency: int, case: str, n: int, offset: int = 0,
-                client: str = "httpx") -> tuple[list[float], int, float, float]:
+                client: str = "httpx", start_at: float | None = None) -> tuple[list[float], int, float, float, int]:
     """``n`` requests of ``case`` to ``url``/run_code, ``concurrency`` at a time: latencies, errors,
-    and the wall-clock start and end of the measured part."""
+    the wall-clock start and end of the measured part, and how many warm-up requests went before it.
+
+    The warm-up is one request at each of the ``concurrency`` places (one for the 200 ms CPU
+    jobs, whose burst is the measurement): the connections open and the server's pools and
+    recycling reach the state the measurement runs in. With ``start_at`` (several client
+    processes), the measured part starts at that wall-clock time in every process, so that the
+    window is not widened by the processes' start-up (on 16 cores a 3,000-request run lasted ~1.5 s,
+    and the clients' start-up skew and the servers' first cold sandboxes were a third of it)."""
     sem = asyncio.Semaphore(concurrency)
     lat: list[float] = []
     errors = 0
@@ -117,36 +124,48 @@ async def _load(url: str, concurrency: int, case: str, n: int, offset: int = 0,
                 else:
                     errors += 1
 
-        await one(-1)  # a connection and a first sandbox, outside the measurement
+        warm = 1 if case == "cpu_200ms" else max(1, concurrency)
+        await asyncio.gather(*(one(-1 - k) for k in range(warm)))  # outside the measurement
         lat.clear()
         errors = 0
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
         t0 = time.time()
         await asyncio.gather(*(one(offset + i) for i in range(n)))
-        return lat, errors, t0, time.time()
+        return lat, errors, t0, time.time(), warm
 
 
-def _load_in_process(args: tuple) -> tuple[list[float], int, float, float]:
+def _load_in_process(args: tuple) -> tuple[list[float], int, float, float, int]:
     return asyncio.run(_load(*args))
+
+
+#: seconds from now at which several client processes start their measured requests together
+#: (their start and warm-up take well under a second on the hosts measured)
+START_TOGETHER_S = 2.0
 
 
 async def _http_level(url: str, concurrency: int, case: str = "python", n: int | None = None,
                       client_procs: int = 1, client: str = "httpx") -> dict:
     """``n`` requests of ``case`` at ``concurrency``; with ``client_procs`` > 1 the load comes from
     that many processes (one httpx client costs about 1.6 ms of CPU a request, so it tops out
-    near 600 requests/s: on a many-core host it, not the server, would set the figure)."""
+    near 600 requests/s: on a many-core host it, not the server, would set the figure), which
+    start their measured requests at one instant (``start_skew_ms``: how far apart they did)."""
     n = n or _count(concurrency)
     procs = max(1, min(client_procs, concurrency))
     if procs == 1:
-        lat, errors, t0, t1 = await _load(url, concurrency, case, n, 0, client)
-        return _summary(lat, t1 - t0, errors)
+        lat, errors, t0, t1, warm = await _load(url, concurrency, case, n, 0, client)
+        return {**_summary(lat, t1 - t0, errors), "warmup": warm}
     from concurrent.futures import ProcessPoolExecutor
+    start_at = time.time() + START_TOGETHER_S
     shares = [(url, concurrency // procs + (k < concurrency % procs), case, n // procs + (k < n % procs), k * n,
-               client) for k in range(procs)]
+               client, start_at) for k in range(procs)]
     loop = asyncio.get_running_loop()
     with ProcessPoolExecutor(procs) as pool:
         parts = await asyncio.gather(*(loop.run_in_executor(pool, _load_in_process, a) for a in shares))
     lat = [x for p in parts for x in p[0]]
-    return _summary(lat, max(p[3] for p in parts) - min(p[2] for p in parts), sum(p[1] for p in parts))
+    starts = [p[2] for p in parts]
+    return {**_summary(lat, max(p[3] for p in parts) - min(starts), sum(p[1] for p in parts)),
+            "warmup": sum(p[4] for p in parts), "start_skew_ms": round((max(starts) - min(starts)) * 1000, 1)}
 
 
 async def _inproc(levels: tuple[int, ...]) -> dict:
@@ -300,7 +319,8 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
                     r = results[name][key] = asyncio.run(_http_level(base, c, case, n, client_procs, client))
                     every.setdefault((name, key), []).append(r)
                     if meter is not None and before is not None:
-                        r["cpu_ms_per_request"] = CpuMeter.per_request(before, meter.read(), r["n"] + r["errors"])
+                        r["cpu_ms_per_request"] = CpuMeter.per_request(before, meter.read(),
+                                                                       r["n"] + r["errors"] + r.get("warmup", 0))
                     log(f"{name:>8} {case:>10} c={c:<4}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, "
                         f"{r['throughput_per_s']} req/s, {r['errors']} errors")
                     time.sleep(0.3)
@@ -314,7 +334,7 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
                 proc.wait(60)
     out: dict = {"cores": len(os.sched_getaffinity(0)), "server_cpus": server_cpus, "client_procs": client_procs,
                  "client": client}
-    if len(variants) > 1:
+    if len(variants) > 1 or variants[0][0] != "tangram":  # named variants (one named server too)
         first = variants[0][0]
         out["servers"] = {name: {"cpus": cpus, "fronts": fronts, "sandbox_workers": workers, "src": src,
                                  **results[name]} for name, cpus, fronts, workers, src in variants}
