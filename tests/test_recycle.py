@@ -498,3 +498,103 @@ def test_the_zygote_ends_on_a_message_out_of_protocol(tmp_path):
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["first"] == 0 and out["broken"] and not out["ran"], out
+
+
+# -- a bash started ahead (issue 26) -----------------------------------------------------------------
+# After a bash one-shot the reset starts the next one's bash ahead, held before its script
+# (runner.py, "a bash started ahead"). These run the same probe in a fresh bash and in one started
+# ahead and compare everything a script can see, then attack and inspect as above.
+
+#: whether this bash was started ahead (its initial environment holds the BASH_ENV it waited on)
+AHEAD_MARK = 'grep -c "^BASH_ENV=" <(tr "\\0" "\\n" < /proc/$$/environ) || true'
+
+BASH_PROBE = r'''echo "_=$_"
+echo "0=$0 #=$# seconds=$SECONDS pwd=$(pwd) BASH_ENV=${BASH_ENV-unset}"
+read -r line; echo "stdin=$line"; rest=$(cat); echo "rest=$rest"
+env | grep -v '^_=' | sort
+ls /proc/$$/fd | sort -n | tr '\n' ' '; echo
+trap -p; set -o | grep -c on; shopt | grep -c on; echo "opts=$-"
+ulimit -a | md5sum; echo "nice=$(nice)"
+echo "to stderr" >&2
+exit 3
+'''
+
+
+def _bash_runs(scripts: list[tuple[str, dict]], cores: int = 2) -> tuple[list, dict]:
+    """Run ``scripts`` (code, run() keyword arguments) one after another in one recycled sandbox."""
+    cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1)
+
+    async def main():
+        async with Tangram.local(sandbox=cfg, cores=cores) as tg:
+            assert tg.runtime.sandboxes.mode is Isolation.BWRAP
+            out = []
+            for i, (code, kw) in enumerate(scripts):
+                out.append(await tg.run(code, kw.pop("language", "bash"), **kw))
+                await _settle(tg, i)
+            return out, tg.runtime.sandboxes.recycler.stats()
+
+    return asyncio.run(main())
+
+
+def _ahead(r) -> str:
+    return r.stdout.rsplit("\n", 2)[-2]
+
+
+def test_a_bash_started_ahead_runs_a_script_as_a_fresh_bash_does():
+    code = BASH_PROBE.replace("exit 3", AHEAD_MARK + "\nexit 3")
+    runs, stats = _bash_runs([(code, {"stdin": "first line\nmore\n"})] * 3)
+    fresh, ahead, again = runs
+    assert [_ahead(r) for r in runs] == ["0", "1", "1"], [r.stdout for r in runs]  # (fails with no bash ahead)
+    for r in runs:
+        assert r.outcome is Outcome.FAILED and r.result.run.exit_code == 3, (r.outcome, r.stderr)
+        assert r.stderr == "to stderr\n", r.stderr
+        assert r.stdout.rsplit("\n", 2)[0] == fresh.stdout.rsplit("\n", 2)[0], (fresh.stdout, r.stdout)
+    lines = fresh.stdout.splitlines()
+    assert lines[0] == "_=bash" and lines[1] == "0=main.sh #=0 seconds=0 pwd=/workspace BASH_ENV=unset", lines
+    assert "stdin=first line" in lines and "rest=more" in lines, lines
+    assert stats["recycled"] == 3 and not stats["discarded"], stats
+
+
+def test_a_bash_started_ahead_times_out_and_is_killed_with_its_group():
+    runs, stats = _bash_runs([("echo 1", {}),
+                              ("(sleep 30; echo late) & sleep 30", {"timeout_s": 0.5}),
+                              ("echo $0; " + AHEAD_MARK, {})])
+    first, slow, after = runs
+    assert slow.outcome is Outcome.TIMEOUT and slow.result.run.timed_out, slow
+    assert slow.result.run.duration_s < 5, slow.result.run.duration_s
+    assert "late" not in slow.stdout
+    assert after.outcome is Outcome.OK and after.stdout == "main.sh\n1\n", after.stdout
+    assert stats["recycled"] == 3 and not stats["discarded"], stats
+
+
+def test_a_bash_started_ahead_is_used_only_by_the_run_it_was_started_for():
+    """After a bash run: a python run sees no bash waiting (it was killed first); a bash run under
+    another environment (here: more cores, so another TANGRAM_NUM_CPUS) starts its own."""
+    listing = ("import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()))")
+    runs, stats = _bash_runs([("echo 1", {}), (listing, {"language": "python"}), ("echo 2", {}),
+                              ("echo $TANGRAM_NUM_CPUS; " + AHEAD_MARK, {"cpus": 2}),
+                              ("echo $TANGRAM_NUM_CPUS; " + AHEAD_MARK, {"cpus": 2})], cores=2)
+    assert runs[1].stdout == "[1, 2]\n", runs[1].stdout  # the runner and the zygote only
+    assert runs[3].stdout == "2\n0\n" and runs[4].stdout == "2\n1\n", (runs[3].stdout, runs[4].stdout)
+    assert stats["recycled"] == 5 and not stats["discarded"], stats
+
+
+BASH_INVENTORY = r'''for r in /workspace /tmp /dev/shm; do echo "$r: $(stat -c %a $r) $(find $r -mindepth 1 | sort | tr '\n' ' ')"; done
+for p in /proc/[0-9]*; do p=${p#/proc/}; [ $p != 1 ] && [ $p != 2 ] && [ $p != $$ ] && [ $p != $BASHPID ] && echo "proc $p $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null)"; done
+cat /proc/sysvipc/shm /proc/sysvipc/msg /proc/sysvipc/sem | grep -vc key
+env | sort | md5sum
+'''
+
+
+def test_what_a_bash_run_leaves_is_not_seen_by_the_bash_started_ahead_for_the_next():
+    attack = r'''for r in /workspace /tmp /dev/shm; do mkdir -p $r/.hidden; echo left > $r/.hidden/note; chmod 0 $r/.hidden; done
+(setsid sleep 600 &) ; (while true; do date >> /tmp/beat; sleep 0.01; done &)
+export LEFT=1; echo 'echo planted' > ~/.bashrc; echo 'echo planted' > /workspace/main.sh.next
+python3 -c "import ctypes; l = ctypes.CDLL(None); print('shm', l.shmget(0x99, 4096, 0o1600) >= 0)"
+echo attacked'''
+    runs, stats = _bash_runs([(BASH_INVENTORY, {}), (attack, {}), (BASH_INVENTORY + AHEAD_MARK, {})])
+    fresh, attacked, after = runs
+    assert attacked.stdout == "shm True\nattacked\n", (attacked.stdout, attacked.stderr)
+    assert after.stdout == fresh.stdout + "1\n", (fresh.stdout, after.stdout)
+    assert "planted" not in after.stdout and after.stderr == "", after.stderr
+    assert stats["recycled"] == 3 and not stats["discarded"], stats

@@ -45,8 +45,9 @@ class SandboxConfig(BaseModel):
                                                         "more are killed")
     recycle_max_uses: int = Field(1000, ge=1, description="one-shots a sandbox runs before it is replaced")
     fork_ahead: bool = Field(True, description="the reset of a recycled sandbox whose last one-shot was python "
-                                               "forks the next python child ahead, off the next run's latency "
-                                               "path (runner.py, Zygote)")
+                                               "forks the next python child ahead, and one whose last was bash starts "
+                                               "the next bash ahead, off the next run's latency path (runner.py: "
+                                               "Zygote, a bash started ahead)")
     session_idle_expiry_s: float = Field(600.0, gt=0, description="close a session unused for this long")
     session_memory: Literal["use", "limit"] = Field("use", description="what an idle session reserves on its node: "
                                                    "'use' = its measured memory (cgroup charge, refreshed each time "
