@@ -432,6 +432,40 @@ def test_a_child_that_reports_its_end_and_lingers_is_killed():
     assert_pristine(out, reused=True)  # no /tmp/late, no process left
 
 
+THREAD_LEFT = r"""
+import os, threading, time
+out = os.dup(1)
+def tick():
+    for _ in range(300):
+        os.write(out, b"tick\n")
+        time.sleep(0.01)
+threading.Thread(target=tick).start()
+time.sleep(0.05)
+print("main done", flush=True)
+"""
+
+
+def test_a_python_child_with_a_thread_left_ends_with_it():
+    """A child that reported its end waits for the runner's kill (issue 26), but not one whose
+    program left a thread running: that thread ends with the program, as under ``os._exit``,
+    and writes nothing more (waiting, it would tick on into the output for LINGER_S)."""
+    cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1)
+
+    async def main():
+        async with Tangram.local(sandbox=cfg, cores=2) as tg:
+            runs = []
+            for i in range(3):  # forked on demand, then ahead
+                runs.append(await tg.run(THREAD_LEFT, timeout_s=10))
+                await _settle(tg, i)
+            return runs, tg.runtime.sandboxes.recycler.stats()
+
+    runs, stats = asyncio.run(main())
+    for r in runs:
+        assert r.outcome is Outcome.OK and "main done\n" in r.stdout, (r.outcome, r.stderr)
+        assert r.stdout.count("tick") <= 15, r.stdout.count("tick")
+    assert stats["recycled"] == 3 and not stats["discarded"], stats
+
+
 @pytest.mark.parametrize("code, exit_code", [
     ("import sys\nsys.exit(3)", 3),
     ("import sys\nsys.exit(256 + 4)", 4),              # as the kernel keeps it: the low byte
