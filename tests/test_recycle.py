@@ -613,6 +613,22 @@ def test_a_bash_started_ahead_is_used_only_by_the_run_it_was_started_for():
     assert stats["recycled"] == 5 and not stats["discarded"], stats
 
 
+def test_a_bash_started_ahead_takes_the_runs_memory_cap():
+    """SandboxFusion's ``memory_limit_MB`` (an address space cap): a bash started ahead for a
+    capped run has that cap, as a fresh one does; a run under another cap starts its own."""
+    probe = "ulimit -v; ulimit -d; " + AHEAD_MARK
+    capped = {"memory_mb": 300, "memory_as_rlimit": True}
+    runs, stats = _bash_runs([(probe, dict(capped)), (probe, dict(capped)), (probe, dict(capped)),
+                              (probe, {"memory_mb": 200, "memory_as_rlimit": True}), (probe, {})])
+    assert [r.stdout for r in runs] == ["307200\n307200\n0\n", "307200\n307200\n1\n", "307200\n307200\n1\n",
+                                        "204800\n204800\n0\n", "unlimited\nunlimited\n0\n"], [r.stdout for r in runs]
+    mapping = "python3 -c 'import mmap; mmap.mmap(-1, 400 << 20); print(\"mapped\")'; " + AHEAD_MARK
+    too_big = _bash_runs([(mapping, dict(capped))] * 2)[0]  # untouched: only the address space cap stops it
+    assert [r.stdout for r in too_big] == ["0\n", "1\n"], [(r.stdout, r.stderr) for r in too_big]
+    assert all("Cannot allocate memory" in r.stderr for r in too_big), [r.stderr for r in too_big]
+    assert stats["recycled"] == 5 and not stats["discarded"], stats
+
+
 BASH_INVENTORY = r'''for r in /workspace /tmp /dev/shm; do echo "$r: $(stat -c %a $r) $(find $r -mindepth 1 | sort | tr '\n' ' ')"; done
 for p in /proc/[0-9]*; do p=${p#/proc/}; [ $p != 1 ] && [ $p != 2 ] && [ $p != $$ ] && [ $p != $BASHPID ] && echo "proc $p $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null)"; done
 cat /proc/sysvipc/shm /proc/sysvipc/msg /proc/sysvipc/sem | grep -vc key

@@ -312,13 +312,14 @@ def env_for(req):
 def op_run(req):
     argv = req["argv"]
     env = env_for(req)
-    plain = not (req.get("cpus") or req.get("as_bytes") or req.get("cwd") not in (None, WORKSPACE))
-    LAST_RUN[0] = (list(argv), env) if plain and bash_ahead_fits(argv, env) else None
+    here = not (req.get("cpus") or req.get("cwd") not in (None, WORKSPACE))  # no per-run settings but rlimits
+    limit = req.get("as_bytes") or None
+    LAST_RUN[0] = (list(argv), env, limit) if here and bash_ahead_fits(argv, env) else None
     if BASH_AHEAD[0] is not None:  # started by the reset for a run like the last one: this one, if it is
-        result = take_bash_ahead(req, argv, env) if plain else drop_bash_ahead()
+        result = take_bash_ahead(req, argv, env, limit) if here else drop_bash_ahead()
         if result is not None:
             return result
-    if plain:
+    if here and limit is None:
         result = spawn_exec(req, argv, env)
         if result is not None:
             return result
@@ -371,7 +372,8 @@ def spawn_exec(req, argv, env):
 # last one-shot was such a run therefore starts the next one's bash *ahead*, with the same argv and
 # environment, and holds it where a non-interactive bash reads its ``BASH_ENV`` file: before it opens
 # its script. Its ``BASH_ENV`` is a pipe (``/dev/fd/3``) that the runner writes only when a run with
-# exactly that argv, environment and working directory comes; what it writes (``bash_prologue``)
+# exactly that argv, environment, working directory and address space cap comes (the cap, SandboxFusion's
+# ``memory_limit_MB``, is set on it by ``prlimit`` as it starts); what it writes (``bash_prologue``)
 # unsets ``BASH_ENV``, closes the pipe, restarts ``SECONDS`` and puts back ``$_``, so that the
 # script starts as under a fresh ``bash main.sh``: the same argv and ``$0``, the same environment
 # for itself and its children, stdin, cwd, process group (its own session), signals, exit status,
@@ -382,9 +384,10 @@ def spawn_exec(req, argv, env):
 # bash would read differently at start (``BASH_ENV``, ``ENV``, ``POSIXLY_CORRECT``, ``SHELLOPTS``,
 # ``BASHOPTS``, exported functions) is never started ahead.
 
-#: the run's (argv, env) when it could be started ahead next time (``bash_ahead_fits``)
+#: the run's (argv, env, address space cap) when it could be started ahead next time (``bash_ahead_fits``)
 LAST_RUN = [None]
-#: a bash started ahead: (pid, argv, env, stdin's write end, stdout's and stderr's read ends, the BASH_ENV pipe)
+#: a bash started ahead: (pid, argv, env, address space cap, stdin's write end, stdout's and stderr's read
+#: ends, the BASH_ENV pipe)
 BASH_AHEAD = [None]
 BASH_AHEAD_FD = 3
 BASH_NOT_AHEAD = ("BASH_ENV", "ENV", "POSIXLY_CORRECT", "SHELLOPTS", "BASHOPTS", "PS4")
@@ -405,8 +408,10 @@ def bash_prologue(argv, env):
             % (BASH_AHEAD_FD, underscore.replace("'", "'\\''"))).encode()
 
 
-def start_bash_ahead(argv, env):
-    """Start the next run's bash now, held before its script (see above); nothing when it cannot be."""
+def start_bash_ahead(argv, env, limit=None):
+    """Start the next run's bash now, held before its script (see above); nothing when it cannot be.
+    ``limit``: the run's address space cap (SandboxFusion's ``memory_limit_MB``), set on it with
+    ``prlimit`` as it starts (a fresh run's is set before its exec)."""
     path = resolve(argv[0], env.get("PATH", ""))
     if path is None:
         return
@@ -425,7 +430,14 @@ def start_bash_ahead(argv, env):
         return
     for fd in (in_r, out_w, err_w, ctl_r):
         os.close(fd)
-    BASH_AHEAD[0] = (pid, list(argv), dict(env), in_w, out_r, err_r, ctl_w)
+    BASH_AHEAD[0] = (pid, list(argv), dict(env), limit, in_w, out_r, err_r, ctl_w)
+    if limit:
+        try:
+            import resource
+            for res in (resource.RLIMIT_AS, resource.RLIMIT_DATA):
+                resource.prlimit(pid, res, (limit, resource.getrlimit(res)[1]))
+        except (ImportError, OSError, ValueError):
+            drop_bash_ahead()
 
 
 def drop_bash_ahead():
@@ -434,7 +446,7 @@ def drop_bash_ahead():
     if ahead is None:
         return None
     pid = ahead[0]
-    for fd in ahead[3:]:
+    for fd in ahead[4:]:
         os.close(fd)
     try:
         os.kill(pid, SIGKILL)
@@ -444,12 +456,12 @@ def drop_bash_ahead():
     return None
 
 
-def take_bash_ahead(req, argv, env):
+def take_bash_ahead(req, argv, env, limit):
     """Run this request in the bash started ahead if it is the same run and still waits; None
     otherwise (it is killed, and the caller starts one as usual)."""
-    pid, a_argv, a_env, in_w, out_r, err_r, ctl_w = BASH_AHEAD[0]
+    pid, a_argv, a_env, a_limit, in_w, out_r, err_r, ctl_w = BASH_AHEAD[0]
     try:
-        waiting = a_argv == argv and a_env == env and os.waitpid(pid, os.WNOHANG) == (0, 0)
+        waiting = a_argv == argv and a_env == env and a_limit == limit and os.waitpid(pid, os.WNOHANG) == (0, 0)
     except ChildProcessError:
         waiting = False
     if not waiting:
@@ -459,7 +471,7 @@ def take_bash_ahead(req, argv, env):
     try:
         write_all(ctl_w, bash_prologue(argv, env))
     except OSError:  # it ended meanwhile: killed, and this run is started as usual
-        BASH_AHEAD[0] = (pid, a_argv, a_env, in_w, out_r, err_r, ctl_w)
+        BASH_AHEAD[0] = (pid, a_argv, a_env, a_limit, in_w, out_r, err_r, ctl_w)
         return drop_bash_ahead()
     os.close(ctl_w)
     return finish(req, start, *collect(pid, out_r, err_r, in_w, unb64(req.get("stdin")),
