@@ -162,6 +162,20 @@ def test_bench_cluster_prints_scaling_chaos_and_engine_figures(tmp_path):
     assert restart["reattached"] == 3 and restart["lost"] == 0 and restart["intact"] == 3, restart
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_bench_sandbox_cpu_prints_each_processs_share(tmp_path):
+    out = tmp_path / "c.json"
+    p = tangram("bench", "sandbox-cpu", "--requests", "40", "--warmup", "10", "--concurrency", "4", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    for case in ("python", "bash"):
+        assert r[case]["requests"] == 40 and r[case]["throughput_per_s"] > 0, r[case]
+        shares = r[case]["cpu_ms_per_one_shot"]
+        assert {"bwrap", "runner", "runner_children"} <= set(shares), shares
+    assert {"zygote", "zygote_children"} <= set(r["python"]["cpu_ms_per_one_shot"]), r["python"]
+    assert tangram("bench", "sandbox-cpu", "--cases", "ruby").returncode != 0
+
+
 def test_bench_zygote_compares_a_child_forked_on_demand_and_ahead(tmp_path):
     out = tmp_path / "z.json"
     p = tangram("bench", "zygote", "--runs", "10", "--rounds", "1", "--gap-ms", "0", "--json", str(out))

@@ -414,6 +414,25 @@ def bench_sandbox(
     _print_json(result, json_out)
 
 
+@bench_app.command("sandbox-cpu")
+def bench_sandbox_cpu(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    cases: str = typer.Option("python,bash", help="Comma-separated: python, bash."),
+    requests: int = typer.Option(1000, min=10, help="Trivial one-shots measured per case."),
+    concurrency: int = typer.Option(8, min=1, help="One-shots in flight."),
+    warmup: int = typer.Option(200, min=0, help="One-shots run first, not measured."),
+) -> None:
+    """Where a trivial one-shot's sandbox CPU goes, by process (the sandbox's cgroup, bwrap,
+    runner, zygote, children), through the real manager, as ms per one-shot."""
+    from .bench.sandbox_cpu import run
+
+    chosen = tuple(c for c in cases.split(",") if c)
+    bad = [c for c in chosen if c not in ("python", "bash")]
+    if bad or not chosen:
+        raise typer.BadParameter(f"unknown case(s) {', '.join(bad) or '(none)'}: choose python, bash", param_hint="--cases")
+    _print_json(run(chosen, requests, concurrency, warmup, log=lambda m: console.print(m)), json_out)
+
+
 @bench_app.command("zygote")
 def bench_zygote(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
