@@ -40,7 +40,8 @@ inv = {"files": {r: walk(r) for r in ("/workspace", "/tmp", "/dev/shm")},
        "xattrs": {r: os.listxattr(r) for r in ("/workspace", "/tmp", "/dev/shm")},
        "others": [p for p in pids if p not in (1, 2, os.getpid())],
        "ipc": {k: open(f"/proc/sysvipc/{k}").read().splitlines()[1:] for k in ("shm", "msg", "sem")},
-       "keys": keys, "json": j.__file__, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
+       "keys": keys, "listed_keys": sorted(row.split()[8] for row in open("/proc/keys") if row.split()[7] != "keyring"),
+       "json": j.__file__, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
        "nice": os.getpriority(os.PRIO_PROCESS, 0), "cpus": sorted(os.sched_getaffinity(0)),
        "free_tmp": os.statvfs("/tmp").f_bavail > 1000}
 print(j.dumps(inv))
@@ -464,6 +465,30 @@ def test_a_python_child_with_a_thread_left_ends_with_it():
         assert r.outcome is Outcome.OK and "main done\n" in r.stdout, (r.outcome, r.stderr)
         assert r.stdout.count("tick") <= 15, r.stdout.count("tick")
     assert stats["recycled"] == 3 and not stats["discarded"], stats
+
+
+FORKED_COPY = "import os\npid = os.fork()\nprint('parent' if pid else 'child', flush=True)\n"
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["parent-ends-first", "parent-waits-for-it"])
+def test_a_program_whose_forked_copy_returns_is_answered_at_its_end(wait):
+    """A copy of the program made by ``os.fork`` returns through the child's end too (writing a
+    status of its own): it never waits for the runner, which would then wait (for LINGER_S,
+    1 s) on a parent that waits for it. A hang check, not a timing: a second is the bug."""
+    code = FORKED_COPY + ("if pid:\n    os.waitpid(pid, 0)\n" if wait else "")
+    cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1)
+
+    async def main():
+        async with Tangram.local(sandbox=cfg, cores=2) as tg:
+            runs = []
+            for i in range(3):  # forked on demand, then ahead
+                runs.append(await tg.run(code, timeout_s=10))
+                await _settle(tg, i)
+            return runs
+
+    for r in asyncio.run(main()):
+        assert r.outcome is Outcome.OK and sorted(r.stdout.split()) == ["child", "parent"], (r.outcome, r.stdout)
+        assert r.result.run.duration_s < 0.9, r.result.run.duration_s
 
 
 @pytest.mark.parametrize("code, exit_code", [

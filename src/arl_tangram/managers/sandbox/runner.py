@@ -669,17 +669,21 @@ class Zygote:
         code it reports is what the program could make its exit status anyway; a child that
         dies by a signal reports nothing and its wait status comes from the zygote, as before.
 
-        It then waits for the runner's kill (``status``) instead of exiting (issue 26): in a sandbox
+        It then waits for the runner to have read that (``status`` closes the pipe's read end, then
+        kills it) instead of exiting at once (issue 26): in a sandbox
         pinned to one core (a one-core action's cpuset) the child went on to its exit once its
         streams were closed, and the runner, woken by their end, ran only after the teardown:
         ``runner.Zygote`` outside a sandbox pinned to one core (``taskset -c 1``), print(1)
         forked ahead, a run's p50 from the runner's send to its collected answer 1.15-1.20 ms
         before, 0.81-0.85 after (0.85-0.95 unpinned, 0.95-1.2 before). Not when the program left
-        threads running (``_thread._count()``): those must end with it, as ``os._exit`` ends them.
+        threads running (``_thread._count()``): those must end with it, as ``os._exit`` ends them;
+        nor in a copy the program forked that returns here (it exits at once, as before: a parent
+        waiting for it would otherwise wait for the runner, which waits for the parent's end).
         Tried and dropped: ``nice 19`` before its end (no wait): the runner then preempted it
         between its stdout and stderr closing, 1.24-1.54 ms."""
         code = 1
         status_fd = fds[3]
+        me = os.getpid()  # (a copy the program forks returns through here too: it never waits below)
         try:
             os.set_inheritable(status_fd, False)  # not into programs the user's code execs
             os.setsid()
@@ -707,8 +711,10 @@ class Zygote:
             os.write(status_fd, (code & 0xFF).to_bytes(4, "little"))
             for fd in (0, 1, 2):
                 os.close(fd)
-            if not _thread._count():  # no thread of the program's left to run on: wait for the runner's kill
-                select.select([], [], [], LINGER_S)
+            if os.getpid() == me and not _thread._count():  # no thread of the program's left to run on:
+                waiting = select.poll()                     # wait until the runner has read the status (it
+                waiting.register(status_fd, 0)              # closes its end: POLLERR here) or kills us
+                waiting.poll(LINGER_S * 1000)
         except BaseException:
             pass
         os._exit(code)
@@ -1213,8 +1219,13 @@ def ipc_clear():
     return left or (ipc_count() or 0)
 
 
+KEYS_GC_S = 1.0  # how long a reset waits for the keys it unlinked to be destroyed
+
+
 def keys_clear():
-    """Empty the keyrings that outlive a process: the user's, the user-session and persistent ones."""
+    """Empty the keyrings that outlive a process: the user's, the user-session and persistent ones.
+    Each is read first and cleared only when it holds something; the keys a clear unlinked are
+    then waited for until the kernel's key garbage collector has destroyed them (``keys_gone``)."""
     if LIBC is None or KEYCTL is None:
         return False  # cannot clear them here (no ctypes, or an architecture we have no syscall number for)
     ok = True
@@ -1224,15 +1235,47 @@ def keys_clear():
     if persistent > 0:
         rings.append(persistent)
     rings += [-4, -5]  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
+    unlinked = []
+    ours = None
     for ring in rings:
-        if LIBC.syscall(c(KEYCTL), c(11), c(ring), None, c(0)) == 0:  # read first: empty, nothing to clear
+        size = LIBC.syscall(c(KEYCTL), c(11), c(ring), None, c(0))  # KEYCTL_READ: 4 bytes a linked key
+        if size == 0:  # empty: nothing to clear
             continue
+        if ours is None:  # (the persistent one is by its serial: not searchable, it has no ID to ask)
+            ours = {r if r > 0 else LIBC.syscall(c(KEYCTL), c(0), c(r), c(0)) & 0xFFFFFFFF for r in rings}
+        if size > 0:
+            buf = ctypes.create_string_buffer(size)
+            got = LIBC.syscall(c(KEYCTL), c(11), c(ring), buf, c(size))
+            unlinked += [int.from_bytes(buf.raw[i:i + 4], sys.byteorder) for i in range(0, max(0, min(got, size)), 4)]
         if LIBC.syscall(c(KEYCTL), c(7), c(ring)) != 0 and ctypes.get_errno() not in (38, 1, 13, 126):
             ok = False  # KEYCTL_CLEAR failed for another reason than "no keyrings here"
-        size = LIBC.syscall(c(KEYCTL), c(11), c(ring), None, c(0))  # KEYCTL_READ: 4 bytes a linked key
+        size = LIBC.syscall(c(KEYCTL), c(11), c(ring), None, c(0))
         if size > 0:
             ok = False
-    return ok
+    # the keyrings themselves are linked into each other (the user's into the user-session one, the
+    # persistent one into the user's by KEYCTL_GET_PERSISTENT above): they live on, only what a run
+    # added must go (their serials, KEYCTL_GET_KEYRING_ID, are read before any clear)
+    unlinked = [serial for serial in unlinked if serial not in (ours or ())]
+    return ok and (not unlinked or keys_gone(unlinked))
+
+
+def keys_gone(serials, timeout_s=KEYS_GC_S):
+    """Whether the keys ``serials`` are gone from ``/proc/keys``, waiting for it. An unlinked key
+    is destroyed by the kernel's garbage collector, asynchronously: on the 2-core VM it stayed
+    listed 10-20 ms after its keyring's clear, its description readable there by the next run
+    (tests/test_rest.py's recycled-session test failed 5 of 12 runs on main for it)."""
+    wanted = {b"%08x" % serial for serial in serials}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            listed = {row.split(None, 1)[0] for row in read_proc("/proc/keys").splitlines() if row}
+        except OSError:  # no /proc/keys here: nothing lists them
+            return True
+        if not wanted & listed:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
 
 
 def op_reset(req):
