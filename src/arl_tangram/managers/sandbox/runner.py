@@ -1222,39 +1222,49 @@ def ipc_clear():
 KEYS_GC_S = 1.0  # how long a reset waits for the keys it unlinked to be destroyed
 
 
+#: the user and user-session keyrings' serials (KEYCTL_GET_KEYRING_ID): fixed for the sandbox's user
+#: namespace, asked once
+RING_IDS = {}
+
+
 def keys_clear():
     """Empty the keyrings that outlive a process: the user's, the user-session and persistent ones.
-    Each is read first and cleared only when it holds something; the keys a clear unlinked are
-    then waited for until the kernel's key garbage collector has destroyed them (``keys_gone``)."""
+    Each is read first and cleared only when it holds something (the user's holds the persistent
+    one once it was asked for, and a fresh sandbox's holds nothing: it is cleared after every run);
+    the keys a clear unlinked are then waited for until the kernel's key garbage collector has
+    destroyed them (``keys_gone``)."""
     if LIBC is None or KEYCTL is None:
         return False  # cannot clear them here (no ctypes, or an architecture we have no syscall number for)
     ok = True
     c = ctypes.c_long
+    op, read = c(KEYCTL), c(11)
     rings = []
-    persistent = LIBC.syscall(c(KEYCTL), c(22), c(-1), c(-4))  # KEYCTL_GET_PERSISTENT, linked to @u
+    persistent = LIBC.syscall(op, c(22), c(-1), c(-4))  # KEYCTL_GET_PERSISTENT, linked to @u
     if persistent > 0:
         rings.append(persistent)
     rings += [-4, -5]  # KEY_SPEC_USER_KEYRING, KEY_SPEC_USER_SESSION_KEYRING
     unlinked = []
     ours = None
     for ring in rings:
-        size = LIBC.syscall(c(KEYCTL), c(11), c(ring), None, c(0))  # KEYCTL_READ: 4 bytes a linked key
+        size = LIBC.syscall(op, read, c(ring), None, c(0))  # KEYCTL_READ: 4 bytes a linked key
         if size == 0:  # empty: nothing to clear
             continue
         if ours is None:  # (the persistent one is by its serial: not searchable, it has no ID to ask)
-            ours = {r if r > 0 else LIBC.syscall(c(KEYCTL), c(0), c(r), c(0)) & 0xFFFFFFFF for r in rings}
+            if not RING_IDS:
+                RING_IDS.update({r: LIBC.syscall(op, c(0), c(r), c(0)) & 0xFFFFFFFF for r in (-4, -5)})
+            ours = {persistent & 0xFFFFFFFF, *RING_IDS.values()}
         if size > 0:
             buf = ctypes.create_string_buffer(size)
-            got = LIBC.syscall(c(KEYCTL), c(11), c(ring), buf, c(size))
+            got = LIBC.syscall(op, read, c(ring), buf, c(size))
             unlinked += [int.from_bytes(buf.raw[i:i + 4], sys.byteorder) for i in range(0, max(0, min(got, size)), 4)]
-        if LIBC.syscall(c(KEYCTL), c(7), c(ring)) != 0 and ctypes.get_errno() not in (38, 1, 13, 126):
+        if LIBC.syscall(op, c(7), c(ring)) != 0 and ctypes.get_errno() not in (38, 1, 13, 126):
             ok = False  # KEYCTL_CLEAR failed for another reason than "no keyrings here"
-        size = LIBC.syscall(c(KEYCTL), c(11), c(ring), None, c(0))
+        size = LIBC.syscall(op, read, c(ring), None, c(0))
         if size > 0:
             ok = False
     # the keyrings themselves are linked into each other (the user's into the user-session one, the
     # persistent one into the user's by KEYCTL_GET_PERSISTENT above): they live on, only what a run
-    # added must go (their serials, KEYCTL_GET_KEYRING_ID, are read before any clear)
+    # added must go
     unlinked = [serial for serial in unlinked if serial not in (ours or ())]
     return ok and (not unlinked or keys_gone(unlinked))
 
