@@ -4,7 +4,8 @@ Making a sandbox (bubblewrap, namespaces, an interpreter start) is most of a tri
 CPU cost; a recycled one costs a reset request (~0.5 ms) instead. It is only acceptable if no
 one-shot can influence a later one, so the runner's ``reset`` kills every process but itself and
 its zygote, empties every writable place (``isolation.WRITABLE``), removes System V IPC objects
-and keyrings, and checks that its own and the zygote's rlimits, priority and affinity are as at
+and keyrings (waiting until the keys it unlinked are destroyed: the kernel does that
+asynchronously, and /proc/keys listed them to the next run for 10-20 ms), and checks that its own and the zygote's rlimits, priority and affinity are as at
 start; anything it cannot verify makes the sandbox be discarded, never reused. The runner is the
 namespace's init and non-dumpable, and python one-shots fork from a zygote that never held a
 request (see ``runner.py``). Recycling is on only under bubblewrap: there the user's code has no
@@ -14,7 +15,11 @@ modes keep a fresh sandbox per one-shot.
 
 Left as they are (low-bandwidth signals a later run could read, but nothing that changes what
 a later program does unless it looks for them): the PID and tmpfs inode counters advance, and
-timing. Alternative considered and dropped: a fresh user+mount+PID namespace per run inside the
+timing. Not closed by recycling (issue 26, found while measuring): the kernel's keyrings are not
+namespaced, and every sandbox's user is the same host user, so a key one sandbox adds is listed,
+description and serial, in /proc/keys of every other sandbox running at that time (its payload
+is not readable there); a seccomp filter refusing ``add_key``/``keyctl``/``request_key``, as
+container runtimes have, would close it. Alternative considered and dropped: a fresh user+mount+PID namespace per run inside the
 sandbox (closes those counters too, but needs capability dropping by hand in every child).
 """
 
