@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import platform
 import shutil
 import socket
 import subprocess
@@ -181,6 +182,40 @@ def test_cannot_signal_a_process_outside_the_sandbox():
     finally:
         victim.kill()
         victim.wait()
+
+
+KEYRINGS = r'''
+import ctypes, platform
+libc = ctypes.CDLL(None, use_errno=True)
+c = ctypes.c_long
+add, request, ctl = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}[platform.machine()]
+def said(name, ret):
+    print(name, ret, ctypes.get_errno())
+said("add_key", libc.syscall(c(add), b"user", b"tangram-probe", b"secret", c(6), c(-4)))
+said("request_key", libc.syscall(c(request), b"user", b"tangram-probe", None, c(0)))
+said("keyctl", libc.syscall(c(ctl), c(0), c(-4), c(0)))
+print("listed", "tangram-probe" in open("/proc/keys").read())
+'''
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "aarch64"), reason="no keyring syscall numbers here")
+def test_the_keyrings_are_closed_to_sandboxed_code():
+    """The kernel's keyrings are not namespaced and every sandbox runs as the same host user: a key
+    one sandbox added was listed in /proc/keys of every sandbox running beside it. The keyring calls
+    are refused (EPERM) to one-shots, their children, and session cells alike."""
+    async def body(tg):
+        one = await tg.run(KEYRINGS)
+        child = await tg.run(f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {KEYRINGS!r}])")
+        s = await tg.session()
+        cell = await s.exec(python=KEYRINGS)
+        await s.close()
+        return one, child, cell
+
+    for r in run(body):
+        assert r.outcome is Outcome.OK, r.stderr
+        lines = r.stdout.splitlines()
+        assert lines[:3] == ["add_key -1 1", "request_key -1 1", "keyctl -1 1"], r.stdout
+        assert lines[3] == "listed False"
 
 
 @needs_cgroups

@@ -15,11 +15,13 @@ modes keep a fresh sandbox per one-shot.
 
 Left as they are (low-bandwidth signals a later run could read, but nothing that changes what
 a later program does unless it looks for them): the PID and tmpfs inode counters advance, and
-timing. Not closed by recycling (issue 26, found while measuring): the kernel's keyrings are not
-namespaced, and every sandbox's user is the same host user, so a key one sandbox adds is listed,
-description and serial, in /proc/keys of every other sandbox running at that time (its payload
-is not readable there); a seccomp filter refusing ``add_key``/``keyctl``/``request_key``, as
-container runtimes have, would close it. Alternative considered and dropped: a fresh user+mount+PID namespace per run inside the
+timing. The kernel's keyrings are not namespaced, and every sandbox's user is the same host
+user, so a key one sandbox added was listed, description and serial, in /proc/keys of every other
+sandbox running at that time (issue 26, found while measuring): a channel between concurrent
+runs that no reset closes. So the runner refuses ``add_key``, ``request_key`` and ``keyctl`` to
+everything in its sandbox with a seccomp filter, as container runtimes' default profiles do
+(``runner.deny_keyrings``; the keyring clear above stays for a kernel or architecture where the
+filter cannot be installed). Alternative considered and dropped: a fresh user+mount+PID namespace per run inside the
 sandbox (closes those counters too, but needs capability dropping by hand in every child).
 """
 

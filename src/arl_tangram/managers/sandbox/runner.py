@@ -1227,12 +1227,69 @@ KEYS_GC_S = 1.0  # how long a reset waits for the keys it unlinked to be destroy
 RING_IDS = {}
 
 
+#: seccomp's view of the architecture (``AUDIT_ARCH_*``) and the keyring system calls' numbers there
+KEYRING_CALLS = {"x86_64": (0xC000003E, (248, 249, 250)), "aarch64": (0xC00000B7, (217, 218, 219))}
+I386_ON_X86_64 = (0x40000003, (286, 287, 288))  # 32-bit calls (int 0x80) on an x86_64 kernel
+X32_BIT = 0x40000000  # x32 system calls on x86_64: refused whole (no interpreter here uses them)
+
+
+#: whether this sandbox's processes are refused the keyring system calls (``deny_keyrings``)
+KEYS_DENIED = [False]
+
+
+def deny_keyrings():
+    """Refuse ``add_key``, ``request_key`` and ``keyctl`` (EPERM) to this process and everything
+    it starts, by a seccomp filter installed before the zygote exists. The kernel's keyrings are
+    not namespaced and every sandbox runs as the same host user: a key one sandbox added was
+    listed (description, serial) in ``/proc/keys`` of every sandbox running at the same time, a
+    channel between concurrent one-shots that no reset can close; container runtimes' default
+    seccomp profiles refuse these calls for the same reason. True when the filter is in place
+    (an architecture not listed here, or a kernel without seccomp: False, and the reset goes on
+    emptying the keyrings as before)."""
+    if LIBC is None:
+        return False
+    import struct
+    arch = KEYRING_CALLS.get(os.uname().machine)
+    if arch is None:
+        return False
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
+    allow, deny = 0x7FFF0000, 0x00050000 | 1  # SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO | EPERM
+
+    def calls(numbers, x32):
+        """nr (loaded) in ``numbers`` (or an x32 call): deny, else allow."""
+        out = [(jge, 0, 1, X32_BIT), (ret, 0, 0, deny)] if x32 else []
+        for k, n in enumerate(numbers):
+            out.append((jeq, len(numbers) - k, 0, n))  # to the deny at the end
+        return out + [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+
+    native = [(ld, 0, 0, 0)] + calls(arch[1], arch[0] == 0xC000003E)
+    other = [(ld, 0, 0, 0)] + calls(I386_ON_X86_64[1], False) if arch[0] == 0xC000003E else [(ret, 0, 0, allow)]
+    program = [(ld, 0, 0, 4), (jeq, 0, len(native), arch[0])] + native
+    if arch[0] == 0xC000003E:
+        program += [(jeq, 0, len(other), I386_ON_X86_64[0])] + other + [(ret, 0, 0, allow)]
+    else:
+        program += [(ret, 0, 0, allow)]
+    blob = b"".join(struct.pack("=HBBI", *ins) for ins in program)
+    buf = ctypes.create_string_buffer(blob, len(blob))
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    prog = Fprog(len(program), ctypes.addressof(buf))
+    if LIBC.prctl(ctypes.c_int(38), ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:  # PR_SET_NO_NEW_PRIVS: required to install a filter unprivileged
+        return False
+    return LIBC.prctl(ctypes.c_int(22), ctypes.c_ulong(2), ctypes.c_void_p(ctypes.addressof(prog)), ctypes.c_ulong(0),
+                      ctypes.c_ulong(0)) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+
+
 def keys_clear():
     """Empty the keyrings that outlive a process: the user's, the user-session and persistent ones.
     Each is read first and cleared only when it holds something (the user's holds the persistent
     one once it was asked for, and a fresh sandbox's holds nothing: it is cleared after every run);
     the keys a clear unlinked are then waited for until the kernel's key garbage collector has
     destroyed them (``keys_gone``)."""
+    if KEYS_DENIED[0]:
+        return True  # no process of this sandbox could add a key (``deny_keyrings``)
     if LIBC is None or KEYCTL is None:
         return False  # cannot clear them here (no ctypes, or an architecture we have no syscall number for)
     ok = True
@@ -2151,6 +2208,8 @@ AHEAD_STAYS = ("python", "reset", "ping")  # requests that leave a child forked 
 def main():
     global ZYGOTE
     os.chdir(WORKSPACE)
+    if REAP:  # a sandbox (no isolation: the server's own user, whose keyrings are its business)
+        KEYS_DENIED[0] = deny_keyrings()
     snapshot()
     if REAP and LIBC is not None:  # a session's sandbox too: its interpreter forks from it (SessionChild)
         ZYGOTE = Zygote()
