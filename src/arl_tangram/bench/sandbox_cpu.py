@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from .cpu import _children
+
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -45,17 +47,6 @@ def _sched_s(pid: int) -> float:
             return int(fh.read().split()[0]) / 1e9
     except (OSError, ValueError, IndexError):
         return 0.0
-
-
-def _children(pid: int) -> list[int]:
-    kids: list[int] = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as fh:
-                kids += [int(x) for x in fh.read().split()]
-    except OSError:
-        pass
-    return kids
 
 
 def _group_s(sb) -> float | None:
