@@ -390,7 +390,7 @@ LAST_RUN = [None]
 #: ends, the BASH_ENV pipe)
 BASH_AHEAD = [None]
 BASH_AHEAD_FD = 3
-BASH_NOT_AHEAD = ("BASH_ENV", "ENV", "POSIXLY_CORRECT", "SHELLOPTS", "BASHOPTS", "PS4")
+BASH_NOT_AHEAD = ("BASH_ENV", "ENV", "POSIXLY_CORRECT", "SHELLOPTS", "BASHOPTS", "PS4", "LOCPATH", "GCONV_PATH")
 
 
 def bash_ahead_fits(argv, env):
@@ -398,7 +398,7 @@ def bash_ahead_fits(argv, env):
     one-shot sandbox of its own PID namespace, under an environment its start-up reads as usual."""
     return (REAP and not SESSION and len(argv) >= 2 and os.path.basename(argv[0]) == "bash"
             and not argv[1].startswith("-") and hasattr(os, "posix_spawn")
-            and not any(k in BASH_NOT_AHEAD or k.startswith("BASH_FUNC_") for k in env))
+            and not any(k in BASH_NOT_AHEAD or k.startswith(("BASH_FUNC_", "LD_")) for k in env))
 
 
 def bash_prologue(argv, env):
@@ -1229,7 +1229,9 @@ RING_IDS = {}
 
 #: seccomp's view of the architecture (``AUDIT_ARCH_*``) and the keyring system calls' numbers there
 KEYRING_CALLS = {"x86_64": (0xC000003E, (248, 249, 250)), "aarch64": (0xC00000B7, (217, 218, 219))}
-I386_ON_X86_64 = (0x40000003, (286, 287, 288))  # 32-bit calls (int 0x80) on an x86_64 kernel
+#: the 32-bit calls the same kernel takes: i386's (int 0x80) on x86_64, AArch32's (EABI) on aarch64
+COMPAT_CALLS = {"x86_64": (0x40000003, (286, 287, 288)), "aarch64": (0x40000028, (309, 310, 311))}
+SECCOMP_CALL = {"x86_64": 317, "aarch64": 277}  # seccomp(2): for SECCOMP_FILTER_FLAG_SPEC_ALLOW
 X32_BIT = 0x40000000  # x32 system calls on x86_64: refused whole (no interpreter here uses them)
 
 
@@ -1243,9 +1245,10 @@ def deny_keyrings():
     not namespaced and every sandbox runs as the same host user: a key one sandbox added was
     listed (description, serial) in ``/proc/keys`` of every sandbox running at the same time, a
     channel between concurrent one-shots that no reset can close; container runtimes' default
-    seccomp profiles refuse these calls for the same reason. True when the filter is in place
-    (an architecture not listed here, or a kernel without seccomp: False, and the reset goes on
-    emptying the keyrings as before)."""
+    seccomp profiles refuse these calls for the same reason. The filter checks the native calls,
+    the 32-bit ones the same kernel takes (i386's, AArch32's) and x32's; it refuses every call of
+    an architecture it does not know. True when it is in place (a machine not listed here, or a
+    kernel without seccomp: False, and the reset goes on emptying the keyrings as before)."""
     if LIBC is None:
         return False
     import struct
@@ -1262,13 +1265,14 @@ def deny_keyrings():
             out.append((jeq, len(numbers) - k, 0, n))  # to the deny at the end
         return out + [(ret, 0, 0, allow), (ret, 0, 0, deny)]
 
-    native = [(ld, 0, 0, 0)] + calls(arch[1], arch[0] == 0xC000003E)
-    other = [(ld, 0, 0, 0)] + calls(I386_ON_X86_64[1], False) if arch[0] == 0xC000003E else [(ret, 0, 0, allow)]
-    program = [(ld, 0, 0, 4), (jeq, 0, len(native), arch[0])] + native
-    if arch[0] == 0xC000003E:
-        program += [(jeq, 0, len(other), I386_ON_X86_64[0])] + other + [(ret, 0, 0, allow)]
-    else:
-        program += [(ret, 0, 0, allow)]
+    machine = os.uname().machine
+    compat = COMPAT_CALLS[machine]
+    native = [(ld, 0, 0, 0)] + calls(arch[1], machine == "x86_64")
+    other = [(ld, 0, 0, 0)] + calls(compat[1], False)
+    # native calls, then the same kernel's 32-bit ones; any other architecture (none a program here
+    # can use) is refused whole rather than let through unchecked
+    program = ([(ld, 0, 0, 4), (jeq, 0, len(native), arch[0])] + native
+               + [(jeq, 0, len(other), compat[0])] + other + [(ret, 0, 0, deny)])
     blob = b"".join(struct.pack("=HBBI", *ins) for ins in program)
     buf = ctypes.create_string_buffer(blob, len(blob))
 
@@ -1276,10 +1280,16 @@ def deny_keyrings():
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
     prog = Fprog(len(program), ctypes.addressof(buf))
-    if LIBC.prctl(ctypes.c_int(38), ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)) != 0:  # PR_SET_NO_NEW_PRIVS: required to install a filter unprivileged
+    ul = ctypes.c_ulong
+    if LIBC.prctl(ctypes.c_int(38), ul(1), ul(0), ul(0), ul(0)) != 0:  # PR_SET_NO_NEW_PRIVS: required unprivileged
         return False
-    return LIBC.prctl(ctypes.c_int(22), ctypes.c_ulong(2), ctypes.c_void_p(ctypes.addressof(prog)), ctypes.c_ulong(0),
-                      ctypes.c_ulong(0)) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+    # SECCOMP_SET_MODE_FILTER with SECCOMP_FILTER_FLAG_SPEC_ALLOW: before Linux 5.16 installing a
+    # filter also forced the speculative store bypass mitigation on every process of the sandbox
+    # (slower user code); the flag keeps the host's choice. Without the seccomp call, prctl's.
+    if LIBC.syscall(ctypes.c_long(SECCOMP_CALL[machine]), ul(1), ul(1 << 2), ctypes.c_void_p(ctypes.addressof(prog))) == 0:
+        return True
+    return LIBC.prctl(ctypes.c_int(22), ul(2), ctypes.c_void_p(ctypes.addressof(prog)), ul(0),
+                      ul(0)) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 
 
 def keys_clear():
@@ -2255,8 +2265,10 @@ def main():
         except Exception as e:
             line = (to_json({"error": f"answer not encodable: {type(e).__name__}", "id": req.get("id")}) + "\n").encode()
         write_all(PROTO_OUT, line)
-        if late:
-            REAPED[0] = reap_strays()
+        if late:  # counts for the reset only if no pid was spared: a python child's pid is (``owed``)
+            # until the reset settles it, and a stray could take that pid once the child is gone
+            # (review of issue 26, M2): the reset then reaps again, after the settle
+            REAPED[0] = reap_strays() and (ZYGOTE is None or ZYGOTE.owed is None)
 
 
 if __name__ == "__main__":
