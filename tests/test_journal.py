@@ -107,3 +107,9 @@ def test_ids_the_server_makes_sort_by_time_and_do_not_repeat():
     assert all(re.fullmatch(r"sf-[0-9a-f]{32}", i) for i in first)
     assert len(set(first)) == len(first)
     assert later > max(first)  # a later millisecond sorts after every id of the earlier ones
+    import random as _random
+
+    _random.seed(7)  # a library seeding the process's generator does not make ids repeat
+    a = new_id("sf")[-20:]
+    _random.seed(7)
+    assert new_id("sf")[-20:] != a

@@ -42,6 +42,7 @@ def build(route_class: type[APIRoute]) -> tuple[FastAPI, list[str]]:
             raise HTTPException(401, "unknown API key")
         seen.append("auth")
 
+    app.state.auth = auth
     @app.post("/run", response_model=Answer, dependencies=[Depends(auth)])
     async def run(req: Body) -> dict[str, Any]:
         seen.append(req.code)
@@ -78,6 +79,7 @@ CASES: list[tuple[str, bytes, dict[str, str]]] = [
     ("409 from the endpoint", b'{"code": "boom"}', {"content-type": "application/json"}),
     ("a Response returned", b'{"code": "text"}', {"content-type": "application/json"}),
     ("NaN literal", b'{"code": "x", "n": NaN}', {"content-type": "application/json"}),
+    ("nested past the recursion limit", b"[" * 100_000, {"content-type": "application/json"}),
 ]
 
 
@@ -137,3 +139,54 @@ def test_the_server_s_hot_routes_are_lean() -> None:
     app = server_app.create_app(Idle())  # type: ignore[arg-type]
     lean = {r.path for r in app.routes if getattr(r, "lean", None) is not None}
     assert {"/run_code", "/run_jupyter"} <= lean
+
+
+def _asgi(app: FastAPI, messages: list[dict]) -> tuple[list[dict], bool]:
+    """One raw ASGI request to ``/run`` whose body comes as ``messages``: what was sent back."""
+    import asyncio
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/run", "raw_path": b"/run", "root_path": "", "query_string": b"",
+             "headers": [(b"host", b"t"), (b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 2), "state": {}}
+    sent: list[dict] = []
+    queue = list(messages)
+
+    async def receive():
+        if queue:
+            return queue.pop(0)
+        await asyncio.sleep(3600)
+
+    async def send(m):
+        sent.append(m)
+
+    async def main():
+        async with app.router.lifespan_context(app):
+            try:
+                await app(scope, receive, send)
+            except Exception:
+                return True
+        return False
+
+    return sent, asyncio.run(main())
+
+
+def test_a_client_that_leaves_mid_body_runs_nothing_either_way() -> None:
+    """A part of a body that parses, then the client leaves: the endpoint never runs (review M1)."""
+    part = [{"type": "http.request", "body": b'{"code": "x1"}', "more_body": True}, {"type": "http.disconnect"}]
+    for route_class in (APIRoute, LeanRoute):
+        app, seen = build(route_class)
+        sent, _ = _asgi(app, list(part))
+        assert "x1" not in seen, route_class
+        assert not any(m.get("status") == 200 for m in sent), (route_class, sent)
+
+
+def test_a_dependency_override_is_honoured() -> None:
+    async def refuse(request: Request) -> None:
+        raise HTTPException(403, "overridden")
+
+    app, seen = build(LeanRoute)
+    app.dependency_overrides[app.state.auth] = refuse
+    with TestClient(app) as c:
+        r = c.post("/run", json={"code": "x"})
+    assert r.status_code == 403 and seen == []

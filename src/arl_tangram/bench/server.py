@@ -108,8 +108,9 @@ async def _load(url: str, concurrency: int, case: str, n: int, offset: int = 0,
     jobs, whose burst is the measurement): the connections open and the server's pools and
     recycling reach the state the measurement runs in. With ``start_at`` (several client
     processes), the measured part starts at that wall-clock time in every process, so that the
-    window is not widened by the processes' start-up (on 16 cores a 3,000-request run lasted ~1.5 s,
-    and the clients' start-up skew and the servers' first cold sandboxes were a third of it)."""
+    window is not widened by the processes' start-up (on 16 cores a 3,000-request run lasts ~1.5 s).
+    ``--cpu``'s meter spans the warm-up and the wait for the common start too, and its figure per
+    request counts the warm-up requests: an average over both, not the steady state's alone."""
     sem = asyncio.Semaphore(concurrency)
     lat: list[float] = []
     errors = 0

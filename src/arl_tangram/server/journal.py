@@ -43,11 +43,16 @@ def new_id(prefix: str) -> str:
     the time in ms (as a UUIDv7's), the other 20 random (80 bits). Ids made later sort later, so
     their rows go at the end of the journal's id index instead of on a random page of it (as a
     ``uuid4`` did): a commit of 8 accepts and 8 finishes on a 50,000-row journal took 0.75-0.85x
-    the time (2-core VM, alternating). The random part comes from ``random`` (seeded from the OS
-    and again in a forked child), not a system call per id: 1.35 µs an id against 2.3 with
-    ``os.urandom`` and 2.5 for a ``uuid4`` (timeit). An id names an action; it is no secret (what a
-    request may see is checked by its job)."""
-    return f"{prefix}-{time.time_ns() // 1_000_000:012x}{random.getrandbits(80):020x}"
+    the time (2-core VM, alternating). The random part comes from a generator of its own, seeded
+    from the OS (again in a forked child), not a system call per id: 1.35 µs an id against 2.3
+    with ``os.urandom`` and 2.5 for a ``uuid4`` (timeit); of its own, so that a ``random.seed()``
+    elsewhere in the process (a library seeding for reproducibility) cannot make ids repeat. An
+    id names an action; it is no secret (what a request may see is checked by its job)."""
+    return f"{prefix}-{time.time_ns() // 1_000_000:012x}{_IDS.getrandbits(80):020x}"
+
+
+_IDS = random.Random(os.urandom(32))
+os.register_at_fork(after_in_child=lambda: _IDS.seed(os.urandom(32)))
 
 
 @dataclass(frozen=True)

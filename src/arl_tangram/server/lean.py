@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable
 
 from fastapi.datastructures import DefaultPlaceholder
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -103,24 +103,31 @@ class LeanRoute(APIRoute):
             self.full = self.app
             self.app = self._lean_app
 
+    def _overridden(self) -> bool:
+        """Whether the app overrides a dependency (tests do): FastAPI resolves overrides per
+        request, so such a request takes its handler."""
+        return bool(getattr(self.dependency_overrides_provider, "dependency_overrides", None))
+
     async def _lean_app(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         plan = self.lean
         assert plan is not None
         chunks: list[bytes] = []
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # the client left before its body came
-                return await self.full(scope, _replay(b"".join(chunks), receive, message), send)
+            if message["type"] != "http.request":  # the client left before its body came: FastAPI's
+                # handler sees the part that came as unfinished, then the disconnect (review M1: a
+                # partial body that parsed was run)
+                return await self.full(scope, _replay(b"".join(chunks), receive, message, more=True), send)
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        if not body or not _json_content(scope):
+        if not body or not _json_content(scope) or self._overridden():
             return await self.full(scope, _replay(body, receive), send)
         try:
             value = plan.body_model.model_validate(json.loads(body))
-        except (ValueError, ValidationError):  # FastAPI's handler says what is wrong, its way
-            return await self.full(scope, _replay(body, receive), send)
+        except Exception:  # FastAPI's handler says what is wrong, its way (a RecursionError of a body
+            return await self.full(scope, _replay(body, receive), send)  # nested too deep included)
         request = Request(scope, receive)
         for dep in plan.deps:
             await dep(request)
@@ -135,15 +142,15 @@ class LeanRoute(APIRoute):
         await send({"type": "http.response.body", "body": data})
 
 
-def _replay(body: bytes, receive: Receive, last: dict[str, Any] | None = None) -> Receive:
-    """A ``receive`` that gives ``body`` whole once (then ``last``, if the client had left), then
-    the connection's own messages (a disconnect)."""
+def _replay(body: bytes, receive: Receive, last: dict[str, Any] | None = None, more: bool = False) -> Receive:
+    """A ``receive`` that gives ``body`` once (whole, or with ``more`` as a part of a body still
+    coming), then ``last`` if the client had left, then the connection's own messages."""
     given = [False, last is None]
 
     async def replayed() -> dict[str, Any]:
         if not given[0]:
             given[0] = True
-            return {"type": "http.request", "body": body, "more_body": False}
+            return {"type": "http.request", "body": body, "more_body": more}
         if not given[1]:
             given[1] = True
             assert last is not None
