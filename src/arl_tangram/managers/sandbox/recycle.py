@@ -1,17 +1,17 @@
 """Recycling one-shot sandboxes: a used sandbox is wiped, checked and put back in the warm pool.
 
-Making a sandbox (bubblewrap, namespaces, an interpreter start) is most of a trivial one-shot's
-CPU cost; a recycled one costs a reset request (~0.5 ms) instead. It is only acceptable if no
-one-shot can influence a later one, so the runner's ``reset`` kills every process but itself and
-its zygote, empties every writable place (``isolation.WRITABLE``), removes System V IPC objects
-and keyrings (waiting until the keys it unlinked are destroyed: the kernel does that
-asynchronously, and /proc/keys listed them to the next run for 10-20 ms), and checks that its own and the zygote's rlimits, priority and affinity are as at
-start; anything it cannot verify makes the sandbox be discarded, never reused. The runner is the
-namespace's init and non-dumpable, and python one-shots fork from a zygote that never held a
-request (see ``runner.py``). Recycling is on only under bubblewrap: there the user's code has no
-capabilities at all. Under ``unshare`` it is root of its user namespace (it could ptrace the
-runner despite the dumpable flag) and under ``none`` there is no namespace to reset, so those
-modes keep a fresh sandbox per one-shot.
+Making a sandbox (bubblewrap, namespaces, an interpreter start) is most of a trivial one-shot's CPU
+cost; a recycled one costs a reset request (~0.5 ms) instead. It is only acceptable if no one-shot
+can influence a later one, so the runner's ``reset`` kills every process but itself and its zygote,
+empties every writable place (``isolation.WRITABLE``), removes System V IPC objects and keyrings
+(waiting until the keys it unlinked are destroyed: the kernel does that asynchronously, and
+/proc/keys listed them to the next run for 10-20 ms), and checks that its own and the zygote's
+rlimits, priority and affinity are as at start; anything it cannot verify makes the sandbox be
+discarded, never reused. The runner is the namespace's init and non-dumpable, and python one-shots
+fork from a zygote that never held a request (see ``runner.py``). Recycling is on only under
+bubblewrap: there the user's code has no capabilities at all. Under ``unshare`` it is root of its
+user namespace (it could ptrace the runner despite the dumpable flag) and under ``none`` there is
+no namespace to reset, so those modes keep a fresh sandbox per one-shot.
 
 Left as they are (low-bandwidth signals a later run could read, but nothing that changes what
 a later program does unless it looks for them): the PID and tmpfs inode counters advance, and
@@ -21,8 +21,9 @@ sandbox running at that time (issue 26, found while measuring): a channel betwee
 runs that no reset closes. So the runner refuses ``add_key``, ``request_key`` and ``keyctl`` to
 everything in its sandbox with a seccomp filter, as container runtimes' default profiles do
 (``runner.deny_keyrings``; the keyring clear above stays for a kernel or architecture where the
-filter cannot be installed). Alternative considered and dropped: a fresh user+mount+PID namespace per run inside the
-sandbox (closes those counters too, but needs capability dropping by hand in every child).
+filter cannot be installed). Alternative considered and dropped: a fresh user+mount+PID namespace
+per run inside the sandbox (closes those counters too, but needs capability dropping by hand in
+every child).
 """
 
 from __future__ import annotations

@@ -466,13 +466,12 @@ def take_bash_ahead(req, argv, env, limit):
         waiting = False
     if not waiting:
         return drop_bash_ahead()
-    BASH_AHEAD[0] = None
     start = time.monotonic()
     try:
         write_all(ctl_w, bash_prologue(argv, env))
     except OSError:  # it ended meanwhile: killed, and this run is started as usual
-        BASH_AHEAD[0] = (pid, a_argv, a_env, a_limit, in_w, out_r, err_r, ctl_w)
         return drop_bash_ahead()
+    BASH_AHEAD[0] = None  # this run's now
     os.close(ctl_w)
     return finish(req, start, *collect(pid, out_r, err_r, in_w, unb64(req.get("stdin")),
                                        float(req.get("timeout_s") or 10), int(req.get("max_output") or 1 << 20)))
@@ -1127,7 +1126,14 @@ def op_shell(req):
 # -- recycling --------------------------------------------------------------------------------------
 
 SNAPSHOT = {}
-KEYCTL = {"x86_64": 250, "aarch64": 219}.get(os.uname().machine)
+MACHINE = os.uname().machine
+#: seccomp's view of the architecture (``AUDIT_ARCH_*``) and the keyring system calls' numbers there
+KEYRING_CALLS = {"x86_64": (0xC000003E, (248, 249, 250)), "aarch64": (0xC00000B7, (217, 218, 219))}
+#: the 32-bit calls the same kernel takes: i386's (int 0x80) on x86_64, AArch32's (EABI) on aarch64
+COMPAT_CALLS = {"x86_64": (0x40000003, (286, 287, 288)), "aarch64": (0x40000028, (309, 310, 311))}
+SECCOMP_CALL = {"x86_64": 317, "aarch64": 277}  # seccomp(2): for SECCOMP_FILTER_FLAG_SPEC_ALLOW
+X32_BIT = 0x40000000  # x32 system calls on x86_64: refused whole (no interpreter here uses them)
+KEYCTL = KEYRING_CALLS[MACHINE][1][2] if MACHINE in KEYRING_CALLS else None  # keyctl(2) here, if known
 
 
 def read_proc(path):
@@ -1227,14 +1233,6 @@ KEYS_GC_S = 1.0  # how long a reset waits for the keys it unlinked to be destroy
 RING_IDS = {}
 
 
-#: seccomp's view of the architecture (``AUDIT_ARCH_*``) and the keyring system calls' numbers there
-KEYRING_CALLS = {"x86_64": (0xC000003E, (248, 249, 250)), "aarch64": (0xC00000B7, (217, 218, 219))}
-#: the 32-bit calls the same kernel takes: i386's (int 0x80) on x86_64, AArch32's (EABI) on aarch64
-COMPAT_CALLS = {"x86_64": (0x40000003, (286, 287, 288)), "aarch64": (0x40000028, (309, 310, 311))}
-SECCOMP_CALL = {"x86_64": 317, "aarch64": 277}  # seccomp(2): for SECCOMP_FILTER_FLAG_SPEC_ALLOW
-X32_BIT = 0x40000000  # x32 system calls on x86_64: refused whole (no interpreter here uses them)
-
-
 #: whether this sandbox's processes are refused the keyring system calls (``deny_keyrings``)
 KEYS_DENIED = [False]
 
@@ -1252,7 +1250,7 @@ def deny_keyrings():
     if LIBC is None:
         return False
     import struct
-    arch = KEYRING_CALLS.get(os.uname().machine)
+    arch = KEYRING_CALLS.get(MACHINE)
     if arch is None:
         return False
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_JMP|JGE|K, BPF_RET|K
@@ -1265,9 +1263,8 @@ def deny_keyrings():
             out.append((jeq, len(numbers) - k, 0, n))  # to the deny at the end
         return out + [(ret, 0, 0, allow), (ret, 0, 0, deny)]
 
-    machine = os.uname().machine
-    compat = COMPAT_CALLS[machine]
-    native = [(ld, 0, 0, 0)] + calls(arch[1], machine == "x86_64")
+    compat = COMPAT_CALLS[MACHINE]
+    native = [(ld, 0, 0, 0)] + calls(arch[1], MACHINE == "x86_64")
     other = [(ld, 0, 0, 0)] + calls(compat[1], False)
     # native calls, then the same kernel's 32-bit ones; any other architecture (none a program here
     # can use) is refused whole rather than let through unchecked
@@ -1286,7 +1283,7 @@ def deny_keyrings():
     # SECCOMP_SET_MODE_FILTER with SECCOMP_FILTER_FLAG_SPEC_ALLOW: before Linux 5.16 installing a
     # filter also forced the speculative store bypass mitigation on every process of the sandbox
     # (slower user code); the flag keeps the host's choice. Without the seccomp call, prctl's.
-    if LIBC.syscall(ctypes.c_long(SECCOMP_CALL[machine]), ul(1), ul(1 << 2), ctypes.c_void_p(ctypes.addressof(prog))) == 0:
+    if LIBC.syscall(ctypes.c_long(SECCOMP_CALL[MACHINE]), ul(1), ul(1 << 2), ctypes.c_void_p(ctypes.addressof(prog))) == 0:
         return True
     return LIBC.prctl(ctypes.c_int(22), ul(2), ctypes.c_void_p(ctypes.addressof(prog)), ul(0),
                       ul(0)) == 0  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
