@@ -45,18 +45,25 @@ class _Plan:
         self.response, self.status = response, status
 
 
+def _one_parameter(fn: Callable[..., Any]) -> tuple[str, Any] | None:
+    """``fn``'s only parameter (plain or keyword-only, no default) and its annotation, resolved;
+    None for anything else (the endpoint's body model, a dependency's ``Request``)."""
+    try:
+        hints = typing.get_type_hints(fn)
+        params = list(inspect.signature(fn).parameters.values())
+    except Exception:
+        return None
+    if (len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_OR_KEYWORD, params[0].KEYWORD_ONLY)
+            or params[0].default is not inspect.Parameter.empty):
+        return None
+    return params[0].name, hints.get(params[0].name)
+
+
 def _plan(route: APIRoute) -> _Plan | None:
     """The lean plan for ``route``, or None when FastAPI's own handler must serve it: anything
     beyond one body model, request-only dependencies and a plain JSON response."""
-    try:
-        hints = typing.get_type_hints(route.endpoint)
-        params = list(inspect.signature(route.endpoint).parameters.values())
-    except Exception:
-        return None
-    if len(params) != 1 or params[0].kind not in (params[0].POSITIONAL_OR_KEYWORD, params[0].KEYWORD_ONLY):
-        return None
-    model = hints.get(params[0].name)
-    if not (isinstance(model, type) and issubclass(model, BaseModel)) or params[0].default is not inspect.Parameter.empty:
+    body = _one_parameter(route.endpoint)
+    if body is None or not (isinstance(body[1], type) and issubclass(body[1], BaseModel)):
         return None
     if not inspect.iscoroutinefunction(route.endpoint) or not isinstance(route.response_class, DefaultPlaceholder):
         return None
@@ -69,17 +76,13 @@ def _plan(route: APIRoute) -> _Plan | None:
         fn = d.dependency
         if fn is None or not inspect.iscoroutinefunction(fn):
             return None
-        try:
-            dep_params = list(inspect.signature(fn).parameters.values())
-            dep_hints = typing.get_type_hints(fn)
-        except Exception:
-            return None
-        if len(dep_params) != 1 or dep_hints.get(dep_params[0].name) is not Request:
+        param = _one_parameter(fn)
+        if param is None or param[1] is not Request:
             return None
         deps.append(fn)
     if route.response_model is None:  # FastAPI's jsonable_encoder then: not the hot routes' way
         return None
-    return _Plan(params[0].name, model, deps, TypeAdapter(route.response_model), route.status_code or 200)
+    return _Plan(body[0], body[1], deps, TypeAdapter(route.response_model), route.status_code or 200)
 
 
 def _json_content(scope: dict[str, Any]) -> bool:
@@ -145,16 +148,9 @@ class LeanRoute(APIRoute):
 def _replay(body: bytes, receive: Receive, last: dict[str, Any] | None = None, more: bool = False) -> Receive:
     """A ``receive`` that gives ``body`` once (whole, or with ``more`` as a part of a body still
     coming), then ``last`` if the client had left, then the connection's own messages."""
-    given = [False, last is None]
+    queued = [{"type": "http.request", "body": body, "more_body": more}, *([last] if last is not None else [])]
 
     async def replayed() -> dict[str, Any]:
-        if not given[0]:
-            given[0] = True
-            return {"type": "http.request", "body": body, "more_body": more}
-        if not given[1]:
-            given[1] = True
-            assert last is not None
-            return last
-        return await receive()
+        return queued.pop(0) if queued else await receive()
 
     return replayed
