@@ -22,12 +22,9 @@ import asyncio
 import os
 import statistics
 import time
-from pathlib import Path
 from typing import Callable
 
-from .cpu import _children
-
-TICK = os.sysconf("SC_CLK_TCK")
+from .cpu import _children, _ticks
 
 
 def _stat(pid: int) -> dict | None:
@@ -37,8 +34,8 @@ def _stat(pid: int) -> dict | None:
     except OSError:
         return None
     f = text.rsplit(")", 1)[1].split()
-    return {"comm": text[text.index("(") + 1:text.rindex(")")], "self": (int(f[11]) + int(f[12])) / TICK,
-            "kids": (int(f[13]) + int(f[14])) / TICK}
+    return {"comm": text[text.index("(") + 1:text.rindex(")")], "self": (int(f[11]) + int(f[12])) / _ticks(),
+            "kids": (int(f[13]) + int(f[14])) / _ticks()}
 
 
 def _sched_s(pid: int) -> float:
@@ -50,21 +47,13 @@ def _sched_s(pid: int) -> float:
 
 
 def _group_s(sb) -> float | None:
-    g = sb.group
-    if g is None:
+    """The sandbox's control group's CPU seconds (``cgroups.Group.cpu_seconds``), if it has one."""
+    if sb.group is None:
         return None
-    for d in g.dirs.values():
-        usage, stat = Path(d) / "cpuacct.usage", Path(d) / "cpu.stat"
-        try:
-            if usage.exists():
-                return int(usage.read_text()) / 1e9
-            if stat.exists():
-                for line in stat.read_text().splitlines():
-                    if line.startswith("usage_usec "):
-                        return int(line.split()[1]) / 1e6
-        except (OSError, ValueError):
-            continue
-    return None
+    try:
+        return sb.group.cpu_seconds()
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _snapshot(mgr) -> dict[str, dict[str, float]]:
