@@ -434,6 +434,22 @@ def test_a_child_that_reports_its_end_and_lingers_is_killed():
     assert_pristine(out, reused=True)  # no /tmp/late, no process left
 
 
+def _three_runs_in_one_sandbox(code: str) -> tuple[list, dict]:
+    """``code`` run three times in one recycled sandbox (its child forked on demand, then ahead),
+    each run's sandbox settled before the next: the runs and the recycler's figures."""
+    cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1)
+
+    async def main():
+        async with Tangram.local(sandbox=cfg, cores=2) as tg:
+            runs = []
+            for i in range(3):
+                runs.append(await tg.run(code, timeout_s=10))
+                await _settle(tg, i)
+            return runs, tg.runtime.sandboxes.recycler.stats()
+
+    return asyncio.run(main())
+
+
 THREAD_LEFT = r"""
 import os, threading, time
 out = os.dup(1)
@@ -451,17 +467,7 @@ def test_a_python_child_with_a_thread_left_ends_with_it():
     """A child that reported its end waits for the runner's kill (issue 26), but not one whose
     program left a thread running: that thread ends with the program, as under ``os._exit``,
     and writes nothing more (waiting, it would tick on into the output for LINGER_S)."""
-    cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1)
-
-    async def main():
-        async with Tangram.local(sandbox=cfg, cores=2) as tg:
-            runs = []
-            for i in range(3):  # forked on demand, then ahead
-                runs.append(await tg.run(THREAD_LEFT, timeout_s=10))
-                await _settle(tg, i)
-            return runs, tg.runtime.sandboxes.recycler.stats()
-
-    runs, stats = asyncio.run(main())
+    runs, stats = _three_runs_in_one_sandbox(THREAD_LEFT)
     for r in runs:
         assert r.outcome is Outcome.OK and "main done\n" in r.stdout, (r.outcome, r.stderr)
         assert r.stdout.count("tick") <= 15, r.stdout.count("tick")
@@ -477,17 +483,8 @@ def test_a_program_whose_forked_copy_returns_is_answered_at_its_end(wait):
     status of its own): it never waits for the runner, which would then wait (for LINGER_S,
     1 s) on a parent that waits for it. A hang check, not a timing: a second is the bug."""
     code = FORKED_COPY + ("if pid:\n    os.waitpid(pid, 0)\n" if wait else "")
-    cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1)
-
-    async def main():
-        async with Tangram.local(sandbox=cfg, cores=2) as tg:
-            runs = []
-            for i in range(3):  # forked on demand, then ahead
-                runs.append(await tg.run(code, timeout_s=10))
-                await _settle(tg, i)
-            return runs
-
-    for r in asyncio.run(main()):
+    runs, _ = _three_runs_in_one_sandbox(code)
+    for r in runs:
         assert r.outcome is Outcome.OK and sorted(r.stdout.split()) == ["child", "parent"], (r.outcome, r.stdout)
         assert r.result.run.duration_s < 0.9, r.result.run.duration_s
 
