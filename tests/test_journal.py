@@ -113,3 +113,30 @@ def test_ids_the_server_makes_sort_by_time_and_do_not_repeat():
     a = new_id("sf")[-20:]
     _random.seed(7)
     assert new_id("sf")[-20:] != a
+
+
+def test_when_durable_calls_back_once_the_writes_before_it_are_committed(tmp_path):
+    """The callback form of ``durable`` (a one-shot's answer in the engine process): at once when
+    nothing is queued, after the commit otherwise, and with the error when the commit failed."""
+    path = str(tmp_path / "j.sqlite3")
+    j = Journal(path)
+    told: list = []
+
+    async def main():
+        j.when_durable(told.append)
+        assert told == [None]  # nothing queued: at once
+        j.accept("a", "job", "run_code", {"x": 1}, True)
+        j.when_durable(lambda err: told.append((err, _rows(path))))
+        assert len(told) == 1  # not before the commit
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert told[1] == (None, {"a": "accepted"})  # on disk when told
+        j._db.execute("PRAGMA query_only=1")  # every write now fails
+        j.accept("b", "job", "run_code", {"x": 2}, True)
+        j.when_durable(lambda err: told.append(err))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    assert type(told[2]).__name__ == "JournalError" and "cannot be written" in str(told[2])
+    j.close()

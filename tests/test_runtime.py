@@ -295,3 +295,50 @@ def test_numpy_numbers_reach_the_compiled_action_and_bad_ones_name_their_field()
     one_shot, step, call, fields = run("double", body, apis={"echo": (ApiQuota("echo", 100.0, 4), echo)})
     assert (one_shot.outcome, step.outcome, call.outcome, call.result) == (Outcome.OK, Outcome.OK, Outcome.OK, 7)
     assert fields == ["remaining_turns", "remaining_turns", "hint_s"]
+
+
+def test_a_callback_submit_gets_the_one_outcome_and_none_when_the_runtime_closes_first():
+    """``submit_cb`` (a one-shot in a server's engine process, no task per action): the callback
+    gets the terminal outcome once; an id in flight is refused before anything is scheduled; and
+    an action still running when the runtime closes gets None (no outcome: it stays unfinished)."""
+    from arl_tangram.runtime.api import one_shot
+
+    got: dict[str, list] = {"quick": [], "slow": []}
+
+    async def main():
+        tg = local("double")
+        await tg.__aenter__()
+        rt = tg.runtime
+        rt.submit_cb(one_shot("quick", "print(7)"), got["quick"].append)
+        with pytest.raises(InvalidAction, match="in flight"):
+            rt.submit_cb(one_shot("quick", "print(8)"), got["quick"].append)
+        rt.submit_cb(one_shot("slow", "import time; time.sleep(5)"), got["slow"].append)
+        for _ in range(100):
+            if got["quick"]:
+                break
+            await asyncio.sleep(0.02)
+        await tg.__aexit__(None, None, None)
+
+    asyncio.run(main())
+    [r] = got["quick"]
+    assert r.id == "quick" and r.outcome is Outcome.OK and r.stdout == "7\n"
+    assert got["slow"] == [None]
+
+
+def test_results_cross_a_link_field_by_field_and_come_back_equal():
+    """What a server's links carry per one-shot (the run's payload, its result, the answer to a
+    front) pickles as its fields in order (``core.action.by_fields``) and rebuilds equal."""
+    import pickle
+
+    from arl_tangram.managers.sandbox.spec import CommandResult, SandboxResult
+    from arl_tangram.runtime import ActionResult
+    from arl_tangram.runtime.api import one_shot
+
+    run = CommandResult(0, "out\n", "err", 0.25, truncated=True, display=[{"text/plain": "1"}], note="n")
+    res = SandboxResult(run=run, compile=CommandResult(None, "", "", 1.0, timed_out=True), files={"a": b"\0"},
+                        missing=["b"], message="m", info={"k": [1]})
+    ar = ActionResult("x", Outcome.TIMEOUT, res, 1.5, 0.1, 0.2, 1.2, 2, "late")
+    action = one_shot("y", "print(1)", stdin="in", files={"f": b"1"}, fetch_files=["g"], memory_mb=64)
+    for value in (run, res, ar, action.payload):
+        assert type(value).__reduce__(value)[0] is type(value)  # by its fields, not pickle's default
+        assert pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)) == value

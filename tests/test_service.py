@@ -214,3 +214,18 @@ def test_a_queued_action_says_what_it_waits_for(server):
     finally:
         for a in (second, first):
             httpx.post(f"{server.url}/v1/actions/{a['id']}/cancel", timeout=30)
+
+
+def test_the_engine_process_checks_a_translated_one_shots_job_against_the_key():
+    """A dialect's route (a front, with fronts) builds the one-shot's action, job included; the
+    engine process still checks that job against the request's key before anything is journaled."""
+    from arl_tangram.runtime.api import one_shot
+    from arl_tangram.server.service import CALLER_JOB, Forbidden, Service
+
+    svc = object.__new__(Service)  # nothing past the check is reached
+    token = CALLER_JOB.set("job-a")
+    try:
+        with pytest.raises(Forbidden, match="job-a"):
+            svc.run_oneshot(one_shot("x", "print(1)", job="job-b"), "{}", reply=lambda ok, value: None)
+    finally:
+        CALLER_JOB.reset(token)

@@ -49,6 +49,13 @@ class PeerGone(ConnectionError):
     """The answering end went away (for a front, the engine process: a 503, retry)."""
 
 
+def answers_later(fn: Callable[..., None]) -> Callable[..., None]:
+    """Mark a method that answers through a ``reply(ok, value)`` keyword instead of returning:
+    served with no task at all (``Hub``: the service's ``REPLIES`` name such methods)."""
+    fn.answers_later = True  # type: ignore[attr-defined]
+    return fn
+
+
 def frame(obj: Any) -> bytes:
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     return HEADER.pack(len(data)) + data

@@ -8,8 +8,8 @@ as JSON: per gap between consecutive hops, p50 / p90 / p99 in ms; and the journa
 the garbage collector's pauses, the two sources of a long tail found here.
 
 The hops: ``client`` (the request sent) -> ``http_in`` (the ASGI app called: uvicorn parsed it)
--> ``sf_in`` (the dialect's call: FastAPI validated it) -> ``svc_in`` (``Service.run_journaled``)
--> ``submit`` (``Runtime.submit``) -> ``mgr_run`` (the sandbox manager's task runs) -> ``sb_req``
+-> ``sf_in`` (the dialect's translation: FastAPI validated it) -> ``svc_in``
+(``Service.run_oneshot``) -> ``submit`` (``Runtime.submit_cb``) -> ``mgr_run`` (the sandbox manager's task runs) -> ``sb_req``
 / ``sb_ans`` (the runner's request and answer) -> ``mgr_done`` -> ``report`` -> ``finished``
 (the engine's record, the caller's future resolved) -> ``svc_out`` (the answer journaled and
 durable) -> ``resp_start`` (FastAPI serialised it) -> ``client_end`` (the client has read it).
@@ -93,10 +93,20 @@ class _Stamps:
 def _instrument(s: _Stamps) -> None:
     from ..managers.sandbox import manager, sandbox
     from ..runtime import base
-    from ..server import calls, journal, service
+    from ..server import journal, sandboxfusion, service
 
-    s.wrap(service.Service, "run_journaled", "svc_in", "svc_out")
-    s.wrap(base.Runtime, "submit", "submit")
+    run_oneshot = service.Service.run_oneshot
+
+    def timed_run_oneshot(self, action, request, reply):
+        s.mark("svc_in")
+
+        def timed_reply(ok, value):
+            s.mark("svc_out")
+            reply(ok, value)
+        return run_oneshot(self, action, request, reply=timed_reply)
+
+    service.Service.run_oneshot = timed_run_oneshot
+    s.wrap(base.Runtime, "submit_cb", "submit")
     s.wrap(manager.SandboxManager, "_run", "mgr_run", "mgr_done")
     s.wrap(base.Runtime, "report", "report")
     s.wrap(base.Runtime, "_finished", "finished")
@@ -121,13 +131,13 @@ def _instrument(s: _Stamps) -> None:
         s.commits_ms.append((time.perf_counter_ns() - t) / 1e6)
 
     journal.Journal._commit = timed_commit
-    sf = calls.CALLS["sf_run_code"]
+    translate = sandboxfusion.run_code_action
 
-    async def sf_in(service_, req):
+    def sf_in(req):
         s.mark("sf_in")
-        return await sf(service_, req)
+        return translate(req)
 
-    calls.CALLS["sf_run_code"] = sf_in
+    sandboxfusion.run_code_action = sf_in
     gc.callbacks.append(s.on_gc)
 
 

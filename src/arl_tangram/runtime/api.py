@@ -229,6 +229,25 @@ class Session:
         self.runtime.end_session(self.id, f"session {self.id} was closed by its owner")
 
 
+def one_shot(id: str, code: str, language: str = "python", *, stdin: bytes | str | None = None,
+             files: dict[str, bytes] | None = None, fetch_files: list[str] | None = None, timeout_s: float = 10.0,
+             compile_timeout_s: float = 10.0, memory_mb: int | None = None, cpus: int | tuple[int, int] = 1,
+             parallel_fraction: float = 0.0, job: str = "default", hint_s: float | None = None,
+             operation: str = "", image: str | None = None, memory_as_rlimit: bool = False,
+             remaining_turns: int | None = None) -> Action:
+    """The action of a one-shot program (``Tangram.run``'s arguments): plain data, so that a
+    server's HTTP front builds it and the engine process only schedules it."""
+    if isinstance(stdin, str):
+        stdin = stdin.encode()
+    rng = (cpus, cpus) if isinstance(cpus, int) else cpus
+    payload = RunCode(code, language, stdin, dict(files or {}), list(fetch_files or []), compile_timeout_s,
+                      timeout_s, memory_mb, image, memory_as_rlimit)
+    return Action(id, "sandbox", Demand({"cpu": rng}), job=job, operation=operation or language, hint_s=hint_s,
+                  parallel_fraction=parallel_fraction,
+                  timeout_s=timeout_s + compile_timeout_s + ACTION_TIMEOUT_SLACK_S, payload=payload,
+                  remaining_turns=remaining_turns)
+
+
 class Tangram:
     """The embedded API: ``async with Tangram.local() as tg: ...``."""
 
@@ -276,17 +295,11 @@ class Tangram:
                   remaining_turns: int | None = None) -> ActionResult:
         """Run a one-shot program in a fresh or verified-pristine recycled sandbox (of ``image``, if
         given); ``memory_as_rlimit`` also caps its address space (SandboxFusion's MemoryError)."""
-        if isinstance(stdin, str):
-            stdin = stdin.encode()
-        rng = (cpus, cpus) if isinstance(cpus, int) else cpus
-        payload = RunCode(code, language, stdin, dict(files or {}), list(fetch_files or []), compile_timeout_s,
-                          timeout_s, memory_mb, image, memory_as_rlimit)
-        action = Action(id or self.runtime.new_id("r"), "sandbox", Demand({"cpu": rng}), job=job,
-                        operation=operation or language,
-                        hint_s=hint_s, parallel_fraction=parallel_fraction,
-                        timeout_s=timeout_s + compile_timeout_s + ACTION_TIMEOUT_SLACK_S, payload=payload,
-                        remaining_turns=remaining_turns)
-        return await self.runtime.submit(action)
+        return await self.runtime.submit(one_shot(
+            id or self.runtime.new_id("r"), code, language, stdin=stdin, files=files, fetch_files=fetch_files,
+            timeout_s=timeout_s, compile_timeout_s=compile_timeout_s, memory_mb=memory_mb, cpus=cpus,
+            parallel_fraction=parallel_fraction, job=job, hint_s=hint_s, operation=operation, image=image,
+            memory_as_rlimit=memory_as_rlimit, remaining_turns=remaining_turns))
 
     async def score(self, model: str, tokens: list[int], *, job: str = "default",
                     hint_s: float | None = None) -> ActionResult:

@@ -18,7 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol
 
-from ..core.action import CPU, Action, Finished, InvalidAction, Outcome
+from ..core.action import CPU, Action, Finished, InvalidAction, Outcome, by_fields
 from ..core.cluster import Cluster
 from ..core.seam import Completion, Manager, Pool, Report
 from ..driver import Driver
@@ -68,6 +68,9 @@ class ActionResult:
     @classmethod
     def rejected(cls, id: str, message: str) -> "ActionResult":
         return cls(id, Outcome.REJECTED, None, 0.0, 0.0, 0.0, 0.0, 0, message)
+
+    def __reduce__(self):  # field by field: a one-shot's answer to an HTTP front (server/service.py)
+        return by_fields(self)
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,8 @@ class Runtime:
     models: "ModelServices | None" = None
 
     def __init__(self) -> None:
-        self._futures: dict[str, asyncio.Future] = {}
+        #: per action in flight, who waits for its result: a future (``submit``) or a callback (``submit_cb``)
+        self._futures: dict[str, asyncio.Future | Callable[[ActionResult | None], None]] = {}
         self._results: dict[str, Any] = {}
         self._wake: asyncio.TimerHandle | None = None
         self._ids = itertools.count()
@@ -226,11 +230,19 @@ class Runtime:
             return
         fut = self._futures.pop(f.action.id, None)
         first = self._first_submitted.pop(f.action.id, f.submitted_at)
+        if fut is None:
+            return
         if result is None and f.action.pool == CPU:
             result = SandboxResult(message=f.message)
-        if fut is not None and not fut.done():
-            fut.set_result(ActionResult(f.action.id, f.outcome, result, f.finished_at - first,
-                                        f.queue_s, f.setup_s, f.exec_s, f.units, f.message))
+        r = ActionResult(f.action.id, f.outcome, result, f.finished_at - first, f.queue_s, f.setup_s, f.exec_s,
+                         f.units, f.message)
+        if not isinstance(fut, asyncio.Future):
+            try:
+                fut(r)
+            except Exception:  # the engine's listener must go on for every other action
+                log.exception("the callback of action %s failed", f.action.id)
+        elif not fut.done():
+            fut.set_result(r)
 
     def _retry(self, f: Finished, result: Any) -> bool:
         """Whether to run the action again instead of answering (a runtime whose nodes can die
@@ -242,18 +254,25 @@ class Runtime:
     async def submit(self, action: Action) -> ActionResult:
         """Schedule ``action`` and wait for its one terminal outcome. An id already in flight
         raises ``InvalidAction`` and leaves the first caller's wait untouched."""
+        fut = asyncio.get_running_loop().create_future()
+        self.submit_cb(action, fut)
+        return await fut
+
+    def submit_cb(self, action: Action, done: asyncio.Future | Callable[[ActionResult | None], None]) -> None:
+        """``submit`` without a coroutine: ``done`` (a callback, or a future) gets the one terminal
+        outcome, from the engine's listener itself (``Service.run_oneshot``: no task per one-shot in
+        the engine process). Raises as ``submit`` does, before anything is scheduled. A callback
+        gets None if the runtime closes first (the action has no outcome: a future is cancelled)."""
         if action.id in self._futures:
             raise InvalidAction("id", f"action {action.id!r} is already in flight")
-        fut = asyncio.get_running_loop().create_future()
-        self._futures[action.id] = fut
+        self._futures[action.id] = done
         try:
-            self.engine.submit(action)  # a rejection resolves the future through the listener
+            self.engine.submit(action)  # a rejection reaches ``done`` through the listener
         except BaseException:
             self._futures.pop(action.id, None)
             raise
         if not self._round_due:  # else it rides on the round already due this pass
             self.tick()  # at once: a deferred start cost c=1 one-shots a loop pass each (measured)
-        return await fut
 
     def cancel(self, action_id: str) -> bool:
         """Cancel a queued or running action; False if it is not in flight here."""
@@ -436,8 +455,14 @@ class Runtime:
         for aid in list(self.engine.pending):
             self.engine.cancel(aid)
         await self._shut_down_managers()
-        for fut in self._futures.values():
-            if not fut.done():
+        waiting, self._futures = self._futures, {}
+        for fut in waiting.values():
+            if not isinstance(fut, asyncio.Future):
+                try:
+                    fut(None)
+                except Exception:
+                    log.exception("a callback failed as the runtime closed")
+            elif not fut.done():
                 fut.cancel()
         for recorder in self._recorders:
             recorder.close()

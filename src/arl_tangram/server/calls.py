@@ -9,6 +9,7 @@ names in process and across the link, and a call no dialect declares fails eithe
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from types import MethodType
 from typing import Any, Callable
@@ -43,11 +44,15 @@ SCOPED = "scoped"
 
 
 class Local:
-    """The calls bound to ``service``: each one attribute, a bound method (no cost per call)."""
+    """The calls bound to ``service``: each one attribute, a bound method (no cost per call). A
+    call that answers later (``link.answers_later``) is bound as ``_Later``: a route awaits it as
+    any other; the link (``REPLIES``) hands it the reply callback itself."""
+
+    REPLIES = frozenset(name for name, fn in CALLS.items() if getattr(fn, "answers_later", False))
 
     def __init__(self, service: Service) -> None:
         for name, fn in CALLS.items():
-            setattr(self, name, MethodType(fn, service))
+            setattr(self, name, _Later(MethodType(fn, service)) if name in self.REPLIES else MethodType(fn, service))
 
     async def scoped(self, job: str, name: str, *args: Any) -> Any:
         """``name(*args)`` as a request carrying ``job``'s API key (a front's call across the link:
@@ -55,3 +60,27 @@ class Local:
         CALLER_JOB.set(job)
         value = getattr(self, name)(*args)
         return await value if inspect.isawaitable(value) else value
+
+
+class _Later:
+    """A call answering through ``reply``: called with one, as the link calls it; called without,
+    as a route in this process does, it returns a future of the answer."""
+
+    def __init__(self, fn: Callable[..., None]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, reply: Callable[[bool, Any], None] | None = None) -> Any:
+        if reply is not None:
+            return self.fn(*args, reply=reply)
+        fut = asyncio.get_running_loop().create_future()
+        self.fn(*args, reply=lambda ok, value: _settle(fut, ok, value))
+        return fut
+
+
+def _settle(fut: asyncio.Future, ok: bool, value: Any) -> None:
+    if fut.done():  # its caller went away (a client that left)
+        return
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)

@@ -31,6 +31,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class Journal:
         self._checkpointer: Checkpointer | None = None  # started at the first checkpoint due
         self._queue: list[tuple] = []
         self._pending: dict[str, Entry] = {}  # written, not yet committed
-        self._waiters: list[asyncio.Future] = []
+        self._waiters: list[asyncio.Future | Callable[[BaseException | None], None]] = []
         self._scheduled = False
         self.error: BaseException | None = None
         self.commits = 0
@@ -188,6 +189,14 @@ class Journal:
         self._waiters.append(fut)
         await fut
 
+    def when_durable(self, done: Callable[[BaseException | None], None]) -> None:
+        """``durable`` as a callback: ``done(None)`` once every write made before this call is
+        committed (now, if none is queued), ``done(error)`` if the commit failed."""
+        if not self._queue:
+            done(None if self.error is None else JournalError(f"the journal cannot be written: {self.error}"))
+            return
+        self._waiters.append(done)
+
     def flush(self) -> None:
         """Commit what is queued now."""
         if self._queue:
@@ -213,15 +222,10 @@ class Journal:
                 except sqlite3.Error:
                     pass
                 self._pending.clear()  # not on disk: reads must not serve it
-                err = JournalError(f"the journal cannot be written: {e}")
-                for fut in waiters:
-                    if not fut.done():
-                        fut.set_exception(err)
+                _wake(waiters, JournalError(f"the journal cannot be written: {e}"))
                 return
         self._pending.clear()
-        for fut in waiters:
-            if not fut.done():
-                fut.set_result(None)
+        _wake(waiters, None)
 
     def _checkpoint(self) -> None:
         if self._checkpointer is None:
@@ -297,6 +301,21 @@ class Checkpointer:
                     log.warning("journal %s: checkpoint failed: %s", self.path, e)
         finally:
             db.close()
+
+
+def _wake(waiters: list, err: BaseException | None) -> None:
+    """A commit's waiters: futures (``durable``) and callbacks (``when_durable``), each told once."""
+    for w in waiters:
+        if not isinstance(w, asyncio.Future):
+            try:
+                w(err)
+            except Exception:  # the others must still be told
+                log.exception("a journal commit's callback failed")
+        elif not w.done():
+            if err is None:
+                w.set_result(None)
+            else:
+                w.set_exception(err)
 
 
 def _text(value: dict | str) -> str:

@@ -152,7 +152,7 @@ def _every_job(request: Request, what: str) -> None:
 
 
 DIALECT = Dialect("native", {
-    "submit": Service.submit, "status": Service.status, "cancel": Service.cancel,
+    "submit": Service.submit, "run_oneshot": Service.run_oneshot, "status": Service.status, "cancel": Service.cancel,
     "open_session": Service.open_session, "session_state": Service.session_state, "exec": Service.exec, "put_files": Service.put_files,
     "get_files": Service.get_files, "fork": Service.fork, "prewarm": Service.prewarm,
     "snapshot": Service.snapshot, "list_snapshots": Service.list_snapshots, "delete_snapshot": Service.delete_snapshot,

@@ -1,9 +1,10 @@
 """SandboxFusion's HTTP dialect: ``POST /run_code``, ``POST /run_jupyter``, ``GET /v1/ping``.
 
-Its routes, and its translation onto the native ``Service`` (run in the engine process: the
-calls ``sf_run_code`` and ``sf_run_jupyter``). The wire schemas are ``api/sandboxfusion.py``;
-what SandboxFusion itself does, field by field, and where we differ on purpose is in
-docs/sandboxfusion.md.
+Its routes, and its translation onto the native ``Service``: ``/run_code`` is translated where
+the route runs (``run_code_action``; with fronts, in the front process) into the native call
+``run_oneshot``; ``/run_jupyter`` is the engine process's call ``sf_run_jupyter``. The wire
+schemas are ``api/sandboxfusion.py``; what SandboxFusion itself does, field by field, and where
+we differ on purpose is in docs/sandboxfusion.md.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from fastapi import APIRouter
 
 from ..api import sandboxfusion as sf
 from ..api import v1
-from ..core.action import Outcome
+from ..core.action import Action, Outcome
 from ..managers.sandbox import languages
 from ..managers.sandbox.spec import CommandResult, Files
 from ..runtime import ActionResult
 from .dialect import Dialect
 from .journal import new_id
-from .service import BadRequest, Service, decode_files, job_for
+from .service import BadRequest, Service, decode_files, job_for, oneshot_action
 
 
 def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
@@ -32,34 +33,37 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
 
     @router.post("/run_code", response_model=sf.RunCodeResponse, tags=["sandboxfusion"], dependencies=guarded)
     async def run_code(req: sf.RunCodeRequest) -> dict[str, Any]:
-        return await calls.sf_run_code(req)  # a dict, validated into the response model here (``response``)
+        if req.language not in languages.LANGUAGES:
+            return {"status": "SandboxError", "message": f"language {req.language!r} is known but this server has "
+                                                         "no toolchain for it"}
+        action, request = run_code_action(req)
+        # a dict, validated into the response model here (``response``)
+        return response(await calls.run_oneshot(action, request))
 
     @router.post("/run_jupyter", response_model=sf.RunJupyterResponse, tags=["sandboxfusion"], dependencies=guarded)
     async def run_jupyter(req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:
         return await calls.sf_run_jupyter(req)
 
 
-# -- the translation, in the engine process --------------------------------------------------------
+# -- the translation ------------------------------------------------------------------------------
 
-async def sf_run_code(service: Service, req: sf.RunCodeRequest) -> dict[str, Any]:
-    """``POST /run_code``: one journaled one-shot (re-run after a crash, as a native one); the
-    answer is ``sf.RunCodeResponse``'s fields as a dict (``response`` says why)."""
-    if req.language not in languages.LANGUAGES:
-        return {"status": "SandboxError", "message": f"language {req.language!r} is known but this server has no "
-                                                     "toolchain for it"}
+def run_code_action(req: sf.RunCodeRequest) -> tuple[Action, str]:
+    """``POST /run_code`` as a native journaled one-shot (re-run after a crash, as a native one):
+    its action, and its ``v1.ActionRequest`` as JSON text, journaled whole (files included) so
+    that a recovery's re-run is the same program. Built where the route runs (with fronts, in
+    the front process: the engine process only journals and schedules, ``Service.run_oneshot``)."""
     if 0 < req.memory_limit_MB < 16:
         raise BadRequest("memory_limit_MB: give -1 (the default limit) or at least 16")
-    service.admit()
     given = {p: d for p, d in req.files.items() if d is not None}
     files = decode_files("files", given)
-    id = new_id("sf")
-    # journaled whole (files included) so that a recovery re-run is the same program
-    spec = v1.ActionRequest(id=id, job=job_for(None, "sandboxfusion"), action=v1.RunCodeAction(
+    spec = v1.ActionRequest(id=new_id("sf"), job=job_for(None, "sandboxfusion"), action=v1.RunCodeAction(
         code=req.code, language=req.language, stdin=req.stdin, files=given, fetch_files=req.fetch_files,
         compile_timeout_s=req.compile_timeout, timeout_s=req.run_timeout,
         memory_mb=req.memory_limit_MB if req.memory_limit_MB > 0 else None, memory_as_rlimit=True))
-    return response(await service.run_journaled(spec, files))
+    return oneshot_action(spec.id, spec, files), spec.model_dump_json()
 
+
+# -- the engine process's calls --------------------------------------------------------------------
 
 async def sf_run_jupyter(service: Service, req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:
     """``POST /run_jupyter``: the cells in one session of their own, closed at the end (not
@@ -146,4 +150,4 @@ def response(r: ActionResult) -> dict[str, Any]:
             "files": {k: base64.b64encode(v).decode() for k, v in res.files.items()}}
 
 
-DIALECT = Dialect("sandboxfusion", {"sf_run_code": sf_run_code, "sf_run_jupyter": sf_run_jupyter}, routes)
+DIALECT = Dialect("sandboxfusion", {"sf_run_jupyter": sf_run_jupyter}, routes)

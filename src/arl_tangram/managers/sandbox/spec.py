@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from ...core.action import by_fields
+
 from .isolation import Isolation
 
 
@@ -102,6 +104,9 @@ class CommandResult:
     error: list[dict] = field(default_factory=list)  # python cells: the exception raised, if any
     note: str = ""  # shell steps: the shell was restarted (and why)
 
+    def __reduce__(self):  # field by field: pickled per one-shot on the links of a server (link.py)
+        return by_fields(self)
+
     @classmethod
     def from_wire(cls, r: dict) -> "CommandResult":
         return cls(r.get("exit_code"), base64.b64decode(r.get("stdout", "")).decode("utf-8", "replace"),
@@ -121,6 +126,9 @@ class SandboxResult:
     message: str = ""
     info: dict = field(default_factory=dict)  # fork: the children; snapshot: the file and its size
 
+    def __reduce__(self):  # field by field: pickled per one-shot on the links of a server (link.py)
+        return by_fields(self)
+
 
 @dataclass
 class RunCode:
@@ -136,6 +144,9 @@ class RunCode:
     memory_mb: int | None = None
     image: str | None = None
     memory_as_rlimit: bool = False  # also cap address space: allocations fail (MemoryError) as in SandboxFusion
+
+    def __reduce__(self):  # field by field: pickled per one-shot on the links of a server (link.py)
+        return by_fields(self)
 
 
 @dataclass
