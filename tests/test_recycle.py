@@ -671,3 +671,29 @@ echo attacked'''
     assert after.stdout == fresh.stdout + "1\n", (fresh.stdout, after.stdout)
     assert "planted" not in after.stdout and after.stderr == "", after.stderr
     assert stats["recycled"] == 3 and not stats["discarded"], stats
+
+
+def test_a_run_that_finds_the_pool_empty_waits_for_the_sandbox_being_reset():
+    """The only sandbox is being reset when the next one-shot starts: that run waits the reset
+    out (about a millisecond) and takes it, rather than starting a sandbox of its own (10-50 ms
+    of CPU; at 16 cores such starts had python one-shots cost 3.9 ms of sandbox CPU instead of
+    3.0, docs/performance.md)."""
+    cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1)
+
+    async def main():
+        async with Tangram.local(sandbox=cfg, cores=1) as tg:
+            mgr = tg.runtime.sandboxes
+            assert mgr.mode is Isolation.BWRAP
+            outs, resetting = [], []
+            for i in range(5):  # each next run starts as the last one's answer is read: its reset is under way
+                r = await tg.run(f"print({i})")
+                resetting.append(mgr.recycler.resetting)
+                outs.append(r.stdout)
+            await _settle(tg, mgr.recycler.recycled)
+            return outs, resetting, dict(mgr.fresh), mgr.recycler.stats()
+
+    outs, resetting, fresh, stats = asyncio.run(main())
+    assert outs == [f"{i}\n" for i in range(5)]
+    assert resetting == [1] * 5, resetting  # else the test proves nothing
+    assert fresh == {"run": 1}, (fresh, stats)  # the first run's sandbox, and no other
+    assert stats["recycled"] == 5, stats

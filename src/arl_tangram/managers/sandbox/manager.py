@@ -93,6 +93,9 @@ class SandboxManager:
         self._returning = 0  # session sandboxes being reset for the sessions' pool (``_recycle_session``)
         self._releasing: set[Sandbox] = set()  # those sandboxes: a second release of one is refused
         self._returned: asyncio.Event | None = None  # set when one is put back
+        #: one-shot sandboxes of the default image started afresh: for the warm pool ("pool"), and for
+        #: a run that found it empty with none being reset ("run")
+        self.fresh: Counter[str] = Counter()
         self.layered = False  # default sessions get a copy-on-write workspace (bwrap, overlays)
         self._closing = False
         self._fill: asyncio.Task | None = None
@@ -151,7 +154,8 @@ class SandboxManager:
         self._fill = asyncio.get_running_loop().create_task(self._keep_pool_full())
         self._reaper = asyncio.get_running_loop().create_task(self._expire_sessions())
         self.recycler = Recycler(self.config.recycle and self.mode is Isolation.BWRAP, self._put_back,
-                                 self.tasks.spawn, self.config.recycle_max_uses, ahead=self.config.fork_ahead)
+                                 self.tasks.spawn, self.config.recycle_max_uses, ahead=self.config.fork_ahead,
+                                 settled=self._sandbox_back)
         log.info("sandboxes: isolation %s, cgroups %s, %d CPUs, warm pool %d", self.mode.value,
                  "v2" if self.root and self.root.v2 else ("v1" if self.root else "unavailable"), len(self.host_cpus),
                  self.config.warm_pool)
@@ -265,10 +269,11 @@ class SandboxManager:
         parallel = max(1, SPAWNS_PER_CORE * len(self.host_cpus))
         pools = [(self._session_pool, self._warm_sessions(), self._spawn_session),
                  (self._pool, self.config.warm_pool, self._spawn)]
-        # sandboxes on their way back to the sessions' pool count as there: a new session takes a
-        # sandbox and the one it sends to rest comes back a few ms later, and a spawn started meanwhile
-        # (~50 ms of CPU: bubblewrap, an interpreter, the warm-up) was mostly waste (measured: 15
-        # spawns for 200 sessions opened one at a time past max_awake_sessions)
+        # sandboxes on their way back to a pool count as there: a new session takes a sandbox and
+        # the one it sends to rest comes back a few ms later, a one-shot's comes back from its reset
+        # within a millisecond, and a spawn started meanwhile (~50 ms of CPU: bubblewrap, an
+        # interpreter, the warm-up) was mostly waste (measured: 15 spawns for 200 sessions opened
+        # one at a time past max_awake_sessions; one-shots: see ``_take``)
         loop = asyncio.get_running_loop()
         taken: asyncio.Task | None = None
         try:
@@ -277,8 +282,11 @@ class SandboxManager:
                 for pool, size, spawn in pools:
                     while (len(in_flight) < parallel
                            and len(pool) + sum(p is pool for p in in_flight.values())
-                           + (self._coming_back() if pool is self._session_pool else 0) < size):
+                           + (self._coming_back() if pool is self._session_pool else self.recycler.resetting)
+                           < size):
                         in_flight[loop.create_task(spawn())] = pool
+                        if pool is self._pool:
+                            self.fresh["pool"] += 1
                 if taken is None or taken.done():
                     taken = loop.create_task(self._taken.wait())
                 done, _ = await asyncio.wait([*in_flight, taken], return_when=asyncio.FIRST_COMPLETED)
@@ -343,12 +351,37 @@ class SandboxManager:
                     pass
             return await self._made_for_action(self._spawn_session())
         pool = self._pool
-        while pool:
-            i = next((k for k in range(len(pool) - 1, -1, -1) if pool[k].cpus == cores), 0) if cores else 0
-            sb = pool.pop(i)
-            if not sb.dead and sb.proc.returncode is None:
-                return sb
+        deadline = None
+        while True:
+            while pool:
+                i = next((k for k in range(len(pool) - 1, -1, -1) if pool[k].cpus == cores), 0) if cores else 0
+                sb = pool.pop(i)
+                if not sb.dead and sb.proc.returncode is None:
+                    return sb
+            if not self.recycler.resetting:
+                break
+            # one is being reset: it is back within a millisecond, a fresh one takes 10-50 ms
+            loop = asyncio.get_running_loop()
+            if deadline is None:
+                deadline = loop.time() + RETURN_WAIT_S
+            left = deadline - loop.time()
+            if left <= 0:
+                break
+            if self._returned is None:
+                self._returned = asyncio.Event()
+            self._returned.clear()
+            try:
+                await asyncio.wait_for(self._returned.wait(), left)
+            except asyncio.TimeoutError:
+                pass
+        self.fresh["run"] += 1
         return await self._made_for_action(self._spawn(warm=False))
+
+    def _sandbox_back(self) -> None:
+        """A one-shot sandbox's reset ended (in the pool, or discarded): a ``_take`` waiting for
+        one looks again."""
+        if self._returned is not None:
+            self._returned.set()
 
     async def _made_for_action(self, spawn) -> Sandbox:
         """A sandbox made for an action, shielded from the action's cancel: a cancel that lands

@@ -43,12 +43,17 @@ class Recycler:
     (which returns False when the pool is full); everything else is killed."""
 
     def __init__(self, enabled: bool, put: Callable[[Sandbox], bool], spawn: Callable[[Awaitable], object],
-                 max_uses: int = 1000, timeout_s: float = 10.0, ahead: bool = True) -> None:
+                 max_uses: int = 1000, timeout_s: float = 10.0, ahead: bool = True,
+                 settled: Callable[[], None] = lambda: None) -> None:
         """``spawn`` runs a background coroutine that shutdown waits for (the manager's TaskSet);
-        ``ahead``: the reset after a python run forks the next python child ahead (runner.py)."""
+        ``ahead``: the reset after a python run forks the next python child ahead (runner.py);
+        ``settled``: called when a released sandbox's reset ended (it is in the pool, or not)."""
         self.enabled = enabled
         self.put = put
         self.spawn = spawn
+        self.settled = settled
+        #: one-shot sandboxes being reset now: most are back in the pool within a millisecond
+        self.resetting = 0
         self.max_uses = max_uses
         self.timeout_s = timeout_s
         self.ahead = ahead
@@ -59,13 +64,18 @@ class Recycler:
 
     def release(self, sb: Sandbox) -> None:
         """A one-shot is done with ``sb`` (its result already reported)."""
+        self.resetting += 1
         self.spawn(self._release(sb))
 
     async def _release(self, sb: Sandbox) -> None:
-        reason = await self._verdict(sb)
-        if reason is None and self.put(sb):
-            self.recycled += 1
-            return
+        try:
+            reason = await self._verdict(sb)
+            if reason is None and self.put(sb):
+                self.recycled += 1
+                return
+        finally:
+            self.resetting -= 1
+            self.settled()
         if reason is not None:
             self.discarded[reason] += 1
             if reason.startswith("unclean"):
