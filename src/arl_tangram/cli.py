@@ -519,8 +519,9 @@ def bench_server(
                                                 "(its src directory, run as the bench runs: with ARL_TANGRAM_PURE=1 both "
                                                 "sides' sources, e.g. --variant main=::@../main/src --variant this=::; "
                                                 "without it, each side's compiled hot path where built in place)."),
-    rounds: int = typer.Option(1, "--rounds", min=1, help="Repeat the whole plan, the servers alternating: each "
-                               "figure is then the round of median throughput, every round listed beside it."),
+    rounds: int = typer.Option(1, "--rounds", min=1, help="Repeat the whole plan, the servers alternating (in the "
+                               "reverse order every other round): each figure is then the round of median "
+                               "throughput, every round listed beside it."),
     requests: Optional[int] = typer.Option(None, min=1, help="Requests per case and level (default: 5 per "
                                            "concurrent client, at least 40)."),
     client: Optional[str] = typer.Option(None, help="Load generator: aiohttp (default where installed: ~0.1 ms "

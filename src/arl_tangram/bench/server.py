@@ -288,8 +288,8 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
     ``variants``: several tangram servers (name, CPUs to pin it to, HTTP fronts, sandbox workers), all running
     at once and measured in turn per case, so that they compare within the same minutes; ``cpu``: each
     tangram result also gets ``cpu_ms_per_request`` by part (engine, fronts, workers, sandboxes: ``bench/cpu.py``);
-    ``rounds``: the whole plan that many times, the targets alternating within each (on a shared machine one
-    pass is noise): each result is then the round of median throughput, with every round's figures beside it
+    ``rounds``: the whole plan that many times, the targets alternating within each and in the reverse order
+    every other round (on a shared machine one pass is noise): each result is then the round of median throughput, with every round's figures beside it
     (``rounds``: throughput, p50, and engine CPU per request where measured)."""
     variants = variants or [("tangram", server_cpus, None, None, None)]
     client = client or default_client()
@@ -312,9 +312,13 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
                 plan.append(("cpu_200ms", cpu_jobs, cpu_jobs))
             meters = {v[0]: CpuMeter(p.pid) for v, p in zip(variants, procs)} if cpu else {}
             every: dict[tuple[str, str], list[dict]] = {}
-            for case, c, n in plan * rounds:
+            for i, (case, c, n) in enumerate(plan * rounds):
                 key = f"{case}@c{c}" if against or len(cases) > 1 else str(c)
-                for name, base in targets.items():
+                # every other round in the reverse order: a server measured right after another
+                # shares its cores with what that one still does (resets, refills), so a fixed order
+                # favoured the first (2-core A/B, 32-core host: the second lower in 13 of 16 pairs)
+                order = list(targets.items())
+                for name, base in (order[::-1] if (i // len(plan)) % 2 else order):
                     meter = meters.get(name)
                     before = meter.read() if meter else None
                     r = results[name][key] = asyncio.run(_http_level(base, c, case, n, client_procs, client))
