@@ -316,7 +316,7 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
                 key = f"{case}@c{c}" if against or len(cases) > 1 else str(c)
                 # every other round in the reverse order: a server measured right after another
                 # shares its cores with what that one still does (resets, refills), so a fixed order
-                # favoured the first (2-core A/B, 32-core host: the second lower in 13 of 16 pairs)
+                # can favour the first
                 order = list(targets.items())
                 for name, base in (order[::-1] if (i // len(plan)) % 2 else order):
                     meter = meters.get(name)
