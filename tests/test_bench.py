@@ -142,6 +142,23 @@ def test_bench_server_runs_another_checkouts_code_beside_this_one_in_rounds(tmp_
     assert bad.returncode != 0 and "arl_tangram" in bad.stderr + bad.stdout
 
 
+@pytest.mark.skipif(shutil.which("bwrap") is None or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs bubblewrap and two CPUs")
+def test_bench_server_keeps_its_load_off_pinned_servers_and_alternates_their_order(tmp_path):
+    """Servers pinned to CPU 0: the load generator runs on the others (``client_cpus``); with
+    ``--rounds 2`` the second round measures the servers in the reverse order."""
+    out = tmp_path / "p.json"
+    p = tangram("bench", "server", "--variant", "a=0:", "--variant", "b=0:", "--levels", "1", "--cases", "bash",
+                "--requests", "5", "--rounds", "2", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    spare = sorted(os.sched_getaffinity(0) - {0})
+    assert r["client_cpus"] == (f"{spare[0]}-{spare[-1]}" if len(spare) > 1 else str(spare[0]))
+    assert r["cores"] == len(os.sched_getaffinity(0))
+    order = [line.split()[0] for line in (p.stdout + p.stderr).splitlines() if "req/s" in line][:4]
+    assert order == ["a", "b", "b", "a"], order
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")

@@ -288,11 +288,62 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
     ``variants``: several tangram servers (name, CPUs to pin it to, HTTP fronts, sandbox workers), all running
     at once and measured in turn per case, so that they compare within the same minutes; ``cpu``: each
     tangram result also gets ``cpu_ms_per_request`` by part (engine, fronts, workers, sandboxes: ``bench/cpu.py``);
-    ``rounds``: the whole plan that many times, the targets alternating within each and in the reverse order
-    every other round (on a shared machine one pass is noise): each result is then the round of median throughput, with every round's figures beside it
-    (``rounds``: throughput, p50, and engine CPU per request where measured)."""
+    ``rounds``: the whole plan that many times, the targets alternating within each and in the reverse
+    order every other round (on a shared machine one pass is noise): each result is then the round of
+    median throughput, with every round's figures beside it (``rounds``: throughput, p50, and engine
+    CPU per request where measured).
+
+    When every tangram server is pinned and CPUs are left over, the load generator runs on those
+    (``client_cpus``), as a load generator should: unpinned, its processes and their loopback traffic
+    took time on the CPUs of the server under test, which a server pinned to a few CPUs of a large
+    host hardly saw and one pinned to most of them did (a 16-vs-2-core ratio measured low)."""
     variants = variants or [("tangram", server_cpus, None, None, None)]
     client = client or default_client()
+    client_cpus = _spare_cpus([v[1] for v in variants])
+    cores = len(os.sched_getaffinity(0))
+    if client_cpus:
+        mine = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, client_cpus)  # the client processes are forked from this one
+    try:
+        out = _run(levels, log, against, cases, cpu_jobs, server_cpus, client_procs, variants, requests, client, cpu,
+                   rounds)
+    finally:
+        if client_cpus:
+            os.sched_setaffinity(0, mine)
+    out["cores"] = cores
+    out["client_cpus"] = _cpu_text(client_cpus) if client_cpus else None
+    return out
+
+
+def _cpu_set(spec: str) -> set[int]:
+    """``taskset -c`` syntax (``0-3,8``) -> the CPUs."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _cpu_text(cpus: set[int]) -> str:
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def _spare_cpus(pinned: list[str | None]) -> set[int]:
+    """This process's CPUs that no server is pinned to, if every server is pinned (else none)."""
+    if not pinned or any(not p for p in pinned):
+        return set()
+    return os.sched_getaffinity(0) - set().union(*(_cpu_set(p) for p in pinned if p))
+
+
+def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | None, cases: tuple[str, ...],
+         cpu_jobs: int, server_cpus: str | None, client_procs: int, variants: list[Variant],
+         requests: int | None, client: str, cpu: bool, rounds: int) -> dict:
     ports = {v[0]: free_port() for v in variants}
     targets = {v[0]: f"http://127.0.0.1:{ports[v[0]]}" for v in variants}
     if against:
