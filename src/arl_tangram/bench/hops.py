@@ -93,6 +93,7 @@ class _Stamps:
 def _instrument(s: _Stamps) -> None:
     from ..managers.sandbox import manager, sandbox
     from ..runtime import base
+    from ..link import answers_later
     from ..server import journal, sandboxfusion, service
 
     run_oneshot = service.Service.run_oneshot
@@ -105,7 +106,7 @@ def _instrument(s: _Stamps) -> None:
             reply(ok, value)
         return run_oneshot(self, action, request, reply=timed_reply)
 
-    service.Service.run_oneshot = timed_run_oneshot
+    service.Service.run_oneshot = answers_later(timed_run_oneshot)
     s.wrap(base.Runtime, "submit_cb", "submit")
     s.wrap(manager.SandboxManager, "_run", "mgr_run", "mgr_done")
     s.wrap(base.Runtime, "report", "report")
