@@ -331,51 +331,43 @@ class SandboxManager:
                                  f"{self.mode.value})")
             return self.imageboxes.take(image) or await self.imageboxes.spawn(image)
         self._taken.set()
+        deadline = asyncio.get_running_loop().time() + RETURN_WAIT_S
         if session and self.layered:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + RETURN_WAIT_S
             while True:
                 while self._session_pool:
                     sb = self._session_pool.pop()
                     if not sb.dead and sb.proc.returncode is None:
                         return sb
-                left = deadline - loop.time()
-                if not self._coming_back() or left <= 0:
+                if not self._coming_back() or not await self._returned_by(deadline):
                     break
-                if self._returned is None:
-                    self._returned = asyncio.Event()
-                self._returned.clear()
-                try:
-                    await asyncio.wait_for(self._returned.wait(), left)
-                except asyncio.TimeoutError:
-                    pass
             return await self._made_for_action(self._spawn_session())
         pool = self._pool
-        deadline = None
         while True:
             while pool:
                 i = next((k for k in range(len(pool) - 1, -1, -1) if pool[k].cpus == cores), 0) if cores else 0
                 sb = pool.pop(i)
                 if not sb.dead and sb.proc.returncode is None:
                     return sb
-            if not self.recycler.resetting:
+            # one being reset is back within a millisecond; a fresh one takes 10-50 ms of CPU
+            if not self.recycler.resetting or not await self._returned_by(deadline):
                 break
-            # one is being reset: it is back within a millisecond, a fresh one takes 10-50 ms
-            loop = asyncio.get_running_loop()
-            if deadline is None:
-                deadline = loop.time() + RETURN_WAIT_S
-            left = deadline - loop.time()
-            if left <= 0:
-                break
-            if self._returned is None:
-                self._returned = asyncio.Event()
-            self._returned.clear()
-            try:
-                await asyncio.wait_for(self._returned.wait(), left)
-            except asyncio.TimeoutError:
-                pass
         self.fresh["run"] += 1
         return await self._made_for_action(self._spawn(warm=False))
+
+    async def _returned_by(self, deadline: float) -> bool:
+        """Wait until a sandbox comes back to a pool, or until ``deadline`` (the loop's time);
+        False if the deadline had passed already."""
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            return False
+        if self._returned is None:
+            self._returned = asyncio.Event()
+        self._returned.clear()
+        try:
+            await asyncio.wait_for(self._returned.wait(), left)
+        except asyncio.TimeoutError:
+            pass
+        return True
 
     def _sandbox_back(self) -> None:
         """A one-shot sandbox's reset ended (in the pool, or discarded): a ``_take`` waiting for
