@@ -201,3 +201,11 @@ def test_bench_zygote_compares_a_child_forked_on_demand_and_ahead(tmp_path):
     for mode in ("on_demand", "ahead"):
         assert r[mode]["run_p50_ms"] > 0 and r[mode]["child_cpu_ms"] > 0 and r[mode]["child_faults"] > 0, r
     assert set(r["ahead_vs_on_demand"]) == {"run_p50_ms", "child_cpu_ms", "child_faults", "runner_cpu_ms"}
+
+
+def test_the_bench_reads_cpu_lists_as_taskset_does_and_leaves_unread_ones_unpinned():
+    from arl_tangram.bench.server import _cpu_set, _cpu_text, _spare_cpus
+
+    assert _cpu_set("0-3,8") == {0, 1, 2, 3, 8} and _cpu_text({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+    assert _spare_cpus(["0-6:2"]) == set()  # taskset's stride: the servers run so, the load is not pinned
+    assert _spare_cpus(["0", None]) == set()  # a server not pinned: nothing is spare

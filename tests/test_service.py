@@ -229,3 +229,38 @@ def test_the_engine_process_checks_a_translated_one_shots_job_against_the_key():
             svc.run_oneshot(one_shot("x", "print(1)", job="job-b"), "{}", reply=lambda ok, value: None)
     finally:
         CALLER_JOB.reset(token)
+
+
+def test_a_one_shot_whose_result_cannot_be_recorded_ends_as_infra_error_not_rerun(tmp_path, monkeypatch):
+    """A fault of ours after the run (building the result's record) answers the caller with the
+    error and finishes the journal's entry as infra_error: a restart must not run it again."""
+    from arl_tangram.api import sandboxfusion as sf
+    from arl_tangram.runtime import LocalRuntime
+    from arl_tangram.server import service as service_module
+    from arl_tangram.server.calls import Local
+    from arl_tangram.server.journal import Journal
+    from arl_tangram.server.sandboxfusion import run_code_action
+
+    from doubles import InProcessSandboxes
+
+    async def main():
+        svc = service_module.Service(LocalRuntime(sandboxes=InProcessSandboxes.factory(), cores=1),
+                                     Journal(str(tmp_path / "j.sqlite3")))
+        await svc.start()
+        action, text = run_code_action(sf.RunCodeRequest(code="print(1)", language="python"))
+
+        def broken(c):
+            raise ValueError("boom")
+
+        monkeypatch.setattr(service_module, "_command", broken)
+        with pytest.raises(ValueError, match="boom"):
+            await Local(svc).run_oneshot(action, text)
+        await svc.journal.durable()
+        entry = svc.journal.get(action.id)
+        unfinished = [e.id for e in svc.journal.unfinished()]
+        await svc.stop()
+        return entry, unfinished
+
+    entry, unfinished = asyncio.run(main())
+    assert (entry.state, entry.outcome) == ("done", "infra_error") and "ValueError" in entry.response["message"]
+    assert unfinished == []

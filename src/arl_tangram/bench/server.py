@@ -338,7 +338,11 @@ def _spare_cpus(pinned: list[str | None]) -> set[int]:
     """This process's CPUs that no server is pinned to, if every server is pinned (else none)."""
     if not pinned or any(not p for p in pinned):
         return set()
-    return os.sched_getaffinity(0) - set().union(*(_cpu_set(p) for p in pinned if p))
+    try:
+        taken = set().union(*(_cpu_set(p) for p in pinned if p))
+    except ValueError:  # a list taskset takes that this does not read (a stride, ``0-6:2``): not pinned
+        return set()
+    return os.sched_getaffinity(0) - taken
 
 
 def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | None, cases: tuple[str, ...],

@@ -32,7 +32,7 @@ from ..managers.sandbox.spec import CommandResult, Files, SandboxResult
 from ..managers.sandbox.images import ImageError
 from ..runtime import ActionResult, NoRoom, Runtime, Session, Tangram
 from ..runtime.api import SessionError, one_shot
-from .journal import Journal, new_id
+from .journal import Journal, JournalError, new_id
 from .snapshots import Snapshots, UnknownSnapshot
 
 log = logging.getLogger(__name__)
@@ -379,7 +379,8 @@ class Service:
         The route builds both halves (with fronts, in the front process) and this process only
         journals and schedules: no request model is validated, dumped or unpickled here, and no
         task or coroutine runs per one-shot (the engine's listener calls back, the journal's
-        commit calls back). The engine process's CPU per one-shot with sandbox workers that
+        commit calls back; a request with an API key crosses the front link as ``scoped``, which
+        still runs as a task). The engine process's CPU per one-shot with sandbox workers that
         answer at once (2-core VM, 4 fronts, 4 workers, 64 concurrent, three alternations) went
         from 0.32-0.35 to 0.23-0.24 ms (issue 26; docs/performance.md)."""
         scope = CALLER_JOB.get()
@@ -400,8 +401,12 @@ class Service:
             return
         try:
             self._record(r, action.job, "run_code")
-        except Exception as e:  # never a caller left waiting
+        except Exception as e:  # never a caller left waiting, nor an entry a restart would run again
             log.exception("one-shot %s: recording its result failed", action.id)
+            try:
+                self._finish_unrunnable(action.id, "infra_error", f"internal error: {type(e).__name__}")
+            except JournalError:
+                pass  # the journal itself failed: nothing more can be written
             reply(False, e)
             return
         if self.journal is None:

@@ -371,9 +371,12 @@ class SandboxManager:
 
     def _sandbox_back(self) -> None:
         """A one-shot sandbox's reset ended (in the pool, or discarded): a ``_take`` waiting for
-        one looks again."""
+        one looks again, and so does the refill when the pool is short (the refill counted the
+        reset as coming back, and a discarded one does not)."""
         if self._returned is not None:
             self._returned.set()
+        if self._pool is not None and len(self._pool) < self.config.warm_pool:
+            self._taken.set()
 
     async def _made_for_action(self, spawn) -> Sandbox:
         """A sandbox made for an action, shielded from the action's cancel: a cancel that lands
