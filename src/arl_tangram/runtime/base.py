@@ -73,6 +73,16 @@ class ActionResult:
         return by_fields(self)
 
 
+def _resolve(fut: asyncio.Future, r: "ActionResult | None") -> None:
+    """``submit``'s wait told by ``submit_cb``: its result, or cancelled when the runtime closed."""
+    if fut.done():
+        return
+    if r is None:
+        fut.cancel()
+    else:
+        fut.set_result(r)
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """What a server or a dashboard may read of a runtime at one instant."""
@@ -145,8 +155,8 @@ class Runtime:
     models: "ModelServices | None" = None
 
     def __init__(self) -> None:
-        #: per action in flight, who waits for its result: a future (``submit``) or a callback (``submit_cb``)
-        self._futures: dict[str, asyncio.Future | Callable[[ActionResult | None], None]] = {}
+        #: per action in flight, who waits for its result (``submit_cb``'s callback)
+        self._waiting: dict[str, Callable[[ActionResult | None], None]] = {}
         self._results: dict[str, Any] = {}
         self._wake: asyncio.TimerHandle | None = None
         self._ids = itertools.count()
@@ -225,24 +235,20 @@ class Runtime:
 
     def _finished(self, f: Finished) -> None:
         result = self._results.pop(f.action.id, None)
-        if f.action.id in self._futures and self._retry(f, result):
+        if f.action.id in self._waiting and self._retry(f, result):
             self._first_submitted.setdefault(f.action.id, f.submitted_at)
             return
-        fut = self._futures.pop(f.action.id, None)
+        done = self._waiting.pop(f.action.id, None)
         first = self._first_submitted.pop(f.action.id, f.submitted_at)
-        if fut is None:
+        if done is None:
             return
         if result is None and f.action.pool == CPU:
             result = SandboxResult(message=f.message)
-        r = ActionResult(f.action.id, f.outcome, result, f.finished_at - first, f.queue_s, f.setup_s, f.exec_s,
-                         f.units, f.message)
-        if not isinstance(fut, asyncio.Future):
-            try:
-                fut(r)
-            except Exception:  # the engine's listener must go on for every other action
-                log.exception("the callback of action %s failed", f.action.id)
-        elif not fut.done():
-            fut.set_result(r)
+        try:
+            done(ActionResult(f.action.id, f.outcome, result, f.finished_at - first, f.queue_s, f.setup_s, f.exec_s,
+                              f.units, f.message))
+        except Exception:  # the engine's listener must go on for every other action
+            log.exception("the callback of action %s failed", f.action.id)
 
     def _retry(self, f: Finished, result: Any) -> bool:
         """Whether to run the action again instead of answering (a runtime whose nodes can die
@@ -255,28 +261,28 @@ class Runtime:
         """Schedule ``action`` and wait for its one terminal outcome. An id already in flight
         raises ``InvalidAction`` and leaves the first caller's wait untouched."""
         fut = asyncio.get_running_loop().create_future()
-        self.submit_cb(action, fut)
+        self.submit_cb(action, lambda r: _resolve(fut, r))
         return await fut
 
-    def submit_cb(self, action: Action, done: asyncio.Future | Callable[[ActionResult | None], None]) -> None:
-        """``submit`` without a coroutine: ``done`` (a callback, or a future) gets the one terminal
-        outcome, from the engine's listener itself (``Service.run_oneshot``: no task per one-shot in
-        the engine process). Raises as ``submit`` does, before anything is scheduled. A callback
-        gets None if the runtime closes first (the action has no outcome: a future is cancelled)."""
-        if action.id in self._futures:
+    def submit_cb(self, action: Action, done: Callable[[ActionResult | None], None]) -> None:
+        """``submit`` without a coroutine: ``done`` gets the one terminal outcome, from the engine's
+        listener itself (``Service.run_oneshot``: no task per one-shot in the engine process), or
+        None if the runtime closes first (the action has no outcome; ``submit``'s wait is then
+        cancelled). Raises as ``submit`` does, before anything is scheduled."""
+        if action.id in self._waiting:
             raise InvalidAction("id", f"action {action.id!r} is already in flight")
-        self._futures[action.id] = done
+        self._waiting[action.id] = done
         try:
             self.engine.submit(action)  # a rejection reaches ``done`` through the listener
         except BaseException:
-            self._futures.pop(action.id, None)
+            self._waiting.pop(action.id, None)
             raise
         if not self._round_due:  # else it rides on the round already due this pass
             self.tick()  # at once: a deferred start cost c=1 one-shots a loop pass each (measured)
 
     def cancel(self, action_id: str) -> bool:
         """Cancel a queued or running action; False if it is not in flight here."""
-        if action_id not in self._futures:
+        if action_id not in self._waiting:
             return False
         self.engine.cancel(action_id)
         self.tick()
@@ -455,15 +461,12 @@ class Runtime:
         for aid in list(self.engine.pending):
             self.engine.cancel(aid)
         await self._shut_down_managers()
-        waiting, self._futures = self._futures, {}
-        for fut in waiting.values():
-            if not isinstance(fut, asyncio.Future):
-                try:
-                    fut(None)
-                except Exception:
-                    log.exception("a callback failed as the runtime closed")
-            elif not fut.done():
-                fut.cancel()
+        waiting, self._waiting = self._waiting, {}
+        for done in waiting.values():
+            try:
+                done(None)
+            except Exception:
+                log.exception("a callback failed as the runtime closed")
         for recorder in self._recorders:
             recorder.close()
 

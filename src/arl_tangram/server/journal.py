@@ -111,7 +111,7 @@ class Journal:
         self._checkpointer: Checkpointer | None = None  # started at the first checkpoint due
         self._queue: list[tuple] = []
         self._pending: dict[str, Entry] = {}  # written, not yet committed
-        self._waiters: list[asyncio.Future | Callable[[BaseException | None], None]] = []
+        self._waiters: list[Callable[[BaseException | None], None]] = []  # ``when_durable``'s
         self._scheduled = False
         self.error: BaseException | None = None
         self.commits = 0
@@ -180,13 +180,11 @@ class Journal:
         loop.call_soon(self._commit)
 
     async def durable(self) -> None:
-        """Return once every write made before this call is committed."""
-        if not self._queue:
-            if self.error is not None:
-                raise JournalError(f"the journal cannot be written: {self.error}")
-            return
+        """Return once every write made before this call is committed (``when_durable``, awaited)."""
+        if not self._queue and self.error is None:
+            return  # nothing to wait for, and no future made for it
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.append(fut)
+        self.when_durable(lambda err: _settle(fut, err))
         await fut
 
     def when_durable(self, done: Callable[[BaseException | None], None]) -> None:
@@ -303,19 +301,23 @@ class Checkpointer:
             db.close()
 
 
-def _wake(waiters: list, err: BaseException | None) -> None:
-    """A commit's waiters: futures (``durable``) and callbacks (``when_durable``), each told once."""
+def _wake(waiters: list[Callable[[BaseException | None], None]], err: BaseException | None) -> None:
+    """A commit's waiters, each told once."""
     for w in waiters:
-        if not isinstance(w, asyncio.Future):
-            try:
-                w(err)
-            except Exception:  # the others must still be told
-                log.exception("a journal commit's callback failed")
-        elif not w.done():
-            if err is None:
-                w.set_result(None)
-            else:
-                w.set_exception(err)
+        try:
+            w(err)
+        except Exception:  # the others must still be told
+            log.exception("a journal commit's callback failed")
+
+
+def _settle(fut: asyncio.Future, err: BaseException | None) -> None:
+    """``durable``'s wait told by ``when_durable``."""
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(err)
 
 
 def _text(value: dict | str) -> str:
