@@ -207,5 +207,6 @@ def test_the_bench_reads_cpu_lists_as_taskset_does_and_leaves_unread_ones_unpinn
     from arl_tangram.bench.server import _cpu_set, _cpu_text, _spare_cpus
 
     assert _cpu_set("0-3,8") == {0, 1, 2, 3, 8} and _cpu_text({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
-    assert _spare_cpus(["0-6:2"]) == set()  # taskset's stride: the servers run so, the load is not pinned
-    assert _spare_cpus(["0", None]) == set()  # a server not pinned: nothing is spare
+    assert _spare_cpus(["0-6:2"], {0, 1, 2, 3}) == set()  # taskset's stride: the servers run so, the load is not pinned
+    assert _spare_cpus(["0", None], {0, 1}) == set()  # a server not pinned: nothing is spare
+    assert _spare_cpus(["0-1", "1"], {0, 1, 2, 3}) == {2, 3}

@@ -9,10 +9,11 @@ the garbage collector's pauses, the two sources of a long tail found here.
 
 The hops: ``client`` (the request sent) -> ``http_in`` (the ASGI app called: uvicorn parsed it)
 -> ``sf_in`` (the dialect's translation: FastAPI validated it) -> ``svc_in``
-(``Service.run_oneshot``) -> ``submit`` (``Runtime.submit_cb``) -> ``mgr_run`` (the sandbox manager's task runs) -> ``sb_req``
-/ ``sb_ans`` (the runner's request and answer) -> ``mgr_done`` -> ``report`` -> ``finished``
-(the engine's record, the caller's future resolved) -> ``svc_out`` (the answer journaled and
-durable) -> ``resp_start`` (FastAPI serialised it) -> ``client_end`` (the client has read it).
+(``Service.run_oneshot``) -> ``submit`` (``Runtime.submit_cb``) -> ``mgr_run`` (the sandbox
+manager's task runs) -> ``sb_req`` / ``sb_ans`` (the runner's request and answer) -> ``mgr_done``
+-> ``report`` -> ``finished`` (the engine's record, the caller's callback) -> ``svc_out`` (the
+answer journaled and durable) -> ``resp_start`` (FastAPI serialised it) -> ``client_end`` (the
+client has read it).
 A measurement tool, not a server: the wrapping costs a few µs a hop.
 """
 

@@ -299,10 +299,9 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
     host hardly saw and one pinned to most of them did (a 16-vs-2-core ratio measured low)."""
     variants = variants or [("tangram", server_cpus, None, None, None)]
     client = client or default_client()
-    client_cpus = _spare_cpus([v[1] for v in variants])
-    cores = len(os.sched_getaffinity(0))
+    mine = os.sched_getaffinity(0)
+    client_cpus = _spare_cpus([v[1] for v in variants], mine)
     if client_cpus:
-        mine = os.sched_getaffinity(0)
         os.sched_setaffinity(0, client_cpus)  # the client processes are forked from this one
     try:
         out = _run(levels, log, against, cases, cpu_jobs, server_cpus, client_procs, variants, requests, client, cpu,
@@ -310,9 +309,7 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
     finally:
         if client_cpus:
             os.sched_setaffinity(0, mine)
-    out["cores"] = cores
-    out["client_cpus"] = _cpu_text(client_cpus) if client_cpus else None
-    return out
+    return {"cores": len(mine), "client_cpus": _cpu_text(client_cpus) if client_cpus else None, **out}
 
 
 def _cpu_set(spec: str) -> set[int]:
@@ -334,15 +331,15 @@ def _cpu_text(cpus: set[int]) -> str:
     return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
 
 
-def _spare_cpus(pinned: list[str | None]) -> set[int]:
-    """This process's CPUs that no server is pinned to, if every server is pinned (else none)."""
+def _spare_cpus(pinned: list[str | None], mine: set[int]) -> set[int]:
+    """The CPUs of ``mine`` that no server is pinned to, if every server is pinned (else none)."""
     if not pinned or any(not p for p in pinned):
         return set()
     try:
         taken = set().union(*(_cpu_set(p) for p in pinned if p))
     except ValueError:  # a list taskset takes that this does not read (a stride, ``0-6:2``): not pinned
         return set()
-    return os.sched_getaffinity(0) - taken
+    return mine - taken
 
 
 def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | None, cases: tuple[str, ...],
@@ -392,8 +389,7 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
                 proc.terminate()
             for proc in procs:
                 proc.wait(60)
-    out: dict = {"cores": len(os.sched_getaffinity(0)), "server_cpus": server_cpus, "client_procs": client_procs,
-                 "client": client}
+    out: dict = {"server_cpus": server_cpus, "client_procs": client_procs, "client": client}
     if len(variants) > 1 or variants[0][0] != "tangram":  # named variants (one named server too)
         first = variants[0][0]
         out["servers"] = {name: {"cpus": cpus, "fronts": fronts, "sandbox_workers": workers, "src": src,
