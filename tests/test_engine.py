@@ -260,3 +260,160 @@ def test_a_grown_action_on_a_draining_node_keeps_its_cores(harness):
         h.submit(f"q{i}", cpu=1)
     assert len(h.schedule()) == 4  # the other node's cores; one waits
     assert h.rec.resized == [] and len(h.allocation("big").units) == 4
+
+
+# -- Follow: a one-shot queued behind a running one (issue 26's lease) ----------------------------
+
+class _Chains:
+    """A CPU manager double that chains (``core.seam.Chainer``): it records what it was asked to
+    follow, and takes it unless told not to."""
+
+    def __init__(self, rec, take: bool = True) -> None:
+        self.rec = rec
+        self.take = take
+        self.followed: list[tuple[str, tuple[int, ...], str]] = []
+
+    def __getattr__(self, name):
+        return getattr(self.rec, name)
+
+    def start(self, action, allocation) -> None:
+        self.rec.start(action, allocation)
+
+    def cancel(self, action_id) -> None:
+        self.rec.cancel(action_id)
+
+    def close_session(self, trajectory) -> None:
+        self.rec.close_session(trajectory)
+
+    def follow(self, action, allocation, after) -> bool:
+        self.followed.append((action.id, allocation.units, after))
+        return self.take
+
+
+def _chained(harness, take: bool = True, cpus: int = 2, **options):
+    from arl_tangram.core.seam import Pool
+
+    h = harness(uniform_cluster(cpus=cpus), tangram_policy(**options))
+    chains = _Chains(h.rec, take)
+    h.engine = type(h.engine)(h.engine.cluster, h.engine.policy.__class__(h.engine.policy.name, h.engine.policy.opt),
+                              {Pool.CPU: chains}, h.clock)
+    h.engine.listeners.append(h.finished.append)
+    h.complete_short = lambda id: h.complete(id, exec_s=0.003)  # as the one-shots' hints say
+    return h, chains
+
+
+def _one_shots(h, *ids: str) -> None:
+    for i in ids:
+        h.submit(i, cpu=1, hint_s=0.003)
+
+
+def test_a_one_shot_follows_the_oldest_run_when_no_core_is_free_and_takes_its_cores(harness):
+    h, chains = _chained(harness)
+    _one_shots(h, "a", "b")
+    first = h.schedule()
+    h.advance(0.001)
+    _one_shots(h, "c", "d", "e")
+    assert h.schedule() == {}
+    # c behind a (the oldest start), d behind b; e waits: one follower per run
+    assert chains.followed == [("c", first["a"].units, "a"), ("d", first["b"].units, "b")]
+    assert list(h.engine.pending) == ["e"]
+    assert h.engine.following == {"c": "a", "d": "b"} and not h.engine.followable
+    cpu = h.engine.cpu
+    assert cpu.total_free == 0 and cpu.meter.held == 2
+    f = h.complete_short("a")
+    assert f.action.id == "a" and f.outcome == Outcome.OK
+    # a's core went to c unreleased, and nothing was started by the engine: the manager did
+    assert cpu.total_free == 0 and h.allocation("c").units == first["a"].units
+    assert h.engine.running["c"].started_at == h.clock.now()
+    assert len(h.rec.started) == 2
+    # e now follows c (the oldest start); every one ends, and the cores come back
+    assert h.schedule() == {}
+    assert chains.followed[-1] == ("e", first["a"].units, "c")
+    for i in ("b", "c", "d", "e"):
+        h.complete(i)
+    assert cpu.total_free == 2 and cpu.meter.held == 0 and not h.engine.running
+    assert not (h.engine.followers or h.engine.following or h.engine.followable)
+    assert h.engine.policy.job_units["default"]["cpu"] == 0
+    assert sorted(f.action.id for f in h.finished) == ["a", "b", "c", "d", "e"]
+
+
+def test_a_follower_the_manager_did_not_take_is_started_by_the_engine_when_its_run_ends(harness):
+    h, chains = _chained(harness, take=False, cpus=1)
+    _one_shots(h, "a")
+    h.schedule()
+    _one_shots(h, "b")
+    h.schedule()
+    assert chains.followed == [("b", (0,), "a")] and [a.id for a, _ in h.rec.started] == ["a"]
+    h.complete_short("a")
+    assert [a.id for a, _ in h.rec.started] == ["a", "b"] and h.allocation("b").units == (0,)
+
+
+def test_a_follower_cancelled_or_lost_before_its_turn_ends_once_and_leaves_the_cores_to_its_run(harness):
+    h, chains = _chained(harness, cpus=1)
+    _one_shots(h, "a")
+    h.schedule()
+    _one_shots(h, "b")
+    h.schedule()
+    assert h.engine.cancel("b") is None  # the manager took it: it may be starting, and reports
+    assert h.rec.cancelled == ["b"]
+    f = h.engine.complete(Completion("b", Outcome.CANCELLED, message="cancelled while running"))
+    assert (f.action.id, f.outcome) == ("b", Outcome.CANCELLED)
+    assert h.engine.cpu.total_free == 0 and "a" in h.engine.followable  # a holds its core, and may be followed again
+    with pytest.raises(KeyError):
+        h.complete("b")  # once
+    h.complete_short("a")
+    assert h.engine.cpu.total_free == 1 and h.engine.policy.job_units["default"]["cpu"] == 0
+    # not taken by the manager: the engine ends it itself, and the run keeps its core
+    h2, _ = _chained(harness, take=False, cpus=1)
+    _one_shots(h2, "a")
+    h2.schedule()
+    _one_shots(h2, "b")
+    h2.schedule()
+    f = h2.engine.cancel("b")
+    assert f is not None and (f.outcome, f.message) == (Outcome.CANCELLED, "cancelled while queued")
+    assert h2.rec.cancelled == []
+    h2.complete_short("a")
+    assert h2.engine.cpu.total_free == 1 and [a.id for a, _ in h2.rec.started] == ["a"]
+
+
+def test_only_fixed_one_shots_follow_and_only_runs_predicted_short(harness):
+    h, chains = _chained(harness, cpus=1)
+    _one_shots(h, "a")
+    h.schedule()
+    h.submit("long", cpu=1, hint_s=5.0)
+    h.submit("b", cpu=1, hint_s=0.003)
+    h.schedule()
+    assert chains.followed == [("b", (0,), "a")]  # srpt: b first, and only one behind a
+    h.complete_short("a")
+    h.schedule()
+    assert chains.followed[-1] == ("long", (0,), "b")  # b is short: what follows it may be long
+    h.complete_short("b")
+    _one_shots(h, "c")
+    h.schedule()
+    assert chains.followed[-1][0] == "long" and list(h.engine.pending) == ["c"], \
+        "nothing follows a run predicted longer than follow_max_s"
+    # a session's step, an elastic action: neither follows, and what queues behind them waits too
+    h2, chains2 = _chained(harness, cpus=1)
+    _one_shots(h2, "a")
+    h2.schedule()
+    h2.submit("step", cpu=1, hint_s=0.001, trajectory="t")
+    h2.submit("elastic", cpu=(1, 2), hint_s=0.001)
+    _one_shots(h2, "b")
+    h2.schedule()
+    assert chains2.followed == [] and set(h2.engine.pending) == {"step", "elastic", "b"}
+    h3, chains3 = _chained(harness, cpus=2, follow_max_s=0.0)
+    _one_shots(h3, "a", "b", "c")
+    h3.schedule()
+    assert chains3.followed == [] and list(h3.engine.pending) == ["c"]
+
+
+def test_an_engine_without_a_chaining_manager_refuses_follow(harness):
+    from arl_tangram.policy import Follow
+
+    h = harness(uniform_cluster(cpus=1), tangram_policy())
+    h.submit("a", cpu=1, hint_s=0.003)
+    h.schedule()
+    b = h.submit("b", cpu=1, hint_s=0.003)
+    assert h.schedule() == {} and not h.engine.followable
+    with pytest.raises(CapacityError, match="cannot start an action as another ends"):
+        h.engine._apply_all([Follow(b, "a")], 0.0)

@@ -252,3 +252,111 @@ def test_gpu_nodes_joining_and_leaving_never_double_book_and_every_action_ends_o
         check_invariants(h.engine)
     ends = Counter(f.action.id for f in h.finished if f.outcome is not Outcome.REJECTED)
     assert set(ends) == set(accepted) and all(v == 1 for v in ends.values())
+
+
+class _Chaining:
+    """A CPU manager double that chains (``core.seam.Chainer``), taking a follower or not as the
+    script says."""
+
+    def __init__(self, rec) -> None:
+        self.rec = rec
+        self.take = True
+
+    def start(self, action, allocation) -> None:
+        self.rec.start(action, allocation)
+
+    def cancel(self, action_id) -> None:
+        self.rec.cancel(action_id)
+
+    def close_session(self, trajectory) -> None:
+        self.rec.close_session(trajectory)
+
+    def resize(self, action_id, allocation) -> None:
+        self.rec.resize(action_id, allocation)
+
+    def follow(self, action, allocation, after) -> bool:
+        return self.take
+
+
+chain_ops = st.lists(st.tuples(st.sampled_from(["submit", "submit", "submit", "complete", "lose",
+                                                "cancel", "advance", "take"]), st.integers(0, 10_000)),
+                     min_size=20, max_size=80)  # long enough for queues to form
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cores=st.lists(st.integers(1, 2), min_size=1, max_size=2), policy=st.sampled_from(["tangram", "tangram-eager"]),
+       script=chain_ops)
+def test_followers_never_share_a_core_and_every_action_ends_once(cores, policy, script):
+    """With a manager that chains (``Follow``): a follower holds nothing until its run ends, then
+    exactly that run's cores; followers cancelled or lost before their turn end once and leave
+    the cores to their run; the fair-share ledger counts a follower from when it was queued."""
+    from arl_tangram.core.seam import Pool
+    from arl_tangram.engine import Engine
+
+    cluster = Cluster(tuple(CpuNode(f"c{i}", n, 64.0) for i, n in enumerate(cores)))
+    h = Harness(cluster, policy_named(policy), costs=Costs(session_mem_gb=1.0))
+    chains = _Chaining(h.rec)
+    h.engine = Engine(cluster, h.engine.policy, {Pool.CPU: chains}, h.clock, costs=Costs(session_mem_gb=1.0))
+    h.engine.listeners.append(h.finished.append)
+    e = h.engine
+    accepted: list[str] = []
+    followed = 0
+    for n, (op, x) in enumerate(script):
+        if op == "submit":
+            lo = 1 + (x % 4 == 0)
+            hi = lo + (x % 5 == 0)
+            a = Action(f"a{n}", "sandbox", Demand({"cpu": (lo, hi)}), trajectory=f"t{x % 3}" if x % 7 == 0 else None,
+                       hint_s=(x % 3) * 0.04)
+            if e.submit(a) is None:
+                accepted.append(a.id)
+        elif op == "complete" and e.running:
+            ids = sorted(e.running)
+            h.complete(ids[x % len(ids)], exec_s=0.5 if x % 11 == 0 else (x % 3) * 0.04,
+                       outcome=Outcome.OK if x % 2 else Outcome.FAILED)
+        elif op == "lose" and e.following:  # a follower's runner lost, or a manager-side cancel
+            ids = sorted(e.following)
+            fol = e.followers[e.following[ids[x % len(ids)]]]
+            if fol.taken:
+                h.complete(ids[x % len(ids)], outcome=Outcome.INFRA_ERROR)
+        elif op == "cancel":
+            ids = sorted(e.pending) + sorted(e.following)
+            if ids:
+                aid = ids[x % len(ids)]
+                taken = aid in e.following and e.followers[e.following[aid]].taken
+                e.cancel(aid)
+                if taken:  # the manager reports it
+                    h.complete(aid, outcome=Outcome.CANCELLED)
+        elif op == "advance":
+            h.advance((x % 10) / 100)
+        elif op == "take":
+            chains.take = bool(x % 2)
+        e.schedule()
+        followed = max(followed, len(e.following))
+        check_invariants(e)
+        for after, fol in e.followers.items():
+            assert e.following[fol.action.id] == after and after in e.running
+            assert fol.allocation.units == e.running[after].allocation.units, "a follower gets exactly its run's cores"
+            assert fol.action.id not in e.running and fol.action.id not in e.pending
+        assert len(e.following) == len(e.followers)
+        assert not set(e.followable) & set(e.followers), "a run with a follower takes no second"
+        units = e.policy.job_units
+        held = Counter()
+        for run in e.running.values():
+            held[run.action.job] += len(run.allocation.units)
+        for fol in e.followers.values():
+            held[fol.action.job] += len(fol.allocation.units)
+        assert {j: u.get("cpu", 0) for j, u in units.items() if u.get("cpu", 0)} == dict(held)
+    for _ in range(500):
+        if not e.pending and not e.running and not e.following:
+            break
+        for aid in sorted(e.running):
+            h.complete(aid)
+        for t in range(3):
+            e.end_trajectory(f"t{t}")
+        h.advance(1.0)
+        e.schedule()
+        check_invariants(e)
+    assert not e.pending and not e.running and not e.following, "actions left behind"
+    assert e.cpu.total_free == sum(cores)
+    ends = Counter(f.action.id for f in h.finished if f.outcome is not Outcome.REJECTED)
+    assert set(ends) == set(accepted) and all(v == 1 for v in ends.values())

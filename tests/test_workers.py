@@ -116,3 +116,30 @@ def test_a_run_on_a_worker_is_shrunk_there():
 
     r = asyncio.run(main())
     assert r.outcome is Outcome.OK and r.stdout in ("2 1\n", "1 1\n"), (r.stdout, r.stderr)
+
+
+def test_one_shots_queued_behind_a_run_start_in_its_worker_as_it_ends():
+    """``Follow`` on real workers: with the one core busy, short one-shots queue behind the run
+    (one at a time), start in the worker the moment it ends, and take its core; one cancelled
+    while queued ends cancelled, and the next queues behind the run instead."""
+    async def main():
+        async with Tangram.local(cores=1, workers=1) as tg:
+            e = tg.runtime.engine
+            slow = asyncio.ensure_future(tg.run("import time\ntime.sleep(1.5)\nprint('slow')", hint_s=0.05,
+                                                id="slow"))
+            assert await _until(lambda: "slow" in e.running)
+            quick = {i: asyncio.ensure_future(tg.run(f"print({i})", hint_s=0.01, id=f"q{i}")) for i in range(4)}
+            assert await _until(lambda: e.following == {"q0": "slow"}), e.following
+            assert e.running.keys() == {"slow"} and "q0" in tg.runtime.sandboxes.where
+            assert tg.runtime.state_of("q0") == "running"
+            assert tg.runtime.cancel("q0")
+            assert (await quick.pop(0)).outcome is Outcome.CANCELLED
+            assert await _until(lambda: e.following == {"q1": "slow"}), e.following
+            r = await slow
+            assert (r.outcome, r.stdout) == (Outcome.OK, "slow\n")
+            for i, task in quick.items():
+                r = await task
+                assert (r.outcome, r.stdout) == (Outcome.OK, f"{i}\n"), r.message
+            assert e.handed_over >= 1 and not e.following and e.cpu.total_free == 1
+
+    asyncio.run(main())

@@ -32,9 +32,9 @@ from .core.clock import Clock
 from .core.cluster import Cluster, CpuNode, GpuNode, ModelSpec
 from .core.pools import EPS, CapacityError, CpuPool, GpuPool, Meter, QuotaPool, Units
 from .core.records import Load, Reservation, Running
-from .core.seam import Completion, Loaded, Manager, ModelHost, Pool, Report, Resizer
-from .policy.base import (Costs, Decision, Evict, Grow, Policy, Prefetch, Profile, Release, Reserve, Shrink, Start,
-                          Wait)
+from .core.seam import Chainer, Completion, Loaded, Manager, ModelHost, Pool, Report, Resizer
+from .policy.base import (Costs, Decision, Evict, Follow, Grow, Policy, Prefetch, Profile, Release, Reserve, Shrink,
+                          Start, Wait)
 from .waits import DEFAULT_MAX_QUEUE_S, QueueDeadlines
 
 # an enum member read costs ~0.1 µs on Python 3.11 (a descriptor call); the two the CPU start
@@ -88,6 +88,19 @@ class Usage:
         return self.gpu.held_s
 
 
+class _Follower:
+    """An action queued behind a running one (``Follow``): the cores it was given (its
+    predecessor's) and whether the CPU manager took it (else the engine starts it itself when the
+    predecessor's report arrives)."""
+
+    __slots__ = ("action", "allocation", "taken")
+
+    def __init__(self, action: Action, allocation: Allocation) -> None:
+        self.action = action
+        self.allocation = allocation
+        self.taken = False
+
+
 class Engine:
     """Owns the queue and pool state; asks the policy; applies decisions; takes reports back."""
 
@@ -138,6 +151,16 @@ class Engine:
         resizer: object = self.managers.get(Pool.CPU)
         #: the CPU manager can take cores back from a running action (``Shrink``; ``EngineView``)
         self._resizer: Resizer | None = resizer if isinstance(resizer, Resizer) else None
+        #: the CPU manager starts an action the moment another ends (``Follow``; ``EngineView``)
+        self._chainer: Chainer | None = resizer if isinstance(resizer, Chainer) else None
+        #: running CPU actions that may take a follower (``EngineView.followable``; kept only
+        #: with a chaining manager), oldest start first
+        self.followable: dict[str, Running] = {}
+        #: a running action's id -> its follower (the action, the allocation it was given: the
+        #: predecessor's cores, and whether the manager took it); ``following``: the other way
+        self.followers: dict[str, _Follower] = {}
+        self.following: dict[str, str] = {}
+        self.handed_over = 0  # followers that took their run's cores (a count for benches and tests)
         self._apply_all(policy.bind(self, now), now)
 
     # -- inputs ----------------------------------------------------------------------------------
@@ -167,6 +190,13 @@ class Engine:
             run = self.running.get(action_id)
             if run is not None:
                 self.managers[Pool.of(run.allocation.pool)].cancel(action_id)
+            elif action_id in self.following:
+                after = self.following[action_id]
+                if self.followers[after].taken:  # its manager may have started it: it reports
+                    self.managers[Pool.CPU].cancel(action_id)
+                else:
+                    ended = Completion(action_id, Outcome.CANCELLED, message="cancelled while queued")
+                    return self._end_follower(ended)
             return None
         self.policy.on_cancel(action)
         return self._finish_unstarted(action, Outcome.CANCELLED, "cancelled while queued", self.clock.now())
@@ -183,7 +213,10 @@ class Engine:
                 raise TypeError(f"unknown report {r!r}")
 
     def complete(self, c: Completion) -> Finished:
-        """A started action ended; its units go back to their pool (or reservation)."""
+        """A started action ended; its units go back to their pool (or reservation), or on to its
+        follower (``Follow``)."""
+        if self.following and c.action_id in self.following:
+            return self._end_follower(c)  # cancelled or lost before its turn came
         run = self.running.pop(c.action_id)
         now = self.clock.now()
         if now != self.usage.t:
@@ -193,12 +226,16 @@ class Engine:
         pool = alloc.pool
         if pool == CPU:
             res = self.reservations.get(alloc.reservation) if alloc.reservation else None
-            if res is None:
+            if res is not None:
+                self.cpu.release_reserved(res, alloc.units)
+            elif self.followers and c.action_id in self.followers:
+                self._hand_over(c.action_id, now)  # its cores stay held: its follower has them now
+            else:
+                if self.followable:
+                    self.followable.pop(c.action_id, None)
                 node = alloc.node
                 assert node is not None, "a CPU allocation names its node"
                 self.cpu.release(node, alloc.units)
-            else:
-                self.cpu.release_reserved(res, alloc.units)
         elif pool == GPU:
             assert run.instance is not None, "a GPU action runs on a model copy"
             self.gpu.release(run.instance, now, reserved=bool(alloc.reservation))
@@ -400,6 +437,7 @@ class Engine:
         started: list[Running] = []
         loads: list[Load] = []
         shrunk: list[Running] | None = None
+        followed: list[Follow] | None = None
         for d in decisions:
             if type(d) is Start:  # nearly every decision: one type test before the match below
                 started.append(self._start(d, now))  # a direct call: compiled, a native one
@@ -407,6 +445,11 @@ class Engine:
             match d:
                 case Start():
                     started.append(self._start(d, now))
+                case Follow():
+                    self._follow(d)
+                    if followed is None:
+                        followed = []
+                    followed.append(d)
                 case Prefetch():
                     loads.append(self._prefetch(d))
                 case Grow():
@@ -433,6 +476,12 @@ class Engine:
             alloc = run.allocation
             manager = manager_of.get(alloc.pool) or self._manager_for(alloc.pool)
             manager.start(run.action, alloc)
+        if followed is not None:
+            chainer = self._chainer
+            assert chainer is not None, "_follow checked"
+            for f in followed:
+                fol = self.followers[f.after]
+                fol.taken = chainer.follow(fol.action, fol.allocation, f.after)
         for load in loads:
             self._host().prefetch(load)
         return len(started)
@@ -480,6 +529,10 @@ class Engine:
         pool = a.pool
         if pool == CPU:
             run = Running(a, self._start_cpu(d), now)
+            if self._chainer is not None and a.trajectory is None and not d.reservation:
+                lo, hi = a.demand.ranges[CPU]
+                if lo == hi:
+                    self.followable[aid] = run
         elif pool == GPU:
             alloc, instance = self._start_gpu(d)
             run = Running(a, alloc, now, instance)
@@ -536,6 +589,57 @@ class Engine:
         alloc = Allocation(GPU, node, block, setup, tuple((i.model, i.gpus) for i in d.evict), d.reservation,
                            share=share)
         return alloc, instance
+
+    def _follow(self, d: Follow) -> None:
+        """Queue a waiting action behind a running one, on its cores (handed over in
+        ``_hand_over``); the manager is asked once the round's decisions are applied."""
+        a = d.action
+        aid = a.id
+        if self._chainer is None:
+            raise CapacityError(f"follow of {aid}: the CPU manager cannot start an action as another ends")
+        run = self.followable.get(d.after)
+        if run is None:
+            raise CapacityError(f"policy queued {aid!r} behind {d.after!r}, which is not running or has a follower")
+        alloc = run.allocation
+        lo, hi = a.demand.ranges[CPU] if a.pool == CPU else (0, 0)
+        if a.trajectory is not None or lo != hi or lo != len(alloc.units):
+            raise CapacityError(f"policy queued {aid!r} behind {d.after!r}: only a one-shot asking for exactly its "
+                                f"{len(alloc.units)} core(s) may follow")
+        if self.pending.pop(aid, None) is None:
+            raise CapacityError(f"policy queued {aid!r}, which is not waiting")
+        del self.followable[d.after]
+        self.followers[d.after] = _Follower(a, Allocation(CPU, alloc.node, alloc.units, _NO_SETUP))
+        self.following[aid] = d.after
+
+    def _hand_over(self, after: str, now: float) -> None:
+        """``after`` ended: its follower runs on its cores from now (the manager started it
+        already, or is told to now)."""
+        fol = self.followers.pop(after)
+        a = fol.action
+        del self.following[a.id]
+        run = self.running[a.id] = Running(a, fol.allocation, now)
+        self.handed_over += 1
+        self.followable[a.id] = run
+        if not fol.taken:
+            manager = self._manager_of.get(CPU) or self._manager_for(CPU)
+            manager.start(a, fol.allocation)
+
+    def _end_follower(self, c: Completion) -> Finished:
+        """A follower ended before its predecessor's report (cancelled; its runner lost): the
+        predecessor keeps its cores, and releases them when it ends."""
+        aid = c.action_id
+        after = self.following.pop(aid)
+        fol = self.followers.pop(after)
+        self.followable[after] = self.running[after]  # another may follow it now
+        now = self.clock.now()
+        a = fol.action
+        # charged by the policy when it followed: ``started_at`` set, as for any start
+        finished = Finished(a, c.outcome, a.submitted_at, now, now, c.setup_s, c.exec_s, len(fol.allocation.units),
+                            c.message)
+        self.policy.on_finish(finished)
+        for listener in self.listeners:
+            listener(finished)
+        return finished
 
     def _grow(self, d: Grow) -> None:
         run = self.running[d.action_id]

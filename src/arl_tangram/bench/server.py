@@ -350,6 +350,7 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
     if against:
         targets["against"] = against.rstrip("/")
     results: dict[str, dict] = {name: {} for name in targets}
+    followed: dict[str, int | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         procs = [_serve(ports[name], os.path.join(tmp, f"journal-{name}.sqlite3"), cpus, fronts, workers, src)
                  for name, cpus, fronts, workers, src in variants]
@@ -384,6 +385,8 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
             if rounds > 1:
                 for (name, key), runs in every.items():
                     results[name][key] = _median_round(runs)
+            for v in variants:  # one-shots started behind another as it ended (the lease), over the run
+                followed[v[0]] = httpx.get(f"{targets[v[0]]}/healthz", timeout=10).json().get("followed")
         finally:
             for proc in procs:
                 proc.terminate()
@@ -393,12 +396,14 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
     if len(variants) > 1 or variants[0][0] != "tangram":  # named variants (one named server too)
         first = variants[0][0]
         out["servers"] = {name: {"cpus": cpus, "fronts": fronts, "sandbox_workers": workers, "src": src,
-                                 **results[name]} for name, cpus, fronts, workers, src in variants}
+                                 "followed": followed.get(name), **results[name]}
+                          for name, cpus, fronts, workers, src in variants}
         out[f"vs_{first}"] = {v[0]: _ratios(results[v[0]], results[first]) for v in variants[1:]}
         if against:
             out["against"] = {"url": against, **results["against"]}
             out["vs_against"] = {v[0]: _ratios(results[v[0]], results["against"]) for v in variants}
         return out
+    out["followed"] = followed.get("tangram")
     if against:
         out.update({"tangram": results["tangram"], "against": {"url": against, **results["against"]},
                     "tangram_vs_against": _ratios(results["tangram"], results["against"])})

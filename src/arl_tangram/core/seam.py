@@ -18,7 +18,7 @@ from typing import Callable, Protocol, runtime_checkable
 from .action import API_PREFIX, CPU, GPU, Action, Allocation
 from .records import Completion, Load, Loaded
 
-__all__ = ["Completion", "Loaded", "Load", "Manager", "ModelHost", "Pool", "Report", "Resizer", "Sink"]
+__all__ = ["Chainer", "Completion", "Loaded", "Load", "Manager", "ModelHost", "Pool", "Report", "Resizer", "Sink"]
 
 
 class Pool(str, enum.Enum):
@@ -105,4 +105,21 @@ class Resizer(Protocol):
         """From now on the running ``action_id`` has only ``allocation.units`` (a subset of the
         units it had): stop using the others before returning, since the engine hands them to
         the next starts right after. Unknown or finished ids are ignored."""
+        ...
+
+
+@runtime_checkable
+class Chainer(Protocol):
+    """What a CPU manager does when it can start an action the moment another one ends, without
+    waiting to hear from the engine (issue 26's lease: between two one-shots on a core, the round
+    trip to the engine and back left a fifth of 16 cores idle). The engine sends ``Follow``
+    decisions only to such a manager; the cores stay the running action's in the engine's ledger
+    until its ``Completion`` arrives, and pass to the follower then, unreleased."""
+
+    def follow(self, action: Action, allocation: Allocation, after: str) -> bool:
+        """Start ``action`` on ``allocation`` (the cores of the running ``after``) as soon as
+        ``after`` ends, or at once if it has ended already. False: not taken (``after`` does not
+        run here, say); the engine then starts it itself when ``after``'s report arrives. Either
+        way ``action`` ends in exactly one ``Completion``, which may come before ``after``'s when
+        it is cancelled or its runner is lost."""
         ...

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Callable
 
 from .action_level import FIFO, TANGRAM, ActionLevelPolicy, Options, fifo_policy, tangram_policy
-from .base import (MOVE_S, Costs, Decision, EngineView, Evict, Grow, Policy, Prefetch, Profile, Release, Reserve, Shrink,
-                   Start, Wait, pool_wait)
+from .base import (MOVE_S, Costs, Decision, EngineView, Evict, Follow, Grow, Policy, Prefetch, Profile, Release, Reserve,
+                   Shrink, Start, Wait, pool_wait)
 from .predictor import DurationPredictor
 from .static import InfeasiblePolicy, TaskIsolatedPolicy, TrajectoryStaticPolicy
 
@@ -27,7 +27,7 @@ def make_policy(name: str) -> Policy:
 
 __all__ = [
     "FIFO", "MOVE_S", "POLICIES", "TANGRAM", "ActionLevelPolicy", "Costs", "Decision", "DurationPredictor", "EngineView",
-    "Evict", "Grow", "InfeasiblePolicy", "Options", "Policy", "Prefetch", "Profile", "Release", "Reserve", "Shrink",
-    "Start", "TaskIsolatedPolicy", "TrajectoryStaticPolicy", "Wait", "fifo_policy", "make_policy", "pool_wait",
+    "Evict", "Follow", "Grow", "InfeasiblePolicy", "Options", "Policy", "Prefetch", "Profile", "Release", "Reserve",
+    "Shrink", "Start", "TaskIsolatedPolicy", "TrajectoryStaticPolicy", "Wait", "fifo_policy", "make_policy", "pool_wait",
     "tangram_policy",
 ]

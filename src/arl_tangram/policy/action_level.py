@@ -34,7 +34,7 @@ from typing import Any, Callable, Final, Iterator
 from ..core.action import CPU, GPU, Action, Finished, by_fields
 from ..core.cluster import DEFAULT_H2D_GBPS
 from ..core.pools import CpuPool, Instance
-from .base import Decision, EngineView, Evict, Grow, Prefetch, Shrink, Start, Wait, pool_wait
+from .base import Decision, EngineView, Evict, Follow, Grow, Prefetch, Shrink, Start, Wait, pool_wait
 from .critical import CriticalPath
 from .predictor import DurationPredictor
 from .queues import JobQueues
@@ -104,6 +104,11 @@ class Options:
     #: take cores back from grown actions when a queue forms (``_take_back``; needs a CPU manager
     #: that can, ``EngineView.cpu_resizes``)
     shrink: bool = True
+    #: queue a one-shot behind a running one when no core is free (``Follow``; needs a CPU manager
+    #: that chains, ``EngineView.followable``), when the one it follows is predicted to take no
+    #: longer than this (seconds; 0: never). Bound to one core, a follower waits out the rest of
+    #: its predecessor's run even if another core frees first, so only short runs are followed.
+    follow_max_s: float = 0.1
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return by_fields(self)  # compiled, a frozen class's default pickling fails
@@ -350,10 +355,36 @@ class ActionLevelPolicy:
                 if sq is not None and id(sq) in skipped:
                     sq.push_back(skipped[id(sq)])
         queued = (homed.size if homed is not None else 0) + (new.size if new is not None else 0)
+        if queued and homed is not None and homed.size and self.view.followable and self.opt.follow_max_s:
+            yield from self._follow(homed)
         if queued > self._home_waits:  # steps that chose to wait for their home are no queue: below
             self._cpu_queued_at = now
         elif self.opt.elastic and admitted and now - self._cpu_queued_at >= self.opt.elastic_quiet_s:
             yield from self._water_fill(admitted, now)
+
+    def _follow(self, q: JobQueues) -> Iterator[Decision]:
+        """No core free and one-shots waiting: queue them behind running ones (``Follow``), the
+        head of the queue behind the oldest start, so a core's next run starts the moment its
+        last one ends, with no round trip through the engine between (issue 26). Stops at the
+        first entry that may not follow (a session's step, an elastic or a long action), which
+        keeps the queue's order: a follower is started before anything queued behind it."""
+        ends = self.view.followable
+        fair = self._fair
+        limit = self.opt.follow_max_s
+        predict = self.predictor.predict
+        while ends and q.size:
+            entry = q.pop(fair)
+            if entry is None:
+                return
+            a = entry[2]
+            after = next(iter(ends))
+            prev = ends[after]
+            lo, hi = a.demand.ranges[CPU]
+            if a.trajectory is not None or lo != hi or lo != len(prev.allocation.units) or predict(prev.action) > limit:
+                q.push_back([entry])
+                return
+            self._charge(a.job, CPU, lo)
+            yield Follow(a, after)
 
     def _cpu_node(self, a: Action, lo: int, now: float) -> int | None:
         pool = self._cpus

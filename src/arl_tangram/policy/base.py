@@ -75,6 +75,22 @@ class Shrink:
 
 
 @dataclass(frozen=True, slots=True)
+class Follow:
+    """Queue ``action`` behind the running ``after`` on its cores: the CPU manager starts it the
+    moment ``after`` ends, and the engine hands it ``after``'s cores, unreleased, when that end is
+    reported. Only for an action of ``EngineView.followable`` without a follower, and an action
+    that asks for exactly its cores; only engines whose CPU manager can (``core.seam.Chainer``)
+    list any. What it saves: the report's way to the engine and the start's way back, during
+    which the core idles (issue 26)."""
+
+    action: Action
+    after: str
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return by_fields(self)  # compiled, a frozen class's default pickling fails
+
+
+@dataclass(frozen=True, slots=True)
 class Prefetch:
     """Copy a registered model's weights onto the idle GPUs of ``block`` before anyone asks."""
 
@@ -121,7 +137,7 @@ class Release:
         return by_fields(self)  # compiled, a frozen class's default pickling fails
 
 
-Decision = Start | Grow | Shrink | Prefetch | Evict | Reserve | Release
+Decision = Start | Follow | Grow | Shrink | Prefetch | Evict | Reserve | Release
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +217,12 @@ class EngineView(Protocol):
     @property
     def cpu_resizes(self) -> bool:
         """The CPU manager takes cores back from running actions (``Shrink`` is accepted)."""
+        ...
+    @property
+    def followable(self) -> Mapping[str, Running]:
+        """Running CPU actions another may ``Follow``: fixed-size, outside reservations and
+        sessions, none behind them yet, oldest start first. Empty unless the CPU manager chains
+        (``core.seam.Chainer``)."""
         ...
 
 

@@ -292,8 +292,8 @@ class Runtime:
         """``queued``, ``running`` or None (not in flight)."""
         if action_id in self.engine.pending:
             return "queued"
-        if action_id in self.engine.running:
-            return "running"
+        if action_id in self.engine.running or action_id in self.engine.following:
+            return "running"  # a follower: its manager starts it the moment the action before it ends
         return None
 
     def why_waiting(self, action_id: str) -> Wait | None:
@@ -371,7 +371,8 @@ class Runtime:
         e = self.engine
         head = e.queue_head()
         now = e.clock.now()
-        return Snapshot(len(e.pending), len(e.running), self.cluster.total_cores, self.cluster.total_gpus,
+        return Snapshot(len(e.pending), len(e.running) + len(e.following), self.cluster.total_cores,
+                        self.cluster.total_gpus,
                         e.cpu.meter.held, e.gpu.meter.held, self.isolation(), len(e.cpu.homes),
                         e.cpu.session_used_gb(), e.cpu.session_reserved_gb(),
                         sum(n.memory_gb for n in self.cluster.cpu_nodes),

@@ -16,6 +16,12 @@ latency matters more there than throughput. So does every one-shot of another im
 A worker that dies ends the one-shots it held as ``infra_error`` (never the program's failure)
 and is started again; while none is up, one-shots run in the engine process as without workers.
 Workers die with the engine process (``PR_SET_PDEATHSIG``), their sandboxes with them.
+
+The lease (issue 26): when no core is free, the engine queues a one-shot behind a running one
+(``Follow``), and the worker starts it the moment that run ends, on its cores, before the engine
+has heard of the end. Without it each core idled for the report's way to the engine and the
+start's way back: 21-23% of 16 cores at 3,356 one-shots/s. The engine stays the one that decides
+what runs, in which order, on which cores; the worker only no longer waits to be told when.
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from ..managers.tasks import TaskSet
 log = logging.getLogger(__name__)
 
 ENV = "TANGRAM_SANDBOX_WORKER"  # JSON: fd, index, config, cpus
-CALLS = frozenset({"start", "run", "cancel", "resize", "shut_down"})
+CALLS = frozenset({"start", "run", "follow", "cancel", "resize", "shut_down"})
 
 
 class _Worker:
@@ -155,6 +161,19 @@ class SandboxWorkers:
         self.where[action.id] = w
         w.caller.request_cb("run", (action, allocation), lambda ok, value: self._answered(w, action, ok, value))
 
+    def follow(self, action: Action, allocation: Allocation, after: str) -> bool:
+        """``core.seam.Chainer``: the worker running ``after`` starts ``action`` the moment
+        ``after`` ends there (at once if it has). Not taken (False) when ``after`` does not run on
+        a worker that is up, or ``action`` is not a worker's (then the engine starts it itself)."""
+        w = self.where.get(after)
+        if (w is None or not w.up or w.caller is None or w.caller.gone is not None
+                or self._worker_for(action, allocation) is None):
+            return False
+        self.where[action.id] = w
+        w.caller.request_cb("follow", (action, allocation, after),
+                            lambda ok, value: self._answered(w, action, ok, value))
+        return True
+
     def _answered(self, w: _Worker, action: Action, ok: bool, value: Any) -> None:
         if self.where.pop(action.id, None) is None:
             return  # cancelled (already reported) or shutting down
@@ -247,16 +266,52 @@ class _Served:
     def __init__(self, agent, done: asyncio.Event) -> None:
         self.agent = agent
         self.done = done
+        self.active: set[str] = set()  # the runs started here and not ended
+        self.behind: dict[str, tuple[Action, Allocation, Any]] = {}  # a run -> the one to start as it ends
+        self.queued: dict[str, str] = {}  # the other way: a follower -> the run it waits for
 
     async def start(self) -> dict:
         return await self.agent.start()
 
-    REPLIES = frozenset({"run"})  # answered through the hub's reply callback (link.py)
+    REPLIES = frozenset({"run", "follow"})  # answered through the hub's reply callback (link.py)
 
     def run(self, action: Action, allocation: Allocation, reply) -> None:
-        self.agent.run_cb(action, allocation, lambda c: reply(True, c))
+        aid = action.id
+        self.active.add(aid)
+        try:
+            self.agent.run_cb(action, allocation, lambda c: self._ended(aid, c, reply))
+        except BaseException:
+            self.active.discard(aid)
+            raise
+
+    def _ended(self, aid: str, c: Completion, reply) -> None:
+        """A run ended: answered first, then the one queued behind it starts on its cores."""
+        self.active.discard(aid)
+        reply(True, c)
+        queued = self.behind.pop(aid, None)
+        if queued is not None:
+            action, allocation, reply_next = queued
+            del self.queued[action.id]
+            try:
+                self.run(action, allocation, reply_next)
+            except Exception as e:  # a bug: the engine ends it as infra_error
+                reply_next(False, e)
+
+    def follow(self, action: Action, allocation: Allocation, after: str, reply) -> None:
+        """Start ``action`` when ``after`` ends here; at once when it is not running (it ended
+        before this frame came: its cores are free)."""
+        if after in self.active and after not in self.behind:
+            self.behind[after] = (action, allocation, reply)
+            self.queued[action.id] = after
+        else:
+            self.run(action, allocation, reply)
 
     def cancel(self, action_id: str) -> None:
+        after = self.queued.pop(action_id, None)
+        if after is not None:  # never started: it ends here (the engine has reported it already)
+            _, _, reply = self.behind.pop(after)
+            reply(True, Completion(action_id, Outcome.CANCELLED, message="cancelled while queued"))
+            return
         self.agent.cancel(action_id)
 
     def resize(self, action_id: str, allocation: Allocation) -> None:

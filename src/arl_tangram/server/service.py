@@ -725,7 +725,8 @@ class Service:
                 "session_mem_reserved_mb": round(snap.session_mem_reserved_gb * 1024, 1),
                 "memory_mb": round(snap.memory_gb * 1024), "head_waited_s": round(snap.head_waited_s, 3),
                 "head_waits_for": snap.head_waits_for, "fronts": self.fronts, "sandbox_workers": self._workers(),
-                "rest": self.runtime.rest_stats(), "recovered_sessions": self.recovered_sessions}
+                "rest": self.runtime.rest_stats(), "recovered_sessions": self.recovered_sessions,
+                "followed": self.runtime.engine.handed_over}
 
     def _workers(self) -> dict | None:
         """Sandbox worker processes up / started (None: one-shots run in this process)."""
