@@ -90,10 +90,14 @@ class SandboxWorkers:
         def per(v: int) -> int:
             return max(1, v // self.n) if v else v
 
-        return c.model_copy(update={"cpus": self.local.host_cpus, "warm_pool": per(c.warm_pool),
+        # a ready sandbox for each of the worker's cores: a run queued behind another (``follow``)
+        # starts as that one ends, while the sandbox it ran in is still being reset
+        cores = -(-len(self.local.host_cpus) // self.n)
+        warm = max(per(c.warm_pool), cores) if c.warm_pool else 0
+        return c.model_copy(update={"cpus": self.local.host_cpus, "warm_pool": warm,
                                     "warm_sessions": 0,  # workers run one-shots; sessions stay here
                                     "recycle_pool_max": per(c.recycle_pool_max),
-                                    "max_idle_sandboxes": max(per(c.max_idle_sandboxes), per(c.warm_pool))}
+                                    "max_idle_sandboxes": max(per(c.max_idle_sandboxes), warm)}
                             ).model_dump(mode="json")
 
     async def _start(self, w: _Worker) -> None:
