@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import shutil
 import time
 
@@ -43,6 +44,7 @@ inv = {"files": {r: walk(r) for r in ("/workspace", "/tmp", "/dev/shm")},
        "keys": keys, "listed_keys": sorted(row.split()[8] for row in open("/proc/keys") if row.split()[7] != "keyring"),
        "json": j.__file__, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
        "nice": os.getpriority(os.PRIO_PROCESS, 0), "cpus": sorted(os.sched_getaffinity(0)),
+       "policy": [os.sched_getscheduler(p) for p in (1, 2, 0)],
        "free_tmp": os.statvfs("/tmp").f_bavail > 1000}
 print(j.dumps(inv))
 '''
@@ -88,6 +90,14 @@ def assert_pristine(out: dict, reused: bool) -> None:
         assert out["stats"]["recycled"] == 2 and not out["stats"]["discarded"], out["stats"]
     else:
         assert out["stats"]["recycled"] == 1 and out["stats"]["discarded"], out["stats"]
+
+
+def test_sandboxes_run_as_sched_batch_and_a_reset_keeps_them_so():
+    """The runner, the zygote and a one-shot all run ``SCHED_BATCH`` (``runner.batch``: their
+    wake-ups never preempt the host's process that woke them), before and after a reuse."""
+    out = attack_then_inspect("print('harmless')")
+    assert out["fresh"]["policy"] == [os.SCHED_BATCH] * 3, out["fresh"]["policy"]
+    assert_pristine(out, reused=True)
 
 
 def test_files_left_in_every_writable_place_are_gone():
@@ -187,7 +197,8 @@ def test_signals_to_the_runner_are_ignored():
     "import resource\nresource.prlimit(1, resource.RLIMIT_NOFILE, (64, 64))",   # shrink the runner's limits
     "import resource\nresource.prlimit(2, resource.RLIMIT_NOFILE, (64, 64))",   # ... or the zygote's
     "import os\nos.setpriority(os.PRIO_PROCESS, 2, 19)",                    # deprioritise the zygote
-], ids=["kill-zygote", "stop-zygote", "prlimit-runner", "prlimit-zygote", "nice-zygote"])
+    "import os\nos.sched_setscheduler(1, os.SCHED_OTHER, os.sched_param(0))",  # the runner's policy back
+], ids=["kill-zygote", "stop-zygote", "prlimit-runner", "prlimit-zygote", "nice-zygote", "policy-runner"])
 def test_tampering_with_the_runner_or_zygote_discards_the_sandbox(attack):
     out = attack_then_inspect(attack)
     assert_pristine(out, reused=False)
