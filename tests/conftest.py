@@ -53,6 +53,37 @@ class Recorder:
         pass
 
 
+class Chaining:
+    """A CPU manager double that chains (``core.seam.Chainer``) over a ``Recorder``: it records
+    what it was asked to follow, takes it while ``take`` says so, and says it could chain the
+    runs ``can`` accepts."""
+
+    def __init__(self, rec: Recorder, take: bool = True, can=lambda action: True) -> None:
+        self.rec = rec
+        self.take = take
+        self.can = can
+        self.followed: list[tuple[str, tuple[int, ...], str]] = []
+
+    def start(self, action: Action, allocation: Allocation) -> None:
+        self.rec.start(action, allocation)
+
+    def cancel(self, action_id: str) -> None:
+        self.rec.cancel(action_id)
+
+    def close_session(self, trajectory: str) -> None:
+        self.rec.close_session(trajectory)
+
+    def resize(self, action_id: str, allocation: Allocation) -> None:
+        self.rec.resize(action_id, allocation)
+
+    def chains(self, action: Action) -> bool:
+        return self.can(action)
+
+    def follow(self, action: Action, allocation: Allocation, after: str) -> bool:
+        self.followed.append((action.id, allocation.units, after))
+        return self.take
+
+
 class Harness:
     def __init__(self, cluster, policy, **engine_kwargs) -> None:
         self.clock = ManualClock()

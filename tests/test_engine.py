@@ -264,37 +264,12 @@ def test_a_grown_action_on_a_draining_node_keeps_its_cores(harness):
 
 # -- Follow: a one-shot queued behind a running one (issue 26's lease) ----------------------------
 
-class _Chains:
-    """A CPU manager double that chains (``core.seam.Chainer``): it records what it was asked to
-    follow, and takes it unless told not to."""
-
-    def __init__(self, rec, take: bool = True) -> None:
-        self.rec = rec
-        self.take = take
-        self.followed: list[tuple[str, tuple[int, ...], str]] = []
-
-    def __getattr__(self, name):
-        return getattr(self.rec, name)
-
-    def start(self, action, allocation) -> None:
-        self.rec.start(action, allocation)
-
-    def cancel(self, action_id) -> None:
-        self.rec.cancel(action_id)
-
-    def close_session(self, trajectory) -> None:
-        self.rec.close_session(trajectory)
-
-    def follow(self, action, allocation, after) -> bool:
-        self.followed.append((action.id, allocation.units, after))
-        return self.take
-
-
 def _chained(harness, take: bool = True, cpus: int = 2, **options):
     from arl_tangram.core.seam import Pool
+    from conftest import Chaining
 
     h = harness(uniform_cluster(cpus=cpus), tangram_policy(**options))
-    chains = _Chains(h.rec, take)
+    chains = Chaining(h.rec, take)
     h.engine = type(h.engine)(h.engine.cluster, h.engine.policy.__class__(h.engine.policy.name, h.engine.policy.opt),
                               {Pool.CPU: chains}, h.clock)
     h.engine.listeners.append(h.finished.append)
@@ -401,6 +376,15 @@ def test_only_fixed_one_shots_follow_and_only_runs_predicted_short(harness):
     _one_shots(h2, "b")
     h2.schedule()
     assert chains2.followed == [] and set(h2.engine.pending) == {"step", "elastic", "b"}
+    # a run predicted short that has run longer than follow_max_s already (a straggler): passed
+    # over for a younger one, and not followed at all when it is the only one
+    h4, chains4 = _chained(harness, cpus=2)
+    _one_shots(h4, "old")
+    h4.schedule()
+    h4.advance(0.5)
+    _one_shots(h4, "young", "b", "c")
+    h4.schedule()
+    assert chains4.followed == [("b", h4.allocation("young").units, "young")] and list(h4.engine.pending) == ["c"]
     h3, chains3 = _chained(harness, cpus=2, follow_max_s=0.0)
     _one_shots(h3, "a", "b", "c")
     h3.schedule()

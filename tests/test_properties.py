@@ -9,7 +9,7 @@ from arl_tangram.core import Action, ApiQuota, Demand, ModelSpec, Outcome
 from arl_tangram.core.cluster import Cluster, CpuNode, GpuNode
 from arl_tangram.policy import Costs, InfeasiblePolicy, Profile, make_policy, tangram_policy
 
-from conftest import Harness
+from conftest import Chaining, Harness
 
 #: "tangram-eager" grows without waiting for a quiet pool, so that its grown actions meet queues
 #: and are shrunk (``Shrink``) often, where the default Tangram rarely grows in a short script
@@ -254,30 +254,6 @@ def test_gpu_nodes_joining_and_leaving_never_double_book_and_every_action_ends_o
     assert set(ends) == set(accepted) and all(v == 1 for v in ends.values())
 
 
-class _Chaining:
-    """A CPU manager double that chains (``core.seam.Chainer``), taking a follower or not as the
-    script says."""
-
-    def __init__(self, rec) -> None:
-        self.rec = rec
-        self.take = True
-
-    def start(self, action, allocation) -> None:
-        self.rec.start(action, allocation)
-
-    def cancel(self, action_id) -> None:
-        self.rec.cancel(action_id)
-
-    def close_session(self, trajectory) -> None:
-        self.rec.close_session(trajectory)
-
-    def resize(self, action_id, allocation) -> None:
-        self.rec.resize(action_id, allocation)
-
-    def follow(self, action, allocation, after) -> bool:
-        return self.take
-
-
 chain_ops = st.lists(st.tuples(st.sampled_from(["submit", "submit", "submit", "complete", "lose",
                                                 "cancel", "advance", "take"]), st.integers(0, 10_000)),
                      min_size=20, max_size=80)  # long enough for queues to form
@@ -295,18 +271,17 @@ def test_followers_never_share_a_core_and_every_action_ends_once(cores, policy, 
 
     cluster = Cluster(tuple(CpuNode(f"c{i}", n, 64.0) for i, n in enumerate(cores)))
     h = Harness(cluster, policy_named(policy), costs=Costs(session_mem_gb=1.0))
-    chains = _Chaining(h.rec)
+    chains = Chaining(h.rec, can=lambda action: action.job != "solo")  # "solo": runs it could not chain
     h.engine = Engine(cluster, h.engine.policy, {Pool.CPU: chains}, h.clock, costs=Costs(session_mem_gb=1.0))
     h.engine.listeners.append(h.finished.append)
     e = h.engine
     accepted: list[str] = []
-    followed = 0
     for n, (op, x) in enumerate(script):
         if op == "submit":
             lo = 1 + (x % 4 == 0)
             hi = lo + (x % 5 == 0)
             a = Action(f"a{n}", "sandbox", Demand({"cpu": (lo, hi)}), trajectory=f"t{x % 3}" if x % 7 == 0 else None,
-                       hint_s=(x % 3) * 0.04)
+                       hint_s=(x % 3) * 0.04, job="solo" if x % 6 == 1 else "default")
             if e.submit(a) is None:
                 accepted.append(a.id)
         elif op == "complete" and e.running:
@@ -331,8 +306,8 @@ def test_followers_never_share_a_core_and_every_action_ends_once(cores, policy, 
         elif op == "take":
             chains.take = bool(x % 2)
         e.schedule()
-        followed = max(followed, len(e.following))
         check_invariants(e)
+        assert all(run.action.job != "solo" for run in e.followable.values()), "a run its manager cannot chain"
         for after, fol in e.followers.items():
             assert e.following[fol.action.id] == after and after in e.running
             assert fol.allocation.units == e.running[after].allocation.units, "a follower gets exactly its run's cores"

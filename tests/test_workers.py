@@ -122,8 +122,11 @@ def test_one_shots_queued_behind_a_run_start_in_its_worker_as_it_ends():
     """``Follow`` on real workers: with the one core busy, short one-shots queue behind the run
     (one at a time), start in the worker the moment it ends, and take its core; one cancelled
     while queued ends cancelled, and the next queues behind the run instead."""
+    from arl_tangram.policy import tangram_policy
+
     async def main():
-        async with Tangram.local(cores=1, workers=1) as tg:
+        # a run followed for up to 5 s of its own (the default, 0.1 s, would not follow a 1.5 s one)
+        async with Tangram.local(tangram_policy(follow_max_s=5.0), cores=1, workers=1) as tg:
             e = tg.runtime.engine
             slow = asyncio.ensure_future(tg.run("import time\ntime.sleep(1.5)\nprint('slow')", hint_s=0.05,
                                                 id="slow"))
@@ -143,3 +146,63 @@ def test_one_shots_queued_behind_a_run_start_in_its_worker_as_it_ends():
             assert e.handed_over >= 1 and not e.following and e.cpu.total_free == 1
 
     asyncio.run(main())
+
+
+class _Agent:
+    """A worker's agent double: runs start when asked and end when the test says."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.done: dict[str, object] = {}
+        self.cancelled: list[str] = []
+
+    def run_cb(self, action, allocation, done) -> None:
+        self.started.append(action.id)
+        self.done[action.id] = done
+
+    def cancel(self, action_id: str) -> None:
+        self.cancelled.append(action_id)
+
+    def end(self, action_id: str) -> None:
+        from arl_tangram.core.seam import Completion
+        self.done.pop(action_id)(Completion(action_id, Outcome.OK))
+
+
+def test_a_worker_starts_each_follower_only_when_the_run_before_it_ends():
+    """The worker's side of the lease (``_Served``), at the link's seam: a follower waits for
+    its run; one queued behind a follower that is itself still queued (the engine handed it the
+    cores of a run cancelled there before the kill reached the worker) waits too, never sharing
+    the core; cancelling a queued follower moves what was behind it up; a second follower of
+    one run is refused."""
+    from arl_tangram.core import Action, Allocation, Demand
+    from arl_tangram.runtime.workers import _Served
+
+    agent = _Agent()
+    served = _Served(agent, asyncio.Event())
+    answers: list[tuple[str, bool, object]] = []
+
+    def act(i: str):
+        return Action(i, "sandbox", Demand({"cpu": (1, 1)})), Allocation("cpu", 0, (0,))
+
+    def reply_for(i: str):
+        return lambda ok, value: answers.append((i, ok, getattr(value, "outcome", value)))
+
+    served.run(*act("a"), reply_for("a"))
+    served.follow(*act("f1"), "a", reply_for("f1"))
+    served.follow(*act("f2"), "f1", reply_for("f2"))  # f1 is queued, not running: f2 waits for it
+    served.follow(*act("f3"), "f2", reply_for("f3"))
+    assert agent.started == ["a"]
+    served.follow(*act("x"), "a", reply_for("x"))  # a second follower of a
+    assert answers[-1][:2] == ("x", False)
+    served.cancel("f2")  # queued: answered cancelled; f3 now waits for f1
+    assert answers[-1] == ("f2", True, Outcome.CANCELLED)
+    assert served.behind.keys() == {"a", "f1"} and served.queued == {"f1": "a", "f3": "f1"}
+    agent.end("a")
+    assert agent.started == ["a", "f1"] and ("a", True, Outcome.OK) in answers
+    agent.end("f1")
+    assert agent.started == ["a", "f1", "f3"]
+    agent.end("f3")
+    assert not (served.active or served.behind or served.queued)
+    served.follow(*act("late"), "f3", reply_for("late"))  # f3 ended before this came: at once
+    assert agent.started[-1] == "late"
+    assert [a[0] for a in answers if a[1]] == ["f2", "a", "f1", "f3"]

@@ -160,7 +160,7 @@ class Engine:
         #: predecessor's cores, and whether the manager took it); ``following``: the other way
         self.followers: dict[str, _Follower] = {}
         self.following: dict[str, str] = {}
-        self.handed_over = 0  # followers that took their run's cores (a count for benches and tests)
+        self.handed_over = 0  # followers their manager started as their run ended (for benches and tests)
         self._apply_all(policy.bind(self, now), now)
 
     # -- inputs ----------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ class Engine:
         keys, and the first caller must keep its result)."""
         now = self.clock.now()
         aid = action.id
-        if aid in self.pending or aid in self.running:
+        if aid in self.pending or aid in self.running or aid in self.following:
             raise InvalidAction("id", f"action {aid!r} is already in flight")
         action.submitted_at = now
         problem = self._validate(action)
@@ -276,6 +276,7 @@ class Engine:
         lost, and their queued steps end ``infra_error`` with ``reason``. Actions running there are
         their manager's to report. Returns the lost sessions."""
         lost = self.cpu.remove_node(index)
+        self._unfollowable(index)
         gone = set(lost)
         now = self.clock.now()
         for action in [a for a in self.pending.values() if a.trajectory in gone]:
@@ -290,7 +291,15 @@ class Engine:
         homes, returned, are to move (``move_session``) once their running steps end. A queued
         step of one of them is placed elsewhere as a move (``Setup.RESTORE``) or waits for it."""
         self.cpu.drain(index)
+        self._unfollowable(index)
         return sorted(s for s, home in self.cpu.homes.items() if home == index)
+
+    def _unfollowable(self, node: int) -> None:
+        """A node drained or gone: nothing queues behind its runs any more (a follower already
+        queued there is its manager's to start or report, as a run there is)."""
+        if self.followable:
+            for aid in [aid for aid, run in self.followable.items() if run.allocation.node == node]:
+                del self.followable[aid]
 
     def adopt_session(self, session: str, node: int) -> None:
         """A session that lives on ``node`` already (a restarted head re-attaching its node's
@@ -529,9 +538,10 @@ class Engine:
         pool = a.pool
         if pool == CPU:
             run = Running(a, self._start_cpu(d), now)
-            if self._chainer is not None and a.trajectory is None and not d.reservation:
+            chainer = self._chainer
+            if chainer is not None and a.trajectory is None and not d.reservation:
                 lo, hi = a.demand.ranges[CPU]
-                if lo == hi:
+                if lo == hi and chainer.chains(a):
                     self.followable[aid] = run
         elif pool == GPU:
             alloc, instance = self._start_gpu(d)
@@ -618,9 +628,12 @@ class Engine:
         a = fol.action
         del self.following[a.id]
         run = self.running[a.id] = Running(a, fol.allocation, now)
-        self.handed_over += 1
-        self.followable[a.id] = run
-        if not fol.taken:
+        chainer = self._chainer
+        if chainer is not None and chainer.chains(a):
+            self.followable[a.id] = run
+        if fol.taken:
+            self.handed_over += 1
+        else:
             manager = self._manager_of.get(CPU) or self._manager_for(CPU)
             manager.start(a, fol.allocation)
 

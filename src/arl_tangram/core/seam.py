@@ -116,6 +116,11 @@ class Chainer(Protocol):
     decisions only to such a manager; the cores stay the running action's in the engine's ledger
     until its ``Completion`` arrives, and pass to the follower then, unreleased."""
 
+    def chains(self, action: Action) -> bool:
+        """Whether a run of ``action``, started now, could take a follower (the engine lists only
+        those as followable): a question about where it would run, answered without effects."""
+        ...
+
     def follow(self, action: Action, allocation: Allocation, after: str) -> bool:
         """Start ``action`` on ``allocation`` (the cores of the running ``after``) as soon as
         ``after`` ends, or at once if it has ended already. False: not taken (``after`` does not

@@ -356,31 +356,39 @@ class ActionLevelPolicy:
                     sq.push_back(skipped[id(sq)])
         queued = (homed.size if homed is not None else 0) + (new.size if new is not None else 0)
         if queued and homed is not None and homed.size and self.view.followable and self.opt.follow_max_s:
-            yield from self._follow(homed)
+            yield from self._follow(homed, now)
         if queued > self._home_waits:  # steps that chose to wait for their home are no queue: below
             self._cpu_queued_at = now
         elif self.opt.elastic and admitted and now - self._cpu_queued_at >= self.opt.elastic_quiet_s:
             yield from self._water_fill(admitted, now)
 
-    def _follow(self, q: JobQueues) -> Iterator[Decision]:
-        """No core free and one-shots waiting: queue them behind running ones (``Follow``), the
-        head of the queue behind the oldest start, so a core's next run starts the moment its
-        last one ends, with no round trip through the engine between (issue 26). Stops at the
-        first entry that may not follow (a session's step, an elastic or a long action), which
-        keeps the queue's order: a follower is started before anything queued behind it."""
+    def _follow(self, q: JobQueues, now: float) -> Iterator[Decision]:
+        """No core free and one-shots waiting: queue them behind running ones (``Follow``), so
+        a core's next run starts the moment its last one ends, with no round trip through the
+        engine between (issue 26). The head of the queue goes behind the oldest run of its size
+        that is predicted short and has not yet run longer than that (``follow_max_s``: a
+        follower waits out the rest of its run, so a straggler is not followed), looking at the
+        first ``lookahead`` runs only. Stops at the first entry that may not follow (a session's
+        step, an elastic action, none of its size to follow), which keeps the queue's order."""
         ends = self.view.followable
         fair = self._fair
         limit = self.opt.follow_max_s
         predict = self.predictor.predict
+        scan = self.opt.lookahead
         while ends and q.size:
             entry = q.pop(fair)
             if entry is None:
                 return
             a = entry[2]
-            after = next(iter(ends))
-            prev = ends[after]
             lo, hi = a.demand.ranges[CPU]
-            if a.trajectory is not None or lo != hi or lo != len(prev.allocation.units) or predict(prev.action) > limit:
+            after = None
+            if a.trajectory is None and lo == hi:
+                for aid, prev in itertools.islice(ends.items(), scan):
+                    if (len(prev.allocation.units) == lo and now - prev.started_at <= limit
+                            and predict(prev.action) <= limit):
+                        after = aid
+                        break
+            if after is None:
                 q.push_back([entry])
                 return
             self._charge(a.job, CPU, lo)

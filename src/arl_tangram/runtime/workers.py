@@ -142,10 +142,18 @@ class SandboxWorkers:
         await self.local.shut_down()
 
     # -- the manager protocol --------------------------------------------------------------------
-    def _worker_for(self, action: Action, allocation: Allocation) -> _Worker | None:
+    def _eligible(self, action: Action) -> bool:
+        """A one-shot of the default image: what a worker runs."""
         p = action.payload
-        if (action.trajectory is not None or not isinstance(p, RunCode)
-                or (getattr(p, "image", None) or None) != self.local.config.image):
+        return (action.trajectory is None and isinstance(p, RunCode)
+                and (getattr(p, "image", None) or None) == self.local.config.image)
+
+    def chains(self, action: Action) -> bool:
+        """``core.seam.Chainer``: a worker would run it (its runs can take a follower)."""
+        return self._eligible(action) and any(w.up for w in self.workers)
+
+    def _worker_for(self, action: Action, allocation: Allocation) -> _Worker | None:
+        if not self._eligible(action):
             return None
         first = allocation.units[0] if allocation.units else 0
         for k in range(self.n):
@@ -170,8 +178,7 @@ class SandboxWorkers:
         ``after`` ends there (at once if it has). Not taken (False) when ``after`` does not run on
         a worker that is up, or ``action`` is not a worker's (then the engine starts it itself)."""
         w = self.where.get(after)
-        if (w is None or not w.up or w.caller is None or w.caller.gone is not None
-                or self._worker_for(action, allocation) is None):
+        if w is None or not w.up or w.caller is None or w.caller.gone is not None or not self._eligible(action):
             return False
         self.where[action.id] = w
         w.caller.request_cb("follow", (action, allocation, after),
@@ -302,9 +309,14 @@ class _Served:
                 reply_next(False, e)
 
     def follow(self, action: Action, allocation: Allocation, after: str, reply) -> None:
-        """Start ``action`` when ``after`` ends here; at once when it is not running (it ended
-        before this frame came: its cores are free)."""
-        if after in self.active and after not in self.behind:
+        """Start ``action`` when ``after`` ends here: behind it while it runs or is itself
+        queued behind another (the engine hands a follower its cores when its predecessor's end
+        is reported, which a cancel reports before the run is killed here, so it may already be
+        followed in turn); at once when it is neither (it ended before this frame came: its
+        cores are free). A second follower of one run is the engine's bug: refused."""
+        if after in self.behind:
+            reply(False, RuntimeError(f"{after} already has a follower here"))
+        elif after in self.active or after in self.queued:
             self.behind[after] = (action, allocation, reply)
             self.queued[action.id] = after
         else:
@@ -314,6 +326,10 @@ class _Served:
         after = self.queued.pop(action_id, None)
         if after is not None:  # never started: it ends here (the engine has reported it already)
             _, _, reply = self.behind.pop(after)
+            nxt = self.behind.pop(action_id, None)
+            if nxt is not None:  # what was queued behind it now waits for what it waited for
+                self.behind[after] = nxt
+                self.queued[nxt[0].id] = after
             reply(True, Completion(action_id, Outcome.CANCELLED, message="cancelled while queued"))
             return
         self.agent.cancel(action_id)
