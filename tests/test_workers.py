@@ -206,3 +206,24 @@ def test_a_worker_starts_each_follower_only_when_the_run_before_it_ends():
     served.follow(*act("late"), "f3", reply_for("late"))  # f3 ended before this came: at once
     assert agent.started[-1] == "late"
     assert [a[0] for a in answers if a[1]] == ["f2", "a", "f1", "f3"]
+
+
+def test_each_worker_keeps_a_ready_sandbox_per_core_unless_the_config_sizes_the_pool():
+    """The lease starts a follower while the sandbox before it is being reset: by default a
+    worker's warm pool is at least its share of the cores; a ``warm_pool`` the config sets is
+    split among the workers as it says (its memory is the user's choice), 0 stays 0."""
+    import json
+    from types import SimpleNamespace
+
+    from arl_tangram.managers.sandbox.spec import SandboxConfig
+    from arl_tangram.runtime.workers import SandboxWorkers
+
+    def warm_of(config: SandboxConfig) -> int:
+        local = SimpleNamespace(config=config, host_cpus=tuple(range(16)))
+        return json.loads(json.dumps(SandboxWorkers(local, 4, lambda r: None)._config()))["warm_pool"]
+
+    assert warm_of(SandboxConfig()) == 4  # 4 cores a worker (the default pool, 4, split: 1)
+    assert warm_of(SandboxConfig(warm_pool=4)) == 1
+    assert warm_of(SandboxConfig(warm_pool=32)) == 8
+    assert warm_of(SandboxConfig(warm_pool=0)) == 0
+    assert warm_of(SandboxConfig.model_validate({"warm_pool": 2})) == 1

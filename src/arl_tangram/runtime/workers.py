@@ -91,9 +91,12 @@ class SandboxWorkers:
             return max(1, v // self.n) if v else v
 
         # a ready sandbox for each of the worker's cores: a run queued behind another (``follow``)
-        # starts as that one ends, while the sandbox it ran in is still being reset
+        # starts as that one ends, while the sandbox it ran in is still being reset (a pool the
+        # config sizes itself is split as it says: memory is the user's to spend)
         cores = -(-len(self.local.host_cpus) // self.n)
-        warm = max(per(c.warm_pool), cores) if c.warm_pool else 0
+        warm = per(c.warm_pool)
+        if warm and "warm_pool" not in c.model_fields_set:
+            warm = max(warm, cores)
         return c.model_copy(update={"cpus": self.local.host_cpus, "warm_pool": warm,
                                     "warm_sessions": 0,  # workers run one-shots; sessions stay here
                                     "recycle_pool_max": per(c.recycle_pool_max),
