@@ -161,7 +161,7 @@ class SandboxWorkers:
         first = allocation.units[0] if allocation.units else 0
         for k in range(self.n):
             w = self.workers[(first + k) % self.n]
-            if w.up and w.caller is not None and w.caller.gone is None:
+            if _live(w):
                 return w
         return None
 
@@ -181,7 +181,7 @@ class SandboxWorkers:
         ``after`` ends there (at once if it has). Not taken (False) when ``after`` does not run on
         a worker that is up, or ``action`` is not a worker's (then the engine starts it itself)."""
         w = self.where.get(after)
-        if w is None or not w.up or w.caller is None or w.caller.gone is not None or not self._eligible(action):
+        if w is None or not _live(w) or not self._eligible(action):
             return False
         self.where[action.id] = w
         w.caller.request_cb("follow", (action, allocation, after),
@@ -230,6 +230,11 @@ class SandboxWorkers:
 
     def close_session(self, trajectory: str) -> None:
         self.local.close_session(trajectory)
+
+
+def _live(w: _Worker) -> bool:
+    """A worker that is up and whose link has not noticed it gone: one a run may be sent to."""
+    return w.up and w.caller is not None and w.caller.gone is None
 
 
 def _quiet(fut: asyncio.Future) -> None:

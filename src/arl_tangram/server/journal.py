@@ -165,7 +165,7 @@ class Journal:
 
     def _write(self, id: str | None, entry: Entry | None, statement: tuple) -> None:
         if self.error is not None:
-            raise JournalError(f"the journal cannot be written: {self.error}")
+            raise _unwritable(self.error)
         self._queue.append(statement)
         if id is not None and entry is not None:
             self._pending[id] = entry
@@ -191,7 +191,7 @@ class Journal:
         """``durable`` as a callback: ``done(None)`` once every write made before this call is
         committed (now, if none is queued), ``done(error)`` if the commit failed."""
         if not self._queue:
-            done(None if self.error is None else JournalError(f"the journal cannot be written: {self.error}"))
+            done(None if self.error is None else _unwritable(self.error))
             return
         self._waiters.append(done)
 
@@ -220,7 +220,7 @@ class Journal:
                 except sqlite3.Error:
                     pass
                 self._pending.clear()  # not on disk: reads must not serve it
-                _wake(waiters, JournalError(f"the journal cannot be written: {e}"))
+                _wake(waiters, _unwritable(e))
                 return
         self._pending.clear()
         _wake(waiters, None)
@@ -330,6 +330,10 @@ def _obj(value):
 
 class JournalError(RuntimeError):
     """The journal cannot be written (disk full, file removed): accepting more would lose them."""
+
+
+def _unwritable(cause: BaseException) -> JournalError:
+    return JournalError(f"the journal cannot be written: {cause}")
 
 
 class JournalBusy(RuntimeError):
