@@ -576,11 +576,13 @@ def test_the_zygote_ends_on_a_message_out_of_protocol(tmp_path):
 #: whether this bash was started ahead (its initial environment holds the BASH_ENV it waited on)
 AHEAD_MARK = 'grep -c "^BASH_ENV=" <(tr "\\0" "\\n" < /proc/$$/environ) || true'
 
+# (the shell's descriptors are listed into a file: listed into a pipeline, the shell itself may
+# still hold one of the pipeline's pipes while ls reads them, on a loaded machine)
 BASH_PROBE = r'''echo "_=$_"
 echo "0=$0 #=$# seconds=$SECONDS pwd=$(pwd) BASH_ENV=${BASH_ENV-unset}"
 read -r line; echo "stdin=$line"; rest=$(cat); echo "rest=$rest"
 env | grep -v '^_=' | sort
-ls /proc/$$/fd | sort -n | tr '\n' ' '; echo
+ls /proc/$$/fd > /tmp/fds; sort -n /tmp/fds | tr '\n' ' '; echo
 trap -p; set -o | grep -c on; shopt | grep -c on; echo "opts=$-"
 ulimit -a | md5sum; echo "nice=$(nice)"
 echo "to stderr" >&2
