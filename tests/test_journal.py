@@ -140,3 +140,42 @@ def test_when_durable_calls_back_once_the_writes_before_it_are_committed(tmp_pat
     asyncio.run(main())
     assert type(told[2]).__name__ == "JournalError" and "cannot be written" in str(told[2])
     j.close()
+
+
+def test_an_acceptance_answered_only_by_its_result_goes_to_disk_with_the_next_commit(tmp_path):
+    """``accept(with_result=True)`` (a one-shot under an id the server made): readable at once,
+    no commit of its own, on disk with the next commit another write or a waiter asks for (at the
+    latest its result's, in the same transaction), and by ``close`` when it never finished."""
+    path = str(tmp_path / "j.sqlite3")
+    j = Journal(path)
+
+    async def main():
+        j.accept("a", "job", "run_code", {"x": 1}, True, with_result=True)
+        assert j.get("a").state == "accepted"
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert j.commits == 0 and _rows(path) == {}  # (fails if it asked for a commit of its own)
+        j.finish("a", "ok", {"out": 1})
+        await j.durable()
+        assert j.commits == 1 and _rows(path) == {"a": "done"}  # acceptance and result: one commit
+        db = sqlite3.connect(path)
+        row = db.execute("SELECT job, kind, request, outcome, response, safe, finished_at >= accepted_at "
+                         "FROM actions").fetchone()
+        db.close()
+        assert row == ("job", "run_code", '{"x": 1}', "ok", '{"out": 1}', 1, 1), row
+        j.accept("b", "job", "run_code", {"x": 2}, True, with_result=True)
+        await j.durable()  # a waiter asks for the commit
+        assert j.commits == 2 and _rows(path) == {"a": "done", "b": "accepted"}
+        j.accept("c", "job", "run_code", {"x": 3}, True, with_result=True)
+        j.accept("d", "job", "exec", {}, False)  # an ordinary write: its commit takes the queue
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert j.commits == 3 and set(_rows(path)) == {"a", "b", "c", "d"}
+        j.accept("e", "job", "run_code", {"x": 4}, True, with_result=True)
+
+    asyncio.run(main())
+    assert "e" not in _rows(path)
+    j.close()  # never finished: committed as accepted, so a restart re-runs it
+    j2 = Journal(path)
+    assert [e.id for e in j2.unfinished()] == ["b", "c", "d", "e"]
+    j2.close()

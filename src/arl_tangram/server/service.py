@@ -388,7 +388,7 @@ class Service:
             raise Forbidden(f"job: this API key acts as job {scope!r}, not {action.job!r}")
         self.admit()
         if self.journal is not None:
-            self.journal.accept(action.id, action.job, "run_code", request, True)
+            self.journal.accept(action.id, action.job, "run_code", request, True, with_result=True)
         try:
             self.runtime.submit_cb(action, lambda r: self._oneshot_ended(action, r, reply))
         except Exception as e:

@@ -585,7 +585,18 @@ class Zygote:
     trip for the request; ~1.0 ms after three changes: the child reports its end on a status pipe
     and closes its streams before it exits (``child``), a child forked ahead warms itself before
     it waits (``warm``), and the request travels with the run's descriptors in one message (the
-    zygote reads only the byte that carries them; anything else there ends it)."""
+    zygote reads only the byte that carries them; anything else there ends it).
+
+    Measured and dropped (issue 26, 2-core VM): fork copies no page table entries of a read-only
+    file mapping (the kernel leaves the child to fault them in), and ~75 of a print(1) child's
+    ~400 faults were such (``perf record -e page-faults -d``, by mapping; the rest: ~250 writes
+    to the zygote's heap, arenas and the interpreter's static data, the same pages every run).
+    Giving each such mapping of the zygote an anonymous page (write permission added for one
+    write of a byte onto itself, then taken back) makes fork copy their entries: the child's
+    faults fell 15%, but the CPU of the zygote and its children per run did not (copied / not,
+    medians of six alternating rounds of 1,000: 1.07x on demand, 1.03x ahead under pyenv's
+    python with its libpython; 0.78-0.99x on demand and ~0.95x ahead under Debian's static
+    python3), the fork's extra copies and the exit's extra unmapping costing what the faults did."""
 
     def __init__(self):
         here, there = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
