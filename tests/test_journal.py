@@ -143,39 +143,67 @@ def test_when_durable_calls_back_once_the_writes_before_it_are_committed(tmp_pat
 
 
 def test_an_acceptance_answered_only_by_its_result_goes_to_disk_with_the_next_commit(tmp_path):
-    """``accept(with_result=True)`` (a one-shot under an id the server made): readable at once,
-    no commit of its own, on disk with the next commit another write or a waiter asks for (at the
-    latest its result's, in the same transaction), and by ``close`` when it never finished."""
+    """``accept(with_result=True)`` (a one-shot under an id the server made): readable at once, no
+    commit of its own; finished while still queued, one row written done (an insert, no update),
+    wherever it sits among other writes; on disk first through another write's commit or a
+    waiter's, then finished as any action; taken back while queued (``forget``), never on disk;
+    never finished, committed by ``close`` as accepted."""
     path = str(tmp_path / "j.sqlite3")
     j = Journal(path)
+    statements: list[str] = []
+    j._db.set_trace_callback(statements.append)
+
+    def writes() -> list[str]:
+        return [s.split()[0] for s in statements if s.startswith(("INSERT", "UPDATE"))]
+
+    async def settle():
+        for _ in range(3):
+            await asyncio.sleep(0)
 
     async def main():
         j.accept("a", "job", "run_code", {"x": 1}, True, with_result=True)
         assert j.get("a").state == "accepted"
-        for _ in range(3):
-            await asyncio.sleep(0)
+        await settle()
         assert j.commits == 0 and _rows(path) == {}  # (fails if it asked for a commit of its own)
-        j.finish("a", "ok", {"out": 1})
-        await j.durable()
-        assert j.commits == 1 and _rows(path) == {"a": "done"}  # acceptance and result: one commit
+        j.finish("a", "ok", {"out": 1})  # nobody waits: the finish asks for the commit
+        await settle()
+        assert j.commits == 1 and _rows(path) == {"a": "done"} and writes() == ["INSERT"], statements
         db = sqlite3.connect(path)
         row = db.execute("SELECT job, kind, request, outcome, response, safe, finished_at >= accepted_at "
                          "FROM actions").fetchone()
         db.close()
         assert row == ("job", "run_code", '{"x": 1}', "ok", '{"out": 1}', 1, 1), row
+
+        statements.clear()  # between two ordinary writes, each row its own
+        j.accept("w1", "job", "exec", {}, False)
         j.accept("b", "job", "run_code", {"x": 2}, True, with_result=True)
-        await j.durable()  # a waiter asks for the commit
-        assert j.commits == 2 and _rows(path) == {"a": "done", "b": "accepted"}
+        j.accept("w2", "job", "exec", {}, False)
+        j.finish("b", "ok", {"out": 2})
+        await asyncio.wait_for(j.durable(), 5)
+        assert _rows(path) == {"a": "done", "w1": "accepted", "b": "done", "w2": "accepted"}
+        assert writes() == ["INSERT"] * 3, statements
+        assert j.get("b").response == {"out": 2} and j.get("w1").state == "accepted"
+
+        statements.clear()  # on disk first through another write's commit: its result is an update
         j.accept("c", "job", "run_code", {"x": 3}, True, with_result=True)
-        j.accept("d", "job", "exec", {}, False)  # an ordinary write: its commit takes the queue
-        for _ in range(3):
-            await asyncio.sleep(0)
-        assert j.commits == 3 and set(_rows(path)) == {"a", "b", "c", "d"}
-        j.accept("e", "job", "run_code", {"x": 4}, True, with_result=True)
+        j.accept("w3", "job", "exec", {}, False)
+        await settle()
+        assert _rows(path)["c"] == "accepted"
+        j.finish("c", "ok", {"out": 3})
+        await asyncio.wait_for(j.durable(), 5)
+        assert _rows(path)["c"] == "done" and writes() == ["INSERT", "INSERT", "UPDATE"], statements
+
+        j.accept("d", "job", "run_code", {"x": 4}, True, with_result=True)
+        await asyncio.wait_for(j.durable(), 5)  # a waiter asks for the commit
+        assert _rows(path)["d"] == "accepted"
+
+        j.accept("e", "job", "run_code", {"x": 5}, True, with_result=True)
+        assert j.forget("e") and j.get("e") is None and not j.forget("d")
+        j.accept("f", "job", "run_code", {"x": 6}, True, with_result=True)
 
     asyncio.run(main())
-    assert "e" not in _rows(path)
-    j.close()  # never finished: committed as accepted, so a restart re-runs it
+    assert "f" not in _rows(path)
+    j.close()  # f never finished: committed as accepted, so a restart re-runs it; e never reached disk
     j2 = Journal(path)
-    assert [e.id for e in j2.unfinished()] == ["b", "c", "d", "e"]
+    assert {e.id for e in j2.unfinished()} == {"w1", "w2", "w3", "d", "f"}
     j2.close()

@@ -264,3 +264,38 @@ def test_a_one_shot_whose_result_cannot_be_recorded_ends_as_infra_error_not_reru
     entry, unfinished = asyncio.run(main())
     assert (entry.state, entry.outcome) == ("done", "infra_error") and "ValueError" in entry.response["message"]
     assert unfinished == []
+
+
+def test_a_one_shot_cut_by_the_servers_stop_is_told_to_retry_and_never_re_run(tmp_path):
+    """A SandboxFusion one-shot still running when the server stops: its caller is told to retry
+    (503) and its acceptance, still queued (it goes to disk with its result), is taken back: the
+    next server finds nothing to run again, so a retried one runs once more, not twice."""
+    from arl_tangram.api import sandboxfusion as sf
+    from arl_tangram.runtime import LocalRuntime
+    from arl_tangram.server import service as service_module
+    from arl_tangram.server.calls import Local
+    from arl_tangram.server.journal import Journal
+    from arl_tangram.server.sandboxfusion import run_code_action
+
+    from doubles import InProcessSandboxes
+
+    path = str(tmp_path / "j.sqlite3")
+
+    async def main():
+        svc = service_module.Service(LocalRuntime(sandboxes=InProcessSandboxes.factory(), cores=1), Journal(path))
+        await svc.start()
+        action, text = run_code_action(sf.RunCodeRequest(code="import time; time.sleep(30)", language="python"))
+        call = asyncio.ensure_future(Local(svc).run_oneshot(action, text))
+        await asyncio.sleep(0.5)
+        assert svc.journal.get(action.id).state == "accepted"  # queued, readable
+        await svc.stop()
+        with pytest.raises(service_module.Unavailable, match="retry"):
+            await asyncio.wait_for(call, 10)
+        return action.id
+
+    cut = asyncio.run(main())
+    again = Journal(path)
+    try:
+        assert again.get(cut) is None and again.unfinished() == []  # (fails if close committed it)
+    finally:
+        again.close()

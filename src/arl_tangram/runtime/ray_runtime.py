@@ -37,7 +37,7 @@ included; the looks begin before the first joins end (a GPU node loads its weigh
 start, minutes maybe, while the other nodes' leases, taken-over agents' too, must be renewed). An
 agent's lease runs from the end of its start. A restarted head on the same Ray cluster
 finds each node's agent by name and takes it over (``NodeAgent.attach``): the one-shots it ran for
-the dead head are cancelled (the journal re-runs them), a session's step in flight runs to its end
+the dead head are cancelled (the journal re-runs those whose acceptance it holds), a session's step in flight runs to its end
 (the journal ends it ``infra_error``: its answer is lost), and its sessions are an inventory. The service then re-attaches the journal's open sessions found there
 (``adopt_live``: homed on their node again, their next step sees their files and their Python
 state) and the agent closes the rest (``prune_live``). A session whose agent died meanwhile ends as

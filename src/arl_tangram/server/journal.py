@@ -3,7 +3,9 @@
 An action is written before it is acknowledged, and its result when it ends, so that after a crash
 every accepted action is accounted for: finished once, re-run where that is safe (a stateless
 one-shot), or finished as ``infra_error`` (a session step whose sandbox died with the server). The
-action id is the idempotency key: a resubmission finds the row instead of making a second one.
+action id is the idempotency key: a resubmission finds the row instead of making a second one. (An
+action whose result is its only acknowledgement may reach disk only with that result:
+``accept``'s ``with_result``.)
 ``synchronous=NORMAL`` survives a killed process (the WAL is in the OS's hands), not a power cut.
 
 One journal, one server: a server holds an exclusive lock on ``<journal>.lock`` for its lifetime.
@@ -37,6 +39,13 @@ log = logging.getLogger(__name__)
 
 #: commits between two checkpoints of the WAL into the database file (``Checkpointer``)
 CHECKPOINT_EVERY = 256
+#: an action accepted ``with_result`` and finished before its acceptance was committed: one row,
+#: written done (a row already there, which a server-made id never has, is finished as ``finish``
+#: would have: never left accepted, so never re-run after its caller was answered)
+_DONE_ROW = ("INSERT INTO actions (id, job, kind, request, state, outcome, response, safe, accepted_at, finished_at) "
+             "VALUES (?, ?, ?, ?, 'done', ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET state='done', "
+             "outcome=excluded.outcome, response=excluded.response, finished_at=excluded.finished_at "
+             "WHERE actions.state!='done'")
 
 
 def new_id(prefix: str) -> str:
@@ -74,7 +83,8 @@ class Journal:
     transaction, right after it (``loop.call_soon``); ``durable()`` waits for that commit. Reads
     see queued writes at once. Callers await ``durable()`` before they acknowledge: nothing is
     acknowledged before it is on disk (in the WAL), and a burst of N actions costs one commit, not
-    N. Outside a running loop (recovery at start, tools) every write commits at once.
+    N. Outside a running loop (recovery at start, tools) every write commits at once (but for an
+    ``accept`` with ``with_result``, which waits for the next write's commit).
 
     Measured and dropped (H100 host, 16 cores, one-shots over HTTP): a commit per write, ~19% of
     the engine process's samples at ~1,000 one-shots/s (py-spy); a writer thread doing the
@@ -109,7 +119,7 @@ class Journal:
         self.owner = _owner(self._db)
         self._db.execute("PRAGMA wal_autocheckpoint=0")  # the checkpointer's, off the loop
         self._checkpointer: Checkpointer | None = None  # started at the first checkpoint due
-        self._queue: list[tuple] = []
+        self._queue: list[tuple | None] = []
         self._pending: dict[str, Entry] = {}  # written, not yet committed
         self._with_result: dict[str, int] = {}  # ``accept(with_result=True)``'s queued inserts: where in the queue
         self._waiters: list[Callable[[BaseException | None], None]] = []  # ``when_durable``'s
@@ -132,8 +142,9 @@ class Journal:
         insert instead of an insert and an update, 21 against 25 µs a commit, and 38-42 for two
         commits, timed alone on the 2-core VM). A crash before that leaves no record of
         an action whose caller was never answered, as a crash just before its acceptance would;
-        one that is never finished (the server closes first) is committed by ``close`` as
-        accepted, and a restart re-runs it. Before, each such one-shot cost two commits, and the
+        one never finished is committed by ``close`` as accepted (a restart re-runs it) unless
+        taken back first (``forget``: the service does when the server closes before the action
+        ends, its caller being told to retry). Before, each such one-shot cost two commits, and the
         first ran on the loop between its submission and its manager's first step (``bench
         hops``, c=1: ~0.09 ms of a 2.7 ms ``/run_code``)."""
         queued = self._pending.get(id)
@@ -158,17 +169,26 @@ class Journal:
         entry = Entry(id, before.job if before else "", before.kind if before else "", before.request if before else {},
                       "done", outcome, response, before.safe_to_rerun if before else False,
                       before.accepted_at if before else 0.0)
-        at = self._with_result.pop(id, None)
-        if at is not None and before is not None:  # its acceptance still queued: one row written done
-            self._queue[at] = ("INSERT OR IGNORE INTO actions (id, job, kind, request, state, outcome, response, safe, "
-                               "accepted_at, finished_at) VALUES (?, ?, ?, ?, 'done', ?, ?, ?, ?, ?)",
-                               (id, before.job, before.kind, _text(before.request), outcome, _text(response),
+        if id in self._with_result and before is not None:  # its acceptance still queued: one row written done
+            done = (_DONE_ROW, (id, before.job, before.kind, _text(before.request), outcome, _text(response),
                                 int(before.safe_to_rerun), before.accepted_at, time.time()))
+            self._queue[self._with_result.pop(id)] = done
             self._pending[id] = entry
             self._schedule()
             return
         self._write(id, entry, ("UPDATE actions SET state='done', outcome=?, response=?, finished_at=? "
                                 "WHERE id=? AND state!='done'", (outcome, _text(response), time.time(), id)))
+
+    def forget(self, id: str) -> bool:
+        """Take back an acceptance made ``with_result`` while it is still queued (the server closed
+        before the action ended, and its caller was told to retry: a restart must not run it a
+        second time); False when it is already on disk, or was never made so."""
+        at = self._with_result.pop(id, None)
+        if at is None:
+            return False
+        self._queue[at] = None
+        self._pending.pop(id, None)
+        return True
 
     # -- sessions (committed with the actions' writes: same group commit) ----------------------------
     def session_open(self, id: str, job: str, image: str | None) -> None:
@@ -239,8 +259,9 @@ class Journal:
         if batch:
             try:
                 self._db.execute("BEGIN")
-                for sql, args in batch:
-                    self._db.execute(sql, args)
+                for statement in batch:
+                    if statement is not None:  # (None: an acceptance taken back, ``forget``)
+                        self._db.execute(*statement)
                 self._db.execute("COMMIT")
                 self.commits += 1
                 if self.commits % CHECKPOINT_EVERY == 0:

@@ -370,7 +370,8 @@ class Service:
 
     @answers_later
     def run_oneshot(self, action: Action, request: str, reply: Callable[[bool, Any], None]) -> None:
-        """A journaled one-shot under a new id (a restart re-runs it), as a dialect's route
+        """A journaled one-shot under a new id (a restart re-runs it if its acceptance reached disk:
+        it goes there at the latest with its result, ``Journal.accept``'s ``with_result``), as a dialect's route
         translated it (``server/sandboxfusion.py``): ``action`` built by ``oneshot_action``,
         ``request`` its ``v1.ActionRequest`` as JSON text, the journal's record of it. Answered
         through ``reply(True, ActionResult)`` once the result is on disk, or ``reply(False,
@@ -396,7 +397,9 @@ class Service:
             raise
 
     def _oneshot_ended(self, action: Action, r: ActionResult | None, reply: Callable[[bool, Any], None]) -> None:
-        if r is None:  # the runtime closed first: unfinished in the journal, so a restart re-runs it
+        if r is None:  # the runtime closed first: the caller is told to retry, so a restart must not run it
+            if self.journal is not None:  # again where it can help it (its acceptance still queued)
+                self.journal.forget(action.id)
             reply(False, Unavailable("the server stopped before this one-shot ended: retry"))
             return
         try:
