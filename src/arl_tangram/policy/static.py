@@ -315,7 +315,7 @@ class TrajectoryStaticPolicy(StaticPartitions):
             res = view.reservations.get(self._key(a))
             if res is None:  # the trajectory ended with this action still queued
                 self.waiting.append(a)
-            elif res.free:
+            elif res.free and not self._needs_memory(a, res.node):
                 yield self._start(a)
             else:
                 self.ready.append(a)
@@ -335,6 +335,14 @@ class TrajectoryStaticPolicy(StaticPartitions):
         for a in self.unmanaged:
             yield Start(a, unmanaged=True)
         self.unmanaged.clear()
+
+    def _needs_memory(self, a: Action, node: int) -> bool:
+        """A trajectory back after its end, its sandbox not released yet (an action of it still
+        ran): its session's memory went back at the end and may be another's now, and the start
+        takes it again: it waits until the node has it."""
+        view = self.view
+        return (a.trajectory is not None and a.trajectory not in view.cpu.homes
+                and view.cpu.free_mem[node] < view.costs.session_mem_gb)
 
     def _start(self, a: Action) -> Start:
         res = self.view.reservations[self._key(a)]
