@@ -643,16 +643,11 @@ class Zygote:
                 if msg == b"f":  # forked ahead: the run's descriptors come later, to the child itself
                     warm()
                     become_a_run()
-                    # the steps below once before the wait, on a stand-in: their first run in this
-                    # child faults pages in (a run's p50 0.76-1.00x, median 0.83x, six rounds as
-                    # ``become_a_run``'s); "mine" is made now: the runner knows who runs it
-                    mine = b"A" + os.getpid().to_bytes(4, "little")
-                    _in_turn(b"g", receive_fds([(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, bytes(4 * RUN_FDS))]), b"g")
                     msg, anc, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(RUN_FDS * 4))
                     fds = receive_fds(anc)
                     if not _in_turn(msg, fds, b"g"):
                         os._exit(0)
-                    sock.sendall(mine)
+                    sock.sendall(b"A" + os.getpid().to_bytes(4, "little"))  # "mine": the runner knows who runs it
                 Zygote.child(sock, fds)
             for fd in fds:
                 os.close(fd)
