@@ -642,7 +642,6 @@ class Zygote:
                     session_main(*fds)
                 if msg == b"f":  # forked ahead: the run's descriptors come later, to the child itself
                     warm()
-                    become_a_run()
                     msg, anc, _, _ = sock.recvmsg(1, _socket.CMSG_SPACE(RUN_FDS * 4))
                     fds = receive_fds(anc)
                     if not _in_turn(msg, fds, b"g"):
@@ -697,13 +696,14 @@ class Zygote:
         me = os.getpid()  # (a copy the program forks returns through here too: it never waits below)
         try:
             os.set_inheritable(status_fd, False)  # not into programs the user's code execs
-            if not BECAME[0]:
-                become_a_run()
+            os.setsid()
+            _signal.signal(SIGINT, _signal.default_int_handler)
             for target, fd in zip((0, 1, 2), fds):
                 os.dup2(fd, target)
                 os.close(fd)
             req = read_message(sock.fileno())
             sock.close()
+            LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # the user's process is ordinary again (zygote: LIBC is set)
             if req.get("cpus"):
                 os.sched_setaffinity(0, req["cpus"])
             os.chdir(req.get("cwd") or WORKSPACE)
@@ -862,22 +862,6 @@ def _in_turn(msg, fds, tags):
 
 #: in a child forked ahead: whether ``warm`` left its streams on descriptors 0-2 for the run
 WARMED = [False]
-#: in a run's child: whether ``become_a_run`` is done (ahead of the run, in a child forked ahead)
-BECAME = [False]
-
-
-def become_a_run():
-    """A run's child becomes the user's process: a session of its own (the run's process group,
-    which a timeout kills whole), Python's own SIGINT handler back, and an ordinary (dumpable)
-    process again (the zygote is not: no ptrace of it, no /proc/<pid>/mem from inside). A child
-    forked ahead does it before it waits (nothing else of the sandbox's user runs then: it is
-    forked after the reset's checks): ~45 µs less on a run's way (print(1) forked ahead,
-    ``runner.Zygote`` as ``SCHED_BATCH`` outside a sandbox, six alternating rounds of 600 on the
-    2-core VM: a run's p50 0.84-1.07x, median 0.90x; its first calls of these fault ~13 pages)."""
-    os.setsid()
-    _signal.signal(SIGINT, _signal.default_int_handler)
-    LIBC.prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)  # (zygote: LIBC is set)
-    BECAME[0] = True
 
 
 def warm():
