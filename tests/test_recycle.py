@@ -363,6 +363,21 @@ def test_the_zygote_protocol_survives_a_child_forked_ahead_dying_idle(tmp_path):
     assert len({pid for _, pid in out["seen"]}) == 5, out  # a fresh process every run
 
 
+USER_PROCESS = ("import ctypes, os, signal\n"
+                "print(os.getsid(0) == os.getpid(), signal.getsignal(signal.SIGINT) is signal.default_int_handler,"
+                " ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))")  # PR_GET_DUMPABLE
+
+
+def test_a_python_one_shot_is_its_own_session_with_pythons_sigint_and_dumpable_forked_ahead_or_not():
+    """``Zygote.child``: the first run's child is forked for it, the later ones ahead (the reset
+    after a python run); each leads a session of its own (its group is what a timeout kills), has
+    Python's SIGINT handler (a KeyboardInterrupt), and is an ordinary (dumpable) process again,
+    unlike the zygote."""
+    runs, stats = _bash_runs([(USER_PROCESS, {"language": "python"}) for _ in range(3)])
+    assert [(r.outcome, r.stdout) for r in runs] == [(Outcome.OK, "True True 1\n")] * 3, runs
+    assert stats["recycled"] == 3 and not stats["discarded"], stats
+
+
 def test_fork_ahead_is_the_configs_to_choose():
     """With ``fork_ahead`` a recycled sandbox waits in the pool with one process more (the next
     run's child) than without; either way the runs are recycled and correct."""

@@ -596,7 +596,11 @@ class Zygote:
     faults fell 15%, but the CPU of the zygote and its children per run did not (copied / not,
     medians of six alternating rounds of 1,000: 1.07x on demand, 1.03x ahead under pyenv's
     python with its libpython; 0.78-0.99x on demand and ~0.95x ahead under Debian's static
-    python3), the fork's extra copies and the exit's extra unmapping costing what the faults did."""
+    python3), the fork's extra copies and the exit's extra unmapping costing what the faults did.
+    Also dropped: a child forked ahead taking its session, SIGINT handler and dumpability (and its
+    first steps after the wait) before it waits: this class's run 0.83-0.90x, but python c=1 over
+    HTTP 1.07-1.10x, the work moved into the time the answer travels and the next request comes
+    (on 2 cores it took their CPU; docs/performance.md, sixth round)."""
 
     def __init__(self):
         here, there = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
