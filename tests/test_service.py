@@ -299,3 +299,40 @@ def test_a_one_shot_cut_by_the_servers_stop_is_told_to_retry_and_never_re_run(tm
         assert again.get(cut) is None and again.unfinished() == []  # (fails if close committed it)
     finally:
         again.close()
+
+
+def test_an_e2b_command_is_answered_once_its_result_is_on_disk(tmp_path):
+    """An E2B command's step (``e2b.processes._exec``) answers only after the journal's commit of
+    its result, as a native step does: a crash just after the answer finds it done, never re-ends
+    it as ``infra_error`` (review of issue 26, L5)."""
+    from arl_tangram.api import v1
+    from arl_tangram.runtime import LocalRuntime
+    from arl_tangram.server import service as service_module
+    from arl_tangram.server.e2b.processes import _exec
+    from arl_tangram.server.e2b.sandboxes import Box
+    from arl_tangram.server.journal import Journal, new_id
+
+    from doubles import InProcessSandboxes
+
+    path = str(tmp_path / "j.sqlite3")
+
+    async def main():
+        svc = service_module.Service(LocalRuntime(sandboxes=InProcessSandboxes.factory(), cores=1), Journal(path))
+        await svc.start()
+        try:
+            sid = (await svc.open_session(v1.SessionRequest(job="e2b"))).session_id
+            box = Box(id=sid, job="e2b", template="base", metadata={}, env={}, token="", started_at=0.0, end_at=0.0)
+            id = new_id("x")
+            out = await _exec(svc, box, "echo hi", None, 10.0, id, "/bin/bash")
+            db = sqlite3.connect(path)  # at once, before the loop runs anything else
+            try:
+                row = db.execute("SELECT state, outcome FROM actions WHERE id=?", (id,)).fetchone()
+            finally:
+                db.close()
+            return out, row
+        finally:
+            await svc.stop()
+
+    out, row = asyncio.run(main())
+    assert out["exit_code"] == 0 and out["stdout"] == "hi\n", out
+    assert row == ("done", "ok"), row  # (fails when the answer goes before the commit)

@@ -129,6 +129,7 @@ async def _exec(service: Service, box: Box, command: str | None, stdin: bytes | 
         raise
     service._record(r, s.job, "e2b")
     box.used_at = time.time()
+    await service._durable()  # answered once the result is on disk, as the native API's steps are
     return _command_result(r, box.id)
 
 
