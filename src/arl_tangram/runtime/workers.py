@@ -153,7 +153,7 @@ class SandboxWorkers:
 
     def chains(self, action: Action) -> bool:
         """``core.seam.Chainer``: a worker would run it (its runs can take a follower)."""
-        return self._eligible(action) and any(w.up for w in self.workers)
+        return self._eligible(action) and any(_live(w) for w in self.workers)
 
     def _worker_for(self, action: Action, allocation: Allocation) -> _Worker | None:
         if not self._eligible(action):
