@@ -339,9 +339,10 @@ class TrajectoryStaticPolicy(StaticPartitions):
     def _needs_memory(self, a: Action, node: int) -> bool:
         """A trajectory back after its end, its sandbox not released yet (an action of it still
         ran): its session's memory went back at the end and may be another's now, and the start
-        takes it again: it waits until the node has it."""
+        takes it again (the engine attaches a session whose home is not the start's node): it
+        waits until the node has it."""
         view = self.view
-        return (a.trajectory is not None and a.trajectory not in view.cpu.homes
+        return (a.trajectory is not None and view.cpu.homes.get(a.trajectory) != node
                 and view.cpu.free_mem[node] < view.costs.session_mem_gb)
 
     def _start(self, a: Action) -> Start:
