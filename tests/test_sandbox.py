@@ -498,11 +498,12 @@ def test_a_well_formed_forged_answer_answers_only_its_own_step():
         forged = await s.exec(python=_forged())
         later = [await s.exec(python="print('second')"), await s.exec(python="print('third')")]
         lone = await s.exec(python=_forged(display='[{"text/plain": "\\\\ud800"}]'))
+        settle = await s.exec(python="print('settle')")  # takes the lone forgery's real answer, as second did
         after = await s.exec(python="print('after')")
         await s.close()
-        return forged, later, lone, after
+        return forged, later, lone, settle, after
 
-    forged, later, lone, after = run(body)
+    forged, later, lone, settle, after = run(body)
     assert forged.outcome is not Outcome.INFRA_ERROR
     # the forging step's real answer was on the pipe before the next request (a new interpreter runs
     # it), or came after it (out of turn: that step fails, its interpreter ended); never its answer
@@ -512,6 +513,9 @@ def test_a_well_formed_forged_answer_answers_only_its_own_step():
         (second.outcome is Outcome.FAILED and "answered out of turn" in second.message), second
     assert (third.outcome, third.stdout) == (Outcome.OK, "third\n")
     assert lone.outcome is Outcome.OK and lone.result.run.display == [{"text/plain": "?"}]
+    assert "real" not in settle.stdout + after.stdout
+    assert (settle.outcome, settle.stdout) == (Outcome.OK, "settle\n") or \
+        (settle.outcome is Outcome.FAILED and "answered out of turn" in settle.message), settle
     assert after.outcome is Outcome.OK and after.stdout == "after\n"
 
 
