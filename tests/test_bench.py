@@ -210,3 +210,30 @@ def test_the_bench_reads_cpu_lists_as_taskset_does_and_leaves_unread_ones_unpinn
     assert _spare_cpus(["0-6:2"], {0, 1, 2, 3}) == set()  # taskset's stride: the servers run so, the load is not pinned
     assert _spare_cpus(["0", None], {0, 1}) == set()  # a server not pinned: nothing is spare
     assert _spare_cpus(["0-1", "1"], {0, 1, 2, 3}) == {2, 3}
+
+
+
+def test_a_server_that_does_not_come_up_is_reported_with_its_output_as_soon_as_it_exits(tmp_path):
+    """The bench used to throw a server's output away and wait out its timeout: on a machine where
+    ``serve`` failed at once, a minute later it said only "did not come up"."""
+    import socket
+    import time
+
+    from arl_tangram.bench.server import _serve, free_port, wait_up
+
+    log = str(tmp_path / "server.log")
+    with socket.socket() as taken:  # the port is someone else's: the server cannot bind it and exits
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = _serve(port, str(tmp_path / "j.sqlite3"), log=log)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(RuntimeError) as e:
+                wait_up(f"http://127.0.0.1:{port}", timeout_s=60, proc=proc, log=log)
+            assert time.monotonic() - t0 < 45
+        finally:
+            proc.kill()
+            proc.wait()
+    assert "exited" in str(e.value) and "its output ends" in str(e.value), str(e.value)
+    assert "address already in use" in str(e.value).lower(), str(e.value)

@@ -197,13 +197,13 @@ async def _inproc(levels: tuple[int, ...]) -> dict:
 
 
 def _serve(port: int, journal: str, cpus: str | None = None, fronts: int | None = None,
-           workers: int | None = None, src: str | None = None) -> subprocess.Popen:
+           workers: int | None = None, src: str | None = None, log: str = os.devnull) -> subprocess.Popen:
     """A server; ``src``: another checkout's ``src`` directory, whose code it runs, for an A/B of
     two versions of the code in one run. Both sides run as the bench does: with
     ``ARL_TANGRAM_PURE=1`` set, their sources; without it, each its compiled hot path where it has
     one built (``python setup.py build_ext --inplace`` in that checkout), as an installed package
     runs (the engine process, the limit of one-shot throughput on 16 cores, runs its compiled
-    modules there)."""
+    modules there). Its output goes to ``log``, which ``wait_up`` shows where it does not come up."""
     argv = [sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--journal", journal]
     env = None
     if src is not None:
@@ -215,7 +215,8 @@ def _serve(port: int, journal: str, cpus: str | None = None, fronts: int | None 
         argv += ["--sandbox-workers", str(workers)]
     if cpus:
         argv = ["taskset", "-c", cpus, *argv]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def free_port() -> int:
@@ -225,8 +226,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_up(url: str, path: str = "/healthz", timeout_s: float = 30.0) -> None:
-    """Return once ``url + path`` answers 200; ``RuntimeError`` after ``timeout_s``."""
+def wait_up(url: str, path: str = "/healthz", timeout_s: float = 30.0, proc: subprocess.Popen | None = None,
+            log: str | None = None) -> None:
+    """Return once ``url + path`` answers 200; ``RuntimeError`` after ``timeout_s``, or as soon as
+    ``proc`` (the server) exits, with the end of its output (``log``) in the message."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -234,8 +237,20 @@ def wait_up(url: str, path: str = "/healthz", timeout_s: float = 30.0) -> None:
                 return
         except httpx.TransportError:
             pass
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited ({proc.returncode}) before it answered{_tail(log)}")
         time.sleep(0.1)
-    raise RuntimeError(f"{url} did not come up")
+    raise RuntimeError(f"{url} did not come up in {timeout_s:g} s{_tail(log)}")
+
+
+def _tail(log: str | None, lines: int = 30) -> str:
+    """The last ``lines`` of a server's output, for an error message."""
+    try:
+        with open(log or os.devnull, errors="replace") as f:
+            text = "".join(f.readlines()[-lines:]).rstrip()
+    except OSError:
+        return ""
+    return f"; its output ends:\n{text}" if text else "; it printed nothing"
 
 
 def _median_round(runs: list[dict]) -> dict:
@@ -352,11 +367,13 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
     results: dict[str, dict] = {name: {} for name in targets}
     followed: dict[str, int | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [_serve(ports[name], os.path.join(tmp, f"journal-{name}.sqlite3"), cpus, fronts, workers, src)
+        logs = {v[0]: os.path.join(tmp, f"server-{v[0]}.log") for v in variants}
+        procs = [_serve(ports[name], os.path.join(tmp, f"journal-{name}.sqlite3"), cpus, fronts, workers, src,
+                        logs[name])
                  for name, cpus, fronts, workers, src in variants]
         try:
-            for v in variants:
-                wait_up(targets[v[0]], "/healthz", timeout_s=60)
+            for v, proc in zip(variants, procs):
+                wait_up(targets[v[0]], "/healthz", timeout_s=60, proc=proc, log=logs[v[0]])
             if against:
                 wait_up(targets["against"], "/v1/ping")
             time.sleep(0.5)  # the warm pool fills
