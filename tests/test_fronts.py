@@ -196,7 +196,7 @@ def test_fronts_and_sandbox_workers_together_and_nothing_outlives_sigterm(tmp_pa
     assert (health["fronts"], health["sandbox_workers"]) == (2, {"up": 2, "total": 2})
     assert [r.json()["run_result"]["stdout"] for r in rs] == [f"{i}\n" for i in range(24)]
     assert step["run"]["stdout"] == "42\n"
-    assert sum("runtime.workers" in cmdline(p) for p in kids) == 2
+    assert sum("runtime.worker_process" in cmdline(p) for p in kids) == 2
     s.stop()
     assert s.proc.returncode == 0
     deadline = time.time() + 10

@@ -227,3 +227,19 @@ def test_each_worker_keeps_a_ready_sandbox_per_core_unless_the_config_sizes_the_
     assert warm_of(SandboxConfig(warm_pool=32)) == 8
     assert warm_of(SandboxConfig(warm_pool=0)) == 0
     assert warm_of(SandboxConfig.model_validate({"warm_pool": 2})) == 1
+
+
+def test_a_worker_process_runs_its_module_once():
+    """``-m arl_tangram.runtime.workers`` ran workers.py again as ``__main__`` beside the copy the
+    package had imported (runpy's RuntimeWarning at every start); the entry point is a module that
+    nothing imports. Without its spec in the environment, the worker stops at reading it."""
+    import subprocess
+    import sys
+
+    from arl_tangram.runtime.workers import ENV
+
+    p = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "arl_tangram.runtime.worker_process"],
+                       capture_output=True, text=True, timeout=60, env={k: v for k, v in os.environ.items()
+                                                                        if k != ENV})
+    assert p.returncode != 0 and "RuntimeWarning" not in p.stderr, p.stderr
+    assert "KeyError" in p.stderr, p.stderr

@@ -47,7 +47,7 @@ def _kind(pid: int) -> str | None:
             argv = fh.read().split(b"\0")
     except OSError:
         return None
-    if b"arl_tangram.runtime.workers" in argv:
+    if b"arl_tangram.runtime.worker_process" in argv:
         return "workers"
     if any(b"front" in a for a in argv[1:4]) or b"arl_tangram.server.front" in argv:
         return "fronts"

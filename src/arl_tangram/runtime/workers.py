@@ -107,7 +107,7 @@ class SandboxWorkers:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(os.environ)
         env[ENV] = json.dumps({"fd": theirs.fileno(), "index": w.index, "config": self._config()})
-        w.proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.runtime.workers"], env=env,
+        w.proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.runtime.worker_process"], env=env,
                                   pass_fds=(theirs.fileno(),))
         theirs.close()
         w.caller = Caller(on_lost=lambda: self._lost(w), peer=f"sandbox worker {w.index}")  # noticed at once, idle or not
@@ -349,6 +349,3 @@ class _Served:
         await self.agent.shut_down()
         asyncio.get_running_loop().call_later(0.05, self.done.set)
 
-
-if __name__ == "__main__":
-    main()
