@@ -364,18 +364,24 @@ def test_the_zygote_protocol_survives_a_child_forked_ahead_dying_idle(tmp_path):
 
 
 USER_PROCESS = ("import ctypes, os, signal\n"
-                "print(os.getsid(0) == os.getpid(), signal.getsignal(signal.SIGINT) is signal.default_int_handler,"
+                "print(os.getpgid(0) == os.getpid(), os.getsid(0) != os.getpid(),"
+                " signal.getsignal(signal.SIGINT) is signal.default_int_handler,"
                 " ctypes.CDLL(None).prctl(3, 0, 0, 0, 0))")  # PR_GET_DUMPABLE
+#: bash: its process group and session from /proc (pgrp and session are the 5th and 6th fields)
+BASH_GROUP = 'read -r -a f < /proc/$$/stat; [ "${f[4]}" = $$ ]; g=$?; [ "${f[5]}" != $$ ]; echo $g $?'
 
 
-def test_a_python_one_shot_is_its_own_session_with_pythons_sigint_and_dumpable_forked_ahead_or_not():
+def test_a_one_shot_leads_a_process_group_of_its_own_but_no_session_with_pythons_sigint_and_dumpable():
     """``Zygote.child``: the first run's child is forked for it, the later ones ahead (the reset
-    after a python run); each leads a session of its own (its group is what a timeout kills), has
-    Python's SIGINT handler (a KeyboardInterrupt), and is an ordinary (dumpable) process again,
-    unlike the zygote."""
-    runs, stats = _bash_runs([(USER_PROCESS, {"language": "python"}) for _ in range(3)])
-    assert [(r.outcome, r.stdout) for r in runs] == [(Outcome.OK, "True True 1\n")] * 3, runs
-    assert stats["recycled"] == 3 and not stats["discarded"], stats
+    after a python run); each leads a process group of its own (what a timeout kills), but no
+    session of its own (a session costs the kernel an autogroup: runner.py, "A run's process
+    group"), has Python's SIGINT handler (a KeyboardInterrupt), and is an ordinary (dumpable)
+    process again, unlike the zygote. A bash one-shot (started by posix_spawn, then ahead) too."""
+    runs, stats = _bash_runs([(USER_PROCESS, {"language": "python"}) for _ in range(3)]
+                             + [(BASH_GROUP, {}) for _ in range(3)])
+    assert [(r.outcome, r.stdout) for r in runs] == ([(Outcome.OK, "True True True 1\n")] * 3
+                                                     + [(Outcome.OK, "0 0\n")] * 3), runs
+    assert stats["recycled"] == 6 and not stats["discarded"], stats
 
 
 def test_fork_ahead_is_the_configs_to_choose():

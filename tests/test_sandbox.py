@@ -67,11 +67,12 @@ def test_python_bash_and_cpp_one_shots():
 def test_programs_start_with_default_signals_and_stdin_and_as_the_language_says():
     """Programs are spawned without a fork of the runner where they can be (posix_spawn): what
     they see must not change — SIGPIPE and SIGINT at their defaults (``yes | head`` ends
-    quietly, as in a terminal and under SandboxFusion), stdin fed, their own session, and a
-    program that does not exist fails as before."""
+    quietly, as in a terminal and under SandboxFusion), stdin fed, their own process group (not
+    their own session: runner.py, "A run's process group"), and a program that does not exist fails
+    as before."""
     async def body(tg):
         pipe = await tg.run("yes | head -2; echo rc=${PIPESTATUS[0]}", "bash")
-        sigs = await tg.run("grep -E '^Sig(Ign|Blk):' /proc/self/status; ps -o sid= -p $$ | tr -d ' '; echo $$", "bash")
+        sigs = await tg.run("grep -E '^Sig(Ign|Blk):' /proc/self/status; ps -o pgid=,sid= -p $$; echo $$", "bash")
         stdin = await tg.run("read a b; echo $((a * b))", "bash", stdin="6 7")
         missing = await tg.run("exec no-such-program-here", "bash")
         return pipe, sigs, stdin, missing
@@ -81,8 +82,8 @@ def test_programs_start_with_default_signals_and_stdin_and_as_the_language_says(
     lines = sigs.stdout.split()
     ignored = int(lines[1], 16)
     assert ignored & (1 << (13 - 1)) == 0 and ignored & (1 << (2 - 1)) == 0, sigs.stdout  # SIGPIPE, SIGINT
-    if len(lines) >= 6 and lines[4].isdigit():
-        assert lines[4] == lines[5], "the program leads a session of its own"
+    if len(lines) >= 7 and lines[4].isdigit():
+        assert lines[4] == lines[6] != lines[5], "the program leads a process group of its own, in the runner's session"
     assert stdin.stdout == "42\n"
     assert missing.outcome is Outcome.FAILED and missing.result.run.exit_code == 127 and "no-such-program" in missing.stderr
 

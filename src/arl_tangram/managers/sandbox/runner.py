@@ -252,6 +252,20 @@ def parent_side(req, start, pid, fds):
                                        float(req.get("timeout_s") or 10), int(req.get("max_output") or 1 << 20)))
 
 
+# A run's process group. Each run's process (a python one-shot's child, a bash, a program) leads a
+# process group of its own, which is what a timeout kills, in the runner's session (bubblewrap's
+# ``--new-session``: no controlling terminal). It used to lead a session of its own (``setsid``),
+# and Linux gives every new session an autogroup: a scheduler task group with a run queue entity
+# on every CPU of the host, each CPU's run queue locked to bring it online, and freed after an RCU
+# grace period. Whatever the host's ``kernel.sched_autogroup_enabled`` (it only decides whether
+# autogroups are used; they are made either way), on a 32-CPU host that was the most contended lock
+# of the whole server at 16 cores (a third of the kernel's lock contention events, python c=256;
+# docs/performance.md, issue 26's seventh round). A group (``setpgid``) has none of it. What the
+# program can tell: ``os.getsid(0)`` is the runner's, and ``os.setsid()`` fails as it did (a group
+# leader may not make a session). The sandbox boundary is unchanged: the reset kills every process
+# but the runner and the zygote, whatever group or session it is in.
+
+
 def spawn(req, body):
     """Fork a child in its own process group with fresh pipes; ``body`` runs in the child."""
     fds = in_r, in_w, out_r, out_w, err_r, err_w = pipes()
@@ -259,7 +273,7 @@ def spawn(req, body):
     pid = os.fork()
     if pid == 0:
         try:
-            os.setsid()
+            os.setpgid(0, 0)  # a group of its own, not a session ("A run's process group")
             _signal.signal(SIGINT, _signal.SIG_DFL)
             if req.get("cpus"):  # no cgroups on the host: pin by affinity instead of cpuset
                 os.sched_setaffinity(0, req["cpus"])
@@ -357,8 +371,8 @@ def spawn_exec(req, argv, env):
     start = time.monotonic()
     actions = [(os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1), (os.POSIX_SPAWN_DUP2, err_w, 2)]
     try:
-        pid = os.posix_spawn(path, argv, env, file_actions=actions, setsid=True, setsigdef=RESTORED)
-    except (OSError, ValueError, TypeError, NotImplementedError):  # no POSIX_SPAWN_SETSID in this libc
+        pid = os.posix_spawn(path, argv, env, file_actions=actions, setpgroup=0, setsigdef=RESTORED)
+    except (OSError, ValueError, TypeError, NotImplementedError):
         for fd in fds:
             os.close(fd)
         return None
@@ -376,7 +390,7 @@ def spawn_exec(req, argv, env):
 # ``memory_limit_MB``, is set on it by ``prlimit`` as it starts); what it writes (``bash_prologue``)
 # unsets ``BASH_ENV``, closes the pipe, restarts ``SECONDS`` and puts back ``$_``, so that the
 # script starts as under a fresh ``bash main.sh``: the same argv and ``$0``, the same environment
-# for itself and its children, stdin, cwd, process group (its own session), signals, exit status,
+# for itself and its children, stdin, cwd, process group (its own), signals, exit status,
 # timeout and output cap. (Its initial environment block, ``/proc/$$/environ``, still shows the
 # ``BASH_ENV``: only the shell's own, never what it exports.) Any other request first kills it. It
 # is started after the reset's checks and holds nothing of any run (a fresh exec, a workspace
@@ -423,7 +437,7 @@ def start_bash_ahead(argv, env, limit=None):
         if ctl_r == BASH_AHEAD_FD:  # (a dup2 onto itself would keep it close-on-exec)
             raise OSError("the BASH_ENV pipe is on its own target")
         pid = os.posix_spawn(path, argv, {**env, "BASH_ENV": "/dev/fd/%d" % BASH_AHEAD_FD}, file_actions=actions,
-                             setsid=True, setsigdef=RESTORED)
+                             setpgroup=0, setsigdef=RESTORED)
     except (OSError, ValueError, TypeError, NotImplementedError):
         for fd in (*fds, ctl_r, ctl_w):
             os.close(fd)
@@ -700,7 +714,7 @@ class Zygote:
         me = os.getpid()  # (a copy the program forks returns through here too: it never waits below)
         try:
             os.set_inheritable(status_fd, False)  # not into programs the user's code execs
-            os.setsid()
+            os.setpgid(0, 0)  # a group of its own, not a session ("A run's process group")
             _signal.signal(SIGINT, _signal.default_int_handler)
             for target, fd in zip((0, 1, 2), fds):
                 os.dup2(fd, target)
