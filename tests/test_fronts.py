@@ -75,6 +75,14 @@ def test_calls_are_multiplexed_and_errors_keep_their_meaning(tmp_path):
         assert fault.value.type_name == "KeyError"
         with pytest.raises(RemoteFault, match="no such call"):
             await caller.call("__init__")  # only the routes' calls are served
+        lost: list[str] = []
+        closer = Caller(on_lost=lambda: lost.append("closer"))  # a caller that closes its own end
+        await closer.connect(path)
+        assert await closer.call("health") == {"status": "ok"}
+        closer.close()
+        await asyncio.sleep(0.05)
+        assert lost == [], "closing one's own end is not losing the peer"
+        caller.on_lost = lambda: lost.append("caller")
         service.release.clear()
         hanging = asyncio.ensure_future(caller.call("submit", {"wait_for_release": True}))
         await asyncio.sleep(0.05)
@@ -84,6 +92,7 @@ def test_calls_are_multiplexed_and_errors_keep_their_meaning(tmp_path):
             await hanging
         with pytest.raises(PeerGone):
             await caller.call("health")
+        assert lost == ["caller"]
 
     asyncio.run(main())
 
@@ -136,6 +145,8 @@ def test_sigterm_finishes_the_requests_in_flight_and_stops_every_front(tmp_path)
     assert s.proc.wait(30) == 0
     assert not any(alive(p) for p in fronts)
     s.stop()
+    log = (tmp_path / f"server-{s.port}.log").read_text()
+    assert "ERROR" not in log, log  # a stop is not a front losing the engine process's link
 
 
 def test_the_fronts_die_with_a_killed_engine_process_and_the_journal_recovers(tmp_path):

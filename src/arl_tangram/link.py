@@ -196,6 +196,9 @@ class Caller:
             self.on_lost()
 
     def close(self) -> None:
+        """Close this end. ``on_lost`` is not called: it is for a peer that stopped or died (a
+        front stopping on SIGTERM logged the engine process's link as lost, an error, each time)."""
+        self.on_lost = None
         if self._proto is not None and self._proto.transport is not None:
             self._proto.transport.close()
 
