@@ -37,10 +37,11 @@ class Server:
             argv += ["--config", str(path)] if path else []
             argv += ["--token", token] if token else []
             argv += list(args)
-        self.log = open(tmp_path / f"server-{self.port}.log", "w")
+        log = tmp_path / f"server-{self.port}.log"
+        self.log = open(log, "w")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
         try:
-            wait_up(self.url, timeout_s=start_timeout_s)
+            wait_up(self.url, timeout_s=start_timeout_s, proc=self.proc, log=str(log))
         except RuntimeError:
             self.stop()
             raise

@@ -244,9 +244,11 @@ def wait_up(url: str, path: str = "/healthz", timeout_s: float = 30.0, proc: sub
 
 
 def _tail(log: str | None, lines: int = 30) -> str:
-    """The last ``lines`` of a server's output, for an error message."""
+    """The last ``lines`` of a server's output, for an error message (nothing when it has no log)."""
+    if log is None:
+        return ""
     try:
-        with open(log or os.devnull, errors="replace") as f:
+        with open(log, errors="replace") as f:
             text = "".join(f.readlines()[-lines:]).rstrip()
     except OSError:
         return ""

@@ -50,12 +50,14 @@ class _Server:
         path = os.path.join(tmp, f"config-{self.port}.json")
         with open(path, "w") as fh:
             json.dump(config, fh)
-        self.proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(self.port),
-                                      "--journal", os.path.join(tmp, f"journal-{self.port}.sqlite3"), "--config",
-                                      path], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env={**os.environ, "PYTHONPATH": sources} if sources else None)
+        log = os.path.join(tmp, f"server-{self.port}.log")  # shown by wait_up if it does not come up
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(self.port),
+                                          "--journal", os.path.join(tmp, f"journal-{self.port}.sqlite3"), "--config",
+                                          path], stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, "PYTHONPATH": sources} if sources else None)
         try:
-            wait_up(self.url, timeout_s=60)
+            wait_up(self.url, timeout_s=60, proc=self.proc, log=log)
         except RuntimeError:
             self.stop()
             raise
