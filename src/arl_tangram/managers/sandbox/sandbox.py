@@ -279,14 +279,15 @@ class Sandbox:
         runner_cmds = {info[p][2] for p in runners}
         # the runner's children: the shell, and the zygote (a fork of the runner: the same cmdline)
         shells = {p for p, (parent, _, cmd) in info.items() if parent in runners and cmd not in runner_cmds}
-        below: set[int] = set()
-        grew = True
-        while grew:
-            grew = False
-            for p, (parent, _, _) in info.items():
-                if p not in below and (parent in shells or parent in below):
-                    below.add(p)
-                    grew = True
+        # parents before their children: a process whose child was killed first could run on
+        # before its own kill (a step's subshell, woken by its killed ``sleep``, ran its next
+        # ``echo``: CI, a loaded 2-core VM)
+        children: dict[int, list[int]] = {}
+        for p, (parent, _, _) in info.items():
+            children.setdefault(parent, []).append(p)
+        below = [p for shell in shells for p in children.get(shell, ())]
+        for p in below:  # (grows as it goes: breadth first, each level after the one above it)
+            below.extend(children.get(p, ()))
         for p in below:
             try:
                 os.kill(p, signal.SIGKILL)
