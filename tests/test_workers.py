@@ -149,15 +149,17 @@ def test_one_shots_queued_behind_a_run_start_in_its_worker_as_it_ends():
 
 
 class _Agent:
-    """A worker's agent double: runs start when asked and end when the test says."""
+    """A worker's agent double: records what it is asked; runs end when the test says."""
 
     def __init__(self) -> None:
-        self.started: list[str] = []
+        self.started: list[tuple[str, str | None]] = []
         self.done: dict[str, object] = {}
         self.cancelled: list[str] = []
 
-    def run_cb(self, action, allocation, done) -> None:
-        self.started.append(action.id)
+    def run_cb(self, action, allocation, done, after=None) -> None:
+        if after is not None and any(a == after for _, a in self.started):
+            raise RuntimeError(f"{after} already has a follower here")  # as SandboxManager.start
+        self.started.append((action.id, after))
         self.done[action.id] = done
 
     def cancel(self, action_id: str) -> None:
@@ -168,12 +170,11 @@ class _Agent:
         self.done.pop(action_id)(Completion(action_id, Outcome.OK))
 
 
-def test_a_worker_starts_each_follower_only_when_the_run_before_it_ends():
-    """The worker's side of the lease (``_Served``), at the link's seam: a follower waits for
-    its run; one queued behind a follower that is itself still queued (the engine handed it the
-    cores of a run cancelled there before the kill reached the worker) waits too, never sharing
-    the core; cancelling a queued follower moves what was behind it up; a second follower of
-    one run is refused."""
+def test_a_worker_hands_each_follower_to_its_manager_at_once_with_the_run_it_follows():
+    """The worker's side of the lease (``_Served``), at the link's seam: a follower goes to the
+    manager when its frame comes, naming the run it waits for (the manager holds its request until
+    that run answers: tests/test_lease.py); one the manager refuses is answered as refused, not
+    lost; a cancel goes through; each run is answered once, when it ends."""
     from arl_tangram.core import Action, Allocation, Demand
     from arl_tangram.runtime.workers import _Served
 
@@ -187,25 +188,19 @@ def test_a_worker_starts_each_follower_only_when_the_run_before_it_ends():
     def reply_for(i: str):
         return lambda ok, value: answers.append((i, ok, getattr(value, "outcome", value)))
 
-    served.run(*act("a"), reply_for("a"))
-    served.follow(*act("f1"), "a", reply_for("f1"))
-    served.follow(*act("f2"), "f1", reply_for("f2"))  # f1 is queued, not running: f2 waits for it
-    served.follow(*act("f3"), "f2", reply_for("f3"))
-    assert agent.started == ["a"]
-    served.follow(*act("x"), "a", reply_for("x"))  # a second follower of a
-    assert answers[-1][:2] == ("x", False)
-    served.cancel("f2")  # queued: answered cancelled; f3 now waits for f1
-    assert answers[-1] == ("f2", True, Outcome.CANCELLED)
-    assert served.behind.keys() == {"a", "f1"} and served.queued == {"f1": "a", "f3": "f1"}
-    agent.end("a")
-    assert agent.started == ["a", "f1"] and ("a", True, Outcome.OK) in answers
-    agent.end("f1")
-    assert agent.started == ["a", "f1", "f3"]
-    agent.end("f3")
-    assert not (served.active or served.behind or served.queued)
-    served.follow(*act("late"), "f3", reply_for("late"))  # f3 ended before this came: at once
-    assert agent.started[-1] == "late"
-    assert [a[0] for a in answers if a[1]] == ["f2", "a", "f1", "f3"]
+    served.run(*act("a"), reply=reply_for("a"))
+    served.follow(*act("f1"), "a", reply=reply_for("f1"))
+    served.follow(*act("f2"), "f1", reply=reply_for("f2"))
+    assert agent.started == [("a", None), ("f1", "a"), ("f2", "f1")] and not answers
+    served.follow(*act("x"), "a", reply=reply_for("x"))  # a second follower of a
+    assert answers == [("x", False, answers[0][2])] and isinstance(answers[0][2], RuntimeError)
+    assert "x" not in served.active
+    served.cancel("f2")
+    assert agent.cancelled == ["f2"]
+    for aid in ("a", "f1", "f2"):
+        agent.end(aid)
+    assert [a[:2] for a in answers[1:]] == [("a", True), ("f1", True), ("f2", True)]
+    assert not served.active
 
 
 def test_each_worker_keeps_a_ready_sandbox_per_core_unless_the_config_sizes_the_pool():

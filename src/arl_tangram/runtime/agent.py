@@ -195,9 +195,11 @@ class NodeAgent:
             if fut is not None and not fut.done():
                 fut.set_result(None)
 
-    def run_cb(self, action: Action, allocation: Allocation, done: Callable[[Completion], None]) -> None:
+    def run_cb(self, action: Action, allocation: Allocation, done: Callable[[Completion], None],
+               after: str | None = None) -> None:
         """``run`` that calls ``done(completion)`` from the manager's report itself (a sandbox
-        worker answers its engine a loop pass sooner than through a future)."""
+        worker answers its engine a loop pass sooner than through a future). ``after``: a run
+        started here that this one follows on its cores (``SandboxManager.start``)."""
         manager: Any = self.manager
         if allocation is not None and allocation.pool == GPU:
             manager = self.models
@@ -208,7 +210,15 @@ class NodeAgent:
         self._waiting[action.id] = done
         if action.trajectory is not None:
             self._step_of[action.id] = action.trajectory
-        manager.start(action, allocation)
+        try:
+            if after is None:
+                manager.start(action, allocation)
+            else:
+                manager.start(action, allocation, after=after)
+        except BaseException:
+            del self._waiting[action.id]
+            self._step_of.pop(action.id, None)
+            raise
 
     async def prefetch(self, key: str, model: str, block: tuple[int, ...], per_gpu_gb: float,
                        owner: str | None = None) -> None:

@@ -286,60 +286,39 @@ class _Served:
         self.agent = agent
         self.done = done
         self.active: set[str] = set()  # the runs started here and not ended
-        self.behind: dict[str, tuple[Action, Allocation, Any]] = {}  # a run -> the one to start as it ends
-        self.queued: dict[str, str] = {}  # the other way: a follower -> the run it waits for
 
     async def start(self) -> dict:
         return await self.agent.start()
 
     REPLIES = frozenset({"run", "follow"})  # answered through the hub's reply callback (link.py)
 
-    def run(self, action: Action, allocation: Allocation, reply) -> None:
+    def run(self, action: Action, allocation: Allocation, reply, after: str | None = None) -> None:
         aid = action.id
         self.active.add(aid)
         try:
-            self.agent.run_cb(action, allocation, lambda c: self._ended(aid, c, reply))
+            self.agent.run_cb(action, allocation, lambda c: self._ended(aid, c, reply), after=after)
         except BaseException:
             self.active.discard(aid)
             raise
 
     def _ended(self, aid: str, c: Completion, reply) -> None:
-        """A run ended: answered first, then the one queued behind it starts on its cores."""
         self.active.discard(aid)
         reply(True, c)
-        queued = self.behind.pop(aid, None)
-        if queued is not None:
-            action, allocation, reply_next = queued
-            del self.queued[action.id]
-            try:
-                self.run(action, allocation, reply_next)
-            except Exception as e:  # a bug: the engine ends it as infra_error
-                reply_next(False, e)
 
     def follow(self, action: Action, allocation: Allocation, after: str, reply) -> None:
-        """Start ``action`` when ``after`` ends here: behind it while it runs or is itself
-        queued behind another (the engine hands a follower its cores when its predecessor's end
-        is reported, which a cancel reports before the run is killed here, so it may already be
-        followed in turn); at once when it is neither (it ended before this frame came: its
-        cores are free). A second follower of one run is the engine's bug: refused."""
-        if after in self.behind:
-            reply(False, RuntimeError(f"{after} already has a follower here"))
-        elif after in self.active or after in self.queued:
-            self.behind[after] = (action, allocation, reply)
-            self.queued[action.id] = after
-        else:
-            self.run(action, allocation, reply)
+        """Start ``action`` on the cores of ``after`` as soon as ``after``'s sandbox answers: the
+        manager takes and prepares its sandbox now and writes its request in the call that reads
+        ``after``'s answer (``SandboxManager.start``); at once when ``after`` answered before
+        this frame came. The engine hands a follower its cores when its predecessor's end is
+        reported, which a cancel reports before the run is killed here, so a follower may be
+        followed in turn: that one waits for it, and, should it be cancelled before its turn, for
+        what it waited for. A second follower of one run is the engine's bug: refused."""
+        try:
+            self.run(action, allocation, reply, after)
+        except RuntimeError as e:
+            reply(False, e)
 
     def cancel(self, action_id: str) -> None:
-        after = self.queued.pop(action_id, None)
-        if after is not None:  # never started: it ends here (the engine has reported it already)
-            _, _, reply = self.behind.pop(after)
-            nxt = self.behind.pop(action_id, None)
-            if nxt is not None:  # what was queued behind it now waits for what it waited for
-                self.behind[after] = nxt
-                self.queued[nxt[0].id] = after
-            reply(True, Completion(action_id, Outcome.CANCELLED, message="cancelled while queued"))
-            return
         self.agent.cancel(action_id)
 
     def resize(self, action_id: str, allocation: Allocation) -> None:

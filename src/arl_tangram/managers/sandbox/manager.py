@@ -32,7 +32,7 @@ from .isolation import Isolation, Layout, command, compile_runner, detect
 from .recycle import Recycler
 from .rest import Rested, RestFailed, RestStore, load, pack
 from .rootfs import HOST_IMAGE, RootFs, overlay_supported
-from .sandbox import Limits, Sandbox, SandboxDied
+from .sandbox import Limits, Sandbox, SandboxDied, Turn
 from .spec import CommandResult, Exec, Files, Fork, Restore, RunCode, SandboxConfig, SandboxResult, Snapshot
 
 __all__ = ["CommandResult", "Exec", "Files", "Fork", "Restore", "RunCode", "SandboxConfig", "SandboxManager",
@@ -105,6 +105,9 @@ class SandboxManager:
         #: running actions -> [their sandbox once it is pinned (None before), the cores they may
         #: use]: registered at ``start`` so that a ``resize`` before the run is pinned is not lost
         self._pins: dict[str, list] = {}
+        #: actions started here whose sandbox has not answered yet (``start``'s ``after``)
+        self._unanswered: dict[str, _Unanswered] = {}
+        self._followers = 0  # followers whose turn has not come: each holds a sandbox, soon reset
         self.images = ImageStore(c.image_store)
         self.imageboxes: ImageSandboxes | None = None
         self.pending_roots: dict[str, RootFs] = {}  # forked/restored sessions: root mounted, processes on first use
@@ -282,7 +285,8 @@ class SandboxManager:
                 for pool, size, spawn in pools:
                     while (len(in_flight) < parallel
                            and len(pool) + sum(p is pool for p in in_flight.values())
-                           + (self._coming_back() if pool is self._session_pool else self.recycler.resetting)
+                           + (self._coming_back() if pool is self._session_pool
+                              else self.recycler.resetting + self._followers)
                            < size):
                         in_flight[loop.create_task(spawn())] = pool
                         if pool is self._pool:
@@ -411,13 +415,48 @@ class SandboxManager:
                         self.close_session(traj)
 
     # -- the manager protocol --------------------------------------------------------------------
-    def start(self, action: Action, allocation: Allocation) -> None:
+    def start(self, action: Action, allocation: Allocation, after: str | None = None) -> None:
+        """Run ``action``. ``after``: an action started here on the same cores (the lease: the
+        engine queued this one behind it): this one takes and prepares its sandbox now and writes
+        its request the moment ``after``'s sandbox answers, in that call (``Turn``), or, should
+        ``after`` end without an answer (cancelled, its sandbox dead), once it has ended. An
+        ``after`` that has answered already, or is not this manager's, holds nothing up. A second
+        follower of one action would share its cores: refused (``RuntimeError``)."""
+        mine = _Unanswered()
+        before = self._unanswered.get(after) if after is not None else None
+        if before is not None:
+            if before.next is not None:
+                raise RuntimeError(f"{after} already has a follower here")
+            mine.turn, mine.before, before.next = Turn(), before, mine
+            self._followers += 1
+        self._unanswered[action.id] = mine
         self._pins[action.id] = [None, self._cores(allocation)]
-        self.tasks.run(action, lambda: self._run_pinned(action, allocation))
+        self.tasks.run(action, lambda: self._run_pinned(action, allocation, mine))
+        # ended in any way, a task cancelled before it ran included: what follows it is not held up for good
+        self.tasks.actions[action.id].add_done_callback(lambda _: self._over(action.id, mine))
 
-    async def _run_pinned(self, action: Action, allocation: Allocation) -> Completion:
+    def _over(self, action_id: str, mine: _Unanswered) -> None:
+        """``action_id``'s sandbox answered, or it ended: its follower's turn. One that ended
+        before its own turn came never ran: it leaves its place in the queue to what followed it,
+        which waits for what it waited for (else it would share that run's cores)."""
+        if self._unanswered.get(action_id) is not mine:
+            return  # told already (a run of the same id since is another's)
+        del self._unanswered[action_id]
+        if mine.turn is not None and not mine.turn.opened:
+            self._followers -= 1
+            before, after = mine.before, mine.next
+            assert before is not None
+            before.next = after
+            if after is not None:
+                after.before = before
+        elif mine.next is not None:
+            self._followers -= 1
+            mine.next.before = None
+            mine.next.turn.open()
+
+    async def _run_pinned(self, action: Action, allocation: Allocation, mine: _Unanswered) -> Completion:
         try:
-            return await self._run(action, allocation)
+            return await self._run(action, allocation, mine)
         finally:
             self._pins.pop(action.id, None)
 
@@ -476,6 +515,9 @@ class SandboxManager:
 
     def cancel(self, action_id: str) -> None:
         self._pins.pop(action_id, None)  # a task cancelled before it ran never reaches its ``finally``
+        mine = self._unanswered.get(action_id)
+        if mine is not None and mine.turn is not None and not mine.turn.opened:
+            self._over(action_id, mine)  # its place goes now: the engine may queue another there at once
         self.tasks.cancel(action_id)
 
     def close_session(self, trajectory: str) -> None:
@@ -887,7 +929,7 @@ class SandboxManager:
                   "layers": len(roots[0].session_layers)})
 
     # -- running ---------------------------------------------------------------------------------
-    async def _run(self, action: Action, allocation: Allocation) -> Completion:
+    async def _run(self, action: Action, allocation: Allocation, mine: _Unanswered | None = None) -> Completion:
         t0 = time.monotonic()
         if isinstance(action.payload, Restore):  # a root to mount, no sandbox to start
             outcome, result = await self._restore(action, action.payload)
@@ -947,7 +989,10 @@ class SandboxManager:
                     outcome, result = _outcome(answer), _result(answer)
                     await self._drop_broken(sb, answer)
                 else:
-                    outcome, result = await self._execute(sb, payload, cores, self._listeners.get(action.id))
+                    outcome, result = await self._execute(sb, payload, cores, self._listeners.get(action.id),
+                                                          mine.turn if mine is not None else None)
+                    if mine is not None:  # the follower's turn, before this run's bookkeeping and report
+                        self._over(action.id, mine)
             finally:
                 self._busy.discard(sb)
             exec_s = time.monotonic() - t1
@@ -965,6 +1010,8 @@ class SandboxManager:
             setup_s, exec_s = time.monotonic() - t0, 0.0
         except asyncio.CancelledError:
             if sb is not None:
+                if mine is not None and mine.turn is not None and not mine.turn.opened and self._put_back(sb):
+                    raise  # cancelled while it waited for its turn: nothing ran in it
                 await sb.kill()
             raise
         except Exception:
@@ -1023,10 +1070,16 @@ class SandboxManager:
         return req
 
     async def _execute(self, sb: Sandbox, payload, cores: tuple[int, ...],
-                       on_output: Callable[[str, bytes], None] | None = None) -> tuple[Outcome, SandboxResult]:
+                       on_output: Callable[[str, bytes], None] | None = None,
+                       turn: Turn | None = None) -> tuple[Outcome, SandboxResult]:
+        """``turn``: wait for it; a one-shot's first request is written by its opener."""
         grace = self.config.grace_s
         if isinstance(payload, RunCode):
-            return await self._run_code(sb, payload, cores)
+            return await self._run_code(sb, payload, cores, turn)
+        if turn is not None and not turn.opened:
+            opened = asyncio.get_running_loop().create_future()
+            turn.then(lambda: opened.done() or opened.set_result(None))
+            await opened
         if isinstance(payload, (Fork, Snapshot)):
             if sb.rootfs is None:
                 return Outcome.REJECTED, envops.not_layered("fork" if isinstance(payload, Fork) else "snapshot",
@@ -1086,7 +1139,8 @@ class SandboxManager:
             log.warning("session sandbox %s replaced: %s", sb.id, str(r["broken"])[:300])
             await sb.kill()
 
-    async def _run_code(self, sb: Sandbox, p: RunCode, cores: tuple[int, ...]) -> tuple[Outcome, SandboxResult]:
+    async def _run_code(self, sb: Sandbox, p: RunCode, cores: tuple[int, ...],
+                        turn: Turn | None = None) -> tuple[Outcome, SandboxResult]:
         grace = self.config.grace_s
         try:
             if sb.rootfs is not None and not sb.rootfs.workspace_only:
@@ -1105,8 +1159,8 @@ class SandboxManager:
         # the files ride on the first command and fetched files on the last: one round trip per command
         if lang.compile:
             r = await sb.request({**base, "op": "run", "argv": list(lang.compile), "timeout_s": p.compile_timeout_s,
-                                  "files": files}, p.compile_timeout_s + grace)
-            files = {}
+                                  "files": files}, p.compile_timeout_s + grace, turn=turn)
+            files, turn = {}, None
             if "files_error" in r:
                 return Outcome.FAILED, SandboxResult(message=f"files: {r['files_error']}")
             result.compile = CommandResult.from_wire(r) if "error" not in r else None
@@ -1123,7 +1177,7 @@ class SandboxManager:
         else:
             req = {**base, "op": "run", "argv": list(lang.run)}
         r = await sb.request({**req, "stdin": _b64(p.stdin), "timeout_s": p.run_timeout_s, "files": files,
-                              "fetch": list(p.fetch_files)}, p.run_timeout_s + grace)
+                              "fetch": list(p.fetch_files)}, p.run_timeout_s + grace, turn=turn)
         if "files_error" in r:
             return Outcome.FAILED, SandboxResult(message=f"files: {r['files_error']}")
         if "error" in r:
@@ -1135,6 +1189,18 @@ class SandboxManager:
             result.files = {k: base64.b64decode(v) for k, v in fr.get("files", {}).items()}
             result.missing = fr.get("missing", list(p.fetch_files))
         return _outcome(r), result
+
+
+class _Unanswered:
+    """An action started here whose sandbox has not answered yet, in its core's queue: the turn
+    it waits for (None: none, it ran at once) and the action it waits for, and its follower."""
+
+    __slots__ = ("turn", "before", "next")
+
+    def __init__(self) -> None:
+        self.turn: Turn | None = None
+        self.before: _Unanswered | None = None
+        self.next: _Unanswered | None = None
 
 
 def _unwired(report) -> None:

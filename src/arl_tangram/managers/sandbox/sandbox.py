@@ -32,6 +32,35 @@ class SandboxDied(RuntimeError):
         self.deadline = deadline
 
 
+class Turn:
+    """A core's turn, passed from a one-shot to the one queued behind it (issue 26's lease): it
+    opens once, and what waits for it runs inside ``open``, synchronously. So a follower's request,
+    prepared ahead, is written to its sandbox in the very call that saw the run before it answer,
+    not a pass or two of a busy worker's loop later (the answer's bookkeeping, the reply to the
+    engine and the follower's task start used to come first)."""
+
+    __slots__ = ("opened", "_then")
+
+    def __init__(self) -> None:
+        self.opened = False
+        self._then: list[Callable[[], None]] = []
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when the turn opens (now if it has); ``fn`` must not raise."""
+        if self.opened:
+            fn()
+        else:
+            self._then.append(fn)
+
+    def open(self) -> None:
+        if self.opened:
+            return
+        self.opened = True
+        then, self._then = self._then, []
+        for fn in then:
+            fn()
+
+
 @dataclass(frozen=True)
 class Limits:
     memory_bytes: int | None = 512 << 20
@@ -128,10 +157,12 @@ class Sandbox:
             del self._stderr[:-4096]
 
     async def request(self, req: dict, timeout_s: float,
-                      on_output: Callable[[str, bytes], None] | None = None) -> dict:
+                      on_output: Callable[[str, bytes], None] | None = None, turn: Turn | None = None) -> dict:
         """Send one request and wait for its answer; past ``timeout_s`` the sandbox is killed.
         ``on_output``: the request streams (a shell step or a cell with ``stream``): its output chunks come
-        first, each handed to ``on_output(stream, data)`` as it arrives."""
+        first, each handed to ``on_output(stream, data)`` as it arrives. ``turn``: the request is
+        written when it opens, by the call that opens it (its timeout counts from then); cancelled
+        before that, nothing reached the sandbox."""
         async with self._lock:
             if self.dead:
                 raise SandboxDied("sandbox is closed")
@@ -139,7 +170,11 @@ class Sandbox:
             req = {**req, "id": self._seq}
             try:
                 data = marshal.dumps(req, 4)
-                self.proc.stdin.write(len(data).to_bytes(4, "little") + data)
+                data = len(data).to_bytes(4, "little") + data
+                if turn is None or turn.opened:
+                    self.proc.stdin.write(data)
+                else:
+                    await self._write_in(turn, data)
                 await self.proc.stdin.drain()
                 async with asyncio.timeout(timeout_s):  # wait_for would make a task (a loop pass) per request
                     if on_output is None:
@@ -168,6 +203,23 @@ class Sandbox:
                 await self.kill()
                 raise SandboxDied("sandbox answered out of turn (its channel was written to by the code it runs)")
             return answer
+
+    async def _write_in(self, turn: Turn, data: bytes) -> None:
+        """Write ``data`` when ``turn`` opens, in the opener's call; return once it is written."""
+        written = asyncio.get_running_loop().create_future()
+
+        def write() -> None:
+            if written.done():  # the request was cancelled while it waited
+                return
+            try:
+                self.proc.stdin.write(data)
+            except (ConnectionError, RuntimeError) as e:  # a closed pipe: ``request`` reports it dead
+                written.set_exception(ConnectionError(str(e)))
+            else:
+                written.set_result(None)
+
+        turn.then(write)
+        await written
 
     async def _chunks(self, on_output: Callable[[str, bytes], None]) -> bytes:
         """Hand a streamed request's chunk lines to ``on_output``; return the first other line (EOF
