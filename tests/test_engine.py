@@ -289,34 +289,27 @@ def test_a_one_shot_follows_the_oldest_run_when_no_core_is_free_and_takes_its_co
     h.advance(0.001)
     _one_shots(h, "c", "d", "e")
     assert h.schedule() == {}
-    # c behind a (the oldest start), d behind b: one follower per run in a round; e waits
+    # c behind a (the oldest start), d behind b; e waits: one follower per run
     assert chains.followed == [("c", first["a"].units, "a"), ("d", first["b"].units, "b")]
     assert list(h.engine.pending) == ["e"]
-    assert h.engine.following == {"c": "a", "d": "b"}
-    # the manager took both: each may be followed in turn, a core's queue two deep (FOLLOW_DEPTH)
-    assert list(h.engine.followable) == ["c", "d"]
+    assert h.engine.following == {"c": "a", "d": "b"} and not h.engine.followable
     cpu = h.engine.cpu
     assert cpu.total_free == 0 and cpu.meter.held == 2
-    assert h.schedule() == {}
-    assert chains.followed[-1] == ("e", first["a"].units, "c") and list(h.engine.followable) == ["d"]
-    assert h.engine.followers["c"].depth == 2
-    _one_shots(h, "x")
-    h.schedule()
-    assert chains.followed[-1] == ("x", first["b"].units, "d") and not h.engine.followable  # none three deep
     f = h.complete_short("a")
     assert f.action.id == "a" and f.outcome == Outcome.OK
-    # a's core went to c unreleased, and nothing was started by the engine: the manager did; e is
-    # next on that core now, and may be followed
+    # a's core went to c unreleased, and nothing was started by the engine: the manager did
     assert cpu.total_free == 0 and h.allocation("c").units == first["a"].units
     assert h.engine.running["c"].started_at == h.clock.now()
     assert len(h.rec.started) == 2
-    assert h.engine.followers["c"].depth == 1 and list(h.engine.followable) == ["e"]
-    for i in ("b", "c", "d", "e", "x"):
+    # e now follows c (the oldest start); every one ends, and the cores come back
+    assert h.schedule() == {}
+    assert chains.followed[-1] == ("e", first["a"].units, "c")
+    for i in ("b", "c", "d", "e"):
         h.complete(i)
     assert cpu.total_free == 2 and cpu.meter.held == 0 and not h.engine.running
     assert not (h.engine.followers or h.engine.following or h.engine.followable)
     assert h.engine.policy.job_units["default"]["cpu"] == 0
-    assert sorted(f.action.id for f in h.finished) == ["a", "b", "c", "d", "e", "x"]
+    assert sorted(f.action.id for f in h.finished) == ["a", "b", "c", "d", "e"]
 
 
 def test_a_follower_the_manager_did_not_take_is_started_by_the_engine_when_its_run_ends(harness):
@@ -356,42 +349,6 @@ def test_a_follower_cancelled_or_lost_before_its_turn_ends_once_and_leaves_the_c
     assert h2.rec.cancelled == []
     h2.complete_short("a")
     assert h2.engine.cpu.total_free == 1 and [a.id for a, _ in h2.rec.started] == ["a"]
-
-
-def test_a_follower_leaving_the_middle_of_a_cores_queue_leaves_its_place_to_the_one_behind(harness):
-    """a runs, b is queued behind it and c behind b: b cancelled (or its runner lost) before its
-    turn ends once, c now follows a, one place up, and may be followed; a's end hands its core to
-    c. A follower the manager did not take is never followed (it would start on its own)."""
-    h, chains = _chained(harness, cpus=1)
-    _one_shots(h, "a")
-    h.schedule()
-    _one_shots(h, "b")
-    h.schedule()
-    _one_shots(h, "c")
-    h.schedule()
-    e = h.engine
-    assert e.following == {"b": "a", "c": "b"} and not e.followable
-    assert e.cancel("b") is None and h.rec.cancelled == ["b"]
-    f = e.complete(Completion("b", Outcome.CANCELLED, message="cancelled while running"))
-    assert (f.action.id, f.outcome) == ("b", Outcome.CANCELLED)
-    assert e.following == {"c": "a"} and e.followers["a"].depth == 1 and list(e.followable) == ["c"]
-    assert e.cpu.total_free == 0 and e.policy.job_units["default"]["cpu"] == 2  # a and c
-    _one_shots(h, "d")
-    h.schedule()
-    assert e.following == {"c": "a", "d": "c"}
-    h.complete_short("a")
-    assert h.allocation("c").units == (0,) and e.following == {"d": "c"} and e.followers["c"].depth == 1
-    h.complete_short("c")
-    h.complete_short("d")
-    assert e.cpu.total_free == 1 and not (e.followers or e.following or e.followable or e.running)
-    assert sorted(f.action.id for f in h.finished) == ["a", "b", "c", "d"]
-    h2, chains2 = _chained(harness, take=False, cpus=1)
-    _one_shots(h2, "a")
-    h2.schedule()
-    _one_shots(h2, "b", "c")
-    h2.schedule()
-    h2.schedule()
-    assert h2.engine.following == {"b": "a"} and list(h2.engine.pending) == ["c"] and not h2.engine.followable
 
 
 def test_only_fixed_one_shots_follow_and_only_runs_predicted_short(harness):

@@ -88,25 +88,17 @@ class Usage:
         return self.gpu.held_s
 
 
-#: how deep a core's queue goes (``Follow``): a run and this many one-shots behind it. With one,
-#: the next one-shot was queued only once the engine had heard that the run before it ended, and
-#: short runs (2.2-2.4 ms at 16 cores) ended before it came: the core waited ~1 ms p50 between
-#: runs (issue 26, eighth round)
-FOLLOW_DEPTH: Final = 2
-
-
 class _Follower:
-    """An action queued behind a running one, or behind another follower (``Follow``): the cores
-    it was given (its predecessor's), whether the CPU manager took it (else the engine starts it
-    itself when the predecessor's report arrives), and its place in its core's queue (1: next)."""
+    """An action queued behind a running one (``Follow``): the cores it was given (its
+    predecessor's) and whether the CPU manager took it (else the engine starts it itself when the
+    predecessor's report arrives)."""
 
-    __slots__ = ("action", "allocation", "taken", "depth")
+    __slots__ = ("action", "allocation", "taken")
 
-    def __init__(self, action: Action, allocation: Allocation, depth: int = 1) -> None:
+    def __init__(self, action: Action, allocation: Allocation) -> None:
         self.action = action
         self.allocation = allocation
         self.taken = False
-        self.depth = depth
 
 
 class Engine:
@@ -162,12 +154,10 @@ class Engine:
         #: the CPU manager starts an action the moment another ends (``Follow``; ``EngineView``)
         self._chainer: Chainer | None = resizer if isinstance(resizer, Chainer) else None
         #: running CPU actions that may take a follower (``EngineView.followable``; kept only
-        #: with a chaining manager), oldest start first, then followers the manager took that may
-        #: take one in turn (``FOLLOW_DEPTH``)
+        #: with a chaining manager), oldest start first
         self.followable: dict[str, Running] = {}
-        #: a running (or followed) action's id -> its follower (the action, the allocation it was
-        #: given: the predecessor's cores, and whether the manager took it); ``following``: the
-        #: other way
+        #: a running action's id -> its follower (the action, the allocation it was given: the
+        #: predecessor's cores, and whether the manager took it); ``following``: the other way
         self.followers: dict[str, _Follower] = {}
         self.following: dict[str, str] = {}
         self.handed_over = 0  # followers their manager started as their run ended (for benches and tests)
@@ -501,8 +491,6 @@ class Engine:
             for f in followed:
                 fol = self.followers[f.after]
                 fol.taken = chainer.follow(fol.action, fol.allocation, f.after)
-                if fol.taken and fol.depth < FOLLOW_DEPTH and chainer.chains(fol.action):  # queued behind in turn
-                    self.followable[fol.action.id] = Running(fol.action, fol.allocation, now)
         for load in loads:
             self._host().prefetch(load)
         return len(started)
@@ -630,9 +618,7 @@ class Engine:
         if self.pending.pop(aid, None) is None:
             raise CapacityError(f"policy queued {aid!r}, which is not waiting")
         del self.followable[d.after]
-        ahead = self.following.get(d.after)  # ``after`` is itself a follower: this one goes a place further back
-        depth = self.followers[ahead].depth + 1 if ahead is not None else 1
-        self.followers[d.after] = _Follower(a, Allocation(CPU, alloc.node, alloc.units, _NO_SETUP), depth)
+        self.followers[d.after] = _Follower(a, Allocation(CPU, alloc.node, alloc.units, _NO_SETUP))
         self.following[aid] = d.after
 
     def _hand_over(self, after: str, now: float) -> None:
@@ -643,9 +629,7 @@ class Engine:
         del self.following[a.id]
         run = self.running[a.id] = Running(a, fol.allocation, now)
         chainer = self._chainer
-        if a.id in self.followers:  # followed while it waited: its queue moves up a place
-            self._moved_up(a.id, now)
-        elif chainer is not None and chainer.chains(a):
+        if chainer is not None and chainer.chains(a):
             self.followable[a.id] = run
         if fol.taken:
             self.handed_over += 1
@@ -653,43 +637,14 @@ class Engine:
             manager = self._manager_of.get(CPU) or self._manager_for(CPU)
             manager.start(a, fol.allocation)
 
-    def _moved_up(self, head: str, now: float) -> None:
-        """The followers behind ``head`` moved a place up its core's queue (a run ended, or one
-        ahead of them left it): their places are counted again, and the last may take a follower."""
-        ahead = self.following.get(head)
-        depth = self.followers[ahead].depth if ahead is not None else 0
-        fol = self.followers[head]
-        while True:
-            depth += 1
-            fol.depth = depth
-            nxt = self.followers.get(fol.action.id)
-            if nxt is None:
-                break
-            fol = nxt
-        chainer = self._chainer
-        if (fol.taken and depth < FOLLOW_DEPTH and fol.action.id not in self.followable
-                and chainer is not None and chainer.chains(fol.action)):
-            self.followable[fol.action.id] = Running(fol.action, fol.allocation, now)
-
     def _end_follower(self, c: Completion) -> Finished:
         """A follower ended before its predecessor's report (cancelled; its runner lost): the
         predecessor keeps its cores, and releases them when it ends."""
         aid = c.action_id
         after = self.following.pop(aid)
         fol = self.followers.pop(after)
+        self.followable[after] = self.running[after]  # another may follow it now
         now = self.clock.now()
-        self.followable.pop(aid, None)
-        behind = self.followers.pop(aid, None)
-        if behind is not None:  # what followed it now follows what it followed
-            self.followers[after] = behind
-            self.following[behind.action.id] = after
-            self._moved_up(after, now)
-        else:  # another may follow ``after`` now
-            run = self.running.get(after)
-            if run is None:  # itself a follower, listed as ``_apply_all`` does
-                prev = self.followers[self.following[after]]
-                run = Running(prev.action, prev.allocation, now)
-            self.followable[after] = run
         a = fol.action
         # charged by the policy when it followed: ``started_at`` set, as for any start
         finished = Finished(a, c.outcome, a.submitted_at, now, now, c.setup_s, c.exec_s, len(fol.allocation.units),

@@ -122,9 +122,8 @@ class Chainer(Protocol):
         ...
 
     def follow(self, action: Action, allocation: Allocation, after: str) -> bool:
-        """Start ``action`` on ``allocation`` (the cores of ``after``, running or itself queued
-        there by an earlier ``follow``) as soon as ``after`` ends, or at once if it has ended
-        already. False: not taken (``after`` does not
+        """Start ``action`` on ``allocation`` (the cores of the running ``after``) as soon as
+        ``after`` ends, or at once if it has ended already. False: not taken (``after`` does not
         run here, say); the engine then starts it itself when ``after``'s report arrives. Either
         way ``action`` ends in exactly one ``Completion``, which may come before ``after``'s when
         it is cancelled or its runner is lost."""

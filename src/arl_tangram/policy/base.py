@@ -76,9 +76,9 @@ class Shrink:
 
 @dataclass(frozen=True, slots=True)
 class Follow:
-    """Queue ``action`` behind ``after`` on its cores (``after`` running, or itself queued there):
-    the CPU manager starts it the moment ``after`` ends, and the engine hands it ``after``'s
-    cores, unreleased, when that end is reported. Only for an action of ``EngineView.followable`` without a follower, and an action
+    """Queue ``action`` behind the running ``after`` on its cores: the CPU manager starts it the
+    moment ``after`` ends, and the engine hands it ``after``'s cores, unreleased, when that end is
+    reported. Only for an action of ``EngineView.followable`` without a follower, and an action
     that asks for exactly its cores; only engines whose CPU manager can (``core.seam.Chainer``)
     list any. What it saves: the report's way to the engine and the start's way back, during
     which the core idles (issue 26)."""
@@ -221,9 +221,8 @@ class EngineView(Protocol):
     @property
     def followable(self) -> Mapping[str, Running]:
         """Running CPU actions another may ``Follow``: fixed-size, outside reservations and
-        sessions, none behind them yet, oldest start first; then followers their manager took,
-        not yet ``engine.FOLLOW_DEPTH`` places back, none behind them (a core's queue). Empty
-        unless the CPU manager chains (``core.seam.Chainer``)."""
+        sessions, none behind them yet, oldest start first. Empty unless the CPU manager chains
+        (``core.seam.Chainer``)."""
         ...
 
 
