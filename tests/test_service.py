@@ -49,6 +49,10 @@ def test_both_clients_see_the_same_service(server):
         assert e.value.status == 404
         health = c.health()
         assert (health["isolation"] is None) == server.double and health["queued"] == 0
+        # each core's wait between one-shots: kept by a real sandbox manager, none over the double
+        assert (health["core_waits"] is None) == server.double
+        if not server.double:
+            assert health["core_waits"]["n"] >= 0 and "p50_ms" in health["core_waits"]
 
     async def main():
         async with AsyncTangramClient(server.url) as c:

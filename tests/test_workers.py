@@ -56,6 +56,24 @@ def test_one_shots_run_in_workers_and_sessions_stay_here():
     asyncio.run(main())
 
 
+def test_each_cores_wait_between_one_shots_is_counted_in_the_workers_and_merged():
+    """``/healthz`` core_waits with workers: the workers count (the engine process ran none of the
+    one-shots), and the engine process merges their counts; one at a time, every run but each
+    core's first waited for the client's next request."""
+
+    async def main():
+        async with Tangram.local(workers=2) as tg:
+            for _ in range(8):
+                assert (await tg.run("print(1)")).stdout == "1\n"
+            merged = await tg.runtime.core_waits()
+            here = tg.runtime.sandboxes.local.core_waits.state()
+            return merged, here, len(tg.runtime.sandboxes.local.host_cpus)
+
+    merged, here, cores = asyncio.run(main())
+    assert sum(here[0]) == 0, "the engine process ran no one-shot"
+    assert 8 - cores <= merged["n"] <= 7 and merged["p50_ms"] > 0 and merged["mean_ms"] > 0
+
+
 def test_a_dead_worker_ends_its_runs_as_infra_error_and_is_replaced():
     async def main():
         async with Tangram.local(workers=1) as tg:

@@ -27,6 +27,7 @@ from typing import Callable
 
 import httpx
 
+from ..managers.sandbox import corewaits
 from ..managers.sandbox.spec import SandboxConfig
 from .cpu import CpuMeter
 from ..runtime import Tangram
@@ -219,6 +220,14 @@ def _serve(port: int, journal: str, cpus: str | None = None, fronts: int | None 
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
+def _core_waits(base: str) -> dict | None:
+    """A tangram server's ``core_waits`` now (``/healthz``; None from a server without them)."""
+    try:
+        return httpx.get(f"{base}/healthz", timeout=10).json().get("core_waits")
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 (for a server started by a bench or a test)."""
     with socket.socket() as s:
@@ -393,11 +402,14 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
                 for name, base in (order[::-1] if (i // len(plan)) % 2 else order):
                     meter = meters.get(name)
                     before = meter.read() if meter else None
+                    waits = _core_waits(base) if name != "against" else None
                     r = results[name][key] = asyncio.run(_http_level(base, c, case, n, client_procs, client))
                     every.setdefault((name, key), []).append(r)
                     if meter is not None and before is not None:
                         r["cpu_ms_per_request"] = CpuMeter.per_request(before, meter.read(),
                                                                        r["n"] + r["errors"] + r.get("warmup", 0))
+                    if waits is not None:  # each core's wait between two one-shots, this level's
+                        r["core_wait_ms"] = corewaits.between(waits, _core_waits(base))
                     log(f"{name:>8} {case:>10} c={c:<4}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, "
                         f"{r['throughput_per_s']} req/s, {r['errors']} errors")
                     time.sleep(0.3)

@@ -406,6 +406,11 @@ class Runtime:
         """Sandbox worker processes (up, started); None where one-shots run in this process."""
         return None
 
+    async def core_waits(self) -> dict | None:
+        """Each core's wait between two one-shots, counted since start (``corewaits.summary``);
+        None where this process keeps no count (the Ray runtime's nodes do their own)."""
+        return None
+
     def isolation(self) -> str | None:
         return None
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 from ..core.cluster import ApiQuota
 from ..core.seam import Manager, Pool, Sink
 from ..managers.quota import ApiManager, Handler
+from ..managers.sandbox.corewaits import summary
 from ..managers.sandbox.manager import SandboxManager
 from ..managers.sandbox.spec import SandboxConfig
 from ..policy import Costs, Policy, Profile
@@ -146,6 +147,12 @@ class LocalRuntime(Runtime):
         if not isinstance(s, SandboxWorkers):
             return None
         return sum(1 for w in s.workers if w.up), len(s.workers)
+
+    async def core_waits(self) -> dict | None:
+        s = self.sandboxes
+        if isinstance(s, SandboxWorkers):
+            return summary(*await s.core_waits())
+        return summary(*s.core_waits.state()) if isinstance(s, SandboxManager) else None
 
     def isolation(self) -> str | None:
         real = self.sandbox_manager()

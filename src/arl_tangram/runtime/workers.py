@@ -41,6 +41,7 @@ from typing import Any
 from ..core.action import Action, Allocation, Outcome
 from ..core.seam import Completion, Sink
 from ..link import Caller, Hub, PeerGone
+from ..managers.sandbox.corewaits import merge
 from ..managers.sandbox.manager import SandboxManager
 from ..managers.sandbox.spec import RunCode, SandboxConfig
 from ..managers.tasks import TaskSet
@@ -48,7 +49,7 @@ from ..managers.tasks import TaskSet
 log = logging.getLogger(__name__)
 
 ENV = "TANGRAM_SANDBOX_WORKER"  # JSON: fd, index, config, cpus
-CALLS = frozenset({"start", "run", "follow", "cancel", "resize", "shut_down"})
+CALLS = frozenset({"start", "run", "follow", "cancel", "resize", "core_waits", "shut_down"})
 
 
 class _Worker:
@@ -233,6 +234,14 @@ class SandboxWorkers:
     def close_session(self, trajectory: str) -> None:
         self.local.close_session(trajectory)
 
+    async def core_waits(self) -> tuple[list[int], float]:
+        """Each core's wait between two one-shots (``corewaits``), this process's and every live
+        worker's merged; a worker that does not answer within 2 s is left out."""
+        live = [w for w in self.workers if _live(w)]
+        got = await asyncio.gather(*(asyncio.wait_for(w.caller.call("core_waits"), 2.0) for w in live),
+                                   return_exceptions=True)
+        return merge([self.local.core_waits.state(), *(g for g in got if isinstance(g, tuple))])
+
 
 def _live(w: _Worker) -> bool:
     """A worker that is up and whose link has not noticed it gone: one a run may be sent to."""
@@ -325,6 +334,10 @@ class _Served:
 
     def resize(self, action_id: str, allocation: Allocation) -> None:
         self.agent.resize(action_id, allocation)
+
+    def core_waits(self) -> tuple[list[int], float]:
+        manager = self.agent.manager
+        return manager.core_waits.state() if manager is not None else ([], 0.0)
 
     async def shut_down(self) -> None:
         await self.agent.shut_down()

@@ -718,7 +718,7 @@ class Service:
         except ValueError as e:
             raise BadRequest(str(e)) from None
 
-    def health(self) -> dict:
+    async def health(self) -> dict:
         """``GET /healthz``: liveness plus the figures a person checks first."""
         snap = self.runtime.snapshot()
         return {"status": "ok", "version": __version__, "queued": snap.queued, "running": snap.running,
@@ -729,7 +729,7 @@ class Service:
                 "memory_mb": round(snap.memory_gb * 1024), "head_waited_s": round(snap.head_waited_s, 3),
                 "head_waits_for": snap.head_waits_for, "fronts": self.fronts, "sandbox_workers": self._workers(),
                 "rest": self.runtime.rest_stats(), "recovered_sessions": self.recovered_sessions,
-                "followed": self.runtime.engine.handed_over}
+                "followed": self.runtime.engine.handed_over, "core_waits": await self.runtime.core_waits()}
 
     def _workers(self) -> dict | None:
         """Sandbox worker processes up / started (None: one-shots run in this process)."""

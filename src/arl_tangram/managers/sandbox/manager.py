@@ -26,6 +26,7 @@ from ...core.seam import Completion, Sink
 from ..tasks import TaskSet
 from . import envops, hostfiles, languages
 from .cgroups import CgroupRoot, open_root
+from .corewaits import CoreWaits
 from .imagebox import ImageSandboxes, Prewarmed
 from .images import ImageError, ImageStore, resolve_in
 from .isolation import Isolation, Layout, command, compile_runner, detect
@@ -108,6 +109,7 @@ class SandboxManager:
         #: actions started here whose sandbox has not answered yet (``start``'s ``after``)
         self._unanswered: dict[str, _Unanswered] = {}
         self._followers = 0  # followers whose turn has not come: each holds a sandbox, soon reset
+        self.core_waits = CoreWaits()  # each core's wait between two one-shots (``/healthz`` core_waits)
         self.images = ImageStore(c.image_store)
         self.imageboxes: ImageSandboxes | None = None
         self.pending_roots: dict[str, RootFs] = {}  # forked/restored sessions: root mounted, processes on first use
@@ -993,6 +995,8 @@ class SandboxManager:
                                                           mine.turn if mine is not None else None)
                     if mine is not None:  # the follower's turn, before this run's bookkeeping and report
                         self._over(action.id, mine)
+                    if traj is None and isinstance(payload, RunCode):
+                        self.core_waits.ran(cores[0], sb.written_at, sb.answered_at)
             finally:
                 self._busy.discard(sb)
             exec_s = time.monotonic() - t1

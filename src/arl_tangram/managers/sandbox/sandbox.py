@@ -9,6 +9,7 @@ import json
 import marshal
 import os
 import signal
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -107,6 +108,8 @@ class Sandbox:
         self._cpus: tuple[int, ...] | None = None  # what the group was last set to: a write costs a
         self._memory: int | None = -1  # cgroupfs round trip per action, and mostly nothing changes
         self.workspace_fd: int | None = None  # hostfiles.open_workspace, once a session's files want it (-1: none)
+        self.written_at = 0.0  # when the last request was written, its answer read (``time.monotonic``)
+        self.answered_at = 0.0
 
     @classmethod
     async def spawn(cls, sid: str, argv: list[str], root: CgroupRoot | None, limits: Limits,
@@ -173,6 +176,7 @@ class Sandbox:
                 data = len(data).to_bytes(4, "little") + data
                 if turn is None or turn.opened:
                     self.proc.stdin.write(data)
+                    self.written_at = time.monotonic()
                 else:
                     await self._write_in(turn, data)
                 await self.proc.stdin.drain()
@@ -181,6 +185,7 @@ class Sandbox:
                         line = await self.proc.stdout.readline()
                     else:
                         line = await self._chunks(on_output)
+                self.answered_at = time.monotonic()
             except TimeoutError:
                 await self.kill()
                 raise SandboxDied(f"sandbox did not answer within {timeout_s:.1f}s and was killed",
@@ -213,6 +218,7 @@ class Sandbox:
                 return
             try:
                 self.proc.stdin.write(data)
+                self.written_at = time.monotonic()
             except (ConnectionError, RuntimeError) as e:  # a closed pipe: ``request`` reports it dead
                 written.set_exception(ConnectionError(str(e)))
             else:
