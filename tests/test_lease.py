@@ -136,3 +136,22 @@ def test_the_place_of_a_follower_cancelled_before_its_turn_is_free_at_once():
         assert m._followers == 0 and not m._unanswered
 
     _run(body)
+
+
+def test_a_run_of_the_same_id_started_again_does_not_strand_the_follower_of_the_first():
+    """The engine reports a cancel at once and may take the same id again while the first run is
+    still being killed here: the first run's end must still open its follower's turn (review of
+    2eb427e: it was looked up by id, found the second run's entry and did nothing)."""
+    from arl_tangram.managers.sandbox.manager import _Unanswered
+    from arl_tangram.managers.sandbox.sandbox import Turn
+
+    m = SandboxManager(SandboxConfig())
+    first = m._unanswered["x"] = _Unanswered()
+    b = m._unanswered["b"] = _Unanswered()
+    b.turn, b.before, first.next = Turn(), first, b
+    m._followers = 1
+    again = m._unanswered["x"] = _Unanswered()  # the same id, started again
+    m._over("x", first)
+    assert b.turn.opened and m._followers == 0 and m._unanswered["x"] is again
+    m._over("x", first)  # told twice: nothing more
+    assert m._followers == 0 and m._unanswered["x"] is again

@@ -718,8 +718,11 @@ class Service:
         except ValueError as e:
             raise BadRequest(str(e)) from None
 
-    async def health(self) -> dict:
-        """``GET /healthz``: liveness plus the figures a person checks first."""
+    async def health(self, details: bool = True) -> dict:
+        """``GET /healthz``: liveness plus the figures a person checks first; without ``details``
+        (a caller who may not see them) liveness alone, asking no sandbox worker anything."""
+        if not details:
+            return {"status": "ok", "version": __version__}
         snap = self.runtime.snapshot()
         return {"status": "ok", "version": __version__, "queued": snap.queued, "running": snap.running,
                 "cores": snap.cores, "sessions": len(self.sessions), "isolation": snap.isolation,

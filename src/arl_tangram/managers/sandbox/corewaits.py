@@ -5,7 +5,9 @@ server`` the part of each level. Under load it is the hand-over between two runs
 it is idleness, seconds long.
 
 Kept as counts in buckets a quarter of an octave wide (a quantile read off them is within 19% of
-the true one): one ``log2`` per one-shot, no list that grows with the runs."""
+the true one): one ``log2`` per one-shot, no list that grows with the runs. The mean is of the
+waits under ~1 s (``IDLE_BUCKET``): longer ones are a core with nothing to do (a bench's pause
+between levels, say), counted apart as ``idle_n``, and would swamp it."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Iterable, Sequence
 
 PER_OCTAVE = 4
 BUCKETS = 24 * PER_OCTAVE + 2  # 1 µs to ~16 s; the last counts everything longer
+IDLE_BUCKET = 20 * PER_OCTAVE + 1  # waits in this bucket (over 2^20 µs, ~1.05 s) and above: idleness
 
 
 def bucket_of(seconds: float) -> int:
@@ -39,16 +42,27 @@ class CoreWaits:
         self.total_s = 0.0
         self._last: dict[int, float] = {}
 
-    def ran(self, core: int, written: float, answered: float) -> None:
-        """A one-shot on ``core`` had its request written at ``written`` and its answer read at
-        ``answered`` (``time.monotonic``). A request written before the last answer on that core
-        (runs that overlapped: a core taken back, a run grown onto it) counts no wait."""
-        last = self._last.get(core)
-        self._last[core] = answered
-        if last is not None and written >= last:
-            wait = written - last
-            self.counts[bucket_of(wait)] += 1
-            self.total_s += wait
+    def ran(self, cores: Iterable[int], written: float, answered: float) -> None:
+        """A one-shot on ``cores`` had its first request written at ``written`` and its answer read
+        at ``answered`` (``time.monotonic``): a wait counted for each core. A request written before
+        the last answer on a core (runs that overlapped: a core taken back, a run grown onto it)
+        counts none there."""
+        last = self._last
+        for core in cores:
+            prev = last.get(core)
+            last[core] = answered
+            if prev is not None and written >= prev:
+                wait = written - prev
+                k = bucket_of(wait)
+                self.counts[k] += 1
+                if k < IDLE_BUCKET:
+                    self.total_s += wait
+
+    def ended(self, cores: Iterable[int], at: float) -> None:
+        """A one-shot on ``cores`` ended at ``at`` with no answer (killed, cancelled): the next
+        wait there counts from then, not from the run before it."""
+        for core in cores:
+            self._last[core] = at
 
     def state(self) -> tuple[list[int], float]:
         """What crosses to the engine process from a worker: the counts and their sum."""
@@ -68,7 +82,8 @@ def summary(counts: Sequence[int], total_s: float) -> dict:
     """``n``, ``mean_ms``, ``p50_ms``/``p90_ms``/``p99_ms`` (a bucket's upper edge) and the nonzero
     ``buckets`` (upper edge in ms -> count: two readings subtract bucket by bucket)."""
     n = sum(counts)
-    out: dict = {"n": n, "mean_ms": round(total_s / n * 1000, 3) if n else None}
+    busy = sum(counts[:IDLE_BUCKET])
+    out: dict = {"n": n, "idle_n": n - busy, "mean_ms": round(total_s / busy * 1000, 3) if busy else None}
     for q in (50, 90, 99):
         out[f"p{q}_ms"] = None
         if n:
@@ -89,10 +104,12 @@ def between(before: dict | None, after: dict | None) -> dict | None:
     old = (before or {}).get("buckets", {})
     edges = {f"{upper_ms(k):.4g}": k for k in range(BUCKETS)}
     counts = [0] * BUCKETS
-    for edge, v in after["buckets"].items():
-        counts[edges[edge]] = v - old.get(edge, 0)
-    n_old, n_new = (before or {}).get("n") or 0, after.get("n") or 0
-    total = (after.get("mean_ms") or 0) * n_new / 1000 - ((before or {}).get("mean_ms") or 0) * n_old / 1000
-    out = summary(counts, max(total, 0.0))
+    for edge, v in after["buckets"].items():  # a worker restarted (or late to answer) between: never below 0
+        counts[edges[edge]] = max(0, v - old.get(edge, 0))
+
+    def total(reading: dict) -> float:
+        return (reading.get("mean_ms") or 0) * (reading.get("n", 0) - reading.get("idle_n", 0)) / 1000
+
+    out = summary(counts, max(total(after) - total(before or {}), 0.0))
     del out["buckets"]
     return out

@@ -441,9 +441,13 @@ class SandboxManager:
         """``action_id``'s sandbox answered, or it ended: its follower's turn. One that ended
         before its own turn came never ran: it leaves its place in the queue to what followed it,
         which waits for what it waited for (else it would share that run's cores)."""
-        if self._unanswered.get(action_id) is not mine:
-            return  # told already (a run of the same id since is another's)
-        del self._unanswered[action_id]
+        if mine.done:
+            return  # told already
+        mine.done = True
+        if self._unanswered.get(action_id) is mine:  # else a run of the same id since is another's
+            del self._unanswered[action_id]
+        if self._pool is not None:  # started up: a follower fewer, so the refill looks again
+            self._taken.set()
         if mine.turn is not None and not mine.turn.opened:
             self._followers -= 1
             before, after = mine.before, mine.next
@@ -985,6 +989,7 @@ class SandboxManager:
                 if isinstance(ran, (int, float)) and 0 <= ran <= setup_s:
                     setup_s -= ran
             t1 = time.monotonic()
+            sb.first_written_at = 0.0  # set by this run's first request (``core_waits``)
             self._busy.add(sb)
             try:
                 if answer is not None:
@@ -995,8 +1000,8 @@ class SandboxManager:
                                                           mine.turn if mine is not None else None)
                     if mine is not None:  # the follower's turn, before this run's bookkeeping and report
                         self._over(action.id, mine)
-                    if traj is None and isinstance(payload, RunCode):
-                        self.core_waits.ran(cores[0], sb.written_at, sb.answered_at)
+                    if traj is None and isinstance(payload, RunCode) and sb.first_written_at:
+                        self.core_waits.ran(cores, sb.first_written_at, sb.answered_at)
             finally:
                 self._busy.discard(sb)
             exec_s = time.monotonic() - t1
@@ -1007,14 +1012,20 @@ class SandboxManager:
                 result.message = _join(result.message, "killed: out of memory "
                                                        f"(limit {(memory_mb or self.config.memory_mb)} MB)")
         except SandboxDied as e:
+            if traj is None and sb is not None and sb.first_written_at:
+                self.core_waits.ended(cores, time.monotonic())
             outcome, result = self._died(e, action, sb)
             setup_s, exec_s = time.monotonic() - t0, 0.0
         except ImageError as e:  # an unknown image, or images unsupported here: the request's problem
             outcome, result = Outcome.REJECTED, SandboxResult(message=str(e))
             setup_s, exec_s = time.monotonic() - t0, 0.0
         except asyncio.CancelledError:
+            if traj is None and sb is not None and sb.first_written_at:
+                self.core_waits.ended(cores, time.monotonic())
             if sb is not None:
-                if mine is not None and mine.turn is not None and not mine.turn.opened and self._put_back(sb):
+                if (mine is not None and mine.turn is not None and not mine.turn.opened and sb.recyclable
+                        and self._put_back(sb)):
+                    self._sandbox_back()
                     raise  # cancelled while it waited for its turn: nothing ran in it
                 await sb.kill()
             raise
@@ -1199,9 +1210,10 @@ class _Unanswered:
     """An action started here whose sandbox has not answered yet, in its core's queue: the turn
     it waits for (None: none, it ran at once) and the action it waits for, and its follower."""
 
-    __slots__ = ("turn", "before", "next")
+    __slots__ = ("turn", "before", "next", "done")
 
     def __init__(self) -> None:
+        self.done = False  # its sandbox answered, or it ended (``_over``)
         self.turn: Turn | None = None
         self.before: _Unanswered | None = None
         self.next: _Unanswered | None = None

@@ -108,7 +108,9 @@ class Sandbox:
         self._cpus: tuple[int, ...] | None = None  # what the group was last set to: a write costs a
         self._memory: int | None = -1  # cgroupfs round trip per action, and mostly nothing changes
         self.workspace_fd: int | None = None  # hostfiles.open_workspace, once a session's files want it (-1: none)
-        self.written_at = 0.0  # when the last request was written, its answer read (``time.monotonic``)
+        #: when a run's first request was written (0: none yet; the manager clears it per run) and
+        #: the last answer read (``time.monotonic``; ``corewaits``)
+        self.first_written_at = 0.0
         self.answered_at = 0.0
 
     @classmethod
@@ -176,7 +178,7 @@ class Sandbox:
                 data = len(data).to_bytes(4, "little") + data
                 if turn is None or turn.opened:
                     self.proc.stdin.write(data)
-                    self.written_at = time.monotonic()
+                    self.first_written_at = self.first_written_at or time.monotonic()
                 else:
                     await self._write_in(turn, data)
                 await self.proc.stdin.drain()
@@ -218,9 +220,9 @@ class Sandbox:
                 return
             try:
                 self.proc.stdin.write(data)
-                self.written_at = time.monotonic()
-            except (ConnectionError, RuntimeError) as e:  # a closed pipe: ``request`` reports it dead
-                written.set_exception(ConnectionError(str(e)))
+                self.first_written_at = self.first_written_at or time.monotonic()
+            except Exception as e:  # a closed pipe: ``request`` reports it dead (never the opener's error)
+                written.set_exception(ConnectionError(f"{type(e).__name__}: {e}"))
             else:
                 written.set_result(None)
 
