@@ -1012,16 +1012,14 @@ class SandboxManager:
                 result.message = _join(result.message, "killed: out of memory "
                                                        f"(limit {(memory_mb or self.config.memory_mb)} MB)")
         except SandboxDied as e:
-            if traj is None and sb is not None and sb.first_written_at:
-                self.core_waits.ended(cores, time.monotonic())
+            self._ended_unanswered(traj, sb, cores)
             outcome, result = self._died(e, action, sb)
             setup_s, exec_s = time.monotonic() - t0, 0.0
         except ImageError as e:  # an unknown image, or images unsupported here: the request's problem
             outcome, result = Outcome.REJECTED, SandboxResult(message=str(e))
             setup_s, exec_s = time.monotonic() - t0, 0.0
         except asyncio.CancelledError:
-            if traj is None and sb is not None and sb.first_written_at:
-                self.core_waits.ended(cores, time.monotonic())
+            self._ended_unanswered(traj, sb, cores)
             if sb is not None:
                 if (mine is not None and mine.turn is not None and not mine.turn.opened and sb.recyclable
                         and self._put_back(sb)):
@@ -1052,6 +1050,12 @@ class SandboxManager:
             # starts once this task has reported: reset or teardown is not part of the action's ACT
             self.recycler.release(sb)
         return Completion(action.id, outcome, setup_s, exec_s, result.message, result, session_mem_gb)
+
+    def _ended_unanswered(self, traj: str | None, sb: Sandbox | None, cores: tuple[int, ...]) -> None:
+        """A one-shot that wrote its request ended with no answer (killed, cancelled): each core's
+        next wait counts from now (``core_waits``)."""
+        if traj is None and sb is not None and sb.first_written_at:
+            self.core_waits.ended(cores, time.monotonic())
 
     def _idle_memory_gb(self, sb: Sandbox) -> float | None:
         """An idle (frozen) session's memory, for the engine to reserve by use; None under
@@ -1091,10 +1095,8 @@ class SandboxManager:
         grace = self.config.grace_s
         if isinstance(payload, RunCode):
             return await self._run_code(sb, payload, cores, turn)
-        if turn is not None and not turn.opened:
-            opened = asyncio.get_running_loop().create_future()
-            turn.then(lambda: opened.done() or opened.set_result(None))
-            await opened
+        if turn is not None:
+            await turn.wait()
         if isinstance(payload, (Fork, Snapshot)):
             if sb.rootfs is None:
                 return Outcome.REJECTED, envops.not_layered("fork" if isinstance(payload, Fork) else "snapshot",

@@ -61,6 +61,13 @@ class Turn:
         for fn in then:
             fn()
 
+    async def wait(self) -> None:
+        """Return once the turn has opened (at once if it has)."""
+        if not self.opened:
+            opened = asyncio.get_running_loop().create_future()
+            self.then(lambda: opened.done() or opened.set_result(None))
+            await opened
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -177,8 +184,7 @@ class Sandbox:
                 data = marshal.dumps(req, 4)
                 data = len(data).to_bytes(4, "little") + data
                 if turn is None or turn.opened:
-                    self.proc.stdin.write(data)
-                    self.first_written_at = self.first_written_at or time.monotonic()
+                    self._send(data)
                 else:
                     await self._write_in(turn, data)
                 await self.proc.stdin.drain()
@@ -211,6 +217,11 @@ class Sandbox:
                 raise SandboxDied("sandbox answered out of turn (its channel was written to by the code it runs)")
             return answer
 
+    def _send(self, data: bytes) -> None:
+        """Write one framed request; the run's first is stamped (``first_written_at``)."""
+        self.proc.stdin.write(data)
+        self.first_written_at = self.first_written_at or time.monotonic()
+
     async def _write_in(self, turn: Turn, data: bytes) -> None:
         """Write ``data`` when ``turn`` opens, in the opener's call; return once it is written."""
         written = asyncio.get_running_loop().create_future()
@@ -219,8 +230,7 @@ class Sandbox:
             if written.done():  # the request was cancelled while it waited
                 return
             try:
-                self.proc.stdin.write(data)
-                self.first_written_at = self.first_written_at or time.monotonic()
+                self._send(data)
             except Exception as e:  # a closed pipe: ``request`` reports it dead (never the opener's error)
                 written.set_exception(ConnectionError(f"{type(e).__name__}: {e}"))
             else:
