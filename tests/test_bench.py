@@ -146,15 +146,22 @@ def test_bench_server_runs_another_checkouts_code_beside_this_one_in_rounds(tmp_
                     reason="needs bubblewrap and two CPUs")
 def test_bench_server_keeps_its_load_off_pinned_servers_and_alternates_their_order(tmp_path):
     """Servers pinned to CPU 0: the load generator runs on the others (``client_cpus``); with
-    ``--rounds 2`` the second round measures the servers in the reverse order."""
+    ``--rounds 2`` the second round measures the servers in the reverse order. ``:::3`` makes a
+    server schedule 3 cores on its one CPU; ``--cpu`` adds the load generator's own CPU and how
+    busy the servers' CPUs were."""
     out = tmp_path / "p.json"
-    p = tangram("bench", "server", "--variant", "a=0:", "--variant", "b=0:", "--levels", "1", "--cases", "bash",
-                "--requests", "5", "--rounds", "2", "--json", str(out))
+    p = tangram("bench", "server", "--variant", "a=0:", "--variant", "b=0:::3", "--levels", "1", "--cases", "bash",
+                "--requests", "5", "--rounds", "2", "--cpu", "--json", str(out))
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
     spare = sorted(os.sched_getaffinity(0) - {0})
     assert r["client_cpus"] == (f"{spare[0]}-{spare[-1]}" if len(spare) > 1 else str(spare[0]))
     assert r["cores"] == len(os.sched_getaffinity(0))
+    assert (r["servers"]["a"]["scheduled_cores"], r["servers"]["b"]["scheduled_cores"]) == (1, 3)
+    for name in ("a", "b"):
+        level = r["servers"][name]["1"]
+        assert level["client_cpu_ms"] > 0 and 0 < level["client_busiest"] <= 1.5, level
+        assert 0 <= level["server_cpus_busy"] <= 1, level
     order = [line.split()[0] for line in (p.stdout + p.stderr).splitlines() if "req/s" in line][:4]
     assert order == ["a", "b", "b", "a"], order
 

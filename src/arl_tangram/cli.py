@@ -512,9 +512,11 @@ def bench_server(
                                                                           "(taskset list, e.g. 0-1)."),
     client_procs: int = typer.Option(1, "--client-procs", min=1, help="Load-generator processes (one Python "
                                                                       "client tops out near 800 req/s)."),
-    variant: Optional[list[str]] = typer.Option(None, "--variant", help="NAME=CPUS:FRONTS[:WORKERS][@SRC], repeatable: "
-                                                "several tangram servers measured in turn in one run (e.g. --variant "
-                                                "two=0-1: --variant all=:), the first being the reference; an empty "
+    variant: Optional[list[str]] = typer.Option(None, "--variant", help="NAME=CPUS:FRONTS[:WORKERS[:CORES]][@SRC], "
+                                                "repeatable: several tangram servers measured in turn in one run "
+                                                "(e.g. --variant two=0-1: --variant all=:), the first being the "
+                                                "reference; CORES: the cores it schedules (its config's cores, may "
+                                                "exceed its CPUs: over=0-15:::32); an empty "
                                                 "part is the server's default; @SRC runs another checkout's code "
                                                 "(its src directory, run as the bench runs: with ARL_TANGRAM_PURE=1 both "
                                                 "sides' sources, e.g. --variant main=::@../main/src --variant this=::; "

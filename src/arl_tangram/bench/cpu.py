@@ -113,3 +113,22 @@ class CpuMeter:
         ms = {k: round((after[k] - before[k]) * 1000 / max(1, n), 3) for k in PARTS}
         ms["total"] = round(sum(ms[k] for k in PARTS), 3)
         return ms
+
+
+def cpu_ticks(cpus: set[int] | None = None) -> tuple[int, int]:
+    """(idle, total) clock ticks of ``cpus`` (all of them if None) since boot, from ``/proc/stat``
+    (idle includes iowait). Two readings give how busy a server's CPUs were over a level: a
+    one-shot's wait for its core is either those CPUs doing other work or their idleness, and this
+    tells which."""
+    idle = total = 0
+    with open("/proc/stat") as fh:
+        for line in fh:
+            if not line.startswith("cpu") or line.startswith("cpu "):
+                continue
+            name, *fields = line.split()
+            if cpus is not None and int(name[3:]) not in cpus:
+                continue
+            ticks = [int(x) for x in fields[:8]]  # user nice system idle iowait irq softirq steal
+            idle += ticks[3] + ticks[4]
+            total += sum(ticks)
+    return idle, total

@@ -151,11 +151,18 @@ def _q(values: list[float], q: float) -> float:
 
 
 def run(requests: int = 500, code: str = "print(1)", language: str = "python", port: int = 18777,
-        log: Callable[[str], None] = lambda m: None) -> dict:
+        log: Callable[[str], None] = lambda m: None, server_cpus: set[int] | None = None) -> dict:
+    """With ``server_cpus``, the server (this process, its sandboxes with it) runs on those CPUs
+    and the client on the others, as ``bench server`` pins them on a large host."""
     import uvicorn
     import uvloop
 
     from ..server.config import ServeConfig, build
+
+    client_cpus = None
+    if server_cpus:
+        client_cpus = (os.sched_getaffinity(0) - server_cpus) or None
+        os.sched_setaffinity(0, server_cpus)  # before the manager reads them: its sandboxes go there too
 
     s = _Stamps()
     _instrument(s)
@@ -182,8 +189,9 @@ def run(requests: int = 500, code: str = "print(1)", language: str = "python", p
             await asyncio.sleep(0.05)
         await asyncio.sleep(1.0)  # the warm pool fills
         s.marks.clear()
+        pin = (lambda: os.sched_setaffinity(0, client_cpus)) if client_cpus else None
         proc = await asyncio.create_subprocess_exec(sys.executable, "-c", CLIENT, str(requests), "50", code, language,
-                                                    str(port), stdout=subprocess.PIPE)
+                                                    str(port), stdout=subprocess.PIPE, preexec_fn=pin)
         out, _ = await proc.communicate()
         server.should_exit = True
         await task
@@ -224,6 +232,7 @@ def run(requests: int = 500, code: str = "print(1)", language: str = "python", p
                "max_pause_ms": round(max(pauses, default=0.0), 3),
                "requests_with_a_pause": sum(1 for g in gc_in if g > 0)},
         "load": os.getloadavg()[0],
+        "server_cpus": sorted(os.sched_getaffinity(0)), "client_cpus": sorted(client_cpus) if client_cpus else None,
     }
 
 
@@ -235,5 +244,10 @@ if __name__ == "__main__":
     ap.add_argument("--code", default="print(1)")
     ap.add_argument("--language", default="python")
     ap.add_argument("--port", type=int, default=18777)
+    ap.add_argument("--server-cpus", help="pin the server to these CPUs (0-1) and the client to the rest")
     args = ap.parse_args()
-    print(json.dumps(run(args.requests, args.code, args.language, args.port), indent=2))
+    cpus = None
+    if args.server_cpus:
+        from .server import _cpu_set
+        cpus = _cpu_set(args.server_cpus)
+    print(json.dumps(run(args.requests, args.code, args.language, args.port, server_cpus=cpus), indent=2))

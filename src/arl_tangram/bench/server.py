@@ -16,6 +16,7 @@ in-process through the embedded runtime, to show what HTTP adds.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -29,7 +30,7 @@ import httpx
 
 from ..managers.sandbox import corewaits
 from ..managers.sandbox.spec import SandboxConfig
-from .cpu import CpuMeter
+from .cpu import CpuMeter, cpu_ticks
 from ..runtime import Tangram
 from ..sim.metrics import percentile
 
@@ -101,9 +102,12 @@ async def _poster(kind: str, concurrency: int):
 
 
 async def _load(url: str, concurrency: int, case: str, n: int, offset: int = 0,
-                client: str = "httpx", start_at: float | None = None) -> tuple[list[float], int, float, float, int]:
+                client: str = "httpx", start_at: float | None = None
+                ) -> tuple[list[float], int, float, float, int, float]:
     """``n`` requests of ``case`` to ``url``/run_code, ``concurrency`` at a time: latencies, errors,
-    the wall-clock start and end of the measured part, and how many warm-up requests went before it.
+    the wall-clock start and end of the measured part, how many warm-up requests went before it,
+    and the CPU seconds this process spent in the measured part (the load generator's own cost:
+    a client process busy all of the window is the limit, not the server).
 
     The warm-up is one request at each of the ``concurrency`` places (one for the 200 ms CPU
     jobs, whose burst is the measurement): the connections open and the server's pools and
@@ -132,12 +136,22 @@ async def _load(url: str, concurrency: int, case: str, n: int, offset: int = 0,
         errors = 0
         if start_at is not None:
             await asyncio.sleep(max(0.0, start_at - time.time()))
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()
         await asyncio.gather(*(one(offset + i) for i in range(n)))
-        return lat, errors, t0, time.time(), warm
+        return lat, errors, t0, time.time(), warm, time.process_time() - c0
 
 
-def _load_in_process(args: tuple) -> tuple[list[float], int, float, float, int]:
+def _client_cpu(parts: list[tuple], elapsed: float) -> dict:
+    """The load generator's CPU: ms per answered request, and its busiest process's share of
+    the window (near 1.0: that process, one core's worth of Python, set the pace)."""
+    answered = sum(len(p[0]) for p in parts)
+    cpu = sum(p[5] for p in parts)
+    busiest = max((p[5] / (p[3] - p[2]) for p in parts if p[3] > p[2]), default=0.0)
+    return {"client_cpu_ms": round(cpu * 1000 / answered, 3) if answered else None,
+            "client_busiest": round(busiest, 2), "client_procs": len(parts)}
+
+
+def _load_in_process(args: tuple) -> tuple[list[float], int, float, float, int, float]:
     return asyncio.run(_load(*args))
 
 
@@ -147,27 +161,50 @@ START_TOGETHER_S = 2.0
 
 
 async def _http_level(url: str, concurrency: int, case: str = "python", n: int | None = None,
-                      client_procs: int = 1, client: str = "httpx") -> dict:
+                      client_procs: int = 1, client: str = "httpx",
+                      server_cpus: set[int] | None | bool = False) -> dict:
     """``n`` requests of ``case`` at ``concurrency``; with ``client_procs`` > 1 the load comes from
     that many processes (one httpx client costs about 1.6 ms of CPU a request, so it tops out
     near 600 requests/s: on a many-core host it, not the server, would set the figure), which
-    start their measured requests at one instant (``start_skew_ms``: how far apart they did)."""
+    start their measured requests at one instant (``start_skew_ms``: how far apart they did).
+    Unless ``server_cpus`` is False, ``server_cpus_busy`` is the share of those CPUs (None: all of
+    the host's) not idle from that instant to the last answer (one process: its warm-up included)."""
     n = n or _count(concurrency)
     procs = max(1, min(client_procs, concurrency))
+    busy: dict = {}
+
+    async def meter(at: float) -> tuple[int, int] | None:
+        if server_cpus is False:
+            return None
+        await asyncio.sleep(max(0.0, at - time.time()))
+        return cpu_ticks(server_cpus or None)
+
+    def busy_since(ticks: tuple[int, int] | None) -> None:
+        if ticks is not None:
+            idle, total = (b - a for a, b in zip(ticks, cpu_ticks(server_cpus or None)))
+            busy["server_cpus_busy"] = round(1 - idle / total, 3) if total else None
+
     if procs == 1:
-        lat, errors, t0, t1, warm = await _load(url, concurrency, case, n, 0, client)
-        return {**_summary(lat, t1 - t0, errors), "warmup": warm}
+        ticks = await meter(0.0)
+        part = await _load(url, concurrency, case, n, 0, client)
+        busy_since(ticks)
+        lat, errors, t0, t1, warm, _ = part
+        return {**_summary(lat, t1 - t0, errors), "warmup": warm, **_client_cpu([part], t1 - t0), **busy}
     from concurrent.futures import ProcessPoolExecutor
     start_at = time.time() + START_TOGETHER_S
+    at_start = asyncio.ensure_future(meter(start_at))
     shares = [(url, concurrency // procs + (k < concurrency % procs), case, n // procs + (k < n % procs), k * n,
                client, start_at) for k in range(procs)]
     loop = asyncio.get_running_loop()
     with ProcessPoolExecutor(procs) as pool:
         parts = await asyncio.gather(*(loop.run_in_executor(pool, _load_in_process, a) for a in shares))
+    busy_since(await at_start)
     lat = [x for p in parts for x in p[0]]
     starts = [p[2] for p in parts]
-    return {**_summary(lat, max(p[3] for p in parts) - min(starts), sum(p[1] for p in parts)),
-            "warmup": sum(p[4] for p in parts), "start_skew_ms": round((max(starts) - min(starts)) * 1000, 1)}
+    elapsed = max(p[3] for p in parts) - min(starts)
+    return {**_summary(lat, elapsed, sum(p[1] for p in parts)),
+            "warmup": sum(p[4] for p in parts), "start_skew_ms": round((max(starts) - min(starts)) * 1000, 1),
+            **_client_cpu(parts, elapsed), **busy}
 
 
 async def _inproc(levels: tuple[int, ...]) -> dict:
@@ -198,7 +235,8 @@ async def _inproc(levels: tuple[int, ...]) -> dict:
 
 
 def _serve(port: int, journal: str, cpus: str | None = None, fronts: int | None = None,
-           workers: int | None = None, src: str | None = None, log: str = os.devnull) -> subprocess.Popen:
+           workers: int | None = None, src: str | None = None, log: str = os.devnull,
+           cores: int | None = None) -> subprocess.Popen:
     """A server; ``src``: another checkout's ``src`` directory, whose code it runs, for an A/B of
     two versions of the code in one run. Both sides run as the bench does: with
     ``ARL_TANGRAM_PURE=1`` set, their sources; without it, each its compiled hot path where it has
@@ -214,6 +252,11 @@ def _serve(port: int, journal: str, cpus: str | None = None, fronts: int | None 
         argv += ["--fronts", str(fronts)]
     if workers is not None:
         argv += ["--sandbox-workers", str(workers)]
+    if cores is not None:  # a config beside the journal: the cores it schedules
+        conf = f"{journal}.cores.json"
+        with open(conf, "w") as fh:
+            json.dump({"cores": cores}, fh)
+        argv += ["--config", conf]
     if cpus:
         argv = ["taskset", "-c", cpus, *argv]
     with open(log, "ab") as out:
@@ -269,6 +312,7 @@ def _median_round(runs: list[dict]) -> dict:
     ranked = sorted(runs, key=lambda r: r["throughput_per_s"])
     mid = dict(ranked[(len(ranked) - 1) // 2])
     mid["rounds"] = [{"throughput_per_s": r["throughput_per_s"], "p50_ms": r["p50_ms"],
+                      "client_busiest": r.get("client_busiest"), "server_cpus_busy": r.get("server_cpus_busy"),
                       **({"engine_cpu_ms": r["cpu_ms_per_request"].get("engine")} if "cpu_ms_per_request" in r else {})}
                      for r in runs]
     return mid
@@ -287,23 +331,25 @@ def _ratios(ours: dict, peer: dict) -> dict:
     return out
 
 
-Variant = tuple[str, str | None, int | None, int | None, str | None]
+Variant = tuple[str, str | None, int | None, int | None, str | None, int | None]
 
 
 def parse_variant(text: str) -> Variant:
-    """``NAME=CPUS:FRONTS[:WORKERS][@SRC]`` (any part may be empty: the server's default; ``SRC``:
-    another checkout's ``src`` directory, whose code that server runs) -> its parts."""
+    """``NAME=CPUS:FRONTS[:WORKERS[:CORES]][@SRC]`` (any part may be empty: the server's default;
+    ``CORES``: how many cores it schedules, its config's ``cores``, which may be more than its CPUs;
+    ``SRC``: another checkout's ``src`` directory, whose code that server runs) -> its parts."""
     text, at, src = text.partition("@")
     name, eq, spec = text.partition("=")
     parts = spec.split(":")
-    if not eq or not name or len(parts) not in (2, 3) or any(p and not p.isdigit() for p in parts[1:]) \
-            or (at and not src):
-        raise ValueError("expected NAME=CPUS:FRONTS[:WORKERS][@SRC] (e.g. two=0-1: or big=:4:4 or "
+    if not eq or not name or len(parts) not in (2, 3, 4) or any(p and not p.isdigit() for p in parts[1:]) \
+            or (at and not src) or (len(parts) == 4 and parts[3] and int(parts[3]) < 1):
+        raise ValueError("expected NAME=CPUS:FRONTS[:WORKERS[:CORES]][@SRC] (e.g. two=0-1: or big=:4:4 or "
                          f"main=::@../main/src), got {text + at + src!r}")
     if src and not os.path.isdir(os.path.join(src, "arl_tangram")):
         raise ValueError(f"{src!r} has no arl_tangram package (give a checkout's src directory)")
-    cpus, fronts, workers = (parts + [""])[:3]
-    return name, cpus or None, int(fronts) if fronts else None, int(workers) if workers else None, src or None
+    cpus, fronts, workers, cores = (parts + ["", ""])[:4]
+    return (name, cpus or None, int(fronts) if fronts else None, int(workers) if workers else None, src or None,
+            int(cores) if cores else None)
 
 
 def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m: None, against: str | None = None,
@@ -323,7 +369,7 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
     (``client_cpus``), as a load generator should: unpinned, its processes and their loopback traffic
     took time on the CPUs of the server under test, which a server pinned to a few CPUs of a large
     host hardly saw and one pinned to most of them did (a 16-vs-2-core ratio measured low)."""
-    variants = variants or [("tangram", server_cpus, None, None, None)]
+    variants = variants or [("tangram", server_cpus, None, None, None, None)]
     client = client or default_client()
     mine = os.sched_getaffinity(0)
     client_cpus = _spare_cpus([v[1] for v in variants], mine)
@@ -376,12 +422,14 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
     if against:
         targets["against"] = against.rstrip("/")
     results: dict[str, dict] = {name: {} for name in targets}
+    pinned = {v[0]: _cpu_set(v[1]) if v[1] else None for v in variants}
     followed: dict[str, int | None] = {}
+    scheduled: dict[str, int | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         logs = {v[0]: os.path.join(tmp, f"server-{v[0]}.log") for v in variants}
         procs = [_serve(ports[name], os.path.join(tmp, f"journal-{name}.sqlite3"), cpus, fronts, workers, src,
-                        logs[name])
-                 for name, cpus, fronts, workers, src in variants]
+                        logs[name], cores)
+                 for name, cpus, fronts, workers, src, cores in variants]
         try:
             for v, proc in zip(variants, procs):
                 wait_up(targets[v[0]], "/healthz", timeout_s=60, proc=proc, log=logs[v[0]])
@@ -403,7 +451,8 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
                     meter = meters.get(name)
                     before = meter.read() if meter else None
                     waits = _core_waits(base) if name != "against" else None
-                    r = results[name][key] = asyncio.run(_http_level(base, c, case, n, client_procs, client))
+                    r = results[name][key] = asyncio.run(_http_level(base, c, case, n, client_procs, client,
+                                                                       pinned.get(name) if cpu else False))
                     every.setdefault((name, key), []).append(r)
                     if meter is not None and before is not None:
                         r["cpu_ms_per_request"] = CpuMeter.per_request(before, meter.read(),
@@ -411,13 +460,17 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
                     if waits is not None:  # each core's wait between two one-shots, this level's
                         r["core_wait_ms"] = corewaits.between(waits, _core_waits(base))
                     log(f"{name:>8} {case:>10} c={c:<4}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, "
-                        f"{r['throughput_per_s']} req/s, {r['errors']} errors")
+                        f"{r['throughput_per_s']} req/s, {r['errors']} errors; client {r['client_cpu_ms']} ms "
+                        f"CPU/req, busiest process {r['client_busiest']:.0%}"
+                        + (f"; server CPUs {r['server_cpus_busy']:.0%} busy" if r.get("server_cpus_busy") else ""))
                     time.sleep(0.3)
             if rounds > 1:
                 for (name, key), runs in every.items():
                     results[name][key] = _median_round(runs)
-            for v in variants:  # one-shots started behind another as it ended (the lease), over the run
-                followed[v[0]] = httpx.get(f"{targets[v[0]]}/healthz", timeout=10).json().get("followed")
+            for v in variants:  # one-shots started behind another as it ended (the lease), over the run,
+                health = httpx.get(f"{targets[v[0]]}/healthz", timeout=10).json()  # and the cores it scheduled
+                followed[v[0]] = health.get("followed")
+                scheduled[v[0]] = health.get("cores")
         finally:
             for proc in procs:
                 proc.terminate()
@@ -427,8 +480,9 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
     if len(variants) > 1 or variants[0][0] != "tangram":  # named variants (one named server too)
         first = variants[0][0]
         out["servers"] = {name: {"cpus": cpus, "fronts": fronts, "sandbox_workers": workers, "src": src,
+                                 "cores": cores, "scheduled_cores": scheduled.get(name),
                                  "followed": followed.get(name), **results[name]}
-                          for name, cpus, fronts, workers, src in variants}
+                          for name, cpus, fronts, workers, src, cores in variants}
         out[f"vs_{first}"] = {v[0]: _ratios(results[v[0]], results[first]) for v in variants[1:]}
         if against:
             out["against"] = {"url": against, **results["against"]}
