@@ -407,6 +407,45 @@ def test_fork_ahead_is_the_configs_to_choose():
     assert len(runs[True][1]) == len(runs[False][1]) + 1, (runs[True][1], runs[False][1])
 
 
+
+def test_a_one_shots_reset_rides_on_its_run_unless_its_memory_limit_is_its_own(monkeypatch):
+    """A one-shot's reset is sent with its run (``Recycler.riding``): one write to the sandbox per
+    one-shot, recycled as before, the next run correct in it. A run under a memory limit of its
+    own below the default gets its reset asked afterwards (its OOM count is read first)."""
+    import marshal
+
+    from arl_tangram.managers.sandbox.sandbox import Sandbox
+
+    writes: list[tuple[str, str | None]] = []
+    send = Sandbox._send
+
+    def counted(self, data: bytes) -> None:
+        req = marshal.loads(data[4:])
+        if req["op"] in ("python", "run", "reset"):  # (the sessions' warm pool writes its own)
+            writes.append((req["op"], (req.get("then") or {}).get("op")))
+        send(self, data)
+
+    monkeypatch.setattr(Sandbox, "_send", counted)
+
+    async def main():
+        cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1)
+        async with Tangram.local(sandbox=cfg, cores=2) as tg:
+            seen = []
+            for i, (code, kw) in enumerate([("print(1)", {}), ("print(2)", {"memory_mb": 256}),
+                                            ("print(3)", {}), ("echo 4", {"language": "bash"})]):
+                writes.clear()
+                r = await tg.run(code, **kw)
+                stats = await _settle(tg, i)
+                seen.append((r.stdout, list(writes), stats["recycled"]))
+            return seen
+
+    seen = asyncio.run(main())
+    assert seen[0] == ("1\n", [("python", "reset")], 1), seen
+    assert seen[1] == ("2\n", [("python", None), ("reset", None)], 2), seen
+    assert seen[2] == ("3\n", [("python", "reset")], 3), seen
+    assert seen[3] == ("4\n", [("run", "reset")], 4), seen
+
+
 NO_TRACEBACK = r"""
 import builtins, json, os, sys, tempfile
 sys.path.insert(0, sys.argv[1])

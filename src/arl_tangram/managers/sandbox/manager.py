@@ -996,8 +996,12 @@ class SandboxManager:
                     outcome, result = _outcome(answer), _result(answer)
                     await self._drop_broken(sb, answer)
                 else:
+                    # a one-shot's reset rides on its run; not under a memory limit of its own below the
+                    # default, where the reset's fork ahead could be killed before its OOM count is read
+                    riding = (self.recycler.riding(sb) if traj is None and isinstance(payload, RunCode)
+                              and (memory_mb or self.config.memory_mb) >= self.config.memory_mb else None)
                     outcome, result = await self._execute(sb, payload, cores, self._listeners.get(action.id),
-                                                          mine.turn if mine is not None else None)
+                                                          mine.turn if mine is not None else None, riding)
                     if mine is not None:  # the follower's turn, before this run's bookkeeping and report
                         self._over(action.id, mine)
                     if traj is None and isinstance(payload, RunCode) and sb.first_written_at:
@@ -1090,11 +1094,12 @@ class SandboxManager:
 
     async def _execute(self, sb: Sandbox, payload, cores: tuple[int, ...],
                        on_output: Callable[[str, bytes], None] | None = None,
-                       turn: Turn | None = None) -> tuple[Outcome, SandboxResult]:
-        """``turn``: wait for it; a one-shot's first request is written by its opener."""
+                       turn: Turn | None = None, riding: dict | None = None) -> tuple[Outcome, SandboxResult]:
+        """``turn``: wait for it; a one-shot's first request is written by its opener. ``riding``:
+        a one-shot's reset, sent with its run (``Recycler.riding``)."""
         grace = self.config.grace_s
         if isinstance(payload, RunCode):
-            return await self._run_code(sb, payload, cores, turn)
+            return await self._run_code(sb, payload, cores, turn, riding)
         if turn is not None:
             await turn.wait()
         if isinstance(payload, (Fork, Snapshot)):
@@ -1157,7 +1162,7 @@ class SandboxManager:
             await sb.kill()
 
     async def _run_code(self, sb: Sandbox, p: RunCode, cores: tuple[int, ...],
-                        turn: Turn | None = None) -> tuple[Outcome, SandboxResult]:
+                        turn: Turn | None = None, riding: dict | None = None) -> tuple[Outcome, SandboxResult]:
         grace = self.config.grace_s
         try:
             if sb.rootfs is not None and not sb.rootfs.workspace_only:
@@ -1194,7 +1199,7 @@ class SandboxManager:
         else:
             req = {**base, "op": "run", "argv": list(lang.run)}
         r = await sb.request({**req, "stdin": _b64(p.stdin), "timeout_s": p.run_timeout_s, "files": files,
-                              "fetch": list(p.fetch_files)}, p.run_timeout_s + grace, turn=turn)
+                              "fetch": list(p.fetch_files)}, p.run_timeout_s + grace, turn=turn, then=riding)
         if "files_error" in r:
             return Outcome.FAILED, SandboxResult(message=f"files: {r['files_error']}")
         if "error" in r:

@@ -98,6 +98,14 @@ class Recycler:
                 log.warning("session sandbox %s not recycled: %s", sb.id, reason)
         return reason
 
+    def riding(self, sb: Sandbox) -> dict | None:
+        """The reset to send with a one-shot's last request (``Sandbox.request``'s ``then``), when
+        ``release`` will ask ``sb`` for one: the runner then resets right after its answer, and the
+        verdict reads that reset's answer instead of sending a request of its own."""
+        if not self.enabled or not sb.recyclable or sb.dead or sb.uses + 1 >= self.max_uses:
+            return None
+        return {"op": "reset", "dirs": WRITABLE, "ahead": self.ahead}
+
     async def _verdict(self, sb: Sandbox, recyclable: bool | None = None, extra: dict | None = None) -> str | None:
         """None when ``sb`` is verified pristine, else why not."""
         if not self.enabled:
@@ -109,7 +117,11 @@ class Recycler:
         if sb.uses + 1 >= self.max_uses:
             return "worn out"
         try:
-            r = await sb.request({"op": "reset", "dirs": WRITABLE, "ahead": self.ahead, **(extra or {})}, self.timeout_s)
+            if sb.then_pending and not extra:  # it rode on the run (``riding``): under way already
+                r = await sb.then_answer(self.timeout_s)
+            else:
+                r = await sb.request({"op": "reset", "dirs": WRITABLE, "ahead": self.ahead, **(extra or {})},
+                                     self.timeout_s)
         except SandboxDied as e:
             return f"unclean: reset failed ({e})"
         if not r.get("clean"):

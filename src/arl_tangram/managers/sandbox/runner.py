@@ -2266,8 +2266,12 @@ def main():
     if REAP and LIBC is not None:  # a session's sandbox too: its interpreter forks from it (SessionChild)
         ZYGOTE = Zygote()
         SNAPSHOT[ZYGOTE.pid] = process_state(ZYGOTE.pid)
+    then = None
     while True:
-        req = read_message(PROTO_IN)
+        # a one-shot's reset may ride on its run (``then``): it runs right after the run's answer and
+        # the reaping, answered under its own id, before anything else is read (issue 26: the host's
+        # request for it cost the engine process a write and this runner a wake-up per one-shot)
+        req, then = (then, None) if then is not None else (read_message(PROTO_IN), None)
         if req is None:
             return
         result = None
@@ -2311,6 +2315,9 @@ def main():
             # until the reset settles it, and a stray could take that pid once the child is gone
             # (review of issue 26, M2): the reset then reaps again, after the settle
             REAPED[0] = reap_strays() and (ZYGOTE is None or ZYGOTE.owed is None)
+        then = req.get("then") if req["op"] in ("run", "python") else None
+        if not (isinstance(then, dict) and then.get("op") == "reset"):  # only a one-shot's reset rides
+            then = None
 
 
 if __name__ == "__main__":

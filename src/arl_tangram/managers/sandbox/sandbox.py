@@ -102,6 +102,7 @@ class Sandbox:
         self.frozen = False
         self._lock = asyncio.Lock()
         self._seq = 0
+        self._then = 0  # the id of a request that rode on the last one, its answer not read yet
         self._stderr = bytearray()
         self._stderr_task = asyncio.get_running_loop().create_task(self._drain_stderr())
         self.dead = False
@@ -169,17 +170,26 @@ class Sandbox:
             del self._stderr[:-4096]
 
     async def request(self, req: dict, timeout_s: float,
-                      on_output: Callable[[str, bytes], None] | None = None, turn: Turn | None = None) -> dict:
+                      on_output: Callable[[str, bytes], None] | None = None, turn: Turn | None = None,
+                      then: dict | None = None) -> dict:
         """Send one request and wait for its answer; past ``timeout_s`` the sandbox is killed.
         ``on_output``: the request streams (a shell step or a cell with ``stream``): its output chunks come
         first, each handed to ``on_output(stream, data)`` as it arrives. ``turn``: the request is
         written when it opens, by the call that opens it (its timeout counts from then); cancelled
-        before that, nothing reached the sandbox."""
+        before that, nothing reached the sandbox. ``then``: a second request (a one-shot's reset)
+        riding on this one: the runner carries it out right after this one's answer, and its
+        answer is read by ``then_answer`` (or by the next request, first, whoever comes)."""
         async with self._lock:
             if self.dead:
                 raise SandboxDied("sandbox is closed")
+            if self._then:  # a riding request's answer nobody read: the channel stays in step
+                await self._answer(self._then, timeout_s)
             self._seq += 1
-            req = {**req, "id": self._seq}
+            want = self._seq
+            req = {**req, "id": want}
+            if then is not None:
+                self._seq += 1
+                req["then"] = {**then, "id": self._seq}
             try:
                 data = marshal.dumps(req, 4)
                 data = len(data).to_bytes(4, "little") + data
@@ -187,35 +197,65 @@ class Sandbox:
                     self._send(data)
                 else:
                     await self._write_in(turn, data)
+                if then is not None:
+                    self._then = self._seq  # written: its answer follows this one's
                 await self.proc.stdin.drain()
-                async with asyncio.timeout(timeout_s):  # wait_for would make a task (a loop pass) per request
-                    if on_output is None:
-                        line = await self.proc.stdout.readline()
-                    else:
-                        line = await self._chunks(on_output)
-                self.answered_at = time.monotonic()
-            except TimeoutError:
-                await self.kill()
-                raise SandboxDied(f"sandbox did not answer within {timeout_s:.1f}s and was killed",
-                                  deadline=True) from None
             except (ConnectionError, BrokenPipeError) as e:
                 await self.kill()
                 raise SandboxDied(f"sandbox channel broke: {e}") from None
-            if not line:
-                await self.kill()
-                raise SandboxDied("sandbox exited: " + self._stderr.decode(errors="replace")[-500:])
-            try:
-                answer = json.loads(line)
-            except ValueError:
-                answer = None
-            if not isinstance(answer, dict) or answer.get("id") != self._seq:
-                # a runner taken over could write lines of its own (a session's code ran in the runner
-                # before it had its own interpreter, runner.SessionChild): one that is
-                # not this request's answer would shift every later answer by one step; the
-                # channel is broken, so is the sandbox
-                await self.kill()
-                raise SandboxDied("sandbox answered out of turn (its channel was written to by the code it runs)")
+            answer = await self._answer(want, timeout_s, on_output)
+            self.answered_at = time.monotonic()
             return answer
+
+    @property
+    def then_pending(self) -> bool:
+        """A request rode on the last one (``request``'s ``then``) and its answer is still to read."""
+        return bool(self._then)
+
+    async def then_answer(self, timeout_s: float) -> dict:
+        """The answer of the request that rode on the last one (``request``'s ``then``); past
+        ``timeout_s`` (counted from now) the sandbox is killed."""
+        async with self._lock:
+            if self.dead:
+                raise SandboxDied("sandbox is closed")
+            if not self._then:
+                raise RuntimeError("no request rode on the last one")
+            return await self._answer(self._then, timeout_s)
+
+    async def _answer(self, want: int, timeout_s: float,
+                      on_output: Callable[[str, bytes], None] | None = None) -> dict:
+        """Read the answer of request ``want`` (the caller holds the lock); a line that is not
+        it, a silent or closed channel, or ``timeout_s`` passed: the sandbox is killed."""
+        try:
+            async with asyncio.timeout(timeout_s):  # wait_for would make a task (a loop pass) per request
+                if on_output is None:
+                    line = await self.proc.stdout.readline()
+                else:
+                    line = await self._chunks(on_output)
+        except TimeoutError:
+            await self.kill()
+            raise SandboxDied(f"sandbox did not answer within {timeout_s:.1f}s and was killed",
+                              deadline=True) from None
+        except (ConnectionError, BrokenPipeError) as e:
+            await self.kill()
+            raise SandboxDied(f"sandbox channel broke: {e}") from None
+        if want == self._then:
+            self._then = 0
+        if not line:
+            await self.kill()
+            raise SandboxDied("sandbox exited: " + self._stderr.decode(errors="replace")[-500:])
+        try:
+            answer = json.loads(line)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict) or answer.get("id") != want:
+            # a runner taken over could write lines of its own (a session's code ran in the runner
+            # before it had its own interpreter, runner.SessionChild): one that is
+            # not this request's answer would shift every later answer by one step; the
+            # channel is broken, so is the sandbox
+            await self.kill()
+            raise SandboxDied("sandbox answered out of turn (its channel was written to by the code it runs)")
+        return answer
 
     def _send(self, data: bytes) -> None:
         """Write one framed request; the run's first is stamped (``first_written_at``)."""
