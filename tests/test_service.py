@@ -53,6 +53,12 @@ def test_both_clients_see_the_same_service(server):
         assert (health["core_waits"] is None) == server.double
         if not server.double:
             assert health["core_waits"]["n"] >= 0 and "p50_ms" in health["core_waits"]
+        # and what became of one-shot sandboxes: the one-shot above was recycled (or is being reset)
+        assert (health["one_shot_sandboxes"] is None) == server.double
+        if not server.double:
+            assert set(health["one_shot_sandboxes"]) == {"started_for_pool", "started_for_run", "recycled",
+                                                          "discarded"}
+            assert health["one_shot_sandboxes"]["started_for_pool"] > 0
 
     async def main():
         async with AsyncTangramClient(server.url) as c:

@@ -74,6 +74,33 @@ def test_each_cores_wait_between_one_shots_is_counted_in_the_workers_and_merged(
     assert 8 - cores <= merged["n"] <= 7 and merged["p50_ms"] > 0 and merged["mean_ms"] > 0
 
 
+
+def test_what_became_of_one_shot_sandboxes_is_counted_in_the_workers_and_summed():
+    """``/healthz`` one_shot_sandboxes with workers: the workers' recycled sandboxes reach the
+    engine process's sum (it ran none of the one-shots itself), and their pools' starts too."""
+
+    async def main():
+        async with Tangram.local(workers=2) as tg:
+            for _ in range(8):
+                assert (await tg.run("print(1)")).stdout == "1\n"
+            summed: dict = {}
+
+            async def all_recycled() -> bool:
+                summed.update(await tg.runtime.one_shot_sandboxes())
+                return summed["recycled"] + summed["discarded"] >= 8
+
+            for _ in range(100):
+                if await all_recycled():
+                    break
+                await asyncio.sleep(0.05)
+            return summed, tg.runtime.sandboxes.local.one_shot_sandboxes()
+
+    summed, here = asyncio.run(main())
+    assert here["recycled"] == 0, "the engine process ran no one-shot"
+    assert summed["recycled"] == 8 and summed["discarded"] == 0, summed
+    assert summed["started_for_pool"] > here["started_for_pool"], summed
+
+
 def test_a_dead_worker_ends_its_runs_as_infra_error_and_is_replaced():
     async def main():
         async with Tangram.local(workers=1) as tg:

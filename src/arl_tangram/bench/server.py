@@ -263,12 +263,19 @@ def _serve(port: int, journal: str, cpus: str | None = None, fronts: int | None 
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
-def _core_waits(base: str) -> dict | None:
-    """A tangram server's ``core_waits`` now (``/healthz``; None from a server without them)."""
+def _health(base: str) -> dict:
+    """A tangram server's ``/healthz`` now ({} if it does not answer it)."""
     try:
-        return httpx.get(f"{base}/healthz", timeout=10).json().get("core_waits")
+        return httpx.get(f"{base}/healthz", timeout=10).json()
     except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def _counted_between(before: dict | None, after: dict | None) -> dict | None:
+    """What a server counted between two readings of one of its counts (``one_shot_sandboxes``)."""
+    if not after:
         return None
+    return {k: v - (before or {}).get(k, 0) for k, v in after.items()}
 
 
 def free_port() -> int:
@@ -450,19 +457,27 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
                 for name, base in (order[::-1] if (i // len(plan)) % 2 else order):
                     meter = meters.get(name)
                     before = meter.read() if meter else None
-                    waits = _core_waits(base) if name != "against" else None
+                    health = _health(base) if name != "against" else {}
                     r = results[name][key] = asyncio.run(_http_level(base, c, case, n, client_procs, client,
                                                                        pinned.get(name) if cpu else False))
                     every.setdefault((name, key), []).append(r)
                     if meter is not None and before is not None:
                         r["cpu_ms_per_request"] = CpuMeter.per_request(before, meter.read(),
                                                                        r["n"] + r["errors"] + r.get("warmup", 0))
-                    if waits is not None:  # each core's wait between two one-shots, this level's
-                        r["core_wait_ms"] = corewaits.between(waits, _core_waits(base))
+                    if health:  # each core's wait between two one-shots, and the sandboxes started, this level's
+                        later = _health(base)
+                        if health.get("core_waits") is not None:
+                            r["core_wait_ms"] = corewaits.between(health["core_waits"], later.get("core_waits"))
+                        if health.get("one_shot_sandboxes") is not None:
+                            r["sandboxes"] = _counted_between(health["one_shot_sandboxes"],
+                                                              later.get("one_shot_sandboxes"))
                     log(f"{name:>8} {case:>10} c={c:<4}: p50 {r['p50_ms']} ms, p99 {r['p99_ms']} ms, "
                         f"{r['throughput_per_s']} req/s, {r['errors']} errors; client {r['client_cpu_ms']} ms "
                         f"CPU/req, busiest process {r['client_busiest']:.0%}"
-                        + (f"; server CPUs {r['server_cpus_busy']:.0%} busy" if r.get("server_cpus_busy") else ""))
+                        + (f"; server CPUs {r['server_cpus_busy']:.0%} busy" if r.get("server_cpus_busy") else "")
+                        + (f"; sandboxes started {r['sandboxes']['started_for_pool']} for the pool, "
+                           f"{r['sandboxes']['started_for_run']} by runs, {r['sandboxes']['discarded']} discarded"
+                           if r.get("sandboxes") else ""))
                     time.sleep(0.3)
             if rounds > 1:
                 for (name, key), runs in every.items():

@@ -411,6 +411,11 @@ class Runtime:
         None where this process keeps no count (the Ray runtime's nodes do their own)."""
         return None
 
+    async def one_shot_sandboxes(self) -> dict[str, int] | None:
+        """What became of one-shot sandboxes since start (``SandboxManager.one_shot_sandboxes``);
+        None where this process keeps no count."""
+        return None
+
     def isolation(self) -> str | None:
         return None
 

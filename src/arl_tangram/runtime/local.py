@@ -154,6 +154,12 @@ class LocalRuntime(Runtime):
             return summary(*await s.core_waits())
         return summary(*s.core_waits.state()) if isinstance(s, SandboxManager) else None
 
+    async def one_shot_sandboxes(self) -> dict[str, int] | None:
+        s = self.sandboxes
+        if isinstance(s, SandboxWorkers):
+            return await s.one_shot_sandboxes()
+        return s.one_shot_sandboxes() if isinstance(s, SandboxManager) else None
+
     def isolation(self) -> str | None:
         real = self.sandbox_manager()
         return real.mode.value if real is not None and real.mode is not None else None

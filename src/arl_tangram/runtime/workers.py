@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+from collections import Counter
 from typing import Any
 
 from ..core.action import Action, Allocation, Outcome
@@ -49,7 +50,7 @@ from ..managers.tasks import TaskSet
 log = logging.getLogger(__name__)
 
 ENV = "TANGRAM_SANDBOX_WORKER"  # JSON: fd, index, config, cpus
-CALLS = frozenset({"start", "run", "follow", "cancel", "resize", "core_waits", "shut_down"})
+CALLS = frozenset({"start", "run", "follow", "cancel", "resize", "core_waits", "one_shot_sandboxes", "shut_down"})
 
 
 class _Worker:
@@ -242,6 +243,18 @@ class SandboxWorkers:
                                    return_exceptions=True)
         return merge([self.local.core_waits.state(), *(g for g in got if isinstance(g, tuple))])
 
+    async def one_shot_sandboxes(self) -> dict[str, int]:
+        """``SandboxManager.one_shot_sandboxes``, this process's and every live worker's summed; a
+        worker that does not answer within 2 s is left out."""
+        live = [w for w in self.workers if _live(w)]
+        got = await asyncio.gather(*(asyncio.wait_for(w.caller.call("one_shot_sandboxes"), 2.0) for w in live),
+                                   return_exceptions=True)
+        out = Counter(self.local.one_shot_sandboxes())
+        for g in got:
+            if isinstance(g, dict):
+                out.update(g)
+        return dict(out)
+
 
 def _live(w: _Worker) -> bool:
     """A worker that is up and whose link has not noticed it gone: one a run may be sent to."""
@@ -338,6 +351,10 @@ class _Served:
     def core_waits(self) -> tuple[list[int], float]:
         manager = self.agent.manager
         return manager.core_waits.state() if manager is not None else ([], 0.0)
+
+    def one_shot_sandboxes(self) -> dict[str, int]:
+        manager = self.agent.manager
+        return manager.one_shot_sandboxes() if manager is not None else {}
 
     async def shut_down(self) -> None:
         await self.agent.shut_down()

@@ -732,7 +732,8 @@ class Service:
                 "memory_mb": round(snap.memory_gb * 1024), "head_waited_s": round(snap.head_waited_s, 3),
                 "head_waits_for": snap.head_waits_for, "fronts": self.fronts, "sandbox_workers": self._workers(),
                 "rest": self.runtime.rest_stats(), "recovered_sessions": self.recovered_sessions,
-                "followed": self.runtime.engine.handed_over, "core_waits": await self.runtime.core_waits()}
+                "followed": self.runtime.engine.handed_over, "core_waits": await self.runtime.core_waits(),
+                "one_shot_sandboxes": await self.runtime.one_shot_sandboxes()}
 
     def _workers(self) -> dict | None:
         """Sandbox worker processes up / started (None: one-shots run in this process)."""
