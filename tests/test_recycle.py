@@ -446,6 +446,27 @@ def test_a_one_shots_reset_rides_on_its_run_unless_its_memory_limit_is_its_own(m
     assert seen[3] == ("4\n", [("run", "reset")], 4), seen
 
 
+
+def test_a_clean_sandbox_past_the_idle_cap_is_killed_and_counted():
+    """Three one-shots at once with room for one idle sandbox: one is recycled, the other two
+    reset clean but are killed at the cap, counted apart (``over_cap``) from the unclean ones."""
+    async def main():
+        cfg = SandboxConfig(warm_pool=0, recycle_pool_max=1, max_idle_sandboxes=1)
+        async with Tangram.local(sandbox=cfg, cores=3) as tg:
+            rs = await asyncio.gather(*(tg.run(f"print({i})") for i in range(3)))
+            counts = tg.runtime.sandboxes.one_shot_sandboxes()
+            for _ in range(200):
+                counts = tg.runtime.sandboxes.one_shot_sandboxes()
+                if counts["recycled"] + counts["discarded"] + counts["over_cap"] >= 3:
+                    break
+                await asyncio.sleep(0.02)
+            return [r.stdout for r in rs], counts
+
+    outs, counts = asyncio.run(main())
+    assert outs == ["0\n", "1\n", "2\n"]
+    assert (counts["recycled"], counts["over_cap"], counts["discarded"]) == (1, 2, 0), counts
+
+
 NO_TRACEBACK = r"""
 import builtins, json, os, sys, tempfile
 sys.path.insert(0, sys.argv[1])

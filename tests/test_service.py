@@ -57,7 +57,7 @@ def test_both_clients_see_the_same_service(server):
         assert (health["one_shot_sandboxes"] is None) == server.double
         if not server.double:
             assert set(health["one_shot_sandboxes"]) == {"started_for_pool", "started_for_run", "recycled",
-                                                          "discarded"}
+                                                          "discarded", "over_cap"}
             assert health["one_shot_sandboxes"]["started_for_pool"] > 0
 
     async def main():

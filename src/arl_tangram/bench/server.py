@@ -476,7 +476,8 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
                         f"CPU/req, busiest process {r['client_busiest']:.0%}"
                         + (f"; server CPUs {r['server_cpus_busy']:.0%} busy" if r.get("server_cpus_busy") else "")
                         + (f"; sandboxes started {r['sandboxes']['started_for_pool']} for the pool, "
-                           f"{r['sandboxes']['started_for_run']} by runs, {r['sandboxes']['discarded']} discarded"
+                           f"{r['sandboxes']['started_for_run']} by runs, {r['sandboxes']['discarded']} discarded, "
+                           f"{r['sandboxes'].get('over_cap', 0)} over the idle cap"
                            if r.get("sandboxes") else ""))
                     time.sleep(0.3)
             if rounds > 1:

@@ -519,10 +519,12 @@ class SandboxManager:
         """Counts since start of what became of one-shot sandboxes (``/healthz``
         ``one_shot_sandboxes``; ``bench server`` reports each level's part): started for the warm
         pool, started by a run that found the pool empty with none being reset, recycled after a
-        run, and discarded after one (killed instead of reused). A steady load should start next
-        to none: each start costs 10-50 ms of CPU, against ~1 ms for a reset."""
+        run, discarded after one (unclean or worn out: killed instead of reused), and killed clean
+        because the pool was at its idle cap. A steady load should start next to none: each start
+        costs 10-50 ms of CPU, against ~1 ms for a reset."""
         return {"started_for_pool": self.fresh["pool"], "started_for_run": self.fresh["run"],
-                "recycled": self.recycler.recycled, "discarded": sum(self.recycler.discarded.values())}
+                "recycled": self.recycler.recycled, "discarded": sum(self.recycler.discarded.values()),
+                "over_cap": self.recycler.over_cap}
 
     def _cores(self, allocation: Allocation) -> tuple[int, ...]:
         """The host cores an allocation's units name."""

@@ -59,6 +59,7 @@ class Recycler:
         self.ahead = ahead
         self.recycled = 0
         self.discarded: Counter[str] = Counter()
+        self.over_cap = 0  # reset clean but killed: the pool was at its idle cap
         self.sessions_recycled = 0  # session sandboxes reused after their session left (session_verdict)
         self.sessions_discarded: Counter[str] = Counter()
 
@@ -70,9 +71,11 @@ class Recycler:
     async def _release(self, sb: Sandbox) -> None:
         try:
             reason = await self._verdict(sb)
-            if reason is None and self.put(sb):
-                self.recycled += 1
-                return
+            if reason is None:
+                if self.put(sb):
+                    self.recycled += 1
+                    return
+                self.over_cap += 1
         finally:
             self.resetting -= 1
             self.settled()
