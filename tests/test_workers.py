@@ -283,3 +283,24 @@ def test_a_worker_process_runs_its_module_once():
                                                                         if k != ENV})
     assert p.returncode != 0 and "RuntimeWarning" not in p.stderr, p.stderr
     assert "KeyError" in p.stderr, p.stderr
+
+
+def test_each_workers_pools_have_room_for_what_its_cores_circulate():
+    """A worker's pools follow the cores the engine schedules, not the host's CPUs: a ready
+    sandbox a core, idle room for three a core (a run's, its follower's and one being reset); a
+    size the config sets itself is only split among the workers."""
+    from types import SimpleNamespace
+
+    from arl_tangram.managers.sandbox.spec import SandboxConfig
+    from arl_tangram.runtime.workers import SandboxWorkers
+
+    def config(cores, **kw) -> dict:
+        local = SimpleNamespace(config=SandboxConfig(**kw), host_cpus=tuple(range(16)))
+        return SandboxWorkers(local, 4, lambda report: None, cores)._config()
+
+    def sizes(c: dict) -> tuple[int, int, int]:
+        return c["warm_pool"], c["recycle_pool_max"], c["max_idle_sandboxes"]
+
+    assert sizes(config(None)) == (4, 12, 16)
+    assert sizes(config(24)) == (6, 18, 18)
+    assert sizes(config(24, recycle_pool_max=8, max_idle_sandboxes=16)) == (6, 2, 6)

@@ -65,7 +65,7 @@ class LocalRuntime(Runtime):
             else:
                 self.sandboxes = SandboxManager(config, sink, expire)
                 if workers:
-                    self.sandboxes = SandboxWorkers(self.sandboxes, workers, sink)
+                    self.sandboxes = SandboxWorkers(self.sandboxes, workers, sink, cores)
             managers[Pool.CPU] = self.sandboxes
         self.models = None
         model_specs: tuple = ()
