@@ -286,9 +286,9 @@ def test_a_worker_process_runs_its_module_once():
 
 
 def test_each_workers_pools_have_room_for_what_its_cores_circulate():
-    """A worker's pools follow the cores the engine schedules, not the host's CPUs: a ready
-    sandbox a core, idle room for three a core (a run's, its follower's and one being reset); a
-    size the config sets itself is only split among the workers."""
+    """A worker's pools follow the cores the engine schedules (up to two a CPU), not the host's
+    CPUs: a ready sandbox a core, idle room for three a core (a run's, its follower's and one being
+    reset) within the idle cap; a size the config sets itself is only split among the workers."""
     from types import SimpleNamespace
 
     from arl_tangram.managers.sandbox.spec import SandboxConfig
@@ -302,5 +302,6 @@ def test_each_workers_pools_have_room_for_what_its_cores_circulate():
         return c["warm_pool"], c["recycle_pool_max"], c["max_idle_sandboxes"]
 
     assert sizes(config(None)) == (4, 12, 16)
-    assert sizes(config(24)) == (6, 18, 18)
+    assert sizes(config(24)) == (6, 18, 16)
+    assert sizes(config(1000)) == (8, 24, 16)  # sized for 32 cores: two a CPU
     assert sizes(config(24, recycle_pool_max=8, max_idle_sandboxes=16)) == (6, 2, 6)

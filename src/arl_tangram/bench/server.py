@@ -275,7 +275,7 @@ def _counted_between(before: dict | None, after: dict | None) -> dict | None:
     """What a server counted between two readings of one of its counts (``one_shot_sandboxes``)."""
     if not after:
         return None
-    return {k: v - (before or {}).get(k, 0) for k, v in after.items()}
+    return {k: max(0, v - (before or {}).get(k, 0)) for k, v in after.items()}  # (a worker restarted: never below 0)
 
 
 def free_port() -> int:

@@ -59,7 +59,7 @@ class Recycler:
         self.ahead = ahead
         self.recycled = 0
         self.discarded: Counter[str] = Counter()
-        self.over_cap = 0  # reset clean but killed: the pool was at its idle cap
+        self.over_cap = 0  # reset clean but killed: the pool would not take it (at its idle cap, or closing)
         self.sessions_recycled = 0  # session sandboxes reused after their session left (session_verdict)
         self.sessions_discarded: Counter[str] = Counter()
 

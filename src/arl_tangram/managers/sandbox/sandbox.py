@@ -182,8 +182,8 @@ class Sandbox:
         async with self._lock:
             if self.dead:
                 raise SandboxDied("sandbox is closed")
-            if self._then:  # a riding request's answer nobody read: the channel stays in step
-                await self._answer(self._then, timeout_s)
+            if self._then:  # a riding reset's answer nobody read: read now, so the channel stays in step
+                await self._unread_reset(timeout_s)
             self._seq += 1
             want = self._seq
             req = {**req, "id": want}
@@ -193,12 +193,11 @@ class Sandbox:
             try:
                 data = marshal.dumps(req, 4)
                 data = len(data).to_bytes(4, "little") + data
+                riding = self._seq if then is not None else 0
                 if turn is None or turn.opened:
-                    self._send(data)
+                    self._send(data, riding)
                 else:
-                    await self._write_in(turn, data)
-                if then is not None:
-                    self._then = self._seq  # written: its answer follows this one's
+                    await self._write_in(turn, data, riding)
                 await self.proc.stdin.drain()
             except (ConnectionError, BrokenPipeError) as e:
                 await self.kill()
@@ -206,6 +205,18 @@ class Sandbox:
             answer = await self._answer(want, timeout_s, on_output)
             self.answered_at = time.monotonic()
             return answer
+
+    async def _unread_reset(self, timeout_s: float) -> None:
+        """Read a riding reset's answer that nobody read (the caller holds the lock): a sandbox it
+        did not find clean, or that does not answer, is killed, as an infrastructure failure
+        (never the next request's timeout)."""
+        try:
+            left = await self._answer(self._then, timeout_s)
+        except SandboxDied as e:
+            raise SandboxDied(f"the reset riding on the last request failed: {e}") from None
+        if not left.get("clean"):
+            await self.kill()
+            raise SandboxDied(f"the reset riding on the last request found the sandbox unclean: {left.get('why')}")
 
     @property
     def then_pending(self) -> bool:
@@ -257,12 +268,15 @@ class Sandbox:
             raise SandboxDied("sandbox answered out of turn (its channel was written to by the code it runs)")
         return answer
 
-    def _send(self, data: bytes) -> None:
-        """Write one framed request; the run's first is stamped (``first_written_at``)."""
+    def _send(self, data: bytes, riding: int = 0) -> None:
+        """Write one framed request; the run's first is stamped (``first_written_at``). ``riding``:
+        the id of a request riding on it, whose answer is owed from the moment it is written."""
         self.proc.stdin.write(data)
+        if riding:
+            self._then = riding
         self.first_written_at = self.first_written_at or time.monotonic()
 
-    async def _write_in(self, turn: Turn, data: bytes) -> None:
+    async def _write_in(self, turn: Turn, data: bytes, riding: int = 0) -> None:
         """Write ``data`` when ``turn`` opens, in the opener's call; return once it is written."""
         written = asyncio.get_running_loop().create_future()
 
@@ -270,7 +284,7 @@ class Sandbox:
             if written.done():  # the request was cancelled while it waited
                 return
             try:
-                self._send(data)
+                self._send(data, riding)
             except Exception as e:  # a closed pipe: ``request`` reports it dead (never the opener's error)
                 written.set_exception(ConnectionError(f"{type(e).__name__}: {e}"))
             else:
