@@ -247,24 +247,24 @@ class SandboxWorkers:
 
     async def core_waits(self) -> tuple[list[int], float]:
         """Each core's wait between two one-shots (``corewaits``), this process's and every live
-        worker's merged; a worker that does not answer within 2 s is left out."""
-        live = [w for w in self.workers if _live(w)]
-        got = await asyncio.gather(*(asyncio.wait_for(w.caller.call("core_waits"), 2.0) for w in live),
-                                   return_exceptions=True)
+        worker's merged."""
+        got = await self._from_live("core_waits")
         return merge([self.local.core_waits.state(), *(g for g in got if isinstance(g, tuple))])
 
     async def one_shot_sandboxes(self) -> dict[str, int]:
-        """``SandboxManager.one_shot_sandboxes``, this process's and every live worker's summed; a
-        worker that does not answer within 2 s is left out."""
-        live = [w for w in self.workers if _live(w)]
-        got = await asyncio.gather(*(asyncio.wait_for(w.caller.call("one_shot_sandboxes"), 2.0) for w in live),
-                                   return_exceptions=True)
+        """``SandboxManager.one_shot_sandboxes``, this process's and every live worker's summed."""
         out = Counter(self.local.one_shot_sandboxes())
-        for g in got:
+        for g in await self._from_live("one_shot_sandboxes"):
             if isinstance(g, dict):
                 out.update(g)
         return dict(out)
 
+    async def _from_live(self, call: str) -> list:
+        """``call``'s answer from every live worker, at once; a worker that does not answer within
+        2 s gives its error instead (left out by the callers)."""
+        live = [w for w in self.workers if _live(w)]
+        return await asyncio.gather(*(asyncio.wait_for(w.caller.call(call), 2.0) for w in live),
+                                    return_exceptions=True)
 
 def _live(w: _Worker) -> bool:
     """A worker that is up and whose link has not noticed it gone: one a run may be sent to."""

@@ -105,12 +105,10 @@ class Recycler:
         """The reset to send with a one-shot's last request (``Sandbox.request``'s ``then``), when
         ``release`` will ask ``sb`` for one: the runner then resets right after its answer, and the
         verdict reads that reset's answer instead of sending a request of its own."""
-        if not self.enabled or not sb.recyclable or sb.dead or sb.uses + 1 >= self.max_uses:
-            return None
-        return {"op": "reset", "dirs": WRITABLE, "ahead": self.ahead}
+        return None if self._not_reset(sb) else self._reset()
 
-    async def _verdict(self, sb: Sandbox, recyclable: bool | None = None, extra: dict | None = None) -> str | None:
-        """None when ``sb`` is verified pristine, else why not."""
+    def _not_reset(self, sb: Sandbox, recyclable: bool | None = None) -> str | None:
+        """Why ``sb`` is not reset for reuse at all (None: it is)."""
         if not self.enabled:
             return "recycling off"
         if not (sb.recyclable if recyclable is None else recyclable):
@@ -119,12 +117,21 @@ class Recycler:
             return "dead"
         if sb.uses + 1 >= self.max_uses:
             return "worn out"
+        return None
+
+    def _reset(self, extra: dict | None = None) -> dict:
+        return {"op": "reset", "dirs": WRITABLE, "ahead": self.ahead, **(extra or {})}
+
+    async def _verdict(self, sb: Sandbox, recyclable: bool | None = None, extra: dict | None = None) -> str | None:
+        """None when ``sb`` is verified pristine, else why not."""
+        why = self._not_reset(sb, recyclable)
+        if why is not None:
+            return why
         try:
             if sb.then_pending and not extra:  # it rode on the run (``riding``): under way already
                 r = await sb.then_answer(self.timeout_s)
             else:
-                r = await sb.request({"op": "reset", "dirs": WRITABLE, "ahead": self.ahead, **(extra or {})},
-                                     self.timeout_s)
+                r = await sb.request(self._reset(extra), self.timeout_s)
         except SandboxDied as e:
             return f"unclean: reset failed ({e})"
         if not r.get("clean"):

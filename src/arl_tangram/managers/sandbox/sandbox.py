@@ -185,15 +185,15 @@ class Sandbox:
             if self._then:  # a riding reset's answer nobody read: read now, so the channel stays in step
                 await self._unread_reset(timeout_s)
             self._seq += 1
-            want = self._seq
+            want, riding = self._seq, 0
             req = {**req, "id": want}
             if then is not None:
                 self._seq += 1
-                req["then"] = {**then, "id": self._seq}
+                riding = self._seq
+                req["then"] = {**then, "id": riding}
             try:
                 data = marshal.dumps(req, 4)
                 data = len(data).to_bytes(4, "little") + data
-                riding = self._seq if then is not None else 0
                 if turn is None or turn.opened:
                     self._send(data, riding)
                 else:
