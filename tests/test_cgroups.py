@@ -107,3 +107,62 @@ def test_parsing_proc_self_cgroup():
     text = "12:pids:/a\n4:cpu,cpuacct:/b\n1:name=systemd:/c\n0::/d\n"
     own = _own_cgroups(text)
     assert own["pids"] == "/a" and own["cpu"] == "/b" and own["cpuacct"] == "/b" and own[""] == "/d"
+
+
+def test_v2_cpu_time_quotas_where_the_cpu_controller_is_ours(tmp_path):
+    """One-shots share the host's CPUs only where a group's CPU time can be bounded (``cpu.max``)."""
+    mount = fake_v2(tmp_path)
+    root = open_root(mount, self_cgroup="0::/svc\n", tag="t")
+    assert root is not None and root.bounds_cpu_time
+    g = root.create("sb")
+    g.set_cpu_quota(2)
+    assert (mount / "svc" / "t" / "sb" / "cpu.max").read_text() == "200000 100000"
+    g.set_cpu_quota(None)
+    assert (mount / "svc" / "t" / "sb" / "cpu.max").read_text() == "max 100000"
+    other = fake_v2(tmp_path / "other", "cpuset memory pids")
+    root = open_root(other, self_cgroup="0::/svc\n", tag="t")
+    assert root is not None and not root.bounds_cpu_time
+
+
+def fake_v1(tmp_path: Path, cpu: bool) -> Path:
+    mount = tmp_path / "cg1"
+    for c in cgroups.V1_CONTROLLERS + (("cpu",) if cpu else ()):
+        (mount / c).mkdir(parents=True)
+    (mount / "cpuset" / "cpuset.mems").write_text("0\n")
+    (mount / "cpuset" / "cpuset.cpus").write_text("0-3\n")
+    return mount
+
+
+@pytest.mark.parametrize("cpu", [True, False])
+def test_v1_cpu_time_quotas_need_the_cpu_hierarchy(tmp_path, cpu):
+    mount = fake_v1(tmp_path, cpu)
+    root = open_root(mount, self_cgroup="", tag="t")
+    assert root is not None and root.bounds_cpu_time is cpu
+    g = root.create("sb")
+    assert (mount / "cpuset" / "t" / "sb" / "cpuset.cpus").read_text() == "0-3"
+    if cpu:
+        g.set_cpu_quota(1)
+        d = mount / "cpu" / "t" / "sb"
+        assert ((d / "cpu.cfs_period_us").read_text(), (d / "cpu.cfs_quota_us").read_text()) == ("100000", "100000")
+        g.set_cpu_quota(None)
+        assert (d / "cpu.cfs_quota_us").read_text() == "-1"
+
+
+def test_v1_a_quota_above_an_ancestors_leaves_the_ancestors_bound(tmp_path, monkeypatch):
+    """v1 refuses (EINVAL) a child's quota above its parent's, as in a container limited to fewer
+    CPUs; the group then inherits the parent's quota, the tighter bound, instead of failing the run."""
+    mount = fake_v1(tmp_path, cpu=True)
+    root = open_root(mount, self_cgroup="", tag="t")
+    g = root.create("sb")
+    write = Path.write_text
+
+    def kernel(self, text, *a, **k):
+        if self.name == "cpu.cfs_quota_us" and text not in ("-1",) and int(text) > 200_000:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return write(self, text, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", kernel)
+    g.set_cpu_quota(2)
+    assert (mount / "cpu" / "t" / "sb" / "cpu.cfs_quota_us").read_text() == "200000"
+    g.set_cpu_quota(4)
+    assert (mount / "cpu" / "t" / "sb" / "cpu.cfs_quota_us").read_text() == "-1"

@@ -185,7 +185,8 @@ def _sandbox_processes() -> list[int]:
 @needs_a_core_to_take_back
 def test_a_run_on_a_node_is_shrunk_by_its_agent():
     """``Shrink`` on Ray: the head's engine takes a core back and the node's agent shrinks the
-    run's sandbox (or pins it to one core when it starts, if the call beat the start: "1 1")."""
+    run's sandbox (or pins it to one core when it starts, if the call beat the start: "1 1").
+    Pinned one-shots, so that the program sees its cores shrink."""
     from arl_tangram.core import Allocation
     code = WATCH_CORES
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
@@ -193,7 +194,7 @@ def test_a_run_on_a_node_is_shrunk_by_its_agent():
     c.wait_for_nodes()
 
     async def main():
-        async with Tangram.ray(c.address, sandbox=SandboxConfig(warm_pool=1)) as tg:
+        async with Tangram.ray(c.address, sandbox=SandboxConfig(warm_pool=1, one_shots_share_cpus=False)) as tg:
             rt = tg.runtime
             assert rt.engine.cpu_resizes
             run = asyncio.ensure_future(tg.run(code, cpus=2, id="grown", timeout_s=30))

@@ -27,6 +27,7 @@ from arl_tangram.runtime import Tangram
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 _root = open_root(tag=f"tangram-probe-{os.getpid()}")
 HAS_CGROUPS = _root is not None
+BOUNDS_CPU_TIME = _root is not None and _root.bounds_cpu_time
 if _root is not None:
     _root.cleanup()
 needs_cgroups = pytest.mark.skipif(not HAS_CGROUPS, reason="no writable cgroups on this host")
@@ -734,26 +735,16 @@ def test_groups_left_by_a_killed_process_are_removed_at_start():
         fresh.cleanup()
 
 
-@needs_cgroups
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to take one back")
-def test_a_shrunk_sandbox_really_has_fewer_cores():
-    """``Shrink`` at the manager: the engine takes a core back from a running one-shot; from then
-    on its processes see and use one core, while it runs (its cgroup's cpuset shrank)."""
-    from arl_tangram.core import Action, Allocation, Demand
-    from arl_tangram.managers.sandbox.manager import RunCode, SandboxManager
-
-    code = """
+def _busy(n: int, seconds: float) -> str:
+    """Python that runs ``n`` busy processes for ``seconds`` and prints the CPUs' worth they used."""
+    return f"""
 import os, resource, time
-first = len(os.sched_getaffinity(0))
-end = time.time() + 20
-while len(os.sched_getaffinity(0)) == first and time.time() < end:
-    time.sleep(0.01)
 t = time.time()
 pids = []
-for _ in range(2):  # two busy processes on what is left
+for _ in range({n}):
     pid = os.fork()
     if pid == 0:
-        stop = time.time() + 1.0
+        stop = time.time() + {seconds}
         while time.time() < stop:
             pass
         os._exit(0)
@@ -761,34 +752,98 @@ for _ in range(2):  # two busy processes on what is left
 for p in pids:
     os.waitpid(p, 0)
 ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-print(first, len(os.sched_getaffinity(0)), round((ru.ru_utime + ru.ru_stime) / (time.time() - t), 2))
+print(round((ru.ru_utime + ru.ru_stime) / (time.time() - t), 2))
 """
+
+
+def _manager_run(code: str, units: tuple[int, ...], shrink_to: tuple[int, ...] | None = None, **config):
+    """One one-shot through a real ``SandboxManager`` on ``units``; ``shrink_to``: the engine
+    takes cores back (``resize``) 0.3 s after it is placed. Returns (completions, pins left)."""
+    from arl_tangram.core import Action, Allocation, Demand
+    from arl_tangram.managers.sandbox.manager import RunCode, SandboxManager
 
     async def main():
         done: list = []
-        m = SandboxManager(SandboxConfig(warm_pool=1), done.append)
+        m = SandboxManager(SandboxConfig(**{"warm_pool": 1, **config}), done.append)
         await m.start_up()
         try:
-            a = Action("grown", "sandbox", Demand({"cpu": (1, 2)}), payload=RunCode(code, run_timeout_s=30))
-            m.start(a, Allocation("cpu", 0, (0, 1)))
-            for _ in range(2000):  # until it is pinned and running
-                if m._pins.get("grown", [None])[0] is not None:
-                    break
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.3)
-            m.resize("grown", Allocation("cpu", 0, (0,)))
+            a = Action("grown", "sandbox", Demand({"cpu": (1, len(units))}), payload=RunCode(code, run_timeout_s=30))
+            m.start(a, Allocation("cpu", 0, units))
+            if shrink_to is not None:
+                for _ in range(2000):  # until it is placed and running
+                    if m._pins.get("grown", [None])[0] is not None:
+                        break
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.3)
+                m.resize("grown", Allocation("cpu", 0, shrink_to))
             for _ in range(6000):
                 if done:
                     break
                 await asyncio.sleep(0.01)
-            m.resize("grown", Allocation("cpu", 0, (0,)))  # ended: ignored
+            if shrink_to is not None:
+                m.resize("grown", Allocation("cpu", 0, shrink_to))  # ended: ignored
             return done, m._pins
         finally:
             await m.shut_down()
 
-    done, pins = asyncio.run(main())
+    return asyncio.run(main())
+
+
+@needs_cgroups
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to take one back")
+def test_a_shrunk_pinned_sandbox_really_has_fewer_cores():
+    """``Shrink`` at the manager: the engine takes a core back from a running one-shot pinned to
+    its cores; from then on its processes see and use one core, while it runs (its cgroup's
+    cpuset shrank)."""
+    code = """
+import os, time
+first = len(os.sched_getaffinity(0))
+end = time.time() + 20
+while len(os.sched_getaffinity(0)) == first and time.time() < end:
+    time.sleep(0.01)
+print(first, len(os.sched_getaffinity(0)))
+""" + _busy(2, 1.0)
+    done, pins = _manager_run(code, (0, 1), shrink_to=(0,), one_shots_share_cpus=False)
     assert len(done) == 1 and done[0].outcome is Outcome.OK, done
     first, after, used = done[0].result.run.stdout.split()
     assert (first, after) == ("2", "1")
     assert float(used) <= 1.15, f"2 busy processes on the 1 core left used {used} cores"
     assert not pins, "a finished run's pin is forgotten"
+
+
+@pytest.mark.skipif(not BOUNDS_CPU_TIME or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs cgroups with the cpu controller and 2 cores")
+def test_a_one_shot_sharing_the_cpus_is_bounded_to_its_cores_time():
+    """A one-shot runs on any of the host's CPUs (``one_shots_share_cpus``) but is bounded to its
+    cores' worth of CPU time: hostile code that forks busy processes on a 1-core allocation gets
+    one CPU's worth, not the host's; its thread counts still say one core."""
+    code = "import os\nprint(len(os.sched_getaffinity(0)), os.environ['TANGRAM_NUM_CPUS'])\n" + _busy(3, 1.0)
+    done, _ = _manager_run(code, (0,))
+    assert len(done) == 1 and done[0].outcome is Outcome.OK, done
+    cpus, threads, used = done[0].result.run.stdout.split()
+    assert (int(cpus), threads) == (len(os.sched_getaffinity(0)), "1")
+    assert float(used) <= 1.15, f"3 busy processes on a 1-core one-shot used {used} CPUs' worth"
+
+
+@pytest.mark.skipif(not BOUNDS_CPU_TIME or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs cgroups with the cpu controller and 2 cores")
+def test_a_shrunk_one_shot_sharing_the_cpus_gets_less_time():
+    """``Shrink`` of a one-shot that shares the CPUs lowers its quota: it still sees every CPU,
+    and from then on uses one CPU's worth."""
+    code = "import os, time\ntime.sleep(1.5)\nprint(len(os.sched_getaffinity(0)))\n" + _busy(2, 1.0)
+    done, pins = _manager_run(code, (0, 1), shrink_to=(0,))
+    assert len(done) == 1 and done[0].outcome is Outcome.OK, done
+    cpus, used = done[0].result.run.stdout.split()
+    assert int(cpus) == len(os.sched_getaffinity(0))
+    assert float(used) <= 1.15, f"2 busy processes after the shrink to 1 core used {used} CPUs' worth"
+    assert not pins
+
+
+@needs_cgroups
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_one_shots_pinned_when_sharing_is_off():
+    code = "import os\nprint(len(os.sched_getaffinity(0)))\n" + _busy(2, 0.5)
+    done, _ = _manager_run(code, (1,), one_shots_share_cpus=False)
+    assert len(done) == 1 and done[0].outcome is Outcome.OK, done
+    cpus, used = done[0].result.run.stdout.split()
+    assert cpus == "1" and float(used) <= 1.15

@@ -12,6 +12,7 @@ import signal
 import pytest
 
 from arl_tangram.core import Outcome
+from arl_tangram.managers.sandbox.manager import SandboxConfig
 from arl_tangram.runtime import Tangram
 
 from servers import children_of
@@ -145,12 +146,14 @@ def test_a_worker_that_dies_idle_costs_no_run_and_a_cancel_at_once_ends_the_acti
 def test_a_run_on_a_worker_is_shrunk_there():
     """``Shrink`` of a one-shot that a worker runs: the frame reaches the worker's manager, whose
     sandbox's cgroup shrinks while the program runs (or, on a machine so loaded that the frame
-    beats the sandbox's start, is pinned to the one core when it starts: "1 1")."""
+    beats the sandbox's start, is pinned to the one core when it starts: "1 1"). Pinned one-shots,
+    so that the program sees its cores shrink; one sharing the CPUs gets a smaller CPU-time quota
+    instead (tests/test_sandbox.py)."""
     from arl_tangram.core import Allocation
     code = WATCH_CORES
 
     async def main():
-        async with Tangram.local(workers=1) as tg:
+        async with Tangram.local(workers=1, sandbox=SandboxConfig(one_shots_share_cpus=False)) as tg:
             sw = tg.runtime.sandboxes
             assert tg.runtime.engine.cpu_resizes
             run = asyncio.ensure_future(tg.run(code, cpus=2, id="grown", timeout_s=30))

@@ -1,13 +1,16 @@
 """Control groups for sandboxes, on cgroup v1 or v2 hosts.
 
 One ``Group`` per sandbox bounds its memory and process count, pins it to the cores of the
-running action (cpuset), freezes it between actions (freezer) and kills everything in it at once.
+running action (cpuset) or bounds the CPU time it may use to that many CPUs' worth (the cpu
+controller's quota, for one-shots that run on any of the host's CPUs), freezes it between actions
+(freezer) and kills everything in it at once.
 Where the hierarchy is missing or read-only the factory returns ``None`` after one logged warning
 and the caller falls back to rlimits, affinity and SIGSTOP, whose caveats it documents.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -17,8 +20,10 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 V1_CONTROLLERS = ("cpuset", "memory", "pids", "freezer", "cpuacct")
+V1_OPTIONAL = ("cpu",)  # CPU time quotas (CFS bandwidth): without it every action is pinned instead
 V2_REQUIRED = ("cpuset", "memory", "pids")
 V2_WANTED = ("cpu", "cpuset", "memory", "pids")
+CPU_PERIOD_US = 100_000  # the kernel's default period: a quota of n periods is n CPUs' worth
 LEAF = "tangram-leaf"  # where the processes of our own cgroup go, so that it may have controllers below
 
 
@@ -106,6 +111,26 @@ class Group:
     def set_cpus(self, cores: tuple[int, ...]) -> None:
         value = ",".join(map(str, sorted(cores)))
         (self._dir("cpuset") / "cpuset.cpus").write_text(value)
+
+    def set_cpu_quota(self, cpus: int | None) -> None:
+        """Bound the group's CPU time to ``cpus`` CPUs' worth in every 100 ms period (CFS
+        bandwidth control: ``cpu.max`` on v2, ``cpu.cfs_quota_us`` on v1), however many
+        processes it runs on however many CPUs; ``None``: no bound (a pinned group's cpuset is its
+        bound). Only where the root ``bounds_cpu_time``."""
+        if self.v2:
+            (self.dirs["unified"] / "cpu.max").write_text(f"{cpus * CPU_PERIOD_US} {CPU_PERIOD_US}" if cpus else
+                                                          f"max {CPU_PERIOD_US}")
+            return
+        d = self.dirs["cpu"]
+        (d / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+        try:
+            (d / "cpu.cfs_quota_us").write_text(str(cpus * CPU_PERIOD_US) if cpus else "-1")
+        except OSError as e:
+            # v1 refuses a quota above an ancestor's (a container limited to fewer CPUs, say),
+            # where v2 takes the smaller: the ancestor's, the tighter bound, holds either way
+            if e.errno != errno.EINVAL or not cpus:
+                raise
+            (d / "cpu.cfs_quota_us").write_text("-1")
 
     def set_memory(self, limit_bytes: int | None) -> None:
         d = self._dir("memory")
@@ -227,9 +252,12 @@ class CgroupRoot:
     """Where this process may create sandbox groups: a ``tangram-<pid>`` parent under our own
     cgroup in each controller."""
 
-    def __init__(self, dirs: dict[str, Path], v2: bool) -> None:
+    def __init__(self, dirs: dict[str, Path], v2: bool, bounds_cpu_time: bool = False) -> None:
         self.dirs = dirs
         self.v2 = v2
+        #: whether its groups take ``set_cpu_quota``: the cpu controller is ours (enabled for our
+        #: groups on v2, mounted and writable on v1)
+        self.bounds_cpu_time = bounds_cpu_time
 
     def create(self, name: str, cpus: str | None = None) -> Group:
         dirs = {}
@@ -315,7 +343,7 @@ def open_root(mount: str | Path = "/sys/fs/cgroup", self_cgroup: str | None = No
             parent = base / tag
             parent.mkdir(exist_ok=True)
             (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in V2_WANTED if c in available))
-            return CgroupRoot({"unified": parent}, v2=True)
+            return CgroupRoot({"unified": parent}, v2=True, bounds_cpu_time="cpu" in available)
         dirs = {}
         for c in V1_CONTROLLERS:
             cdir = mount / c
@@ -325,11 +353,21 @@ def open_root(mount: str | Path = "/sys/fs/cgroup", self_cgroup: str | None = No
             parent = cdir / own.get(c, "/").lstrip("/") / tag
             parent.mkdir(exist_ok=True)
             dirs[c] = parent
+        for c in V1_OPTIONAL:
+            cdir = mount / c
+            try:
+                if cdir.is_dir():
+                    _reap_stale(cdir / own.get(c, "/").lstrip("/"), False)
+                    parent = cdir / own.get(c, "/").lstrip("/") / tag
+                    parent.mkdir(exist_ok=True)
+                    dirs[c] = parent
+            except OSError as e:  # mounted read-only, say: every action is pinned instead
+                log.info("cgroups: no CPU time quotas (%s): one-shots are pinned to their cores", e)
         cs = dirs["cpuset"]
         up = cs.parent
         (cs / "cpuset.mems").write_text((up / "cpuset.mems").read_text().strip())
         (cs / "cpuset.cpus").write_text((up / "cpuset.cpus").read_text().strip())
-        return CgroupRoot(dirs, v2=False)
+        return CgroupRoot(dirs, v2=False, bounds_cpu_time="cpu" in dirs)
     except OSError as e:
         log.warning("cgroups unavailable (%s): falling back to rlimits, CPU affinity and SIGSTOP; memory "
                     "limits then bound address space, not resident memory, and a frozen session is "

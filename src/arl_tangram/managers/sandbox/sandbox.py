@@ -113,8 +113,9 @@ class Sandbox:
         self.recyclable = False  # a plain warm-pool sandbox (not an image's): recycling may reuse it
         self.warmed: frozenset[str] = frozenset()  # modules its zygote imported (``runner.op_warm``)
         self.oom_seen = 0  # the group's OOM-kill count when last read
-        self._cpus: tuple[int, ...] | None = None  # what the group was last set to: a write costs a
+        self._cpus: tuple[int, ...] | None = None  # what it was last placed on: a group's write costs a
         self._memory: int | None = -1  # cgroupfs round trip per action, and mostly nothing changes
+        self._quota: int | None = None  # the CPUs' worth of time it was last bounded to (None: pinned)
         self.workspace_fd: int | None = None  # hostfiles.open_workspace, once a session's files want it (-1: none)
         #: when a run's first request was written (0: none yet; the manager clears it per run) and
         #: the last answer read (``time.monotonic``; ``corewaits``)
@@ -327,13 +328,30 @@ class Sandbox:
 
     @property
     def cpus(self) -> tuple[int, ...] | None:
-        """The cores the group is pinned to (None: not yet pinned, or no cgroups)."""
+        """The CPUs its runs go to (None: not placed yet): its group's cpuset, or without cgroups
+        the affinity its runs' processes are given (``SandboxManager._base``)."""
         return self._cpus
 
-    def set_cpus(self, cpus: tuple[int, ...]) -> None:
-        if self.group is not None and cpus != self._cpus:
-            self.group.set_cpus(cpus)
-            self._cpus = cpus
+    @property
+    def cpu_quota(self) -> int | None:
+        """How many CPUs' worth of time it is bounded to where it runs on more CPUs than its
+        cores (a one-shot sharing the host's CPUs); None where it is pinned to its cores."""
+        return self._quota
+
+    def set_cpus(self, cpus: tuple[int, ...], quota: int | None = None) -> None:
+        """Place its runs on ``cpus``; ``quota``: bound them to that many CPUs' worth of time
+        (the group's cpu controller) rather than to ``cpus`` alone. Writes only what changed, the
+        tighter bound first (a quota before a wider cpuset, a narrower cpuset before no quota), so
+        that its processes are never bounded by neither."""
+        g = self.group
+        if g is not None:
+            if quota is not None and quota != self._quota:
+                g.set_cpu_quota(quota)
+            if cpus != self._cpus:
+                g.set_cpus(cpus)
+            if quota is None and self._quota is not None:
+                g.set_cpu_quota(None)
+        self._cpus, self._quota = cpus, quota
 
     def set_memory(self, limit_bytes: int | None) -> None:
         if self.group is not None and limit_bytes != self._memory:

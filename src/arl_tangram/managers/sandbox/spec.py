@@ -72,6 +72,11 @@ class SandboxConfig(BaseModel):
                               "refused (HTTP 503 naming this limit)")
     grace_s: float = Field(5.0, gt=0, description="past an action's timeout plus this, the sandbox is killed")
     cpus: tuple[int, ...] | None = Field(None, description="host CPUs to use (default: this process's affinity)")
+    one_shots_share_cpus: bool = Field(True, description="a one-shot runs on any of the host CPUs, bounded to its "
+                                        "cores' worth of CPU time (the cgroup cpu controller's quota), instead of "
+                                        "pinned to its cores: a run no longer waits for its own CPU while another "
+                                        "is idle (16 cores: 1.11-1.18x one-shots/s, docs/performance.md). Where "
+                                        "the cpu controller is not ours, one-shots are pinned as sessions are")
     image: str | None = Field(None, description="image for sessions and one-shots that name none (default: the "
                                                 "host's system directories)")
     image_store: str | None = Field(None, description="image cache directory (default: $TANGRAM_IMAGE_STORE, else "
