@@ -112,6 +112,8 @@ def test_parsing_proc_self_cgroup():
 def test_v2_cpu_time_quotas_where_the_cpu_controller_is_ours(tmp_path):
     """One-shots share the host's CPUs only where a group's CPU time can be bounded (``cpu.max``)."""
     mount = fake_v2(tmp_path)
+    assert not open_root(mount, self_cgroup="0::/svc\n", tag="t").bounds_cpu_time  # no quota file: no CFS bandwidth
+    (mount / "svc" / "t" / "cpu.max").write_text("max 100000\n")
     root = open_root(mount, self_cgroup="0::/svc\n", tag="t")
     assert root is not None and root.bounds_cpu_time
     g = root.create("sb")
@@ -125,9 +127,14 @@ def test_v2_cpu_time_quotas_where_the_cpu_controller_is_ours(tmp_path):
 
 
 def fake_v1(tmp_path: Path, cpu: bool) -> Path:
+    """A v1 layout; with ``cpu``, the cpu hierarchy with CFS bandwidth (the quota file the kernel
+    makes in every group, here in the tag ``t``'s parent group)."""
     mount = tmp_path / "cg1"
     for c in cgroups.V1_CONTROLLERS + (("cpu",) if cpu else ()):
         (mount / c).mkdir(parents=True)
+    if cpu:
+        (mount / "cpu" / "t").mkdir()
+        (mount / "cpu" / "t" / "cpu.cfs_quota_us").write_text("-1\n")
     (mount / "cpuset" / "cpuset.mems").write_text("0\n")
     (mount / "cpuset" / "cpuset.cpus").write_text("0-3\n")
     return mount

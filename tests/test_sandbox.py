@@ -839,6 +839,28 @@ def test_a_shrunk_one_shot_sharing_the_cpus_gets_less_time():
     assert not pins
 
 
+@pytest.mark.skipif(not BOUNDS_CPU_TIME or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs cgroups with the cpu controller and 2 cores")
+def test_a_shrink_the_group_refuses_ends_the_run_as_an_infrastructure_failure(monkeypatch):
+    """A run must not keep cores the engine took back: where its group will not take the smaller
+    quota, the sandbox is killed and the run reports ``infra_error``, never ``ok`` on 2 cores."""
+    import errno
+
+    from arl_tangram.managers.sandbox.cgroups import Group
+
+    real = Group.set_cpu_quota
+
+    def refusing(self, cpus):
+        if cpus == 1:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return real(self, cpus)
+
+    monkeypatch.setattr(Group, "set_cpu_quota", refusing)
+    done, pins = _manager_run("import time\ntime.sleep(3)\nprint('done')", (0, 1), shrink_to=(0,))
+    assert len(done) == 1 and done[0].outcome is Outcome.INFRA_ERROR, done
+    assert not pins
+
+
 @needs_cgroups
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
 def test_one_shots_pinned_when_sharing_is_off():

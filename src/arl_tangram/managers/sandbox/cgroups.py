@@ -256,7 +256,7 @@ class CgroupRoot:
         self.dirs = dirs
         self.v2 = v2
         #: whether its groups take ``set_cpu_quota``: the cpu controller is ours (enabled for our
-        #: groups on v2, mounted and writable on v1)
+        #: groups on v2, mounted and writable on v1) with CFS bandwidth control (its quota file)
         self.bounds_cpu_time = bounds_cpu_time
 
     def create(self, name: str, cpus: str | None = None) -> Group:
@@ -343,7 +343,9 @@ def open_root(mount: str | Path = "/sys/fs/cgroup", self_cgroup: str | None = No
             parent = base / tag
             parent.mkdir(exist_ok=True)
             (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in V2_WANTED if c in available))
-            return CgroupRoot({"unified": parent}, v2=True, bounds_cpu_time="cpu" in available)
+            # a kernel without CFS bandwidth control has the cpu controller but no quota file
+            return CgroupRoot({"unified": parent}, v2=True,
+                              bounds_cpu_time="cpu" in available and (parent / "cpu.max").exists())
         dirs = {}
         for c in V1_CONTROLLERS:
             cdir = mount / c
@@ -367,7 +369,7 @@ def open_root(mount: str | Path = "/sys/fs/cgroup", self_cgroup: str | None = No
         up = cs.parent
         (cs / "cpuset.mems").write_text((up / "cpuset.mems").read_text().strip())
         (cs / "cpuset.cpus").write_text((up / "cpuset.cpus").read_text().strip())
-        return CgroupRoot(dirs, v2=False, bounds_cpu_time="cpu" in dirs)
+        return CgroupRoot(dirs, v2=False, bounds_cpu_time="cpu" in dirs and (dirs["cpu"] / "cpu.cfs_quota_us").exists())
     except OSError as e:
         log.warning("cgroups unavailable (%s): falling back to rlimits, CPU affinity and SIGSTOP; memory "
                     "limits then bound address space, not resident memory, and a frozen session is "

@@ -467,12 +467,14 @@ class SandboxManager:
             self._pins.pop(action.id, None)
 
     def resize(self, action_id: str, allocation: Allocation) -> None:
-        """The engine took cores back from a running action (``Shrink``): its sandbox's cgroup
-        is pinned to the cores it keeps before this returns (a cpuset write; the kernel moves its
-        threads off the others at once). A run not pinned yet is pinned to them when it is. The
-        process keeps the thread counts it started with (``OMP_NUM_THREADS``...): they now share
-        fewer cores. Without cgroups (the rlimits-and-affinity fallback) a running process keeps
-        the affinity it started with until it ends."""
+        """The engine took cores back from a running action (``Shrink``): before this returns, its
+        sandbox's cgroup is pinned to the cores it keeps (a cpuset write; the kernel moves its
+        threads off the others at once), or, for a one-shot sharing the host's CPUs, its CPU-time
+        quota is lowered to them. A run not placed yet is placed on them when it is. A write the
+        group refuses kills the sandbox (the run ends ``infra_error``) rather than letting it keep
+        the cores. The process keeps the thread counts it started with (``OMP_NUM_THREADS``...):
+        they now share fewer cores. Without cgroups (the rlimits-and-affinity fallback) a running
+        process keeps the affinity it started with until it ends."""
         pin = self._pins.get(action_id)
         if pin is None:
             return  # ended, or not ours
@@ -482,8 +484,11 @@ class SandboxManager:
         if sb is not None and not sb.dead:
             try:  # a one-shot sharing the host's CPUs keeps sharing them, with a smaller quota
                 sb.set_cpus(*self._placement(cores, sb.cpu_quota is not None))
-            except OSError as e:  # the group is gone (the sandbox died): its run reports that
-                log.warning("cannot pin sandbox %s to cores %s: %s", sb.id, cores, e)
+            except OSError as e:
+                # the group is gone (the sandbox died), or would not take the write: the run must
+                # not go on using the cores taken back, so it ends as an infrastructure failure
+                log.warning("cannot bound sandbox %s to cores %s: %s; killing it", sb.id, cores, e)
+                self._kill_later(sb)
 
     def listen(self, action_id: str, on_output: Callable[[str, bytes], None]) -> Callable[[], None]:
         """Stream the output of step ``action_id`` (a shell command or a python cell; not started
@@ -532,10 +537,11 @@ class SandboxManager:
 
     @property
     def shares_cpus(self) -> bool:
-        """Whether one-shots run on any of the host CPUs (``one_shots_share_cpus``) here: where
-        cgroups bound CPU time (the cpu controller's quota), or where there are none, since a
-        process may widen its own affinity and pinning without a cpuset bounds nothing."""
-        return self.config.one_shots_share_cpus and (self.root is None or self.root.bounds_cpu_time)
+        """Whether one-shots run on any of the host CPUs (``one_shots_share_cpus``) here: only
+        where cgroups bound their CPU time (the cpu controller's quota). Without cgroups they are
+        pinned by affinity: hostile code may widen its own, but code that sizes itself by its
+        affinity (Go, Java, ``os.sched_getaffinity``) stays on its cores."""
+        return self.config.one_shots_share_cpus and self.root is not None and self.root.bounds_cpu_time
 
     def _placement(self, cores: tuple[int, ...], one_shot: bool) -> tuple[tuple[int, ...], int | None]:
         """Where a run on ``cores`` goes: (CPUs, quota in CPUs' worth of time or None).
@@ -830,12 +836,14 @@ class SandboxManager:
             del self._moving[trajectory]
             done.set_result(None)
 
-    async def _wake(self, trajectory: str, rested: Rested, image: str | None,
+    async def _wake(self, trajectory: str, rested: Rested, image: str | None, cores: tuple[int, ...],
                     then: Callable[[Sandbox], dict | None] | None = None) -> tuple[Sandbox, dict[str, str], dict | None]:
         """A sandbox with the rested session's state loaded; on failure the session stays at rest
-        (nothing is lost: a later step tries again) and ``SandboxDied`` says why. ``then(sb)``: the
-        step's cell request, if it can ride on the wake's last request (``rest.load``; its answer
-        is the third value), the sandbox then pinned and limited for it first."""
+        (nothing is lost: a later step tries again) and ``SandboxDied`` says why. It is pinned to
+        the step's ``cores`` before the load runs anything in it (the session's shell replayed, its
+        namespace unpickled: the user's code). ``then(sb)``: the step's cell request, if it can
+        ride on the wake's last request (``rest.load``; its answer is the third value), the
+        sandbox then limited for it first."""
         sb = None
         try:
             # a small blob (most are a few KB) is read here: a hop to a thread costs more, and
@@ -846,6 +854,7 @@ class SandboxManager:
                 sb = await self.imageboxes.spawn(rested.rootfs.image.name, rootfs=rested.rootfs)
             else:
                 sb = await self._take(image, session=True)
+            sb.set_cpus(cores)
             cell = then(sb) if then is not None else None
             dropped, answer = await load(sb, blob, cell)
         except (OSError, SandboxDied, ImageError) as e:
@@ -998,7 +1007,7 @@ class SandboxManager:
                     pending = self.pending_roots.pop(action.trajectory, None)
                     rested = self.rested.pop(traj, None)
                     if rested is not None:
-                        sb, woke, answer = await self._wake(traj, rested, image, self._cell_for_wake(action, pin))
+                        sb, woke, answer = await self._wake(traj, rested, image, pin[1], self._cell_for_wake(action, pin))
                     elif pending is not None:  # a fork child or a restored session: its files are there
                         sb = await self.imageboxes.spawn(pending.image.name, rootfs=pending)
                     else:

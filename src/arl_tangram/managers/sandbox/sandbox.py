@@ -344,14 +344,19 @@ class Sandbox:
         tighter bound first (a quota before a wider cpuset, a narrower cpuset before no quota), so
         that its processes are never bounded by neither."""
         g = self.group
-        if g is not None:
-            if quota is not None and quota != self._quota:
-                g.set_cpu_quota(quota)
-            if cpus != self._cpus:
-                g.set_cpus(cpus)
-            if quota is None and self._quota is not None:
-                g.set_cpu_quota(None)
-        self._cpus, self._quota = cpus, quota
+        if g is None:
+            self._cpus, self._quota = cpus, quota
+            return
+        # what it remembers follows each write that succeeded, so a failure midway leaves it true
+        if quota is not None and quota != self._quota:
+            g.set_cpu_quota(quota)
+            self._quota = quota
+        if cpus != self._cpus:
+            g.set_cpus(cpus)
+            self._cpus = cpus
+        if quota is None and self._quota is not None:
+            g.set_cpu_quota(None)
+            self._quota = None
 
     def set_memory(self, limit_bytes: int | None) -> None:
         if self.group is not None and limit_bytes != self._memory:
