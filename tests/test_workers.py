@@ -291,20 +291,23 @@ def test_a_worker_process_runs_its_module_once():
 def test_each_workers_pools_have_room_for_what_its_cores_circulate():
     """A worker's pools follow the cores the engine schedules (up to two a CPU), not the host's
     CPUs: a ready sandbox a core, idle room for three a core (a run's, its follower's and one being
-    reset) within the idle cap; a size the config sets itself is only split among the workers."""
+    reset), the default idle cap growing to that room on a larger host; a size or cap the config
+    sets itself is only split among the workers."""
     from types import SimpleNamespace
 
     from arl_tangram.managers.sandbox.spec import SandboxConfig
     from arl_tangram.runtime.workers import SandboxWorkers
 
-    def config(cores, **kw) -> dict:
-        local = SimpleNamespace(config=SandboxConfig(**kw), host_cpus=tuple(range(16)))
-        return SandboxWorkers(local, 4, lambda report: None, cores)._config()
+    def config(cores, cpus=16, workers=4, **kw) -> dict:
+        local = SimpleNamespace(config=SandboxConfig(**kw), host_cpus=tuple(range(cpus)))
+        return SandboxWorkers(local, workers, lambda report: None, cores)._config()
 
     def sizes(c: dict) -> tuple[int, int, int]:
         return c["warm_pool"], c["recycle_pool_max"], c["max_idle_sandboxes"]
 
     assert sizes(config(None)) == (4, 12, 16)
-    assert sizes(config(24)) == (6, 18, 16)
-    assert sizes(config(1000)) == (8, 24, 16)  # sized for 32 cores: two a CPU
+    assert sizes(config(24)) == (6, 18, 18)
+    assert sizes(config(1000)) == (8, 24, 24)  # sized for 32 cores: two a CPU
+    assert sizes(config(None, cpus=64, workers=8)) == (8, 24, 24)  # the default cap, 64, was 8 a worker
+    assert sizes(config(None, cpus=64, workers=8, max_idle_sandboxes=64)) == (8, 24, 8)  # the user's cap
     assert sizes(config(24, recycle_pool_max=8, max_idle_sandboxes=16)) == (6, 2, 6)

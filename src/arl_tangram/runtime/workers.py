@@ -98,11 +98,12 @@ class SandboxWorkers:
         # a ready sandbox for each of the worker's cores (those the engine schedules, which may be
         # more than its CPUs, up to two a CPU: a config's cores do not make memory): a run queued
         # behind another (``follow``) starts as that one ends, while the sandbox it ran in is still
-        # being reset. Room for three idle a core, within ``max_idle_sandboxes`` (a hard cap): the
-        # run's, its follower's and the one being reset can all be back at once, and a clean one
-        # killed at the cap is started anew a moment later (10-50 ms of CPU against ~1 ms for a
-        # reset; issue 26, ninth round: docs/performance.md). A pool the config sizes itself is
-        # split as it says: memory is the user's to spend.
+        # being reset. Room for three idle a core: the run's, its follower's and the one being
+        # reset can all be back at once, and a clean one killed at the idle cap is started anew a
+        # moment later (10-50 ms of CPU against ~1 ms for a reset; issue 26, ninth and tenth
+        # rounds: docs/performance.md). The default cap (64 over all the workers) grows to that
+        # room on hosts with more than ~21 cores (~10 MB of memory an idle sandbox, PSS); a cap,
+        # or a pool, the config sets itself is split as it says: memory is the user's to spend.
         cpus = len(self.local.host_cpus)
         cores = -(-min(self.cores or cpus, 2 * cpus) // self.n)
         warm = per(c.warm_pool)
@@ -111,10 +112,13 @@ class SandboxWorkers:
         idle = per(c.recycle_pool_max)
         if idle and "recycle_pool_max" not in c.model_fields_set:
             idle = max(idle, 3 * cores)
+        cap = per(c.max_idle_sandboxes)
+        if cap and "max_idle_sandboxes" not in c.model_fields_set:
+            cap = max(cap, idle)
         return c.model_copy(update={"cpus": self.local.host_cpus, "warm_pool": warm,
                                     "warm_sessions": 0,  # workers run one-shots; sessions stay here
                                     "recycle_pool_max": idle,
-                                    "max_idle_sandboxes": max(per(c.max_idle_sandboxes), warm)}
+                                    "max_idle_sandboxes": max(cap, warm)}
                             ).model_dump(mode="json")
 
     async def _start(self, w: _Worker) -> None:

@@ -88,7 +88,10 @@ class SandboxConfig(BaseModel):
                                                        "Sessions moved off a draining node go through Ray's object "
                                                        "store instead")
     max_idle_sandboxes: int = Field(64, ge=0, description="hard cap on idle prepared sandboxes (warm pool plus "
-                                                          "prewarmed image sandboxes)")
+                                                          "prewarmed image sandboxes; ~10 MB each). Set, it is "
+                                                          "split among the sandbox workers; left to its default, "
+                                                          "a server's sandbox workers raise it to the idle room "
+                                                          "their one-shots circulate (three a scheduled core)")
 
     @model_validator(mode="after")
     def _pool_within_cap(self) -> "SandboxConfig":
