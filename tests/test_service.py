@@ -4,6 +4,7 @@ on any Linux host, bubblewrap or not (the real-sandbox twins are in test_server.
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import signal
 import sqlite3
@@ -49,6 +50,15 @@ def test_both_clients_see_the_same_service(server):
         assert e.value.status == 404
         health = c.health()
         assert (health["isolation"] is None) == server.double and health["queued"] == 0
+        # where one-shots run: on this host's cgroups with the cpu hierarchy, sharing the CPUs
+        if server.double:
+            assert health["one_shot_cpus"] is None
+        else:
+            from arl_tangram.managers.sandbox.cgroups import open_root
+            probe = open_root(tag=f"tangram-probe-{os.getpid()}")
+            if probe is not None:
+                probe.cleanup()
+            assert health["one_shot_cpus"] == ("shared" if probe is not None and probe.bounds_cpu_time else "pinned")
         # each core's wait between one-shots: kept by a real sandbox manager, none over the double
         assert (health["core_waits"] is None) == server.double
         if not server.double:

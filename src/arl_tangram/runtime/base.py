@@ -423,6 +423,13 @@ class Runtime:
         """``v1``/``v2`` where sandbox limits use cgroups, None where they fall back."""
         return None
 
+    def one_shot_cpus(self) -> str | None:
+        """Where one-shots run: ``shared`` (any of the host's CPUs, their cores' worth of CPU time
+        as a cgroup quota) or ``pinned`` (their cores' CPUs), as this process's sandbox manager
+        decided at start (``SandboxManager.shares_cpus``; its workers run the same config on the
+        same host); None where this process has none."""
+        return None
+
     def drain_node(self, node_id: str) -> dict:
         """Take a node out of service, moving its sessions elsewhere (``RayRuntime``); a runtime
         of one machine has nowhere to move them: ``ValueError`` saying so."""

@@ -169,3 +169,9 @@ class LocalRuntime(Runtime):
         if real is None or real.root is None:  # a CgroupRoot, where there is one
             return None
         return "v2" if real.root.v2 else "v1"
+
+    def one_shot_cpus(self) -> str | None:
+        real = self.sandbox_manager()
+        if real is None or real.mode is None:  # not started up
+            return None
+        return "shared" if real.shares_cpus else "pinned"

@@ -726,6 +726,7 @@ class Service:
         snap = self.runtime.snapshot()
         return {"status": "ok", "version": __version__, "queued": snap.queued, "running": snap.running,
                 "cores": snap.cores, "sessions": len(self.sessions), "isolation": snap.isolation,
+                "one_shot_cpus": self.runtime.one_shot_cpus(),
                 "recovered": self.recovered, "sessions_placed": snap.sessions,
                 "session_mem_used_mb": round(snap.session_mem_used_gb * 1024, 1),
                 "session_mem_reserved_mb": round(snap.session_mem_reserved_gb * 1024, 1),
