@@ -347,22 +347,22 @@ def open_root(mount: str | Path = "/sys/fs/cgroup", self_cgroup: str | None = No
             return CgroupRoot({"unified": parent}, v2=True,
                               bounds_cpu_time="cpu" in available and (parent / "cpu.max").exists())
         dirs = {}
-        for c in V1_CONTROLLERS:
-            cdir = mount / c
-            if not cdir.is_dir():
-                raise OSError(f"controller {c} is not mounted at {cdir}")
-            _reap_stale(cdir / own.get(c, "/").lstrip("/"), False)
-            parent = cdir / own.get(c, "/").lstrip("/") / tag
+        def ours(c: str) -> Path:
+            """Our parent group in controller ``c``'s hierarchy (stale ones of dead servers removed)."""
+            mine = mount / c / own.get(c, "/").lstrip("/")
+            _reap_stale(mine, False)
+            parent = mine / tag
             parent.mkdir(exist_ok=True)
-            dirs[c] = parent
+            return parent
+
+        for c in V1_CONTROLLERS:
+            if not (mount / c).is_dir():
+                raise OSError(f"controller {c} is not mounted at {mount / c}")
+            dirs[c] = ours(c)
         for c in V1_OPTIONAL:
-            cdir = mount / c
             try:
-                if cdir.is_dir():
-                    _reap_stale(cdir / own.get(c, "/").lstrip("/"), False)
-                    parent = cdir / own.get(c, "/").lstrip("/") / tag
-                    parent.mkdir(exist_ok=True)
-                    dirs[c] = parent
+                if (mount / c).is_dir():
+                    dirs[c] = ours(c)
             except OSError as e:  # mounted read-only, say: every action is pinned instead
                 log.info("cgroups: no CPU time quotas (%s): one-shots are pinned to their cores", e)
         cs = dirs["cpuset"]

@@ -1128,8 +1128,8 @@ class SandboxManager:
         if sb is not None and sb.rootfs is not None:
             env = {**sb.rootfs.image.env, **env}
         req = {"env": env, "max_output": self.config.max_output_bytes}
-        if self.root is None:  # no cpuset: its processes' affinity (the thread counts above stay the cores')
-            req["cpus"] = list(sb.cpus or cores) if sb is not None else list(cores)
+        if self.root is None:
+            req["cpus"] = list(cores)
         return req
 
     async def _execute(self, sb: Sandbox, payload, cores: tuple[int, ...],

@@ -328,8 +328,7 @@ class Sandbox:
 
     @property
     def cpus(self) -> tuple[int, ...] | None:
-        """The CPUs its runs go to (None: not placed yet): its group's cpuset, or without cgroups
-        the affinity its runs' processes are given (``SandboxManager._base``)."""
+        """The CPUs it was last placed on (None: not yet placed)."""
         return self._cpus
 
     @property
