@@ -109,6 +109,10 @@ def test_bench_server_against_another_endpoint_prints_both(tmp_path):
         # --cpu: our server's CPU by part (no fronts or workers on a small machine); the peer is not ours to read
         burn = r["tangram"]["cpu_200ms@c2"]["cpu_ms_per_request"]
         assert burn["sandboxes"] >= 150, burn  # each job burns 200 ms in its sandbox
+        # ... in its python child, reaped by the zygote (its loop's clock reads are system calls: no
+        # split asserted, only that the kernel's part is a part)
+        assert burn["in_sandboxes"]["zygote_children"] >= 150, burn
+        assert 0 < burn["sys"]["sandboxes"] <= burn["sandboxes"], burn
         # a process's time is read in clock ticks (10 ms): the engine's share of two 200 ms jobs can
         # be under one tick (CI once read 0.0), of the python case's many one-shots it is not
         assert r["tangram"]["python@c1"]["cpu_ms_per_request"]["engine"] > 0, r["tangram"]["python@c1"]

@@ -5,9 +5,15 @@ Processes are read from ``/proc`` (user + system time of the engine process and 
 children, a front or a worker by its command line); sandboxes from their control groups (the
 ``tangram-<pid>`` group each manager makes under its own, read as ``cpu.stat``'s ``usage_usec``
 on cgroup v2 or ``cpuacct.usage`` on v1; both count the whole subtree, so a one-shot's forked
-children are in it once they end). A sandbox's processes are never read from ``/proc``: a
-python one-shot's child is reaped by the zygote, which is never reaped while the sandbox lives,
-so its time would reach no parent's ``cutime`` there.
+children are in it once they end). Their total is never summed from ``/proc``: a sandbox
+started and discarded between two readings would be missing there.
+
+Each part's system time is beside it (``sys``: the kernel's share, page faults and system calls
+among it; sampled at clock ticks, the kernel's own split), and the sandboxes' CPU is split by process
+(``in_sandboxes``) for the sandboxes alive at the second reading (a sandbox's bwrap monitor, a child
+of the process that manages it; the runner under it, whose ``cutime`` holds the bash it spawned;
+the zygote, whose ``cutime`` holds every python child it reaped). Issue 26 asked where the
+sandboxes' CPU per one-shot grows between 2 and 16 cores: by process, user or kernel.
 """
 
 from __future__ import annotations
@@ -18,16 +24,45 @@ from pathlib import Path
 CGROUP_V2 = Path("/sys/fs/cgroup")
 CGROUP_V1 = CGROUP_V2 / "cpuacct"
 PARTS = ("engine", "fronts", "workers", "sandboxes")
+#: the sandboxes' processes: the runner and what it spawned and reaped (bash), the zygote and the
+#: python children it reaped; ``_sys`` the system part of the two long-lived ones (a short child's
+#: split is scaled from the clock ticks it was sampled in, most often none, so it is not reported)
+IN_SANDBOX = ("runner", "runner_sys", "runner_children", "zygote", "zygote_sys", "zygote_children")
 
 
 def _ticks() -> int:
     return os.sysconf("SC_CLK_TCK")
 
 
-def _proc_cpu_s(pid: int) -> float:
+def _proc_times(pid: int) -> tuple[str, list[float]]:
+    """A process's name and its user, system, children's user and children's system seconds."""
     with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _ticks()
+        text = fh.read()
+    fields = text.rsplit(")", 1)[1].split()
+    return text[text.index("(") + 1:text.rindex(")")], [int(f) / _ticks() for f in fields[11:15]]
+
+
+def _sandbox_procs(owner: int) -> dict[int, dict[str, float]]:
+    """CPU seconds of the persistent processes of each sandbox ``owner`` manages, by its bwrap
+    monitor's pid (``IN_SANDBOX``)."""
+    out: dict[int, dict[str, float]] = {}
+    for monitor in _children(owner):
+        rec: dict[str, float] = {}
+        try:
+            if _proc_times(monitor)[0] != "bwrap":
+                continue
+            for runner in _children(monitor):
+                _, (u, s, cu, cs) = _proc_times(runner)
+                rec.update(runner=u + s, runner_sys=s, runner_children=cu + cs)
+                for z in _children(runner):
+                    name, (u, s, cu, cs) = _proc_times(z)
+                    if name.startswith("python"):
+                        rec.update(zygote=u + s, zygote_sys=s, zygote_children=cu + cs)
+        except OSError:  # gone while read: counted as neither reading
+            continue
+        if rec:
+            out[monitor] = rec
+    return out
 
 
 def _children(pid: int) -> list[int]:
@@ -70,16 +105,17 @@ def _sandbox_groups(pids: set[int]) -> list[Path]:
     return found
 
 
-def _group_cpu_s(group: Path) -> float:
+def _group_cpu_s(group: Path) -> tuple[float, float]:
+    """A control group's CPU seconds, all and the system part."""
     stat = group / "cpu.stat"
     if stat.exists():
-        for line in stat.read_text().splitlines():
-            if line.startswith("usage_usec "):
-                return int(line.split()[1]) / 1e6
+        usec = dict(line.split() for line in stat.read_text().splitlines() if line.count(" ") == 1)
+        return int(usec.get("usage_usec", 0)) / 1e6, int(usec.get("system_usec", 0)) / 1e6
     usage = group / "cpuacct.usage"
     if usage.exists():
-        return int(usage.read_text()) / 1e9
-    return 0.0
+        ticks = dict(line.split() for line in (group / "cpuacct.stat").read_text().splitlines())
+        return int(usage.read_text()) / 1e9, int(ticks.get("system", 0)) / _ticks()
+    return 0.0, 0.0
 
 
 class CpuMeter:
@@ -88,12 +124,15 @@ class CpuMeter:
     def __init__(self, engine_pid: int) -> None:
         self.engine = engine_pid
 
-    def read(self) -> dict[str, float]:
-        out = dict.fromkeys(PARTS, 0.0)
+    def read(self) -> dict:
+        """The parts' CPU seconds (``PARTS``, each with its ``.sys``), and ``sandbox_procs``: each
+        sandbox's processes by its monitor's pid."""
+        out: dict = dict.fromkeys(PARTS, 0.0) | {f"{k}.sys": 0.0 for k in PARTS} | {"sandbox_procs": {}}
         try:
-            out["engine"] = _proc_cpu_s(self.engine)
+            _, (u, s, _, _) = _proc_times(self.engine)
         except OSError:
             return out
+        out["engine"], out["engine.sys"] = u + s, s
         owners = {self.engine}
         for kid in _children(self.engine):
             kind = _kind(kid)
@@ -101,17 +140,35 @@ class CpuMeter:
                 continue
             owners.add(kid)
             try:
-                out[kind] += _proc_cpu_s(kid)
+                _, (u, s, _, _) = _proc_times(kid)
             except OSError:
-                pass
-        out["sandboxes"] = sum(_group_cpu_s(g) for g in _sandbox_groups(owners))
+                continue
+            out[kind] += u + s
+            out[f"{kind}.sys"] += s
+        for g in _sandbox_groups(owners):
+            used, system = _group_cpu_s(g)
+            out["sandboxes"] += used
+            out["sandboxes.sys"] += system
+        for owner in owners:
+            out["sandbox_procs"].update(_sandbox_procs(owner))
         return out
 
     @staticmethod
-    def per_request(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
-        """Milliseconds of CPU per request by part, and their total."""
-        ms = {k: round((after[k] - before[k]) * 1000 / max(1, n), 3) for k in PARTS}
+    def per_request(before: dict, after: dict, n: int) -> dict:
+        """Milliseconds of CPU per request by part and their total; ``sys``: each part's system
+        time; ``in_sandboxes``: the sandboxes' processes (``IN_SANDBOX``; a sandbox started
+        between the readings counts from its start, its bwrap and interpreter's start-up
+        included, as in the control groups; one gone between them is missing: its time after
+        the first reading is not read)."""
+        def per(seconds: float) -> float:
+            return round(seconds * 1000 / max(1, n), 3)
+        ms: dict = {k: per(after[k] - before[k]) for k in PARTS}
         ms["total"] = round(sum(ms[k] for k in PARTS), 3)
+        ms["sys"] = {k: per(after[f"{k}.sys"] - before[f"{k}.sys"]) for k in PARTS}
+        was, now = before.get("sandbox_procs", {}), after.get("sandbox_procs", {})
+        ms["in_sandboxes"] = {k: per(sum(now[sid].get(k, 0.0) - was.get(sid, {}).get(k, 0.0) for sid in now))
+                              for k in IN_SANDBOX} | {"sandboxes_new": len(set(now) - set(was)),
+                                                "sandboxes_gone": len(set(was) - set(now))}
         return ms
 
 
