@@ -93,21 +93,6 @@ def test_as_root_our_cgroup_becomes_a_delegated_subtree(tmp_path, monkeypatch, o
     assert (mount / "svc" / "cgroup.procs").read_text().split() == []
     assert (mount / "svc" / LEAF / "cgroup.procs").read_text().split() == ["100", "101"]
     assert (mount / "svc" / "tangram-test" / "cgroup.subtree_control").read_text() == "+cpu +cpuset +memory +pids"
-    # our processes (the control plane) outweigh the sandboxes' groups beside them
-    assert (mount / "svc" / LEAF / "cpu.weight").read_text() == str(cgroups.LEAF_CPU_WEIGHT)
-
-
-def test_without_the_cpu_controller_our_leaf_keeps_its_weight(tmp_path, monkeypatch):
-    monkeypatch.setattr(cgroups, "euid", lambda: 0)
-    mount = fake_v2(tmp_path, "memory")
-    (mount / "cgroup.controllers").write_text("cpuset io memory pids\n")
-    kernel = FakeKernel(mount)
-    monkeypatch.setattr(cgroups, "_enable", kernel.enable)
-    monkeypatch.setattr(cgroups, "_move", kernel.move)
-    (mount / "svc" / "cgroup.procs").write_text("100\n")
-    root = open_root(mount, self_cgroup="0::/svc\n", tag="t")
-    assert root is not None and (mount / "svc" / LEAF / "cgroup.procs").read_text().split() == ["100"]
-    assert not (mount / "svc" / LEAF / "cpu.weight").exists()
 
 
 def test_a_kernel_without_the_controllers_is_a_clear_fallback(tmp_path, caplog, monkeypatch):

@@ -25,8 +25,6 @@ V2_REQUIRED = ("cpuset", "memory", "pids")
 V2_WANTED = ("cpu", "cpuset", "memory", "pids")
 CPU_PERIOD_US = 100_000  # the kernel's default period: a quota of n periods is n CPUs' worth
 LEAF = "tangram-leaf"  # where the processes of our own cgroup go, so that it may have controllers below
-#: ``cpu.weight`` of that leaf on v2, the most the kernel allows (its default is 100): see ``favour_leaf``
-LEAF_CPU_WEIGHT = 10_000
 
 
 def euid() -> int:
@@ -91,24 +89,6 @@ def delegate_v2(mount: Path, own: Path, root: bool) -> set[str]:
         log.info("cgroups: moved the processes of %s into %s to enable %s below it", own, leaf,
                  ", ".join(sorted(want)))
     return have
-
-
-def favour_leaf(base: Path) -> None:
-    """Give our own processes' leaf (the engine process, HTTP fronts, sandbox workers: the control
-    plane) the cpu controller's highest weight against the sandboxes' groups beside it on v2.
-
-    Beside the leaf under our cgroup are the sandboxes' parent groups, one per process that
-    manages sandboxes (the engine process and each sandbox worker), each of weight 100 like the
-    leaf's default. When one-shots kept every CPU busy the control plane, a sibling among five
-    at 16 cores, was held to its fair share, a sixth of the CPUs, while it needs about a quarter
-    there to feed them (0.93 ms of a 3.8 ms python one-shot: docs/performance.md). What the
-    control plane does not use goes to the sandboxes, and it never does a sandbox's work. On v1,
-    and in v2's root cgroup, each of our processes competes on its own against a sandboxes'
-    group, so they are favoured already."""
-    try:
-        (base / LEAF / "cpu.weight").write_text(str(LEAF_CPU_WEIGHT))
-    except OSError as e:
-        log.info("cgroups: our processes keep the default CPU weight beside their sandboxes (%s)", e)
 
 
 class Group:
@@ -360,8 +340,6 @@ def open_root(mount: str | Path = "/sys/fs/cgroup", self_cgroup: str | None = No
                 base = base.parent
             available = delegate_v2(mount, base, euid() == 0)
             _reap_stale(base, True)
-            if "cpu" in available and (base / LEAF).is_dir():
-                favour_leaf(base)
             parent = base / tag
             parent.mkdir(exist_ok=True)
             (parent / "cgroup.subtree_control").write_text(" ".join(f"+{c}" for c in V2_WANTED if c in available))
