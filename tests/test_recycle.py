@@ -824,3 +824,86 @@ def test_a_run_that_finds_the_pool_empty_waits_for_the_sandbox_being_reset():
     assert 1 in resetting, resetting
     assert fresh == {"run": 1}, (fresh, stats)  # the first run's sandbox, and no other
     assert stats["recycled"] == 5, stats
+
+
+def test_sandboxes_wear_out_each_at_its_own_count():
+    """``recycle_max_uses`` bounds every sandbox, but each draws its own count from half of it up,
+    so sandboxes made and used together are not all replaced at once (issue 26: on 12 cores they
+    wore out in bunches and runs found the pool empty)."""
+    from types import SimpleNamespace
+
+    from arl_tangram.managers.sandbox.recycle import Recycler
+
+    def sandbox():
+        return SimpleNamespace(uses=0, max_uses=None, recyclable=True, dead=False,
+                               proc=SimpleNamespace(returncode=None))
+
+    rec = Recycler(True, put=lambda sb: True, spawn=lambda coro: None, max_uses=100)
+    limits = [rec.limit(sandbox()) for _ in range(300)]
+    assert 50 <= min(limits) <= 55 and 95 <= max(limits) <= 100, (min(limits), max(limits))
+    sb = sandbox()
+    sb.uses = rec.limit(sb) - 2  # its last run but one: reset for another
+    assert rec._not_reset(sb) is None
+    sb.uses += 1  # its last: replaced, and its count stays its own
+    assert rec._not_reset(sb) == "worn out" and rec.limit(sb) == sb.uses + 1
+    assert {Recycler(True, lambda sb: True, lambda c: None, max_uses=1).limit(sandbox()) for _ in range(5)} == {1}
+
+
+def test_a_sandbox_lost_from_circulation_is_replaced_within_the_idle_cap():
+    """A recycled one-shot sandbox discarded after its run (worn out, unclean, dead) is replaced
+    in the background at once: under load the warm pool's own rule counts the sandboxes that
+    followers hold and never refills, so the circulation (three a busy core) dwindled until runs
+    found the pool empty and started their own (issue 26: 5-13 a level on 12 cores). Never past
+    the idle cap: with every sandbox discarded after its run, the pool would otherwise grow by
+    one a run."""
+    from types import SimpleNamespace
+
+    from arl_tangram.managers.sandbox.recycle import Recycler
+
+    async def recycler_side():
+        lost = []
+        tasks = []
+        rec = Recycler(True, put=lambda sb: True, spawn=lambda coro: tasks.append(asyncio.ensure_future(coro)),
+                       max_uses=1, lost=lambda: lost.append(1))
+
+        async def kill():
+            pass
+
+        rec.release(SimpleNamespace(id="sb", uses=0, max_uses=None, recyclable=True, dead=False, kill=kill,
+                                    proc=SimpleNamespace(returncode=None)))
+        off = Recycler(False, put=lambda sb: True, spawn=lambda coro: tasks.append(asyncio.ensure_future(coro)),
+                       lost=lambda: lost.append(2))
+        off.release(SimpleNamespace(id="sb2", uses=0, max_uses=None, recyclable=True, dead=False, kill=kill,
+                                    proc=SimpleNamespace(returncode=None)))
+        await asyncio.gather(*tasks)
+        return lost, dict(rec.discarded), dict(off.discarded)
+
+    lost, worn, off = asyncio.run(recycler_side())
+    assert worn == {"worn out": 1} and off == {"recycling off": 1}
+    assert lost == [1]  # a sandbox never in circulation (recycling off: each run a fresh one) is not owed
+
+    cfg = SandboxConfig(warm_pool=1, recycle_pool_max=3)
+
+    async def manager_side():
+        async with Tangram.local(sandbox=cfg, cores=1) as tg:
+            mgr = tg.runtime.sandboxes
+
+            async def pool_reaches(n):
+                for _ in range(300):
+                    if len(mgr._pool) >= n:
+                        return
+                    await asyncio.sleep(0.02)
+
+            await pool_reaches(1)  # the warm pool, full: its own rule starts nothing more
+            started = mgr.fresh["pool"]
+            mgr.recycler.lost()
+            mgr.recycler.lost()
+            await pool_reaches(3)
+            sizes = [len(mgr._pool)]
+            mgr.recycler.lost()  # at the idle cap: nothing more
+            await asyncio.sleep(0.5)
+            sizes.append(len(mgr._pool))
+            return mgr.fresh["pool"] - started, sizes
+
+    started, sizes = asyncio.run(manager_side())
+    assert started == 2 and sizes == [3, 3], (started, sizes)

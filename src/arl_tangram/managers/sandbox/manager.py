@@ -109,6 +109,7 @@ class SandboxManager:
         #: actions started here whose sandbox has not answered yet (``start``'s ``after``)
         self._unanswered: dict[str, _Unanswered] = {}
         self._followers = 0  # followers whose turn has not come: each holds a sandbox, soon reset
+        self._owed = 0  # recycled one-shot sandboxes discarded and not replaced yet (``_lost``)
         self.core_waits = CoreWaits()  # each core's wait between two one-shots (``/healthz`` core_waits)
         self.images = ImageStore(c.image_store)
         self.imageboxes: ImageSandboxes | None = None
@@ -160,7 +161,7 @@ class SandboxManager:
         self._reaper = asyncio.get_running_loop().create_task(self._expire_sessions())
         self.recycler = Recycler(self.config.recycle and self.mode is Isolation.BWRAP, self._put_back,
                                  self.tasks.spawn, self.config.recycle_max_uses, ahead=self.config.fork_ahead,
-                                 settled=self._sandbox_back)
+                                 settled=self._sandbox_back, lost=self._lost)
         log.info("sandboxes: isolation %s, cgroups %s, %d CPUs, warm pool %d, one-shots %s", self.mode.value,
                  "v2" if self.root and self.root.v2 else ("v1" if self.root else "unavailable"), len(self.host_cpus),
                  self.config.warm_pool, "share the CPUs" if self.shares_cpus else "pinned to their cores")
@@ -272,8 +273,10 @@ class SandboxManager:
         their own (issue 22's create + first command under load)."""
         in_flight: dict[asyncio.Task, list[Sandbox]] = {}
         parallel = max(1, SPAWNS_PER_CORE * len(self.host_cpus))
+        oneshots = self._pool
+        assert oneshots is not None  # (made by ``start`` before this task)
         pools = [(self._session_pool, self._warm_sessions(), self._spawn_session),
-                 (self._pool, self.config.warm_pool, self._spawn)]
+                 (oneshots, self.config.warm_pool, self._spawn)]
         # sandboxes on their way back to a pool count as there: a new session takes a sandbox and
         # the one it sends to rest comes back a few ms later, a one-shot's comes back from its reset
         # within a millisecond, and a spawn started meanwhile (~50 ms of CPU: bubblewrap, an
@@ -291,8 +294,14 @@ class SandboxManager:
                               else self.recycler.resetting + self._followers)
                            < size):
                         in_flight[loop.create_task(spawn())] = pool
-                        if pool is self._pool:
+                        if pool is oneshots:
                             self.fresh["pool"] += 1
+                while self._owed and len(in_flight) < parallel:  # one-shot sandboxes lost from circulation,
+                    self._owed -= 1                                  # within the idle cap
+                    if len(oneshots) + sum(p is oneshots for p in in_flight.values()) >= self._idle_cap():
+                        continue
+                    in_flight[loop.create_task(self._spawn())] = oneshots
+                    self.fresh["pool"] += 1
                 if taken is None or taken.done():
                     taken = loop.create_task(self._taken.wait())
                 done, _ = await asyncio.wait([*in_flight, taken], return_when=asyncio.FIRST_COMPLETED)
@@ -315,11 +324,14 @@ class SandboxManager:
                     continue
                 await sb.kill()
 
+    def _idle_cap(self) -> int:
+        """How many idle one-shot sandboxes the pool keeps at most."""
+        c = self.config
+        return min(max(c.recycle_pool_max, c.warm_pool), c.max_idle_sandboxes)
+
     def _put_back(self, sb: Sandbox) -> bool:
         """A recycled sandbox joins the pool (False: the pool is full or closing)."""
-        c = self.config
-        cap = min(max(c.recycle_pool_max, c.warm_pool), c.max_idle_sandboxes)
-        if self._closing or self._pool is None or len(self._pool) >= cap:
+        if self._closing or self._pool is None or len(self._pool) >= self._idle_cap():
             return False
         self._pool.append(sb)
         return True
@@ -383,6 +395,19 @@ class SandboxManager:
             self._returned.set()
         if self._pool is not None and len(self._pool) < self.config.warm_pool:
             self._taken.set()
+
+    def _lost(self) -> None:
+        """A recycled one-shot sandbox was discarded (worn out, unclean, dead): start another for
+        the pool now. The refill's own rule never would under load: it counts the sandboxes that
+        followers hold, which cover the warm pool's size whenever every core has a follower, so
+        the sandboxes in circulation (three a busy core: its run's, its follower's, the last one
+        being reset) dwindled with each discard until runs found the pool empty and started their
+        own, on the latency path (5-13 a level of 5,000 one-shots on 12 cores, issue 26's
+        eleventh round: docs/performance.md)."""
+        if self._closing or self._pool is None:
+            return
+        self._owed += 1
+        self._taken.set()
 
     async def _made_for_action(self, spawn) -> Sandbox:
         """A sandbox made for an action, shielded from the action's cancel: a cancel that lands

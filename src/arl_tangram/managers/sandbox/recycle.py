@@ -29,6 +29,7 @@ every child).
 from __future__ import annotations
 
 import logging
+import random
 from collections import Counter
 from typing import Awaitable, Callable
 
@@ -38,23 +39,32 @@ from .sandbox import Sandbox, SandboxDied
 log = logging.getLogger(__name__)
 
 
+#: why a released sandbox was not reset that says it was never in circulation (every one-shot
+#: takes a fresh one: the pool's refill keeps up with them as it is)
+NEVER_REUSED = frozenset({"recycling off", "not recyclable"})
+
+
 class Recycler:
     """Resets used one-shot sandboxes off the latency path and hands the clean ones to ``put``
     (which returns False when the pool is full); everything else is killed."""
 
     def __init__(self, enabled: bool, put: Callable[[Sandbox], bool], spawn: Callable[[Awaitable], object],
                  max_uses: int = 1000, timeout_s: float = 10.0, ahead: bool = True,
-                 settled: Callable[[], None] = lambda: None) -> None:
+                 settled: Callable[[], None] = lambda: None, lost: Callable[[], None] = lambda: None) -> None:
         """``spawn`` runs a background coroutine that shutdown waits for (the manager's TaskSet);
         ``ahead``: the reset after a python run forks the next python child ahead (runner.py);
-        ``settled``: called when a released sandbox's reset ended (it is in the pool, or not)."""
+        ``settled``: called when a released sandbox's reset ended (it is in the pool, or not);
+        ``lost``: called when a recyclable one released was discarded (worn out, unclean, dead),
+        so that its place in circulation is filled (``SandboxManager._keep_pool_full``)."""
         self.enabled = enabled
         self.put = put
         self.spawn = spawn
         self.settled = settled
+        self.lost = lost
         #: one-shot sandboxes being reset now: most are back in the pool within a millisecond
         self.resetting = 0
         self.max_uses = max_uses
+        self._draw = random.Random()  # each sandbox's own use count (``limit``)
         self.timeout_s = timeout_s
         self.ahead = ahead
         self.recycled = 0
@@ -83,6 +93,8 @@ class Recycler:
             self.discarded[reason] += 1
             if reason.startswith("unclean"):
                 log.warning("sandbox %s not recycled: %s", sb.id, reason)
+            if reason not in NEVER_REUSED:
+                self.lost()
         await sb.kill()
 
     async def session_verdict(self, sb: Sandbox, prefork: bool = False) -> str | None:
@@ -115,9 +127,21 @@ class Recycler:
             return "not recyclable"  # an image's sandbox: its root may be writable
         if sb.dead or sb.proc.returncode is not None:
             return "dead"
-        if sb.uses + 1 >= self.max_uses:
+        if sb.uses + 1 >= self.limit(sb):
             return "worn out"
         return None
+
+    def limit(self, sb: Sandbox) -> int:
+        """How many one-shots ``sb`` runs before it is replaced: its own count, drawn once between
+        half of ``max_uses`` and all of it. With one count for all, the sandboxes a busy host
+        keeps in circulation wore out together (they take turns from the top of the pool): 11-24
+        discarded in one level of 5,000 one-shots on 12 cores, and 5-11 of its runs then found
+        the pool empty and started a sandbox themselves (10-50 ms of CPU each, the core idle
+        meanwhile), where spread out the pool's refill replaces each in the background
+        (docs/performance.md, issue 26's eleventh round)."""
+        if sb.max_uses is None:
+            sb.max_uses = self._draw.randint(max(1, (self.max_uses + 1) // 2), self.max_uses)
+        return sb.max_uses
 
     def _reset(self, extra: dict | None = None) -> dict:
         return {"op": "reset", "dirs": WRITABLE, "ahead": self.ahead, **(extra or {})}

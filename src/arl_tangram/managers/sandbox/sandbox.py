@@ -110,6 +110,7 @@ class Sandbox:
         self.image: str | None = None
         self.on_kill = None  # called (in a thread) once the processes are gone: releases the root
         self.uses = 0  # one-shots run in it before (recycling)
+        self.max_uses: int | None = None  # one-shots it may run in all, drawn by the recycler (``Recycler.limit``)
         self.recyclable = False  # a plain warm-pool sandbox (not an image's): recycling may reuse it
         self.warmed: frozenset[str] = frozenset()  # modules its zygote imported (``runner.op_warm``)
         self.oom_seen = 0  # the group's OOM-kill count when last read
