@@ -402,7 +402,7 @@ class SandboxManager:
         followers hold, which cover the warm pool's size whenever every core has a follower, so
         the sandboxes in circulation (three a busy core: its run's, its follower's, the last one
         being reset) dwindled with each discard until runs found the pool empty and started their
-        own, on the latency path (5-13 a level of 5,000 one-shots on 12 cores, issue 26's
+        own, on the latency path (4-13 a level of 5,000 one-shots on 12 cores, issue 26's
         eleventh round: docs/performance.md)."""
         if self._closing or self._pool is None:
             return

@@ -132,15 +132,15 @@ class Recycler:
         return None
 
     def limit(self, sb: Sandbox) -> int:
-        """How many one-shots ``sb`` runs before it is replaced: its own count, drawn once between
-        half of ``max_uses`` and all of it. With one count for all, the sandboxes a busy host
-        keeps in circulation wore out together (they take turns from the top of the pool): 11-24
-        discarded in one level of 5,000 one-shots on 12 cores, and 5-11 of its runs then found
-        the pool empty and started a sandbox themselves (10-50 ms of CPU each, the core idle
-        meanwhile), where spread out the pool's refill replaces each in the background
-        (docs/performance.md, issue 26's eleventh round)."""
+        """How many one-shots ``sb`` runs before it is replaced: its own count, drawn once from the
+        last tenth of ``max_uses`` (900-1,000 by default). With one count for all, the sandboxes
+        a busy host keeps in circulation wore out together (they take turns from the top of the
+        pool): 10-26 discarded in one level of 5,000 one-shots on 12 cores, then replaced at once
+        (``SandboxManager._lost``), a burst of starts of 10-50 ms of CPU each. Drawn from the
+        upper half instead, they wore out a third sooner on average and the starts cost python
+        c=64 0.90x there (docs/performance.md, issue 26's eleventh round)."""
         if sb.max_uses is None:
-            sb.max_uses = self._draw.randint(max(1, (self.max_uses + 1) // 2), self.max_uses)
+            sb.max_uses = self._draw.randint(max(1, self.max_uses - self.max_uses // 10), self.max_uses)
         return sb.max_uses
 
     def _reset(self, extra: dict | None = None) -> dict:
