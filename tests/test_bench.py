@@ -248,3 +248,24 @@ def test_a_server_that_does_not_come_up_is_reported_with_its_output_as_soon_as_i
             proc.wait()
     assert "exited" in str(e.value) and "its output ends" in str(e.value), str(e.value)
     assert "address already in use" in str(e.value).lower(), str(e.value)
+
+
+def test_a_groups_cpu_time_on_v1_and_v2_layouts(tmp_path):
+    """``bench server --cpu`` reads a sandboxes' group: v2's ``cpu.stat`` (usage and system, in
+    microseconds); v1's cpuacct files, also where the cpu controller shares the directory and its
+    ``cpu.stat`` holds only throttling counts (systemd's ``cpu,cpuacct`` mount)."""
+    import os
+
+    from arl_tangram.bench.cpu import _group_cpu_s
+
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cpu.stat").write_text("usage_usec 2500000\nuser_usec 1500000\nsystem_usec 1000000\n")
+    assert _group_cpu_s(v2) == (2.5, 1.0)
+    v1 = tmp_path / "v1"
+    v1.mkdir()
+    (v1 / "cpu.stat").write_text("nr_periods 10\nnr_throttled 2\nthrottled_time 5000\n")
+    (v1 / "cpuacct.usage").write_text("3000000000\n")
+    (v1 / "cpuacct.stat").write_text(f"user {2 * os.sysconf('SC_CLK_TCK')}\nsystem {os.sysconf('SC_CLK_TCK')}\n")
+    assert _group_cpu_s(v1) == (3.0, 1.0)
+    assert _group_cpu_s(tmp_path) == (0.0, 0.0)  # neither: nothing read

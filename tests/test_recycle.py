@@ -853,7 +853,7 @@ def test_a_sandbox_lost_from_circulation_is_replaced_within_the_idle_cap():
     """A recycled one-shot sandbox discarded after its run (worn out, unclean, dead) is replaced
     in the background at once: under load the warm pool's own rule counts the sandboxes that
     followers hold and never refills, so the circulation (three a busy core) dwindled until runs
-    found the pool empty and started their own (issue 26: 4-13 a level on 12 cores). Never past
+    found the pool empty and started their own (issue 26: 2-14 a level on 12 cores). Never past
     the idle cap: with every sandbox discarded after its run, the pool would otherwise grow by
     one a run."""
     from types import SimpleNamespace
@@ -896,14 +896,53 @@ def test_a_sandbox_lost_from_circulation_is_replaced_within_the_idle_cap():
 
             await pool_reaches(1)  # the warm pool, full: its own rule starts nothing more
             started = mgr.fresh["pool"]
-            mgr.recycler.lost()
-            mgr.recycler.lost()
-            await pool_reaches(3)
-            sizes = [len(mgr._pool)]
-            mgr.recycler.lost()  # at the idle cap: nothing more
-            await asyncio.sleep(0.5)
-            sizes.append(len(mgr._pool))
+            mgr._followers = 3  # as under load: every core's follower holds a sandbox (the rule's blind spot)
+            try:
+                mgr.recycler.lost()
+                mgr.recycler.lost()
+                await pool_reaches(3)
+                sizes = [len(mgr._pool)]
+                mgr.recycler.lost()  # at the idle cap: nothing more
+                await asyncio.sleep(0.5)
+                sizes.append(len(mgr._pool))
+            finally:
+                mgr._followers = 0
             return mgr.fresh["pool"] - started, sizes
 
     started, sizes = asyncio.run(manager_side())
     assert started == 2 and sizes == [3, 3], (started, sizes)
+
+
+def test_at_a_light_load_each_discard_is_replaced_once():
+    """Runs one after another, each sandbox worn out after one (``recycle_max_uses=1``): the warm
+    pool's own rule replaces each run's sandbox as it is taken, so the discard owes nothing more
+    (the pool stays at its warm size, one start a run); a session's sandbox owes nothing either."""
+    cfg = SandboxConfig(warm_pool=1, recycle_pool_max=2, recycle_max_uses=1)
+
+    async def main():
+        async with Tangram.local(sandbox=cfg, cores=1) as tg:
+            mgr = tg.runtime.sandboxes
+            async def pooled():
+                for _ in range(300):
+                    if mgr._pool:
+                        return
+                    await asyncio.sleep(0.02)
+
+            await pooled()
+            before = mgr.fresh["pool"]
+            for i in range(4):
+                r = await tg.run(f"print({i})")
+                assert r.stdout == f"{i}\n", r
+                await _settle(tg, mgr.recycler.recycled + sum(mgr.recycler.discarded.values()) - 1)
+                await pooled()  # (a run sooner than a start finds the pool empty whatever the rule)
+            await asyncio.sleep(0.5)  # any replacement started by then is in the pool
+            one_shots = (mgr.fresh["pool"] - before, len(mgr._pool), mgr.recycler.discarded["worn out"])
+            s = await tg.session()
+            assert (await s.exec("echo hi")).stdout.strip() == "hi"
+            await s.close()
+            await asyncio.sleep(0.3)
+            return one_shots, mgr._owed, mgr.fresh["pool"] - before
+
+    (started, pooled, worn), owed, started_after = asyncio.run(main())
+    assert worn == 4 and started == 4 and pooled == 1, (started, pooled, worn)  # not 8 and 2
+    assert owed == 0 and started_after == started, (owed, started_after)

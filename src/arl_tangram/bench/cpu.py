@@ -10,9 +10,10 @@ started and discarded between two readings would be missing there.
 
 Each part's system time is beside it (``sys``: the kernel's share, page faults and system calls
 among it; sampled at clock ticks, the kernel's own split), and the sandboxes' CPU is split by process
-(``in_sandboxes``) for the sandboxes alive at the second reading (a sandbox's bwrap monitor, a child
-of the process that manages it; the runner under it, whose ``cutime`` holds the bash it spawned;
-the zygote, whose ``cutime`` holds every python child it reaped). Issue 26 asked where the
+(``in_sandboxes``) for the sandboxes alive at the second reading, each known by its bwrap
+monitor's pid and start time (a child of the process that manages it; the runner under it, the
+namespace's init, whose ``cutime`` holds the bash it spawned and any process orphaned there; the
+zygote, whose ``cutime`` holds every python child it reaped). Issue 26 asked where the
 sandboxes' CPU per one-shot grows between 2 and 16 cores: by process, user or kernel.
 """
 
@@ -24,44 +25,50 @@ from pathlib import Path
 CGROUP_V2 = Path("/sys/fs/cgroup")
 CGROUP_V1 = CGROUP_V2 / "cpuacct"
 PARTS = ("engine", "fronts", "workers", "sandboxes")
-#: the sandboxes' processes: the runner and what it spawned and reaped (bash), the zygote and the
-#: python children it reaped; ``_sys`` the system part of the two long-lived ones (a short child's
-#: split is scaled from the clock ticks it was sampled in, most often none, so it is not reported)
-IN_SANDBOX = ("runner", "runner_sys", "runner_children", "zygote", "zygote_sys", "zygote_children")
+#: the sandboxes' processes: bwrap's monitor outside the namespace; the runner (its init) and what
+#: it reaped (the bash it spawned, and any process orphaned in the sandbox); the zygote and the
+#: python children it reaped. ``_sys``: the system part of the two long-lived ones (a short
+#: child's split is scaled from the clock ticks it was sampled in, most often none: not reported)
+IN_SANDBOX = ("monitor", "runner", "runner_sys", "runner_children", "zygote", "zygote_sys", "zygote_children")
 
 
 def _ticks() -> int:
     return os.sysconf("SC_CLK_TCK")
 
 
-def _proc_times(pid: int) -> tuple[str, list[float]]:
-    """A process's name and its user, system, children's user and children's system seconds."""
+def _proc_times(pid: int) -> tuple[str, list[float], int]:
+    """A process's name; its user, system, children's user and children's system seconds; and
+    its start time (clock ticks since boot: with the pid, who it is, as pids are reused)."""
     with open(f"/proc/{pid}/stat") as fh:
         text = fh.read()
     fields = text.rsplit(")", 1)[1].split()
-    return text[text.index("(") + 1:text.rindex(")")], [int(f) / _ticks() for f in fields[11:15]]
+    return (text[text.index("(") + 1:text.rindex(")")], [int(f) / _ticks() for f in fields[11:15]],
+            int(fields[19]))
 
 
-def _sandbox_procs(owner: int) -> dict[int, dict[str, float]]:
-    """CPU seconds of the persistent processes of each sandbox ``owner`` manages, by its bwrap
-    monitor's pid (``IN_SANDBOX``)."""
-    out: dict[int, dict[str, float]] = {}
+def _sandbox_procs(owner: int) -> dict[tuple[int, int], dict[str, float]]:
+    """CPU seconds of the persistent processes of each sandbox ``owner`` manages (``IN_SANDBOX``),
+    by its bwrap monitor's pid and start time."""
+    out: dict[tuple[int, int], dict[str, float]] = {}
     for monitor in _children(owner):
-        rec: dict[str, float] = {}
         try:
-            if _proc_times(monitor)[0] != "bwrap":
+            name, (u, s, _, _), started = _proc_times(monitor)
+            if name != "bwrap":
                 continue
+            rec = {"monitor": u + s}
             for runner in _children(monitor):
-                _, (u, s, cu, cs) = _proc_times(runner)
+                name, (u, s, cu, cs), _ = _proc_times(runner)
                 rec.update(runner=u + s, runner_sys=s, runner_children=cu + cs)
-                for z in _children(runner):
-                    name, (u, s, cu, cs) = _proc_times(z)
-                    if name.startswith("python"):
-                        rec.update(zygote=u + s, zygote_sys=s, zygote_children=cu + cs)
+                # the zygote: the runner's first child of its own interpreter (a bash started ahead,
+                # a fresh interpreter's run or a session's are other children)
+                kids = [(k, _proc_times(k)) for k in _children(runner)]
+                same = sorted((t[2], t[1]) for k, t in kids if t[0] == name)
+                if same:
+                    (u, s, cu, cs) = same[0][1]
+                    rec.update(zygote=u + s, zygote_sys=s, zygote_children=cu + cs)
         except OSError:  # gone while read: counted as neither reading
             continue
-        if rec:
-            out[monitor] = rec
+        out[(monitor, started)] = rec
     return out
 
 
@@ -106,11 +113,12 @@ def _sandbox_groups(pids: set[int]) -> list[Path]:
 
 
 def _group_cpu_s(group: Path) -> tuple[float, float]:
-    """A control group's CPU seconds, all and the system part."""
+    """A control group's CPU seconds, all and the system part (v2's ``cpu.stat``; v1's cpuacct
+    files, where a ``cpu.stat`` beside them is the cpu controller's throttling counts)."""
     stat = group / "cpu.stat"
-    if stat.exists():
-        usec = dict(line.split() for line in stat.read_text().splitlines() if line.count(" ") == 1)
-        return int(usec.get("usage_usec", 0)) / 1e6, int(usec.get("system_usec", 0)) / 1e6
+    usec = dict(line.split() for line in stat.read_text().splitlines() if line.count(" ") == 1) if stat.exists() else {}
+    if "usage_usec" in usec:
+        return int(usec["usage_usec"]) / 1e6, int(usec.get("system_usec", 0)) / 1e6
     usage = group / "cpuacct.usage"
     if usage.exists():
         ticks = dict(line.split() for line in (group / "cpuacct.stat").read_text().splitlines())
@@ -129,7 +137,7 @@ class CpuMeter:
         sandbox's processes by its monitor's pid."""
         out: dict = dict.fromkeys(PARTS, 0.0) | {f"{k}.sys": 0.0 for k in PARTS} | {"sandbox_procs": {}}
         try:
-            _, (u, s, _, _) = _proc_times(self.engine)
+            _, (u, s, _, _), _ = _proc_times(self.engine)
         except OSError:
             return out
         out["engine"], out["engine.sys"] = u + s, s
@@ -140,7 +148,7 @@ class CpuMeter:
                 continue
             owners.add(kid)
             try:
-                _, (u, s, _, _) = _proc_times(kid)
+                _, (u, s, _, _), _ = _proc_times(kid)
             except OSError:
                 continue
             out[kind] += u + s

@@ -296,9 +296,12 @@ class SandboxManager:
                         in_flight[loop.create_task(spawn())] = pool
                         if pool is oneshots:
                             self.fresh["pool"] += 1
-                while self._owed and len(in_flight) < parallel:  # one-shot sandboxes lost from circulation,
-                    self._owed -= 1                                  # within the idle cap
-                    if len(oneshots) + sum(p is oneshots for p in in_flight.values()) >= self._idle_cap():
+                while self._owed and len(in_flight) < parallel:  # one-shot sandboxes lost from circulation
+                    self._owed -= 1
+                    # owed only while the followers' sandboxes hide the pool's shortfall from the rule
+                    # above (under load), and within the idle cap: otherwise that rule refilled already
+                    have = len(oneshots) + sum(p is oneshots for p in in_flight.values()) + self.recycler.resetting
+                    if have >= min(self._idle_cap(), self.config.warm_pool + self._followers):
                         continue
                     in_flight[loop.create_task(self._spawn())] = oneshots
                     self.fresh["pool"] += 1
@@ -366,6 +369,7 @@ class SandboxManager:
                 sb = pool.pop(i)
                 if not sb.dead and sb.proc.returncode is None:
                     return sb
+                self._dropped(sb)  # died idle
             # one being reset is back within a millisecond; a fresh one takes 10-50 ms of CPU
             if not self.recycler.resetting or not await self._returned_by(deadline):
                 break
@@ -396,14 +400,22 @@ class SandboxManager:
         if self._pool is not None and len(self._pool) < self.config.warm_pool:
             self._taken.set()
 
+    def _dropped(self, sb: Sandbox) -> None:
+        """A one-shot sandbox killed or found dead outside the recycler's verdict (its run cancelled
+        or failed, or dead in the pool): replaced as the recycler's discards are (``_lost``)."""
+        if sb.recyclable and self.recycler.enabled:
+            self._lost()
+
     def _lost(self) -> None:
         """A recycled one-shot sandbox was discarded (worn out, unclean, dead): start another for
         the pool now. The refill's own rule never would under load: it counts the sandboxes that
         followers hold, which cover the warm pool's size whenever every core has a follower, so
         the sandboxes in circulation (three a busy core: its run's, its follower's, the last one
         being reset) dwindled with each discard until runs found the pool empty and started their
-        own, on the latency path (4-13 a level of 5,000 one-shots on 12 cores, issue 26's
-        eleventh round: docs/performance.md)."""
+        own, on the latency path (2-14 a level of 5,000 one-shots on 12 cores, issue 26's
+        eleventh round: docs/performance.md). The replacement is started only while that rule is
+        blind (the pool, its spawns and resets below the warm size plus the followers' sandboxes)
+        and within the idle cap: at a light load the rule has refilled for the run already."""
         if self._closing or self._pool is None:
             return
         self._owed += 1
@@ -1095,10 +1107,14 @@ class SandboxManager:
                     self._sandbox_back()
                     raise  # cancelled while it waited for its turn: nothing ran in it
                 await sb.kill()
+                if traj is None:
+                    self._dropped(sb)
             raise
         except Exception:
             if sb is not None:
                 await sb.kill()
+                if traj is None:
+                    self._dropped(sb)
             raise  # the task set reports it as infra_error
         finally:
             if traj is not None:

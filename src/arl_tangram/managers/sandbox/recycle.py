@@ -137,8 +137,9 @@ class Recycler:
         a busy host keeps in circulation wore out together (they take turns from the top of the
         pool): 10-26 discarded in one level of 5,000 one-shots on 12 cores, then replaced at once
         (``SandboxManager._lost``), a burst of starts of 10-50 ms of CPU each. Drawn from the
-        upper half instead, they wore out a third sooner on average and the starts cost python
-        c=64 0.90x there (docs/performance.md, issue 26's eleventh round)."""
+        upper half instead, they lived a fifth shorter on average (750 one-shots against 950) and
+        the extra starts cost python c=64 0.90x there (docs/performance.md, issue 26's eleventh
+        round)."""
         if sb.max_uses is None:
             sb.max_uses = self._draw.randint(max(1, self.max_uses - self.max_uses // 10), self.max_uses)
         return sb.max_uses
