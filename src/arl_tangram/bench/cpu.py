@@ -134,7 +134,7 @@ class CpuMeter:
 
     def read(self) -> dict:
         """The parts' CPU seconds (``PARTS``, each with its ``.sys``), and ``sandbox_procs``: each
-        sandbox's processes by its monitor's pid."""
+        sandbox's processes by its monitor's pid and start time."""
         out: dict = dict.fromkeys(PARTS, 0.0) | {f"{k}.sys": 0.0 for k in PARTS} | {"sandbox_procs": {}}
         try:
             _, (u, s, _, _), _ = _proc_times(self.engine)
