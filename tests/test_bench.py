@@ -113,6 +113,7 @@ def test_bench_server_against_another_endpoint_prints_both(tmp_path):
         # split asserted, only that the kernel's part is a part)
         assert burn["in_sandboxes"]["zygote_children"] >= 150, burn
         assert 0 < burn["sys"]["sandboxes"] <= burn["sandboxes"], burn
+        assert "CPU ms/request: engine" in p.stderr + p.stdout  # and the log says it in a line
         # a process's time is read in clock ticks (10 ms): the engine's share of two 200 ms jobs can
         # be under one tick (CI once read 0.0), of the python case's many one-shots it is not
         assert r["tangram"]["python@c1"]["cpu_ms_per_request"]["engine"] > 0, r["tangram"]["python@c1"]

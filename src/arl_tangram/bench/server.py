@@ -50,6 +50,17 @@ def _summary(latencies: list[float], elapsed: float, errors: int) -> dict:
             "p99_ms": round(percentile(lat, 99) * 1000, 2), "throughput_per_s": round(len(lat) / elapsed, 1)}
 
 
+def _cpu_line(ms: dict) -> str:
+    """``cpu_ms_per_request`` in a line (``bench/cpu.py``): each part's ms of CPU per request and
+    the kernel's part of it, then the sandboxes' by process."""
+    parts = ", ".join(f"{k} {ms[k]} ({ms['sys'][k]} kernel)" for k in ("engine", "fronts", "workers", "sandboxes")
+                      if ms.get(k))
+    inside = ms.get("in_sandboxes") or {}
+    procs = ", ".join(f"{k.replace('_', ' ')} {inside[k]}" for k in ("runner", "runner_children", "zygote",
+                                                                      "zygote_children") if inside.get(k))
+    return f"{'':>8} CPU ms/request: {parts or 'none read'}" + (f"; in the sandboxes: {procs}" if procs else "")
+
+
 def _body(case: str, i: int) -> dict:
     if case == "bash":
         return {"code": f"echo {i}", "language": "bash"}
@@ -479,6 +490,8 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
                            f"{r['sandboxes']['started_for_run']} by runs, {r['sandboxes']['discarded']} discarded, "
                            f"{r['sandboxes'].get('over_cap', 0)} over the idle cap"
                            if r.get("sandboxes") else ""))
+                    if r.get("cpu_ms_per_request"):
+                        log(_cpu_line(r["cpu_ms_per_request"]))
                     time.sleep(0.3)
             if rounds > 1:
                 for (name, key), runs in every.items():
