@@ -946,3 +946,42 @@ def test_at_a_light_load_each_discard_is_replaced_once():
     (started, pooled, worn), owed, started_after = asyncio.run(main())
     assert worn == 4 and started == 4 and pooled == 1, (started, pooled, worn)  # not 8 and 2
     assert owed == 0 and started_after == started, (owed, started_after)
+
+
+def test_a_one_shot_sandbox_killed_by_its_runs_cancel_is_replaced_under_load():
+    """A cancelled run's sandbox is killed outside the recycler's verdict (it may hold the user's
+    processes): under load (followers holding sandboxes, the refill's rule blind) it is owed a
+    replacement as a discarded one is."""
+    cfg = SandboxConfig(warm_pool=1, recycle_pool_max=3)
+
+    async def main():
+        async with Tangram.local(sandbox=cfg, cores=1) as tg:
+            mgr, rt = tg.runtime.sandboxes, tg.runtime
+            for _ in range(300):
+                if mgr._pool:
+                    break
+                await asyncio.sleep(0.02)
+            task = asyncio.ensure_future(tg.run("import time; time.sleep(30)", id="long", timeout_s=60))
+            for _ in range(300):
+                if rt.state_of("long") == "running":
+                    break
+                await asyncio.sleep(0.02)
+            for _ in range(300):  # the refill has replaced the sandbox the run took (its own rule)
+                if mgr._pool:
+                    break
+                await asyncio.sleep(0.02)
+            started = mgr.fresh["pool"]
+            mgr._followers = 3  # as under load: the followers' sandboxes hide the pool's shortfall
+            try:
+                assert rt.cancel("long") is True
+                r = await asyncio.wait_for(task, 20)
+                for _ in range(300):
+                    if mgr.fresh["pool"] > started:
+                        break
+                    await asyncio.sleep(0.02)
+            finally:
+                mgr._followers = 0
+            return r.outcome, mgr.fresh["pool"] - started
+
+    outcome, replaced = asyncio.run(main())
+    assert outcome is Outcome.CANCELLED and replaced == 1, (outcome, replaced)
