@@ -61,8 +61,7 @@ def _sandbox_procs(owner: int) -> dict[tuple[int, int], dict[str, float]]:
                 rec.update(runner=u + s, runner_sys=s, runner_children=cu + cs)
                 # the zygote: the runner's first child of its own interpreter (a bash started ahead,
                 # a fresh interpreter's run or a session's are other children)
-                kids = [(k, _proc_times(k)) for k in _children(runner)]
-                same = sorted((t[2], t[1]) for k, t in kids if t[0] == name)
+                same = sorted((t[2], t[1]) for t in map(_proc_times, _children(runner)) if t[0] == name)
                 if same:
                     (u, s, cu, cs) = same[0][1]
                     rec.update(zygote=u + s, zygote_sys=s, zygote_children=cu + cs)

@@ -30,7 +30,7 @@ import httpx
 
 from ..managers.sandbox import corewaits
 from ..managers.sandbox.spec import SandboxConfig
-from .cpu import CpuMeter, cpu_ticks
+from .cpu import PARTS, CpuMeter, cpu_ticks
 from ..runtime import Tangram
 from ..sim.metrics import percentile
 
@@ -53,8 +53,7 @@ def _summary(latencies: list[float], elapsed: float, errors: int) -> dict:
 def _cpu_line(ms: dict) -> str:
     """``cpu_ms_per_request`` in a line (``bench/cpu.py``): each part's ms of CPU per request and
     the kernel's part of it, then the sandboxes' by process."""
-    parts = ", ".join(f"{k} {ms[k]} ({ms['sys'][k]} kernel)" for k in ("engine", "fronts", "workers", "sandboxes")
-                      if ms.get(k))
+    parts = ", ".join(f"{k} {ms[k]} ({ms['sys'][k]} kernel)" for k in PARTS if ms.get(k))
     inside = ms.get("in_sandboxes") or {}
     procs = ", ".join(f"{k.replace('_', ' ')} {inside[k]}" for k in ("runner", "runner_children", "zygote",
                                                                       "zygote_children") if inside.get(k))

@@ -284,12 +284,17 @@ class SandboxManager:
         # one at a time past max_awake_sessions; one-shots: see ``_take``)
         loop = asyncio.get_running_loop()
         taken: asyncio.Task | None = None
+
+        def coming(pool: list[Sandbox]) -> int:
+            """A pool's sandboxes, and those being started for it."""
+            return len(pool) + sum(p is pool for p in in_flight.values())
+
         try:
             while not self._closing:
                 self._taken.clear()
                 for pool, size, spawn in pools:
                     while (len(in_flight) < parallel
-                           and len(pool) + sum(p is pool for p in in_flight.values())
+                           and coming(pool)
                            + (self._coming_back() if pool is self._session_pool
                               else self.recycler.resetting + self._followers)
                            < size):
@@ -300,7 +305,7 @@ class SandboxManager:
                     self._owed -= 1
                     # owed only while the followers' sandboxes hide the pool's shortfall from the rule
                     # above (under load), and within the idle cap: otherwise that rule refilled already
-                    have = len(oneshots) + sum(p is oneshots for p in in_flight.values()) + self.recycler.resetting
+                    have = coming(oneshots) + self.recycler.resetting
                     if have >= min(self._idle_cap(), self.config.warm_pool + self._followers):
                         continue
                     in_flight[loop.create_task(self._spawn())] = oneshots
@@ -369,7 +374,8 @@ class SandboxManager:
                 sb = pool.pop(i)
                 if not sb.dead and sb.proc.returncode is None:
                     return sb
-                self._dropped(sb)  # died idle
+                if self.recycler.circulates(sb):  # died idle
+                    self._lost()
             # one being reset is back within a millisecond; a fresh one takes 10-50 ms of CPU
             if not self.recycler.resetting or not await self._returned_by(deadline):
                 break
@@ -400,10 +406,11 @@ class SandboxManager:
         if self._pool is not None and len(self._pool) < self.config.warm_pool:
             self._taken.set()
 
-    def _dropped(self, sb: Sandbox) -> None:
-        """A one-shot sandbox killed or found dead outside the recycler's verdict (its run cancelled
-        or failed, or dead in the pool): replaced as the recycler's discards are (``_lost``)."""
-        if sb.recyclable and self.recycler.enabled:
+    async def _kill_unreset(self, sb: Sandbox, traj: str | None) -> None:
+        """Kill an action's sandbox outside the recycler's verdict (its run cancelled or failed); a
+        one-shot's is replaced as the recycler's discards are (``_lost``)."""
+        await sb.kill()
+        if traj is None and self.recycler.circulates(sb):
             self._lost()
 
     def _lost(self) -> None:
@@ -1106,15 +1113,11 @@ class SandboxManager:
                         and self._put_back(sb)):
                     self._sandbox_back()
                     raise  # cancelled while it waited for its turn: nothing ran in it
-                await sb.kill()
-                if traj is None:
-                    self._dropped(sb)
+                await self._kill_unreset(sb, traj)
             raise
         except Exception:
             if sb is not None:
-                await sb.kill()
-                if traj is None:
-                    self._dropped(sb)
+                await self._kill_unreset(sb, traj)
             raise  # the task set reports it as infra_error
         finally:
             if traj is not None:

@@ -39,11 +39,6 @@ from .sandbox import Sandbox, SandboxDied
 log = logging.getLogger(__name__)
 
 
-#: why a released sandbox was not reset that says it was never in circulation (every one-shot
-#: takes a fresh one: the pool's refill keeps up with them as it is)
-NEVER_REUSED = frozenset({"recycling off", "not recyclable"})
-
-
 class Recycler:
     """Resets used one-shot sandboxes off the latency path and hands the clean ones to ``put``
     (which returns False when the pool is full); everything else is killed."""
@@ -93,7 +88,7 @@ class Recycler:
             self.discarded[reason] += 1
             if reason.startswith("unclean"):
                 log.warning("sandbox %s not recycled: %s", sb.id, reason)
-            if reason not in NEVER_REUSED:
+            if self.circulates(sb):
                 self.lost()
         await sb.kill()
 
@@ -118,6 +113,12 @@ class Recycler:
         ``release`` will ask ``sb`` for one: the runner then resets right after its answer, and the
         verdict reads that reset's answer instead of sending a request of its own."""
         return None if self._not_reset(sb) else self._reset()
+
+    def circulates(self, sb: Sandbox) -> bool:
+        """Whether a one-shot sandbox is reused from run to run, so that losing it leaves the pool
+        one short (with recycling off, or an image's sandbox, each run takes a fresh one and the
+        pool's refill keeps up as it is)."""
+        return self.enabled and sb.recyclable
 
     def _not_reset(self, sb: Sandbox, recyclable: bool | None = None) -> str | None:
         """Why ``sb`` is not reset for reuse at all (None: it is)."""
