@@ -142,6 +142,41 @@ def test_when_durable_calls_back_once_the_writes_before_it_are_committed(tmp_pat
     j.close()
 
 
+def test_finish_says_whether_none_of_the_action_was_on_disk_and_commits_it_behind_the_answer(tmp_path):
+    """``finish`` is True only for an acceptance made ``with_result`` and still queued (its caller
+    may be answered before the commit: a crash leaves no row to run again); False for one already
+    on disk through another write's commit, and for an ordinary action. The True one's commit
+    comes one loop iteration later than an ordinary one's, behind a callback queued after the
+    ``finish`` (the caller's answer), and then the row is on disk, done."""
+    path = str(tmp_path / "j.sqlite3")
+    j = Journal(path)
+
+    async def settle():
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        seen: list[dict[str, str]] = []
+        j.accept("a", "job", "run_code", {"x": 1}, True, with_result=True)
+        assert j.finish("a", "ok", {"out": 1}) is True
+        loop.call_soon(lambda: seen.append(_rows(path)))  # the answer, queued after the finish
+        await settle()
+        assert seen == [{}] and _rows(path) == {"a": "done"} and j.commits == 1  # answered first, then on disk
+
+        j.accept("b", "job", "run_code", {"x": 2}, True, with_result=True)
+        j.accept("w", "job", "exec", {}, False)  # its commit takes b's acceptance to disk
+        await settle()
+        assert _rows(path)["b"] == "accepted"
+        assert j.finish("b", "ok", {"out": 2}) is False  # answered before its commit, a crash would re-run it
+        assert j.finish("w", "ok", {}) is False
+        await asyncio.wait_for(j.durable(), 5)
+        assert _rows(path) == {"a": "done", "b": "done", "w": "done"}
+
+    asyncio.run(main())
+    j.close()
+
+
 def test_an_acceptance_answered_only_by_its_result_goes_to_disk_with_the_next_commit(tmp_path):
     """``accept(with_result=True)`` (a one-shot under an id the server made): readable at once, no
     commit of its own; finished while still queued, one row written done (an insert, no update),

@@ -286,6 +286,60 @@ def test_a_one_shot_whose_result_cannot_be_recorded_ends_as_infra_error_not_reru
     assert unfinished == []
 
 
+def test_a_one_shot_is_answered_before_its_commit_only_when_none_of_it_was_on_disk(tmp_path):
+    """A SandboxFusion one-shot whose acceptance is still queued when it ends is answered at once:
+    its row, written done, is committed right after (a crash in between leaves no row, so nothing
+    runs twice). One whose acceptance reached disk meanwhile (another write's commit) is answered
+    only once its result is on disk too: answered before, a crash would leave it accepted and a
+    restart would run it again."""
+    import sqlite3
+
+    from arl_tangram.api import sandboxfusion as sf
+    from arl_tangram.runtime import LocalRuntime
+    from arl_tangram.server import service as service_module
+    from arl_tangram.server.journal import Journal
+    from arl_tangram.server.sandboxfusion import run_code_action
+
+    from doubles import InProcessSandboxes
+
+    path = str(tmp_path / "j.sqlite3")
+
+    def on_disk(id: str) -> str | None:
+        db = sqlite3.connect(path)
+        try:
+            row = db.execute("SELECT state FROM actions WHERE id=?", (id,)).fetchone()
+            return row[0] if row else None
+        finally:
+            db.close()
+
+    async def one(svc, code: str, flush_after_s: float | None) -> tuple[str, str | None, str | None]:
+        action, text = run_code_action(sf.RunCodeRequest(code=code, language="python"))
+        answered: asyncio.Future = asyncio.get_running_loop().create_future()
+        svc.run_oneshot(action, text, reply=lambda ok, value: answered.set_result((ok, on_disk(action.id))))
+        if flush_after_s is not None:
+            await asyncio.sleep(flush_after_s)
+            svc.journal.flush()  # what another action's commit would do: its acceptance on disk
+            assert on_disk(action.id) == "accepted"
+        ok, at_answer = await asyncio.wait_for(answered, 30)
+        assert ok
+        await svc.journal.durable()
+        return action.id, at_answer, on_disk(action.id)
+
+    async def main():
+        svc = service_module.Service(LocalRuntime(sandboxes=InProcessSandboxes.factory(), cores=1), Journal(path))
+        await svc.start()
+        try:
+            unseen = await one(svc, "print(1)", None)
+            seen = await one(svc, "import time; time.sleep(0.5); print(2)", 0.2)
+        finally:
+            await svc.stop()
+        return unseen, seen
+
+    (_, unseen_at_answer, unseen_after), (_, seen_at_answer, seen_after) = asyncio.run(main())
+    assert (unseen_at_answer, unseen_after) == (None, "done")  # answered first (fails if it waited for the commit)
+    assert (seen_at_answer, seen_after) == ("done", "done")  # (fails if answered before its result's commit)
+
+
 def test_a_one_shot_cut_by_the_servers_stop_is_told_to_retry_and_never_re_run(tmp_path):
     """A SandboxFusion one-shot still running when the server stops: its caller is told to retry
     (503) and its acceptance, still queued (it goes to disk with its result), is taken back: the

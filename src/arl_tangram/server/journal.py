@@ -5,7 +5,8 @@ every accepted action is accounted for: finished once, re-run where that is safe
 one-shot), or finished as ``infra_error`` (a session step whose sandbox died with the server). The
 action id is the idempotency key: a resubmission finds the row instead of making a second one. (An
 action whose result is its only acknowledgement may reach disk only with that result:
-``accept``'s ``with_result``.)
+``accept``'s ``with_result``; it is then answered before that commit, which cannot make it run
+twice: ``finish``.)
 ``synchronous=NORMAL`` survives a killed process (the WAL is in the OS's hands), not a power cut.
 
 One journal, one server: a server holds an exclusive lock on ``<journal>.lock`` for its lifetime.
@@ -83,7 +84,8 @@ class Journal:
     transaction, right after it (``loop.call_soon``); ``durable()`` waits for that commit. Reads
     see queued writes at once. Callers await ``durable()`` before they acknowledge: nothing is
     acknowledged before it is on disk (in the WAL), and a burst of N actions costs one commit, not
-    N. Outside a running loop (recovery at start, tools) every write commits at once (but for an
+    N. (The one exception: a result whose action has nothing on disk yet, ``finish`` True; its
+    answer acknowledges it, and its commit comes right after, behind that answer.) Outside a running loop (recovery at start, tools) every write commits at once (but for an
     ``accept`` with ``with_result``, which waits for the next write's commit).
 
     Measured and dropped (H100 host, 16 cores, one-shots over HTTP): a commit per write, ~19% of
@@ -141,7 +143,8 @@ class Journal:
         anything else asks for, at the latest its result's (then as one row, written done: an
         insert instead of an insert and an update, 21 against 25 µs a commit, and 38-42 for two
         commits, timed alone on the 2-core VM). A crash before that leaves no record of
-        an action whose caller was never answered, as a crash just before its acceptance would;
+        an action whose caller was never answered, as a crash just before its acceptance would,
+        or of one answered just before (``finish``: nothing runs twice, a record is lost);
         one never finished is committed by ``close`` as accepted (a restart re-runs it) unless
         taken back first (``forget``: the service does when the server closes before the action
         ends, its caller being told to retry). Before, each such one-shot cost two commits, and the
@@ -159,12 +162,19 @@ class Journal:
             self._with_result[id] = len(self._queue) - 1
         return None
 
-    def finish(self, id: str, outcome: str, response: dict | str) -> None:
+    def finish(self, id: str, outcome: str, response: dict | str) -> bool:
         """Record an action's result. Until it is committed, ``get`` shows the result with the
         request's fields as queued with it, or empty (readers of a finished entry use its state,
         outcome and response; a read of the committed row per finish cost as much as the write).
         ``response`` (and ``accept``'s ``request``) may come as JSON text already (pydantic's
-        ``model_dump_json`` is ~3x quicker than ``json.dumps(model_dump())``)."""
+        ``model_dump_json`` is ~3x quicker than ``json.dumps(model_dump())``).
+
+        True when none of the action was on disk: an acceptance made ``with_result`` and still
+        queued, now one row written done. Its caller may then be answered before that commit: a
+        crash first leaves no row, so a restart cannot run it again (what waiting for the commit
+        guards against), and the server-made id it was accepted under is known to nobody else.
+        False when its acceptance may be on disk already: answered before the result's commit,
+        a crash would leave it accepted, and a restart would run it a second time."""
         before = self._pending.get(id)
         entry = Entry(id, before.job if before else "", before.kind if before else "", before.request if before else {},
                       "done", outcome, response, before.safe_to_rerun if before else False,
@@ -174,10 +184,11 @@ class Journal:
                                 int(before.safe_to_rerun), before.accepted_at, time.time()))
             self._queue[self._with_result.pop(id)] = done
             self._pending[id] = entry
-            self._schedule()
-            return
+            self._schedule(later=True)
+            return True
         self._write(id, entry, ("UPDATE actions SET state='done', outcome=?, response=?, finished_at=? "
                                 "WHERE id=? AND state!='done'", (outcome, _text(response), time.time(), id)))
+        return False
 
     def forget(self, id: str) -> bool:
         """Take back an acceptance made ``with_result`` while it is still queued (the server closed
@@ -217,8 +228,10 @@ class Journal:
         if asks_commit:
             self._schedule()
 
-    def _schedule(self) -> None:
-        """The queue's commit, right after this loop iteration (now, outside a running loop)."""
+    def _schedule(self, later: bool = False) -> None:
+        """The queue's commit, right after this loop iteration (now, outside a running loop);
+        ``later``: one iteration after, behind the callbacks queued after this call (a one-shot's
+        answer, which does not wait for it: ``finish``)."""
         if self._scheduled:
             return
         try:
@@ -227,7 +240,10 @@ class Journal:
             self._commit()
             return
         self._scheduled = True
-        loop.call_soon(self._commit)
+        if later:
+            loop.call_soon(loop.call_soon, self._commit)
+        else:
+            loop.call_soon(self._commit)
 
     async def durable(self) -> None:
         """Return once every write made before this call is committed (``when_durable``, awaited)."""
