@@ -118,6 +118,10 @@ def test_bench_server_against_another_endpoint_prints_both(tmp_path):
         # be under one tick (CI once read 0.0), of the python case's many one-shots it is not
         assert r["tangram"]["python@c1"]["cpu_ms_per_request"]["engine"] > 0, r["tangram"]["python@c1"]
         assert "cpu_ms_per_request" not in r["against"]["python@c1"]
+        # the host's runnable tasks over the level: two 200 ms jobs burn at once
+        queue = r["tangram"]["cpu_200ms@c2"]["run_queue"]
+        assert queue["samples"] > 0 and queue["runnable_p90"] >= 2, queue
+        assert "tasks runnable (p50, host)" in " ".join((p.stderr + p.stdout).split())  # (the log wraps its lines)
     finally:
         peer.terminate()
         peer.wait(30)
@@ -270,3 +274,44 @@ def test_a_groups_cpu_time_on_v1_and_v2_layouts(tmp_path):
     (v1 / "cpuacct.stat").write_text(f"user {2 * os.sysconf('SC_CLK_TCK')}\nsystem {os.sysconf('SC_CLK_TCK')}\n")
     assert _group_cpu_s(v1) == (3.0, 1.0)
     assert _group_cpu_s(tmp_path) == (0.0, 0.0)  # neither: nothing read
+
+
+def test_the_run_queue_sampler_reads_runnable_tasks_and_cpu_pressure():
+    """``RunQueue``: the fourth field of ``/proc/loadavg`` (runnable/total) as samples, their
+    p10/p50/p90, and the share of the span some task waited for a CPU from PSI's ``some`` total
+    (None without PSI); a reading that fails is skipped, not counted as zero."""
+    from arl_tangram.bench.cpu import RunQueue
+
+    loads = iter(["0.1 0.2 0.3 5/300 99", "0.1 0.2 0.3 1/300 99", "garbage", "0.1 0.2 0.3 9/301 99",
+                  "0.1 0.2 0.3 3/300 99"])
+    psi = iter([1_000_000, 1_250_000])
+    now = iter([10.0, 11.0])
+
+    def read(path: str) -> str:
+        if path == "/proc/loadavg":
+            return next(loads)
+        assert path == "/proc/pressure/cpu"
+        return f"some avg10=0.00 avg60=0.00 avg300=0.00 total={next(psi)}\nfull avg10=0.00 total=0\n"
+
+    q = RunQueue(read=read, clock=lambda: next(now))
+    q.start(thread=False)
+    for _ in range(5):
+        q.sample()
+    out = q.stop()
+    assert out == {"samples": 4, "runnable_p10": 1, "runnable_p50": 5, "runnable_p90": 9, "cpu_pressure": 0.25}, out
+
+    def no_psi(path: str) -> str:
+        if path == "/proc/pressure/cpu":
+            raise FileNotFoundError(path)
+        return "0.0 0.0 0.0 2/10 1"
+
+    q = RunQueue(read=no_psi)
+    q.start(thread=False)
+    q.sample()
+    assert q.stop() == {"samples": 1, "runnable_p10": 2, "runnable_p50": 2, "runnable_p90": 2, "cpu_pressure": None}
+    real = RunQueue(every_s=0.001)  # this host's own files, through the thread
+    real.start()
+    import time
+    time.sleep(0.05)
+    got = real.stop()
+    assert got["samples"] > 0 and got["runnable_p50"] >= 1, got  # (the sampler itself is running when it reads)

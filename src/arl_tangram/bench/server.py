@@ -30,7 +30,7 @@ import httpx
 
 from ..managers.sandbox import corewaits
 from ..managers.sandbox.spec import SandboxConfig
-from .cpu import PARTS, CpuMeter, cpu_ticks
+from .cpu import PARTS, CpuMeter, RunQueue, cpu_ticks
 from ..runtime import Tangram
 from ..sim.metrics import percentile
 
@@ -58,6 +58,15 @@ def _cpu_line(ms: dict) -> str:
     procs = ", ".join(f"{k.replace('_', ' ')} {inside[k]}" for k in ("runner", "runner_children", "zygote",
                                                                       "zygote_children") if inside.get(k))
     return f"{'':>8} CPU ms/request: {parts or 'none read'}" + (f"; in the sandboxes: {procs}" if procs else "")
+
+
+def _queue_text(q: dict | None) -> str:
+    """``run_queue`` for the level's line: the host's runnable tasks and how long some waited."""
+    if not q or not q.get("samples"):
+        return ""
+    pressure = q.get("cpu_pressure")
+    return (f" with {q['runnable_p50']} tasks runnable (p50, host)"
+            + (f", some waiting {pressure:.0%} of the time" if pressure is not None else ""))
 
 
 def _body(case: str, i: int) -> dict:
@@ -178,21 +187,25 @@ async def _http_level(url: str, concurrency: int, case: str = "python", n: int |
     near 600 requests/s: on a many-core host it, not the server, would set the figure), which
     start their measured requests at one instant (``start_skew_ms``: how far apart they did).
     Unless ``server_cpus`` is False, ``server_cpus_busy`` is the share of those CPUs (None: all of
-    the host's) not idle from that instant to the last answer (one process: its warm-up included)."""
+    the host's) not idle from that instant to the last answer (one process: its warm-up included),
+    and ``run_queue`` the host's runnable tasks and CPU pressure over the same span (``RunQueue``)."""
     n = n or _count(concurrency)
     procs = max(1, min(client_procs, concurrency))
     busy: dict = {}
+    queue = RunQueue()
 
     async def meter(at: float) -> tuple[int, int] | None:
         if server_cpus is False:
             return None
         await asyncio.sleep(max(0.0, at - time.time()))
+        queue.start()
         return cpu_ticks(server_cpus or None)
 
     def busy_since(ticks: tuple[int, int] | None) -> None:
         if ticks is not None:
             idle, total = (b - a for a, b in zip(ticks, cpu_ticks(server_cpus or None)))
             busy["server_cpus_busy"] = round(1 - idle / total, 3) if total else None
+            busy["run_queue"] = queue.stop()
 
     if procs == 1:
         ticks = await meter(0.0)
@@ -485,6 +498,7 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
                         f"{r['throughput_per_s']} req/s, {r['errors']} errors; client {r['client_cpu_ms']} ms "
                         f"CPU/req, busiest process {r['client_busiest']:.0%}"
                         + (f"; server CPUs {r['server_cpus_busy']:.0%} busy" if r.get("server_cpus_busy") else "")
+                        + _queue_text(r.get("run_queue"))
                         + (f"; sandboxes started {r['sandboxes']['started_for_pool']} for the pool, "
                            f"{r['sandboxes']['started_for_run']} by runs, {r['sandboxes']['discarded']} discarded, "
                            f"{r['sandboxes'].get('over_cap', 0)} over the idle cap"
