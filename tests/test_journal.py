@@ -164,6 +164,17 @@ def test_finish_says_whether_none_of_the_action_was_on_disk_and_commits_it_behin
         await settle()
         assert seen == [{}] and _rows(path) == {"a": "done"} and j.commits == 1  # answered first, then on disk
 
+        # an ordinary write in the same pass is not held back by that later commit: its waiter is
+        # told after one pass, as without it
+        j.accept("c", "job", "run_code", {"x": 3}, True, with_result=True)
+        assert j.finish("c", "ok", {"out": 3}) is True
+        j.accept("v", "job", "exec", {}, False)
+        told: list = []
+        j.when_durable(told.append)
+        await asyncio.sleep(0)  # one loop pass
+        assert told == [None] and _rows(path) == {"a": "done", "c": "done", "v": "accepted"}, told
+        await settle()
+
         j.accept("b", "job", "run_code", {"x": 2}, True, with_result=True)
         j.accept("w", "job", "exec", {}, False)  # its commit takes b's acceptance to disk
         await settle()
@@ -171,7 +182,7 @@ def test_finish_says_whether_none_of_the_action_was_on_disk_and_commits_it_behin
         assert j.finish("b", "ok", {"out": 2}) is False  # answered before its commit, a crash would re-run it
         assert j.finish("w", "ok", {}) is False
         await asyncio.wait_for(j.durable(), 5)
-        assert _rows(path) == {"a": "done", "b": "done", "w": "done"}
+        assert _rows(path) == {"a": "done", "c": "done", "v": "accepted", "b": "done", "w": "done"}
 
     asyncio.run(main())
     j.close()

@@ -214,10 +214,12 @@ class RunQueue:
     CPUs' idle share they tell why CPUs idle: too few runnable tasks (the work is short), or
     many runnable while CPUs idle (the kernel left waiting tasks on busy CPUs).
 
-    Issue 26, 14 cores against 2 on a 16-CPU Firecracker host (a sampler like this one in the
-    device's command): at python c=256 the host held 25-45 runnable tasks (median ~35) while each
-    of the server's 14 CPUs idled 5-10% and some task waited for a CPU a quarter to a third of the
-    time; the kernel's scheduling knobs (``migration_cost_ns``) could not be read there."""
+    Both are the host's: a load generator on the same host counts in them (and this sampler, in
+    the runnable count), and the count includes the tasks running. Issue 26, 14 cores against 2
+    on a 16-CPU Firecracker host, the load generator's 4 processes on the other 2 CPUs: at python
+    c=256 the host held 19-22 runnable tasks at p10, 34 at p50, 44-45 at p90, and some task
+    waited 54-55% of the time, while each of the server's 14 CPUs idled 5-10%
+    (docs/performance.md, twelfth round)."""
 
     def __init__(self, every_s: float = 0.005, read: Callable[[str], str] = _read_text,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -257,11 +259,16 @@ class RunQueue:
         while not self._stop.wait(self.every_s):
             self.sample()
 
-    def stop(self) -> dict:
-        """``runnable`` p10/p50/p90 and how many samples, ``cpu_pressure`` (share of the span)."""
+    def halt(self) -> None:
+        """End the sampling thread, if it runs (``stop`` does, and reports)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            self._thread = None
+
+    def stop(self) -> dict:
+        """``runnable`` p10/p50/p90 and how many samples, ``cpu_pressure`` (share of the span)."""
+        self.halt()
         span_us = (self._clock() - self._t0) * 1e6
         psi1 = self._pressure_us()
         s = sorted(self._samples)

@@ -207,27 +207,30 @@ async def _http_level(url: str, concurrency: int, case: str = "python", n: int |
             busy["server_cpus_busy"] = round(1 - idle / total, 3) if total else None
             busy["run_queue"] = queue.stop()
 
-    if procs == 1:
-        ticks = await meter(0.0)
-        part = await _load(url, concurrency, case, n, 0, client)
-        busy_since(ticks)
-        lat, errors, t0, t1, warm, _ = part
-        return {**_summary(lat, t1 - t0, errors), "warmup": warm, **_client_cpu([part], t1 - t0), **busy}
-    from concurrent.futures import ProcessPoolExecutor
-    start_at = time.time() + START_TOGETHER_S
-    at_start = asyncio.ensure_future(meter(start_at))
-    shares = [(url, concurrency // procs + (k < concurrency % procs), case, n // procs + (k < n % procs), k * n,
-               client, start_at) for k in range(procs)]
-    loop = asyncio.get_running_loop()
-    with ProcessPoolExecutor(procs) as pool:
-        parts = await asyncio.gather(*(loop.run_in_executor(pool, _load_in_process, a) for a in shares))
-    busy_since(await at_start)
-    lat = [x for p in parts for x in p[0]]
-    starts = [p[2] for p in parts]
-    elapsed = max(p[3] for p in parts) - min(starts)
-    return {**_summary(lat, elapsed, sum(p[1] for p in parts)),
-            "warmup": sum(p[4] for p in parts), "start_skew_ms": round((max(starts) - min(starts)) * 1000, 1),
-            **_client_cpu(parts, elapsed), **busy}
+    try:
+        if procs == 1:
+            ticks = await meter(0.0)
+            part = await _load(url, concurrency, case, n, 0, client)
+            busy_since(ticks)
+            lat, errors, t0, t1, warm, _ = part
+            return {**_summary(lat, t1 - t0, errors), "warmup": warm, **_client_cpu([part], t1 - t0), **busy}
+        from concurrent.futures import ProcessPoolExecutor
+        start_at = time.time() + START_TOGETHER_S
+        at_start = asyncio.ensure_future(meter(start_at))
+        shares = [(url, concurrency // procs + (k < concurrency % procs), case, n // procs + (k < n % procs), k * n,
+                   client, start_at) for k in range(procs)]
+        loop = asyncio.get_running_loop()
+        with ProcessPoolExecutor(procs) as pool:
+            parts = await asyncio.gather(*(loop.run_in_executor(pool, _load_in_process, a) for a in shares))
+        busy_since(await at_start)
+        lat = [x for p in parts for x in p[0]]
+        starts = [p[2] for p in parts]
+        elapsed = max(p[3] for p in parts) - min(starts)
+        return {**_summary(lat, elapsed, sum(p[1] for p in parts)),
+                "warmup": sum(p[4] for p in parts), "start_skew_ms": round((max(starts) - min(starts)) * 1000, 1),
+                **_client_cpu(parts, elapsed), **busy}
+    finally:  # (a level that failed: its sampler stops too)
+        queue.halt()
 
 
 async def _inproc(levels: tuple[int, ...]) -> dict:

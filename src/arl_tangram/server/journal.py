@@ -5,8 +5,8 @@ every accepted action is accounted for: finished once, re-run where that is safe
 one-shot), or finished as ``infra_error`` (a session step whose sandbox died with the server). The
 action id is the idempotency key: a resubmission finds the row instead of making a second one. (An
 action whose result is its only acknowledgement may reach disk only with that result:
-``accept``'s ``with_result``; it is then answered before that commit, which cannot make it run
-twice: ``finish``.)
+``accept``'s ``with_result``; if none of it reached disk before its result, it is answered
+before that commit, which cannot make it run twice: ``finish``.)
 ``synchronous=NORMAL`` survives a killed process (the WAL is in the OS's hands), not a power cut.
 
 One journal, one server: a server holds an exclusive lock on ``<journal>.lock`` for its lifetime.
@@ -100,7 +100,7 @@ class Journal:
     2-core VM against 0.07 ms for a commit (p50), a request's worth of latency added to one
     request in ~200 (issue 26). The thread's connection checkpoints ``PASSIVE``ly: it never blocks
     the loop's commits, and the loop never waits for it; what is durable and when is unchanged
-    (a commit is in the WAL before its answer leaves, as before)."""
+    (a commit is in the WAL before the answers that wait for it leave, as before)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -126,6 +126,7 @@ class Journal:
         self._with_result: dict[str, int] = {}  # ``accept(with_result=True)``'s queued inserts: where in the queue
         self._waiters: list[Callable[[BaseException | None], None]] = []  # ``when_durable``'s
         self._scheduled = False
+        self._late = False  # the commit scheduled is ``later``'s (one loop pass behind)
         self.error: BaseException | None = None
         self.commits = 0
 
@@ -231,15 +232,21 @@ class Journal:
     def _schedule(self, later: bool = False) -> None:
         """The queue's commit, right after this loop iteration (now, outside a running loop);
         ``later``: one iteration after, behind the callbacks queued after this call (a one-shot's
-        answer, which does not wait for it: ``finish``)."""
-        if self._scheduled:
+        answer, which does not wait for it: ``finish``). A write asking for a commit now while
+        only a later one is scheduled gets one now as well (the later one then finds the queue
+        empty, or what came since): others' ``durable`` never waits for a one-shot's answer."""
+        if self._scheduled and (later or not self._late):
             return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             self._commit()
             return
-        self._scheduled = True
+        if self._scheduled:  # only the later one is scheduled
+            self._late = False
+            loop.call_soon(self._commit)
+            return
+        self._scheduled, self._late = True, later
         if later:
             loop.call_soon(loop.call_soon, self._commit)
         else:
@@ -268,7 +275,7 @@ class Journal:
             self._commit()
 
     def _commit(self) -> None:
-        self._scheduled = False
+        self._scheduled = self._late = False
         batch, self._queue = self._queue, []
         self._with_result.clear()
         waiters, self._waiters = self._waiters, []
@@ -283,7 +290,8 @@ class Journal:
                 if self.commits % CHECKPOINT_EVERY == 0:
                     self._checkpoint()
             except sqlite3.Error as e:
-                self.error = e
+                self.error = e  # (said in the log too: a one-shot answered before its commit waits for none)
+                log.error("journal %s: a commit failed, nothing more can be accepted: %s", self.path, e)
                 try:
                     self._db.execute("ROLLBACK")
                 except sqlite3.Error:
