@@ -827,9 +827,10 @@ def test_a_run_that_finds_the_pool_empty_waits_for_the_sandbox_being_reset():
 
 
 def test_sandboxes_wear_out_each_at_its_own_count():
-    """``recycle_max_uses`` bounds every sandbox, but each draws its own count from its last tenth,
-    so sandboxes made and used together are not all replaced at once (issue 26: on 12 cores they
-    wore out in bunches and runs found the pool empty)."""
+    """``recycle_max_uses`` bounds every sandbox, but each draws its own count, so sandboxes made
+    and used together are not all replaced at once (issue 26: on 12 and 14 cores they wore out in
+    bunches and runs found the pool empty): over the upper half until the first wears out (the
+    first generation, used at one pace), from the last tenth after (replacements, already spread)."""
     from types import SimpleNamespace
 
     from arl_tangram.managers.sandbox.recycle import Recycler
@@ -839,13 +840,16 @@ def test_sandboxes_wear_out_each_at_its_own_count():
                                proc=SimpleNamespace(returncode=None))
 
     rec = Recycler(True, put=lambda sb: True, spawn=lambda coro: None, max_uses=100)
-    limits = [rec.limit(sandbox()) for _ in range(300)]
-    assert min(limits) == 90 and max(limits) == 100 and len(set(limits)) == 11, sorted(set(limits))
+    first = [rec.limit(sandbox()) for _ in range(2000)]
+    assert min(first) == 50 and max(first) == 100 and len(set(first)) == 51, sorted(set(first))
     sb = sandbox()
     sb.uses = rec.limit(sb) - 2  # its last run but one: reset for another
     assert rec._not_reset(sb) is None
+    assert min(rec.limit(sandbox()) for _ in range(100)) < 90  # (none has worn out yet)
     sb.uses += 1  # its last: replaced, and its count stays its own
     assert rec._not_reset(sb) == "worn out" and rec.limit(sb) == sb.uses + 1
+    limits = [rec.limit(sandbox()) for _ in range(300)]  # its replacement, and every one after
+    assert min(limits) == 90 and max(limits) == 100 and len(set(limits)) == 11, sorted(set(limits))
     assert {Recycler(True, lambda sb: True, lambda c: None, max_uses=1).limit(sandbox()) for _ in range(5)} == {1}
 
 

@@ -60,6 +60,7 @@ class Recycler:
         self.resetting = 0
         self.max_uses = max_uses
         self._draw = random.Random()  # each sandbox's own use count (``limit``)
+        self._worn = False  # whether a sandbox has worn out yet (``limit``'s first generation)
         self.timeout_s = timeout_s
         self.ahead = ahead
         self.recycled = 0
@@ -129,6 +130,7 @@ class Recycler:
         if sb.dead or sb.proc.returncode is not None:
             return "dead"
         if sb.uses + 1 >= self.limit(sb):
+            self._worn = True
             return "worn out"
         return None
 
@@ -140,9 +142,18 @@ class Recycler:
         (``SandboxManager._lost``), a burst of starts of 10-50 ms of CPU each. Drawn from the
         upper half instead, they lived a fifth shorter on average (750 one-shots against 950) and
         the extra starts cost python c=64 0.90x there (docs/performance.md, issue 26's eleventh
-        round)."""
+        round).
+
+        Until the first sandbox wears out, counts are drawn from the upper half: the sandboxes a
+        server starts with (or makes as its load grows) are used at the same pace, so a tenth's
+        spread still wore most of them out within one stretch (at 14 cores, bash c=256: 22 in a
+        level of 5,000, and 6 of its runs started a sandbox of their own). Spread over half a
+        life, their replacements come as spread, and each replacement's own count, drawn from the
+        last tenth, keeps its place in that spread; the first generation's shorter lives cost a
+        quarter of one generation's starts, once."""
         if sb.max_uses is None:
-            sb.max_uses = self._draw.randint(max(1, self.max_uses - self.max_uses // 10), self.max_uses)
+            low = self.max_uses - self.max_uses // 10 if self._worn else self.max_uses - self.max_uses // 2
+            sb.max_uses = self._draw.randint(max(1, low), self.max_uses)
         return sb.max_uses
 
     def _reset(self, extra: dict | None = None) -> dict:
