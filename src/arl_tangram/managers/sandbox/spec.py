@@ -46,8 +46,9 @@ class SandboxConfig(BaseModel):
     recycle_pool_max: int = Field(32, ge=0, description="idle sandboxes kept for reuse (within max_idle_sandboxes); "
                                                         "more are killed")
     recycle_max_uses: int = Field(1000, ge=1, description="one-shots a sandbox runs at most before it is replaced "
-                                                           "(each its own count, from nine tenths of this to all of "
-                                                           "it, so that sandboxes do not wear out together)")
+                                                           "(each its own count, so that sandboxes do not wear out "
+                                                           "together: from half of this to all of it until the "
+                                                           "first wears out, from nine tenths after)")
     fork_ahead: bool = Field(True, description="the reset of a recycled sandbox whose last one-shot was python "
                                                "forks the next python child ahead, and one whose last was bash starts "
                                                "the next bash ahead, off the next run's latency path (runner.py: "
