@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ..sim.metrics import percentile
+
 CGROUP_V2 = Path("/sys/fs/cgroup")
 CGROUP_V1 = CGROUP_V2 / "cpuacct"
 PARTS = ("engine", "fronts", "workers", "sandboxes")
@@ -274,7 +276,7 @@ class RunQueue:
         s = sorted(self._samples)
         out: dict = {"samples": len(s)}
         if s:
-            out.update({f"runnable_p{q}": s[min(len(s) - 1, len(s) * q // 100)] for q in (10, 50, 90)})
+            out.update({f"runnable_p{q}": percentile(s, q) for q in (10, 50, 90)})
         out["cpu_pressure"] = (round(min(1.0, (psi1 - self._psi0) / span_us), 3)
                                if psi1 is not None and self._psi0 is not None and span_us > 0 else None)
         return out
