@@ -85,8 +85,9 @@ class Journal:
     see queued writes at once. Callers await ``durable()`` before they acknowledge: nothing is
     acknowledged before it is on disk (in the WAL), and a burst of N actions costs one commit, not
     N. (The one exception: a result whose action has nothing on disk yet, ``finish`` True; its
-    answer acknowledges it, and its commit comes right after, behind that answer.) Outside a running loop (recovery at start, tools) every write commits at once (but for an
-    ``accept`` with ``with_result``, which waits for the next write's commit).
+    answer acknowledges it, and its commit comes right after, behind that answer.) Outside a
+    running loop (recovery at start, tools) every write commits at once (but for an ``accept``
+    with ``with_result``, which waits for the next write's commit).
 
     Measured and dropped (H100 host, 16 cores, one-shots over HTTP): a commit per write, ~19% of
     the engine process's samples at ~1,000 one-shots/s (py-spy); a writer thread doing the

@@ -451,7 +451,9 @@ class Service:
             queue_s=r.queue_s, setup_s=r.setup_s, exec_s=r.exec_s, cores=r.cores)
         if isinstance(r.result, SandboxResult) and r.result.info.get("woken"):
             out.woken, out.dropped = True, dict(r.result.info.get("dropped") or {})
-        unseen = self.journal.finish(r.id, r.outcome.value, out.model_dump_json()) if self.journal is not None else False
+        unseen = False
+        if self.journal is not None:
+            unseen = self.journal.finish(r.id, r.outcome.value, out.model_dump_json())
         self.metrics.count(service, r.outcome.value, r.act_s)
         self._acts.setdefault(job, deque(maxlen=100_000)).append(r.act_s)
         counts = self._outcomes.setdefault(job, {})
