@@ -315,3 +315,34 @@ def test_the_run_queue_sampler_reads_runnable_tasks_and_cpu_pressure():
     time.sleep(0.05)
     got = real.stop()
     assert got["samples"] > 0 and got["runnable_p50"] >= 1, got  # (the sampler itself is running when it reads)
+
+
+def test_the_cpu_meter_waits_for_killed_sandbox_processes_to_be_reaped():
+    """``CpuMeter.read(settle_s=...)``: a one-shot's child ends after its answer, and its CPU is
+    in its parent's ``cutime`` only once reaped, so the bench's second reading first waits until
+    no sandbox process is exiting. A real process tree stands in for a sandbox's (owner, monitor,
+    runner, a run, and under it a zombie its parent never reaps): the zombie is counted as exiting,
+    the living processes are not, and a reading that settles gives up after ``settle_s`` and says
+    how many were left; once the tree is reaped, nothing is exiting."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from arl_tangram.bench.cpu import CpuMeter, _exiting, _sandbox_exiting
+
+    # owner (sh) -> "monitor" (sh) -> "runner" (sh) -> a run (sleep, whose exited child stays a zombie)
+    tree = subprocess.Popen(["sh", "-c", "sh -c 'sh -c \"sleep 0 & exec sleep 30\"; :'; :"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while _sandbox_exiting(tree.pid) != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _sandbox_exiting(tree.pid) == 1
+        assert not _exiting(tree.pid) and not _exiting(os.getpid())
+        t0 = time.monotonic()
+        got = CpuMeter(tree.pid).read(settle_s=0.2)
+        assert got["exiting"] == 1 and time.monotonic() - t0 >= 0.2, got
+    finally:
+        os.killpg(tree.pid, signal.SIGKILL)
+        tree.wait()
+    assert _sandbox_exiting(tree.pid) == 0 and not _exiting(tree.pid)

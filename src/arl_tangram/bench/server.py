@@ -52,12 +52,15 @@ def _summary(latencies: list[float], elapsed: float, errors: int) -> dict:
 
 def _cpu_line(ms: dict) -> str:
     """``cpu_ms_per_request`` in a line (``bench/cpu.py``): each part's ms of CPU per request and
-    the kernel's part of it, then the sandboxes' by process."""
+    the kernel's part of it, then the sandboxes' by process (and how many of their processes the
+    reading found still exiting: their CPU is not in it)."""
     parts = ", ".join(f"{k} {ms[k]} ({ms['sys'][k]} kernel)" for k in PARTS if ms.get(k))
     inside = ms.get("in_sandboxes") or {}
     procs = ", ".join(f"{k.replace('_', ' ')} {inside[k]}" for k in ("runner", "runner_children", "zygote",
                                                                       "zygote_children") if inside.get(k))
-    return f"{'':>8} CPU ms/request: {parts or 'none read'}" + (f"; in the sandboxes: {procs}" if procs else "")
+    late = f" ({inside['exiting']} still exiting after 1 s: their CPU is missing)" if inside.get("exiting") else ""
+    return (f"{'':>8} CPU ms/request: {parts or 'none read'}"
+            + (f"; in the sandboxes: {procs}{late}" if procs else ""))
 
 
 def _queue_text(q: dict | None) -> str:
@@ -488,7 +491,7 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
                                                                        pinned.get(name) if cpu else False))
                     every.setdefault((name, key), []).append(r)
                     if meter is not None and before is not None:
-                        r["cpu_ms_per_request"] = CpuMeter.per_request(before, meter.read(),
+                        r["cpu_ms_per_request"] = CpuMeter.per_request(before, meter.read(settle_s=1.0),
                                                                        r["n"] + r["errors"] + r.get("warmup", 0))
                     if health:  # each core's wait between two one-shots, and the sandboxes started, this level's
                         later = _health(base)
