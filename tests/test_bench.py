@@ -346,3 +346,18 @@ def test_the_cpu_meter_waits_for_killed_sandbox_processes_to_be_reaped():
         os.killpg(tree.pid, signal.SIGKILL)
         tree.wait()
     assert _sandbox_exiting(tree.pid) == 0 and not _exiting(tree.pid)
+
+
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_bench_spawn_tells_the_loops_fork_from_vfork(tmp_path):
+    """``tangram bench spawn``: real sandboxes started both ways from a process holding 20 MB
+    (5,120 pages) of ballast: after uvloop's fork every ballast page faults on its next write,
+    after ``start_process`` (vfork) none do; the JSON has both ways and their ratios."""
+    out = tmp_path / "s.json"
+    p = tangram("bench", "spawn", "--starts", "3", "--rounds", "1", "--ballast-mb", "20", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    r = json.loads(out.read_text())
+    assert r["isolation"] == "bwrap" and r["starts"] == 3
+    assert r["fork"]["after_faults"] >= 5120 * 0.9, r
+    assert r["vfork"]["after_faults"] < 512 and r["vfork"]["start_faults"] < r["fork"]["start_faults"], r
+    assert set(r["vfork_vs_fork"]) == set(r["fork"]) and r["vfork"]["ready_p50_ms"] > 0, r

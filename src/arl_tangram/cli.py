@@ -448,6 +448,21 @@ def bench_zygote(
     _print_json(run(runs, rounds, gap_ms / 1000, log=lambda m: console.print(m), code=code), json_out)
 
 
+@bench_app.command("spawn")
+def bench_spawn(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    ballast_mb: int = typer.Option(100, "--ballast-mb", min=0, help="Memory the starting process holds beside its "
+                                   "own (a server's heap)."),
+    starts: int = typer.Option(20, min=3, help="Sandboxes started per measurement."),
+    rounds: int = typer.Option(3, min=1, help="Alternating measurements of each way."),
+) -> None:
+    """A sandbox's start from a large server process: the loop's fork (uvloop's subprocess) against
+    vfork (how sandboxes start now): the starter's CPU and page faults, time to ready, loop stalls."""
+    from .bench.spawn import run
+
+    _print_json(run(ballast_mb, starts, rounds, log=lambda m: console.print(m)), json_out)
+
+
 @bench_app.command("envs")
 def bench_envs(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),

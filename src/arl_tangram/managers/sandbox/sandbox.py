@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from .spawn import Process, start_process
 from .cgroups import CgroupRoot, Group
 
 
@@ -95,7 +96,7 @@ def _descendants(root: int) -> list[int]:
 
 
 class Sandbox:
-    def __init__(self, sid: str, proc: asyncio.subprocess.Process, group: Group | None) -> None:
+    def __init__(self, sid: str, proc: Process, group: Group | None) -> None:
         self.id = sid
         self.proc = proc
         self.group = group
@@ -147,10 +148,8 @@ class Sandbox:
             env = {}
         env["PATH"] = os.environ.get("PATH", "/usr/bin:/bin")
         try:
-            proc = await asyncio.create_subprocess_exec(
-                "/bin/sh", "-c", script, "sh", *argv, stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True, cwd=cwd,
-                env=env, limit=64 << 20)
+            # by vfork, not the loop's fork of this whole process (``spawn.py``)
+            proc = await start_process(["/bin/sh", "-c", script, "sh", *argv], env, cwd, limit=64 << 20)
         except OSError as e:
             if group is not None:
                 group.remove()

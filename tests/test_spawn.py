@@ -1,0 +1,114 @@
+"""``managers/sandbox/spawn.py``: a sandbox's process started by vfork, its pipes and exit on the
+loop, under uvloop (the server's loop) and asyncio's own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import signal
+
+import pytest
+
+from arl_tangram.managers.sandbox.spawn import Child, start_process
+
+uvloop = pytest.importorskip("uvloop")
+LOOPS = ["asyncio", "uvloop"]
+pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="no pidfd here: start_process is asyncio's")
+
+
+def run(loop: str, coro):
+    return (uvloop.run if loop == "uvloop" else asyncio.run)(coro)
+
+
+def env() -> dict[str, str]:
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_started_process_talks_on_its_pipes_and_its_exit_is_reaped(loop):
+    """stdin written and drained, stdout read by line, stderr read, the exit status through the
+    pidfd; a kill after the reaping is ``ProcessLookupError`` (the pid may be another's by then)."""
+    async def body():
+        p = await start_process(["sh", "-c", 'read x; echo "got $x"; echo oops >&2; exit 3'], env(), None, 1 << 16)
+        assert isinstance(p, Child) and p.returncode is None
+        p.stdin.write(b"hello\n")
+        await p.stdin.drain()
+        assert await p.stdout.readline() == b"got hello\n"
+        assert await p.stderr.read() == b"oops\n"
+        assert await asyncio.wait_for(p.wait(), 10) == 3
+        assert p.returncode == 3 and await p.stdout.read() == b""
+        with pytest.raises(ProcessLookupError):
+            p.kill()
+    run(loop, body())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_killed_process_ends_by_the_signal_and_a_dead_reader_breaks_the_pipe(loop):
+    """``kill`` is SIGKILL, reported as ``-9``; writing to a process that is gone fails with
+    ``BrokenPipeError`` (what ``Sandbox.request`` reads as a dead sandbox), at once or at the
+    drain, and every write after it too."""
+    async def body():
+        p = await start_process(["sleep", "30"], env(), None, 1 << 16)
+        p.kill()
+        assert await asyncio.wait_for(p.wait(), 10) == -signal.SIGKILL
+        gone = await start_process(["sh", "-c", "exec 0<&-; sleep 0.2"], env(), None, 1 << 16)
+        with pytest.raises(BrokenPipeError):
+            gone.stdin.write(b"x" * (4 << 20))  # more than a pipe holds: the rest waits for the reader
+            await gone.stdin.drain()
+        with pytest.raises(BrokenPipeError):
+            gone.stdin.write(b"again")
+        await asyncio.wait_for(gone.wait(), 10)
+    run(loop, body())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_big_writes_wait_for_the_reader_and_big_outputs_pause_the_pipe(loop):
+    """A write larger than the pipe is kept and sent as the child reads (``drain`` returns once all
+    is sent); output past twice the reader's limit pauses reading and resumes as it is consumed,
+    nothing lost."""
+    async def body():
+        p = await start_process(["sh", "-c", "sleep 0.1; wc -c; head -c 3000000 /dev/zero"], env(), None, 4096)
+        p.stdin.write(b"y" * (3 << 20))
+        await asyncio.wait_for(p.stdin.drain(), 10)
+        p.stdin.close()  # the end of its input
+        assert (await p.stdout.readline()).strip() == str(3 << 20).encode()
+        got = 0
+        while chunk := await p.stdout.read(65536):
+            got += len(chunk)
+        assert got == 3_000_000
+        assert await asyncio.wait_for(p.wait(), 10) == 0
+    run(loop, body())
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def test_starting_a_process_does_not_copy_the_starter():
+    """Under uvloop, the server's loop: after ``start_process`` the starter writes its own 40 MB
+    without a fault (vfork shares nothing it must copy); after uvloop's own ``subprocess_exec``
+    (libuv's fork) the same writes fault on nearly every page, which is what this test tells
+    apart."""
+    ballast = bytearray(40 << 20)
+    pages = len(ballast) // 4096
+
+    def touch() -> int:
+        before = _faults()
+        for i in range(0, len(ballast), 4096):
+            ballast[i] = (ballast[i] + 1) & 0xFF
+        return _faults() - before
+
+    async def body() -> tuple[int, int]:
+        touch()  # every page present and ours first
+        p = await start_process(["true"], env(), None, 1 << 16)
+        await p.wait()
+        ours = touch()
+        forked = await asyncio.create_subprocess_exec("true")
+        await forked.wait()
+        theirs = touch()
+        return ours, theirs
+
+    ours, theirs = uvloop.run(body())
+    assert ours < pages // 10, (ours, pages)
+    assert theirs > pages // 2, (theirs, pages)  # the test can tell: libuv's fork made them fault
