@@ -10,7 +10,7 @@ import signal
 
 import pytest
 
-from arl_tangram.managers.sandbox.spawn import Child, start_process
+from arl_tangram.managers.sandbox.spawn import READ_CHUNK, Child, start_process
 
 uvloop = pytest.importorskip("uvloop")
 LOOPS = ["asyncio", "uvloop"]
@@ -72,12 +72,57 @@ def test_big_writes_wait_for_the_reader_and_big_outputs_pause_the_pipe(loop):
         p.stdin.write(b"y" * (3 << 20))
         await asyncio.wait_for(p.stdin.drain(), 10)
         p.stdin.close()  # the end of its input
-        assert (await p.stdout.readline()).strip() == str(3 << 20).encode()
+        assert (await asyncio.wait_for(p.stdout.readline(), 10)).strip() == str(3 << 20).encode()
         got = 0
-        while chunk := await p.stdout.read(65536):
+        while chunk := await asyncio.wait_for(p.stdout.read(65536), 10):
             got += len(chunk)
         assert got == 3_000_000
         assert await asyncio.wait_for(p.wait(), 10) == 0
+    run(loop, body())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_drain_waiting_when_the_process_is_killed_fails(loop):
+    """A request still being written when its sandbox is killed: the drain fails with
+    ``BrokenPipeError`` once the exit is seen, even while another process of the sandbox still
+    holds the pipe's read end (bubblewrap's inner processes outlive its outer one for a moment;
+    here a background ``sleep``), so no ``EPIPE`` comes: the review found it waiting for good."""
+    async def body():
+        p = await start_process(["sh", "-c", "sleep 3 <&0 & exec sleep 30"], env(), None, 1 << 16)
+        p.stdin.write(b"z" * (1 << 20))  # more than the pipe holds, and nobody reads it
+        drain = asyncio.ensure_future(p.stdin.drain())
+        await asyncio.sleep(0.1)
+        assert not drain.done()
+        p.kill()
+        await asyncio.wait_for(p.wait(), 10)
+        with pytest.raises(BrokenPipeError):
+            await asyncio.wait_for(drain, 2)
+        with pytest.raises(BrokenPipeError):
+            await p.stdin.drain()  # and any later one
+        p.close()
+    run(loop, body())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_unread_output_is_bounded_and_close_releases_every_descriptor(loop):
+    """Output nobody reads stops being read past twice the reader's limit: the memory held is
+    bounded and the writer waits on the full pipe (hostile code may write without end);
+    ``close`` (``Sandbox.kill``'s last step) releases the pipes, the paused one included, and
+    nothing of the process stays open."""
+    async def body():
+        before = len(os.listdir("/proc/self/fd"))
+        p = await start_process(["sh", "-c", "head -c 2000000 /dev/zero; exec sleep 30"], env(), None, 4096)
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if len(p.stdout._buffer) > 2 * 4096:
+                break
+        await asyncio.sleep(0.2)  # more output waits in the pipe and the writer; none is read
+        assert 2 * 4096 < len(p.stdout._buffer) <= 2 * 4096 + READ_CHUNK, len(p.stdout._buffer)
+        assert p.returncode is None  # still writing: blocked on the pipe, not buffered here
+        p.kill()
+        await asyncio.wait_for(p.wait(), 10)
+        p.close()
+        assert len(os.listdir("/proc/self/fd")) == before
     run(loop, body())
 
 

@@ -391,6 +391,8 @@ class Sandbox:
         """``value`` of ``/proc/<pid>/<name>`` summed over the sandbox's processes (without
         cgroups, the only account there is); one that exits meanwhile counts nothing."""
         total = 0.0
+        if self.proc.returncode is not None:  # reaped: its pid may be another process's now
+            return total
         for pid in _descendants(self.proc.pid):
             try:
                 with open(f"/proc/{pid}/{name}") as fh:
@@ -400,6 +402,8 @@ class Sandbox:
         return total
 
     def _signal_all(self, sig: int) -> None:
+        if self.proc.returncode is not None:  # reaped: its pid may be another process's now
+            return
         for pid in _descendants(self.proc.pid):
             try:
                 os.kill(pid, sig)
@@ -460,6 +464,9 @@ class Sandbox:
             pass
         await self.proc.wait()
         self._stderr_task.cancel()
+        close = getattr(self.proc, "close", None)  # (spawn.Child: its pipes and pidfd; asyncio's own
+        if close is not None:                      # process, where there is no pidfd, closes its own)
+            close()
         loop = asyncio.get_running_loop()
         if self.group is not None:  # stragglers (unshare/none modes) and the directories
             await loop.run_in_executor(_CLEANUP, self.group.remove)

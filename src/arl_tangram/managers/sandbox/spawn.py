@@ -25,6 +25,7 @@ Where there is no ``os.pidfd_open`` (not Linux, or a kernel before 5.3) it is
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import signal
 import subprocess
@@ -97,6 +98,10 @@ class _Reading:
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
 
+    def __del__(self) -> None:  # only reachable unregistered (paused): the loop holds a registered one
+        if self._fd >= 0:
+            os.close(self._fd)
+
 
 class _Writing:
     """A pipe written without blocking the loop: ``write`` sends what the pipe takes now and keeps
@@ -113,8 +118,6 @@ class _Writing:
     def write(self, data: bytes) -> None:
         if self._error is not None:
             raise self._error
-        if self._fd < 0:
-            raise BrokenPipeError("the sandbox's input is closed")
         if not self._kept:
             try:
                 sent = os.write(self._fd, data)
@@ -122,7 +125,7 @@ class _Writing:
                 sent = 0
             except OSError as e:
                 self._fail(e)
-                raise
+                raise self._error from e
             data = data[sent:]
             if not data:
                 return
@@ -144,9 +147,7 @@ class _Writing:
 
     def _fail(self, e: OSError) -> None:
         self._error = e if isinstance(e, ConnectionError) else BrokenPipeError(str(e))
-        self._kept.clear()
         self.close()
-        self._wake()
 
     def _wake(self) -> None:
         if self._drained is not None and not self._drained.done():
@@ -163,13 +164,23 @@ class _Writing:
             return
         if self._drained is None:
             self._drained = self._loop.create_future()
+            # (a drain cancelled meanwhile leaves it to fail unseen: not "never retrieved" in the log)
+            self._drained.add_done_callback(lambda f: f.cancelled() or f.exception())
         await asyncio.shield(self._drained)
 
     def close(self) -> None:
+        """Close the pipe (the process ended, or the sandbox is killed): what it kept is dropped,
+        and a write or a drain, waiting or to come, fails with ``BrokenPipeError``, as asyncio's
+        transport fails it once the last reader is gone (a sandbox killed during a step whose
+        request was still being written: without this its ``drain`` waited for good)."""
+        if self._error is None:
+            self._error = BrokenPipeError("the sandbox's input is closed")
+        self._kept.clear()
         if self._fd >= 0:
             self._loop.remove_writer(self._fd)
             os.close(self._fd)
             self._fd = -1
+        self._wake()
 
     def is_closing(self) -> bool:
         return self._fd < 0
@@ -183,7 +194,14 @@ class Child:
         self._loop, self._popen, self._pidfd = loop, popen, pidfd
         self.pid = popen.pid
         # the descriptors move out of Popen's file objects (which would close them again)
-        fds = [os.dup(f.fileno()) for f in (popen.stdin, popen.stdout, popen.stderr)]
+        fds: list[int] = []
+        try:
+            for f in (popen.stdin, popen.stdout, popen.stderr):
+                fds.append(os.dup(f.fileno()))
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            raise
         for f in (popen.stdin, popen.stdout, popen.stderr):
             f.close()
         popen.stdin = popen.stdout = popen.stderr = None
@@ -218,6 +236,18 @@ class Child:
     async def wait(self) -> int:
         return await asyncio.shield(self._ended)
 
+    def close(self) -> None:
+        """Release its descriptors (``Sandbox.kill``, once it has ended): the pipes, even one whose
+        reading is paused (output nobody read past twice the limit), and the pidfd if the exit
+        was not seen yet."""
+        self.stdin.close()
+        for r in self._reading:
+            r.close()
+        if self._pidfd >= 0:
+            self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = -1
+
 
 async def start_process(argv: list[str], env: dict[str, str], cwd: str | None, limit: int) -> Process:
     """Start ``argv`` in a session of its own with ``env`` in ``cwd``, its stdin, stdout and stderr
@@ -231,10 +261,26 @@ async def start_process(argv: list[str], env: dict[str, str], cwd: str | None, l
                              start_new_session=True, cwd=cwd, env=env, bufsize=0)
     try:
         pidfd = os.pidfd_open(popen.pid)
-    except OSError:  # (a kernel before 5.3 with Python built for a later one): as before, from here
-        popen.kill()
-        popen.communicate()
+    except OSError as e:
+        _discard(popen)
+        if e.errno != errno.ENOSYS:
+            raise
+        # a kernel before 5.3 under a Python built for a later one: as before
         return await asyncio.create_subprocess_exec(
             *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             start_new_session=True, cwd=cwd, env=env, limit=limit)
-    return Child(loop, popen, pidfd, limit)
+    try:
+        return Child(loop, popen, pidfd, limit)
+    except BaseException:  # (descriptors ran out): nothing of it stays, the process included
+        _discard(popen)
+        os.close(pidfd)
+        raise
+
+
+def _discard(popen: subprocess.Popen) -> None:
+    """Kill a process just started, close what is left of its pipes, reap it (at once: SIGKILL)."""
+    popen.kill()
+    for f in (popen.stdin, popen.stdout, popen.stderr):
+        if f is not None:
+            f.close()
+    popen.wait()
