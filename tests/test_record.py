@@ -125,7 +125,7 @@ def test_a_real_run_recorded_and_replayed_matches_the_measured_acts(tmp_path):
                 s = await tg.session(job="rec", trajectory=f"t{i}")
                 for k in range(4):
                     await asyncio.sleep(0.1 + 0.05 * ((i + k) % 3))
-                    r = await s.exec(f"echo {i}-{k} && ls / > /dev/null", operation="shell")
+                    r = await s.exec(f"sleep 0.05 && echo {i}-{k} && ls / > /dev/null", operation="shell")
                     assert r.outcome.value == "ok", r.message
                 await s.close()
 

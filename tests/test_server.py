@@ -113,7 +113,7 @@ def test_async_client_batches_yield_as_they_finish(server):
 
     async def main():
         async with AsyncTangramClient(server.url) as c:
-            progs = [{"code": f"import time\ntime.sleep({0.4 if i == 0 else 0})\nprint({i})"} for i in range(6)]
+            progs = [{"code": f"import time\ntime.sleep({3 if i == 0 else 0})\nprint({i})"} for i in range(6)]
             return [r.run.stdout.strip() async for r in c.run_batch(progs, concurrency=6)]
 
     order = asyncio.run(main())
