@@ -126,6 +126,25 @@ def test_unread_output_is_bounded_and_close_releases_every_descriptor(loop):
     run(loop, body())
 
 
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_read_waiting_when_the_process_is_closed_sees_the_end(loop):
+    """``Sandbox.kill`` closes the process once its outer process ended, while a process inside
+    may still hold the pipe (here a background ``sleep``): a ``readline`` waiting for the run's
+    answer then gets the stream's end, what was read before it first. (CI caught it waiting
+    for its request's 35 s timeout: a run killed by a refused shrink reported a timeout.)"""
+    async def body():
+        p = await start_process(["sh", "-c", "echo first; sleep 3 & exec sleep 30"], env(), None, 1 << 16)
+        waiting = asyncio.ensure_future(p.stdout.readline())
+        assert await asyncio.wait_for(waiting, 10) == b"first\n"
+        waiting = asyncio.ensure_future(p.stdout.readline())
+        await asyncio.sleep(0.1)
+        p.kill()
+        await asyncio.wait_for(p.wait(), 10)
+        p.close()
+        assert await asyncio.wait_for(waiting, 2) == b""
+    run(loop, body())
+
+
 def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 

@@ -87,10 +87,15 @@ class _Reading:
             self._loop.add_reader(self._fd, self._readable)
 
     def close(self) -> None:
+        """Stop reading: the reader sees the stream end after what it holds (a read waiting on a
+        sandbox killed while a process inside still held the pipe ends now, as a dead sandbox's
+        read must; without it, it waited for the request's own timeout)."""
         if self._fd >= 0:
             self._loop.remove_reader(self._fd)
             os.close(self._fd)
             self._fd = -1
+        if not self._reader.at_eof():
+            self._reader.feed_eof()
 
     def is_closing(self) -> bool:
         return self._fd < 0
