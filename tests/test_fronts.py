@@ -135,8 +135,11 @@ def test_sigterm_finishes_the_requests_in_flight_and_stops_every_front(tmp_path)
     async def main():
         async with httpx.AsyncClient(timeout=30) as c:
             slow = asyncio.ensure_future(c.post(f"{s.url}/run_code", json={
-                "code": "import time\ntime.sleep(1.0)\nprint('finished')", "language": "python"}))
-            await asyncio.sleep(0.4)
+                "code": "import time\ntime.sleep(3.0)\nprint('finished')", "language": "python"}))
+            for _ in range(200):  # in flight (through a front) before the signal, however loaded the host
+                await asyncio.sleep(0.05)
+                if (await c.get(f"{s.url}/healthz")).json()["running"] >= 1:
+                    break
             s.proc.send_signal(signal.SIGTERM)
             return await slow
 

@@ -108,6 +108,20 @@ def test_a_full_queue_answers_429(tmp_path, fronts):
         s.stop()
 
 
+def _step_on_disk(journal) -> bool:
+    """Whether a session step's acceptance is committed (its row, not done yet)."""
+    try:
+        db = sqlite3.connect(f"file:{journal}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return False
+    try:
+        return db.execute("SELECT COUNT(*) FROM actions WHERE kind='exec' AND state != 'done'").fetchone()[0] > 0
+    except sqlite3.Error:  # (the table not made yet)
+        return False
+    finally:
+        db.close()
+
+
 @pytest.mark.parametrize("double,n", [(True, 24), pytest.param(False, 200, marks=[pytest.mark.slow, REAL])],
                          ids=["double", "real"])
 def test_kill_9_loses_no_accepted_action(tmp_path, double, n):
@@ -124,8 +138,12 @@ def test_kill_9_loses_no_accepted_action(tmp_path, double, n):
                 "id": i, "wait": False, "job": "crash", "action": {"code": "import time\ntime.sleep(0.5)\nprint('done')"}})
                 for i in ids))
             sess = (await c.post(f"{s.url}/v1/sessions", json={"job": "crash"})).json()["session_id"]
-            asyncio.ensure_future(c.post(f"{s.url}/v1/sessions/{sess}/exec", json={"command": "sleep 20"}))
-            await asyncio.sleep(0.4)
+            step = asyncio.ensure_future(c.post(f"{s.url}/v1/sessions/{sess}/exec", json={"command": "sleep 20"}))
+            for _ in range(600):  # the step accepted and on disk before the kill, however loaded the host
+                await asyncio.sleep(0.05)
+                if _step_on_disk(journal):
+                    break
+            assert not step.done()
             return acks
 
     acks = asyncio.run(submit_all())
