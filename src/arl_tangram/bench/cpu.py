@@ -44,11 +44,15 @@ def _ticks() -> int:
 def _proc_times(pid: int) -> tuple[str, list[float], int]:
     """A process's name; its user, system, children's user and children's system seconds; and
     its start time (clock ticks since boot: with the pid, who it is, as pids are reused)."""
+    name, fields = _stat(pid)
+    return name, [int(f) / _ticks() for f in fields[11:15]], int(fields[19])
+
+
+def _stat(pid: int) -> tuple[str, list[str]]:
+    """A process's name and the fields of ``/proc/<pid>/stat`` after it (state first)."""
     with open(f"/proc/{pid}/stat") as fh:
         text = fh.read()
-    fields = text.rsplit(")", 1)[1].split()
-    return (text[text.index("(") + 1:text.rindex(")")], [int(f) / _ticks() for f in fields[11:15]],
-            int(fields[19]))
+    return text[text.index("(") + 1:text.rindex(")")], text.rsplit(")", 1)[1].split()
 
 
 def _sandbox_procs(owner: int) -> dict[tuple[int, int], dict[str, float]]:
@@ -85,8 +89,7 @@ def _exiting(pid: int) -> bool:
     SIGKILL pending (sent, and the task not yet run to act on it). Its CPU is in its parent's
     ``cutime`` only once reaped. A process already gone is not exiting."""
     try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
+        _, fields = _stat(pid)
         if fields[0] in "ZXx" or int(fields[6]) & PF_EXITING:
             return True
         with open(f"/proc/{pid}/status") as fh:

@@ -22,17 +22,16 @@ from typing import Any, Callable
 
 from ..managers.sandbox import sandbox as sandbox_module
 from ..managers.sandbox.manager import SandboxManager
-from ..managers.sandbox.spawn import start_process
+from ..managers.sandbox.spawn import loop_subprocess, start_process
 from ..managers.sandbox.spec import SandboxConfig
 
 WAYS = ("fork", "vfork")
 
 
-async def _loop_fork(argv: list[str], env: dict[str, str], cwd: str | None, limit: int) -> Any:
-    """The way before: the loop's own subprocess (under uvloop, libuv's fork of this process)."""
-    return await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        start_new_session=True, cwd=cwd, env=env, limit=limit)
+def _touch(ballast: bytearray) -> None:
+    """Write one byte of each of the ballast's pages."""
+    for i in range(0, len(ballast), 4096):
+        ballast[i] = (ballast[i] + 1) & 0xFF
 
 
 def _usage() -> tuple[float, int]:
@@ -41,7 +40,7 @@ def _usage() -> tuple[float, int]:
 
 
 async def _measure(manager: SandboxManager, way: str, starts: int, ballast: bytearray) -> dict[str, float]:
-    sandbox_module.start_process = start_process if way == "vfork" else _loop_fork  # type: ignore[assignment]
+    sandbox_module.start_process = start_process if way == "vfork" else loop_subprocess  # type: ignore[assignment]
     stall = [0.0]
 
     async def tick() -> None:
@@ -50,22 +49,18 @@ async def _measure(manager: SandboxManager, way: str, starts: int, ballast: byte
             await asyncio.sleep(0.001)
             stall[0] = max(stall[0], time.perf_counter() - t - 0.001)
 
-    def touch() -> None:
-        for i in range(0, len(ballast), 4096):
-            ballast[i] = (ballast[i] + 1) & 0xFF
-
     rows: list[tuple[float, float, float, float, float]] = []
     ticker = asyncio.get_running_loop().create_task(tick())
     try:
         for _ in range(starts):
-            touch()  # the ballast's pages present and the process's own before the start
+            _touch(ballast)  # the ballast's pages present and the process's own before the start
             await asyncio.sleep(0.01)
             c0, f0 = _usage()
             t0 = time.perf_counter()
             sb = await manager._spawn(warm=False)
             wall = time.perf_counter() - t0
             c1, f1 = _usage()
-            touch()
+            _touch(ballast)
             c2, f2 = _usage()
             rows.append(((c1 - c0) * 1000, f1 - f0, (c2 - c1) * 1000, f2 - f1, wall * 1000))
             await sb.kill()
@@ -85,8 +80,7 @@ def run(ballast_mb: int = 100, starts: int = 20, rounds: int = 3,
     import uvloop
 
     ballast = bytearray(ballast_mb << 20)
-    for i in range(0, len(ballast), 4096):  # present, not only reserved
-        ballast[i] = 1
+    _touch(ballast)  # present, not only reserved
     rss_mb = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     mode: list[str] = []
 

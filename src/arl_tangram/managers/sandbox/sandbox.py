@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .spawn import Process, start_process
 from .cgroups import CgroupRoot, Group
+from .spawn import Process, start_process
 
 
 #: where a kill's cleanup runs (waiting for the group's processes to exit and removing it, polling
@@ -391,9 +391,7 @@ class Sandbox:
         """``value`` of ``/proc/<pid>/<name>`` summed over the sandbox's processes (without
         cgroups, the only account there is); one that exits meanwhile counts nothing."""
         total = 0.0
-        if self.proc.returncode is not None:  # reaped: its pid may be another process's now
-            return total
-        for pid in _descendants(self.proc.pid):
+        for pid in self._processes():
             try:
                 with open(f"/proc/{pid}/{name}") as fh:
                     total += value(fh.read())
@@ -401,10 +399,13 @@ class Sandbox:
                 pass
         return total
 
+    def _processes(self) -> list[int]:
+        """The sandbox's processes from its monitor down; none once the monitor is reaped (its pid
+        may be another process's by then)."""
+        return [] if self.proc.returncode is not None else _descendants(self.proc.pid)
+
     def _signal_all(self, sig: int) -> None:
-        if self.proc.returncode is not None:  # reaped: its pid may be another process's now
-            return
-        for pid in _descendants(self.proc.pid):
+        for pid in self._processes():
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:

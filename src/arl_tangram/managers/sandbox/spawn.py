@@ -224,9 +224,7 @@ class Child:
     def _reap(self) -> None:
         if self._popen.poll() is None:  # (readable only once it ended: never, but a poll costs nothing)
             return
-        self._loop.remove_reader(self._pidfd)
-        os.close(self._pidfd)
-        self._pidfd = -1
+        self._drop_pidfd()
         self.stdin.close()
         if not self._ended.done():
             self._ended.set_result(self._popen.returncode)  # type: ignore[arg-type]
@@ -248,6 +246,9 @@ class Child:
         self.stdin.close()
         for r in self._reading:
             r.close()
+        self._drop_pidfd()
+
+    def _drop_pidfd(self) -> None:
         if self._pidfd >= 0:
             self._loop.remove_reader(self._pidfd)
             os.close(self._pidfd)
@@ -258,9 +259,7 @@ async def start_process(argv: list[str], env: dict[str, str], cwd: str | None, l
     """Start ``argv`` in a session of its own with ``env`` in ``cwd``, its stdin, stdout and stderr
     piped (each stream's buffer bounded by ``limit``, as ``asyncio``'s)."""
     if not hasattr(os, "pidfd_open"):
-        return await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, cwd=cwd, env=env, limit=limit)
+        return await loop_subprocess(argv, env, cwd, limit)
     loop = asyncio.get_running_loop()
     popen = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              start_new_session=True, cwd=cwd, env=env, bufsize=0)
@@ -271,15 +270,21 @@ async def start_process(argv: list[str], env: dict[str, str], cwd: str | None, l
         if e.errno != errno.ENOSYS:
             raise
         # a kernel before 5.3 under a Python built for a later one: as before
-        return await asyncio.create_subprocess_exec(
-            *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, cwd=cwd, env=env, limit=limit)
+        return await loop_subprocess(argv, env, cwd, limit)
     try:
         return Child(loop, popen, pidfd, limit)
     except BaseException:  # (descriptors ran out): nothing of it stays, the process included
         _discard(popen)
         os.close(pidfd)
         raise
+
+
+async def loop_subprocess(argv: list[str], env: dict[str, str], cwd: str | None, limit: int) -> Process:
+    """``start_process`` by the loop's own subprocess (the way before; under uvloop, libuv's fork
+    of this whole process): where there is no pidfd, and ``tangram bench spawn``'s comparison."""
+    return await asyncio.create_subprocess_exec(
+        *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        start_new_session=True, cwd=cwd, env=env, limit=limit)
 
 
 def _discard(popen: subprocess.Popen) -> None:
