@@ -666,15 +666,20 @@ def test_the_e2b_timeout_outlives_the_servers_idle_expiry(tmp_path):
     srv = Server(tmp_path, config={"sandbox": {"session_idle_expiry_s": 1.5, "warm_pool": 1}})
     saved = _point_sdk_at(srv.url)
     try:
-        keep = Sandbox.create(timeout=6)
+        # times are taken from each call's return, so a slow start on a loaded host moves the
+        # checks with it instead of eating their margins (keep's 9 s against a check at ~4 s)
+        keep = Sandbox.create(timeout=9)
+        born = time.monotonic()
         keep.files.write("/home/user/k", "kept")
         short = Sandbox.create(timeout=2)
         short.files.write("/home/user/k", "short")
-        time.sleep(4)
-        assert keep.files.read("/home/user/k") == "kept"  # idle for 4 s > 1.5 s: still there
+        short_written = time.monotonic()
+        time.sleep(max(0.0, short_written + 3.5 - time.monotonic()))  # idle 3.5 s > 1.5 s
+        assert time.monotonic() < born + 7, "the host is too slow for this test's margins"
+        assert keep.files.read("/home/user/k") == "kept"  # idle past the expiry: still there
         with pytest.raises(NotFoundException):
             short.get_info()  # its E2B timeout ended
-        time.sleep(3.5)
+        time.sleep(max(0.0, born + 9 + 1.5 - time.monotonic()))
         with pytest.raises(NotFoundException):
             keep.get_info()
     finally:

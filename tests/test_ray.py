@@ -125,10 +125,14 @@ def test_serve_with_ray_restart_recovers_and_leaks_no_sandbox(cluster, tmp_path)
         r = httpx.post(f"{url}/v1/actions", json={"id": i, "wait": False, "action": {
             "code": "import time; time.sleep(1); print('ok')"}}, timeout=30)
         assert r.status_code in (200, 202)
-    time.sleep(1.0)
-    agents = [n for n in httpx.get(f"{url}/v1/cluster").json()["nodes"]]
+    deadline = time.monotonic() + 30  # a loaded host may take longer than any fixed sleep to start them
+    while True:
+        agents = httpx.get(f"{url}/v1/cluster").json()["nodes"]
+        sandboxes = _sandbox_processes()
+        if sum(len(n["running"]) for n in agents) >= 1 and sandboxes or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert sum(len(n["running"]) for n in agents) >= 1
-    sandboxes = _sandbox_processes()
     assert sandboxes, "the agents should be running sandboxes now"
     head.stop(signal.SIGKILL)
     deadline = time.time() + 60

@@ -341,6 +341,31 @@ def cluster():
         yield c
 
 
+def _until(what, timeout_s: float = 30.0) -> None:
+    """Polls ``what()`` until it holds: a loaded host may take longer than any fixed sleep."""
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, f"{what.__doc__ or what} did not happen in {timeout_s} s"
+        time.sleep(0.1)
+
+
+def _session_state(journal, sid) -> str | None:
+    """A session's state as the journal has it committed (None before its row)."""
+    import sqlite3
+
+    try:
+        db = sqlite3.connect(f"file:{journal}?mode=ro", uri=True)
+    except sqlite3.Error:
+        return None
+    try:
+        row = db.execute("SELECT state FROM sessions WHERE id=?", (sid,)).fetchone()
+        return row[0] if row else None
+    except sqlite3.Error:
+        return None
+    finally:
+        db.close()
+
+
 def _exec(url, sid, **body):
     r = httpx.post(f"{url}/v1/sessions/{sid}/exec", json=body, timeout=60)
     assert r.status_code == 200, r.text
@@ -379,7 +404,13 @@ def test_serve_with_ray_killed_and_restarted_keeps_every_session(cluster, tmp_pa
 
     step = threading.Thread(target=in_flight)
     step.start()
-    time.sleep(1.0)
+
+    def running() -> bool:
+        """the step running on a node"""
+        return any(n["running"] for n in httpx.get(f"{url}/v1/cluster", timeout=10).json()["nodes"])
+
+    _until(running)
+    time.sleep(0.3)  # the head's call on its way to the node's agent; well inside the step's 3 s
     head.stop(signal.SIGKILL)
     step.join()
     t0 = time.monotonic()
@@ -471,7 +502,8 @@ def test_a_session_at_rest_on_its_node_is_re_attached_after_a_head_restart(clust
     sid = httpx.post(f"{head.url}/v1/sessions", json={"job": "j"}).json()["session_id"]
     assert _exec(head.url, sid, python="xs = list(range(1000))")["outcome"] == "ok"
     assert _exec(head.url, sid, command="echo rested > f")["outcome"] == "ok"
-    time.sleep(5)  # rested on its node after 0.5 s idle; the head hears of it at its next poll
+    # rested on its node after 0.5 s idle; the head hears of it at its next poll and journals it
+    _until(lambda: _session_state(journal, sid) == "at_rest")
     head.stop(signal.SIGKILL)
     head2 = serve()
     try:

@@ -176,3 +176,27 @@ def test_starting_a_process_does_not_copy_the_starter():
     ours, theirs = uvloop.run(body())
     assert ours < pages // 10, (ours, pages)
     assert theirs > pages // 2, (theirs, pages)  # the test can tell: libuv's fork made them fault
+
+
+def test_a_sandbox_whose_monitor_is_reaped_signals_and_interrupts_nothing(monkeypatch):
+    """Without a control group a sandbox finds its processes from its monitor's pid down; once the
+    monitor is reaped that pid may be another process's, so no walk from it may signal anything:
+    neither a kill's signals nor a session step's interrupt."""
+    from arl_tangram.managers.sandbox import sandbox as sandbox_module
+
+    walked: list[int] = []
+    monkeypatch.setattr(sandbox_module, "_descendants", lambda root: walked.append(root) or [root])
+
+    async def main():
+        proc = await start_process(["/bin/true"], env(), None, limit=1 << 16)
+        assert await proc.wait() == 0
+        sb = sandbox_module.Sandbox("reaped", proc, None)
+        try:
+            sb._signal_all(signal.SIGKILL)
+            return sb.interrupt_step()
+        finally:
+            sb._stderr_task.cancel()
+            proc.close()
+
+    assert uvloop.run(main()) == 0
+    assert walked == [], "a reaped monitor's pid was walked"

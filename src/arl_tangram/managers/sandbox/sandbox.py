@@ -414,8 +414,9 @@ class Sandbox:
     def interrupt_step(self) -> int:
         """Kill what the running shell step of a session started, and nothing else: every process
         below the session's persistent shell (the runner, the shell and the sandbox live on; the
-        step then ends with the killed command's status). Returns how many were killed."""
-        pids = self.group.pids() if self.group is not None else _descendants(self.proc.pid)
+        step then ends with the killed command's status). Returns how many were killed; none once
+        the monitor is reaped (without a group, its pid may be another process's by then)."""
+        pids = self.group.pids() if self.group is not None else self._processes()
         info: dict[int, tuple[int, int, bytes]] = {}  # host pid -> (parent, pid inside, cmdline)
         for pid in pids:
             try:
