@@ -146,7 +146,14 @@ def test_bench_server_runs_another_checkouts_code_beside_this_one_in_rounds(tmp_
         level = r["servers"][name]["1"]
         assert level["errors"] == 0 and len(level["rounds"]) == 2, level
         assert level["throughput_per_s"] in [x["throughput_per_s"] for x in level["rounds"]]
-    assert r["vs_other"]["this"]["1"]["throughput_x"] > 0
+    ratio = r["vs_other"]["this"]["1"]
+    assert ratio["throughput_x"] > 0
+    # each round's ratio pairs the two servers measured one right after the other, in round order
+    rounds = [(a["throughput_per_s"], b["throughput_per_s"])
+              for a, b in zip(r["servers"]["this"]["1"]["rounds"], r["servers"]["other"]["1"]["rounds"])]
+    assert ratio["round_throughput_x"] == [round(a / b, 3) for a, b in rounds], (ratio, rounds)
+    assert min(ratio["round_throughput_x"]) <= ratio["median_round_throughput_x"] <= max(ratio["round_throughput_x"])
+    assert "other vs this, throughput:" in p.stderr and "each round" in p.stderr, p.stderr
     bad = tangram("bench", "server", "--variant", f"x=::@{tmp_path}")
     assert bad.returncode != 0 and "arl_tangram" in bad.stderr + bad.stdout
 

@@ -19,6 +19,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -355,6 +356,11 @@ def _median_round(runs: list[dict]) -> dict:
 
 
 def _ratios(ours: dict, peer: dict) -> dict:
+    """``ours`` against ``peer`` level by level: the median rounds' ratios, and with ``--rounds``
+    each round's own (``round_throughput_x``, the two measured one right after the other) and their
+    median. The paired figure is the one to quote on a drifting host: on a 2x H200 host both servers
+    lost a fifth of their throughput over five rounds (docs/performance.md, fourteenth round), which
+    the ratio of two medians taken from different rounds does not cancel."""
     out = {}
     for key in ours:
         a, b = ours[key], peer.get(key)
@@ -364,7 +370,31 @@ def _ratios(ours: dict, peer: dict) -> dict:
                     if b["throughput_per_s"] else None,
                     "p50_x": round(a["p50_ms"] / b["p50_ms"], 2) if a["p50_ms"] and b["p50_ms"] else None,
                     "p99_x": round(a["p99_ms"] / b["p99_ms"], 2) if a["p99_ms"] and b["p99_ms"] else None}
+        pairs = list(zip(a.get("rounds", ()), b.get("rounds", ())))
+        if len(pairs) > 1 and all(y["throughput_per_s"] for _, y in pairs):
+            each = [x["throughput_per_s"] / y["throughput_per_s"] for x, y in pairs]
+            out[key]["round_throughput_x"] = [round(r, 3) for r in each]
+            out[key]["median_round_throughput_x"] = round(statistics.median(each), 3)
     return out
+
+
+def _ratio_text(first: str, name: str, ours: dict, theirs: dict) -> str:
+    """``first``'s throughput against ``name``'s (``ours`` and ``theirs``: their levels), a level a
+    line: the median rounds' ratio and, with rounds, each round's and their median (the figure that
+    cancels a host's drift)."""
+    lines = [f"{first} vs {name}, throughput:"]
+    for key, a in ours.items():
+        b = theirs.get(key)
+        if not (isinstance(a, dict) and isinstance(b, dict) and a.get("throughput_per_s") and b.get("throughput_per_s")):
+            continue  # (not a level, or nothing answered)
+        line = f"  {key:>12}: {a['throughput_per_s'] / b['throughput_per_s']:.2f}x (the median rounds)"
+        pairs = [(x["throughput_per_s"], y["throughput_per_s"])
+                 for x, y in zip(a.get("rounds", ()), b.get("rounds", ())) if y["throughput_per_s"]]
+        if len(pairs) > 1:
+            each = [x / y for x, y in pairs]
+            line += f"; each round {', '.join(f'{r:.2f}' for r in each)}: median {statistics.median(each):.2f}x"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 Variant = tuple[str, str | None, int | None, int | None, str | None, int | None]
@@ -532,14 +562,19 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
                                  "followed": followed.get(name), **results[name]}
                           for name, cpus, fronts, workers, src, cores in variants}
         out[f"vs_{first}"] = {v[0]: _ratios(results[v[0]], results[first]) for v in variants[1:]}
+        for v in variants[1:]:
+            log(_ratio_text(first, v[0], results[first], results[v[0]]))
         if against:
             out["against"] = {"url": against, **results["against"]}
             out["vs_against"] = {v[0]: _ratios(results[v[0]], results["against"]) for v in variants}
+            for v in variants:
+                log(_ratio_text(v[0], "against", results[v[0]], results["against"]))
         return out
     out["followed"] = followed.get("tangram")
     if against:
         out.update({"tangram": results["tangram"], "against": {"url": against, **results["against"]},
                     "tangram_vs_against": _ratios(results["tangram"], results["against"])})
+        log(_ratio_text("tangram", "against", results["tangram"], results["against"]))
         return out
     http = results["tangram"]
     out["http"] = http
