@@ -368,3 +368,17 @@ def test_bench_spawn_tells_the_loops_fork_from_vfork(tmp_path):
     assert r["fork"]["after_faults"] >= 5120 * 0.9, r
     assert r["vfork"]["after_faults"] < 512 and r["vfork"]["start_faults"] < r["fork"]["start_faults"], r
     assert set(r["vfork_vs_fork"]) == set(r["fork"]) and r["vfork"]["ready_p50_ms"] > 0, r
+
+
+def test_bench_forkcost_prints_both_ways_per_cpu_set():
+    """``python -m arl_tangram.bench.forkcost`` (a fresh process a run against pages put back in place)."""
+    p = subprocess.run([sys.executable, "-m", "arl_tangram.bench.forkcost", "--cpus", "0", "--pages", "0,20",
+                        "--heap-mb", "2", "--seconds", "0.3"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    rows = r["sets"]["0"]
+    assert set(rows) == {"fork@0", "fork@20", "in_place@20"}, rows  # nothing to put back with no page written
+    for row in rows.values():
+        assert row["workers"] == 1 and row["iterations"] > 0 and row["cpu_ms"] > 0, row
+    assert rows["fork@20"]["system_ms"] > 0, rows  # a fork's kernel time is counted (the reaped child's too)
+    assert p.stderr.count("ms CPU an iteration") == 3, p.stderr  # a readable line each
