@@ -408,3 +408,12 @@ def test_the_write_watch_finds_every_page_written_and_only_those():
     assert watch.written() == []  # protected again
     mm[10 * PAGE] = ord("z")
     assert watch.written() == [(10 * PAGE, PAGE)]
+    watch.close()
+    # more runs than one scan's vector holds (1,024): the scan goes on where it stopped
+    big = mmap.mmap(-1, 4096 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    big[:] = b"x" * len(big)
+    watch = WriteWatch(big)
+    for page in range(0, 4096, 2):  # 2,048 runs of one page each
+        big[page * PAGE] = ord("y")
+    assert watch.written() == [(page * PAGE, PAGE) for page in range(0, 4096, 2)]
+    watch.close()

@@ -61,7 +61,7 @@ UFFDIO_WRITEPROTECT = _iowr(0xAA, 0x06, 24)  # struct uffdio_writeprotect: start
 UFFD_FEATURE_WP_UNPOPULATED, UFFD_FEATURE_WP_ASYNC = 1 << 13, 1 << 15
 PAGEMAP_SCAN = _iowr(ord("f"), 16, 96)  # struct pm_scan_arg: twelve u64 (Linux 6.7+)
 PAGE_IS_WRITTEN, PM_SCAN_WP_MATCHING, PM_SCAN_CHECK_WPASYNC = 1 << 1, 1 << 0, 1 << 1
-SYS_USERFAULTFD = 323  # x86_64
+SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}
 
 
 class WriteWatch:
@@ -72,25 +72,40 @@ class WriteWatch:
 
     def __init__(self, mm) -> None:
         import ctypes
-        import struct
+        import errno
+        import platform
 
-        self._ct, self._struct = ctypes, struct
+        self._ct = ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         self._ioctl = libc.ioctl
         self._ioctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p]
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         self.size = len(mm)
-        self.uffd = libc.syscall(SYS_USERFAULTFD, os.O_CLOEXEC | os.O_NONBLOCK)
+        number = SYS_USERFAULTFD.get(platform.machine())
+        if number is None:
+            raise OSError(errno.ENOSYS, f"userfaultfd's number on {platform.machine()}")
+        self.uffd = libc.syscall(number, os.O_CLOEXEC | os.O_NONBLOCK)
         if self.uffd < 0:
             raise OSError(ctypes.get_errno(), "userfaultfd")
-        self.pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
-        api = (ctypes.c_uint64 * 3)(0xAA, UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED, 0)
-        self._call(self.uffd, UFFDIO_API, api, "UFFDIO_API (asynchronous write-protection)")
-        self._call(self.uffd, UFFDIO_REGISTER, (ctypes.c_uint64 * 4)(self.base, self.size, 1 << 1, 0),
-                   "UFFDIO_REGISTER")
-        self._call(self.uffd, UFFDIO_WRITEPROTECT, (ctypes.c_uint64 * 3)(self.base, self.size, 1),
-                   "UFFDIO_WRITEPROTECT")
-        self._vec = (ctypes.c_uint64 * (3 * 4096))()
+        self.pagemap = -1
+        try:
+            self.pagemap = os.open("/proc/self/pagemap", os.O_RDONLY | os.O_CLOEXEC)
+            api = (ctypes.c_uint64 * 3)(0xAA, UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED, 0)
+            self._call(self.uffd, UFFDIO_API, api, "UFFDIO_API (asynchronous write-protection)")
+            self._call(self.uffd, UFFDIO_REGISTER, (ctypes.c_uint64 * 4)(self.base, self.size, 1 << 1, 0),
+                       "UFFDIO_REGISTER")
+            self._call(self.uffd, UFFDIO_WRITEPROTECT, (ctypes.c_uint64 * 3)(self.base, self.size, 1),
+                       "UFFDIO_WRITEPROTECT")
+        except OSError:
+            self.close()
+            raise
+        self._vec = (ctypes.c_uint64 * (3 * 1024))()  # up to 1,024 runs a scan; more take more scans
+
+    def close(self) -> None:
+        for fd in (self.uffd, self.pagemap):
+            if fd >= 0:
+                os.close(fd)
+        self.uffd = self.pagemap = -1
 
     def _call(self, fd: int, request: int, arg, what: str) -> int:
         r = self._ioctl(fd, request, self._ct.byref(arg))
@@ -101,12 +116,16 @@ class WriteWatch:
     def written(self, rearm: bool = False) -> list[tuple[int, int]]:
         """(offset, length) of each run of written pages; ``rearm``: protect them again too."""
         flags = PM_SCAN_CHECK_WPASYNC | (PM_SCAN_WP_MATCHING if rearm else 0)
-        arg = (self._ct.c_uint64 * 12)(96, flags, self.base, self.base + self.size, 0,
-                                       self._ct.addressof(self._vec), len(self._vec) // 3, 0, 0,
-                                       PAGE_IS_WRITTEN, 0, PAGE_IS_WRITTEN)
-        n = self._call(self.pagemap, PAGEMAP_SCAN, arg, "PAGEMAP_SCAN")
-        v = self._vec
-        return [(v[3 * i] - self.base, v[3 * i + 1] - v[3 * i]) for i in range(n)]
+        end, at, runs, v = self.base + self.size, self.base, [], self._vec
+        while at < end:  # a scan stops where its vector fills: ``walk_end`` says where
+            arg = (self._ct.c_uint64 * 12)(96, flags, at, end, 0, self._ct.addressof(v), len(v) // 3, 0, 0,
+                                           PAGE_IS_WRITTEN, 0, PAGE_IS_WRITTEN)
+            n = self._call(self.pagemap, PAGEMAP_SCAN, arg, "PAGEMAP_SCAN")
+            runs.extend((v[3 * i] - self.base, v[3 * i + 1] - v[3 * i]) for i in range(n))
+            # (a full vector's walk may stop before the end of the last run it reported: seen here
+            # as 512 runs reported twice in 2,048, without the max)
+            at = max(arg[4], v[3 * n - 2] if n else 0)
+        return runs
 
 
 def worker(mode: str, heap_mb: int, pages: int, seconds: float) -> dict:
@@ -144,6 +163,8 @@ def worker(mode: str, heap_mb: int, pages: int, seconds: float) -> dict:
                 buf[off:off + length] = pristine[off:off + length]
             watch.written(rearm=True)
         n += 1
+    if watch is not None:
+        watch.close()
     after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     user = sum(a.ru_utime - b.ru_utime for a, b in zip(after, before))
     system = sum(a.ru_stime - b.ru_stime for a, b in zip(after, before))
