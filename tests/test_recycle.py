@@ -207,6 +207,36 @@ def test_tampering_with_the_runner_or_zygote_discards_the_sandbox(attack):
     assert out["attack"].outcome in (Outcome.OK, Outcome.FAILED), (out["attack"].outcome, out["attack"].message)
 
 
+def test_a_bash_one_shot_killing_everything_it_can_discards_the_sandbox_before_the_next_run():
+    """``kill -9 -1`` kills the zygote; the reset right after the answer found it still in /proc
+    (dying), kept the sandbox, and the next python one-shot there failed ``infra_error`` (an audit
+    saw 2 of 8 such pairs over HTTP). The inventory after it runs in another sandbox."""
+    out = attack_then_inspect("kill -9 -1; echo after", language="bash")
+    assert out["attack"].outcome is Outcome.OK and out["attack"].stdout == "after\n", out["attack"]
+    assert_pristine(out, reused=False)
+
+
+def test_a_process_on_its_way_out_is_not_taken_for_the_one_snapshotted():
+    """``runner.process_state``: a zombie (as a killed zygote is until reaped) reads ``ending``."""
+    import os
+
+    from arl_tangram.managers.sandbox import runner
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    try:
+        for _ in range(200):  # until it is a zombie
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                if fh.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    break
+            time.sleep(0.01)
+        assert runner.process_state(pid)["ending"] is True
+        assert runner.process_state(os.getpid())["ending"] is False
+    finally:
+        os.waitpid(pid, 0)
+
+
 def test_a_changed_affinity_is_put_back():
     out = attack_then_inspect("import os\nos.sched_setaffinity(1, {0})\nos.sched_setaffinity(2, {0})")
     assert_pristine(out, reused=True)

@@ -1182,10 +1182,25 @@ def read_proc(path):
 
 def process_state(pid):
     """What a same-uid process could change about ``pid`` without ptrace: rlimits (prlimit),
-    nice and scheduling policy, CPU affinity; and whether it is stopped."""
+    nice and scheduling policy, CPU affinity; whether it is stopped; and whether it is on its way
+    out. A one-shot's ``kill -9 -1`` killed the zygote, and the reset right after its answer still
+    found it in /proc (a SIGKILL pending, or exiting): the sandbox was kept, and the next python
+    one-shot there failed ``infra_error`` ("the zygote is gone")."""
     f = read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
     return {"limits": read_proc(f"/proc/{pid}/limits"), "nice": f[16], "policy": f[38],
-            "cpus": sorted(os.sched_getaffinity(pid)), "stopped": f[0] in (b"T", b"t")}
+            "cpus": sorted(os.sched_getaffinity(pid)), "stopped": f[0] in (b"T", b"t"),
+            "ending": f[0] in (b"Z", b"X", b"x") or bool(int(f[6]) & PF_EXITING) or sigkill_pending(pid)}
+
+
+PF_EXITING = 0x4  # /proc/<pid>/stat's flags: the process is exiting
+
+
+def sigkill_pending(pid):
+    """Whether a SIGKILL waits for ``pid`` (its thread's or its process's pending signals)."""
+    for line in read_proc(f"/proc/{pid}/status").splitlines():
+        if line.startswith((b"SigPnd:", b"ShdPnd:")) and int(line.split()[1], 16) & (1 << (SIGKILL - 1)):
+            return True
+    return False
 
 
 def snapshot():
@@ -1423,7 +1438,9 @@ def op_reset(req):
                 now["cpus"] = want["cpus"]
             except OSError:
                 pass
-        changed = [k for k in want if now[k] != want[k]]
+        if now["ending"] and not want["ending"]:
+            why.append(f"process {pid} was killed")
+        changed = [k for k in want if now[k] != want[k] and k != "ending"]
         if changed:
             why.append(f"process {pid}: {', '.join(changed)} changed")
     if ZYGOTE is not None and ZYGOTE.broken:
