@@ -210,6 +210,42 @@ def test_async_background_connect_stdin_and_kill(server):
     asyncio.run(main())
 
 
+def test_a_gzip_upload_is_held_to_the_body_limit_once_inflated(server):
+    """From an audit: ``files.write(..., gzip=True)`` of 150 MB of zeros passed the 32 MB body
+    limit compressed, took the server's memory to 1 GB and lost the sandbox (``infra_error``).
+    Inflated past the limit it is refused (413) and the sandbox lives on; below it, it lands."""
+    sb = Sandbox.create()
+    try:
+        sb.files.write("/home/user/small", b"ab" * (1 << 20), gzip=True)
+        assert sb.files.read("/home/user/small", format="bytes") == b"ab" * (1 << 20)
+        with pytest.raises(Exception) as e:
+            sb.files.write("/home/user/big", b"\0" * (40 << 20), gzip=True)
+        assert "body limit" in str(e.value), e.value
+        assert sb.commands.run("echo alive").stdout == "alive\n"  # the sandbox was not lost
+        assert not sb.files.exists("/home/user/big")
+    finally:
+        sb.kill()
+
+
+def test_a_command_said_killed_at_its_timeout_never_runs_after(server):
+    """From an audit: a command queued behind a background one (a sandbox runs one thing at a
+    time) got "ran past its timeout and was killed" at its deadline, then ran once the other
+    ended (its side effect landed, and it was journaled ``ok``). Killed at the deadline now."""
+    from e2b.exceptions import TimeoutException
+
+    sb = Sandbox.create()
+    try:
+        h = sb.commands.run("sleep 3", background=True)
+        with pytest.raises(TimeoutException):
+            sb.commands.run("echo late > /home/user/late", timeout=1)
+        h.wait()
+        time.sleep(0.5)  # (it would have run right after the sleep)
+        assert not sb.files.exists("/home/user/late")
+        assert sb.commands.run("echo next").stdout == "next\n"  # the sandbox goes on
+    finally:
+        sb.kill()
+
+
 def test_pause_keeps_files_and_connect_resumes(server):
     sb = Sandbox.create(timeout=60)
     try:

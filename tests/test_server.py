@@ -381,6 +381,54 @@ def test_sandboxfusion_memory_limit_is_a_memory_error_inside_the_program(server)
     assert ok["status"] == "Success" and ok["run_result"]["stdout"] == "yes\n", ok
 
 
+def test_what_json_carries_but_no_program_can_take_is_422_naming_the_field(server):
+    """From an audit: a lone surrogate in the code or stdin was a 500 (the journal's JSON could not
+    hold it), a memory limit past 2**63 bytes made ``print(1)`` fail with the harness's own
+    OverflowError, and /run_jupyter's too-small limit was an internal error."""
+    raw = {"content-type": "application/json"}
+    for path, body, field in [
+            ("/run_code", b'{"code":"\\ud800","language":"python"}', "code"),
+            ("/run_code", b'{"code":"print(1)","language":"python","stdin":"\\udfff"}', "stdin"),
+            ("/v1/actions", b'{"action":{"code":"print(1)\\n#\\ud800"}}', "action.code"),
+            ("/run_jupyter", b'{"cells":["print(1)","\\ud800"]}', "cells.1")]:
+        r = httpx.post(f"{server.url}{path}", content=body, headers=raw, timeout=30)
+        assert r.status_code == 422 and r.json()["message"].startswith(field), (path, r.text)
+    for path, body, field in [
+            ("/run_code", {"code": "print(1)", "language": "python", "memory_limit_MB": 9 * 10**12}, "memory_limit_MB"),
+            ("/v1/actions", {"action": {"code": "print(1)", "memory_mb": 10**30}}, "action.memory_mb"),
+            ("/run_jupyter", {"cells": ["print(1)"], "memory_limit_MB": 8}, "memory_limit_MB")]:
+        r = httpx.post(f"{server.url}{path}", json=body, timeout=30)
+        assert r.status_code == 422 and r.json()["message"].startswith(field), (path, r.text)
+
+
+def test_a_file_the_run_cannot_be_given_is_failed_saying_why_on_both_dialects(server):
+    r = httpx.post(f"{server.url}/run_code", json={"code": "print(1)", "language": "python",
+                                                   "files": {"/etc/passwd": "eA=="}}, timeout=60).json()
+    assert r["status"] == "Failed" and "outside the workspace" in r["message"] and r["run_result"] is None, r
+    r = httpx.post(f"{server.url}/run_jupyter", json={"cells": ["print(1)"], "files": {"../../etc/x": "eA=="}},
+                   timeout=60).json()
+    assert r["status"] == "Failed" and "outside the workspace" in r["message"], r  # the caller's, not ours
+
+
+def test_fetched_files_are_bounded_together_and_never_block(server):
+    """Four 14 MiB files overflowed the sandbox's answer line (``infra_error``); a FIFO blocked the
+    fetch until the run's deadline; /dev/zero read 16 MiB. Now: cut together at 40 MiB and said
+    so, and what is not a regular file is not fetched."""
+    code = "for i in range(4): open(f'f{i}', 'wb').write(b'a' * (14 << 20))"
+    r = httpx.post(f"{server.url}/run_code", json={"code": code, "language": "python",
+                                                   "fetch_files": ["f0", "f1", "f2", "f3"]}, timeout=120).json()
+    assert r["status"] == "Success", r["message"]
+    sizes = {k: len(base64.b64decode(v)) for k, v in r["files"].items()}
+    assert sizes == {"f0": 14 << 20, "f1": 14 << 20, "f2": 12 << 20, "f3": 0}, sizes
+    assert r["message"] == "fetched files cut at their size limit: f2, f3"
+    code = "import os\nos.mkfifo('fifo')\nos.symlink('/dev/zero', 'zero')\nprint('done')"
+    t = time.monotonic()
+    r = httpx.post(f"{server.url}/run_code", json={"code": code, "language": "python", "run_timeout": 5,
+                                                   "fetch_files": ["fifo", "zero"]}, timeout=60).json()
+    assert time.monotonic() - t < 4 and r["status"] == "Success" and r["run_result"]["stdout"] == "done\n", r
+    assert r["files"] == {}
+
+
 def test_sandboxfusion_notebook_errors_go_in_the_cell_error_not_stderr(server):
     r = httpx.post(f"{server.url}/run_jupyter", json={"cells": ["print('before')\n1 / 0", "print('after')"]},
                    timeout=60).json()

@@ -10,7 +10,7 @@ from typing import Any, Literal, Optional
 from pydantic import AfterValidator, BaseModel, Field
 from typing_extensions import Annotated
 
-from ..core.names import check_paths
+from ..core.names import MAX_MEMORY_MB, check_paths, check_text
 
 Language = Literal[
     "python", "cpp", "nodejs", "go", "go_test", "java", "php", "csharp", "bash", "typescript", "sql", "rust",
@@ -23,6 +23,8 @@ Language = Literal[
 #: ignored, as SandboxFusion's own request models (plain pydantic ``BaseModel``s) ignore them.
 FileMap = Annotated[dict[str, Optional[str]], AfterValidator(check_paths)]
 FileList = Annotated[list[str], AfterValidator(check_paths)]
+#: program text and stdin: what JSON can carry but UTF-8 cannot (a lone surrogate) is a 422 here
+Text = Annotated[str, AfterValidator(check_text)]
 
 
 class CommandRunStatus(str, enum.Enum):
@@ -46,12 +48,12 @@ class CommandRunResult(BaseModel):
 
 
 class RunCodeRequest(BaseModel):
-    code: str
+    code: Text
     language: Language
     compile_timeout: float = Field(10, gt=0, le=3600)
     run_timeout: float = Field(10, gt=0, le=3600)
-    memory_limit_MB: int = Field(-1, ge=-1)
-    stdin: Optional[str] = None
+    memory_limit_MB: int = Field(-1, ge=-1, le=MAX_MEMORY_MB)
+    stdin: Optional[Text] = None
     files: FileMap = Field(default_factory=dict, description="path -> base64 content")
     fetch_files: FileList = Field(default_factory=list)
 
@@ -66,10 +68,10 @@ class RunCodeResponse(BaseModel):
 
 
 class RunJupyterRequest(BaseModel):
-    cells: list[str]
+    cells: list[Text]
     cell_timeout: float = Field(0, ge=0, le=3600)
     total_timeout: float = Field(45, gt=0, le=3600)
-    memory_limit_MB: int = Field(-1, ge=-1)
+    memory_limit_MB: int = Field(-1, ge=-1, le=MAX_MEMORY_MB)
     kernel: Literal["python3"] = "python3"
     files: FileMap = Field(default_factory=dict)
     fetch_files: FileList = Field(default_factory=list)

@@ -8,7 +8,7 @@ from typing import Literal, Optional
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from typing_extensions import Annotated
 
-from ..core.names import check_paths, image_problem
+from ..core.names import MAX_MEMORY_MB, check_paths, check_text, image_problem
 
 OutcomeName = Literal["ok", "failed", "timeout", "oom", "rejected", "cancelled", "infra_error"]
 
@@ -36,6 +36,8 @@ def _image_name(v: str) -> str:
 FileMap = Annotated[dict[str, str], AfterValidator(check_paths)]
 FileList = Annotated[list[str], AfterValidator(check_paths)]
 ImageName = Annotated[str, AfterValidator(_image_name)]
+#: program text and stdin: a lone surrogate (JSON carries it, UTF-8 cannot) is a 422 naming the field
+Text = Annotated[str, AfterValidator(check_text)]
 
 
 class Request(BaseModel):
@@ -58,14 +60,14 @@ class Hints(Request):
 
 class RunCodeAction(Request):
     kind: Literal["run_code"] = "run_code"
-    code: str
+    code: Text
     language: str = "python"
-    stdin: Optional[str] = None
+    stdin: Optional[Text] = None
     files: FileMap = Field(default_factory=dict, description="path -> base64 content")
     fetch_files: FileList = Field(default_factory=list)
     compile_timeout_s: float = Field(10, gt=0, le=3600)
     timeout_s: float = Field(10, gt=0, le=3600)
-    memory_mb: Optional[int] = Field(None, ge=16)
+    memory_mb: Optional[int] = Field(None, ge=16, le=MAX_MEMORY_MB)
     image: Optional[ImageName] = Field(None, description="image to run in (default: the server's sandbox.image)")
     memory_as_rlimit: bool = Field(False, description="also cap the address space at memory_mb, so allocations "
                                                       "fail inside the program (python: MemoryError) instead of "
@@ -184,9 +186,9 @@ class PrewarmResult(BaseModel):
 
 
 class ExecRequest(Request):
-    command: Optional[str] = None
-    python: Optional[str] = None
-    stdin: Optional[str] = None
+    command: Optional[Text] = None
+    python: Optional[Text] = None
+    stdin: Optional[Text] = None
     timeout_s: float = Field(10, gt=0, le=3600)
     cpus: CpuRange = Field((1, 1), description="[min, max] cores; elastic when max > min")
     hints: Hints = Field(default_factory=Hints)

@@ -47,6 +47,24 @@ def check_paths(paths):
     return paths
 
 
+def check_text(text):
+    """A pydantic after-validator for program text and stdin: JSON may carry a lone surrogate
+    (``"\\ud800"``), which no UTF-8 file or pipe can hold; it was a 500 when the request was
+    journaled (``PydanticSerializationError``), now a 422 naming the field."""
+    if text is None:
+        return text
+    try:
+        (text if isinstance(text, str) else "".join(text)).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid UTF-8 text: a lone surrogate at character {e.start}") from None
+    return text
+
+
+#: the largest memory limit a request may ask for, in MB (16 TiB): past 2**63 bytes the limit
+#: overflowed in the sandbox's ``setrlimit`` and a correct program "failed" with that error
+MAX_MEMORY_MB = 1 << 24
+
+
 def image_problem(name: object) -> str | None:
     """Why ``name`` is not an image name (None if it is)."""
     if isinstance(name, str) and IMAGE_NAME_RE.match(name):

@@ -134,6 +134,7 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
                               "keep infrastructure errors apart from the code's own failures.")
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.state.is_admin = is_admin  # the server-wide views ask it (``server/native.py``)
+    app.state.max_body_bytes = max_body_bytes  # a compressed body is held to it once inflated (e2b)
     guarded = [Depends(auth)]
 
     @app.exception_handler(RequestValidationError)

@@ -52,8 +52,7 @@ def run_code_action(req: sf.RunCodeRequest) -> tuple[Action, str]:
     its action, and its ``v1.ActionRequest`` as JSON text, journaled whole (files included) so
     that a recovery's re-run is the same program. Built where the route runs (with fronts, in
     the front process: the engine process only journals and schedules, ``Service.run_oneshot``)."""
-    if 0 < req.memory_limit_MB < 16:
-        raise BadRequest("memory_limit_MB: give -1 (the default limit) or at least 16")
+    _check_memory(req.memory_limit_MB)
     given = {p: d for p, d in req.files.items() if d is not None}
     files = decode_files("files", given)
     spec = v1.ActionRequest(id=new_id("sf"), job=job_for(None, "sandboxfusion"), action=v1.RunCodeAction(
@@ -63,11 +62,20 @@ def run_code_action(req: sf.RunCodeRequest) -> tuple[Action, str]:
     return oneshot_action(spec.id, spec, files), spec.model_dump_json()
 
 
+def _check_memory(mb: int) -> None:
+    """SandboxFusion's ``memory_limit_MB``: -1 (or 0) for the default, else at least 16 MB; a
+    smaller limit left nothing to start the program in (``/run_jupyter`` answered an internal
+    error, EBUSY from the group's memory file)."""
+    if 0 < mb < 16:
+        raise BadRequest("memory_limit_MB: give -1 (the default limit) or at least 16")
+
+
 # -- the engine process's calls --------------------------------------------------------------------
 
 async def sf_run_jupyter(service: Service, req: sf.RunJupyterRequest) -> sf.RunJupyterResponse:
     """``POST /run_jupyter``: the cells in one session of their own, closed at the end (not
     journaled: a notebook cut short by a crash is not re-run)."""
+    _check_memory(req.memory_limit_MB)
     service.admit()
     files = decode_files("files", {p: d for p, d in req.files.items() if d is not None})
     s = await service.tg.session(job=job_for(None, "sandboxfusion"))
@@ -77,8 +85,9 @@ async def sf_run_jupyter(service: Service, req: sf.RunJupyterRequest) -> sf.RunJ
     try:
         if files:
             r = await s.files(Files(put=files))
-            if r.outcome is not Outcome.OK:
-                return sf.RunJupyterResponse(status=sf.RunStatus.SandboxError, message=r.message)
+            if r.outcome is not Outcome.OK:  # a name outside the workspace is the request's, not ours
+                status = sf.RunStatus.Failed if r.outcome is Outcome.FAILED else sf.RunStatus.SandboxError
+                return sf.RunJupyterResponse(status=status, message=r.message)
         for code in req.cells:
             left = req.total_timeout - (time.monotonic() - start)
             if left <= 0:
@@ -142,8 +151,14 @@ def response(r: ActionResult) -> dict[str, Any]:
     # the one deliberate difference: output past the cap is flagged (SandboxFusion cuts it silently, and a
     # reward computed on cut output would be wrong without anyone knowing)
     truncated = any(c is not None and c.truncated for c in (res.compile, res.run))
+    message = "output truncated" if truncated else ""
+    if compile_result is None and run_result is None and r.outcome is not Outcome.OK:
+        message = r.message  # nothing ran (a file it could not be given): the message is the only why
+    cut = res.info.get("cut_files") if res.info else None
+    if cut:  # fetched files past their size limit: cut, and said so (as output past its cap is)
+        message = "; ".join(m for m in (message, f"fetched files cut at their size limit: {', '.join(cut)}") if m)
     return {"status": "Success" if r.outcome is Outcome.OK else "Failed",
-            "message": "output truncated" if truncated else "", "compile_result": compile_result,
+            "message": message, "compile_result": compile_result,
             "run_result": run_result, "executor_pod_name": None,
             "files": {k: base64.b64encode(v).decode() for k, v in res.files.items()}}
 

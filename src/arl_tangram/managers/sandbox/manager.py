@@ -1294,6 +1294,10 @@ class SandboxManager:
             fr = r.get("fetched") or {}
             result.files = {k: base64.b64decode(v) for k, v in fr.get("files", {}).items()}
             result.missing = fr.get("missing", list(p.fetch_files))
+            if fr.get("cut"):  # past the size limits: said (SandboxFusion's message names them)
+                result.info = {**result.info, "cut_files": list(fr["cut"])}
+                result.message = _join(result.message, "fetched files cut at their size limit: "
+                                       + ", ".join(fr["cut"]))
         return _outcome(r), result
 
 

@@ -310,8 +310,9 @@ def finish(req, start, out, err, truncated, timed_out, status):
 
 def cap_address_space(limit):
     """SandboxFusion's memory limit: address space and data segment capped, so allocations fail
-    inside the program (python raises MemoryError) instead of the kernel killing it."""
-    if limit:
+    inside the program (python raises MemoryError) instead of the kernel killing it. A limit no
+    machine has is no limit (past 2**63 bytes ``setrlimit`` overflowed, and the program failed)."""
+    if limit and limit < 1 << 62:
         import resource
         for res in (resource.RLIMIT_AS, resource.RLIMIT_DATA):
             resource.setrlimit(res, (limit, resource.getrlimit(res)[1]))
@@ -1123,16 +1124,48 @@ def op_write(req):
     return {}
 
 
+#: all the files one read returns, together (each is capped at ``max_bytes``, 16 MiB): the answer is
+#: one line of the host's channel (64 MiB), base64 a third larger; four 14 MiB files overflowed it,
+#: and the run a program's own files made ended ``infra_error``
+READ_TOTAL = 40 << 20
+
+
 def op_read(req):
+    """The files at ``paths`` (workspace-relative), each cut at ``max_bytes`` and all of them at
+    ``READ_TOTAL`` together (``cut`` names those cut); what is not a regular file is ``missing``,
+    never read (a FIFO blocked the read until the run's deadline, /dev/zero gave 16 MiB)."""
     limit = int(req.get("max_bytes") or 1 << 24)
-    files, missing = {}, []
+    left = READ_TOTAL
+    files, missing, cut = {}, [], []
     for path in req.get("paths") or []:
         try:
-            with open(inside(path), "rb") as fh:
-                files[path] = b64(fh.read(limit))
+            fd = os.open(inside(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except (OSError, ValueError):
             missing.append(path)
-    return {"files": files, "missing": missing}
+            continue
+        try:
+            if (os.fstat(fd).st_mode & 0o170000) != 0o100000:  # not S_IFREG
+                missing.append(path)
+                continue
+            want = min(limit, left)
+            chunks, got = [], 0
+            while got <= want:  # one byte past ``want`` says whether it was cut
+                chunk = os.read(fd, want + 1 - got)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+            data = b"".join(chunks)
+            if len(data) > want:
+                data = data[:want]
+                cut.append(path)
+            left -= len(data)
+            files[path] = b64(data)
+        except OSError:
+            missing.append(path)
+        finally:
+            os.close(fd)
+    return {"files": files, "missing": missing, **({"cut": cut} if cut else {})}
 
 SHELL = {}
 

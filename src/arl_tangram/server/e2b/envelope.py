@@ -9,9 +9,9 @@ Connect code name (``not_found``). Flag ``0x01`` marks a gzip-compressed payload
 
 from __future__ import annotations
 
-import gzip
 import json
 import struct
+import zlib
 
 COMPRESSED = 0x01
 END_STREAM = 0x02
@@ -26,7 +26,7 @@ HTTP_STATUS = {
 
 
 CODE_OF_STATUS = {400: "invalid_argument", 401: "unauthenticated", 403: "permission_denied", 404: "not_found",
-                  409: "already_exists", 429: "resource_exhausted", 501: "unimplemented", 502: "unavailable",
+                  409: "already_exists", 413: "resource_exhausted", 429: "resource_exhausted", 501: "unimplemented", 502: "unavailable",
                   503: "unavailable", 504: "deadline_exceeded"}
 
 
@@ -61,8 +61,25 @@ def end(error: E2bError | None = None) -> bytes:
     return frame({"error": error.rpc()} if error is not None else {}, END_STREAM)
 
 
-def messages(body: bytes) -> list[dict]:
-    """The JSON messages of an enveloped request body; ``E2bError`` for a malformed one."""
+def gunzip(data: bytes, limit: int, what: str = "body") -> bytes:
+    """``data`` gzip-inflated, to at most ``limit`` bytes: a 413 past it (a 32 MB body of zeros
+    inflates to 32 GB: the server's memory went to 1 GB on 150 MB, and the sandbox was lost), a
+    400 for what is not gzip."""
+    inflate = zlib.decompressobj(16 + zlib.MAX_WBITS)
+    try:
+        out = inflate.decompress(data, limit + 1)
+    except zlib.error:
+        raise E2bError(400, f"{what}: Content-Encoding is gzip but the data is not") from None
+    if len(out) > limit or inflate.unconsumed_tail:
+        raise E2bError(413, f"{what}: more than the server's body limit ({limit >> 20} MB) once decompressed")
+    if not inflate.eof:
+        raise E2bError(400, f"{what}: a gzip stream cut short")
+    return out
+
+
+def messages(body: bytes, limit: int = 32 << 20) -> list[dict]:
+    """The JSON messages of an enveloped request body; ``E2bError`` for a malformed one (each
+    compressed one inflated to ``limit`` bytes at most)."""
     out, at = [], 0
     while at < len(body):
         if len(body) - at < 5:
@@ -75,7 +92,7 @@ def messages(body: bytes) -> list[dict]:
         if flags & END_STREAM:
             continue
         if flags & COMPRESSED:
-            payload = gzip.decompress(payload)
+            payload = gunzip(payload, limit, "request")
         out.append(decode(payload))
     return out
 

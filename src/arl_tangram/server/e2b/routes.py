@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import codecs
-import gzip
 import json
 import logging
 import time
@@ -234,7 +233,7 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
         try:
             sid, token = _sid(request), _token(request)
             if method in ("Start", "Connect"):
-                msgs = envelope.messages(await request.body())
+                msgs = envelope.messages(await request.body(), _body_limit(request))
                 if len(msgs) != 1:
                     raise E2bError(400, "request: exactly one message is expected")
                 msg = msgs[0]
@@ -242,9 +241,12 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
                     pid = await _call(lambda: calls.e2b_proc_start(sid, token, msg, _timeout_header(request)))
                 else:
                     pid = await _call(lambda: calls.e2b_proc_find(sid, token, msg.get("process")))
+                # a stream that started its process kills it at its deadline (one re-attached leaves it)
+                kill = ((lambda: calls.e2b_proc_signal(sid, token, {"pid": pid}, "SIGNAL_SIGKILL"))
+                        if method == "Start" else None)
                 return StreamingResponse(
                     _events(pid, lambda sent, wait_s: calls.e2b_proc_output(sid, token, pid, sent, wait_s),
-                            lambda: calls.e2b_proc_wait(sid, token, pid), request),
+                            lambda: calls.e2b_proc_wait(sid, token, pid), request, kill),
                     media_type="application/connect+json")
             msg = envelope.decode(await request.body())
             if method == "List":
@@ -368,13 +370,14 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
 
 
 async def _events(pid: int, output: Callable[[tuple[int, int], float], Any], wait: Callable[[], Any],
-                  request: Request):
+                  request: Request, kill: Callable[[], Any] | None = None):
     """A process's event stream: start (its pid), its output as the command writes it (a long poll
     of ``e2b_proc_output``: a data event per batch, at most ``CHUNK`` bytes each; a re-attached
     stream (``Connect``) gets the output so far first), keepalives while it is quiet, its end, then
     the end of the stream (carrying the error, if it did not run to an end). At the stream's
     ``Connect-Timeout-Ms`` (a little before: the client's own deadline counts from its send) the
-    stream ends with ``deadline_exceeded`` (the step's own timeout, the same, kills the process),
+    stream ends with ``deadline_exceeded`` and, when ``kill`` is given (the stream that started
+    it), the process is killed first, queued or running,
     before the client gives up on a response still in flight (an HTTP/1.1 connection then stays
     clean for its next call)."""
     yield envelope.frame({"event": {"start": {"pid": pid}}})
@@ -388,7 +391,11 @@ async def _events(pid: int, output: Callable[[tuple[int, int], float], Any], wai
     try:
         while True:
             left = deadline - time.monotonic() if deadline is not None else None
-            if left is not None and left <= 0:  # the step's own timeout ends it now too
+            if left is not None and left <= 0:
+                # killed here, as the stream says: the step's own timeout counts from its start, and a
+                # command queued behind another ran after its caller was told it was killed (an audit)
+                if kill is not None:
+                    await _call(kill)
                 raise E2bError(504, f"the command ran past its timeout ({limit:g} s) and was killed: pass a longer "
                                     "'timeout' (0: no limit)", "deadline_exceeded")
             out, err, done = await _call(lambda: output((sent[0], sent[1]), max(0.01, min(
@@ -505,15 +512,17 @@ def _form_files(ctype: str, body: bytes) -> list[tuple[str | None, bytes]]:
     return out
 
 
+def _body_limit(request: Request) -> int:
+    """The server's body limit (``max_body_mb``), which a compressed body is held to inflated."""
+    return getattr(request.app.state, "max_body_bytes", 32 << 20)
+
+
 def _uploaded(request: Request, body: bytes) -> list[tuple[str, bytes]]:
     """The files of a ``POST /files``: an octet-stream body (the ``path`` parameter names it) or a
     multipart form of ``file`` parts (each part's file name is its path; ``path`` names a
     single one)."""
     if request.headers.get("content-encoding", "").lower() == "gzip":
-        try:
-            body = gzip.decompress(body)
-        except (OSError, EOFError):
-            raise E2bError(400, "body: Content-Encoding is gzip but the body is not") from None
+        body = envelope.gunzip(body, _body_limit(request))
     ctype = request.headers.get("content-type", "")
     path = request.query_params.get("path")
     if ctype.startswith("multipart/form-data"):
