@@ -246,6 +246,24 @@ def test_a_command_said_killed_at_its_timeout_never_runs_after(server):
         sb.kill()
 
 
+def test_a_cell_that_ends_its_interpreter_says_so_and_the_next_keeps_the_sandboxs_envs(server):
+    """From an audit: ``os._exit(1)`` in a cell answered no error, and every later cell ran
+    without the sandbox's ``envs`` (the new interpreter never got them); ``sys.exit(3)`` too was
+    no error, where a notebook reports ``SystemExit``."""
+    sb = ci.Sandbox.create(envs={"FOO": "bar"})
+    try:
+        assert sb.run_code("import os; os.environ.get('FOO')").text == "'bar'"
+        died = sb.run_code("import os; os._exit(1)")
+        assert died.error is not None and died.error.name == "InterpreterExited", died.error
+        assert "variables are gone" in died.error.value
+        assert sb.run_code("import os; os.environ.get('FOO'), os.environ['HOME']").text == "('bar', '/home/user')"
+        ended = sb.run_code("import sys; sys.exit(3)")
+        assert ended.error is not None and (ended.error.name, ended.error.value) == ("SystemExit", "3"), ended.error
+        assert sb.run_code("1 + 1").error is None
+    finally:
+        sb.kill()
+
+
 def test_pause_keeps_files_and_connect_resumes(server):
     sb = Sandbox.create(timeout=60)
     try:

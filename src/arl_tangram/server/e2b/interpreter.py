@@ -131,6 +131,9 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
         raise E2bError(502, GONE.format(id=sid)) from None
     service._record(r, s.job, "e2b")
     box.used_at = time.time()
+    message = r.message or (r.result.message if r.result is not None else "")
+    if VARIABLES_GONE in message:  # a new interpreter: without the sandbox's envs (they were lost after it)
+        box.cell_env = False
     if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED, Outcome.CANCELLED):
         raise E2bError(503, f"{r.outcome.value}: {r.message or r.result.message}")
     box.executions += 1
@@ -149,7 +152,17 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
         out["error"] = {"name": "TimeoutError", "value": "the cell ran past its timeout", "traceback": ""}
     elif r.outcome is Outcome.OOM:
         out["error"] = {"name": "MemoryError", "value": "the cell ran out of memory and was killed", "traceback": ""}
+    elif DIED_IN_CELL in message:  # os._exit: was a success with no error (an audit)
+        out["error"] = {"name": "InterpreterExited", "value": message, "traceback": ""}
+    elif run is not None and run.exit_code not in (0, None):  # sys.exit(3): a notebook reports it
+        out["error"] = {"name": "SystemExit", "value": str(run.exit_code), "traceback": ""}
     return out
+
+
+#: the runner's notes on a session's interpreter: ended in this step (``op_cell``), or replaced
+#: before it; either way the next cell needs the sandbox's environment again
+DIED_IN_CELL = "the session's python interpreter "
+VARIABLES_GONE = "its variables are gone"
 
 
 ENV_STEP = ("__import__('builtins').exec('import os, json\\nfor k, v in json.loads(ENV).items():\\n"
