@@ -264,6 +264,25 @@ def test_a_cell_that_ends_its_interpreter_says_so_and_the_next_keeps_the_sandbox
         sb.kill()
 
 
+def test_pausing_with_a_command_running_is_an_error_not_already_paused(server):
+    """409 is what the SDK reads as "paused already" (``pause()`` returned False and the sandbox
+    went on running); a sandbox busy with a command is refused with an error that says so."""
+    sb = Sandbox.create()
+    try:
+        h = sb.commands.run("sleep 30", background=True)
+        with pytest.raises(Exception) as e:
+            sb.pause()
+        assert "cannot be paused" in str(e.value), e.value
+        assert Sandbox.get_info(sb.sandbox_id).state.value == "running"
+        h.kill()
+        with pytest.raises(CommandExitException):
+            h.wait()  # (its end, before the pause)
+        sb.pause()
+        assert Sandbox.get_info(sb.sandbox_id).state.value == "paused"
+    finally:
+        sb.kill()
+
+
 def test_pause_keeps_files_and_connect_resumes(server):
     sb = Sandbox.create(timeout=60)
     try:

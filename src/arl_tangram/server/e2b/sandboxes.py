@@ -446,8 +446,11 @@ def e2b_pause(service: Service, sid: str) -> None:
     box = reg.get(sid)
     if box.paused:
         raise E2bError(409, f"sandbox {sid!r} is paused already")
-    if any(not p.done.done() for p in box.procs.values()):
-        raise E2bError(409, f"sandbox {sid!r} has a command running: it cannot be paused now")
+    # not 409: the SDK reads that as "paused already" and returns False, the sandbox still running
+    # (an audit); a cell holds the box's lock while it runs
+    if any(not p.done.done() for p in box.procs.values()) or box.lock.locked():
+        raise E2bError(400, f"sandbox {sid!r} has a command or cell running: it cannot be paused until it "
+                            "ends (wait for it, or kill it)", "failed_precondition")
     box.paused = True
     box.paused_at = time.time()
     reg.arm(box)
