@@ -26,8 +26,8 @@ HTTP_STATUS = {
 
 
 CODE_OF_STATUS = {400: "invalid_argument", 401: "unauthenticated", 403: "permission_denied", 404: "not_found",
-                  409: "already_exists", 413: "resource_exhausted", 429: "resource_exhausted", 501: "unimplemented", 502: "unavailable",
-                  503: "unavailable", 504: "deadline_exceeded"}
+                  409: "already_exists", 413: "resource_exhausted", 429: "resource_exhausted",
+                  501: "unimplemented", 502: "unavailable", 503: "unavailable", 504: "deadline_exceeded"}
 
 
 class E2bError(Exception):
