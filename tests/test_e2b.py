@@ -283,6 +283,24 @@ def test_pausing_with_a_command_running_is_an_error_not_already_paused(server):
         sb.kill()
 
 
+def test_links_are_listed_as_links_a_dangling_one_too(server):
+    """From an audit: a dangling link was missing from ``files.list`` (its type unknown to the SDK,
+    which drops such entries) and ``get_info`` gave no type."""
+    from e2b import FileType
+
+    sb = Sandbox.create()
+    try:
+        sb.files.write("/home/user/a.txt", "a")
+        sb.commands.run("ln -s /home/user/a.txt /home/user/good && ln -s /nowhere /home/user/dangling")
+        entries = {e.name: e for e in sb.files.list("/home/user")}
+        assert entries["a.txt"].type == FileType.FILE
+        for name, target in (("good", "/home/user/a.txt"), ("dangling", "/nowhere")):
+            assert entries[name].type == FileType.SYMLINK and entries[name].symlink_target == target, entries[name]
+        assert sb.files.get_info("/home/user/dangling").type == FileType.SYMLINK
+    finally:
+        sb.kill()
+
+
 def test_pause_keeps_files_and_connect_resumes(server):
     sb = Sandbox.create(timeout=60)
     try:

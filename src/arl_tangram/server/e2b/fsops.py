@@ -20,7 +20,7 @@ class Done(Exception):
 def say(value):
     sys.stdout.write("\n" + json.dumps(value) + "\n")
     sys.stdout.flush()
-KINDS = {stat.S_IFREG: "FILE_TYPE_FILE", stat.S_IFDIR: "FILE_TYPE_DIRECTORY"}
+KINDS = {stat.S_IFREG: "FILE_TYPE_FILE", stat.S_IFDIR: "FILE_TYPE_DIRECTORY", stat.S_IFLNK: "FILE_TYPE_SYMLINK"}
 def entry(path):
     st = os.lstat(path)
     link = stat.S_ISLNK(st.st_mode)
@@ -36,8 +36,9 @@ def entry(path):
            "FILE_TYPE_UNSPECIFIED"), "path": path, "size": str(st.st_size), "mode": stat.S_IMODE(st.st_mode),
            "permissions": stat.filemode(st.st_mode), "owner": "user", "group": "user",
            "modifiedTime": when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
-    if link:
-        out["symlinkTarget"] = target
+    if link:  # as envd 0.6 marks a link (the SDK then types it SYMLINK, a dangling one included:
+        out["symlinkTarget"] = target  # without the mark, its unknown type dropped it from a list)
+        out["isSymlink"] = True
     return out
 def fail(code, message):
     say({"error": [code, message]})
