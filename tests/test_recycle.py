@@ -216,25 +216,37 @@ def test_a_bash_one_shot_killing_everything_it_can_discards_the_sandbox_before_t
     assert_pristine(out, reused=False)
 
 
+ON_ITS_WAY_OUT = r"""
+import json, os, sys, time
+sys.path.insert(0, sys.argv[1])
+sys.argv = ["runner"]
+import runner  # (takes over this process's stdin and stdout: run apart, never in pytest's)
+pid = os.fork()
+if pid == 0:
+    os._exit(0)
+for _ in range(200):  # until it is a zombie
+    if runner.read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[0] == b"Z":
+        break
+    time.sleep(0.01)
+out = [runner.process_state(pid)["ending"], runner.process_state(os.getpid())["ending"],
+       runner.sigkill_pending(os.getpid())]
+os.waitpid(pid, 0)
+os.write(runner.PROTO_OUT, json.dumps(out).encode())
+"""
+
+
 def test_a_process_on_its_way_out_is_not_taken_for_the_one_snapshotted():
     """``runner.process_state``: a zombie (as a killed zygote is until reaped) reads ``ending``."""
-    import os
+    import subprocess
+    import sys
 
-    from arl_tangram.managers.sandbox import runner
+    from importlib.util import find_spec
 
-    pid = os.fork()
-    if pid == 0:
-        os._exit(0)
-    try:
-        for _ in range(200):  # until it is a zombie
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                if fh.read().rsplit(b")", 1)[1].split()[0] == b"Z":
-                    break
-            time.sleep(0.01)
-        assert runner.process_state(pid)["ending"] is True
-        assert runner.process_state(os.getpid())["ending"] is False
-    finally:
-        os.waitpid(pid, 0)
+    where = os.path.dirname(find_spec("arl_tangram.managers.sandbox.runner").origin)  # (found, not imported)
+    p = subprocess.run([sys.executable, "-c", ON_ITS_WAY_OUT, where],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == [True, False, False]
 
 
 def test_a_changed_affinity_is_put_back():
