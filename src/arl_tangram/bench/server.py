@@ -370,12 +370,20 @@ def _ratios(ours: dict, peer: dict) -> dict:
                     if b["throughput_per_s"] else None,
                     "p50_x": round(a["p50_ms"] / b["p50_ms"], 2) if a["p50_ms"] and b["p50_ms"] else None,
                     "p99_x": round(a["p99_ms"] / b["p99_ms"], 2) if a["p99_ms"] and b["p99_ms"] else None}
-        pairs = list(zip(a.get("rounds", ()), b.get("rounds", ())))
-        if len(pairs) > 1 and all(y["throughput_per_s"] for _, y in pairs):
-            each = [x["throughput_per_s"] / y["throughput_per_s"] for x, y in pairs]
+        each = _round_ratios(a, b)
+        if each:
             out[key]["round_throughput_x"] = [round(r, 3) for r in each]
             out[key]["median_round_throughput_x"] = round(statistics.median(each), 3)
     return out
+
+
+def _round_ratios(a: dict, b: dict) -> list[float]:
+    """``a``'s throughput over ``b``'s in each round, the two measured one right after the other;
+    empty without two rounds or with a round where ``b`` answered nothing."""
+    pairs = list(zip(a.get("rounds", ()), b.get("rounds", ())))
+    if len(pairs) < 2 or not all(y["throughput_per_s"] for _, y in pairs):
+        return []
+    return [x["throughput_per_s"] / y["throughput_per_s"] for x, y in pairs]
 
 
 def _ratio_text(first: str, name: str, ours: dict, theirs: dict) -> str:
@@ -388,10 +396,8 @@ def _ratio_text(first: str, name: str, ours: dict, theirs: dict) -> str:
         if not (isinstance(a, dict) and isinstance(b, dict) and a.get("throughput_per_s") and b.get("throughput_per_s")):
             continue  # (not a level, or nothing answered)
         line = f"  {key:>12}: {a['throughput_per_s'] / b['throughput_per_s']:.2f}x (the median rounds)"
-        pairs = [(x["throughput_per_s"], y["throughput_per_s"])
-                 for x, y in zip(a.get("rounds", ()), b.get("rounds", ())) if y["throughput_per_s"]]
-        if len(pairs) > 1:
-            each = [x / y for x, y in pairs]
+        each = _round_ratios(a, b)
+        if each:
             line += f"; each round {', '.join(f'{r:.2f}' for r in each)}: median {statistics.median(each):.2f}x"
         lines.append(line)
     return "\n".join(lines)

@@ -19,7 +19,7 @@ from ..api import sandboxfusion as sf
 from ..api import v1
 from ..core.action import Action, Outcome
 from ..managers.sandbox import languages
-from ..managers.sandbox.spec import CommandResult, Files
+from ..managers.sandbox.spec import CommandResult, Files, cut_files_note
 from ..runtime import ActionResult
 from .dialect import Dialect
 from .journal import new_id
@@ -156,7 +156,7 @@ def response(r: ActionResult) -> dict[str, Any]:
         message = r.message  # nothing ran (a file it could not be given): the message is the only why
     cut = res.info.get("cut_files") if res.info else None
     if cut:  # fetched files past their size limit: cut, and said so (as output past its cap is)
-        message = "; ".join(m for m in (message, f"fetched files cut at their size limit: {', '.join(cut)}") if m)
+        message = "; ".join(m for m in (message, cut_files_note(cut)) if m)
     return {"status": "Success" if r.outcome is Outcome.OK else "Failed",
             "message": message, "compile_result": compile_result,
             "run_result": run_result, "executor_pod_name": None,

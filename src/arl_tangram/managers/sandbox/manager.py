@@ -34,7 +34,8 @@ from .recycle import Recycler
 from .rest import Rested, RestFailed, RestStore, load, pack
 from .rootfs import HOST_IMAGE, RootFs, overlay_supported
 from .sandbox import Limits, Sandbox, SandboxDied, Turn
-from .spec import CommandResult, Exec, Files, Fork, Restore, RunCode, SandboxConfig, SandboxResult, Snapshot
+from .spec import (CommandResult, Exec, Files, Fork, Restore, RunCode, SandboxConfig, SandboxResult, Snapshot,
+                   cut_files_note)
 
 __all__ = ["CommandResult", "Exec", "Files", "Fork", "Restore", "RunCode", "SandboxConfig", "SandboxManager",
            "SandboxResult", "Snapshot"]
@@ -1296,8 +1297,7 @@ class SandboxManager:
             result.missing = fr.get("missing", list(p.fetch_files))
             if fr.get("cut"):  # past the size limits: said (SandboxFusion's message names them)
                 result.info = {**result.info, "cut_files": list(fr["cut"])}
-                result.message = _join(result.message, "fetched files cut at their size limit: "
-                                       + ", ".join(fr["cut"]))
+                result.message = _join(result.message, cut_files_note(fr["cut"]))
         return _outcome(r), result
 
 

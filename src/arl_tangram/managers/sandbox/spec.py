@@ -127,6 +127,12 @@ class CommandResult:
                    r.get("raised") or [], r.get("note") or "")
 
 
+def cut_files_note(paths: list[str]) -> str:
+    """What a result says of fetched files cut at their size limit (``SandboxResult.info``'s
+    ``cut_files``): in the native API's message, and in SandboxFusion's, which has no other field."""
+    return "fetched files cut at their size limit: " + ", ".join(paths)
+
+
 @dataclass
 class SandboxResult:
     """What an action produced; ``message`` explains anything unusual (truncation, OOM, reset)."""

@@ -135,7 +135,7 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
     if VARIABLES_GONE in message:  # a new interpreter: without the sandbox's envs (they were lost after it)
         box.cell_env = False
     if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED, Outcome.CANCELLED):
-        raise E2bError(503, f"{r.outcome.value}: {r.message or r.result.message}")
+        raise E2bError(503, f"{r.outcome.value}: {message}")
     box.executions += 1
     run = r.result.run
     out: dict = {"stdout": run.stdout if run else "", "stderr": run.stderr if run else "",
