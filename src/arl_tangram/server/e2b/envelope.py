@@ -77,7 +77,11 @@ def gunzip(data: bytes, limit: int, what: str = "body") -> bytes:
     return out
 
 
-def messages(body: bytes, limit: int = 32 << 20) -> list[dict]:
+#: a body's limit where the app does not say its own (``create_app``'s ``max_body_bytes``, the default)
+BODY_LIMIT = 32 << 20
+
+
+def messages(body: bytes, limit: int = BODY_LIMIT) -> list[dict]:
     """The JSON messages of an enveloped request body; ``E2bError`` for a malformed one (each
     compressed one inflated to ``limit`` bytes at most)."""
     out, at = [], 0

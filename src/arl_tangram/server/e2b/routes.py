@@ -517,7 +517,7 @@ def _form_files(ctype: str, body: bytes) -> list[tuple[str | None, bytes]]:
 
 def _body_limit(request: Request) -> int:
     """The server's body limit (``max_body_mb``), which a compressed body is held to inflated."""
-    return getattr(request.app.state, "max_body_bytes", 32 << 20)
+    return getattr(request.app.state, "max_body_bytes", envelope.BODY_LIMIT)
 
 
 def _uploaded(request: Request, body: bytes) -> list[tuple[str, bytes]]:
