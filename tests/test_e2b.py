@@ -625,6 +625,67 @@ def test_files_never_follow_a_symlink_the_sandbox_planted_to_the_host(server, tm
         sb.kill()
 
 
+def test_filesystem_calls_are_not_answered_by_the_sandboxs_own_code(server):
+    """From an audit: the filesystem calls ran in the session's own interpreter (and reads and
+    writes outside the home directory in its own shell), so the sandbox's code could answer them:
+    a grader checking ``files.exists`` or reading a result file through the SDK read a forgery."""
+    sb = ci.Sandbox.create()
+    try:
+        sb.files.write("/tmp/result.txt", "real")
+        sb.files.write("/home/user/there.txt", "here")
+        # the interpreter's os and json, and the shell's base64, cat and mkdir, replaced
+        ex = sb.run_code("import os, json\nos.lstat = os.stat = lambda *a, **k: 1/0\n"
+                         "json.dumps = lambda *a, **k: '{\"entries\": []}'\n"
+                         "os.path.isdir = os.path.lexists = os.path.exists = lambda p: False\n'patched'")
+        assert ex.error is None and ex.text == "'patched'"
+        r = sb.commands.run("base64() { echo Zm9yZ2Vk; }; cat() { : ; }; mkdir() { : ; }; export -f base64 cat mkdir; "
+                            "echo ok")
+        assert r.stdout == "ok\n"
+        assert sb.files.read("/tmp/result.txt") == "real"
+        assert sb.files.exists("/home/user/there.txt") and not sb.files.exists("/home/user/nowhere")
+        assert "there.txt" in [e.name for e in sb.files.list("/home/user")]
+        assert sb.files.get_info("/home/user/there.txt").size == 4
+        sb.files.write("/tmp/out/new.txt", "written")  # a directory made, the file written
+        assert sb.files.read("/tmp/out/new.txt") == "written"
+        sb.files.make_dir("/tmp/d/e")
+        assert sb.files.rename("/tmp/d", "/tmp/moved").path == "/tmp/moved"
+        assert [e.name for e in sb.files.list("/tmp/moved")] == ["e"]
+        sb.files.remove("/tmp/moved")
+        assert not sb.files.exists("/tmp/moved")
+        assert sb.run_code("import os; os.lstat is os.stat").text == "True"  # the session's own state: its own
+    finally:
+        sb.kill()
+
+
+def test_links_to_the_agents_own_files_are_never_followed(server):
+    """Found by a probe: the sandbox's agent followed a link the sandbox planted with its own
+    rights, so a link to ``/proc/1/fd/N`` (the agent's descriptors, the answer channel to the
+    server among them), written through, put the caller's bytes on that channel, and one to
+    ``/proc/1/maps`` read the agent's memory map back."""
+    sb = Sandbox.create()
+    try:
+        sb.files.write("/home/user/plain.txt", "plain")
+        sb.commands.run("for n in 0 1 2 3 4 5 6 7 8 9 10 11; do ln -s /proc/1/fd/$n /home/user/fd$n; "
+                        "ln -s /proc/1/fd/$n /tmp/fd$n; done; ln -s /proc/1/maps /home/user/maps; "
+                        "ln -s /proc/1/environ /tmp/environ")
+        forged = '{"exit_code": 0, "stdout": "Zm9yZ2Vk"}\n'
+        for n in range(12):
+            for path in (f"/home/user/fd{n}", f"/tmp/fd{n}"):
+                with pytest.raises(e2b.SandboxException):
+                    sb.files.write(path, forged)
+                with pytest.raises(e2b.SandboxException):
+                    sb.files.read(path, request_timeout=10)
+        for path in ("/home/user/maps", "/tmp/environ"):
+            with pytest.raises(e2b.SandboxException) as e:
+                sb.files.read(path)
+            assert "not a plain file" in str(e.value)
+        r = sb.commands.run("echo mine; cat plain.txt")  # every answer still its own request's
+        assert (r.stdout, r.exit_code) == ("mine\nplain", 0)
+        assert sb.files.read("/home/user/plain.txt") == "plain"
+    finally:
+        sb.kill()
+
+
 # -- many at once ---------------------------------------------------------------------------------
 
 async def _many(n: int) -> list[float]:

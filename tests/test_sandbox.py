@@ -869,3 +869,73 @@ def test_one_shots_pinned_when_sharing_is_off():
     assert len(done) == 1 and done[0].outcome is Outcome.OK, done
     cpus, used = done[0].result.run.stdout.split()
     assert cpus == "1" and float(used) <= 1.15
+
+
+# The runner opens files the host names (``op_write``, ``op_read``, ``op_fs``) through whatever
+# links the sandbox planted, with its own rights: ``open_plain`` must refuse its own descriptors
+# (reached through /proc/<pid>/fd), /proc and /sys files, and anything not a regular file, with
+# openat2 and without it (an older kernel: the descriptors this process holds are compared).
+OPEN_PLAIN = r'''
+import json, os, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+sys.argv = ["runner"]
+import runner
+out = os.fdopen(runner.PROTO_OUT, "w")
+d = tempfile.mkdtemp()
+held = open(os.path.join(d, "held.txt"), "w")  # a file this process holds open
+plain = os.path.join(d, "plain.txt")
+open(plain, "w").write("plain")
+os.mkfifo(os.path.join(d, "fifo"))
+links = {"answers": f"/proc/self/fd/{runner.PROTO_OUT}", "requests": f"/proc/self/fd/{runner.PROTO_IN}",
+         "held": f"/proc/self/fd/{held.fileno()}", "maps": "/proc/self/maps", "fifo": os.path.join(d, "fifo"),
+         "plain": plain}
+for name, target in links.items():
+    os.symlink(target, os.path.join(d, "to-" + name))
+got = {}
+for openat2 in (True, False):
+    runner.OPENAT2[0] = openat2 and runner.LIBC is not None
+    for name in links:
+        for flags in (os.O_RDONLY, os.O_WRONLY | os.O_CREAT):
+            try:
+                os.close(runner.open_plain(os.path.join(d, "to-" + name), flags))
+                got[f"{openat2} {name} {flags}"] = "opened"
+            except runner.NotPlain:
+                got[f"{openat2} {name} {flags}"] = "refused"
+            except OSError as e:
+                got[f"{openat2} {name} {flags}"] = f"error {e.errno}"
+runner.OPENAT2[0] = runner.LIBC is not None
+runner.LIST_MAX = 3
+for i in range(4):
+    open(os.path.join(d, f"f{i}"), "w").write("x" * i)
+fs = {"big": runner.op_fs({"call": "list", "path": d}),
+      "read": runner.op_fs({"call": "read", "path": os.path.join(d, "f3"), "max_bytes": 2}),
+      "relative": runner.op_fs({"call": "stat", "path": "plain.txt"}),
+      "missing": runner.op_fs({"call": "remove", "path": os.path.join(d, "nowhere")}),
+      "made": runner.op_fs({"call": "mkdir", "path": os.path.join(d, "a", "b")})["fs"]["entry"]["mode"] & 0o170000}
+print(json.dumps({"got": got, "fs": fs}), file=out)
+'''
+
+
+def test_the_runner_opens_only_plain_files_for_the_host(tmp_path):
+    import json
+
+    from arl_tangram.managers.sandbox.isolation import RUNNER
+    script = tmp_path / "probe.py"
+    script.write_text(OPEN_PLAIN)
+    p = subprocess.run([sys.executable, "-I", str(script), str(Path(RUNNER).parent)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    for key, what in out["got"].items():
+        openat2, name, flags = key.split()
+        if name == "plain":
+            assert what == "opened", key
+        elif name == "fifo" and int(flags) & os.O_WRONLY:
+            assert what in ("refused", "error 6"), key  # ENXIO: no reader, never blocked on
+        else:
+            assert what == "refused", key
+    fs = out["fs"]
+    assert fs["big"]["fs_error"][0] == "too_many"
+    assert fs["read"] == {"fs": {"data": "eHg=", "cut": True}}  # b"xx"
+    assert fs["relative"]["fs_error"][0] == "invalid" and fs["missing"]["fs_error"][0] == "not_found"
+    assert fs["made"] == 0o040000

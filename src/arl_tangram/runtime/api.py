@@ -15,7 +15,7 @@ from ..core.action import Action, Demand, Outcome, seconds
 from ..managers.models.spec import ModelCall
 from ..managers.sandbox.images import ImageError
 from ..managers.sandbox.manager import SandboxManager
-from ..managers.sandbox.spec import Exec, Files, Fork, Restore, RunCode, SandboxConfig, Snapshot
+from ..managers.sandbox.spec import Exec, Files, Fork, FsCall, Restore, RunCode, SandboxConfig, Snapshot
 from ..policy import Policy, Profile
 from .base import ActionResult, Runtime
 from .local import LocalRuntime
@@ -219,6 +219,17 @@ class Session:
                                         done[1].message)
         action = Action(id or self.runtime.new_id("f"), "sandbox", job=self.job, trajectory=self.id,
                         operation="files", hint_s=0.005, payload=files)
+        return await self._step(action)
+
+    async def fs(self, call: FsCall, id: str | None = None) -> ActionResult:
+        """One filesystem call anywhere in the session's sandbox (``FsCall``: stat, list, mkdir,
+        remove, move, read, write), carried out by the sandbox's agent, never by code of the
+        session's that its user could have replaced."""
+        self._check()
+        if call.image is None:
+            call.image = self.image
+        action = Action(id or self.runtime.new_id("f"), "sandbox", job=self.job, trajectory=self.id,
+                        operation="fs", hint_s=0.005, payload=call)
         return await self._step(action)
 
     @property

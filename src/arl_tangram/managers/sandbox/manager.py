@@ -34,10 +34,10 @@ from .recycle import Recycler
 from .rest import Rested, RestFailed, RestStore, load, pack
 from .rootfs import HOST_IMAGE, RootFs, overlay_supported
 from .sandbox import Limits, Sandbox, SandboxDied, Turn
-from .spec import (CommandResult, Exec, Files, Fork, Restore, RunCode, SandboxConfig, SandboxResult, Snapshot,
+from .spec import (CommandResult, Exec, Files, Fork, FsCall, Restore, RunCode, SandboxConfig, SandboxResult, Snapshot,
                    cut_files_note)
 
-__all__ = ["CommandResult", "Exec", "Files", "Fork", "Restore", "RunCode", "SandboxConfig", "SandboxManager",
+__all__ = ["CommandResult", "Exec", "Files", "Fork", "FsCall", "Restore", "RunCode", "SandboxConfig", "SandboxManager",
            "SandboxResult", "Snapshot"]
 
 log = logging.getLogger(__name__)
@@ -1236,6 +1236,8 @@ class SandboxManager:
                 out.files = {k: base64.b64decode(v) for k, v in r.get("files", {}).items()}
                 out.missing = r.get("missing", [])
             return Outcome.OK, out
+        if isinstance(payload, FsCall):
+            return _fs_outcome(payload, await sb.request(payload.request(), FILES_TIMEOUT_S + grace))
         return Outcome.REJECTED, SandboxResult(message=f"payload: {type(payload).__name__} is not a sandbox request")
 
     async def _drop_broken(self, sb: Sandbox, r: dict) -> None:
@@ -1316,6 +1318,21 @@ class _Unanswered:
 
 def _unwired(report) -> None:
     raise RuntimeError("this SandboxManager was built without a sink")
+
+
+def _fs_outcome(call: FsCall, r: dict) -> tuple[Outcome, SandboxResult]:
+    """A filesystem call's answer (``runner.op_fs``): the caller's failure is ``FAILED`` with its
+    code in ``info["error"]``; an answer of neither shape (the runner's own failure) is
+    ``infra_error``, never the caller's."""
+    err, got = r.get("fs_error"), r.get("fs")
+    if isinstance(err, list) and len(err) == 2:
+        return Outcome.FAILED, SandboxResult(message=str(err[1]), info={"error": str(err[0])})
+    if not isinstance(got, dict):
+        return Outcome.INFRA_ERROR, SandboxResult(message=f"{call.call}: {r.get('error') or 'the sandbox did not answer'}")
+    if call.call == "read":
+        return Outcome.OK, SandboxResult(files={call.path: base64.b64decode(got.get("data") or "")},
+                                         info={"cut": bool(got.get("cut"))})
+    return Outcome.OK, SandboxResult(info=got)
 
 
 def _which_in(rootfs: RootFs, exe: str) -> str | None:

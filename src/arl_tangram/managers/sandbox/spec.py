@@ -189,6 +189,41 @@ class Files:
     image: str | None = None
 
 
+
+FsKind = Literal["stat", "list", "mkdir", "remove", "move", "read", "write"]
+
+
+@dataclass
+class FsCall:
+    """One filesystem call on a session's sandbox, by its absolute ``path`` inside the sandbox
+    (anywhere the sandbox's code sees, not only the workspace): carried out by the sandbox's agent
+    (``runner.op_fs``), never by the session's shell or interpreter, which its code can replace.
+    ``result.info`` holds ``entry`` (stat, mkdir, move, write) or ``entries`` (list) as
+    ``{path, mode, size, mtime, link}``; a read's bytes are ``result.files[path]``
+    (``info["cut"]``: only the first ``max_bytes``). A failure that is the caller's is
+    ``FAILED`` with ``info["error"]``: not_found, exists, denied, invalid or too_many."""
+
+    call: FsKind
+    path: str
+    destination: str | None = None  # move
+    depth: int = 1  # list
+    data: bytes = b""  # write
+    max_bytes: int = 1 << 24  # read
+    image: str | None = None
+
+    def request(self) -> dict:
+        """The runner's request (``op_fs``)."""
+        req: dict = {"op": "fs", "call": self.call, "path": self.path}
+        if self.call == "move":
+            req["destination"] = self.destination
+        elif self.call == "list":
+            req["depth"] = self.depth
+        elif self.call == "write":
+            req["data"] = base64.b64encode(self.data).decode()
+        elif self.call == "read":
+            req["max_bytes"] = self.max_bytes
+        return req
+
 @dataclass
 class Fork:
     """Fork session ``source`` into new sessions ``children`` (ids chosen by the caller)."""

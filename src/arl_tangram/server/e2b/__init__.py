@@ -3,8 +3,8 @@
 An E2B sandbox is a Tangram session. ``routes.py`` speaks E2B's wire protocols (REST, envd's
 Connect-RPC over ``envelope.py``, the code interpreter's NDJSON); the translation onto ``Service``
 in the engine process is ``sandboxes.py`` (the sandboxes and the control plane),
-``processes.py``, ``files.py`` (with ``fsops.py``, the filesystem calls carried out inside the
-sandbox) and ``interpreter.py``. What is supported and what differs: README, "E2B clients".
+``processes.py``, ``files.py`` (with ``fsops.py``: the filesystem calls, carried out by the
+sandbox's agent) and ``interpreter.py``. What is supported and what differs: README, "E2B clients".
 """
 
 from ..dialect import Dialect

@@ -1,114 +1,48 @@
-"""envd's filesystem calls (Stat, ListDir, MakeDir, Remove, Move), carried out inside the sandbox.
+"""envd's filesystem answers, shaped from the sandbox agent's (``runner.op_fs``).
 
-Each is one python step of the sandbox's session that runs ``HELPER`` (standard library only)
-in a namespace of its own, inside the sandbox: it sees exactly what the sandbox's own commands
-see, whatever the path (the workspace, ``/tmp``), and nothing else, and needs no python in the
-image (the step runs in the sandbox's agent) and no process start. The session's own python
-variables are untouched. It prints one JSON object: the answer, or ``{"error": [connect code,
-message]}``; only that line is read, as data.
+Every filesystem call of the E2B API (Stat, ListDir, MakeDir, Remove, Move, and ``/files`` reads
+and writes outside the home directory) is one ``FsCall`` of the sandbox's session, carried out by
+the runner, the sandbox's trusted agent: it sees exactly what the sandbox's own commands see,
+whatever the path, and nothing else. It used to be a python step in the session's interpreter
+(and a shell step for reads and writes), where the user's code runs too: a cell that patched
+``os.lstat`` or a shell function named ``base64`` answered every later call (found by an audit,
+2026-11-29; ``tests/test_e2b.py`` tries both). This module only turns the runner's neutral entries
+(``path, mode, size, mtime, link``) and failure codes into envd's JSON and Connect codes.
 """
 
 from __future__ import annotations
 
-import json
+import datetime
+import posixpath
+import stat
 
-HELPER = r'''
-import json, os, stat, sys, shutil, datetime
-op, args = OP, json.loads(ARGS)
-class Done(Exception):
-    pass
-def say(value):
-    sys.stdout.write("\n" + json.dumps(value) + "\n")
-    sys.stdout.flush()
 KINDS = {stat.S_IFREG: "FILE_TYPE_FILE", stat.S_IFDIR: "FILE_TYPE_DIRECTORY", stat.S_IFLNK: "FILE_TYPE_SYMLINK"}
-def entry(path):
-    st = os.lstat(path)
-    link = stat.S_ISLNK(st.st_mode)
-    target = None
-    if link:
-        target = os.readlink(path)
-        try:
-            st = os.stat(path)
-        except OSError:
-            pass
-    when = datetime.datetime.fromtimestamp(st.st_mtime, datetime.timezone.utc)
-    out = {"name": os.path.basename(path.rstrip("/")) or "/", "type": KINDS.get(stat.S_IFMT(st.st_mode),
-           "FILE_TYPE_UNSPECIFIED"), "path": path, "size": str(st.st_size), "mode": stat.S_IMODE(st.st_mode),
-           "permissions": stat.filemode(st.st_mode), "owner": "user", "group": "user",
+
+#: the runner's failure codes (``FsCall``) as the HTTP status and Connect code envd answers with
+STATUS = {"not_found": (404, "not_found"), "exists": (409, "already_exists"), "denied": (403, "permission_denied"),
+          "invalid": (400, "invalid_argument"), "too_many": (400, "resource_exhausted")}
+
+
+def entry(e: dict) -> dict:
+    """envd's ``EntryInfo`` of one runner entry. A link keeps the kind of what it points to, as
+    envd 0.6 shows it, and is marked as a link (the SDK then types it SYMLINK, a dangling one too:
+    without the mark, its unknown type dropped it from a list)."""
+    mode, path = int(e["mode"]), str(e["path"])
+    when = datetime.datetime.fromtimestamp(float(e["mtime"]), datetime.timezone.utc)
+    out = {"name": posixpath.basename(path.rstrip("/")) or "/", "type": KINDS.get(stat.S_IFMT(mode),
+           "FILE_TYPE_UNSPECIFIED"), "path": path, "size": str(int(e["size"])), "mode": stat.S_IMODE(mode),
+           "permissions": stat.filemode(mode), "owner": "user", "group": "user",
            "modifiedTime": when.strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
-    if link:  # as envd 0.6 marks a link (the SDK then types it SYMLINK, a dangling one included:
-        out["symlinkTarget"] = target  # without the mark, its unknown type dropped it from a list)
+    if e.get("link") is not None:
+        out["symlinkTarget"] = str(e["link"])
         out["isSymlink"] = True
     return out
-def fail(code, message):
-    say({"error": [code, message]})
-    raise Done()
-try:
-    p = args.get("path")
-    if op == "stat":
-        say({"entry": entry(p)})
-    elif op == "list":
-        if not os.path.isdir(p):
-            fail("invalid_argument" if os.path.exists(p) else "not_found",
-                 f"path {p} is not a directory" if os.path.exists(p) else f"path {p} does not exist")
-        depth, found = max(1, int(args.get("depth") or 1)), []
-        def walk(d, level):
-            for name in sorted(os.listdir(d)):
-                full = os.path.join(d, name)
-                try:
-                    e = entry(full)
-                except OSError:
-                    continue
-                found.append(e)
-                if level < depth and e["type"] == "FILE_TYPE_DIRECTORY" and not os.path.islink(full):
-                    walk(full, level + 1)
-        walk(p, 1)
-        say({"entries": found})
-    elif op == "mkdir":
-        if os.path.lexists(p):
-            fail("already_exists", f"path {p} already exists")
-        os.makedirs(p)
-        say({"entry": entry(p)})
-    elif op == "remove":
-        if not os.path.lexists(p):
-            fail("not_found", f"path {p} does not exist")
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p)
-        else:
-            os.unlink(p)
-        say({})
-    elif op == "move":
-        src, dst = args["source"], args["destination"]
-        if not os.path.lexists(src):
-            fail("not_found", f"path {src} does not exist")
-        parent = os.path.dirname(dst)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        os.rename(src, dst)
-        say({"entry": entry(dst)})
-    else:
-        fail("unimplemented", f"no filesystem operation {op}")
-except Done:
-    pass
-except FileNotFoundError as e:
-    say({"error": ["not_found", f"path {e.filename or p} does not exist"]})
-except PermissionError as e:
-    say({"error": ["permission_denied", f"{e.strerror}: {e.filename}"]})
-except OSError as e:
-    say({"error": ["invalid_argument", f"{e.strerror}: {e.filename}"]})
-'''
 
 
-def cell(op: str, args: dict) -> str:
-    """The python step that runs ``op`` with ``args`` in the sandbox, in a namespace of its own."""
-    return (f"__import__('builtins').exec({HELPER!r}, {{'__name__': 'e2b_fs', 'OP': {op!r}, "
-            f"'ARGS': {json.dumps(args)!r}}})")
-
-
-def answer(stdout: str) -> dict:
-    """The helper's answer; ``ValueError`` when it printed none (it did not run)."""
-    line = stdout.strip().splitlines()[-1] if stdout.strip() else ""
-    value = json.loads(line)
-    if not isinstance(value, dict):
-        raise ValueError("not an object")
-    return value
+def answer(info: dict) -> dict:
+    """envd's answer to a call whose runner answer is ``info``."""
+    if "entries" in info:
+        return {"entries": [entry(e) for e in info["entries"]]}
+    if "entry" in info:
+        return {"entry": entry(info["entry"])}
+    return {}
