@@ -94,6 +94,31 @@ def test_submissions_are_idempotent(server):
     assert httpx.get(f"{server.url}/v1/actions/idem-1").json()["run"]["stdout"] == first["run"]["stdout"]
 
 
+
+def test_an_id_reused_for_another_request_is_a_conflict_not_the_first_result(server):
+    """An id is the idempotency key: an id reused across epochs with another program got the
+    first program's result back, silently. ``wait`` alone may differ (submit, then wait)."""
+    url = f"{server.url}/v1/actions"
+    body = {"id": "idem-2", "job": "idem2", "action": {"code": "print(1)"}}
+    first = httpx.post(url, json=body, timeout=30).json()
+    assert first["outcome"] == "ok"
+    assert httpx.post(url, json={**body, "wait": True}, timeout=30).json() == first
+    r = httpx.post(url, json={**body, "action": {"code": "print(2)"}}, timeout=30)
+    assert r.status_code == 409 and "action.code" in r.json()["message"], r.text
+    r = httpx.post(url, json={**body, "cpus": [1, 2]}, timeout=30)
+    assert r.status_code == 409 and "cpus" in r.json()["message"]
+    slow = {"id": "idem-3", "job": "idem2", "wait": False, "action": {"code": "import time\ntime.sleep(2)"}}
+    assert httpx.post(url, json=slow, timeout=30).status_code < 300
+    r = httpx.post(url, json={**slow, "action": {"code": "print(3)"}}, timeout=30)  # while it runs
+    assert r.status_code == 409, r.text
+    assert httpx.post(url, json={**slow, "wait": True}, timeout=30).json()["outcome"] == "ok"
+    assert httpx.get(f"{server.url}/v1/jobs/idem2/stats").json()["actions"] == 2
+
+
+def test_an_unknown_language_is_a_422_naming_the_field(server):
+    r = httpx.post(f"{server.url}/v1/actions", json={"action": {"code": "x", "language": "klingon"}}, timeout=30)
+    assert r.status_code == 422 and r.json()["message"].startswith("action.language: unknown 'klingon'"), r.text
+
 def test_errors_are_json_and_name_the_problem(server):
     r = httpx.post(f"{server.url}/v1/actions", json={"action": {"code": "x", "timeout_s": -1}})
     assert r.status_code == 422 and r.json()["message"].startswith("action.timeout_s")

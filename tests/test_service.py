@@ -165,8 +165,11 @@ def test_kill_9_loses_no_accepted_action(tmp_path, double, n):
         if double:  # the double cannot fail: every re-run succeeds
             assert {r["outcome"] for r in final.values()} == {"ok"}
         again = httpx.post(f"{s2.url}/v1/actions", json={"id": ids[0], "job": "crash", "action": {
-            "code": "print('second run')"}}, timeout=30).json()
+            "code": "import time\ntime.sleep(0.5)\nprint('done')"}}, timeout=30).json()
         assert again == final[ids[0]], "a resubmission ran the action twice"
+        other = httpx.post(f"{s2.url}/v1/actions", json={"id": ids[0], "job": "crash", "action": {
+            "code": "print('second run')"}}, timeout=30)  # another program under the id: never its old result
+        assert other.status_code == 409 and "action.code" in other.json()["message"]
         assert httpx.get(f"{s2.url}/healthz").json()["recovered"]["infra_error"] == 1
     finally:
         s2.stop()

@@ -30,6 +30,7 @@ from ..link import answers_later
 from ..core.names import path_problem
 from ..managers.sandbox.spec import CommandResult, Files, SandboxResult
 from ..managers.sandbox.images import ImageError
+from ..managers.sandbox.languages import LANGUAGES
 from ..runtime import ActionResult, NoRoom, Runtime, Session, Tangram
 from ..runtime.api import SessionError, one_shot
 from .journal import Journal, JournalError, new_id
@@ -180,6 +181,25 @@ def oneshot_action(id: str, req: v1.ActionRequest, files: dict[str, bytes]) -> A
                     remaining_turns=req.hints.remaining_turns)
 
 
+def _check_language(field: str, name: str) -> None:
+    """A language the server does not know is the caller's error (a 422 naming the field); one
+    it knows but whose toolchain a sandbox lacks stays a ``rejected`` action."""
+    if name not in LANGUAGES:
+        raise BadRequest(f"{field}: unknown {name!r} (known: {', '.join(sorted(LANGUAGES))})")
+
+
+def _request_key(req: v1.ActionRequest) -> dict:
+    """What identifies a native request for its id: every field but ``wait``, flattened one level
+    (``action.code``) so that a conflict names what differs."""
+    out: dict = {}
+    for k, v in req.model_dump(mode="json", exclude={"wait", "id"}).items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items()})
+        else:
+            out[k] = v
+    return out
+
+
 def _command(c: CommandResult | None) -> v1.CommandResult | None:
     if c is None:
         return None
@@ -203,6 +223,7 @@ class Service:
         self.metrics = Metrics()
         self._inflight: dict[str, asyncio.Task] = {}
         self._inflight_jobs: dict[str, str] = {}  # action id -> its job, while in flight
+        self._requests: dict[str, dict] = {}  # a caller-chosen id -> its request (``_request_key``), while in flight
         self._acts: dict[str, deque[float]] = {}
         self._outcomes: dict[str, dict[str, int]] = {}
         self.started_at = time.time()
@@ -350,9 +371,12 @@ class Service:
         if req.id and CALLER_JOB.get() is not None and not visible(self._job_of(id) or job):  # another job's id: as if unknown, never its result
             raise Conflict(f"id: {id!r} is in use: choose another (or send none: the server makes one)")
         task = self._inflight.get(id)
+        if req.id:
+            self._check_same_request(id, req)
         if task is None:
             # everything that can reject the request is checked before it is journaled
             self._check_cpus("cpus", req.cpus)
+            _check_language("action.language", req.action.language)
             files = decode_files("action.files", req.action.files)
             existing = self.journal.get(id) if self.journal and req.id else None  # ids we make are new
             if existing is not None and existing.state == "done":
@@ -363,10 +387,35 @@ class Service:
                 if self.journal is not None:
                     self.journal.accept(id, req.job, "run_code", req.model_dump_json(), True)
             task = self._inflight.get(id) or self._launch(id, self._run_code(id, req, files), req.job)
+            if req.id:
+                self._requests[id] = _request_key(req)
+                task.add_done_callback(lambda _: self._requests.pop(id, None))
         if not req.wait:
             await self._durable()  # the 202 is an acknowledgement: the action is on disk first
             return self.status(id)
         return await asyncio.shield(task)
+
+    def _check_same_request(self, id: str, req: v1.ActionRequest) -> None:
+        """``Conflict`` (409) when the action ``id`` names (in flight, or in the journal) was
+        submitted with another request: the id is the idempotency key, and answering a different
+        program with the first one's result (an id reused across epochs, say) is a silent wrong
+        answer. ``wait`` may differ (submit without waiting, then wait). A journaled request this
+        server's schema cannot read any more is not compared."""
+        before = self._requests.get(id)
+        if before is None and self.journal is not None:
+            entry = self.journal.get(id)
+            if entry is not None and entry.kind == "run_code" and isinstance(entry.request, dict):
+                try:
+                    before = _request_key(v1.ActionRequest.model_validate(entry.request))
+                except ValueError:
+                    before = None
+        if before is None:
+            return
+        now = _request_key(req)
+        if now != before:
+            differs = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
+            raise Conflict(f"id: {id!r} was submitted before with another request ({', '.join(differs)} "
+                           "differ): an id is an idempotency key, so choose a new one for a new action")
 
     @answers_later
     def run_oneshot(self, action: Action, request: str, reply: Callable[[bool, Any], None]) -> None:
