@@ -162,6 +162,31 @@ def test_sync_code_interpreter(server):
         sb.kill()
 
 
+def test_a_contexts_cells_run_in_its_cwd_and_cells_are_journaled(server):
+    """From an audit: a context's ``cwd`` was ignored, and cells (unlike commands) were never
+    journaled as accepted, so one in flight at a crash left no record."""
+    sb = ci.Sandbox.create()
+    try:
+        sb.commands.run("mkdir -p /tmp/work && echo there > /tmp/work/f.txt")
+        home = sb.run_code("import os; os.getcwd()").text
+        ctx = sb.create_code_context(cwd="/tmp/work")
+        assert ctx.cwd == "/tmp/work"
+        assert sb.run_code("os.getcwd(), open('f.txt').read()", context=ctx).text == "('/tmp/work', 'there\\n')"
+        assert sb.run_code("os.getcwd()").text == home  # the default context: back home
+        bad = sb.create_code_context(cwd="/nowhere")
+        with pytest.raises(e2b.SandboxException) as e:
+            sb.run_code("1", context=bad)
+        assert "cwd" in str(e.value)
+        marker = "journaled_cell_7d1"
+        assert sb.run_code(f"{marker} = 6 * 7\n{marker}").text == "42"
+        with sqlite3.connect(server.journal) as db:
+            rows = db.execute("SELECT kind, state, outcome FROM actions WHERE request LIKE ?",
+                              (f"%{marker}%",)).fetchall()
+        assert rows == [("exec", "done", "ok")]
+    finally:
+        sb.kill()
+
+
 # -- async: background commands, connect, stdin, signals, the code interpreter --------------------
 
 def test_async_background_connect_stdin_and_kill(server):

@@ -1037,6 +1037,16 @@ def _alarm(signum, frame):
     raise CellTimeout()
 
 
+def quieted(code, last):
+    """The cell's final expression ends with ``;``: a notebook then shows nothing (``5;``).
+    The AST's end column counts UTF-8 bytes."""
+    lines = code.split("\n")
+    if last.end_lineno is None or last.end_lineno > len(lines):
+        return False
+    tail = lines[last.end_lineno - 1].encode("utf-8", "surrogatepass")[last.end_col_offset or 0:]
+    return tail.lstrip().startswith(b";")
+
+
 def cell_here(req):
     """A python cell in this process's namespace: in the session's interpreter (``SessionChild``)."""
     limit = int(req.get("max_output") or 1 << 20)
@@ -1069,7 +1079,7 @@ def cell_here(req):
             exec(compile(tree, "<cell>", "exec"), NAMESPACE)
             if last is not None:
                 value = eval(compile(_ast.Expression(last.value), "<cell>", "eval"), NAMESPACE)
-                if value is not None:
+                if value is not None and not quieted(req["code"], last):
                     display.append({"text/plain": repr(value)})
         finally:
             _signal.setitimer(_signal.ITIMER_REAL, 0)

@@ -112,28 +112,45 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
     for k in own:
         if not _NAME.fullmatch(k):
             raise E2bError(400, f"env_vars: {k!r} is not a variable name")
+    cwd = box.contexts[ctx]["cwd"] if ctx else None
+    if cwd == HOME_ALIAS:
+        cwd = None
     service.admit()
+    id = f"x-{uuid.uuid4().hex}"  # journaled as a command is (``processes._exec``)
+    if service.journal is not None:
+        service.journal.accept(id, s.job, "exec", {"command": None, "python": code, "e2b": True}, False)
     try:
         async with box.lock:
             base = {"HOME": HOME_ALIAS, "USER": "user", **box.env}
             if not box.cell_env:  # once per interpreter: the sandbox's environment, as commands get it
                 await _set_env(s, base)
                 box.cell_env = True
+            if cwd is not None or box.cell_cwd is not None:  # a context's directory, or back home from one
+                await _chdir(s, cwd or HOME_ALIAS)
+                box.cell_cwd = cwd
             if own:
                 await _set_env(s, own)
             try:
                 r = await s.exec(python=code, timeout_s=_step_s(box, None), jupyter=True, operation="run_code",
-                                 on_output=on_output)
+                                 on_output=on_output, id=id)
             finally:
                 if own:  # this run's variables: back to the sandbox's (or unset)
                     await _set_env(s, {k: base.get(k) for k in own})
     except (SessionGone, NotFound):
+        service._finish_unrunnable(id, "infra_error", GONE.format(id=sid))
         raise E2bError(502, GONE.format(id=sid)) from None
+    except BaseException as e:  # one terminal outcome for what was journaled, whatever stopped it
+        outcome = ("rejected" if isinstance(e, E2bError) and e.status < 500
+                   else "cancelled" if isinstance(e, asyncio.CancelledError) else "infra_error")
+        service._finish_unrunnable(id, outcome, f"the cell did not run: {type(e).__name__}: {e}"[:500])
+        raise
     service._record(r, s.job, "e2b")
+    await service._durable()  # answered once the result is on disk, as a command's is
     box.used_at = time.time()
     message = r.message or (r.result.message if r.result is not None else "")
-    if VARIABLES_GONE in message:  # a new interpreter: without the sandbox's envs (they were lost after it)
-        box.cell_env = False
+    if VARIABLES_GONE in message:  # a new interpreter: without the sandbox's envs (they were lost after
+        box.cell_env = False         # it), in the home directory
+        box.cell_cwd = None
     if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED, Outcome.CANCELLED):
         raise E2bError(503, f"{r.outcome.value}: {message}")
     box.executions += 1
@@ -175,6 +192,21 @@ async def _set_env(s, env: dict[str, str | None]) -> None:
     r = await s.exec(python=ENV_STEP.format(env=json.dumps(env)), timeout_s=10.0, jupyter=True, operation="env")
     if r.outcome is not Outcome.OK:
         raise E2bError(503, f"env_vars: could not be set ({r.outcome.value}: {r.message or r.result.message})")
+
+
+CHDIR_STEP = "__import__('os').chdir({path!r})"
+
+
+async def _chdir(s, path: str) -> None:
+    """Move the interpreter to ``path``: a context's cells run in its ``cwd`` (contexts share the
+    one interpreter, so each of its cells starts there; a cell of the default context after one
+    of another's starts back in the home directory)."""
+    r = await s.exec(python=CHDIR_STEP.format(path=path), timeout_s=10.0, jupyter=True, operation="cwd")
+    if r.outcome is Outcome.FAILED:
+        raise E2bError(400, f"cwd: {path!r} cannot be the cell's directory "
+                            f"({(r.result.run.error[0].get('evalue') if r.result.run and r.result.run.error else '')})")
+    if r.outcome is not Outcome.OK:
+        raise E2bError(503, f"cwd: {r.outcome.value}: {r.message or r.result.message}")
 
 
 def e2b_context(service: Service, sid: str, token: str | None, op: str, body: dict | None,
