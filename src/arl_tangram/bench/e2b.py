@@ -6,7 +6,8 @@ SDKs are pointed at it the way a user would (``E2B_API_URL``, ``E2B_SANDBOX_URL`
 figures (on a shared machine they move with it). Measured, one call at a time (latency as the SDK's caller sees it, HTTP and
 the SDK's own work included): create + the first command; ``commands.run("true")``; a streamed
 command's first line (``on_stdout``) and its end (a line, 0.2 s asleep, a line); a 1 MB
-``files.write`` + ``files.read``; ``run_code``. Then ``open`` sandboxes are created at once from
+``files.write`` + ``files.read``; ``files.list``, ``files.exists`` and a read outside the home
+directory (``fs_calls``); ``run_code``. Then ``open`` sandboxes are created at once from
 asyncio (``open_concurrency`` being created at a time), each given a small state (a file and a
 command), all kept open (what the server holds then is printed), then killed.
 """
@@ -76,6 +77,7 @@ def run(n: int = 30, open_n: int = 200, log: Callable[[str], None] = lambda m: N
                 back = sb.files.read(f"/home/user/blob{i % 3}", format="bytes")
                 files.append(time.perf_counter() - t)
                 assert back == mb
+            fs = fs_calls(sb, n)
             code = []
             sb.run_code("x = 1")
             for _ in range(n):
@@ -91,12 +93,32 @@ def run(n: int = 30, open_n: int = 200, log: Callable[[str], None] = lambda m: N
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
             server.stop()
     return {"create_and_first_command": _p(create), "commands_run_true": _p(true),
-            "write_and_read_1mb": _p(files), "run_code": _p(code), "open_at_once": opened,
+            "write_and_read_1mb": _p(files), **fs, "run_code": _p(code), "open_at_once": opened,
             "stream_first_line": _p(first), "stream_whole_command": _p(whole), "stream_sleep_ms": STREAM_SLEEP_S * 1000,
             "e2b_published_start_ms": 150, "cpus": os.cpu_count(),
             "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "note": "E2B's own service publishes ~150 ms sandbox starts (its docs); ours are on loopback, "
                     "sandboxes without network, on this machine"}
+
+
+def fs_calls(sb, n: int) -> dict:
+    """The filesystem calls the sandbox's agent answers (``runner.op_fs``): ``files.list`` of the
+    home directory (a few entries), ``files.exists``, and a small read outside the home directory
+    (``/tmp``), one at a time."""
+    sb.files.write("/tmp/small.txt", "small")
+    listed, exists, read = [], [], []
+    for _ in range(n):
+        t = time.perf_counter()
+        names = [e.name for e in sb.files.list("/home/user")]
+        listed.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        there = sb.files.exists("/tmp/small.txt")
+        exists.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        got = sb.files.read("/tmp/small.txt")
+        read.append(time.perf_counter() - t)
+        assert there and got == "small" and names, (there, got, names)
+    return {"files_list": _p(listed), "files_exists": _p(exists), "read_outside_home": _p(read)}
 
 
 async def _open_many(cls, n: int, concurrency: int, server) -> dict:
