@@ -187,6 +187,21 @@ def test_a_contexts_cells_run_in_its_cwd_and_cells_are_journaled(server):
         sb.kill()
 
 
+
+def test_a_file_too_large_for_one_read_says_so_not_disk_full(server):
+    from e2b.exceptions import NotEnoughSpaceException
+
+    sb = Sandbox.create()
+    try:
+        sb.commands.run("head -c 17000000 /dev/zero > /home/user/big && cp /home/user/big /tmp/big")
+        for path in ("/home/user/big", "/tmp/big"):
+            with pytest.raises(e2b.SandboxException) as e:
+                sb.files.read(path, format="bytes")
+            assert not isinstance(e.value, NotEnoughSpaceException) and "16 MB or larger" in str(e.value), e.value
+        assert sb.commands.run("wc -c < /tmp/big").stdout.strip() == "17000000"  # the sandbox goes on
+    finally:
+        sb.kill()
+
 # -- async: background commands, connect, stdin, signals, the code interpreter --------------------
 
 def test_async_background_connect_stdin_and_kill(server):

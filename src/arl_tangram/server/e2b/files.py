@@ -114,8 +114,12 @@ async def e2b_read(service: Service, sid: str, token: str | None, path: str) -> 
 
 
 def _whole(path: str, data: bytes) -> bytes:
+    """The file, or a 413 when it may be longer than one read carries (the SDK then raises its
+    plain ``SandboxException`` with this message: a 507 was its ``NotEnoughSpaceException``, a
+    full disk, which it is not)."""
     if len(data) >= READ_CAP:  # the runner reads this much and no more
-        raise E2bError(507, f"path {path}: {READ_CAP >> 20} MB or larger, more than one read carries")
+        raise E2bError(413, f"path {path}: {READ_CAP >> 20} MB or larger, more than one read carries "
+                            "(read it in parts with a command, e.g. split or dd)", "resource_exhausted")
     return data
 
 
