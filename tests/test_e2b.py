@@ -202,6 +202,18 @@ def test_a_file_too_large_for_one_read_says_so_not_disk_full(server):
     finally:
         sb.kill()
 
+
+def test_a_cells_output_cut_at_the_cap_says_so(server):
+    sb = ci.Sandbox.create()
+    try:
+        ex = sb.run_code("print('x' * (3 << 20))\n'done'")
+        assert ex.text == "'done'" and ex.error is None
+        assert sum(len(s) for s in ex.logs.stdout) <= (1 << 20) + 1
+        assert "the rest was dropped" in ex.logs.stderr[-1]
+        assert sb.run_code("print('small')").logs.stderr == []
+    finally:
+        sb.kill()
+
 # -- async: background commands, connect, stdin, signals, the code interpreter --------------------
 
 def test_async_background_connect_stdin_and_kill(server):

@@ -156,7 +156,8 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
     box.executions += 1
     run = r.result.run
     out: dict = {"stdout": run.stdout if run else "", "stderr": run.stderr if run else "",
-                 "results": [], "error": None, "execution_count": box.executions}
+                 "results": [], "error": None, "execution_count": box.executions,
+                 "truncated": bool(run is not None and run.truncated)}
     for d in (run.display if run else []):
         if "text/plain" in d:
             out["results"].append({"text": d["text/plain"], "is_main_result": True})

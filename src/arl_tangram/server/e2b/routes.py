@@ -471,6 +471,8 @@ async def _cell_lines(first: tuple[bytes, bytes], result: dict | None, poll: Cal
     for i, stream in enumerate(("stdout", "stderr")):
         if not sent[i] and result[stream]:  # not streamed (a sandbox on another node): now
             rest.append({"type": stream, "text": result[stream], "timestamp": now})
+    if result.get("truncated"):  # said where the SDK's caller reads the output (the cell itself did not fail)
+        rest.append({"type": "stderr", "text": TRUNCATED_NOTE, "timestamp": now})
     for r in result["results"]:
         rest.append({"type": "result", **r})
     if result["error"]:
@@ -478,6 +480,10 @@ async def _cell_lines(first: tuple[bytes, bytes], result: dict | None, poll: Cal
     rest.append({"type": "number_of_executions", "execution_count": result["execution_count"]})
     for line in rest:
         yield json.dumps(line) + "\n"
+
+
+#: the last line of a cell's stderr when its output passed the server's cap (``max_output_bytes``)
+TRUNCATED_NOTE = "[tangram: this cell's output passed the server's cap; the rest was dropped]\n"
 
 
 def _form_files(ctype: str, body: bytes) -> list[tuple[str | None, bytes]]:
