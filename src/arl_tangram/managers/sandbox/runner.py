@@ -1184,15 +1184,17 @@ def held_here(fd, st):
     return False
 
 
-def open_plain(path, flags, mode=0o666):
-    """``path`` opened for the host (``flags``: O_RDONLY, or O_WRONLY and O_CREAT; a write's
-    truncation is the caller's, after this check), or ``NotPlain``/``OSError``."""
+def open_plain(path, flags, mode=0o666, truncate=False):
+    """``path`` opened for the host (``flags``: O_RDONLY, or O_WRONLY and O_CREAT; ``truncate``:
+    emptied once it is known to be plain, never at the open), or ``NotPlain``/``OSError``."""
     fd = open_no_magic(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     try:
         st = os.fstat(fd)
         if ((st.st_mode & 0o170000) != 0o100000 or st.st_dev in pseudo_devs()
                 or (not OPENAT2[0] and held_here(fd, st))):
             raise NotPlain(22, "not a plain file (a regular file outside /proc and /sys)", path)
+        if truncate and st.st_size:
+            os.ftruncate(fd, 0)
     except BaseException:
         os.close(fd)
         raise
@@ -1227,9 +1229,8 @@ def op_write(req):
         parent = os.path.dirname(full)
         if parent != WORKSPACE:
             os.makedirs(parent, exist_ok=True)
-        fd = open_plain(full, os.O_WRONLY | os.O_CREAT)
+        fd = open_plain(full, os.O_WRONLY | os.O_CREAT, truncate=True)
         try:
-            os.ftruncate(fd, 0)
             write_all(fd, unb64(data))
         finally:
             os.close(fd)
@@ -1379,9 +1380,8 @@ def fs_write(req, path):
     parent = os.path.dirname(path)
     if parent:
         os.makedirs(parent, exist_ok=True)
-    fd = open_plain(path, os.O_WRONLY | os.O_CREAT)
+    fd = open_plain(path, os.O_WRONLY | os.O_CREAT, truncate=True)
     try:
-        os.ftruncate(fd, 0)
         write_all(fd, unb64(req.get("data")))
     finally:
         os.close(fd)
