@@ -7,6 +7,8 @@ installs it) and writable cgroups for the resource tests; skips with the reason 
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import platform
 import shutil
@@ -870,6 +872,40 @@ def test_one_shots_pinned_when_sharing_is_off():
     cpus, used = done[0].result.run.stdout.split()
     assert cpus == "1" and float(used) <= 1.15
 
+
+
+def test_a_sessions_shell_files_never_lead_the_runner_to_its_own_channel():
+    """From an audit: the runner wrote a step's command and stdin to files in the sandbox's own
+    /tmp by path, following what the sandbox's code had put there: a link to /proc/1/fd/4 (its
+    answer channel) made the command text the host's answer (``exit 1`` came back ok, with the
+    forged stdout). The shell's files removed or replaced: a new shell, said so."""
+    def forged(i: int) -> str:
+        return json.dumps({"id": i, "stdout": base64.b64encode(b"all tests passed\n").decode(), "stderr": "",
+                           "truncated": False, "timed_out": False, "exit_code": 0, "duration_s": 0.01})
+
+    async def body(tg):
+        s = await tg.session()
+        assert (await s.exec("echo first")).result.run.stdout == "first\n"
+        seen = []
+        for target in ("/proc/1/fd/4", "/proc/1/fd/3"):
+            for name in ("step", "in"):
+                await s.exec(f"rm -f /tmp/.tangram-shell/{name} && ln -s {target} /tmp/.tangram-shell/{name}")
+                for i in range(1, 7):  # the answer's id a forgery must guess (5 for a fresh session)
+                    r = await s.exec(forged(i) + "\nexit 1", stdin=b"x" if name == "in" else None)
+                    seen.append((r.outcome, r.result.run.stdout if r.result.run else None))
+        replaced = []
+        for cmd in ("rm -rf /tmp/.tangram-shell", "rm /tmp/.tangram-shell/out",
+                    "mv /tmp/.tangram-shell /tmp/moved && ln -s /proc/1/fd /tmp/.tangram-shell"):
+            await s.exec("X=kept")
+            await s.exec(cmd)
+            r = await s.exec("echo ok $X; echo err >&2")
+            replaced.append((r.outcome, r.result.run.stdout, r.result.run.stderr, r.message))
+        return seen, replaced
+
+    seen, replaced = run(body)
+    assert all(o is Outcome.FAILED and "all tests passed" not in (out or "") for o, out in seen), seen
+    for outcome, out, err, message in replaced:
+        assert (outcome, out, err) == (Outcome.OK, "ok\n", "err\n") and "a new shell was started" in message
 
 # The runner opens files the host names (``op_write``, ``op_read``, ``op_fs``) through whatever
 # links the sandbox planted, with its own rights: ``open_plain`` must refuse its own descriptors

@@ -27,7 +27,92 @@ import select
 import time
 
 DIR = "/tmp/.tangram-shell"
-STATE = {"pid": None, "cmd": None, "ctl": None, "out": None, "err": None, "keep": [], "name": ""}
+STATE = {"pid": None, "cmd": None, "ctl": None, "out": None, "err": None, "keep": [], "name": "", "dir": None}
+
+# This file runs in the runner, PID 1 of the sandbox, and ``DIR`` is in the sandbox's own /tmp:
+# its code can put anything there, a link to /proc/1/fd/4 (the runner's answer channel to the
+# host) included, and the runner would follow it with its own rights (a step's command text then
+# went to the host as a forged answer: an audit, 2026-11-29). So the runner never opens a path
+# there: it holds the directory's descriptor, opened without following a link, and makes each of
+# its files afresh under it (unlinked, then created exclusively, never following a link).
+_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+class Tampered(OSError):
+    """The shell's directory or one of its files was replaced while the runner made it."""
+
+
+def _dir():
+    """The descriptor of ``DIR``, a real directory of this sandbox's (made again if something
+    else was put there)."""
+    fd = STATE["dir"]
+    if fd is not None:
+        return fd
+    for _ in range(5):
+        try:
+            fd = os.open(DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            try:
+                os.mkdir(DIR, 0o700)
+            except FileExistsError:
+                pass
+            continue
+        except (NotADirectoryError, OSError) as e:  # a link or a file in its place: moved aside
+            if isinstance(e, PermissionError):
+                raise
+            try:
+                os.rename(DIR, f"{DIR}.{binascii.hexlify(os.urandom(4)).decode()}")
+            except FileNotFoundError:
+                pass
+            continue
+        STATE["dir"] = fd
+        return fd
+    raise Tampered(16, "the shell's directory keeps being replaced", DIR)
+
+
+def _fresh(name, make):
+    """``name`` under the shell's directory, removed and made again by ``make(name, dir_fd)``;
+    raises ``Tampered`` when something else keeps taking its place."""
+    d = _dir()
+    for _ in range(5):
+        try:
+            os.unlink(name, dir_fd=d)
+        except FileNotFoundError:
+            pass
+        except IsADirectoryError:
+            os.rename(name, f"{name}.{binascii.hexlify(os.urandom(4)).decode()}", src_dir_fd=d, dst_dir_fd=d)
+        try:
+            return make(name, d)
+        except FileExistsError:
+            continue
+    raise Tampered(17, "a file of the shell's keeps being replaced", f"{DIR}/{name}")
+
+
+def _intact():
+    """``Tampered`` unless ``DIR`` is still the directory held and its FIFOs the ones the runner
+    reads (else the shell would write a step's output where the runner never looks)."""
+    d = os.fstat(STATE["dir"])
+    there = os.stat(DIR, follow_symlinks=False)
+    if (there.st_dev, there.st_ino) != (d.st_dev, d.st_ino):
+        raise Tampered(2, "the shell's directory was replaced", DIR)
+    for name in ("out", "err"):
+        held = os.fstat(STATE[name][0])
+        try:
+            st = os.stat(name, dir_fd=STATE["dir"], follow_symlinks=False)
+        except FileNotFoundError:
+            raise Tampered(2, "the shell's FIFO was removed", f"{DIR}/{name}") from None
+        if (st.st_dev, st.st_ino) != (held.st_dev, held.st_ino):
+            raise Tampered(2, "the shell's FIFO was replaced", f"{DIR}/{name}")
+
+
+def _write(name, data):
+    """A regular file ``name`` in the shell's directory with ``data``, made afresh."""
+    fd = _fresh(name, lambda n, d: os.open(n, _NEW, 0o600, dir_fd=d))
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    finally:
+        os.close(fd)
 
 
 def _quote(v):
@@ -42,17 +127,17 @@ def _which_shell():
 
 
 def _fifos():
-    os.makedirs(DIR, mode=0o700, exist_ok=True)
     fds = []
     for name in ("out", "err"):
-        path = os.path.join(DIR, name)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
-        os.mkfifo(path, 0o600)
-        r = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-        w = os.open(path, os.O_WRONLY | os.O_NONBLOCK)  # ours: no EOF between steps
+        _fresh(name, lambda n, d: os.mkfifo(n, 0o600, dir_fd=d))
+        flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+        r = os.open(name, os.O_RDONLY | flags, dir_fd=STATE["dir"])
+        w = os.open(name, os.O_WRONLY | flags, dir_fd=STATE["dir"])  # ours: no EOF between steps
+        for fd in (r, w):
+            if (os.fstat(fd).st_mode & 0o170000) != 0o010000:  # not the FIFO just made (S_IFIFO)
+                os.close(r)
+                os.close(w)
+                raise Tampered(17, "the shell's FIFO was replaced", f"{DIR}/{name}")
         fds.append((r, w))
     return fds
 
@@ -90,6 +175,9 @@ def stop():
             for fd in STATE[key]:
                 os.close(fd)
             STATE[key] = None
+    if STATE["dir"] is not None:
+        os.close(STATE["dir"])
+        STATE["dir"] = None
     STATE["pid"] = None
     STATE["keep"].clear()
 
@@ -206,25 +294,41 @@ def _exit_status(pid):
     return os.WEXITSTATUS(st) if os.WIFEXITED(st) else -os.WTERMSIG(st)
 
 
+def _not_run(e, started):
+    """A step whose shell files could not be made (the sandbox's code keeps replacing them): it
+    fails as a command that could not run (126), saying why; the sandbox and the runner go on."""
+    return {"stdout": "", "stderr": binascii.b2a_base64(
+                f"tangram: the shell's files in {DIR} could not be made ({e.strerror or e}): nothing ran\n".encode(),
+                newline=False).decode(),
+            "truncated": False, "timed_out": False, "duration_s": time.monotonic() - started, "exit_code": 126,
+            "shell": STATE["name"] or _which_shell()[2]}
+
+
 def step(req, env, workspace, close_fds, reap_others, b64, unb64):
     """Run one shell step; the result has the same fields as a ``run`` request's."""
     started = time.monotonic()
     notes = []
-    if STATE["pid"] is None or not alive():
-        if STATE["pid"] is not None:
-            notes.append("the previous shell had died: a new one was started (cwd, variables and functions reset)")
-        start(env, workspace, close_fds)
+    for attempt in (0, 1):
+        try:
+            if STATE["pid"] is None or not alive():
+                if STATE["pid"] is not None:
+                    notes.append("the previous shell had died: a new one was started (cwd, variables and functions "
+                                 "reset)")
+                start(env, workspace, close_fds)
+            _intact()
+            _write("step", (req["command"] + "\n").encode("utf-8", "surrogateescape"))
+            _write("in", unb64(req.get("stdin")))
+            break
+        except OSError as e:  # its files removed or replaced by the sandbox's code (``rm -rf /tmp/.*``)
+            if attempt:
+                return _not_run(e, started)
+            stop()
+            notes.append(f"the shell's files in {DIR} had been removed or replaced: a new shell was started (cwd, "
+                         "variables and functions reset)")
     limit = int(req.get("max_output") or 1 << 20)
     timeout_s = float(req.get("timeout_s") or 10)
     nonce = binascii.hexlify(os.urandom(8)).decode()
-    os.makedirs(DIR, mode=0o700, exist_ok=True)
-    with open(os.path.join(DIR, "step"), "w") as fh:
-        fh.write(req["command"])
-        fh.write("\n")
-    stdin = unb64(req.get("stdin"))
     inp = os.path.join(DIR, "in")
-    with open(inp, "wb") as fh:
-        fh.write(stdin)
     exports = "".join(f"export {k}={_quote(v)}; " for k, v in (req.get("env") or {}).items()
                       if k.replace("_", "a").isalnum())
     # bash: forget the step's background jobs (they are reaped after the step), or their "Killed"
@@ -238,7 +342,10 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
         os.write(STATE["cmd"], line)
     except BrokenPipeError:  # it died between steps: start another, once
         notes.append("the previous shell had died: a new one was started (cwd, variables and functions reset)")
-        start(env, workspace, close_fds)
+        try:
+            start(env, workspace, close_fds)
+        except OSError as e:
+            return _not_run(e, started)
         try:
             os.write(STATE["cmd"], line)
         except BrokenPipeError:
