@@ -879,3 +879,62 @@ def test_a_wake_past_max_awake_puts_the_least_recently_used_to_rest_while_its_st
             r = await b.exec(python="print(x)")
             assert r.outcome is Outcome.OK and r.stdout == "b\n" and r.result.info["woken"] is True
     asyncio.run(main())
+
+
+# The runner packs and unpacks a session's files itself (PID 1 of the sandbox): never through a
+# link the sandbox's code put in the way, whatever the blob says (an audit found a tree swapped
+# while it was packed made the wake write a file through a link into /proc/1/fd/4, the answer
+# channel). Run apart: importing the runner takes over the process's stdin and stdout.
+PACKING = r'''
+import json, os, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+sys.argv = ["runner"]
+import runner
+out = os.fdopen(runner.PROTO_OUT, "w")
+outside = tempfile.mkdtemp()
+src, dst = tempfile.mkdtemp(), tempfile.mkdtemp()
+os.symlink("/proc/self/maps", os.path.join(src, "maps"))
+os.symlink(outside, os.path.join(src, "away"))
+os.mkfifo(os.path.join(src, "fifo"))
+open(os.path.join(src, "locked"), "w").write("kept")
+os.chmod(os.path.join(src, "locked"), 0)
+deep = src
+for _ in range(runner.PACK_DEPTH + 5):
+    deep = os.path.join(deep, "d")
+os.makedirs(deep)
+entries, skipped = runner._pack(src)
+kinds = {rel: (kind, data) for rel, kind, mode, mtime, data in entries}
+# a blob as a swapped tree packed it: "a" a link out, then a file under "a"; and "pre", a link the
+# fresh sandbox already has, with a file packed under it
+os.symlink(outside, os.path.join(dst, "pre"))
+blob = [("a", "l", 0o777, 0.0, outside.encode()), ("a/4", "f", 0o644, 0.0, b"forged"),
+        ("pre/5", "f", 0o644, 0.0, b"forged"), ("ok", "d", 0o755, 0.0, b""), ("ok/f", "f", 0o600, 7.0, b"fine")]
+dropped = runner._unpack(dst, blob)
+print(json.dumps({
+    "maps": [kinds["maps"][0], kinds["maps"][1].decode()], "away": kinds["away"][0], "fifo": skipped.get("fifo"),
+    "locked": kinds["locked"][1].decode(), "deep": [k for k in skipped if k.endswith("/")],
+    "outside": sorted(os.listdir(outside)), "dropped": sorted(dropped),
+    "a": os.readlink(os.path.join(dst, "a")), "ok": open(os.path.join(dst, "ok", "f")).read(),
+    "mtime": os.stat(os.path.join(dst, "ok", "f")).st_mtime, "outside_path": outside}), file=out)
+'''
+
+
+def test_packing_and_unpacking_never_follow_a_link(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from arl_tangram.managers.sandbox.isolation import RUNNER
+    script = tmp_path / "probe.py"
+    script.write_text(PACKING)
+    p = subprocess.run([sys.executable, "-I", str(script), str(Path(RUNNER).parent)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["maps"] == ["l", "/proc/self/maps"] and out["away"] == "l"  # links packed as links, never read
+    assert "not a regular file" in out["fifo"] and out["locked"] == "kept"
+    assert len(out["deep"]) == 1 and out["deep"][0].count("d/") == 257  # walked 256 deep, the next named
+    assert out["outside"] == []  # nothing written through a link
+    assert out["dropped"] == ["a/4", "pre/5"] and out["a"] == out["outside_path"]
+    assert out["ok"] == "fine" and out["mtime"] == 7.0

@@ -2294,54 +2294,184 @@ def _rest_dump(value):
     return buf.getvalue()
 
 
+#: the deepest directory a rest packs (the walk holds a descriptor per level): deeper is dropped, named
+PACK_DEPTH = 256
+_AT = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC  # an entry opened under its directory
+
+
 def _pack(root):
-    """The files under ``root``: [(relative path, kind, mode, mtime, data)], and what was left out."""
+    """The files under ``root``: [(relative path, kind, mode, mtime, data)], and what was left out.
+
+    Walked by directory descriptors, each entry opened under its directory never following a link
+    (``_AT``) and checked to be what its ``lstat`` said: the session's interpreter runs while its
+    sandbox is packed, and a directory swapped for a link to /proc/1/fd between the listing and
+    the read led this process (PID 1) into its own descriptors; a file leased by the sandbox's
+    code is skipped (non-blocking), not waited on for the kernel's 45 s (an audit, 2026-11-29).
+    Iterative: a tree a thousand directories deep is packed to ``PACK_DEPTH``, not a
+    RecursionError that left the session awake for good."""
     import stat
     entries, skipped = [], {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        if dirpath == "/tmp" and ".tangram-shell" in dirnames:  # the persistent shell's pipes (shell.DIR)
-            dirnames.remove(".tangram-shell")
-        for name in dirnames + filenames:
-            full = os.path.join(dirpath, name)
-            rel = os.path.relpath(full, root)
+    try:
+        top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        return entries, {".": f"{type(e).__name__}: {e}"}
+    stack = [(top, "", None)]
+    while stack:
+        fd, rel, names = stack[-1]
+        if names is None:
             try:
-                st = os.lstat(full)
-                mode = stat.S_IMODE(st.st_mode)
-                if stat.S_ISDIR(st.st_mode):
-                    entries.append((rel, "d", mode, st.st_mtime, b""))
-                elif stat.S_ISLNK(st.st_mode):
-                    entries.append((rel, "l", mode, st.st_mtime, os.readlink(full).encode("utf-8", "surrogateescape")))
-                elif stat.S_ISREG(st.st_mode):
-                    if not mode & 0o400:
-                        os.chmod(full, mode | 0o400)
-                    with open(full, "rb") as fh:
-                        entries.append((rel, "f", mode, st.st_mtime, fh.read()))
-                else:
-                    skipped[rel] = "not a regular file, directory or link"
+                names = sorted(os.listdir(fd))
             except OSError as e:
-                skipped[rel] = f"{type(e).__name__}: {e}"
+                skipped[rel or "."] = f"{type(e).__name__}: {e}"
+                names = []
+            if not rel and root == "/tmp":  # the persistent shell's pipes (shell.DIR), whatever is there
+                names = [n for n in names if n != ".tangram-shell"]
+            names.reverse()
+            stack[-1] = (fd, rel, names)
+        if not names:
+            os.close(fd)
+            stack.pop()
+            continue
+        name = names.pop()
+        path = f"{rel}/{name}" if rel else name
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            mode = stat.S_IMODE(st.st_mode)
+            if stat.S_ISDIR(st.st_mode):
+                entries.append((path, "d", mode, st.st_mtime, b""))
+                if len(stack) > PACK_DEPTH:
+                    skipped[path + "/"] = f"deeper than {PACK_DEPTH} directories"
+                    continue
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _AT, dir_fd=fd)
+                if _same(sub, st):
+                    stack.append((sub, path, None))
+                else:
+                    os.close(sub)
+                    skipped[path] = "changed while it was packed"
+            elif stat.S_ISLNK(st.st_mode):
+                entries.append((path, "l", mode, st.st_mtime, os.fsencode(os.readlink(name, dir_fd=fd))))
+            elif stat.S_ISREG(st.st_mode):
+                entries.append((path, "f", mode, st.st_mtime, _read_entry(fd, name, st)))
+            else:
+                skipped[path] = "not a regular file, directory or link"
+        except OSError as e:
+            skipped[path] = f"{type(e).__name__}: {e}"
     return entries, skipped
 
 
+def _same(fd, st):
+    """The descriptor is of the file ``st`` describes (nothing was swapped in between)."""
+    got = os.fstat(fd)
+    return got.st_ino == st.st_ino and got.st_dev == st.st_dev and (got.st_mode & 0o170000) == (st.st_mode & 0o170000)
+
+
+def _read_entry(dir_fd, name, st):
+    """A regular file's bytes, opened under its directory (made readable for the owner first if it
+    was not, through a descriptor of the file itself, never a path)."""
+    if not st.st_mode & 0o400:
+        where = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            if not _same(where, st):
+                raise OSError(16, "changed while it was packed", name)
+            os.chmod(f"/proc/self/fd/{where}", (st.st_mode & 0o7777) | 0o400)
+        finally:
+            os.close(where)
+    fd = os.open(name, os.O_RDONLY | _AT, dir_fd=dir_fd)
+    try:
+        if not _same(fd, st):
+            raise OSError(16, "changed while it was packed", name)
+        chunks = []
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+
+
 def _unpack(root, entries):
-    dirs = []
-    for rel, kind, mode, mtime, data in entries:
-        full = os.path.join(root, rel)
-        if kind == "d":
-            os.makedirs(full, exist_ok=True)
-            dirs.append((full, mode, mtime))
-        elif kind == "l":
-            if os.path.lexists(full):  # what the fresh sandbox had there gives way
-                os.unlink(full)
-            os.symlink(data.decode("utf-8", "surrogateescape"), full)
-        else:
-            with open(full, "wb") as fh:
-                fh.write(data)
-            os.chmod(full, mode)
-            os.utime(full, (mtime, mtime))
-    for full, mode, mtime in reversed(dirs):  # deepest first: a read-only directory after its files
-        os.chmod(full, mode)
-        os.utime(full, (mtime, mtime))
+    """The packed files back under ``root``; what could not be made, by path.
+
+    Made under directory descriptors, never through a link: directories and files first, each
+    file created afresh (``O_EXCL``, not following a link), the links last, then the
+    directories' modes, deepest first (a read-only directory after its files). A blob whose
+    file sits under an entry packed as a link (a tree swapped while it was packed, or a blob
+    of a runner before this check) had that file written through the link, into /proc/1/fd/4,
+    the answer channel (an audit): such a file is now dropped, named."""
+    import stat
+    dropped, dirs, links = {}, [], []
+    top = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    opened = {"": top}
+
+    def parent(path):
+        """The descriptor of ``path``'s directory, each level opened without following a link."""
+        head, _, name = path.rpartition("/")
+        fd = opened.get(head)
+        if fd is None:
+            up, base = parent(head)
+            fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | _AT, dir_fd=up)
+            if len(opened) > 64:  # a descriptor per directory, not a thousand at once
+                for k in [k for k in opened if k]:
+                    os.close(opened.pop(k))
+            opened[head] = fd
+        return fd, name
+
+    def clear(fd, name):
+        """What the fresh sandbox has at ``name`` gives way (a directory stays: it is merged)."""
+        try:
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=fd)
+
+    try:
+        for rel, kind, mode, mtime, data in entries:
+            try:
+                fd, name = parent(rel)
+                if kind == "d":
+                    clear(fd, name)
+                    try:
+                        os.mkdir(name, 0o700, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                    dirs.append((rel, mode, mtime))
+                elif kind == "l":
+                    links.append((rel, data))
+                else:
+                    clear(fd, name)
+                    f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _AT, 0o600, dir_fd=fd)
+                    try:
+                        write_all(f, data)
+                        os.fchmod(f, mode)
+                        os.utime(f, (mtime, mtime))
+                    finally:
+                        os.close(f)
+            except (OSError, ValueError) as e:
+                dropped[rel] = f"not restored: {type(e).__name__}: {e}"
+        for rel, target in links:
+            try:
+                fd, name = parent(rel)
+                clear(fd, name)
+                os.symlink(os.fsdecode(target), name, dir_fd=fd)
+            except (OSError, ValueError) as e:
+                dropped[rel] = f"not restored: {type(e).__name__}: {e}"
+        for rel, mode, mtime in reversed(dirs):
+            try:
+                fd, name = parent(rel)
+                d = os.open(name, os.O_RDONLY | os.O_DIRECTORY | _AT, dir_fd=fd)
+                try:
+                    os.fchmod(d, mode)
+                    os.utime(d, (mtime, mtime))
+                finally:
+                    os.close(d)
+            except (OSError, ValueError) as e:
+                dropped.setdefault(rel, f"mode not restored: {type(e).__name__}: {e}")
+    finally:
+        for fd in opened.values():
+            os.close(fd)
+    return dropped
 
 
 def _rest_root(token):
@@ -2457,9 +2587,10 @@ def op_wake(req):
         return {}
     blob, REST["blob"] = REST["blob"], b""
     state = marshal.loads(blob)
-    for token, entries in state["files"].items():
-        _unpack(_rest_root(token), entries)
     dropped = dict(state["dropped"])
+    for token, entries in state["files"].items():
+        root = _rest_root(token)
+        dropped.update({os.path.join(root, rel): why for rel, why in _unpack(root, entries).items()})
     child_state = state.get("child")
     if "ns" in state:  # a blob of a runner before sessions had their own interpreter
         child_state = marshal.dumps({k: state[k] for k in ("ns", "cwd", "environ", "path")}, 4)
