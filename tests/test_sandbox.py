@@ -948,7 +948,39 @@ fs = {"big": runner.op_fs({"call": "list", "path": d}),
       "relative": runner.op_fs({"call": "stat", "path": "plain.txt"}),
       "missing": runner.op_fs({"call": "remove", "path": os.path.join(d, "nowhere")}),
       "made": runner.op_fs({"call": "mkdir", "path": os.path.join(d, "a", "b")})["fs"]["entry"]["mode"] & 0o170000}
-print(json.dumps({"got": got, "fs": fs}), file=out)
+# a terminal opened for the host never becomes PID 1's controlling terminal (O_NOCTTY)
+import pty
+master, slave = pty.openpty()
+os.setsid()  # a session leader with no terminal: the case where an open without O_NOCTTY takes one
+os.symlink(os.ttyname(slave), os.path.join(d, "tty"))
+os.close(slave)
+tty = runner.op_fs({"call": "read", "path": os.path.join(d, "tty")})
+tty_nr = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[4])
+# a tree 1,500 deep: listed and removed without recursion; names that are not UTF-8; /proc/self
+deep = os.path.join(d, "deep")
+os.mkdir(deep)
+fd = os.open(deep, os.O_RDONLY)
+for _ in range(1500):
+    os.mkdir("d", dir_fd=fd)
+    nfd = os.open("d", os.O_RDONLY, dir_fd=fd)
+    os.close(fd)
+    fd = nfd
+os.close(fd)
+runner.LIST_MAX = 10000
+listed = runner.op_fs({"call": "list", "path": deep, "depth": 2000})
+assert "fs" in listed, listed
+removed = runner.op_fs({"call": "remove", "path": deep})
+odd = os.path.join(d, "odd")
+os.mkdir(odd)
+open(os.path.join(os.fsencode(odd), b"bad\xffname"), "w").close()
+os.symlink(b"/tmp/\xfe", os.path.join(os.fsencode(odd), b"oddlink"))
+odd_list = runner.op_fs({"call": "list", "path": odd})
+line = runner.to_json(odd_list).encode()  # what the runner sends: never "answer not encodable"
+proc = {p: runner.op_fs({"call": c, "path": p}) for c, p in (("list", "/proc/self/map_files"), ("stat", "/proc/self/fd/0"),
+                                                              ("list", "/proc/self/fd"))}
+print(json.dumps({"got": got, "fs": fs, "tty": tty, "tty_nr": tty_nr, "listed": len(listed["fs"]["entries"]),
+                  "removed": removed, "gone": not os.path.exists(deep), "odd": json.loads(line),
+                  "proc": proc}), file=out)
 '''
 
 
@@ -975,3 +1007,10 @@ def test_the_runner_opens_only_plain_files_for_the_host(tmp_path):
     assert fs["read"] == {"fs": {"data": "eHg=", "cut": True}}  # b"xx"
     assert fs["relative"]["fs_error"][0] == "invalid" and fs["missing"]["fs_error"][0] == "not_found"
     assert fs["made"] == 0o040000
+    assert out["tty"]["fs_error"][0] == "invalid" and out["tty_nr"] == 0
+    assert out["listed"] == 1500 and out["removed"] == {"fs": {}} and out["gone"]
+    names = sorted(e["path"].rsplit("/", 1)[1] for e in out["odd"]["fs"]["entries"])
+    assert names == ["bad\ufffdname", "oddlink"]
+    assert [e["link"] for e in out["odd"]["fs"]["entries"] if e["link"]] == ["/tmp/\ufffd"]
+    for path, answer in out["proc"].items():  # nothing of /proc shown through the agent's own rights
+        assert answer.get("fs_error", [""])[0] == "invalid" and "/proc" in answer["fs_error"][1], (path, answer)

@@ -105,6 +105,14 @@ def to_json(obj):
     if isinstance(obj, (int, float)):
         return repr(obj)
     if isinstance(obj, str):
+        if not obj.isascii():  # a name that is not UTF-8 (a lone surrogate): U+FFFD, as ``shown``
+            try:                 # does, or the whole answer could not be sent
+                obj.encode()
+            except UnicodeEncodeError:
+                try:
+                    obj = shown(obj)  # the bytes os kept as surrogates
+                except UnicodeEncodeError:  # any other lone surrogate: "?", as a cell's answer has it
+                    obj = obj.encode("utf-8", "replace").decode()
         return '"' + obj.translate(_ESC) + '"'
     if isinstance(obj, dict):
         return "{" + ",".join(to_json(str(k)) + ":" + to_json(v) for k, v in obj.items()) + "}"
@@ -1142,14 +1150,9 @@ def pseudo_devs():
                     if len(fields) > 2 and tail.split(" ", 1)[0] in PSEUDO_FS:
                         major, _, minor = fields[2].partition(":")
                         devs.add(os.makedev(int(major), int(minor)))
-        except (OSError, ValueError):
-            pass
-        for path in ("/proc", "/sys"):  # whatever mountinfo said
-            try:
-                devs.add(os.stat(path).st_dev)
-            except OSError:
-                pass
-        PSEUDO_DEVS.append(frozenset(devs))
+        except (OSError, ValueError):  # no /proc mounted: none of its files to keep from the host
+            pass                       # (not /sys's device by its path: an empty /sys on the root tmpfs
+        PSEUDO_DEVS.append(frozenset(devs))  # made every link there look like a pseudo file's)
     return PSEUDO_DEVS[0]
 
 
@@ -1164,8 +1167,8 @@ def open_no_magic(path, flags, mode):
         err = ctypes.get_errno()
         if err == 40:  # ELOOP: what RESOLVE_NO_MAGICLINKS answers (or a loop of links)
             raise NotPlain(err, "a link into a process's own files (/proc/<pid>/fd...), or a loop of links", path)
-        if err != 38:  # ENOSYS: an older kernel, or a filter that refuses it
-            raise OSError(err, os.strerror(err), path)
+        if err not in (38, 1):  # ENOSYS: an older kernel; EPERM: a container's filter that refuses it (then
+            raise OSError(err, os.strerror(err), path)  # every open goes the other way, ``held_here``)
         OPENAT2[0] = False
     return os.open(path, flags, mode)
 
@@ -1187,7 +1190,7 @@ def held_here(fd, st):
 def open_plain(path, flags, mode=0o666, truncate=False):
     """``path`` opened for the host (``flags``: O_RDONLY, or O_WRONLY and O_CREAT; ``truncate``:
     emptied once it is known to be plain, never at the open), or ``NotPlain``/``OSError``."""
-    fd = open_no_magic(path, flags | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    fd = open_no_magic(path, flags | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY, mode)
     try:
         st = os.fstat(fd)
         if ((st.st_mode & 0o170000) != 0o100000 or st.st_dev in pseudo_devs()
@@ -1286,18 +1289,43 @@ class FsError(Exception):
     """A filesystem call's failure that is the caller's: ``(code, message)``."""
 
 
+def shown(name):
+    """A name as the host shows it: bytes that are not UTF-8 (kept by ``os`` as lone surrogates)
+    become U+FFFD, as envd's JSON has them (an answer with a lone surrogate could not be sent at
+    all: a file named b'bad\\xff' made the whole workspace unlistable)."""
+    return name if name.isascii() else name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def fs_node(path, follow=False):
+    """An ``O_PATH`` descriptor of ``path`` (of a link itself unless ``follow``), reached without
+    magic links and refused on a pseudo file system: nothing of /proc/1 the sandbox's own code
+    could not see (``list /proc/1/map_files``, ``stat /proc/1/fd/4`` did, through this process)."""
+    fd = open_no_magic(path, os.O_PATH | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW), 0)
+    if os.fstat(fd).st_dev in pseudo_devs():
+        os.close(fd)
+        raise NotPlain(1, "on /proc or /sys: not shown through this API (a command can look)", path)
+    return fd
+
+
 def fs_entry(path):
     """What the host shows of ``path``: a link is listed as itself, with the kind, size and
-    mode of what it points to when that exists."""
-    st = os.lstat(path)
-    link = None
-    if (st.st_mode & 0o170000) == 0o120000:
-        link = os.readlink(path)
-        try:
-            st = os.stat(path)
-        except OSError:
-            pass
-    return {"path": path, "mode": st.st_mode, "size": st.st_size, "mtime": st.st_mtime, "link": link}
+    mode of what it points to when that can be reached."""
+    fd = fs_node(path)
+    try:
+        st = os.fstat(fd)
+        link = None
+        if (st.st_mode & 0o170000) == 0o120000:
+            link = shown(os.readlink("", dir_fd=fd))
+            try:
+                target = fs_node(path, follow=True)
+            except OSError:
+                pass
+            else:
+                st = os.fstat(target)
+                os.close(target)
+    finally:
+        os.close(fd)
+    return {"path": shown(path), "mode": st.st_mode, "size": st.st_size, "mtime": st.st_mtime, "link": link}
 
 
 def fs_stat(req, path):
@@ -1305,51 +1333,94 @@ def fs_stat(req, path):
 
 
 def fs_list(req, path):
-    if not os.path.isdir(path):
-        if os.path.lexists(path):
-            raise FsError("invalid", f"path {path} is not a directory")
-        raise FsError("not_found", f"path {path} does not exist")
+    """Entries to ``depth`` levels, walked level by level (no recursion: a tree a thousand deep
+    was a RecursionError), each directory opened as ``fs_node`` reaches it and never one on a
+    pseudo file system."""
     depth, found = max(1, int(req.get("depth") or 1)), []
-
-    def walk(d, level):
-        for name in sorted(os.listdir(d)):
+    todo = [(path, 1)]
+    while todo:
+        d, level = todo.pop()
+        try:
+            fd = open_no_magic(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, 0)
+        except NotADirectoryError:
+            if level == 1:  # the path asked for (only it is at level 1)
+                raise FsError("invalid", f"path {shown(path)} is not a directory") from None
+            continue
+        except OSError:
+            if level == 1:
+                raise
+            continue
+        try:
+            if os.fstat(fd).st_dev in pseudo_devs():
+                if level == 1:
+                    raise NotPlain(1, "on /proc or /sys: not shown through this API (a command can look)", path)
+                continue
+            names = sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
+        below = []
+        for name in names:
             full = os.path.join(d, name)
             try:
                 e = fs_entry(full)
-            except OSError:  # gone meanwhile
+            except OSError:  # gone meanwhile, or on a pseudo file system
                 continue
             if len(found) == LIST_MAX:
-                raise FsError("too_many", f"path {path}: more than {LIST_MAX} entries, list it with a smaller depth")
+                raise FsError("too_many", f"path {shown(path)}: more than {LIST_MAX} entries, list it with a smaller "
+                                          "depth")
             found.append(e)
             if level < depth and e["link"] is None and (e["mode"] & 0o170000) == 0o040000:
-                walk(full, level + 1)
-
-    walk(path, 1)
+                below.append((full, level + 1))
+        todo.extend(reversed(below))
     return {"entries": found}
 
 
 def fs_mkdir(req, path):
     if os.path.lexists(path):
-        raise FsError("exists", f"path {path} already exists")
+        raise FsError("exists", f"path {shown(path)} already exists")
     os.makedirs(path)
     return {"entry": fs_entry(path)}
 
 
 def fs_remove(req, path):
-    if not os.path.lexists(path):
-        raise FsError("not_found", f"path {path} does not exist")
-    if os.path.isdir(path) and not os.path.islink(path):
-        import shutil
-        shutil.rmtree(path)
-    else:
+    fd = fs_node(path)
+    try:
+        is_dir = (os.fstat(fd).st_mode & 0o170000) == 0o040000
+    finally:
+        os.close(fd)
+    if not is_dir:
         os.unlink(path)
+        return {}
+    top = open_no_magic(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, 0)
+    stack = [(top, None, None, os.listdir(top))]  # (directory, its parent's descriptor, its name there, left)
+    try:
+        while stack:
+            fd, up, here, left = stack[-1]
+            if left:  # one entry at a time, a directory one level down (no recursion: a tree a
+                name = left.pop()  # thousand deep was a RecursionError, the tree left half removed)
+                if (os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode & 0o170000) != 0o040000:
+                    os.unlink(name, dir_fd=fd)
+                    continue
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                stack.append((sub, fd, name, None))
+                stack[-1] = (sub, fd, name, os.listdir(sub))
+                continue
+            stack.pop()
+            os.close(fd)
+            if up is not None:
+                os.rmdir(here, dir_fd=up)
+    finally:
+        for fd, _, _, _ in stack:
+            os.close(fd)
+    os.rmdir(path)
     return {}
 
 
 def fs_move(req, path):
     dst = req.get("destination")
-    if not os.path.lexists(path):
-        raise FsError("not_found", f"path {path} does not exist")
+    if not isinstance(dst, str) or not dst.startswith("/"):
+        raise FsError("invalid", "destination: an absolute path is expected")
+    os.close(fs_node(path))  # it exists, and not on /proc or /sys
     parent = os.path.dirname(dst)
     if parent:
         os.makedirs(parent, exist_ok=True)
@@ -1359,7 +1430,7 @@ def fs_move(req, path):
 
 def fs_read(req, path):
     if os.path.isdir(path):
-        raise FsError("invalid", f"path {path} is a directory")
+        raise FsError("invalid", f"path {shown(path)} is a directory")
     limit = int(req.get("max_bytes") or 1 << 24)
     fd = open_plain(path, os.O_RDONLY)
     try:
@@ -1407,15 +1478,15 @@ def op_fs(req):
     except FsError as e:
         return {"fs_error": list(e.args)}
     except FileNotFoundError as e:
-        return {"fs_error": ["not_found", f"path {e.filename or path} does not exist"]}
+        return {"fs_error": ["not_found", f"path {shown(str(e.filename or path))} does not exist"]}
     except FileExistsError as e:
-        return {"fs_error": ["exists", f"path {e.filename or path} already exists"]}
-    except PermissionError as e:
-        return {"fs_error": ["denied", f"path {e.filename or path}: {e.strerror}"]}
+        return {"fs_error": ["exists", f"path {shown(str(e.filename or path))} already exists"]}
     except NotPlain as e:
-        return {"fs_error": ["invalid", f"path {path}: {e.strerror}"]}
+        return {"fs_error": ["invalid", f"path {shown(path)}: {e.strerror}"]}
+    except PermissionError as e:
+        return {"fs_error": ["denied", f"path {shown(str(e.filename or path))}: {e.strerror}"]}
     except OSError as e:
-        return {"fs_error": ["invalid", f"path {e.filename or path}: {e.strerror or e}"]}
+        return {"fs_error": ["invalid", f"path {shown(str(e.filename or path))}: {e.strerror or e}"]}
 
 
 SHELL = {}
