@@ -24,6 +24,8 @@ from arl_tangram.managers.sandbox.isolation import Isolation
 from arl_tangram.managers.sandbox.manager import SandboxConfig
 from arl_tangram.runtime import Tangram
 
+from runnerkit import run_with_runner
+
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
 INVENTORY = r'''
@@ -388,17 +390,7 @@ print(json.dumps({"ahead": ahead, "seen": seen, "broken": z.broken}), file=out, 
 
 
 def test_the_zygote_protocol_survives_a_child_forked_ahead_dying_idle(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from arl_tangram.managers.sandbox.isolation import RUNNER  # (importing runner.py would take over our fds)
-    script = tmp_path / "probe.py"
-    script.write_text(ZYGOTE_PROTOCOL)
-    p = subprocess.run([sys.executable, "-I", str(script), str(Path(RUNNER).parent)],
-                       capture_output=True, text=True, timeout=60)
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
+    out = run_with_runner(tmp_path, ZYGOTE_PROTOCOL)  # (importing runner.py would take over our fds)
     assert out["broken"] == ""
     assert [code for code, _ in out["seen"]] == [0] * 5, out
     assert out["seen"][1][1] == str(out["ahead"])  # the second run was the child forked ahead
@@ -560,17 +552,7 @@ print(json.dumps({"exit": r["exit_code"], "stdout": runner.unb64(r["stdout"]).de
 
 
 def test_a_python_without_a_module_the_rehearsal_uses_still_runs_one_shots(tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from arl_tangram.managers.sandbox.isolation import RUNNER
-    script = tmp_path / "probe.py"
-    script.write_text(NO_TRACEBACK)
-    p = subprocess.run([sys.executable, "-I", str(script), str(Path(RUNNER).parent)], capture_output=True, text=True,
-                       timeout=60)
-    assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout) == {"exit": 0, "stdout": "5\n", "broken": ""}
+    assert run_with_runner(tmp_path, NO_TRACEBACK) == {"exit": 0, "stdout": "5\n", "broken": ""}
 
 
 # A python one-shot's child says how it ended on a pipe of its own and closes its streams before
@@ -709,17 +691,7 @@ def test_the_zygote_ends_on_a_message_out_of_protocol(tmp_path):
     """A request's bytes that reach the zygote itself (a run's child died before reading them)
     are never taken for a run: the zygote ends, and the runner finds it broken (its sandbox is
     then discarded, not recycled)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from arl_tangram.managers.sandbox.isolation import RUNNER
-    script = tmp_path / "probe.py"
-    script.write_text(OUT_OF_PROTOCOL)
-    p = subprocess.run([sys.executable, "-I", str(script), str(Path(RUNNER).parent)], capture_output=True, text=True,
-                       timeout=60)
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
+    out = run_with_runner(tmp_path, OUT_OF_PROTOCOL)
     assert out["first"] == 0 and out["broken"] and not out["ran"], out
 
 

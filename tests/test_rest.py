@@ -18,6 +18,7 @@ from arl_tangram.runtime import NoRoom, Tangram
 from arl_tangram.runtime.local import LocalRuntime
 from arl_tangram.server.service import Service
 
+from runnerkit import run_with_runner
 from servers import Server, alive
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -920,18 +921,7 @@ print(json.dumps({
 
 
 def test_packing_and_unpacking_never_follow_a_link(tmp_path):
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from arl_tangram.managers.sandbox.isolation import RUNNER
-    script = tmp_path / "probe.py"
-    script.write_text(PACKING)
-    p = subprocess.run([sys.executable, "-I", str(script), str(Path(RUNNER).parent)], capture_output=True, text=True,
-                       timeout=120)
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
+    out = run_with_runner(tmp_path, PACKING, timeout=120)
     assert out["maps"] == ["l", "/proc/self/maps"] and out["away"] == "l"  # links packed as links, never read
     assert "not a regular file" in out["fifo"] and out["locked"] == "kept"
     assert len(out["deep"]) == 1 and out["deep"][0].count("d/") == 257  # walked 256 deep, the next named

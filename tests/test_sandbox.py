@@ -26,6 +26,8 @@ from arl_tangram.managers.sandbox.languages import LANGUAGES, Language
 from arl_tangram.managers.sandbox.manager import SandboxConfig
 from arl_tangram.runtime import Tangram
 
+from runnerkit import run_with_runner
+
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 _root = open_root(tag=f"tangram-probe-{os.getpid()}")
 HAS_CGROUPS = _root is not None
@@ -985,15 +987,7 @@ print(json.dumps({"got": got, "fs": fs, "tty": tty, "tty_nr": tty_nr, "listed": 
 
 
 def test_the_runner_opens_only_plain_files_for_the_host(tmp_path):
-    import json
-
-    from arl_tangram.managers.sandbox.isolation import RUNNER
-    script = tmp_path / "probe.py"
-    script.write_text(OPEN_PLAIN)
-    p = subprocess.run([sys.executable, "-I", str(script), str(Path(RUNNER).parent)], capture_output=True, text=True,
-                       timeout=60)
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
+    out = run_with_runner(tmp_path, OPEN_PLAIN)
     for key, what in out["got"].items():
         openat2, name, flags = key.split()
         if name == "plain":
