@@ -1158,10 +1158,11 @@ def pseudo_devs():
 
 def open_no_magic(path, flags, mode):
     if OPENAT2[0]:
+        call = openat2_call()
         how = HOWS.get((flags, mode))
         if how is None:  # a handful of (flags, mode): made once (with the prototype, 2.4 us over os.open, not 3.2)
-            how = HOWS[(flags, mode)] = OpenHow(flags, mode if flags & os.O_CREAT else 0, RESOLVE_NO_MAGICLINKS)
-        fd = OPENAT2_CALL(SYS_OPENAT2, -100, os.fsencode(path), ctypes.addressof(how), ctypes.sizeof(OpenHow))
+            how = HOWS[(flags, mode)] = HOWS["struct"](flags, mode if flags & os.O_CREAT else 0, RESOLVE_NO_MAGICLINKS)
+        fd = call(SYS_OPENAT2, -100, os.fsencode(path), ctypes.addressof(how), 24)  # sizeof(struct open_how)
         if fd >= 0:
             return fd
         err = ctypes.get_errno()
@@ -1204,14 +1205,21 @@ def open_plain(path, flags, mode=0o666, truncate=False):
     return fd
 
 
-HOWS = {}
-if LIBC is not None:
-    class OpenHow(ctypes.Structure):
-        _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+HOWS = {}  # (flags, mode) -> its struct open_how; "call": the typed syscall (made on first use: ~55 us of
+          # ctypes that a sandbox's start would otherwise pay before its first request)
 
-    # syscall(SYS_openat2, AT_FDCWD, path, &how, sizeof how)
-    OPENAT2_CALL = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
-                                    ctypes.c_size_t, use_errno=True)(("syscall", LIBC))
+
+def openat2_call():
+    call = HOWS.get("call")
+    if call is None:
+        class OpenHow(ctypes.Structure):
+            _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
+
+        # syscall(SYS_openat2, AT_FDCWD, path, &how, sizeof how)
+        call = HOWS["call"] = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_char_p,
+                                               ctypes.c_void_p, ctypes.c_size_t, use_errno=True)(("syscall", LIBC))
+        HOWS["struct"] = OpenHow
+    return call
 
 
 def inside(path):
