@@ -172,7 +172,10 @@ def test_a_contexts_cells_run_in_its_cwd_and_cells_are_journaled(server):
         ctx = sb.create_code_context(cwd="/tmp/work")
         assert ctx.cwd == "/tmp/work"
         assert sb.run_code("os.getcwd(), open('f.txt').read()", context=ctx).text == "('/tmp/work', 'there\\n')"
+        assert sb.run_code("os.chdir('/tmp'); os.getcwd()", context=ctx).text == "'/tmp'"
+        assert sb.run_code("os.getcwd()", context=ctx).text == "'/tmp'"  # its own move holds
         assert sb.run_code("os.getcwd()").text == home  # the default context: back home
+        assert sb.run_code("os.getcwd()", context=ctx).text == "'/tmp/work'"  # its cwd again after another's
         bad = sb.create_code_context(cwd="/nowhere")
         with pytest.raises(e2b.SandboxException) as e:
             sb.run_code("1", context=bad)

@@ -895,6 +895,12 @@ def test_a_sessions_shell_files_never_lead_the_runner_to_its_own_channel():
                 for i in range(1, 7):  # the answer's id a forgery must guess (5 for a fresh session)
                     r = await s.exec(forged(i) + "\nexit 1", stdin=b"x" if name == "in" else None)
                     seen.append((r.outcome, r.result.run.stdout if r.result.run else None))
+        # /tmp full: the step fails saying so, the shell and its state live on
+        await s.exec("KEEP=yes; mkdir -p /workspace/d && cd /workspace/d")
+        await s.exec("head -c 100M /dev/zero > /tmp/fill 2>/dev/null; true")
+        full = await s.exec("echo " + "x" * 9000)
+        await s.exec(python="import os; os.remove('/tmp/fill')")
+        after_full = await s.exec("echo $KEEP $(pwd)")
         replaced = []
         for cmd in ("rm -rf /tmp/.tangram-shell", "rm /tmp/.tangram-shell/out",
                     "mv /tmp/.tangram-shell /tmp/moved && ln -s /proc/1/fd /tmp/.tangram-shell"):
@@ -902,9 +908,12 @@ def test_a_sessions_shell_files_never_lead_the_runner_to_its_own_channel():
             await s.exec(cmd)
             r = await s.exec("echo ok $X; echo err >&2")
             replaced.append((r.outcome, r.result.run.stdout, r.result.run.stderr, r.message))
-        return seen, replaced
+        return seen, replaced, full, after_full
 
-    seen, replaced = run(body)
+    seen, replaced, full, after_full = run(body)
+    assert full.outcome is Outcome.FAILED and full.result.run.exit_code == 126, (full.message, full.stderr)
+    assert "No space left" in full.stderr
+    assert after_full.stdout == "yes /workspace/d\n" and after_full.message == "", after_full.message
     assert all(o is Outcome.FAILED and "all tests passed" not in (out or "") for o, out in seen), seen
     for outcome, out, err, message in replaced:
         assert (outcome, out, err) == (Outcome.OK, "ok\n", "err\n") and "a new shell was started" in message
@@ -978,11 +987,24 @@ open(os.path.join(os.fsencode(odd), b"bad\xffname"), "w").close()
 os.symlink(b"/tmp/\xfe", os.path.join(os.fsencode(odd), b"oddlink"))
 odd_list = runner.op_fs({"call": "list", "path": odd})
 line = runner.to_json(odd_list).encode()  # what the runner sends: never "answer not encodable"
+runner.LIST_BYTES = 2000  # names past the byte budget: too_many, never an answer past the channel's line
+many = os.path.join(d, "many")
+os.mkdir(many)
+for i in range(40):
+    os.symlink("/" + "t" * 200, os.path.join(many, f"l{i}"))
+budget = runner.op_fs({"call": "list", "path": many})
+nul = runner.op_fs({"call": "write", "path": os.path.join(d, "b\0zzz"), "data": "eA=="})
+try:
+    runner.open_plain(os.path.join(d, "plain.txt\0/etc"), os.O_RDONLY)
+    nul_open = "opened"
+except ValueError:
+    nul_open = "refused"
 proc = {p: runner.op_fs({"call": c, "path": p}) for c, p in (("list", "/proc/self/map_files"), ("stat", "/proc/self/fd/0"),
                                                               ("list", "/proc/self/fd"))}
 print(json.dumps({"got": got, "fs": fs, "tty": tty, "tty_nr": tty_nr, "listed": len(listed["fs"]["entries"]),
                   "removed": removed, "gone": not os.path.exists(deep), "odd": json.loads(line),
-                  "proc": proc}), file=out)
+                  "proc": proc, "budget": budget, "nul": [nul, nul_open, os.path.exists(os.path.join(d, "b"))]}),
+      file=out)
 '''
 
 
@@ -1006,5 +1028,7 @@ def test_the_runner_opens_only_plain_files_for_the_host(tmp_path):
     names = sorted(e["path"].rsplit("/", 1)[1] for e in out["odd"]["fs"]["entries"])
     assert names == ["bad\ufffdname", "oddlink"]
     assert [e["link"] for e in out["odd"]["fs"]["entries"] if e["link"]] == ["/tmp/\ufffd"]
+    assert out["budget"]["fs_error"][0] == "too_many"
+    assert out["nul"][0]["fs_error"][0] == "invalid" and out["nul"][1:] == ["refused", False]  # never cut at the NUL
     for path, answer in out["proc"].items():  # nothing of /proc shown through the agent's own rights
         assert answer.get("fs_error", [""])[0] == "invalid" and "/proc" in answer["fs_error"][1], (path, answer)

@@ -1157,6 +1157,8 @@ def pseudo_devs():
 
 
 def open_no_magic(path, flags, mode):
+    if "\0" in path:  # (ctypes would cut the path there, where os.open refuses it)
+        raise ValueError(f"{path!r}: a path with a NUL byte")
     if OPENAT2[0]:
         call = openat2_call()
         how = HOWS.get((flags, mode))
@@ -1289,8 +1291,10 @@ def op_read(req):
     return {"files": files, "missing": missing, **({"cut": cut} if cut else {})}
 
 
-#: the most entries one ``fs`` list answers (the answer is one line of the host's channel)
+#: the most entries one ``fs`` list answers, and the most bytes of their names (the answer is one
+#: line of the host's channel, 64 MiB: 10,000 links of 4 KB targets under a deep path overflowed it)
 LIST_MAX = 10000
+LIST_BYTES = 32 << 20
 
 
 class FsError(Exception):
@@ -1344,7 +1348,7 @@ def fs_list(req, path):
     """Entries to ``depth`` levels, walked level by level (no recursion: a tree a thousand deep
     was a RecursionError), each directory opened as ``fs_node`` reaches it and never one on a
     pseudo file system."""
-    depth, found = max(1, int(req.get("depth") or 1)), []
+    depth, found, size = max(1, int(req.get("depth") or 1)), [], 0
     todo = [(path, 1)]
     while todo:
         d, level = todo.pop()
@@ -1373,9 +1377,10 @@ def fs_list(req, path):
                 e = fs_entry(full)
             except OSError:  # gone meanwhile, or on a pseudo file system
                 continue
-            if len(found) == LIST_MAX:
-                raise FsError("too_many", f"path {shown(path)}: more than {LIST_MAX} entries, list it with a smaller "
-                                          "depth")
+            size += len(e["path"]) + len(e["link"] or "") + 120
+            if len(found) == LIST_MAX or size > LIST_BYTES:
+                raise FsError("too_many", f"path {shown(path)}: more than {LIST_MAX} entries or {LIST_BYTES >> 20} MB "
+                                          "of names, list it with a smaller depth")
             found.append(e)
             if level < depth and e["link"] is None and (e["mode"] & 0o170000) == 0o040000:
                 below.append((full, level + 1))
@@ -1439,7 +1444,7 @@ def fs_move(req, path):
 def fs_read(req, path):
     if os.path.isdir(path):
         raise FsError("invalid", f"path {shown(path)} is a directory")
-    limit = int(req.get("max_bytes") or 1 << 24)
+    limit = min(int(req.get("max_bytes") or 1 << 24), READ_TOTAL)  # one answer line carries this much
     fd = open_plain(path, os.O_RDONLY)
     try:
         chunks, got = [], 0
@@ -1479,7 +1484,7 @@ def op_fs(req):
     call). Files are opened as the host's reads and writes are (``open_plain``). The answer is
     ``{"fs": ...}``, or ``{"fs_error": [code, message]}`` for a failure that is the caller's."""
     call, path = FS_CALLS.get(req.get("call")), req.get("path")
-    if call is None or not isinstance(path, str) or not path.startswith("/"):
+    if call is None or not isinstance(path, str) or not path.startswith("/") or "\0" in path:
         return {"fs_error": ["invalid", f"no filesystem call {req.get('call')!r} on {path!r}"]}
     try:
         return {"fs": call(req, path)}

@@ -251,6 +251,9 @@ class Sandbox:
         except (ConnectionError, BrokenPipeError) as e:
             await self.kill()
             raise SandboxDied(f"sandbox channel broke: {e}") from None
+        except (ValueError, asyncio.LimitOverrunError) as e:  # an answer past the channel's line limit
+            await self.kill()
+            raise SandboxDied(f"sandbox answered more than one answer may carry: {e}") from None
         if want == self._then:
             self._then = 0
         if not line:

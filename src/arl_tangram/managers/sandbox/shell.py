@@ -127,18 +127,21 @@ def _which_shell():
 
 
 def _fifos():
-    fds = []
-    for name in ("out", "err"):
-        _fresh(name, lambda n, d: os.mkfifo(n, 0o600, dir_fd=d))
-        flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
-        r = os.open(name, os.O_RDONLY | flags, dir_fd=STATE["dir"])
-        w = os.open(name, os.O_WRONLY | flags, dir_fd=STATE["dir"])  # ours: no EOF between steps
-        for fd in (r, w):
-            if (os.fstat(fd).st_mode & 0o170000) != 0o010000:  # not the FIFO just made (S_IFIFO)
-                os.close(r)
-                os.close(w)
-                raise Tampered(17, "the shell's FIFO was replaced", f"{DIR}/{name}")
-        fds.append((r, w))
+    fds, held = [], []
+    flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        for name in ("out", "err"):
+            _fresh(name, lambda n, d: os.mkfifo(n, 0o600, dir_fd=d))
+            held.append(os.open(name, os.O_RDONLY | flags, dir_fd=STATE["dir"]))
+            held.append(os.open(name, os.O_WRONLY | flags, dir_fd=STATE["dir"]))  # ours: no EOF between steps
+            for fd in held[-2:]:
+                if (os.fstat(fd).st_mode & 0o170000) != 0o010000:  # not the FIFO just made (S_IFIFO)
+                    raise Tampered(17, "the shell's FIFO was replaced", f"{DIR}/{name}")
+            fds.append((held[-2], held[-1]))
+    except BaseException:  # none left open in PID 1 when the making fails part-way
+        for fd in held:
+            os.close(fd)
+        raise
     return fds
 
 
@@ -294,14 +297,23 @@ def _exit_status(pid):
     return os.WEXITSTATUS(st) if os.WIFEXITED(st) else -os.WTERMSIG(st)
 
 
-def _not_run(e, started):
-    """A step whose shell files could not be made (the sandbox's code keeps replacing them): it
-    fails as a command that could not run (126), saying why; the sandbox and the runner go on."""
-    return {"stdout": "", "stderr": binascii.b2a_base64(
-                f"tangram: the shell's files in {DIR} could not be made ({e.strerror or e}): nothing ran\n".encode(),
-                newline=False).decode(),
-            "truncated": False, "timed_out": False, "duration_s": time.monotonic() - started, "exit_code": 126,
-            "shell": STATE["name"] or _which_shell()[2]}
+#: what a shell file's making fails with when something else was put in its way (the shell is then
+#: started afresh); anything else (ENOSPC: /tmp full) fails the step and keeps the shell
+REPLACED = (2, 17, 20, 21, 40)  # ENOENT, EEXIST, ENOTDIR, EISDIR, ELOOP
+
+
+def _not_run(e, started, notes=()):
+    """A step whose shell files could not be made (/tmp full, or the sandbox's code keeps
+    replacing them): it fails as a command that could not run (126), saying why; the sandbox
+    and the runner go on."""
+    out = {"stdout": "", "stderr": binascii.b2a_base64(
+               f"tangram: the shell's files in {DIR} could not be made ({e.strerror or e}): nothing ran\n".encode(),
+               newline=False).decode(),
+           "truncated": False, "timed_out": False, "duration_s": time.monotonic() - started, "exit_code": 126,
+           "shell": STATE["name"] or _which_shell()[2]}
+    if notes:
+        out["note"] = "; ".join(notes)
+    return out
 
 
 def step(req, env, workspace, close_fds, reap_others, b64, unb64):
@@ -320,8 +332,8 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
             _write("in", unb64(req.get("stdin")))
             break
         except OSError as e:  # its files removed or replaced by the sandbox's code (``rm -rf /tmp/.*``)
-            if attempt:
-                return _not_run(e, started)
+            if attempt or not (isinstance(e, Tampered) or e.errno in REPLACED):  # a full /tmp, no descriptors
+                return _not_run(e, started, notes)                            # left: the shell lives on
             stop()
             notes.append(f"the shell's files in {DIR} had been removed or replaced: a new shell was started (cwd, "
                          "variables and functions reset)")

@@ -112,9 +112,7 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
     for k in own:
         if not _NAME.fullmatch(k):
             raise E2bError(400, f"env_vars: {k!r} is not a variable name")
-    cwd = box.contexts[ctx]["cwd"] if ctx else None
-    if cwd == HOME_ALIAS:
-        cwd = None
+    want = ctx or ""
     service.admit()
     id = f"x-{uuid.uuid4().hex}"  # journaled as a command is (``processes._exec``)
     if service.journal is not None:
@@ -125,9 +123,9 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
             if not box.cell_env:  # once per interpreter: the sandbox's environment, as commands get it
                 await _set_env(s, base)
                 box.cell_env = True
-            if cwd is not None or box.cell_cwd is not None:  # a context's directory, or back home from one
-                await _chdir(s, cwd or HOME_ALIAS)
-                box.cell_cwd = cwd
+            if want != box.cell_ctx:  # another context's cell ran last: this one starts in its own cwd
+                await _chdir(s, box.contexts[ctx]["cwd"] if ctx else HOME_ALIAS)
+                box.cell_ctx = want
             if own:
                 await _set_env(s, own)
             try:
@@ -150,7 +148,7 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
     message = r.message or (r.result.message if r.result is not None else "")
     if VARIABLES_GONE in message:  # a new interpreter: without the sandbox's envs (they were lost after
         box.cell_env = False         # it), in the home directory
-        box.cell_cwd = None
+        box.cell_ctx = ""
     if r.outcome in (Outcome.INFRA_ERROR, Outcome.REJECTED, Outcome.CANCELLED):
         raise E2bError(503, f"{r.outcome.value}: {message}")
     box.executions += 1
@@ -199,9 +197,9 @@ CHDIR_STEP = "__import__('os').chdir({path!r})"
 
 
 async def _chdir(s, path: str) -> None:
-    """Move the interpreter to ``path``: a context's cells run in its ``cwd`` (contexts share the
-    one interpreter, so each of its cells starts there; a cell of the default context after one
-    of another's starts back in the home directory)."""
+    """Move the interpreter to ``path``: contexts share the one interpreter, so a context's cell
+    after one of another context's starts in its own ``cwd`` (the default context's: the home
+    directory); a directory its cells moved to holds until another context's cell runs."""
     r = await s.exec(python=CHDIR_STEP.format(path=path), timeout_s=10.0, jupyter=True, operation="cwd")
     if r.outcome is Outcome.FAILED:
         raise E2bError(400, f"cwd: {path!r} cannot be the cell's directory "

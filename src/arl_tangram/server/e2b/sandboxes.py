@@ -128,7 +128,7 @@ class Box:
     contexts: dict[str, dict] = field(default_factory=dict)
     cpu_sample: tuple[float, float] | None = None  # (when, cpu seconds) at the last metrics call
     cell_env: bool = False  # its interpreter has the sandbox's environment variables
-    cell_cwd: str | None = None  # the directory a context's cell moved its interpreter to (None: home)
+    cell_ctx: str = ""  # the context whose cell ran last in its interpreter ("": the default one)
     used_at: float | None = None  # the last step of its session (None: its sandbox never started)
     #: one step of the session at a time: the sandbox runs one thing at a time anyway, and the
     #: sandbox manager must not be handed a second step of a session while one runs
