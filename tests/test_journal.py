@@ -253,3 +253,23 @@ def test_an_acceptance_answered_only_by_its_result_goes_to_disk_with_the_next_co
     j2 = Journal(path)
     assert {e.id for e in j2.unfinished()} == {"w1", "w2", "w3", "d", "f"}
     j2.close()
+
+
+def test_the_request_an_action_was_accepted_with_is_known_while_its_result_is_queued(tmp_path):
+    """``finish`` queues the result without the request's fields: ``request_of`` reads them from
+    disk then, so a resubmission with another request in that window is still compared (409)."""
+    path = str(tmp_path / "j.sqlite3")
+    j = Journal(path)
+
+    async def main():
+        j.accept("a", "job", "run_code", {"x": 1}, True)
+        assert j.request_of("a") == ("run_code", {"x": 1})  # queued
+        await j.durable()
+        j.finish("a", "ok", {"out": 42})
+        assert j.get("a").kind == ""  # the queued result carries no request
+        assert j.request_of("a") == ("run_code", {"x": 1})  # read from disk
+        await j.durable()
+        assert j.request_of("a") == ("run_code", {"x": 1}) and j.request_of("b") is None
+
+    asyncio.run(main())
+    j.close()

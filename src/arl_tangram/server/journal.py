@@ -319,6 +319,16 @@ class Journal:
                                "FROM actions WHERE id=?", (id,)).fetchone()
         return _entry(row) if row else None
 
+    def request_of(self, id: str) -> tuple[str, dict] | None:
+        """An action's kind and request as accepted, or None: from the queued writes, or from disk
+        when the queue holds only its result (``finish`` queues no request fields: a resubmission
+        with another request in that window got the first one's result instead of a 409)."""
+        queued = self._pending.get(id)
+        if queued is not None and queued.kind:
+            return queued.kind, _obj(queued.request)
+        row = self._db.execute("SELECT kind, request FROM actions WHERE id=?", (id,)).fetchone()
+        return (row[0], _obj(row[1])) if row else None
+
     def unfinished(self) -> list[Entry]:
         self.flush()
         rows = self._db.execute("SELECT id, job, kind, request, state, outcome, response, safe, accepted_at "

@@ -403,10 +403,10 @@ class Service:
         server's schema cannot read any more is not compared."""
         before = self._requests.get(id)
         if before is None and self.journal is not None:
-            entry = self.journal.get(id)
-            if entry is not None and entry.kind == "run_code" and isinstance(entry.request, dict):
+            accepted = self.journal.request_of(id)
+            if accepted is not None and accepted[0] == "run_code" and isinstance(accepted[1], dict):
                 try:
-                    before = _request_key(v1.ActionRequest.model_validate(entry.request))
+                    before = _request_key(v1.ActionRequest.model_validate(accepted[1]))
                 except ValueError:
                     before = None
         if before is None:
