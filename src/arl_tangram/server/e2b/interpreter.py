@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,6 +17,9 @@ from ...runtime import SessionGone
 from ..service import NotFound, Service
 from .envelope import E2bError
 from .sandboxes import GONE, _NAME, _path, _step_s, _strings, boxes, poll
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -128,12 +132,19 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
                 box.cell_ctx = want
             if own:
                 await _set_env(s, own)
+            r = None
             try:
                 r = await s.exec(python=code, timeout_s=_step_s(box, None), jupyter=True, operation="run_code",
                                  on_output=on_output, id=id)
             finally:
                 if own:  # this run's variables: back to the sandbox's (or unset)
-                    await _set_env(s, {k: base.get(k) for k in own})
+                    try:
+                        await _set_env(s, {k: base.get(k) for k in own})
+                    except E2bError:
+                        if r is None:
+                            raise
+                        box.cell_env = False  # the cell ran: its result stands; the next cell sets the envs again
+                        log.warning("sandbox %s: the run's env_vars could not be taken back after its cell", sid)
     except (SessionGone, NotFound):
         service._finish_unrunnable(id, "infra_error", GONE.format(id=sid))
         raise E2bError(502, GONE.format(id=sid)) from None
