@@ -71,9 +71,10 @@ def test_jupyter_cells_share_one_kernel(server):
     assert r["cells"][2]["stdout"] == "124\n"
     assert r["cells"][3]["error"][0]["ename"] == "RuntimeError"
     # a final expression ending in ';' shows nothing, as in a notebook; a ';' inside it does not count
-    cells = ["x = 'é'", "x;", "x ;  # quiet", "'a;'", "(x,\n x);", "x"]
+    cells = ["x = 'é'", "x;", "x ;  # quiet", "'a;'", "(x,\n x);", "y = 1\rx;", "x"]
     r = httpx.post(f"{server.url}/run_jupyter", json={"cells": cells}, timeout=60).json()
-    assert [c["display"] for c in r["cells"]] == [[], [], [], [{"text/plain": "'a;'"}], [], [{"text/plain": "'é'"}]]
+    assert [c["display"] for c in r["cells"]] == [[], [], [], [{"text/plain": "'a;'"}], [], [],
+                                                  [{"text/plain": "'é'"}]]
 
 
 def test_unknown_language_is_422_and_missing_toolchain_says_so(server):

@@ -1048,7 +1048,7 @@ def _alarm(signum, frame):
 def quieted(code, last):
     """The cell's final expression ends with ``;``: a notebook then shows nothing (``5;``).
     The AST's end column counts UTF-8 bytes."""
-    lines = code.split("\n")
+    lines = code.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # the line ends python's parser counts
     if last.end_lineno is None or last.end_lineno > len(lines):
         return False
     tail = lines[last.end_lineno - 1].encode("utf-8", "surrogatepass")[last.end_col_offset or 0:]
