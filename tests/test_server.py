@@ -120,6 +120,52 @@ def test_an_id_reused_for_another_request_is_a_conflict_not_the_first_result(ser
     assert httpx.get(f"{server.url}/v1/jobs/idem2/stats").json()["actions"] == 2
 
 
+
+def test_session_fs_calls_are_carried_out_by_the_sandboxs_agent(server):
+    """``POST /v1/sessions/{id}/fs``: anywhere the session's commands see, by the runner."""
+    url = server.url
+    sid = httpx.post(f"{url}/v1/sessions", json={"job": "fs"}, timeout=30).json()["session_id"]
+    fs = f"{url}/v1/sessions/{sid}/fs"
+    try:
+        w = httpx.post(fs, json={"call": "write", "path": "/tmp/d/a.txt", "data": "aGk="}, timeout=30)
+        assert w.status_code == 200 and w.json()["entry"]["size"] == 2, w.text
+        assert httpx.post(fs, json={"call": "read", "path": "/tmp/d/a.txt"}, timeout=30).json()["data"] == "aGk="
+        cut = httpx.post(fs, json={"call": "read", "path": "/tmp/d/a.txt", "max_bytes": 1}, timeout=30).json()
+        assert (cut["data"], cut["cut"]) == ("aA==", True)
+        r = httpx.post(f"{url}/v1/sessions/{sid}/exec", json={"command": "cat /tmp/d/a.txt; ln -s /proc/1/fd/4 /tmp/d/l"},
+                       timeout=30).json()
+        assert r["run"]["stdout"] == "hi"
+        listed = httpx.post(fs, json={"call": "list", "path": "/tmp/d"}, timeout=30).json()["entries"]
+        assert sorted(e["path"] for e in listed) == ["/tmp/d/a.txt", "/tmp/d/l"]
+        assert httpx.post(fs, json={"call": "move", "path": "/tmp/d/a.txt", "destination": "/tmp/e/b.txt"},
+                          timeout=30).json()["entry"]["path"] == "/tmp/e/b.txt"
+        errors = {
+            "missing": httpx.post(fs, json={"call": "stat", "path": "/tmp/nowhere"}, timeout=30),
+            "exists": httpx.post(fs, json={"call": "mkdir", "path": "/tmp/e"}, timeout=30),
+            "magic": httpx.post(fs, json={"call": "write", "path": "/tmp/d/l", "data": "eA=="}, timeout=30),
+            "proc": httpx.post(fs, json={"call": "list", "path": "/proc/1/fd"}, timeout=30),
+            "relative": httpx.post(fs, json={"call": "stat", "path": "tmp"}, timeout=30),
+            "no_destination": httpx.post(fs, json={"call": "move", "path": "/tmp/e"}, timeout=30),
+        }
+        assert {k: r.status_code for k, r in errors.items()} == {
+            "missing": 404, "exists": 409, "magic": 422, "proc": 422, "relative": 422, "no_destination": 422}
+        assert errors["relative"].json()["message"].startswith("path")
+        assert httpx.post(fs, json={"call": "remove", "path": "/tmp/e"}, timeout=30).json() == {
+            "entry": None, "entries": None, "data": None, "cut": False}
+        assert httpx.post(fs, json={"call": "stat", "path": "/tmp/e"}, timeout=30).status_code == 404
+        from arl_tangram.client import TangramClient, TangramError
+
+        with TangramClient(url) as c:  # the client's session: the same call
+            sess = c.session(job="fs")
+            assert sess.fs("write", "/tmp/c.txt", data=b"from the client").entry.size == 15
+            assert base64.b64decode(sess.fs("read", "/tmp/c.txt").data) == b"from the client"
+            with pytest.raises(TangramError) as e:
+                sess.fs("stat", "/tmp/none")
+            assert e.value.status == 404
+            sess.close()
+    finally:
+        httpx.delete(f"{url}/v1/sessions/{sid}", timeout=30)
+
 def test_an_unknown_language_is_a_422_naming_the_field(server):
     r = httpx.post(f"{server.url}/v1/actions", json={"action": {"code": "x", "language": "klingon"}}, timeout=30)
     assert r.status_code == 422 and r.json()["message"].startswith("action.language: unknown 'klingon'"), r.text

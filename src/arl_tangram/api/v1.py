@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from typing_extensions import Annotated
 
 from ..core.names import MAX_MEMORY_MB, check_paths, check_text, image_problem
@@ -201,6 +201,49 @@ class PutFiles(Request):
 class GotFiles(BaseModel):
     files: dict[str, str]
     missing: list[str]
+
+
+def _absolute(path: str) -> str:
+    if not path.startswith("/") or "\0" in path:
+        raise ValueError("an absolute path without NUL bytes is expected")
+    return path
+
+
+AbsolutePath = Annotated[str, AfterValidator(check_text), AfterValidator(_absolute)]
+
+
+class FsRequest(Request):
+    """One filesystem call anywhere in the session's sandbox, as its own commands see it, carried
+    out by the sandbox's agent (never by the session's shell or interpreter, whose code its user
+    can replace); only regular files are read or written, and nothing under /proc or /sys."""
+
+    call: Literal["stat", "list", "mkdir", "remove", "move", "read", "write"]
+    path: AbsolutePath = Field(..., max_length=4096)
+    destination: Optional[AbsolutePath] = Field(None, max_length=4096, description="move: where to")
+    depth: int = Field(1, ge=1, le=1000, description="list: levels below path")
+    data: str = Field("", description="write: base64 content")
+    max_bytes: int = Field(1 << 24, ge=0, le=1 << 24, description="read: the most bytes answered (cut: more there)")
+
+    @model_validator(mode="after")
+    def _destination(self) -> "FsRequest":
+        if self.call == "move" and self.destination is None:
+            raise ValueError("destination: required to move")
+        return self
+
+
+class FsEntry(BaseModel):
+    path: str
+    mode: int = Field(..., description="st_mode (of what a link points to, when it can be reached)")
+    size: int
+    mtime: float
+    link: Optional[str] = Field(None, description="a link's target")
+
+
+class FsResult(BaseModel):
+    entry: Optional[FsEntry] = None
+    entries: Optional[list[FsEntry]] = None
+    data: Optional[str] = Field(None, description="read: base64 content")
+    cut: bool = False
 
 
 class JobStats(BaseModel):

@@ -346,6 +346,18 @@ class SessionMethods:
         got = v1.GotFiles.model_validate((yield from exchange(request, self.policy)))
         return {k: base64.b64decode(v) for k, v in got.files.items()}
 
+    def fs(self, call: str, path: str, *, destination: str | None = None, depth: int = 1, data: bytes = b"",
+           max_bytes: int = 1 << 24) -> v1.FsResult:
+        """One filesystem call anywhere in the session's sandbox (``stat``, ``list``, ``mkdir``,
+        ``remove``, ``move``, ``read``, ``write``; absolute paths), carried out by the sandbox's
+        agent: nothing the session's own code did can answer it. A failure raises ``TangramError``
+        (404 not found, 409 exists, 403 denied, 422 otherwise). Calls that change the files are not
+        retried once sent."""
+        body = {"call": call, "path": path, "destination": destination, "depth": depth,
+                "data": base64.b64encode(data).decode(), "max_bytes": max_bytes}
+        request = Request("POST", f"/v1/sessions/{self.id}/fs", body, idempotent=call in ("stat", "list", "read"))
+        return self.client._carry_out(typed(v1.FsResult, request, self.policy))
+
     def fork(self, n: int) -> list[Any]:
         """``n`` new sessions whose files start as this one's, copy-on-write (nothing is copied;
         none sees another's writes). The shell and python interpreter of this session and the

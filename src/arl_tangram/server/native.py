@@ -60,6 +60,12 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
     async def get_files(session_id: str, path: list[str] = Query(default=[])) -> v1.GotFiles:
         return await calls.get_files(session_id, path)
 
+    @router.post("/v1/sessions/{session_id}/fs", response_model=v1.FsResult, tags=["sessions"], dependencies=guarded,
+                 responses={403: {"model": v1.Error}, 404: {"model": v1.Error}, 409: {"model": v1.Error},
+                            422: {"model": v1.Error}})
+    async def fs(session_id: str, req: v1.FsRequest) -> v1.FsResult:
+        return await calls.fs(session_id, req)
+
     @router.post("/v1/sessions/{session_id}/fork", response_model=v1.ForkResult, tags=["sessions"],
               dependencies=guarded, responses={404: {"model": v1.Error}})
     async def fork(session_id: str, req: v1.ForkRequest) -> v1.ForkResult:
@@ -155,7 +161,7 @@ def _every_job(request: Request, what: str) -> None:
 DIALECT = Dialect("native", {
     "submit": Service.submit, "run_oneshot": Service.run_oneshot, "status": Service.status, "cancel": Service.cancel,
     "open_session": Service.open_session, "session_state": Service.session_state, "exec": Service.exec, "put_files": Service.put_files,
-    "get_files": Service.get_files, "fork": Service.fork, "prewarm": Service.prewarm,
+    "get_files": Service.get_files, "fs": Service.fs, "fork": Service.fork, "prewarm": Service.prewarm,
     "snapshot": Service.snapshot, "list_snapshots": Service.list_snapshots, "delete_snapshot": Service.delete_snapshot,
     "images": Service.images,
     "close_session": Service.close_session, "model_call": Service.model_call, "all_jobs": Service.all_jobs,

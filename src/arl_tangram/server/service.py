@@ -28,7 +28,7 @@ from ..api import v1
 from ..core.action import Action, Outcome
 from ..link import answers_later
 from ..core.names import path_problem
-from ..managers.sandbox.spec import CommandResult, Files, SandboxResult
+from ..managers.sandbox.spec import CommandResult, Files, FsCall, SandboxResult
 from ..managers.sandbox.images import ImageError
 from ..managers.sandbox.languages import LANGUAGES
 from ..runtime import ActionResult, NoRoom, Runtime, Session, Tangram
@@ -711,6 +711,22 @@ class Service:
         s = self._session(sid)
         r = await s.files(Files(put=decode_files("files", req.files)))
         return self._record(r, s.job, "files")
+
+    async def fs(self, sid: str, req: v1.FsRequest) -> v1.FsResult:
+        """``Session.fs``: the caller's failures as 404 (not found), 409 (exists), 403 (denied) or
+        422 (anything else about the path), ours as 503."""
+        s = self._session(sid)
+        r = await s.fs(FsCall(req.call, req.path, destination=req.destination, depth=req.depth,
+                              data=_b64decode("data", req.data), max_bytes=req.max_bytes))
+        if r.outcome is Outcome.FAILED and "error" in r.result.info:
+            why, code = r.message or r.result.message, r.result.info["error"]
+            raise {"not_found": NotFound, "exists": Conflict, "denied": Forbidden}.get(code, BadRequest)(why)
+        if r.outcome is not Outcome.OK:
+            raise Unavailable(f"{req.call}: {r.outcome.value}: {r.message or r.result.message}")
+        info = r.result.info
+        if req.call == "read":
+            return v1.FsResult(data=base64.b64encode(r.result.files[req.path]).decode(), cut=bool(info.get("cut")))
+        return v1.FsResult(entry=info.get("entry"), entries=info.get("entries"))
 
     async def get_files(self, sid: str, paths: list[str]) -> v1.GotFiles:
         s = self._session(sid)
