@@ -33,7 +33,7 @@ from ..managers.sandbox.images import ImageError
 from ..managers.sandbox.languages import LANGUAGES
 from ..runtime import ActionResult, NoRoom, Runtime, Session, Tangram
 from ..runtime.api import SessionError, one_shot
-from .journal import Journal, JournalError, new_id
+from .journal import Entry, Journal, JournalError, new_id
 from .snapshots import Snapshots, UnknownSnapshot
 
 log = logging.getLogger(__name__)
@@ -223,7 +223,7 @@ class Service:
         self.metrics = Metrics()
         self._inflight: dict[str, asyncio.Task] = {}
         self._inflight_jobs: dict[str, str] = {}  # action id -> its job, while in flight
-        self._requests: dict[str, dict] = {}  # a caller-chosen id -> its request (``_request_key``), while in flight
+        self._requests: dict[str, v1.ActionRequest] = {}  # a caller-chosen id -> its request, while in flight
         self._acts: dict[str, deque[float]] = {}
         self._outcomes: dict[str, dict[str, int]] = {}
         self.started_at = time.time()
@@ -371,14 +371,14 @@ class Service:
         if req.id and CALLER_JOB.get() is not None and not visible(self._job_of(id) or job):  # another job's id: as if unknown, never its result
             raise Conflict(f"id: {id!r} is in use: choose another (or send none: the server makes one)")
         task = self._inflight.get(id)
+        existing = self.journal.get(id) if self.journal and req.id and task is None else None  # ids we make are new
         if req.id:
-            self._check_same_request(id, req)
+            self._check_same_request(id, req, existing)
         if task is None:
             # everything that can reject the request is checked before it is journaled
             self._check_cpus("cpus", req.cpus)
             _check_language("action.language", req.action.language)
             files = decode_files("action.files", req.action.files)
-            existing = self.journal.get(id) if self.journal and req.id else None  # ids we make are new
             if existing is not None and existing.state == "done":
                 await self._durable()  # it may still be queued for this loop pass's commit
                 return v1.ActionResult.model_validate(existing.response)
@@ -388,30 +388,32 @@ class Service:
                     self.journal.accept(id, req.job, "run_code", req.model_dump_json(), True)
             task = self._inflight.get(id) or self._launch(id, self._run_code(id, req, files), req.job)
             if req.id:
-                self._requests[id] = _request_key(req)
+                self._requests[id] = req
                 task.add_done_callback(lambda _: self._requests.pop(id, None))
         if not req.wait:
             await self._durable()  # the 202 is an acknowledgement: the action is on disk first
             return self.status(id)
         return await asyncio.shield(task)
 
-    def _check_same_request(self, id: str, req: v1.ActionRequest) -> None:
-        """``Conflict`` (409) when the action ``id`` names (in flight, or in the journal) was
-        submitted with another request: the id is the idempotency key, and answering a different
-        program with the first one's result (an id reused across epochs, say) is a silent wrong
-        answer. ``wait`` may differ (submit without waiting, then wait). A journaled request this
-        server's schema cannot read any more is not compared."""
-        before = self._requests.get(id)
-        if before is None and self.journal is not None:
-            accepted = self.journal.request_of(id)
+    def _check_same_request(self, id: str, req: v1.ActionRequest, existing: Entry | None) -> None:
+        """``Conflict`` (409) when the action ``id`` names (in flight, or ``existing`` in the
+        journal) was submitted with another request: the id is the idempotency key, and answering a
+        different program with the first one's result (an id reused across epochs, say) is a silent
+        wrong answer. ``wait`` may differ (submit without waiting, then wait). A journaled request
+        this server's schema cannot read any more is not compared. A new id costs nothing here:
+        the journal read is ``submit``'s own."""
+        first = self._requests.get(id)
+        if first is None and existing is not None:
+            # only its result queued: the request it was accepted with is on disk (``request_of``)
+            accepted = (existing.kind, existing.request) if existing.kind else self.journal.request_of(id)
             if accepted is not None and accepted[0] == "run_code" and isinstance(accepted[1], dict):
                 try:
-                    before = _request_key(v1.ActionRequest.model_validate(accepted[1]))
+                    first = v1.ActionRequest.model_validate(accepted[1])
                 except ValueError:
-                    before = None
-        if before is None:
+                    first = None
+        if first is None:
             return
-        now = _request_key(req)
+        before, now = _request_key(first), _request_key(req)
         if now != before:
             differs = sorted(k for k in now.keys() | before.keys() if now.get(k) != before.get(k))
             raise Conflict(f"id: {id!r} was submitted before with another request ({', '.join(differs)} "

@@ -1256,6 +1256,18 @@ def op_write(req):
 READ_TOTAL = 40 << 20
 
 
+def read_past(fd, limit):
+    """At most ``limit`` + 1 bytes of ``fd``: the byte past ``limit`` says whether it was cut."""
+    chunks, got = [], 0
+    while got <= limit:
+        chunk = os.read(fd, limit + 1 - got)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 def op_read(req):
     """The files at ``paths`` (workspace-relative), each cut at ``max_bytes`` and all of them at
     ``READ_TOTAL`` together (``cut`` names those cut); what is not a regular file is ``missing``,
@@ -1271,14 +1283,7 @@ def op_read(req):
             continue
         try:
             want = min(limit, left)
-            chunks, got = [], 0
-            while got <= want:  # one byte past ``want`` says whether it was cut
-                chunk = os.read(fd, want + 1 - got)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                got += len(chunk)
-            data = b"".join(chunks)
+            data = read_past(fd, want)
             if len(data) > want:
                 data = data[:want]
                 cut.append(path)
@@ -1312,7 +1317,11 @@ def fs_node(path, follow=False):
     """An ``O_PATH`` descriptor of ``path`` (of a link itself unless ``follow``), reached without
     magic links and refused on a pseudo file system: nothing of /proc/1 the sandbox's own code
     could not see (``list /proc/1/map_files``, ``stat /proc/1/fd/4`` did, through this process)."""
-    fd = open_no_magic(path, os.O_PATH | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW), 0)
+    return not_pseudo(open_no_magic(path, os.O_PATH | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW), 0), path)
+
+
+def not_pseudo(fd, path):
+    """``fd``, or ``NotPlain`` (``fd`` closed) when it is on a pseudo file system."""
     if os.fstat(fd).st_dev in pseudo_devs():
         os.close(fd)
         raise NotPlain(1, "on /proc or /sys: not shown through this API (a command can look)", path)
@@ -1353,20 +1362,16 @@ def fs_list(req, path):
     while todo:
         d, level = todo.pop()
         try:
-            fd = open_no_magic(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, 0)
+            fd = not_pseudo(open_no_magic(d, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, 0), d)
         except NotADirectoryError:
             if level == 1:  # the path asked for (only it is at level 1)
                 raise FsError("invalid", f"path {shown(path)} is not a directory") from None
             continue
-        except OSError:
+        except OSError:  # (NotPlain among them: below, a pseudo file system is skipped)
             if level == 1:
                 raise
             continue
         try:
-            if os.fstat(fd).st_dev in pseudo_devs():
-                if level == 1:
-                    raise NotPlain(1, "on /proc or /sys: not shown through this API (a command can look)", path)
-                continue
             names = sorted(os.listdir(fd))
         finally:
             os.close(fd)
@@ -1447,16 +1452,9 @@ def fs_read(req, path):
     limit = min(int(req.get("max_bytes") or 1 << 24), READ_TOTAL)  # one answer line carries this much
     fd = open_plain(path, os.O_RDONLY)
     try:
-        chunks, got = [], 0
-        while got <= limit:  # one byte past the limit says it was cut
-            chunk = os.read(fd, limit + 1 - got)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
+        data = read_past(fd, limit)
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     return {"data": b64(data[:limit]), "cut": len(data) > limit}
 
 

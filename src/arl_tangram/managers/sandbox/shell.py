@@ -57,17 +57,22 @@ def _dir():
             except FileExistsError:
                 pass
             continue
-        except (NotADirectoryError, OSError) as e:  # a link or a file in its place: moved aside
-            if isinstance(e, PermissionError):
-                raise
+        except PermissionError:
+            raise
+        except OSError:  # a link or a file in its place (ELOOP, ENOTDIR): moved aside
             try:
-                os.rename(DIR, f"{DIR}.{binascii.hexlify(os.urandom(4)).decode()}")
+                os.rename(DIR, _aside(DIR))
             except FileNotFoundError:
                 pass
             continue
         STATE["dir"] = fd
         return fd
     raise Tampered(16, "the shell's directory keeps being replaced", DIR)
+
+
+def _aside(name):
+    """A new name to move what took ``name``'s place to (never deleted: it is the sandbox's)."""
+    return f"{name}.{binascii.hexlify(os.urandom(4)).decode()}"
 
 
 def _fresh(name, make):
@@ -80,7 +85,7 @@ def _fresh(name, make):
         except FileNotFoundError:
             pass
         except IsADirectoryError:
-            os.rename(name, f"{name}.{binascii.hexlify(os.urandom(4)).decode()}", src_dir_fd=d, dst_dir_fd=d)
+            os.rename(name, _aside(name), src_dir_fd=d, dst_dir_fd=d)
         try:
             return make(name, d)
         except FileExistsError:

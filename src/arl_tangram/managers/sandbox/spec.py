@@ -189,7 +189,6 @@ class Files:
     image: str | None = None
 
 
-
 FsKind = Literal["stat", "list", "mkdir", "remove", "move", "read", "write"]
 
 
@@ -223,6 +222,7 @@ class FsCall:
         elif self.call == "read":
             req["max_bytes"] = self.max_bytes
         return req
+
 
 @dataclass
 class Fork:
