@@ -167,7 +167,7 @@ def test_bench_server_keeps_its_load_off_pinned_servers_and_alternates_their_ord
     busy the servers' CPUs were."""
     out = tmp_path / "p.json"
     p = tangram("bench", "server", "--variant", "a=0:", "--variant", "b=0:::3", "--levels", "1", "--cases", "bash",
-                "--requests", "5", "--rounds", "2", "--cpu", "--json", str(out))
+                "--requests", "5", "--rounds", "2", "--cpu", "--ceiling", "0.2", "--json", str(out))
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
     spare = sorted(os.sched_getaffinity(0) - {0})
@@ -180,6 +180,18 @@ def test_bench_server_keeps_its_load_off_pinned_servers_and_alternates_their_ord
         assert 0 <= level["server_cpus_busy"] <= 1, level
     order = [line.split()[0] for line in (p.stdout + p.stderr).splitlines() if "req/s" in line][:4]
     assert order == ["a", "b", "b", "a"], order
+    # --ceiling: each round, each server's CPUs measured bare; the one-shots' ratio as a share of the host's
+    ceiling = r["host_ceiling"]
+    assert [set(x) for x in ceiling["per_s"]["a"]] == [{"fork", "spawn", "compute"}] * 2, ceiling
+    spawn = [a["spawn"] / b["spawn"] for a, b in zip(ceiling["per_s"]["a"], ceiling["per_s"]["b"])]
+    assert ceiling["a_vs_b"]["spawn"]["round_x"] == [round(x, 3) for x in spawn], ceiling
+    ours = [x["throughput_per_s"] / y["throughput_per_s"]
+            for x, y in zip(r["servers"]["a"]["1"]["rounds"], r["servers"]["b"]["1"]["rounds"])]
+    share = ceiling["a_vs_b"]["of_ceiling"]["1"]
+    assert share["against"] == "spawn" and share["round"] == [round(o / c, 3) for o, c in zip(ours, spawn)], share
+    assert "host's own" in p.stderr and "of spawn's ratio" in p.stderr, p.stderr
+    bad = tangram("bench", "server", "--variant", "a=0:", "--variant", "b=:", "--ceiling", "1")
+    assert bad.returncode != 0 and "--ceiling" in bad.stderr + bad.stdout
 
 
 @pytest.mark.slow
@@ -373,11 +385,12 @@ def test_bench_spawn_tells_the_loops_fork_from_vfork(tmp_path):
 def test_bench_forkcost_prints_each_way_per_cpu_set():
     """``python -m arl_tangram.bench.forkcost`` (a fresh process a run against pages put back in place)."""
     p = subprocess.run([sys.executable, "-m", "arl_tangram.bench.forkcost", "--cpus", "0", "--pages", "0,20",
-                        "--heap-mb", "2", "--seconds", "0.3"], capture_output=True, text=True, timeout=120)
+                        "--heap-mb", "2", "--seconds", "0.3", "--modes", "fork,in_place,tracked,spawn,compute"],
+                       capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     rows = json.loads(p.stdout)["sets"]["0"]
-    # nothing to put back with no page written
-    assert set(rows) == {"fork@0", "fork@20", "in_place@20", "tracked@20"}, rows
+    # nothing to put back with no page written; the bare modes (the host's ceiling) have no pages
+    assert set(rows) == {"fork@0", "fork@20", "in_place@20", "tracked@20", "spawn", "compute"}, rows
     for name, row in rows.items():
         if "error" in row:  # a kernel without asynchronous write-protection: said, not measured
             assert name == "tracked@20" and "not here" in p.stderr, (name, row)
@@ -385,7 +398,8 @@ def test_bench_forkcost_prints_each_way_per_cpu_set():
         assert row["workers"] == 1 and row["iterations"] > 0 and row["cpu_ms"] > 0, row
         assert row.get("restored_exactly", True) is True, row
     assert rows["fork@20"]["system_ms"] > 0, rows  # a fork's kernel time is counted (the reaped child's too)
-    assert p.stderr.count("pages: ") == 4, p.stderr  # a readable line each
+    assert rows["spawn"]["system_ms"] > 0 and rows["compute"]["user_ms"] > 0, rows  # the bash's own, reaped
+    assert p.stderr.count("pages: ") == 4 and p.stderr.count("ms CPU an iteration") == 6, p.stderr
 
 
 def test_the_write_watch_finds_every_page_written_and_only_those():

@@ -545,6 +545,10 @@ def bench_server(
                                          "of CPU a request) or httpx (~1.6 ms)."),
     cpu: bool = typer.Option(False, "--cpu", help="Also give each tangram result its CPU per request by part: "
                              "engine process, HTTP fronts, sandbox workers, sandboxes (ms)."),
+    ceiling: float = typer.Option(0.0, "--ceiling", min=0.0, help="Seconds: after each round, measure each "
+                                  "pinned variant's CPUs bare for that long a loop (a fork, a bash spawned, "
+                                  "pure computation, one worker a CPU), and give each ratio as a share of the "
+                                  "host's own (host_ceiling)."),
 ) -> None:
     """/run_code latency and throughput over loopback HTTP, beside the same actions in-process or
     beside another SandboxFusion-compatible server (--against)."""
@@ -557,6 +561,8 @@ def bench_server(
     except ValueError as e:
         raise fail(f"--variant: {e}")
 
+    if ceiling and (len(variants) < 2 or any(not v[1] for v in variants)):
+        raise fail("--ceiling: give two or more --variant, each with its CPUs (e.g. all=0-15: two=0-1:)")
     try:
         parsed = tuple(int(x) for x in (levels or ("1,8" if against else "1,8,32,1000")).split(","))
     except ValueError:
@@ -569,7 +575,7 @@ def bench_server(
         raise fail(f"--against: expected an http(s) URL, got {against!r}")
     _print_json(run(parsed, log=lambda m: console.print(m), against=against, cases=chosen, cpu_jobs=cpu_jobs,
                     server_cpus=server_cpus, client_procs=client_procs, variants=variants or None, requests=requests,
-                    client=client, cpu=cpu, rounds=rounds),
+                    client=client, cpu=cpu, rounds=rounds, ceiling=ceiling),
                 json_out)
 
 

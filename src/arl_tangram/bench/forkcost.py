@@ -23,6 +23,14 @@ N workers (one per CPU of the set, each allowed the whole set, as one-shots are)
   ``clear_refs`` 4 marks nothing), so this is the way there. Each iteration checks nothing was
   missed: ``restored_exactly`` says the buffer equals its pristine copy at the end.
 
+Two more modes give the host's own ceiling for a run's process, nothing of ours in it
+(``bench server --ceiling`` measures them beside its servers, round by round):
+
+- ``spawn``: start ``bash -c 'echo 1'`` (``posix_spawn``, vfork and exec, as the runner starts a
+  program), output to ``/dev/null``, and reap it: a bash one-shot's process, bare.
+- ``compute``: a fixed pure-Python loop (20,000 additions): what the CPUs give work that makes no
+  process, the frequency and caches of the set at full load.
+
 Printed as JSON, per CPU set and mode: CPU ms an iteration (user, system, both: the workers'
 own and their reaped children's) and iterations a second over all workers. The bookkeeping is
 Python's (a C version would cost less); a process's other state (threads, mappings, descriptors)
@@ -128,10 +136,44 @@ class WriteWatch:
         return runs
 
 
+#: modes without a heap (``pages`` means nothing to them)
+BARE = ("spawn", "compute")
+SPAWNED = ("bash", "-c", "echo 1")
+
+
+def _bare(mode: str, seconds: float) -> dict:
+    """``spawn`` or ``compute``'s loop (see the module's docstring)."""
+    import shutil
+
+    if mode == "spawn":
+        path = shutil.which(SPAWNED[0])
+        if path is None:
+            raise OSError(2, "no bash on PATH", SPAWNED[0])
+        null = os.open(os.devnull, os.O_WRONLY)
+        actions = [(os.POSIX_SPAWN_DUP2, null, 1)]
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    n = 0
+    before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if mode == "spawn":
+            os.waitpid(os.posix_spawn(path, list(SPAWNED), env, file_actions=actions), 0)
+        else:
+            x = 0
+            for i in range(20_000):
+                x += i
+        n += 1
+    after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"iterations": n, "user_s": sum(a.ru_utime - b.ru_utime for a, b in zip(after, before)),
+            "system_s": sum(a.ru_stime - b.ru_stime for a, b in zip(after, before))}
+
+
 def worker(mode: str, heap_mb: int, pages: int, seconds: float) -> dict:
     """One worker's loop; returns its iterations and CPU (its own and its reaped children's)."""
     import mmap
 
+    if mode in BARE:
+        return _bare(mode, seconds)
     # private (copy-on-write in a fork, as a heap is; ``mmap``'s default is shared) and page-aligned,
     # as write-protection wants
     buf = mmap.mmap(-1, heap_mb << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -189,13 +231,14 @@ def measure(cpus: list[int], mode: str, heap_mb: int, pages: int, seconds: float
     return {"workers": len(cpus), "iterations": n, "per_s": round(n / seconds, 1),
             "cpu_ms": round((user + system) * 1e3 / max(n, 1), 4),
             "user_ms": round(user * 1e3 / max(n, 1), 4), "system_ms": round(system * 1e3 / max(n, 1), 4),
-            **({"restored_exactly": all(r["restored_exactly"] for r in rows)} if mode != "fork" else {})}
+            **({"restored_exactly": all(r["restored_exactly"] for r in rows)} if mode in ("in_place", "tracked")
+               else {})}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cpus", default="0-1", help="CPU sets, ';'-separated (default 0-1), e.g. '0-1;0-15'")
-    ap.add_argument("--modes", default="fork,in_place,tracked")
+    ap.add_argument("--modes", default="fork,in_place,tracked", help="of fork, in_place, tracked, spawn, compute")
     ap.add_argument("--pages", default="0,300", help="pages written an iteration, comma-separated")
     ap.add_argument("--heap-mb", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=3.0)
@@ -212,14 +255,15 @@ def main(argv: list[str] | None = None) -> None:
         cpus = _cpu_set(text)
         rows = out["sets"][text] = {}
         for mode in a.modes.split(","):
-            for pages in (int(p) for p in a.pages.split(",")):
+            for pages in (None,) if mode in BARE else (int(p) for p in a.pages.split(",")):
                 if mode != "fork" and pages == 0:
                     continue  # nothing to do
-                rows[f"{mode}@{pages}"] = r = measure(cpus, mode, a.heap_mb, pages, a.seconds)
+                key, what = (mode, "") if pages is None else (f"{mode}@{pages}", f" {pages:>4} pages")
+                rows[key] = r = measure(cpus, mode, a.heap_mb, pages or 0, a.seconds)
                 if "error" in r:
-                    print(f"cpus {text:>6} {mode:>8} {pages:>4} pages: not here: {r['error']}", file=sys.stderr)
+                    print(f"cpus {text:>6} {mode:>8}{what}: not here: {r['error']}", file=sys.stderr)
                     continue
-                print(f"cpus {text:>6} {mode:>8} {pages:>4} pages: {r['cpu_ms']:.3f} ms CPU an iteration "
+                print(f"cpus {text:>6} {mode:>8}{what}: {r['cpu_ms']:.3f} ms CPU an iteration "
                       f"({r['system_ms']:.3f} system), {r['per_s']:,.0f}/s"
                       + ("" if r.get("restored_exactly", True) else "; NOT restored exactly"), file=sys.stderr)
     print(json.dumps(out, indent=1))

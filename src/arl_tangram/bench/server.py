@@ -403,7 +403,66 @@ def _ratio_text(first: str, name: str, ours: dict, theirs: dict) -> str:
     return "\n".join(lines)
 
 
+def _ceiling_text(first: str, name: str, c: dict) -> str:
+    lines = [f"{first} vs {name}, the host's own (median round): "
+             + ", ".join(f"{m} {c[m]['median_round_x']:.2f}x" for m in dict.fromkeys(CEILING_MODES.values()) if m in c)]
+    for key, share in c.get("of_ceiling", {}).items():
+        lines.append(f"  {key:>12}: {share['median_round']:.0%} of {share['against']}'s ratio (median round; each "
+                     + ", ".join(f"{x:.0%}" for x in share["round"]) + ")")
+    return "\n".join(lines)
+
+
 Variant = tuple[str, str | None, int | None, int | None, str | None, int | None]
+
+
+#: the host's own ceiling for each case (``--ceiling``): what a run of it costs, bare (``bench/forkcost.py``)
+CEILING_MODES = {"python": "fork", "bash": "spawn", "cpu_200ms": "compute"}
+
+
+def _ceiling_round(pinned: dict[str, set[int] | None], seconds: float, log: Callable[[str], None]) -> dict:
+    """Each pinned server's CPU set's own rate, no server's work in it: one worker a CPU running
+    ``forkcost``'s bare loops for ``seconds`` each (a forked child writing 300 of a 16 MB heap's
+    pages, as a python one-shot's child does; a bash spawned and reaped; pure computation)."""
+    from .forkcost import measure
+
+    time.sleep(0.5)  # the servers' resets and refills after the last level
+    out: dict[str, dict[str, float | None]] = {}
+    for name, cpus in pinned.items():
+        if not cpus:
+            continue
+        row = out[name] = {}
+        for mode in dict.fromkeys(CEILING_MODES.values()):
+            r = measure(sorted(cpus), mode, 16, 300 if mode == "fork" else 0, seconds)
+            row[mode] = r.get("per_s")
+        log(f"{name:>8} host ceiling: " + ", ".join(f"{m} {v:,.0f}/s" if v else f"{m} -" for m, v in row.items()))
+    return out
+
+
+def _ceiling_ratios(first: str, name: str, rounds: list[dict], ours: dict, theirs: dict,
+                    cases: tuple[str, ...]) -> dict:
+    """``first`` over ``name`` on the host's bare loops, round by round, and each level's one-shot
+    ratio as a share of its case's (``of_ceiling``: 1.0 is all the host's CPUs give a fresh process
+    a run; the one-shots' own ratio can pass it where work that makes no process, ours, scales
+    better)."""
+    out: dict = {}
+    for mode in dict.fromkeys(CEILING_MODES.values()):
+        each = [r[first][mode] / r[name][mode] for r in rounds
+                if r.get(first, {}).get(mode) and r.get(name, {}).get(mode)]
+        if each:
+            out[mode] = {"round_x": [round(x, 3) for x in each], "median_round_x": round(statistics.median(each), 3)}
+    for key, a in ours.items():
+        mode = CEILING_MODES.get(key.partition("@")[0] if "@" in key else cases[0])
+        b = theirs.get(key)
+        if not (isinstance(a, dict) and isinstance(b, dict)) or mode not in out:
+            continue
+        pairs = list(zip(a.get("rounds") or [a], b.get("rounds") or [b], rounds))
+        shares = [x["throughput_per_s"] / y["throughput_per_s"] / (r[first][mode] / r[name][mode])
+                  for x, y, r in pairs if y["throughput_per_s"] and r.get(first, {}).get(mode)
+                  and r.get(name, {}).get(mode)]
+        if shares:
+            out.setdefault("of_ceiling", {})[key] = {"against": mode, "round": [round(x, 3) for x in shares],
+                                                     "median_round": round(statistics.median(shares), 3)}
+    return out
 
 
 def parse_variant(text: str) -> Variant:
@@ -427,7 +486,8 @@ def parse_variant(text: str) -> Variant:
 def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m: None, against: str | None = None,
         cases: tuple[str, ...] = ("python",), cpu_jobs: int = 32, server_cpus: str | None = None,
         client_procs: int = 1, variants: list[Variant] | None = None,
-        requests: int | None = None, client: str | None = None, cpu: bool = False, rounds: int = 1) -> dict:
+        requests: int | None = None, client: str | None = None, cpu: bool = False, rounds: int = 1,
+        ceiling: float = 0.0) -> dict:
     """Measure; ``against``: a SandboxFusion-compatible base URL measured beside ours;
     ``variants``: several tangram servers (name, CPUs to pin it to, HTTP fronts, sandbox workers), all running
     at once and measured in turn per case, so that they compare within the same minutes; ``cpu``: each
@@ -435,7 +495,12 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
     ``rounds``: the whole plan that many times, the targets alternating within each and in the reverse
     order every other round (on a shared machine one pass is noise): each result is then the round of
     median throughput, with every round's figures beside it (``rounds``: throughput, p50, and engine
-    CPU per request where measured).
+    CPU per request where measured); ``ceiling``: after each round, each pinned server's CPU set's
+    own rate for a run's bare process, measured for that many seconds a loop (``_ceiling_round``),
+    and each variant's ratio against the first as a share of the host's (``host_ceiling``): on a
+    2x H200 host a bare bash's 16-vs-2 ratio was 6.96-7.49x, a bare fork's 5.66-6.70x and pure
+    computation's 6.60-8.40x, round by round (issue 26, sixteenth round), so a one-shot ratio
+    means little without the host's beside it.
 
     When every tangram server is pinned and CPUs are left over, the load generator runs on those
     (``client_cpus``), as a load generator should: unpinned, its processes and their loopback traffic
@@ -449,7 +514,7 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
         os.sched_setaffinity(0, client_cpus)  # the client processes are forked from this one
     try:
         out = _run(levels, log, against, cases, cpu_jobs, server_cpus, client_procs, variants, requests, client, cpu,
-                   rounds)
+                   rounds, ceiling)
     finally:
         if client_cpus:
             os.sched_setaffinity(0, mine)
@@ -488,7 +553,7 @@ def _spare_cpus(pinned: list[str | None], mine: set[int]) -> set[int]:
 
 def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | None, cases: tuple[str, ...],
          cpu_jobs: int, server_cpus: str | None, client_procs: int, variants: list[Variant],
-         requests: int | None, client: str, cpu: bool, rounds: int) -> dict:
+         requests: int | None, client: str, cpu: bool, rounds: int, ceiling: float) -> dict:
     ports = {v[0]: free_port() for v in variants}
     targets = {v[0]: f"http://127.0.0.1:{ports[v[0]]}" for v in variants}
     if against:
@@ -496,6 +561,7 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
     results: dict[str, dict] = {name: {} for name in targets}
     pinned = {v[0]: _cpu_set(v[1]) if v[1] else None for v in variants}
     followed: dict[str, int | None] = {}
+    ceilings: list[dict] = []  # a round's host ceiling per pinned server
     scheduled: dict[str, int | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         logs = {v[0]: os.path.join(tmp, f"server-{v[0]}.log") for v in variants}
@@ -548,6 +614,8 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
                     if r.get("cpu_ms_per_request"):
                         log(_cpu_line(r["cpu_ms_per_request"]))
                     time.sleep(0.3)
+                if ceiling and (i + 1) % len(plan) == 0:
+                    ceilings.append(_ceiling_round(pinned, ceiling, log))
             if rounds > 1:
                 for (name, key), runs in every.items():
                     results[name][key] = _median_round(runs)
@@ -570,6 +638,14 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
         out[f"vs_{first}"] = {v[0]: _ratios(results[v[0]], results[first]) for v in variants[1:]}
         for v in variants[1:]:
             log(_ratio_text(first, v[0], results[first], results[v[0]]))
+        if ceilings:
+            out["host_ceiling"] = {"seconds": ceiling, "modes": CEILING_MODES,
+                                   "per_s": {name: [r.get(name) for r in ceilings] for name in ceilings[0]}}
+            for v in variants[1:]:
+                if v[0] in ceilings[0] and first in ceilings[0]:
+                    out["host_ceiling"][f"{first}_vs_{v[0]}"] = c = _ceiling_ratios(
+                        first, v[0], ceilings, results[first], results[v[0]], cases)
+                    log(_ceiling_text(first, v[0], c))
         if against:
             out["against"] = {"url": against, **results["against"]}
             out["vs_against"] = {v[0]: _ratios(results[v[0]], results["against"]) for v in variants}
