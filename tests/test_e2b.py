@@ -265,6 +265,57 @@ def test_async_background_connect_stdin_and_kill(server):
     asyncio.run(main())
 
 
+def test_a_command_reads_its_stdin_as_it_is_sent(server):
+    """``stdin=True``: the command runs while its stdin is open and reads each piece as it is sent
+    (an answer comes back before the next line is sent: interactive programs work), ``close_stdin``
+    is its end of file, and input after its end is refused naming the process."""
+    async def main():
+        sb = await AsyncSandbox.create()
+        try:
+            seen: list[str] = []
+            p = await sb.commands.run('while read -r line; do echo "got $line"; done; echo eof', stdin=True,
+                                      background=True, on_stdout=seen.append, timeout=60)
+
+            async def heard(text: str) -> None:
+                for _ in range(400):
+                    if text in "".join(seen):
+                        return
+                    await asyncio.sleep(0.025)
+                raise AssertionError(f"{text!r} never came: {seen}")
+
+            await sb.commands.send_stdin(p.pid, "one\n")
+            await heard("got one\n")
+            await sb.commands.send_stdin(p.pid, "two ")  # a line in two pieces
+            await asyncio.sleep(0.1)
+            assert "got two" not in "".join(seen)
+            await sb.commands.send_stdin(p.pid, "halves\n")
+            await heard("got two halves\n")
+            big = "x" * 300_000  # more than a pipe holds: written as the command reads it
+            await sb.commands.send_stdin(p.pid, big + "\n")
+            await sb.commands.close_stdin(p.pid)
+            r = await p.wait()
+            assert r.stdout == f"got one\ngot two halves\ngot {big}\neof\n" and r.exit_code == 0
+            with pytest.raises(NotFoundException) as e:  # as envd: an ended process is not found
+                await sb.commands.send_stdin(p.pid, "late\n")
+            assert f"pid {p.pid}" in str(e.value)
+
+            # an interpreter driven line by line, its answers read between the lines
+            seen.clear()
+            py = await sb.commands.run("python3 -u -c 'import sys\nfor l in sys.stdin: print(int(l) * 2)'",
+                                       stdin=True, background=True, on_stdout=seen.append, timeout=60)
+            for i in (3, 21):
+                await sb.commands.send_stdin(py.pid, f"{i}\n")
+                await heard(f"{2 * i}\n")
+            await sb.commands.close_stdin(py.pid)
+            assert (await py.wait()).stdout == "6\n42\n"
+            # the session's shell lives on, and the next command's stdin is its own (empty)
+            assert (await sb.commands.run("cat; echo after")).stdout == "after\n"
+        finally:
+            await sb.kill()
+
+    asyncio.run(main())
+
+
 def test_a_gzip_upload_is_held_to_the_body_limit_once_inflated(server):
     """From an audit: ``files.write(..., gzip=True)`` of 150 MB of zeros passed the 32 MB body
     limit compressed, took the server's memory to 1 GB and lost the sandbox (``infra_error``).

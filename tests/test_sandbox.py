@@ -23,6 +23,7 @@ import pytest
 from arl_tangram.core import Outcome
 from arl_tangram.managers.sandbox.cgroups import open_root
 from arl_tangram.managers.sandbox.languages import LANGUAGES, Language
+from arl_tangram.managers.sandbox.livestdin import UNSENT_MAX, LiveStdin, StdinClosed, StdinFull
 from arl_tangram.managers.sandbox.manager import SandboxConfig
 from arl_tangram.runtime import Tangram
 
@@ -385,6 +386,86 @@ def test_a_session_step_streams_its_output_while_it_runs_capped_as_its_result():
     # the cap holds for what is streamed too; and what is streamed is what the results say
     assert total == {"stdout": 2 << 16, "stderr": len(flood.result.run.stderr) + len(endless.result.run.stderr)}
     assert quiet.stdout == "nobody listens\n"
+
+
+def test_a_session_step_reads_a_live_stdin_as_it_is_fed():
+    """``live_stdin``: a shell step reads what is sent while it runs (after ``stdin``, and after
+    what was sent before it started), ``close`` is its end of file, later input is refused; input
+    the step does not read is bounded (``StdinFull`` past ``UNSENT_MAX``, taking none of that
+    piece) and none of what was taken is lost."""
+    async def heard(got: list[bytes], text: bytes) -> None:
+        for _ in range(400):
+            if text in b"".join(got):
+                return
+            await asyncio.sleep(0.025)
+        raise AssertionError(f"{text!r} never came: {got}")
+
+    async def body(tg):
+        s = await tg.session()
+        feed = LiveStdin()
+        feed.send(b"early\n")  # kept until the step holds the sandbox
+        got: list[bytes] = []
+        step = asyncio.ensure_future(s.exec('while read -r l; do echo "[$l]"; done; echo end', stdin=b"given\n",
+                                            live_stdin=feed, timeout_s=30, on_output=lambda k, d: got.append(d)))
+        await heard(got, b"[early]\n")
+        feed.send(b"late\n")
+        await heard(got, b"[late]\n")
+        feed.close()
+        fed = await step
+        with pytest.raises(StdinClosed):
+            feed.send(b"after its end\n")
+        # a step that reads nothing for a while: its input waits, bounded, and none of it is lost
+        hog, started = LiveStdin(), []
+        reader = asyncio.ensure_future(s.exec("echo started; sleep 2; wc -c", live_stdin=hog, timeout_s=30,
+                                              on_output=lambda k, d: started.append(d)))
+        await heard(started, b"started")
+        sent, refused, piece = 0, None, b"y" * (1 << 20)
+        for _ in range(64):
+            try:
+                hog.send(piece)
+            except StdinFull as e:
+                refused = str(e)
+                break
+            sent += len(piece)
+        hog.close()
+        counted = await reader
+        with pytest.raises(ValueError):
+            await s.exec(python="print(1)", live_stdin=LiveStdin())
+        after = await s.exec("echo ok")
+        await s.close()
+        return fed, sent, refused, counted, after
+
+    fed, sent, refused, counted, after = run(body)
+    assert (fed.outcome, fed.stdout) == (Outcome.OK, "[given]\n[early]\n[late]\nend\n")
+    assert refused is not None and str(UNSENT_MAX) in refused and UNSENT_MAX <= sent < 2 * UNSENT_MAX, (sent, refused)
+    assert counted.outcome is Outcome.OK and counted.stdout.split()[-1] == str(sent), counted.stdout
+    assert after.stdout == "ok\n"
+
+
+def test_a_live_stdin_keeps_what_comes_before_its_step_and_refuses_what_comes_after():
+    """``LiveStdin`` at its seam: kept before the step is bound (bounded), passed on while bound,
+    end of file once, nothing after the step's end."""
+    written: list[tuple[bytes, bool]] = []
+    feed = LiveStdin()
+    feed.send(b"a")
+    feed.send(b"")
+    with pytest.raises(StdinFull):
+        feed.send(b"z" * UNSENT_MAX)
+    feed.send(b"b")  # the refused piece took nothing: what comes next is still in order
+    feed.bind(lambda data, eof: written.append((data, eof)))
+    feed.send(b"c")
+    feed.close()
+    feed.close()
+    assert written == [(b"ab", False), (b"c", False), (b"", True)] and feed.closed
+    with pytest.raises(StdinClosed):
+        feed.send(b"d")
+    ended = LiveStdin()
+    ended.send(b"never bound")
+    ended.end()
+    ended.bind(lambda data, eof: written.append((data, eof)))
+    assert len(written) == 3  # a step that never ran takes nothing
+    with pytest.raises(StdinClosed):
+        ended.send(b"x")
 
 
 FORGE_ANSWER = """import os, stat, fcntl
@@ -895,6 +976,13 @@ def test_a_sessions_shell_files_never_lead_the_runner_to_its_own_channel():
                 for i in range(1, 7):  # the answer's id a forgery must guess (5 for a fresh session)
                     r = await s.exec(forged(i) + "\nexit 1", stdin=b"x" if name == "in" else None)
                     seen.append((r.outcome, r.result.run.stdout if r.result.run else None))
+                    if name == "in":  # a live stdin's FIFO is made afresh too, never written through the link
+                        await s.exec(f"rm -f /tmp/.tangram-shell/in && ln -s {target} /tmp/.tangram-shell/in")
+                        feed = LiveStdin()
+                        feed.send(forged(i).encode() + b"\n")
+                        feed.close()
+                        r = await s.exec("cat >/dev/null; exit 1", live_stdin=feed)
+                        seen.append((r.outcome, r.result.run.stdout if r.result.run else None))
         # /tmp full: the step fails saying so, the shell and its state live on
         await s.exec("KEEP=yes; mkdir -p /workspace/d && cd /workspace/d")
         await s.exec("head -c 100M /dev/zero > /tmp/fill 2>/dev/null; true")

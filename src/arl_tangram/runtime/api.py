@@ -14,6 +14,7 @@ from typing import Any, Callable
 from ..core.action import Action, Demand, Outcome, seconds
 from ..managers.models.spec import ModelCall
 from ..managers.sandbox.images import ImageError
+from ..managers.sandbox.livestdin import LiveStdin
 from ..managers.sandbox.manager import SandboxManager
 from ..managers.sandbox.spec import Exec, Files, Fork, FsCall, Restore, RunCode, SandboxConfig, Snapshot
 from ..policy import Policy, Profile
@@ -162,7 +163,8 @@ class Session:
                    timeout_s: float = 10.0, cpus: int | tuple[int, int] = 1, parallel_fraction: float = 0.0,
                    hint_s: float | None = None, operation: str = "", memory_mb: int | None = None,
                    id: str | None = None, jupyter: bool = False, remaining_turns: int | None = None,
-                   on_output: Callable[[str, bytes], None] | None = None) -> ActionResult:
+                   on_output: Callable[[str, bytes], None] | None = None,
+                   live_stdin: LiveStdin | None = None) -> ActionResult:
         """Run a shell ``command`` in the workspace, or a ``python`` cell in the session's
         interpreter (its variables carry over from call to call; ``jupyter``: an exception's
         traceback goes only into the cell's error record, as in a notebook). ``remaining_turns``:
@@ -171,10 +173,16 @@ class Session:
         (``SandboxManager.listen``: capped as the result's; called on the runtime's event loop, so
         it must return at once);
         where sessions run in another process (Ray's nodes) it is not called and the output
-        comes in the result only."""
+        comes in the result only. ``live_stdin``: a shell command's stdin fed while it runs
+        (``LiveStdin.send``, ``close``: ``managers/sandbox/livestdin.py``), after ``stdin`` if
+        both are given; only where sessions run in this process (``live_stdin_here``), else a
+        ``ValueError``."""
         self._check()
         if (command is None) == (python is None):
             raise ValueError("exec: give exactly one of command or python")
+        if live_stdin is not None and (python is not None or not self.live_stdin_here):
+            raise ValueError("exec: live_stdin is for a shell command of a session that runs in this process"
+                             if python is None else "exec: live_stdin is for a shell command, not a python cell")
         rng = (cpus, cpus) if isinstance(cpus, int) else cpus
         payload = Exec(command=command, python=python, stdin=stdin, timeout_s=timeout_s, memory_mb=memory_mb,
                        image=self.image, jupyter=jupyter)
@@ -185,14 +193,23 @@ class Session:
                         hint_s=hint_s, parallel_fraction=parallel_fraction,
                         timeout_s=timeout_s + ACTION_TIMEOUT_SLACK_S, payload=payload,
                         remaining_turns=remaining_turns)
-        manager = self.runtime.sandbox_manager() if on_output is not None else None
+        manager = self.runtime.sandbox_manager() if on_output is not None or live_stdin is not None else None
         if manager is None:
             return await self._step(action)
-        stop = manager.listen(action.id, on_output)
+        stops = ([manager.listen(action.id, on_output)] if on_output is not None else []) + \
+            ([manager.feed(action.id, live_stdin)] if live_stdin is not None else [])
         try:
             return await self._step(action)
         finally:
-            stop()
+            for stop in stops:
+                stop()
+            if live_stdin is not None:  # (also when the step never ran: later input is refused, not kept)
+                live_stdin.end()
+
+    @property
+    def live_stdin_here(self) -> bool:
+        """Whether ``exec`` can take a ``live_stdin``: this session's steps run in this process."""
+        return self.runtime.sandbox_manager() is not None
 
     async def put(self, files: dict[str, bytes], id: str | None = None) -> ActionResult:
         return await self.files(Files(put=files), id)

@@ -30,6 +30,7 @@ from .corewaits import CoreWaits
 from .imagebox import ImageSandboxes, Prewarmed
 from .images import ImageError, ImageStore, resolve_in
 from .isolation import Isolation, Layout, command, compile_runner, detect
+from .livestdin import LiveStdin
 from .recycle import Recycler
 from .rest import Rested, RestFailed, RestStore, load, pack
 from .rootfs import HOST_IMAGE, RootFs, overlay_supported
@@ -129,6 +130,7 @@ class SandboxManager:
         self._rester: asyncio.Task | None = None
         self._module_uses: Counter[str] = Counter()  # modules in rested sessions' namespaces
         self._listeners: dict[str, Callable[[str, bytes], None]] = {}  # streamed steps (``listen``)
+        self._stdins: dict[str, LiveStdin] = {}  # shell steps with a live stdin (``feed``)
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start_up(self) -> None:
@@ -563,6 +565,16 @@ class SandboxManager:
             self._listeners.pop(action_id, None)
 
         self._listeners[action_id] = capped
+        return stop
+
+    def feed(self, action_id: str, stdin: LiveStdin) -> Callable[[], None]:
+        """Give shell step ``action_id`` (not started yet) a live stdin: what is sent to ``stdin``
+        reaches the step while it runs (``livestdin.py``); returns the call that forgets it."""
+
+        def stop() -> None:
+            self._stdins.pop(action_id, None)
+
+        self._stdins[action_id] = stdin
         return stop
 
     def one_shot_sandboxes(self) -> dict[str, int]:
@@ -1086,7 +1098,8 @@ class SandboxManager:
                     riding = (self.recycler.riding(sb) if traj is None and isinstance(payload, RunCode)
                               and (memory_mb or self.config.memory_mb) >= self.config.memory_mb else None)
                     outcome, result = await self._execute(sb, payload, cores, self._listeners.get(action.id),
-                                                          mine.turn if mine is not None else None, riding)
+                                                          mine.turn if mine is not None else None, riding,
+                                                          self._stdins.get(action.id))
                     if mine is not None:  # the follower's turn, before this run's bookkeeping and report
                         self._over(action.id, mine)
                     if traj is None and isinstance(payload, RunCode) and sb.first_written_at:
@@ -1179,9 +1192,11 @@ class SandboxManager:
 
     async def _execute(self, sb: Sandbox, payload, cores: tuple[int, ...],
                        on_output: Callable[[str, bytes], None] | None = None,
-                       turn: Turn | None = None, riding: dict | None = None) -> tuple[Outcome, SandboxResult]:
+                       turn: Turn | None = None, riding: dict | None = None,
+                       stdin: LiveStdin | None = None) -> tuple[Outcome, SandboxResult]:
         """``turn``: wait for it; a one-shot's first request is written by its opener. ``riding``:
-        a one-shot's reset, sent with its run (``Recycler.riding``)."""
+        a one-shot's reset, sent with its run (``Recycler.riding``). ``stdin``: a shell step's
+        live stdin (``feed``)."""
         grace = self.config.grace_s
         if isinstance(payload, RunCode):
             return await self._run_code(sb, payload, cores, turn, riding)
@@ -1205,10 +1220,14 @@ class SandboxManager:
                        "stdin": _b64(payload.stdin)}
                 if on_output is not None:
                     req["stream"] = True
+                if stdin is not None:
+                    req["stdin_live"] = True
             else:
                 return Outcome.REJECTED, SandboxResult(message="exec: give a command or a python cell")
+            if payload.python is not None:
+                stdin = None  # (Session.exec refuses a live stdin for a cell)
             if "stream" not in req:  # + the shell's own kill window
-                r = await sb.request(req, payload.timeout_s + grace + 1.0)
+                r = await sb.request(req, payload.timeout_s + grace + 1.0, stdin=stdin)
                 await self._drop_broken(sb, r)
                 return _outcome(r), _result(r)
             assert on_output is not None
@@ -1218,7 +1237,7 @@ class SandboxManager:
                 streamed[stream] += len(data)
                 on_output(stream, data)
 
-            r = await sb.request(req, payload.timeout_s + grace + 1.0, counted)
+            r = await sb.request(req, payload.timeout_s + grace + 1.0, counted, stdin=stdin)
             await self._drop_broken(sb, r)
             for stream in ("stdout", "stderr"):  # what the step had not sent before it ended
                 data = base64.b64decode(r.get(stream) or "")

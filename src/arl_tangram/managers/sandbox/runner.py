@@ -1515,7 +1515,8 @@ def op_shell(req):
         with open(path) as fh:
             exec(compile(fh.read(), path, "exec"), SHELL)
         SHELL["STATE"]["keep"] = KEEP
-    return SHELL["step"](req, env_for(req), WORKSPACE, (PROTO_IN, PROTO_OUT), reap_strays, b64, unb64)
+    return SHELL["step"](req, env_for(req), WORKSPACE, (PROTO_IN, PROTO_OUT), reap_strays, b64, unb64,
+                         read_message, HELD.append)
 
 
 # -- recycling --------------------------------------------------------------------------------------
@@ -2754,6 +2755,9 @@ OPS = {"run": op_run, "shell": op_shell, "python": op_python, "cell": op_cell, "
 
 
 ZYGOTE = None
+#: a request read by a shell step with a live stdin while it ran (the host never sends one then:
+#: held all the same, to be the next one read)
+HELD = []
 LAST = [""]  # the last run's op: a reset after a python run forks the next child ahead
 AHEAD_STAYS = ("python", "reset", "ping")  # requests that leave a child forked ahead alive
 
@@ -2788,9 +2792,11 @@ def main():
         # a one-shot's reset may ride on its run (``then``): it runs right after the run's answer and
         # the reaping, answered under its own id, before anything else is read (issue 26: the host's
         # request for it cost the engine process a write and this runner a wake-up per one-shot)
-        req, then = (then, None) if then is not None else (read_message(PROTO_IN), None)
+        req, then = (then, None) if then is not None else (HELD.pop(0) if HELD else read_message(PROTO_IN), None)
         if req is None:
             return
+        if req["op"] == "stdin":  # input for a step that has ended (it came as the step did): dropped,
+            continue              # as a pipe's unread input is when its reader exits; never answered
         result = None
         if ZYGOTE is not None:  # the last python run's exit is over before anything else runs here
             ZYGOTE.settle()  # (its pid is spared by the reaping only until then)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .cgroups import CgroupRoot, Group
+from .livestdin import UNSENT_MAX, LiveStdin, StdinClosed, StdinFull
 from .spawn import Process, start_process
 
 
@@ -172,14 +173,16 @@ class Sandbox:
 
     async def request(self, req: dict, timeout_s: float,
                       on_output: Callable[[str, bytes], None] | None = None, turn: Turn | None = None,
-                      then: dict | None = None) -> dict:
+                      then: dict | None = None, stdin: LiveStdin | None = None) -> dict:
         """Send one request and wait for its answer; past ``timeout_s`` the sandbox is killed.
         ``on_output``: the request streams (a shell step or a cell with ``stream``): its output chunks come
         first, each handed to ``on_output(stream, data)`` as it arrives. ``turn``: the request is
         written when it opens, by the call that opens it (its timeout counts from then); cancelled
         before that, nothing reached the sandbox. ``then``: a second request (a one-shot's reset)
         riding on this one: the runner carries it out right after this one's answer, and its
-        answer is read by ``then_answer`` (or by the next request, first, whoever comes)."""
+        answer is read by ``then_answer`` (or by the next request, first, whoever comes).
+        ``stdin``: the request is a shell step with a live stdin (``livestdin.py``): bound to this
+        sandbox from the moment the request is written until its answer (or the sandbox's end)."""
         async with self._lock:
             if self.dead:
                 raise SandboxDied("sandbox is closed")
@@ -199,13 +202,37 @@ class Sandbox:
                     self._send(data, riding)
                 else:
                     await self._write_in(turn, data, riding)
+                if stdin is not None:  # its input follows the request on the channel, never before it
+                    stdin.bind(self._stdin_sink)
                 await self.proc.stdin.drain()
             except (ConnectionError, BrokenPipeError) as e:
+                if stdin is not None:
+                    stdin.end()
                 await self.kill()
                 raise SandboxDied(f"sandbox channel broke: {e}") from None
-            answer = await self._answer(want, timeout_s, on_output)
+            try:
+                answer = await self._answer(want, timeout_s, on_output)
+            finally:
+                if stdin is not None:
+                    stdin.end()
             self.answered_at = time.monotonic()
             return answer
+
+    def _stdin_sink(self, data: bytes, eof: bool) -> None:
+        """Write a running step's input (``livestdin.Sink``): one ``stdin`` message on the request
+        channel, which the runner reads while the step runs (``shell.LiveIn``) and never answers."""
+        if self.dead:
+            raise StdinClosed("the sandbox is gone")
+        writer = self.proc.stdin
+        kept = writer.kept() if hasattr(writer, "kept") else writer.transport.get_write_buffer_size()
+        if data and kept + len(data) > UNSENT_MAX:
+            raise StdinFull(f"{kept} bytes of input already wait for the command to read them (at most "
+                            f"{UNSENT_MAX}): send the rest once it reads")
+        msg = marshal.dumps({"op": "stdin", "data": data, "eof": eof}, 4)
+        try:
+            writer.write(len(msg).to_bytes(4, "little") + msg)
+        except (ConnectionError, BrokenPipeError):
+            raise StdinClosed("the sandbox's channel is closed") from None
 
     async def _unread_reset(self, timeout_s: float) -> None:
         """Read a riding reset's answer that nobody read (the caller holds the lock): a sandbox it

@@ -13,6 +13,14 @@ host while the step runs, ``COALESCE_S`` at a time: ``_emitter``); the step's ex
 (fd 3, closed for the step itself) behind a per-step random nonce. The runner also holds a
 writer of each FIFO open, so a step's end is never mistaken for the start of the next one.
 
+A step with a live stdin (``stdin_live``: E2B's ``send_stdin`` while the command runs) reads a
+FIFO instead of a file: the runner holds it open read-write (so the step's open never blocks and
+sees no end until the runner closes it) and writes into it what the host sends on the runner's
+request channel while the step runs (``{"op": "stdin", "data", "eof"}`` messages, no answer);
+``eof`` closes it. What the step has not read is held by the runner up to ``STDIN_HELD`` bytes,
+past which it stops reading the channel, so the host's sender waits instead of anyone's memory
+growing.
+
 A step past its timeout: every process of the sandbox but the shell (and the runner) is killed;
 the shell then reports the killed command's status and lives on. A step that is busy in the shell
 itself (``while :; do :; done``) cannot be stopped that way: the shell is killed too, and the
@@ -118,6 +126,89 @@ def _write(name, data):
             data = data[os.write(fd, data):]
     finally:
         os.close(fd)
+
+
+def _live_in():
+    """The step's stdin as a FIFO made afresh, held open read-write by the runner (its open by
+    the step never blocks, and it ends only when the runner closes it); checked to be the FIFO
+    made (else the runner would write the host's input into whatever took its place)."""
+    _fresh("in", lambda n, d: os.mkfifo(n, 0o600, dir_fd=d))
+    fd = os.open("in", os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=STATE["dir"])
+    if (os.fstat(fd).st_mode & 0o170000) != 0o010000:  # S_IFIFO
+        os.close(fd)
+        raise Tampered(17, "the shell's stdin FIFO was replaced", f"{DIR}/in")
+    return fd
+
+
+#: a live stdin's bytes the step has not read yet that the runner holds before it stops reading
+#: the host's channel (the host's sender then waits: its own bound says so to its caller)
+STDIN_HELD = 1 << 20
+
+
+class LiveIn:
+    """A running step's live stdin: the host's ``stdin`` messages read from the runner's request
+    channel into the step's FIFO, as the step reads it (non-blocking, never more than
+    ``STDIN_HELD`` held). A message that is not ``stdin`` is handed to ``hold`` (for the runner's
+    main loop, next) and the channel is read no more during this step."""
+
+    def __init__(self, fd, channel, read_msg, hold, first=b""):
+        self.fd, self.channel, self.read_msg, self.hold = fd, channel, read_msg, hold
+        self.pending = bytearray(first)
+        self.eof = False
+        self.reading = True  # the channel is polled (False: paused while full, or done for this step)
+        self.done_reading = False
+        self.writing = False  # the FIFO is polled for room
+        # the step's shell has opened the FIFO (it says so on the status pipe): until then the
+        # runner's descriptor is its only one, and closing it for the end of file would drop what
+        # is in it and leave the shell's open waiting for a writer for good
+        self.opened = False
+
+    def register(self, poll):
+        poll.register(self.channel, select.POLLIN)
+        self.update(poll)
+
+    def on_channel(self, poll):
+        """A message from the host while the step runs."""
+        msg = self.read_msg(self.channel)
+        if msg is None or msg.get("op") != "stdin":  # the host's end (the main loop reads it too), or a request
+            if msg is not None:
+                self.hold(msg)
+            self.done_reading = True
+        else:
+            data = msg.get("data") or b""
+            if isinstance(data, (bytes, bytearray)) and not self.eof and self.fd is not None:
+                self.pending += data
+            self.eof = self.eof or bool(msg.get("eof"))
+        self.update(poll)
+
+    def update(self, poll):
+        """Write what the FIFO takes now; close it once the host's end came and all is written;
+        poll the channel and the FIFO for what is wanted next."""
+        while self.pending and self.fd is not None:
+            try:
+                n = os.write(self.fd, self.pending[:65536])
+            except BlockingIOError:
+                break
+            del self.pending[:n]
+        if self.eof and not self.pending and self.fd is not None and self.opened:
+            if self.writing:
+                poll.unregister(self.fd)
+                self.writing = False
+            os.close(self.fd)
+            self.fd = None
+        want_out = bool(self.pending) and self.fd is not None
+        if want_out != self.writing:
+            (poll.register(self.fd, select.POLLOUT) if want_out else poll.unregister(self.fd))
+            self.writing = want_out
+        want_in = not self.done_reading and len(self.pending) < STDIN_HELD
+        if want_in != self.reading:
+            (poll.register(self.channel, select.POLLIN) if want_in else poll.unregister(self.channel))
+            self.reading = want_in
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def _quote(v):
@@ -321,8 +412,20 @@ def _not_run(e, started, notes=()):
     return out
 
 
-def step(req, env, workspace, close_fds, reap_others, b64, unb64):
-    """Run one shell step; the result has the same fields as a ``run`` request's."""
+def step(req, env, workspace, close_fds, reap_others, b64, unb64, read_msg=None, hold=None):
+    """Run one shell step; the result has the same fields as a ``run`` request's. ``read_msg`` and
+    ``hold``: the runner's reader of its request channel (``close_fds[0]``) and where a request
+    read during the step goes, for a step with a live stdin (``stdin_live``)."""
+    live = bool(req.get("stdin_live")) and read_msg is not None
+    try:
+        return _step(req, env, workspace, close_fds, reap_others, b64, unb64, read_msg, hold, live)
+    finally:
+        live_in = STATE.pop("live", None)
+        if live_in is not None:  # what the step never read goes with it, as a pipe's would
+            live_in.close()
+
+
+def _step(req, env, workspace, close_fds, reap_others, b64, unb64, read_msg, hold, live):
     started = time.monotonic()
     notes = []
     for attempt in (0, 1):
@@ -334,7 +437,12 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
                 start(env, workspace, close_fds)
             _intact()
             _write("step", (req["command"] + "\n").encode("utf-8", "surrogateescape"))
-            _write("in", unb64(req.get("stdin")))
+            if live:
+                if STATE.get("live") is not None:
+                    STATE.pop("live").close()
+                STATE["live"] = LiveIn(_live_in(), close_fds[0], read_msg, hold, unb64(req.get("stdin")))
+            else:
+                _write("in", unb64(req.get("stdin")))
             break
         except OSError as e:  # its files removed or replaced by the sandbox's code (``rm -rf /tmp/.*``)
             if attempt or not (isinstance(e, Tampered) or e.errno in REPLACED):  # a full /tmp, no descriptors
@@ -351,8 +459,12 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
     # bash: forget the step's background jobs (they are reaped after the step), or their "Killed"
     # notices would land in the next step's stderr
     forget = " disown -a 2>/dev/null;" if STATE["name"] == "bash" else ""
-    line = (f"{exports}{{ . {DIR}/step; }} <{inp} >{DIR}/out 2>{DIR}/err 3>&-; "
-            f"echo \"{nonce} $?\" >&3;{forget}\n").encode()
+    if STATE.get("live") is None:
+        line = (f"{exports}{{ . {DIR}/step; }} <{inp} >{DIR}/out 2>{DIR}/err 3>&-; "
+                f"echo \"{nonce} $?\" >&3;{forget}\n").encode()
+    else:  # the FIFO opened, the shell says so first (``LiveIn.opened``)
+        line = (f"{exports}{{ echo \"{nonce} open\" >&3; {{ . {DIR}/step; }} 3>&-; }} <{inp} >{DIR}/out 2>{DIR}/err; "
+                f"echo \"{nonce} $?\" >&3;{forget}\n").encode()
     for fd in (STATE["out"][0], STATE["err"][0]):
         _drain(fd, bytearray(), 0)  # late writes of an earlier step's (since reaped) background jobs
     try:
@@ -384,6 +496,9 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
     poll = select.poll()
     for fd in (out_fd, err_fd, ctl):
         poll.register(fd, select.POLLIN)
+    live_in = STATE.get("live")
+    if live_in is not None:
+        live_in.register(poll)
     deadline = started + timeout_s
     killed_at = None
     while status is None:
@@ -414,7 +529,14 @@ def step(req, env, workspace, close_fds, reap_others, b64, unb64):
                     word, _, code = text.partition(" ")
                     if word == nonce and code.strip().lstrip("-").isdigit():
                         status = int(code)
-            elif _drain(fd, bufs[fd], limit):
+                    elif word == nonce and code.strip() == "open" and live_in is not None and not live_in.opened:
+                        live_in.opened = True
+                        live_in.update(poll)
+            elif live_in is not None and fd == live_in.channel:
+                live_in.on_channel(poll)
+            elif live_in is not None and fd == live_in.fd:
+                live_in.update(poll)
+            elif fd in bufs and _drain(fd, bufs[fd], limit):
                 truncated = True
         if emit is not None and status is None and (len(bufs[out_fd]) > sent[out_fd] or
                                                     len(bufs[err_fd]) > sent[err_fd]):

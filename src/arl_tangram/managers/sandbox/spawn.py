@@ -100,6 +100,10 @@ class _Reading:
     def is_closing(self) -> bool:
         return self._fd < 0
 
+    def kept(self) -> int:
+        """Bytes written and not yet taken by the pipe."""
+        return len(self._kept)
+
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
 
@@ -189,6 +193,10 @@ class _Writing:
 
     def is_closing(self) -> bool:
         return self._fd < 0
+
+    def kept(self) -> int:
+        """Bytes written and not yet taken by the pipe."""
+        return len(self._kept)
 
 
 class Child:

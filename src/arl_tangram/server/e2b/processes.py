@@ -14,6 +14,7 @@ from typing import Any
 
 from ...core.action import Outcome
 from ...managers.sandbox.isolation import HOME_ALIAS
+from ...managers.sandbox.livestdin import LiveStdin, StdinClosed, StdinFull
 from ..service import Service
 from .envelope import E2bError
 from .sandboxes import DEFAULT_TEMPLATES, GONE, Box, Proc, _NAME, _step_s, _translate, boxes, poll
@@ -64,10 +65,14 @@ def e2b_proc_start(service: Service, sid: str, token: str | None, request: dict,
     pid = box.next_pid
     box.next_pid += 1
     tag = request.get("tag")
+    # stdin=True: fed while the command runs where its session runs in this process (E2B's way);
+    # elsewhere (Ray's nodes) given whole when it is closed, the command starting then
+    session = service.sessions.get(box.id)
+    live = bool(request.get("stdin")) and session is not None and session.live_stdin_here
     proc = Proc(pid, {"cmd": config.get("cmd"), "args": config.get("args") or [], "envs": config.get("envs") or {},
                       **({"cwd": config["cwd"]} if config.get("cwd") else {})}, tag if isinstance(tag, str) else None,
-                shell, _step_s(box, timeout_s), bytearray() if request.get("stdin") else None,
-                asyncio.get_running_loop().create_future())
+                shell, _step_s(box, timeout_s), bytearray() if request.get("stdin") and not live else None,
+                asyncio.get_running_loop().create_future(), live=LiveStdin() if live else None)
     box.procs[pid] = proc
     proc.done.add_done_callback(_retrieved)
     proc.done.add_done_callback(lambda _: proc.changed.set())
@@ -91,6 +96,8 @@ async def _run(service: Service, box: Box, proc: Proc, stdin: bytes | None) -> N
     try:
         result = await _exec(service, box, proc.shell, stdin, proc.timeout_s, proc.action_id,
                              proc.config.get("cmd") or "shell", proc=proc)
+        if proc.live is not None:
+            proc.live.end()  # (its step's own end did it too, unless it never ran)
         if proc.killed:
             result = {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": result.get("stdout", ""),
                       "stderr": result.get("stderr", "")}
@@ -123,7 +130,8 @@ async def _exec(service: Service, box: Box, command: str | None, stdin: bytes | 
                 proc.running = True
             r = await s.exec(command, python=python, stdin=stdin, timeout_s=timeout_s, id=id,
                              jupyter=python is not None, operation=posixpath.basename(operation),
-                             on_output=proc.output if proc is not None else None)
+                             on_output=proc.output if proc is not None else None,
+                             live_stdin=proc.live if proc is not None else None)
     except Exception as e:
         service._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
         raise
@@ -219,21 +227,39 @@ def e2b_proc_list(service: Service, sid: str, token: str | None) -> list[dict]:
 
 
 def e2b_proc_input(service: Service, sid: str, token: str | None, process: Any, data: str) -> None:
+    """Input for a process started with ``stdin=True``: written to its stdin as it runs (a live
+    stdin), or kept for its start (where its stdin is given whole)."""
     box = boxes(service).envd(sid, token)
     proc = _proc(box, process)
-    if proc.stdin is None:
+    if proc.stdin is None and proc.live is None:
         raise E2bError(400, f"process {proc.pid}: its stdin is not open (start it with stdin=True)",
                        "failed_precondition")
     try:
-        proc.stdin += base64.b64decode(data or "", validate=True)
+        raw = base64.b64decode(data or "", validate=True)
     except (binascii.Error, ValueError):
         raise E2bError(400, "input.stdin: not valid base64") from None
+    if proc.live is None:
+        proc.stdin += raw
+        return
+    try:
+        proc.live.send(raw)
+    except StdinClosed as e:
+        raise E2bError(400, f"process {proc.pid}: {e}", "failed_precondition") from None
+    except StdinFull as e:
+        raise E2bError(429, f"process {proc.pid}: {e}", "resource_exhausted") from None
 
 
 def e2b_proc_close_stdin(service: Service, sid: str, token: str | None, process: Any) -> None:
-    """Steps take their stdin whole: the process starts now, with what was sent."""
+    """End of file for the process's stdin once it has read what was sent (a live stdin); where
+    stdin is given whole, the process starts now, with what was sent."""
     box = boxes(service).envd(sid, token)
     proc = _proc(box, process)
+    if proc.live is not None:
+        try:
+            proc.live.close()
+        except StdinClosed:  # the sandbox went meanwhile: the process's end says so
+            pass
+        return
     if proc.stdin is None:
         return
     data, proc.stdin = bytes(proc.stdin), None

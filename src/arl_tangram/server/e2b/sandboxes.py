@@ -31,6 +31,7 @@ from pydantic import ValidationError
 
 from ...api import v1
 from ...managers.sandbox.isolation import HOME_ALIAS
+from ...managers.sandbox.livestdin import LiveStdin
 from ...managers.sandbox.spec import Files
 from ...runtime import NoRoom, SessionGone
 from ...runtime.api import SessionError
@@ -91,8 +92,9 @@ class Proc:
     tag: str | None
     shell: str
     timeout_s: float
-    stdin: bytearray | None  # open stdin: the step starts once it is closed (steps take stdin whole)
+    stdin: bytearray | None  # open stdin given whole: the step starts once it is closed (no live stdin here)
     done: asyncio.Future
+    live: LiveStdin | None = None  # open stdin fed while the step runs (``Session.exec``'s ``live_stdin``)
     action_id: str = ""
     task: asyncio.Task | None = None
     killed: bool = False
