@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import posixpath
 import time
+from typing import Any, Awaitable, Callable
 
 from ...core.action import Outcome
 from ...managers.sandbox.isolation import HOME_ALIAS
@@ -26,19 +27,27 @@ def _in_home(path: str) -> str | None:
     return None
 
 
-async def _fs(service: Service, sid: str, token: str | None, call: FsCall) -> ActionResult:
-    """One ``FsCall`` of the sandbox's session (``fsops``: by the sandbox's agent, never its
-    user's code); a failure that is the caller's is an ``E2bError`` with envd's code."""
+async def _step(service: Service, sid: str, token: str | None,
+                call: Callable[[Any], Awaitable[ActionResult]]) -> ActionResult:
+    """``call(session)`` under the sandbox's lock (one thing at a time in a sandbox), the
+    sandbox then marked used; a session that is gone is envd's 502."""
     box = boxes(service).envd(sid, token)
     s = service.sessions.get(sid)
     if s is None:
         raise E2bError(502, GONE.format(id=sid))
     try:
         async with box.lock:
-            r = await s.fs(call)
+            r = await call(s)
     except (SessionGone, NotFound):
         raise E2bError(502, GONE.format(id=sid)) from None
     box.used_at = time.time()
+    return r
+
+
+async def _fs(service: Service, sid: str, token: str | None, call: FsCall) -> ActionResult:
+    """One ``FsCall`` of the sandbox's session (``fsops``: by the sandbox's agent, never its
+    user's code); a failure that is the caller's is an ``E2bError`` with envd's code."""
+    r = await _step(service, sid, token, lambda s: s.fs(call))
     if r.outcome is Outcome.FAILED and r.result is not None and "error" in r.result.info:
         status, code = fsops.STATUS.get(r.result.info["error"], (400, "invalid_argument"))
         raise E2bError(status, r.message or r.result.message, code)
@@ -66,19 +75,11 @@ async def e2b_fs(service: Service, sid: str, token: str | None, op: str, args: d
 async def e2b_write(service: Service, sid: str, token: str | None, files: list[tuple[str, bytes]]) -> list[dict]:
     """``POST /files``: under the home directory as one files action (no cores); elsewhere one
     ``FsCall`` a file."""
-    box = boxes(service).envd(sid, token)
+    boxes(service).envd(sid, token)
     paths = [(_path(p), data) for p, data in files]
     home = {rel: data for p, data in paths if (rel := _in_home(p)) is not None}
-    s = service.sessions.get(sid)
-    if s is None:
-        raise E2bError(502, GONE.format(id=sid))
     if home:
-        try:
-            async with box.lock:
-                r = await s.files(Files(put=home))
-        except (SessionGone, NotFound):
-            raise E2bError(502, GONE.format(id=sid)) from None
-        box.used_at = time.time()
+        r = await _step(service, sid, token, lambda s: s.files(Files(put=home)))
         if r.outcome is not Outcome.OK:
             if r.outcome is Outcome.FAILED:
                 raise E2bError(400, r.message or r.result.message)
@@ -90,19 +91,11 @@ async def e2b_write(service: Service, sid: str, token: str | None, files: list[t
 
 
 async def e2b_read(service: Service, sid: str, token: str | None, path: str) -> bytes:
-    box = boxes(service).envd(sid, token)
+    boxes(service).envd(sid, token)
     p = _path(path)
     rel = _in_home(p)
-    s = service.sessions.get(sid)
-    if s is None:
-        raise E2bError(502, GONE.format(id=sid))
     if rel is not None:
-        try:
-            async with box.lock:
-                r = await s.files(Files(get=[rel]))
-        except (SessionGone, NotFound):
-            raise E2bError(502, GONE.format(id=sid)) from None
-        box.used_at = time.time()
+        r = await _step(service, sid, token, lambda s: s.files(Files(get=[rel])))
         if r.outcome is Outcome.FAILED:  # not a regular file
             raise E2bError(400, f"path {p}: {r.message or r.result.message}")
         if r.outcome is not Outcome.OK:
