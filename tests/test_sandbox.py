@@ -415,6 +415,8 @@ def test_a_session_step_reads_a_live_stdin_as_it_is_fed():
         with pytest.raises(StdinClosed):
             feed.send(b"after its end\n")
         # a step that reads nothing for a while: its input waits, bounded, and none of it is lost
+        # (nor held by the runner, PID 1, past its own bound: its peak memory stays put)
+        peak = (await s.exec("grep VmHWM /proc/1/status")).stdout
         hog, started = LiveStdin(), []
         reader = asyncio.ensure_future(s.exec("echo started; sleep 2; wc -c", live_stdin=hog, timeout_s=30,
                                               on_output=lambda k, d: started.append(d)))
@@ -429,13 +431,23 @@ def test_a_session_step_reads_a_live_stdin_as_it_is_fed():
             sent += len(piece)
         hog.close()
         counted = await reader
+        peak_after = (await s.exec("grep VmHWM /proc/1/status")).stdout
+        # input kept up to the cap before a large command: all of it reaches the step (an audit:
+        # the cap was checked again as the step started, counting the request, and lost the session)
+        kept = LiveStdin()
+        kept.send(b"k" * (UNSENT_MAX - 10))
+        kept.close()
+        large = await s.exec(f": {'c' * 200_000}; echo $X; wc -c", live_stdin=kept, timeout_s=30)
         with pytest.raises(ValueError):
             await s.exec(python="print(1)", live_stdin=LiveStdin())
         after = await s.exec("echo ok")
         await s.close()
-        return fed, sent, refused, counted, after
+        return fed, sent, refused, counted, after, peak, peak_after, large
 
-    fed, sent, refused, counted, after = run(body)
+    fed, sent, refused, counted, after, peak, peak_after, large = run(body)
+    kb = [int(x.split()[1]) for x in (peak, peak_after)]
+    assert kb[1] - kb[0] < 8 << 10, (peak, peak_after)  # (one 16 MiB piece took it up 30 MB)
+    assert (large.outcome, large.stdout.split()[-1]) == (Outcome.OK, str(UNSENT_MAX - 10)), large.message
     assert (fed.outcome, fed.stdout) == (Outcome.OK, "[given]\n[early]\n[late]\nend\n")
     assert refused is not None and str(UNSENT_MAX) in refused and UNSENT_MAX <= sent < 2 * UNSENT_MAX, (sent, refused)
     assert counted.outcome is Outcome.OK and counted.stdout.split()[-1] == str(sent), counted.stdout
@@ -445,24 +457,29 @@ def test_a_session_step_reads_a_live_stdin_as_it_is_fed():
 def test_a_live_stdin_keeps_what_comes_before_its_step_and_refuses_what_comes_after():
     """``LiveStdin`` at its seam: kept before the step is bound (bounded), passed on while bound,
     end of file once, nothing after the step's end."""
-    written: list[tuple[bytes, bool]] = []
+    written: list[tuple[bytes, bool, bool]] = []
+
+    def sink(data: bytes, eof: bool, checked: bool = True) -> None:
+        written.append((data, eof, checked))
+
     feed = LiveStdin()
     feed.send(b"a")
     feed.send(b"")
     with pytest.raises(StdinFull):
         feed.send(b"z" * UNSENT_MAX)
     feed.send(b"b")  # the refused piece took nothing: what comes next is still in order
-    feed.bind(lambda data, eof: written.append((data, eof)))
+    feed.bind(sink)
     feed.send(b"c")
     feed.close()
     feed.close()
-    assert written == [(b"ab", False), (b"c", False), (b"", True)] and feed.closed
+    # what was kept goes unchecked (it was taken under the cap already), the rest checked
+    assert written == [(b"ab", False, False), (b"c", False, True), (b"", True, True)] and feed.closed
     with pytest.raises(StdinClosed):
         feed.send(b"d")
     ended = LiveStdin()
     ended.send(b"never bound")
     ended.end()
-    ended.bind(lambda data, eof: written.append((data, eof)))
+    ended.bind(sink)
     assert len(written) == 3  # a step that never ran takes nothing
     with pytest.raises(StdinClosed):
         ended.send(b"x")

@@ -15,7 +15,7 @@ then stops reading the channel), are each capped at ``UNSENT_MAX``; past it ``se
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Protocol
 
 #: input accepted for a step and not yet taken by its sandbox
 UNSENT_MAX = 16 << 20
@@ -29,9 +29,12 @@ class StdinFull(Exception):
     """``UNSENT_MAX`` bytes already wait for the step to read them: none of this input was taken."""
 
 
-#: writes one piece of input (and whether it is the end) to the step's sandbox; raises
-#: ``StdinFull`` (nothing written) or ``StdinClosed``
-Sink = Callable[[bytes, bool], None]
+class Sink(Protocol):
+    """Writes one piece of input (and whether it is the end) to the step's sandbox; raises
+    ``StdinFull`` (nothing written) or ``StdinClosed``. ``checked=False``: input already taken
+    under the cap (what was kept before the step started), written whatever waits."""
+
+    def __call__(self, data: bytes, eof: bool, checked: bool = True) -> None: ...
 
 
 class LiveStdin:
@@ -79,7 +82,7 @@ class LiveStdin:
         self._sink = sink
         if self._pending or self._eof:
             data, self._pending = bytes(self._pending), bytearray()
-            sink(data, self._eof)
+            sink(data, self._eof, checked=False)
 
     def end(self) -> None:
         """The step has ended: later input is refused, kept input dropped."""

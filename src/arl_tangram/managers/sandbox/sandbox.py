@@ -26,6 +26,10 @@ from .spawn import Process, start_process
 _CLEANUP = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sandbox-cleanup")
 
 
+#: the largest ``stdin`` message a running step's input goes to its runner in
+STDIN_PIECE = 64 << 10
+
+
 class SandboxDied(RuntimeError):
     """The runner is gone (killed at a hard deadline, crashed, or never started).
     ``deadline`` is set when we killed it for not answering in time (the user's code's timeout)."""
@@ -218,20 +222,30 @@ class Sandbox:
             self.answered_at = time.monotonic()
             return answer
 
-    def _stdin_sink(self, data: bytes, eof: bool) -> None:
-        """Write a running step's input (``livestdin.Sink``): one ``stdin`` message on the request
-        channel, which the runner reads while the step runs (``shell.LiveIn``) and never answers."""
+    def _stdin_sink(self, data: bytes, eof: bool, checked: bool = True) -> None:
+        """Write a running step's input (``livestdin.Sink``): ``stdin`` messages of at most
+        ``STDIN_PIECE`` bytes on the request channel, which the runner reads while the step runs
+        (``shell.LiveIn``: one message is what it may hold past its own bound) and never answers.
+        ``checked=False``: the input kept before the request (taken under the same cap); a
+        broken channel is then the request's ``ConnectionError``, not the caller's."""
         if self.dead:
             raise StdinClosed("the sandbox is gone")
         writer = self.proc.stdin
-        kept = writer.kept() if hasattr(writer, "kept") else writer.transport.get_write_buffer_size()
-        if data and kept + len(data) > UNSENT_MAX:
-            raise StdinFull(f"{kept} bytes of input already wait for the command to read them (at most "
-                            f"{UNSENT_MAX}): send the rest once it reads")
-        msg = marshal.dumps({"op": "stdin", "data": data, "eof": eof}, 4)
+        if checked:
+            kept = writer.kept() if hasattr(writer, "kept") else writer.transport.get_write_buffer_size()
+            if data and kept + len(data) > UNSENT_MAX:
+                raise StdinFull(f"{kept} bytes of input already wait for the command to read them (at most "
+                                f"{UNSENT_MAX}): send the rest once it reads")
+        pieces = [data[i:i + STDIN_PIECE] for i in range(0, len(data), STDIN_PIECE)] or [b""]
+        frames = bytearray()
+        for i, piece in enumerate(pieces):
+            msg = marshal.dumps({"op": "stdin", "data": piece, "eof": eof and i == len(pieces) - 1}, 4)
+            frames += len(msg).to_bytes(4, "little") + msg
         try:
-            writer.write(len(msg).to_bytes(4, "little") + msg)
+            writer.write(bytes(frames))
         except (ConnectionError, BrokenPipeError):
+            if not checked:
+                raise
             raise StdinClosed("the sandbox's channel is closed") from None
 
     async def _unread_reset(self, timeout_s: float) -> None:

@@ -141,7 +141,8 @@ def _live_in():
 
 
 #: a live stdin's bytes the step has not read yet that the runner holds before it stops reading
-#: the host's channel (the host's sender then waits: its own bound says so to its caller)
+#: the host's channel (the host's sender then waits: its own bound says so to its caller); one
+#: message more at most (the host's pieces: ``sandbox.STDIN_PIECE``, 64 KiB)
 STDIN_HELD = 1 << 20
 
 
@@ -440,7 +441,8 @@ def _step(req, env, workspace, close_fds, reap_others, b64, unb64, read_msg, hol
             if live:
                 if STATE.get("live") is not None:
                     STATE.pop("live").close()
-                STATE["live"] = LiveIn(_live_in(), close_fds[0], read_msg, hold, unb64(req.get("stdin")))
+                first = unb64(req.get("stdin"))  # (before the FIFO: nothing left open in PID 1 if it fails)
+                STATE["live"] = LiveIn(_live_in(), close_fds[0], read_msg, hold, first)
             else:
                 _write("in", unb64(req.get("stdin")))
             break

@@ -94,10 +94,12 @@ def _launch(service: Service, box: Box, proc: Proc, stdin: bytes | None = None) 
 
 async def _run(service: Service, box: Box, proc: Proc, stdin: bytes | None) -> None:
     try:
-        result = await _exec(service, box, proc.shell, stdin, proc.timeout_s, proc.action_id,
-                             proc.config.get("cmd") or "shell", proc=proc)
-        if proc.live is not None:
-            proc.live.end()  # (its step's own end did it too, unless it never ran)
+        try:
+            result = await _exec(service, box, proc.shell, stdin, proc.timeout_s, proc.action_id,
+                                 proc.config.get("cmd") or "shell", proc=proc)
+        finally:
+            if proc.live is not None:  # (its step's end did it too, unless it never ran: then input is refused,
+                proc.live.end()        # not kept)
         if proc.killed:
             result = {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": result.get("stdout", ""),
                       "stderr": result.get("stderr", "")}
