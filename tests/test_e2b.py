@@ -987,7 +987,7 @@ def test_bench_e2b_prints_its_figures():
     assert opened["held_while_open"]["sessions"] == 3
     assert all(out[k]["n"] == 2 for k in ("create_and_first_command", "commands_run_true", "write_and_read_1mb",
                                           "files_list", "files_exists", "read_outside_home",
-                                          "run_code"))
+                                          "stdin_turn", "run_code"))
     assert out["stream_first_line"]["n"] == out["stream_whole_command"]["n"] == 1  # (streaming: its own tests)
 
 

@@ -7,7 +7,8 @@ figures (on a shared machine they move with it). Measured, one call at a time (l
 the SDK's own work included): create + the first command; ``commands.run("true")``; a streamed
 command's first line (``on_stdout``) and its end (a line, 0.2 s asleep, a line); a 1 MB
 ``files.write`` + ``files.read``; ``files.list``, ``files.exists`` and a read outside the home
-directory (``fs_calls``); ``run_code``. Then ``open`` sandboxes are created at once from
+directory (``fs_calls``); a line sent to a running command's stdin until it comes back
+(``stdin_turns``); ``run_code``. Then ``open`` sandboxes are created at once from
 asyncio (``open_concurrency`` being created at a time), each given a small state (a file and a
 command), all kept open (what the server holds then is printed), then killed.
 """
@@ -78,6 +79,7 @@ def run(n: int = 30, open_n: int = 200, log: Callable[[str], None] = lambda m: N
                 files.append(time.perf_counter() - t)
                 assert back == mb
             fs = fs_calls(sb, n)
+            turns = asyncio.run(stdin_turns(AsyncSandbox, sb.sandbox_id, n))
             code = []
             sb.run_code("x = 1")
             for _ in range(n):
@@ -93,12 +95,32 @@ def run(n: int = 30, open_n: int = 200, log: Callable[[str], None] = lambda m: N
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
             server.stop()
     return {"create_and_first_command": _p(create), "commands_run_true": _p(true),
-            "write_and_read_1mb": _p(files), **fs, "run_code": _p(code), "open_at_once": opened,
+            "write_and_read_1mb": _p(files), **fs, "stdin_turn": turns, "run_code": _p(code), "open_at_once": opened,
             "stream_first_line": _p(first), "stream_whole_command": _p(whole), "stream_sleep_ms": STREAM_SLEEP_S * 1000,
             "e2b_published_start_ms": 150, "cpus": os.cpu_count(),
             "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "note": "E2B's own service publishes ~150 ms sandbox starts (its docs); ours are on loopback, "
                     "sandboxes without network, on this machine"}
+
+
+async def stdin_turns(cls, sandbox_id: str, n: int) -> dict:
+    """An interactive command's turn, as an agent driving a REPL sees it: a line sent to a running
+    ``cat`` (``send_stdin``) until it comes back (``on_stdout``), one at a time (the async SDK:
+    its handle hears output while the caller goes on)."""
+    sb = await cls.connect(sandbox_id)
+    seen: list[str] = []
+    h = await sb.commands.run("cat", stdin=True, background=True, on_stdout=seen.append, timeout=120)
+    turns = []
+    for i in range(n):
+        line = f"turn {i}\n"
+        t = time.perf_counter()
+        await sb.commands.send_stdin(h.pid, line)
+        while not "".join(seen).endswith(line):
+            await asyncio.sleep(0.0005)
+        turns.append(time.perf_counter() - t)
+    await sb.commands.close_stdin(h.pid)
+    await h.wait()
+    return _p(turns)
 
 
 def fs_calls(sb, n: int) -> dict:

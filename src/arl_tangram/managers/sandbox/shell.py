@@ -501,6 +501,9 @@ def _step(req, env, workspace, close_fds, reap_others, b64, unb64, read_msg, hol
     live_in = STATE.get("live")
     if live_in is not None:
         live_in.register(poll)
+    # a step fed as it runs is answering someone who waits for its output (a REPL's turn): sent
+    # as read (a burst still goes as one chunk a poll), not held 5 ms for more
+    coalesce = 0.0 if live_in is not None else COALESCE_S
     deadline = started + timeout_s
     killed_at = None
     while status is None:
@@ -518,7 +521,7 @@ def _step(req, env, workspace, close_fds, reap_others, b64, unb64, read_msg, hol
                          "one (cwd, variables and functions reset)")
             status = -9
             break
-        wait = left if unsent_since is None else min(left, unsent_since + COALESCE_S - time.monotonic())
+        wait = left if unsent_since is None else min(left, unsent_since + coalesce - time.monotonic())
         for fd, ev in poll.poll(max(0.0, wait) * 1000):
             if fd == ctl:
                 chunk = os.read(ctl, 4096)
@@ -545,7 +548,7 @@ def _step(req, env, workspace, close_fds, reap_others, b64, unb64, read_msg, hol
             now = time.monotonic()
             if unsent_since is None:
                 unsent_since = now
-            if now - unsent_since >= COALESCE_S:
+            if now - unsent_since >= coalesce:
                 for fd in (out_fd, err_fd):
                     if len(bufs[fd]) > sent[fd]:
                         emit(names[fd], bytes(bufs[fd][sent[fd]:]))
