@@ -431,3 +431,41 @@ def test_an_e2b_command_is_answered_once_its_result_is_on_disk(tmp_path):
     out, row = asyncio.run(main())
     assert out["exit_code"] == 0 and out["stdout"] == "hi\n", out
     assert row == ("done", "ok"), row  # (fails when the answer goes before the commit)
+
+
+def test_an_e2b_commands_stdin_is_given_whole_where_its_session_runs_elsewhere(tmp_path):
+    """Where sessions do not run in the engine's process (Ray's nodes; here the in-process test
+    double, which has no ``SandboxManager`` either), a ``stdin=True`` command cannot be fed as it
+    runs: it starts at ``close_stdin`` with everything sent, in order, as before live stdin."""
+    import base64
+
+    from arl_tangram.api import v1
+    from arl_tangram.runtime import LocalRuntime
+    from arl_tangram.server import service as service_module
+    from arl_tangram.server.e2b import processes
+    from arl_tangram.server.e2b.sandboxes import Box, boxes
+
+    from doubles import InProcessSandboxes
+
+    async def main():
+        svc = service_module.Service(LocalRuntime(sandboxes=InProcessSandboxes.factory(), cores=1), None)
+        await svc.start()
+        try:
+            sid = (await svc.open_session(v1.SessionRequest(job="e2b"))).session_id
+            assert not svc.sessions[sid].live_stdin_here
+            boxes(svc).boxes[sid] = Box(id=sid, job="e2b", template="base", metadata={}, env={}, token="t",
+                                        started_at=0.0, end_at=0.0)
+            pid = processes.e2b_proc_start(svc, sid, "t", {"stdin": True, "process": {
+                "cmd": "/bin/bash", "args": ["-l", "-c", "cat; echo end"], "cwd": str(tmp_path)}}, 30.0)
+            proc = boxes(svc).boxes[sid].procs[pid]
+            for piece in (b"one\n", b"two\n"):
+                processes.e2b_proc_input(svc, sid, "t", {"pid": pid}, base64.b64encode(piece).decode())
+            started_before_close = proc.task is not None
+            processes.e2b_proc_close_stdin(svc, sid, "t", {"pid": pid})
+            return started_before_close, await processes.e2b_proc_wait(svc, sid, "t", pid)
+        finally:
+            await svc.stop()
+
+    started_before_close, out = asyncio.run(main())
+    assert not started_before_close
+    assert (out["exit_code"], out["stdout"]) == (0, "one\ntwo\nend\n"), out
