@@ -141,6 +141,18 @@ BARE = ("spawn", "compute")
 SPAWNED = ("bash", "-c", "echo 1")
 
 
+def _usage() -> tuple:
+    """This process's and its reaped children's CPU so far (``_spent`` takes the difference)."""
+    return resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+
+
+def _spent(before: tuple) -> dict:
+    """User and system seconds since ``before`` (``_usage``), this process's and its children's."""
+    after = _usage()
+    return {"user_s": sum(a.ru_utime - b.ru_utime for a, b in zip(after, before)),
+            "system_s": sum(a.ru_stime - b.ru_stime for a, b in zip(after, before))}
+
+
 def _bare(mode: str, seconds: float) -> dict:
     """``spawn`` or ``compute``'s loop (see the module's docstring)."""
     import shutil
@@ -153,7 +165,7 @@ def _bare(mode: str, seconds: float) -> dict:
         actions = [(os.POSIX_SPAWN_DUP2, null, 1)]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
     n = 0
-    before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = _usage()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if mode == "spawn":
@@ -163,9 +175,7 @@ def _bare(mode: str, seconds: float) -> dict:
             for i in range(20_000):
                 x += i
         n += 1
-    after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return {"iterations": n, "user_s": sum(a.ru_utime - b.ru_utime for a, b in zip(after, before)),
-            "system_s": sum(a.ru_stime - b.ru_stime for a, b in zip(after, before))}
+    return {"iterations": n, **_spent(before)}
 
 
 def worker(mode: str, heap_mb: int, pages: int, seconds: float) -> dict:
@@ -183,7 +193,7 @@ def worker(mode: str, heap_mb: int, pages: int, seconds: float) -> dict:
     pristine = bytes(buf) if mode != "fork" else b""
     watch = WriteWatch(buf) if mode == "tracked" else None
     n = 0
-    before = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    before = _usage()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if mode == "fork":
@@ -207,10 +217,7 @@ def worker(mode: str, heap_mb: int, pages: int, seconds: float) -> dict:
         n += 1
     if watch is not None:
         watch.close()
-    after = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    user = sum(a.ru_utime - b.ru_utime for a, b in zip(after, before))
-    system = sum(a.ru_stime - b.ru_stime for a, b in zip(after, before))
-    out = {"iterations": n, "user_s": user, "system_s": system}
+    out = {"iterations": n, **_spent(before)}
     if mode != "fork":
         out["restored_exactly"] = buf[:] == pristine
     return out

@@ -196,8 +196,11 @@ class Session:
         manager = self.runtime.sandbox_manager() if on_output is not None or live_stdin is not None else None
         if manager is None:
             return await self._step(action)
-        stops = ([manager.listen(action.id, on_output)] if on_output is not None else []) + \
-            ([manager.feed(action.id, live_stdin)] if live_stdin is not None else [])
+        stops = []
+        if on_output is not None:
+            stops.append(manager.listen(action.id, on_output))
+        if live_stdin is not None:
+            stops.append(manager.feed(action.id, live_stdin))
         try:
             return await self._step(action)
         finally:

@@ -128,16 +128,25 @@ def _write(name, data):
         os.close(fd)
 
 
+#: how the runner opens the shell's FIFOs: never blocking, never through a link
+_FIFO = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def _open_fifo(name, access):
+    """``name`` in the shell's directory opened with ``access``, checked to be a FIFO (else the
+    runner would read or write whatever the sandbox's code put in its place)."""
+    fd = os.open(name, access | _FIFO, dir_fd=STATE["dir"])
+    if (os.fstat(fd).st_mode & 0o170000) != 0o010000:  # not the FIFO just made (S_IFIFO)
+        os.close(fd)
+        raise Tampered(17, "the shell's FIFO was replaced", f"{DIR}/{name}")
+    return fd
+
+
 def _live_in():
     """The step's stdin as a FIFO made afresh, held open read-write by the runner (its open by
-    the step never blocks, and it ends only when the runner closes it); checked to be the FIFO
-    made (else the runner would write the host's input into whatever took its place)."""
+    the step never blocks, and it ends only when the runner closes it)."""
     _fresh("in", lambda n, d: os.mkfifo(n, 0o600, dir_fd=d))
-    fd = os.open("in", os.O_RDWR | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC, dir_fd=STATE["dir"])
-    if (os.fstat(fd).st_mode & 0o170000) != 0o010000:  # S_IFIFO
-        os.close(fd)
-        raise Tampered(17, "the shell's stdin FIFO was replaced", f"{DIR}/in")
-    return fd
+    return _open_fifo("in", os.O_RDWR)
 
 
 #: a live stdin's bytes the step has not read yet that the runner holds before it stops reading
@@ -225,15 +234,11 @@ def _which_shell():
 
 def _fifos():
     fds, held = [], []
-    flags = os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
     try:
         for name in ("out", "err"):
             _fresh(name, lambda n, d: os.mkfifo(n, 0o600, dir_fd=d))
-            held.append(os.open(name, os.O_RDONLY | flags, dir_fd=STATE["dir"]))
-            held.append(os.open(name, os.O_WRONLY | flags, dir_fd=STATE["dir"]))  # ours: no EOF between steps
-            for fd in held[-2:]:
-                if (os.fstat(fd).st_mode & 0o170000) != 0o010000:  # not the FIFO just made (S_IFIFO)
-                    raise Tampered(17, "the shell's FIFO was replaced", f"{DIR}/{name}")
+            held.append(_open_fifo(name, os.O_RDONLY))
+            held.append(_open_fifo(name, os.O_WRONLY))  # ours: no EOF between steps
             fds.append((held[-2], held[-1]))
     except BaseException:  # none left open in PID 1 when the making fails part-way
         for fd in held:
@@ -439,8 +444,6 @@ def _step(req, env, workspace, close_fds, reap_others, b64, unb64, read_msg, hol
             _intact()
             _write("step", (req["command"] + "\n").encode("utf-8", "surrogateescape"))
             if live:
-                if STATE.get("live") is not None:
-                    STATE.pop("live").close()
                 first = unb64(req.get("stdin"))  # (before the FIFO: nothing left open in PID 1 if it fails)
                 STATE["live"] = LiveIn(_live_in(), close_fds[0], read_msg, hold, first)
             else:

@@ -100,10 +100,6 @@ class _Reading:
     def is_closing(self) -> bool:
         return self._fd < 0
 
-    def kept(self) -> int:
-        """Bytes written and not yet taken by the pipe."""
-        return len(self._kept)
-
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return default
 
