@@ -385,16 +385,28 @@ run()
 z.fork_ahead()
 z.drop_ahead()
 run()
-print(json.dumps({"ahead": ahead, "seen": seen, "broken": z.broken}), file=out, flush=True)
+late = []                              # runs past their deadline: killed with their group, whoever took them
+slow = dict(req, code="import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(30)", timeout_s=0.5)
+for idle_death in (False, True):
+    z.fork_ahead()
+    if idle_death:
+        os.kill(z.ahead, signal.SIGKILL)
+    r = z.run(slow)
+    late.append((r["timed_out"], r.get("signal"), runner.unb64(r["stdout"]).decode().strip()))
+run()
+print(json.dumps({"ahead": ahead, "seen": seen, "late": late, "broken": z.broken}), file=out, flush=True)
 '''
 
 
 def test_the_zygote_protocol_survives_a_child_forked_ahead_dying_idle(tmp_path):
     out = run_with_runner(tmp_path, ZYGOTE_PROTOCOL)  # (importing runner.py would take over our fds)
     assert out["broken"] == ""
-    assert [code for code, _ in out["seen"]] == [0] * 5, out
+    assert [code for code, _ in out["seen"]] == [0] * 6, out
     assert out["seen"][1][1] == str(out["ahead"])  # the second run was the child forked ahead
-    assert len({pid for _, pid in out["seen"]}) == 5, out  # a fresh process every run
+    assert len({pid for _, pid in out["seen"]}) == 6, out  # a fresh process every run
+    # a run past its deadline is killed (SIGKILL, its group) whether the child forked ahead took it
+    # or, that one having died idle, the one the zygote forked for it; the zygote stays in step
+    assert [(t, sig) for t, sig, _ in out["late"]] == [(True, 9), (True, 9)], out
 
 
 USER_PROCESS = ("import ctypes, os, signal\n"
@@ -416,6 +428,33 @@ def test_a_one_shot_leads_a_process_group_of_its_own_but_no_session_with_pythons
     assert [(r.outcome, r.stdout) for r in runs] == ([(Outcome.OK, "True True True 1\n")] * 3
                                                      + [(Outcome.OK, "0 0\n")] * 3), runs
     assert stats["recycled"] == 6 and not stats["discarded"], stats
+
+
+PYTHON_STATE = ("import ctypes, os, signal, sys\n"
+                "print(sorted(os.environ.items()), os.getcwd(), os.getpgid(0) == os.getpid(),"
+                " signal.getsignal(signal.SIGINT) is signal.default_int_handler, ctypes.CDLL(None).prctl(3, 0, 0, 0, 0),"
+                " sys.stdin.read(), sys.stdout.seekable(), sorted(os.listdir('/proc/self/fd')))")
+
+
+def test_a_python_run_in_a_child_forked_ahead_starts_as_one_forked_for_it(tmp_path):
+    """The child forked ahead rehearses a run's steps before it waits (``runner.warm``: a request
+    read from its own pipe, the environment's names, dumpability, the workspace): a run it takes
+    sees what a child forked for the run sees, with another environment too (its variables, none
+    of the rehearsal's), and the names the rehearsal sets are those the host gives every run."""
+    from arl_tangram.managers.sandbox.manager import SandboxManager
+
+    runs, stats = _bash_runs([(PYTHON_STATE, {"language": "python", "stdin": "in"}) for _ in range(3)])
+    first, ahead, again = runs
+    assert all(r.outcome is Outcome.OK for r in runs), runs
+    assert ahead.stdout == first.stdout == again.stdout, (first.stdout, ahead.stdout)
+    assert "'MKL_NUM_THREADS', '1'" in first.stdout and " True True 1 in False " in first.stdout, first.stdout
+    assert stats["recycled"] == 3 and not stats["discarded"], stats
+    two = [(PYTHON_STATE, {"language": "python", "cpus": 2}) for _ in range(2)]  # values not the rehearsal's
+    other, stats = _bash_runs(two, cores=2)
+    assert other[0].stdout == other[1].stdout and "'MKL_NUM_THREADS', '2'" in other[1].stdout, other
+    names = run_with_runner(tmp_path, "import json, os, sys\nsys.path.insert(0, sys.argv[1])\nsys.argv = ['runner']\n"
+                            "import runner\nprint(json.dumps(sorted(runner.RUN_ENV)), file=os.fdopen(runner.PROTO_OUT, 'w'))")
+    assert names == sorted(SandboxManager._request_env(None, (0,))), names  # type: ignore[arg-type]
 
 
 def test_fork_ahead_is_the_configs_to_choose():

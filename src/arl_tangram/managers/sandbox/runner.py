@@ -184,7 +184,8 @@ def reap_strays(keep=()):
 
 def collect(child, out_fd, err_fd, in_fd, stdin, timeout_s, max_output, wait=None):
     """Feed stdin, read both streams up to the cap, kill the group at the deadline; ``wait``
-    returns the child's wait status (default: waitpid, for our own children)."""
+    returns the child's wait status (default: waitpid, for our own children). ``child``: the
+    pid, or a call that returns it (asked only at the deadline: ``Zygote.run``)."""
     poll = select.poll()
     open_fds = {out_fd, err_fd}
     bufs = {out_fd: bytearray(), err_fd: bytearray()}
@@ -233,8 +234,8 @@ def collect(child, out_fd, err_fd, in_fd, stdin, timeout_s, max_output, wait=Non
                 truncated = True
     if timed_out:
         try:
-            os.killpg(child, SIGKILL)
-        except OSError:
+            os.killpg(child() if callable(child) else child, SIGKILL)
+        except (OSError, TypeError):  # (TypeError: no pid, the zygote broken: the reset discards it all)
             pass
     for fd in (out_fd, err_fd) + ((in_fd,) if in_fd is not None else ()):
         try:
@@ -642,6 +643,7 @@ class Zygote:
         self.broken = ""  # why the zygote cannot be trusted any more (the reset then fails)
         self.owed = None  # a child that reported its own end: the zygote's status for it is still to read
         self.tag = ""
+        self.taken = None  # the pid ``taken_by`` read for this run
 
     # -- in the zygote ---------------------------------------------------------------------------
     @staticmethod
@@ -845,18 +847,39 @@ class Zygote:
             raise RuntimeError(f"zygote: {self.broken}")
         if ahead is None:
             child = self.reply("P", 10.0)
-        else:  # "A": the child took it; "S": it had died idle, and the zygote forks one for this run
-            child = self.reply("AS", 10.0)
-            if self.tag == "S":
-                child = self.reply("P", 10.0)
-        if child is None:
-            for fd in (in_w, out_r, err_r, st_r):
-                os.close(fd)
-            raise RuntimeError(f"zygote: {self.broken}")
+            if child is None:
+                for fd in (in_w, out_r, err_r, st_r):
+                    os.close(fd)
+                raise RuntimeError(f"zygote: {self.broken}")
+            who = lambda: child  # noqa: E731
+        else:
+            self.taken = None
+            who = self.taken_by
         os.set_blocking(st_r, False)
-        out = collect(child, out_r, err_r, in_w, unb64(req.get("stdin")), float(req.get("timeout_s") or 10),
-                      int(req.get("max_output") or 1 << 20), wait=lambda: self.status(child, st_r))
+        out = collect(who, out_r, err_r, in_w, unb64(req.get("stdin")), float(req.get("timeout_s") or 10),
+                      int(req.get("max_output") or 1 << 20),
+                      wait=lambda: None if who() is None else self.status(who(), st_r))
+        if who() is None:  # no child took it (the zygote broke): the runner's failure, as before
+            os.close(st_r)
+            raise RuntimeError(f"zygote: {self.broken}")
         return finish(req, start, *out)
+
+    def taken_by(self):
+        """Who runs the request sent to a child forked ahead: that child, which says "A" (and its
+        pid) as it takes it, or, had it died idle ("S"), the one the zygote forked for it ("P").
+        Read once the run's output has ended (or at its deadline, to kill it), not before reading
+        that output (issue 26, seventeenth round): the runner was woken by the "A" and went back
+        to sleep before the output came, a wake-up more on a python one-shot's way than on a bash
+        one's. The "A" is written before the run's code, which never holds the socket (the child
+        closes it first), so what is read here later is what the child and the zygote wrote.
+        None when the zygote is broken (``run`` then fails, as the runner's error)."""
+        if self.taken is not None or self.broken:
+            return self.taken
+        child = self.reply("AS", 10.0)
+        if self.tag == "S":
+            child = self.reply("P", 10.0)
+        self.taken = child
+        return child
 
     def status(self, child, st_r):
         """The child's wait status once its streams are closed: what it reported on its status
@@ -891,20 +914,48 @@ def _in_turn(msg, fds, tags):
 WARMED = [False]
 
 
+#: the environment every one-shot gets beside its request's own (``SandboxManager._request_env``):
+#: a warm-up sets the same names, so the run's environment grows no new entries (tests compare them)
+RUN_ENV = {"TANGRAM_NUM_CPUS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+PR_GET_DUMPABLE = 3
+
+
 def warm():
     """In a child forked ahead, before it waits for its run: a run's own steps once on a pipe,
     so the pages they write (reference counts, the allocator's pools, the streams) are copied
     from the zygote now instead of on the run's latency path. The streams it makes stay: the
     run's descriptors replace the pipe under them (``dup2`` onto 0-2), and a pipe's streams are
     what a run's would be (not seekable, not a terminal, the same block size), so the run does
-    not make them again (on /dev/null, which is seekable, they could not be kept)."""
+    not make them again (on /dev/null, which is seekable, they could not be kept).
+
+    The steps ``Zygote.child`` takes around the program are rehearsed too, each on something of
+    the warm-up's own or as a no-op (a request read from the pipe, the status written to it,
+    ``prctl``'s read of dumpability, the workspace as working directory, the environment's
+    names; setting the process group and SIGINT's handler are only looked up, not done): issue
+    26, seventeenth round, a print(1) run's copy-on-write faults from its request to its end
+    66-77 -> 26-37 (``/proc/<child>/stat`` before and after, ``runner.Zygote`` outside a
+    sandbox on the 2-core VM, where a fault costs ~4 us: the faults' pages are the same, taken
+    here, off the run's latency path)."""
     r, w = os.pipe()
     try:
         os.dup2(r, 0)
         os.dup2(w, 1)
         os.dup2(w, 2)
-        python_body("pass", env_for({}))
+        os.set_inheritable(w, False)
+        data = marshal.dumps({"code": "pass", "env": RUN_ENV, "cpus": None, "cwd": None, "as_bytes": None}, 4)
+        os.write(w, len(data).to_bytes(4, "little") + data)
+        req = read_message(r)
+        cap_address_space(req.get("as_bytes"))
+        python_body(req["code"], env_for(req))
         WARMED[0] = True
+        os.write(w, (0).to_bytes(4, "little"))
+        os.read(r, 8)
+        if LIBC is not None:
+            LIBC.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
+        done = (os.setpgid, _signal.signal, _signal.default_int_handler, os.sched_setaffinity, os.getpid,
+                _thread._count, select.poll().register, os._exit)
+        del done
+        os.chdir(req.get("cwd") or WORKSPACE)
     except Exception:  # only a saving
         pass
     finally:
