@@ -931,7 +931,7 @@ def warm():
     The steps ``Zygote.child`` takes around the program are rehearsed too, each on something of
     the warm-up's own or as a no-op (a request read from the pipe, the status written to it,
     ``prctl``'s read of dumpability, the workspace as working directory, the environment's
-    names; setting the process group and SIGINT's handler are only looked up, not done): issue
+    names, SIGINT's handler set to what it is; the process group is only looked up): issue
     26, seventeenth round, a print(1) run's copy-on-write faults from its request to its end
     66-77 -> 26-37 (``/proc/<child>/stat`` before and after, ``runner.Zygote`` outside a
     sandbox on the 2-core VM, where a fault costs ~4 us: the faults' pages are the same, taken
@@ -952,8 +952,9 @@ def warm():
         os.read(r, 8)
         if LIBC is not None:
             LIBC.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
-        done = (os.setpgid, _signal.signal, _signal.default_int_handler, os.sched_setaffinity, os.getpid,
-                _thread._count, select.poll().register, os._exit)
+        _signal.signal(SIGINT, _signal.SIG_IGN)  # as it is (the run sets Python's): the handlers' table written
+        done = (os.setpgid, _signal.default_int_handler, os.sched_setaffinity, os.getpid, _thread._count,
+                select.poll().register, os._exit)
         del done
         os.chdir(req.get("cwd") or WORKSPACE)
     except Exception:  # only a saving
