@@ -644,6 +644,7 @@ class Zygote:
         self.owed = None  # a child that reported its own end: the zygote's status for it is still to read
         self.tag = ""
         self.taken = None  # the pid ``taken_by`` read for this run
+        self.first = "P"  # what ``taken_by`` reads first for it
 
     # -- in the zygote ---------------------------------------------------------------------------
     @staticmethod
@@ -845,16 +846,8 @@ class Zygote:
             for fd in (in_w, out_r, err_r, st_r):
                 os.close(fd)
             raise RuntimeError(f"zygote: {self.broken}")
-        if ahead is None:
-            child = self.reply("P", 10.0)
-            if child is None:
-                for fd in (in_w, out_r, err_r, st_r):
-                    os.close(fd)
-                raise RuntimeError(f"zygote: {self.broken}")
-            who = lambda: child  # noqa: E731
-        else:
-            self.taken = None
-            who = self.taken_by
+        self.taken, self.first = None, ("P" if ahead is None else "AS")
+        who = self.taken_by
         os.set_blocking(st_r, False)
         out = collect(who, out_r, err_r, in_w, unb64(req.get("stdin")), float(req.get("timeout_s") or 10),
                       int(req.get("max_output") or 1 << 20),
@@ -865,17 +858,18 @@ class Zygote:
         return finish(req, start, *out)
 
     def taken_by(self):
-        """Who runs the request sent to a child forked ahead: that child, which says "A" (and its
-        pid) as it takes it, or, had it died idle ("S"), the one the zygote forked for it ("P").
-        Read once the run's output has ended (or at its deadline, to kill it), not before reading
-        that output (issue 26, seventeenth round): the runner was woken by the "A" and went back
-        to sleep before the output came, a wake-up more on a python one-shot's way than on a bash
-        one's. The "A" is written before the run's code, which never holds the socket (the child
+        """Who runs the request just sent (``self.first``: what says so first): a child forked
+        ahead, which says "A" (and its pid) as it takes it, or, had it died idle ("S"), the one the
+        zygote forks for it ("P"); with none ahead, the one the zygote forks ("P"). Read once the
+        run's output has ended (or at its deadline, to kill it), not before reading that output
+        (issue 26, seventeenth round): the runner was woken by that message and went back to sleep
+        before the output came, a wake-up more on a python one-shot's way than on a bash one's.
+        The message is written before the run's code, which never holds the socket (the child
         closes it first), so what is read here later is what the child and the zygote wrote.
         None when the zygote is broken (``run`` then fails, as the runner's error)."""
         if self.taken is not None or self.broken:
             return self.taken
-        child = self.reply("AS", 10.0)
+        child = self.reply(self.first, 10.0)
         if self.tag == "S":
             child = self.reply("P", 10.0)
         self.taken = child
@@ -929,13 +923,13 @@ def warm():
     not make them again (on /dev/null, which is seekable, they could not be kept).
 
     The steps ``Zygote.child`` takes around the program are rehearsed too, each on something of
-    the warm-up's own or as a no-op (a request read from the pipe, the status written to it,
-    ``prctl``'s read of dumpability, the workspace as working directory, the environment's
-    names, SIGINT's handler set to what it is; the process group is only looked up): issue
-    26, seventeenth round, a print(1) run's copy-on-write faults from its request to its end
-    66-77 -> 26-37 (``/proc/<child>/stat`` before and after, ``runner.Zygote`` outside a
-    sandbox on the 2-core VM, where a fault costs ~4 us: the faults' pages are the same, taken
-    here, off the run's latency path)."""
+    the warm-up's own or as a no-op: a request read from the pipe, the environment's names, the
+    status written, ``prctl``'s read of dumpability, the workspace as working directory (the
+    process group and SIGINT's handler are only looked up). Issue 26, seventeenth round: a
+    print(1) run's copy-on-write faults from its request to its end 66-77 -> 26-37, the child's
+    in all ~413 -> 416-431 (``/proc/<child>/stat``; ``runner.Zygote`` outside a sandbox on the
+    2-core VM, where a fault costs ~4 us; a child's total moves by ~10 with where the runner's
+    own objects happen to lie, edit to edit), the run's p50 0.76-0.88x (``tangram bench zygote``)."""
     r, w = os.pipe()
     try:
         os.dup2(r, 0)
@@ -952,9 +946,8 @@ def warm():
         os.read(r, 8)
         if LIBC is not None:
             LIBC.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0)
-        _signal.signal(SIGINT, _signal.SIG_IGN)  # as it is (the run sets Python's): the handlers' table written
-        done = (os.setpgid, _signal.default_int_handler, os.sched_setaffinity, os.getpid, _thread._count,
-                select.poll().register, os._exit)
+        done = (os.setpgid, _signal.signal, _signal.default_int_handler, os.sched_setaffinity, os.getpid,
+                _thread._count, select.poll().register, os._exit)
         del done
         os.chdir(req.get("cwd") or WORKSPACE)
     except Exception:  # only a saving
