@@ -926,10 +926,11 @@ def warm():
     the warm-up's own or as a no-op: a request read from the pipe, the environment's names, the
     status written, ``prctl``'s read of dumpability, the workspace as working directory (the
     process group and SIGINT's handler are only looked up). Issue 26, seventeenth round: a
-    print(1) run's copy-on-write faults from its request to its end 66-77 -> 26-37, the child's
-    in all ~413 -> 416-431 (``/proc/<child>/stat``; ``runner.Zygote`` outside a sandbox on the
-    2-core VM, where a fault costs ~4 us; a child's total moves by ~10 with where the runner's
-    own objects happen to lie, edit to edit), the run's p50 0.76-0.88x (``tangram bench zygote``)."""
+    print(1) run's copy-on-write faults from its request to its end 66-77 -> 26-37, the zygote's
+    and its children's per run ~413 -> 416-431 (``/proc/<child>/stat``, ``tangram bench
+    zygote``; ``runner.Zygote`` outside a sandbox on the 2-core VM, where a fault costs ~4 us;
+    that total moves by ~10 with where the runner's own objects happen to lie, edit to edit), the
+    run's p50 0.76-0.88x (docs/performance.md, seventeenth round)."""
     r, w = os.pipe()
     try:
         os.dup2(r, 0)
