@@ -633,6 +633,7 @@ class Zygote:
             here.close()
             for fd in (PROTO_IN, PROTO_OUT):
                 os.close(fd)
+            close_held()
             try:
                 self.serve(there)
             finally:
@@ -1578,9 +1579,33 @@ X32_BIT = 0x40000000  # x32 system calls on x86_64: refused whole (no interprete
 KEYCTL = KEYRING_CALLS[MACHINE][1][2] if MACHINE in KEYRING_CALLS else None  # keyctl(2) here, if known
 
 
-def read_proc(path):
+#: the ``/proc`` files the reset reads after every one-shot (the runner's and the zygote's stat and
+#: limits, the zygote's status), held open by path: a read is then one ``pread`` at offset 0 (the
+#: kernel writes the text afresh at every read) instead of an open, two reads and a close, 15 of the
+#: runner's ~85 system calls a bash one-shot (issue 26, seventeenth round). A held file belongs to
+#: the process it was opened for: once that one has ended its reads fail (ESRCH), where opening the
+#: path again could reach a process that has taken the number since. Never in a process forked
+#: from this runner (``close_held``): they are close-on-exec, and the zygote's fork is no exec.
+PROC_HELD = {}
+
+
+def close_held():
+    """In a child forked from the runner that does not exec: the runner's held ``/proc`` files go."""
+    for fd in PROC_HELD.values():
+        os.close(fd)
+    PROC_HELD.clear()
+
+
+def read_proc(path, hold=False):
     """A ``/proc`` file's bytes, read raw (``open()``'s text stack cost ~7 us more a file: the
-    reset reads four of them per one-shot)."""
+    reset reads five of them per one-shot); ``hold``: from a descriptor kept open (``PROC_HELD``)."""
+    if hold:
+        fd = PROC_HELD.get(path)
+        if fd is None:
+            fd = PROC_HELD[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        data = os.pread(fd, 65536, 0)
+        if len(data) < 65536:  # (all of it: none of these files is near that long)
+            return data
     fd = os.open(path, os.O_RDONLY)
     try:
         data = b""
@@ -1599,8 +1624,8 @@ def process_state(pid):
     out. A one-shot's ``kill -9 -1`` killed the zygote, and the reset right after its answer still
     found it in /proc (a SIGKILL pending, or exiting): the sandbox was kept, and the next python
     one-shot there failed ``infra_error`` ("the zygote is gone")."""
-    f = read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
-    return {"limits": read_proc(f"/proc/{pid}/limits"), "nice": f[16], "policy": f[38],
+    f = read_proc(f"/proc/{pid}/stat", hold=True).rsplit(b")", 1)[1].split()
+    return {"limits": read_proc(f"/proc/{pid}/limits", hold=True), "nice": f[16], "policy": f[38],
             "cpus": sorted(os.sched_getaffinity(pid)), "stopped": f[0] in (b"T", b"t"),
             # from the same read; a SIGKILL pending is one more (``sigkill_pending``), asked by the
             # reset for the zygote only: this runner, reading, has none
@@ -1613,7 +1638,7 @@ PF_EXITING = 0x4  # /proc/<pid>/stat's flags: the process is exiting (bench/cpu.
 
 def sigkill_pending(pid):
     """Whether a SIGKILL waits for ``pid`` (its thread's or its process's pending signals)."""
-    for line in read_proc(f"/proc/{pid}/status").splitlines():
+    for line in read_proc(f"/proc/{pid}/status", hold=True).splitlines():
         if line.startswith((b"SigPnd:", b"ShdPnd:")) and int(line.split()[1], 16) & (1 << (SIGKILL - 1)):
             return True
     return False
@@ -1992,6 +2017,7 @@ class SessionChild:
             if pid == 0:
                 for fd in (self.req_w, self.ans_r, PROTO_IN, PROTO_OUT):
                     os.close(fd)
+                close_held()
                 session_main(req_r, ans_w)
         os.close(req_r)
         os.close(ans_w)
