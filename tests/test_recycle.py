@@ -237,6 +237,41 @@ os.write(runner.PROTO_OUT, json.dumps(out).encode())
 """
 
 
+HELD_PROC = r"""
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+sys.argv = ["runner"]
+import runner
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.read(r, 1)
+    os._exit(0)
+path = f"/proc/{pid}/limits"
+first = runner.read_proc(path, hold=True)
+again = runner.read_proc(path, hold=True)  # the same descriptor, read afresh
+same = first == again == runner.read_proc(path)
+os.write(w, b"x")
+os.waitpid(pid, 0)
+try:
+    runner.read_proc(path, hold=True)
+    after = "read"
+except OSError as e:
+    after = e.errno
+print(json.dumps({"same": same, "held": path in runner.PROC_HELD,
+                  "after": after, "esrch": __import__("errno").ESRCH}), file=os.fdopen(runner.PROTO_OUT, "w"))
+"""
+
+
+def test_a_held_proc_file_reads_afresh_and_fails_once_its_process_is_gone(tmp_path):
+    """``runner.read_proc(hold=True)``: the reset's reads of the runner's and the zygote's state
+    come from descriptors kept open; each read is the file as it is now, and once the process has
+    ended (and been reaped) a read fails rather than reaching whatever process takes its number."""
+    out = run_with_runner(tmp_path, HELD_PROC)
+    assert out["same"] and out["held"], out
+    assert out["after"] == out["esrch"], out
+
+
 def test_a_process_on_its_way_out_is_not_taken_for_the_one_snapshotted():
     """``runner.process_state``: a zombie (as a killed zygote is until reaped) reads ``ending``."""
     import subprocess
