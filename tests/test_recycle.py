@@ -238,7 +238,7 @@ os.write(runner.PROTO_OUT, json.dumps(out).encode())
 
 
 HELD_PROC = r"""
-import json, os, sys
+import json, os, resource, sys
 sys.path.insert(0, sys.argv[1])
 sys.argv = ["runner"]
 import runner
@@ -249,8 +249,10 @@ if pid == 0:
     os._exit(0)
 path = f"/proc/{pid}/limits"
 first = runner.read_proc(path, hold=True)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft - 7, hard))  # changed between two reads
 again = runner.read_proc(path, hold=True)  # the same descriptor, read afresh
-same = first == again == runner.read_proc(path)
+fresh = first != again and again == runner.read_proc(path) and b" %d " % (soft - 7) in again
 os.write(w, b"x")
 os.waitpid(pid, 0)
 try:
@@ -258,7 +260,7 @@ try:
     after = "read"
 except OSError as e:
     after = e.errno
-print(json.dumps({"same": same, "held": path in runner.PROC_HELD,
+print(json.dumps({"fresh": fresh, "held": path in runner.PROC_HELD,
                   "after": after, "esrch": __import__("errno").ESRCH}), file=os.fdopen(runner.PROTO_OUT, "w"))
 """
 
@@ -268,7 +270,7 @@ def test_a_held_proc_file_reads_afresh_and_fails_once_its_process_is_gone(tmp_pa
     come from descriptors kept open; each read is the file as it is now, and once the process has
     ended (and been reaped) a read fails rather than reaching whatever process takes its number."""
     out = run_with_runner(tmp_path, HELD_PROC)
-    assert out["same"] and out["held"], out
+    assert out["fresh"] and out["held"], out
     assert out["after"] == out["esrch"], out
 
 
@@ -444,6 +446,64 @@ def test_the_zygote_protocol_survives_a_child_forked_ahead_dying_idle(tmp_path):
     # or, that one having died idle, the one the zygote forked for it, or one forked on demand; the
     # zygote stays in step
     assert [(t, sig) for t, sig, _ in out["late"]] == [(True, 9)] * 3, out
+
+
+ZYGOTE_OUT_OF_STEP = r'''
+import json, os, sys, tempfile
+sys.path.insert(0, sys.argv[1])
+sys.argv = ["runner"]
+import runner
+out = os.fdopen(runner.PROTO_OUT, "w")
+z = runner.Zygote()
+req = {"cwd": tempfile.gettempdir(), "code": "print(1)", "timeout_s": 10}
+z.run(req)
+z.fork_ahead()
+seen = {}
+try:
+    z.run(dict(req, stdin="a"))        # not base64: refused before anything is sent to the zygote
+except Exception as e:
+    seen["bad_stdin"] = type(e).__name__
+seen["after_bad_stdin"] = (runner.unb64(z.run(req)["stdout"]).decode(), z.broken)
+z.fork_ahead()
+collect = runner.collect
+def failing(*a, **k):
+    raise OSError("collecting failed")
+runner.collect = failing                # a failure after the send: the zygote's replies go unread
+try:
+    z.run(req)
+except OSError:
+    pass
+runner.collect = collect
+seen["after_failure"] = z.broken
+import signal, time
+y = runner.Zygote()                     # a zygote that never says who took the run (stopped)
+y.run(req)
+os.kill(y.pid, signal.SIGSTOP)
+t = time.monotonic()
+try:
+    y.run(dict(req, timeout_s=0.5))
+    seen["silent"] = "answered"
+except RuntimeError as e:
+    seen["silent"] = str(e)
+seen["silent_s"] = time.monotonic() - t
+os.kill(y.pid, signal.SIGKILL)
+print(json.dumps(seen), file=out, flush=True)
+'''
+
+
+def test_a_run_that_fails_after_its_request_went_to_the_zygote_breaks_it(tmp_path):
+    """``Zygote.run`` reads who took its request only once the output has ended: a failure in
+    between would leave the zygote's replies unread, and the next call would read them out of step
+    (a review found a reset then coming back clean). Such a failure now breaks the zygote (the reset
+    discards the sandbox); a request's own bad value fails before anything is sent; a zygote that
+    never says who took the run is the runner's error by the run's deadline plus ``TAKEN_LATE_S``."""
+    out = run_with_runner(tmp_path, ZYGOTE_OUT_OF_STEP)
+    assert out["bad_stdin"] == "Error", out
+    assert out["after_bad_stdin"] == ["1\n", ""], out
+    assert out["after_failure"], out
+    # a zygote silent at the run's deadline is the runner's error (infra_error), said well before the
+    # host's own grace past the deadline (5 s) would kill the sandbox and call it the run's timeout
+    assert out["silent"].startswith("zygote:") and out["silent_s"] < 0.5 + 4.0, out
 
 
 USER_PROCESS = ("import ctypes, os, signal\n"

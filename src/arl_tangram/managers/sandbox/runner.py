@@ -291,6 +291,7 @@ def spawn(req, body):
             os.dup2(err_w, 2)
             for fd in (in_r, in_w, out_r, out_w, err_r, err_w, PROTO_IN, PROTO_OUT):
                 os.close(fd)
+            close_held()  # (a python run without a zygote runs here, with no exec)
             os.chdir(req.get("cwd") or WORKSPACE)
             cap_address_space(req.get("as_bytes"))
             body()
@@ -830,6 +831,10 @@ class Zygote:
         st_r, st_w = os.pipe()
         start = time.monotonic()
         fds = (in_r, out_w, err_w, st_w)
+        # (the request's own values first: nothing may fail between the send and the reading of
+        # who took it, or the zygote's messages would be read out of step by the next call)
+        stdin, timeout_s, max_output = unb64(req.get("stdin")), float(req.get("timeout_s") or 10), \
+            int(req.get("max_output") or 1 << 20)
         ahead, self.ahead = self.ahead, None
         data = marshal.dumps({"code": req["code"], "env": req.get("env"), "cpus": req.get("cpus"),
                               "cwd": req.get("cwd"), "as_bytes": req.get("as_bytes")}, 4)
@@ -849,30 +854,35 @@ class Zygote:
             raise RuntimeError(f"zygote: {self.broken}")
         self.taken, self.first = None, ("P" if ahead is None else "AS")
         who = self.taken_by
-        os.set_blocking(st_r, False)
-        out = collect(who, out_r, err_r, in_w, unb64(req.get("stdin")), float(req.get("timeout_s") or 10),
-                      int(req.get("max_output") or 1 << 20),
-                      wait=lambda: None if who() is None else self.status(who(), st_r))
+        try:
+            os.set_blocking(st_r, False)
+            out = collect(lambda: who(TAKEN_LATE_S), out_r, err_r, in_w, stdin, timeout_s, max_output,
+                          wait=lambda: None if who() is None else self.status(who(), st_r))
+        except BaseException:  # whatever the zygote still owes for this run is unread: never reused
+            self.broken = self.broken or "a run ended before its replies were read"
+            raise
         if who() is None:  # no child took it (the zygote broke): the runner's failure, as before
             os.close(st_r)
             raise RuntimeError(f"zygote: {self.broken}")
         return finish(req, start, *out)
 
-    def taken_by(self):
+    def taken_by(self, wait_s=10.0):
         """Who runs the request just sent (``self.first``: what says so first): a child forked
         ahead, which says "A" (and its pid) as it takes it, or, had it died idle ("S"), the one the
         zygote forks for it ("P"); with none ahead, the one the zygote forks ("P"). Read once the
         run's output has ended (or at its deadline, to kill it), not before reading that output
         (issue 26, seventeenth round): the runner was woken by that message and went back to sleep
         before the output came, a wake-up more on a python one-shot's way than on a bash one's.
-        The message is written before the run's code, which never holds the socket (the child
-        closes it first), so what is read here later is what the child and the zygote wrote.
-        None when the zygote is broken (``run`` then fails, as the runner's error)."""
+        Only the zygote and a child before its program write on the socket (a child closes it
+        before the program runs), so what is read here later is theirs. ``wait_s``: how long to
+        wait for it (at the deadline, ``TAKEN_LATE_S``: by then it is long due, and the host's own
+        deadline for the answer is near). None when the zygote is broken (``run`` then fails, as
+        the runner's error)."""
         if self.taken is not None or self.broken:
             return self.taken
-        child = self.reply(self.first, 10.0)
+        child = self.reply(self.first, wait_s)
         if self.tag == "S":
-            child = self.reply("P", 10.0)
+            child = self.reply("P", wait_s)
         self.taken = child
         return child
 
@@ -896,6 +906,10 @@ class Zygote:
 
 
 RUN_FDS = 4  # a run's stdin, stdout, stderr and status pipe
+#: at a run's deadline, how long its child's pid may still take to come (``Zygote.taken_by``): well
+#: within the host's grace past the deadline (``SandboxConfig.grace_s``, 5 s), so a zygote that
+#: never said is the runner's error, not the host's kill of a run that timed out
+TAKEN_LATE_S = 2.0
 LINGER_S = 1.0  # how long a child that reported its end waits for the runner's kill before it exits
 
 
@@ -1581,11 +1595,12 @@ KEYCTL = KEYRING_CALLS[MACHINE][1][2] if MACHINE in KEYRING_CALLS else None  # k
 
 #: the ``/proc`` files the reset reads after every one-shot (the runner's and the zygote's stat and
 #: limits, the zygote's status), held open by path: a read is then one ``pread`` at offset 0 (the
-#: kernel writes the text afresh at every read) instead of an open, two reads and a close, 15 of the
-#: runner's ~85 system calls a bash one-shot (issue 26, seventeenth round). A held file belongs to
+#: kernel writes the text afresh at every read) instead of an open, two reads and a close: a bash
+#: one-shot's system calls in the runner 108 -> 93 (issue 26, seventeenth round). A held file belongs to
 #: the process it was opened for: once that one has ended its reads fail (ESRCH), where opening the
 #: path again could reach a process that has taken the number since. Never in a process forked
-#: from this runner (``close_held``): they are close-on-exec, and the zygote's fork is no exec.
+#: from this runner (``close_held``): they are close-on-exec, and the forks that run no exec (the
+#: zygote, a run's child without one, a session's interpreter without one) close them.
 PROC_HELD = {}
 
 
