@@ -399,13 +399,17 @@ def test_a_child_forked_ahead_is_seen_by_no_other_kind_of_run():
     assert stats["recycled"] == 2 and not stats["discarded"], stats
 
 
-ZYGOTE_PROTOCOL = r'''
-import json, os, signal, sys, tempfile
+#: a script's start that drives ``runner.Zygote`` itself (``z``), answering on ``out``
+WITH_ZYGOTE = r'''
+import json, os, signal, sys, tempfile, time
 sys.path.insert(0, sys.argv[1])
 sys.argv = ["runner"]
 import runner  # its fds 0 and 1 now go to /dev/null: answer on the protocol's copy
 out = os.fdopen(runner.PROTO_OUT, "w")
 z = runner.Zygote()
+'''
+
+ZYGOTE_PROTOCOL = WITH_ZYGOTE + r'''
 req = {"cwd": tempfile.gettempdir(), "code": "import os\nprint(os.getpid())", "timeout_s": 10}
 seen = []
 def run():
@@ -448,13 +452,7 @@ def test_the_zygote_protocol_survives_a_child_forked_ahead_dying_idle(tmp_path):
     assert [(t, sig) for t, sig, _ in out["late"]] == [(True, 9)] * 3, out
 
 
-ZYGOTE_OUT_OF_STEP = r'''
-import json, os, sys, tempfile
-sys.path.insert(0, sys.argv[1])
-sys.argv = ["runner"]
-import runner
-out = os.fdopen(runner.PROTO_OUT, "w")
-z = runner.Zygote()
+ZYGOTE_OUT_OF_STEP = WITH_ZYGOTE + r'''
 req = {"cwd": tempfile.gettempdir(), "code": "print(1)", "timeout_s": 10}
 z.run(req)
 z.fork_ahead()
@@ -475,7 +473,6 @@ except OSError:
     pass
 runner.collect = collect
 seen["after_failure"] = z.broken
-import signal, time
 y = runner.Zygote()                     # a zygote that never says who took the run (stopped)
 y.run(req)
 os.kill(y.pid, signal.SIGSTOP)
