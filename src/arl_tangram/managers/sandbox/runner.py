@@ -945,14 +945,17 @@ def warm():
     and its children's per run ~413 -> 416-431 (``/proc/<child>/stat``, ``tangram bench
     zygote``; ``runner.Zygote`` outside a sandbox on the 2-core VM, where a fault costs ~4 us;
     that total moves by ~10 with where the runner's own objects happen to lie, edit to edit), the
-    run's p50 0.76-0.88x (docs/performance.md, seventeenth round)."""
+    run's p50 0.76-0.88x. Its program prints an empty line, as the zygote's rehearsal's does
+    (most one-shots print what they found, and ``print``'s way through the streams is then taken
+    once in the zygote, its pages shared): the run's faults 30-35 -> 22-25 more, its p50
+    0.73-0.82 -> 0.68-0.71 ms (docs/performance.md, seventeenth round)."""
     r, w = os.pipe()
     try:
         os.dup2(r, 0)
         os.dup2(w, 1)
         os.dup2(w, 2)
         os.set_inheritable(w, False)
-        data = marshal.dumps({"code": "pass", "env": RUN_ENV, "cpus": None, "cwd": None, "as_bytes": None}, 4)
+        data = marshal.dumps({"code": "print()", "env": RUN_ENV, "cpus": None, "cwd": None, "as_bytes": None}, 4)
         os.write(w, len(data).to_bytes(4, "little") + data)
         req = read_message(r)
         cap_address_space(req.get("as_bytes"))
@@ -983,7 +986,8 @@ def rehearse():
     lazily made state they touch (codec lookups, the adaptive interpreter's specialised code,
     interned names, the modules a traceback needs) is then made once here instead of in every
     child, whose first writes to each page cost a copy-on-write fault (measured: ~45 fewer faults
-    per child of ~470; a failing program's child 7.6 -> 2.7 ms of CPU: docs/performance.md)."""
+    per child of ~470; a failing program's child 7.6 -> 2.7 ms of CPU: docs/performance.md). The
+    passing program prints an empty line (``warm``'s docstring says what that saves)."""
     null = os.open(os.devnull, os.O_RDWR)
     saved = [os.dup(fd) for fd in (0, 1, 2)]
     environ = dict(os.environ)
@@ -992,7 +996,7 @@ def rehearse():
         for _ in range(8):
             for fd in (0, 1, 2):
                 os.dup2(null, fd)
-            python_body("pass", env_for({}))
+            python_body("print()", env_for({}))
             try:  # a failing program's way too: its traceback (importing traceback, linecache, tokenize)
                 python_body("raise ValueError('rehearsal')", env_for({}))
             except ValueError:
