@@ -48,7 +48,7 @@ SIGXFSZ = 25
 # (restore_signals): this interpreter ignores SIGINT (see below) and SIGPIPE (Python's start-up),
 # and `yes | head -1` must end quietly, as in a terminal and under SandboxFusion
 RESTORED = (SIGINT, SIGPIPE, SIGXFSZ)
-PR_SET_DUMPABLE = 4
+PR_GET_DUMPABLE, PR_SET_DUMPABLE = 3, 4
 try:  # an image's minimal python may lack these: then no zygote and no verified reset (no recycling)
     import _socket
     import ctypes
@@ -646,7 +646,6 @@ class Zygote:
         self.owed = None  # a child that reported its own end: the zygote's status for it is still to read
         self.tag = ""
         self.taken = None  # the pid ``taken_by`` read for this run
-        self.first = "P"  # what ``taken_by`` reads first for it
 
     # -- in the zygote ---------------------------------------------------------------------------
     @staticmethod
@@ -852,8 +851,8 @@ class Zygote:
             for fd in (in_w, out_r, err_r, st_r):
                 os.close(fd)
             raise RuntimeError(f"zygote: {self.broken}")
-        self.taken, self.first = None, ("P" if ahead is None else "AS")
-        who = self.taken_by
+        self.taken, first = None, ("P" if ahead is None else "AS")
+        who = lambda wait_s=10.0: self.taken_by(first, wait_s)  # noqa: E731
         try:
             os.set_blocking(st_r, False)
             out = collect(lambda: who(TAKEN_LATE_S), out_r, err_r, in_w, stdin, timeout_s, max_output,
@@ -866,8 +865,8 @@ class Zygote:
             raise RuntimeError(f"zygote: {self.broken}")
         return finish(req, start, *out)
 
-    def taken_by(self, wait_s=10.0):
-        """Who runs the request just sent (``self.first``: what says so first): a child forked
+    def taken_by(self, first, wait_s):
+        """Who runs the request just sent (``first``: the tags of what says so first): a child forked
         ahead, which says "A" (and its pid) as it takes it, or, had it died idle ("S"), the one the
         zygote forks for it ("P"); with none ahead, the one the zygote forks ("P"). Read once the
         run's output has ended (or at its deadline, to kill it), not before reading that output
@@ -880,7 +879,7 @@ class Zygote:
         the runner's error)."""
         if self.taken is not None or self.broken:
             return self.taken
-        child = self.reply(self.first, wait_s)
+        child = self.reply(first, wait_s)
         if self.tag == "S":
             child = self.reply("P", wait_s)
         self.taken = child
@@ -926,7 +925,6 @@ WARMED = [False]
 #: the environment every one-shot gets beside its request's own (``SandboxManager._request_env``):
 #: a warm-up sets the same names, so the run's environment grows no new entries (tests compare them)
 RUN_ENV = {"TANGRAM_NUM_CPUS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-PR_GET_DUMPABLE = 3
 
 
 def warm():
