@@ -167,7 +167,7 @@ def test_bench_server_keeps_its_load_off_pinned_servers_and_alternates_their_ord
     busy the servers' CPUs were."""
     out = tmp_path / "p.json"
     p = tangram("bench", "server", "--variant", "a=0:", "--variant", "b=0:::3", "--levels", "1", "--cases", "bash",
-                "--requests", "5", "--rounds", "2", "--cpu", "--ceiling", "0.2", "--json", str(out))
+                "--requests", "5", "--rounds", "2", "--cpu", "--ceiling", "0.2", "--floor", "0.2", "--json", str(out))
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
     spare = sorted(os.sched_getaffinity(0) - {0})
@@ -190,6 +190,14 @@ def test_bench_server_keeps_its_load_off_pinned_servers_and_alternates_their_ord
     share = ceiling["a_vs_b"]["of_ceiling"]["1"]
     assert share["against"] == "spawn" and share["round"] == [round(o / c, 3) for o, c in zip(ours, spawn)], share
     assert "host's own" in p.stderr and "of spawn's ratio" in p.stderr, p.stderr
+    # --floor: each round, each server's CPUs making a bare process one at a time; c=1 beside it
+    floor = r["host_floor"]
+    assert [set(x) for x in floor["bare"]["a"]] == [{"fork", "spawn", "compute"}] * 2, floor
+    bare = [x["spawn"]["p50_ms"] for x in floor["bare"]["b"]]
+    ours = [x["p50_ms"] for x in r["servers"]["b"]["1"]["rounds"]]
+    assert floor["b"]["1"]["against"] == "spawn" and floor["b"]["1"]["bare_p50_ms"] == bare, floor
+    assert floor["b"]["1"]["x_round"] == [round(o / f, 3) for o, f in zip(ours, bare)], floor
+    assert all(f > 0 for f in bare) and "host floor, one at a time" in p.stderr, p.stderr
     bad = tangram("bench", "server", "--variant", "a=0:", "--variant", "b=:", "--ceiling", "1")
     assert bad.returncode != 0 and "--ceiling" in bad.stderr + bad.stdout
 
@@ -400,6 +408,22 @@ def test_bench_forkcost_prints_each_way_per_cpu_set():
     assert rows["fork@20"]["system_ms"] > 0, rows  # a fork's kernel time is counted (the reaped child's too)
     assert rows["spawn"]["system_ms"] > 0 and rows["compute"]["user_ms"] > 0, rows  # the bash's own, reaped
     assert p.stderr.count("pages: ") == 4 and p.stderr.count("ms CPU an iteration") == 6, p.stderr
+
+
+def test_bench_forkcost_timed_gives_one_bare_process_at_a_time():
+    """``--timed``: one worker a set, each iteration's wall time; a bare fork whose child writes more
+    pages takes longer, and an iteration's p50 is no less than its CPU divided among the set's CPUs."""
+    p = subprocess.run([sys.executable, "-m", "arl_tangram.bench.forkcost", "--cpus", "0", "--pages", "0,2000",
+                        "--heap-mb", "16", "--seconds", "0.4", "--modes", "fork,spawn", "--timed"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout)["sets"]["0"]
+    assert set(rows) == {"fork@0", "fork@2000", "spawn"}, rows
+    for row in rows.values():
+        assert row["iterations"] > 0 and 0 < row["p50_ms"] <= row["p99_ms"], row
+        assert row["p50_ms"] >= 0.5 * row["cpu_ms"], row  # one CPU, one at a time: the wall holds the CPU
+    assert rows["fork@2000"]["p50_ms"] > rows["fork@0"]["p50_ms"], rows  # 2,000 pages copied on write
+    assert p.stderr.count("one at a time") == 3, p.stderr
 
 
 def test_the_write_watch_finds_every_page_written_and_only_those():

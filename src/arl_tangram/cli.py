@@ -549,6 +549,10 @@ def bench_server(
                                   "pinned variant's CPUs bare for that long a loop (a fork, a bash spawned, "
                                   "pure computation, one worker a CPU), and give each ratio as a share of the "
                                   "host's own (host_ceiling)."),
+    floor: float = typer.Option(0.0, "--floor", min=0.0, help="Seconds: after each round, time each "
+                                "server's CPUs making a run's bare process one at a time for that long (a bash "
+                                "spawned, a python child forked, each reaped), and give each c=1 p50 beside "
+                                "its case's (host_floor)."),
 ) -> None:
     """/run_code latency and throughput over loopback HTTP, beside the same actions in-process or
     beside another SandboxFusion-compatible server (--against)."""
@@ -575,7 +579,7 @@ def bench_server(
         raise fail(f"--against: expected an http(s) URL, got {against!r}")
     _print_json(run(parsed, log=lambda m: console.print(m), against=against, cases=chosen, cpu_jobs=cpu_jobs,
                     server_cpus=server_cpus, client_procs=client_procs, variants=variants or None, requests=requests,
-                    client=client, cpu=cpu, rounds=rounds, ceiling=ceiling),
+                    client=client, cpu=cpu, rounds=rounds, ceiling=ceiling, floor=floor),
                 json_out)
 
 

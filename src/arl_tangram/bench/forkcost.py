@@ -31,6 +31,10 @@ Two more modes give the host's own ceiling for a run's process, nothing of ours 
 - ``compute``: a fixed pure-Python loop (20,000 additions): what the CPUs give work that makes no
   process, the frequency and caches of the set at full load.
 
+With ``--timed``, one worker allowed the whole set runs the loop one iteration at a time and
+says each iteration's wall time (p50, p99): the host's own floor at one request at a time for a
+sandbox that makes a process a run (``bench server --floor`` measures it beside its c=1 figures).
+
 Printed as JSON, per CPU set and mode: CPU ms an iteration (user, system, both: the workers'
 own and their reaped children's) and iterations a second over all workers. The bookkeeping is
 Python's (a C version would cost less); a process's other state (threads, mappings, descriptors)
@@ -153,8 +157,18 @@ def _spent(before: tuple) -> dict:
             "system_s": sum(a.ru_stime - b.ru_stime for a, b in zip(after, before))}
 
 
-def _bare(mode: str, seconds: float) -> dict:
-    """``spawn`` or ``compute``'s loop (see the module's docstring)."""
+def _walls(walls: list[float] | None) -> dict:
+    """p50 and p99 of the iterations' wall times (``--timed``), in ms."""
+    if not walls:
+        return {}
+    walls.sort()
+    return {"p50_ms": round(walls[len(walls) // 2] * 1e3, 4),
+            "p99_ms": round(walls[min(len(walls) - 1, int(len(walls) * 0.99))] * 1e3, 4)}
+
+
+def _bare(mode: str, seconds: float, walls: list[float] | None = None) -> dict:
+    """``spawn`` or ``compute``'s loop (see the module's docstring); each iteration's wall time
+    appended to ``walls`` if given."""
     import shutil
 
     if mode == "spawn":
@@ -168,22 +182,27 @@ def _bare(mode: str, seconds: float) -> dict:
     before = _usage()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
+        t = time.perf_counter()
         if mode == "spawn":
             os.waitpid(os.posix_spawn(path, list(SPAWNED), env, file_actions=actions), 0)
         else:
             x = 0
             for i in range(20_000):
                 x += i
+        if walls is not None:
+            walls.append(time.perf_counter() - t)
         n += 1
-    return {"iterations": n, **_spent(before)}
+    return {"iterations": n, **_spent(before), **_walls(walls)}
 
 
-def worker(mode: str, heap_mb: int, pages: int, seconds: float) -> dict:
-    """One worker's loop; returns its iterations and CPU (its own and its reaped children's)."""
+def worker(mode: str, heap_mb: int, pages: int, seconds: float, timed: bool = False) -> dict:
+    """One worker's loop; returns its iterations and CPU (its own and its reaped children's), and
+    with ``timed`` the p50 and p99 of its iterations' wall times."""
     import mmap
 
+    walls: list[float] | None = [] if timed else None
     if mode in BARE:
-        return _bare(mode, seconds)
+        return _bare(mode, seconds, walls)
     # private (copy-on-write in a fork, as a heap is; ``mmap``'s default is shared) and page-aligned,
     # as write-protection wants
     buf = mmap.mmap(-1, heap_mb << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -196,6 +215,7 @@ def worker(mode: str, heap_mb: int, pages: int, seconds: float) -> dict:
     before = _usage()
     end = time.monotonic() + seconds
     while time.monotonic() < end:
+        t = time.perf_counter()
         if mode == "fork":
             pid = os.fork()
             if pid == 0:
@@ -214,22 +234,40 @@ def worker(mode: str, heap_mb: int, pages: int, seconds: float) -> dict:
             for off, length in watch.written():
                 buf[off:off + length] = pristine[off:off + length]
             watch.written(rearm=True)
+        if walls is not None:
+            walls.append(time.perf_counter() - t)
         n += 1
     if watch is not None:
         watch.close()
-    out = {"iterations": n, **_spent(before)}
+    out = {"iterations": n, **_spent(before), **_walls(walls)}
     if mode != "fork":
         out["restored_exactly"] = buf[:] == pristine
     return out
 
 
+def _workers(cpus: list[int], count: int, mode: str, heap_mb: int, pages: int, seconds: float,
+             timed: bool = False) -> list[dict]:
+    """``count`` worker processes at once, each allowed every CPU of ``cpus``: their rows."""
+    cmd = [sys.executable, "-m", "arl_tangram.bench.forkcost", "--worker", mode, "--heap-mb", str(heap_mb),
+           "--pages", str(pages), "--seconds", str(seconds), *(["--timed"] if timed else [])]
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: os.sched_setaffinity(0, cpus)) for _ in range(count)]
+    return [json.loads(p.communicate(timeout=seconds + 120)[0]) for p in procs]
+
+
+def latency(cpus: list[int], mode: str, heap_mb: int, pages: int, seconds: float) -> dict:
+    """One worker allowed every CPU of ``cpus``, one iteration at a time: the p50 and p99 of an
+    iteration's wall time (a bare process made and reaped, for ``spawn`` and ``fork``)."""
+    row = _workers(cpus, 1, mode, heap_mb, pages, seconds, timed=True)[0]
+    if "error" in row:
+        return row
+    return {"iterations": row["iterations"], "p50_ms": row["p50_ms"], "p99_ms": row["p99_ms"],
+            "cpu_ms": round((row["user_s"] + row["system_s"]) * 1e3 / max(row["iterations"], 1), 4)}
+
+
 def measure(cpus: list[int], mode: str, heap_mb: int, pages: int, seconds: float) -> dict:
     """``len(cpus)`` workers at once, each allowed every CPU of ``cpus``."""
-    cmd = [sys.executable, "-m", "arl_tangram.bench.forkcost", "--worker", mode, "--heap-mb", str(heap_mb),
-           "--pages", str(pages), "--seconds", str(seconds)]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True,
-                              preexec_fn=lambda: os.sched_setaffinity(0, cpus)) for _ in cpus]
-    rows = [json.loads(p.communicate(timeout=seconds + 120)[0]) for p in procs]
+    rows = _workers(cpus, len(cpus), mode, heap_mb, pages, seconds)
     if any("error" in r for r in rows):
         return {"workers": len(cpus), "error": next(r["error"] for r in rows if "error" in r)}
     n = sum(r["iterations"] for r in rows)
@@ -249,11 +287,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pages", default="0,300", help="pages written an iteration, comma-separated")
     ap.add_argument("--heap-mb", type=int, default=16)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--timed", action="store_true", help="one worker a set, one iteration at a time: "
+                    "each iteration's wall time (p50, p99) besides the CPU")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         try:
-            print(json.dumps(worker(a.worker, a.heap_mb, int(a.pages), a.seconds)))
+            print(json.dumps(worker(a.worker, a.heap_mb, int(a.pages), a.seconds, a.timed)))
         except OSError as e:  # no userfaultfd, or no asynchronous write-protection, here
             print(json.dumps({"error": f"{e.strerror or e} ({e.filename or a.worker})"}))
         return
@@ -266,9 +306,13 @@ def main(argv: list[str] | None = None) -> None:
                 if mode != "fork" and pages == 0:
                     continue  # nothing to do
                 key, what = (mode, "") if pages is None else (f"{mode}@{pages}", f" {pages:>4} pages")
-                rows[key] = r = measure(cpus, mode, a.heap_mb, pages or 0, a.seconds)
+                rows[key] = r = (latency if a.timed else measure)(cpus, mode, a.heap_mb, pages or 0, a.seconds)
                 if "error" in r:
                     print(f"cpus {text:>6} {mode:>8}{what}: not here: {r['error']}", file=sys.stderr)
+                    continue
+                if a.timed:
+                    print(f"cpus {text:>6} {mode:>8}{what}: p50 {r['p50_ms']:.3f} ms, p99 {r['p99_ms']:.3f} ms "
+                          f"an iteration, one at a time ({r['cpu_ms']:.3f} ms CPU)", file=sys.stderr)
                     continue
                 print(f"cpus {text:>6} {mode:>8}{what}: {r['cpu_ms']:.3f} ms CPU an iteration "
                       f"({r['system_ms']:.3f} system), {r['per_s']:,.0f}/s"

@@ -438,6 +438,57 @@ def _ceiling_round(pinned: dict[str, set[int] | None], seconds: float, log: Call
     return out
 
 
+#: the bare process a one-shot of each case has the host make, timed one at a time (``--floor``)
+FLOOR_MODES = {"python": "fork", "bash": "spawn"}
+
+
+def _floor_round(sets: dict[str, set[int] | None], seconds: float, log: Callable[[str], None]) -> dict:
+    """Each server's CPU set's own time for a run's bare process, one at a time, no server's work
+    in it: ``forkcost``'s timed loops for ``seconds`` each (a forked child writing 300 of a 16 MB
+    heap's pages, as a python one-shot's child does; a bash spawned and reaped; and, for the speed
+    of the CPUs at Python, 20,000 additions), p50 and p99 ms."""
+    from .forkcost import latency
+
+    time.sleep(0.5)  # the servers' resets and refills after the last level
+    out: dict[str, dict[str, dict | None]] = {}
+    for name, cpus in sets.items():
+        row = out[name] = {}
+        for mode in dict.fromkeys([*FLOOR_MODES.values(), "compute"]):
+            r = latency(sorted(cpus or os.sched_getaffinity(0)), mode, 16, 300 if mode == "fork" else 0, seconds)
+            row[mode] = None if "error" in r else {"p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"]}
+        log(f"{name:>8} host floor, one at a time: " + ", ".join(
+            f"{m} p50 {v['p50_ms']:.2f} ms" if v else f"{m} -" for m, v in row.items()))
+    return out
+
+
+def _floor_figures(name: str, floors: list[dict], every: dict[tuple[str, str], list[dict]],
+                   cases: tuple[str, ...]) -> dict:
+    """Each c=1 level of ``name`` beside its case's bare process, round by round: our p50 over the
+    bare one's (``x``) and the milliseconds ours adds to it (``over_ms``)."""
+    out: dict = {}
+    for (server, key), runs in every.items():
+        case = key.partition("@")[0] if "@" in key else cases[0]
+        mode = FLOOR_MODES.get(case)
+        if server != name or mode is None or int(key.rpartition("@c")[2]) != 1:
+            continue
+        pairs = [(r["p50_ms"], f[name][mode]["p50_ms"]) for r, f in zip(runs, floors)
+                 if r.get("p50_ms") and (f.get(name) or {}).get(mode)]
+        if pairs:
+            x = [ours / bare for ours, bare in pairs]
+            over = [ours - bare for ours, bare in pairs]
+            out[key] = {"against": mode, "bare_p50_ms": [bare for _, bare in pairs],
+                        "p50_ms": [ours for ours, _ in pairs], "x_round": [round(v, 3) for v in x],
+                        "median_round_x": round(statistics.median(x), 3),
+                        "over_ms_round": [round(v, 3) for v in over], "median_over_ms": round(statistics.median(over), 3)}
+    return out
+
+
+def _floor_text(name: str, figures: dict) -> str:
+    return "\n".join(f"{name} {key} p50 beside a bare {f['against']} (median round): {f['median_round_x']:.2f}x, "
+                     f"{f['median_over_ms']:+.2f} ms (bare p50 " + ", ".join(f"{b:.2f}" for b in f["bare_p50_ms"])
+                     + " ms)" for key, f in figures.items())
+
+
 def _ceiling_ratios(first: str, name: str, rounds: list[dict], ours: dict, theirs: dict,
                     cases: tuple[str, ...]) -> dict:
     """``first`` over ``name`` on the host's bare loops, round by round, and each level's one-shot
@@ -487,7 +538,7 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
         cases: tuple[str, ...] = ("python",), cpu_jobs: int = 32, server_cpus: str | None = None,
         client_procs: int = 1, variants: list[Variant] | None = None,
         requests: int | None = None, client: str | None = None, cpu: bool = False, rounds: int = 1,
-        ceiling: float = 0.0) -> dict:
+        ceiling: float = 0.0, floor: float = 0.0) -> dict:
     """Measure; ``against``: a SandboxFusion-compatible base URL measured beside ours;
     ``variants``: several tangram servers (name, CPUs to pin it to, HTTP fronts, sandbox workers), all running
     at once and measured in turn per case, so that they compare within the same minutes; ``cpu``: each
@@ -500,7 +551,12 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
     and each variant's ratio against the first as a share of the host's (``host_ceiling``): on a
     2x H200 host a bare bash's 16-vs-2 ratio was 6.96-7.49x, a bare fork's 5.66-6.70x and pure
     computation's 6.60-8.40x, round by round (issue 26, sixteenth round), so a one-shot ratio
-    means little without the host's beside it.
+    means little without the host's beside it; ``floor``: after each round, each server's CPUs'
+    own time for a run's bare process one at a time (a bash spawned and reaped, a python child
+    forked and reaped: ``_floor_round``), and each c=1 level's p50 beside it (``host_floor``): on a
+    nested virtual machine whose kernel made a process in 1.6 ms (a bare bash) to 4.9 ms (a forked
+    python child writing 300 pages), a 2 ms target at c=1 set on another machine says nothing
+    there (issue 26, eighteenth round).
 
     When every tangram server is pinned and CPUs are left over, the load generator runs on those
     (``client_cpus``), as a load generator should: unpinned, its processes and their loopback traffic
@@ -514,7 +570,7 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
         os.sched_setaffinity(0, client_cpus)  # the client processes are forked from this one
     try:
         out = _run(levels, log, against, cases, cpu_jobs, server_cpus, client_procs, variants, requests, client, cpu,
-                   rounds, ceiling)
+                   rounds, ceiling, floor)
     finally:
         if client_cpus:
             os.sched_setaffinity(0, mine)
@@ -553,7 +609,7 @@ def _spare_cpus(pinned: list[str | None], mine: set[int]) -> set[int]:
 
 def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | None, cases: tuple[str, ...],
          cpu_jobs: int, server_cpus: str | None, client_procs: int, variants: list[Variant],
-         requests: int | None, client: str, cpu: bool, rounds: int, ceiling: float) -> dict:
+         requests: int | None, client: str, cpu: bool, rounds: int, ceiling: float, floor: float) -> dict:
     ports = {v[0]: free_port() for v in variants}
     targets = {v[0]: f"http://127.0.0.1:{ports[v[0]]}" for v in variants}
     if against:
@@ -562,6 +618,7 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
     pinned = {v[0]: _cpu_set(v[1]) if v[1] else None for v in variants}
     followed: dict[str, int | None] = {}
     ceilings: list[dict] = []  # a round's host ceiling per pinned server
+    floors: list[dict] = []  # a round's host floor per server, one bare process at a time
     scheduled: dict[str, int | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         logs = {v[0]: os.path.join(tmp, f"server-{v[0]}.log") for v in variants}
@@ -616,6 +673,8 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
                     time.sleep(0.3)
                 if ceiling and (i + 1) % len(plan) == 0:
                     ceilings.append(_ceiling_round(pinned, ceiling, log))
+                if floor and (i + 1) % len(plan) == 0:
+                    floors.append(_floor_round(pinned, floor, log))
             if rounds > 1:
                 for (name, key), runs in every.items():
                     results[name][key] = _median_round(runs)
@@ -629,6 +688,13 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
             for proc in procs:
                 proc.wait(60)
     out: dict = {"server_cpus": server_cpus, "client_procs": client_procs, "client": client}
+    if floors:
+        out["host_floor"] = {"seconds": floor, "modes": FLOOR_MODES,
+                             "bare": {name: [r.get(name) for r in floors] for name in floors[0]}}
+        for v in variants:
+            if figures := _floor_figures(v[0], floors, every, cases):
+                out["host_floor"][v[0]] = figures
+                log(_floor_text(v[0], figures))
     if len(variants) > 1 or variants[0][0] != "tangram":  # named variants (one named server too)
         first = variants[0][0]
         out["servers"] = {name: {"cpus": cpus, "fronts": fronts, "sandbox_workers": workers, "src": src,
