@@ -195,8 +195,9 @@ def test_bench_server_keeps_its_load_off_pinned_servers_and_alternates_their_ord
     assert [set(x) for x in floor["bare"]["a"]] == [{"fork", "spawn", "compute"}] * 2, floor
     bare = [x["spawn"]["p50_ms"] for x in floor["bare"]["b"]]
     ours = [x["p50_ms"] for x in r["servers"]["b"]["1"]["rounds"]]
-    assert floor["b"]["1"]["against"] == "spawn" and floor["b"]["1"]["bare_p50_ms"] == bare, floor
-    assert floor["b"]["1"]["x_round"] == [round(o / f, 3) for o, f in zip(ours, bare)], floor
+    c1 = floor["c1"]["b"]["1"]
+    assert c1["against"] == "spawn" and c1["bare_p50_ms"] == bare and c1["p50_ms"] == ours, floor
+    assert c1["x_round"] == [round(o / f, 3) for o, f in zip(ours, bare)], floor
     assert all(f > 0 for f in bare) and "host floor, one at a time" in p.stderr, p.stderr
     bad = tangram("bench", "server", "--variant", "a=0:", "--variant", "b=:", "--ceiling", "1")
     assert bad.returncode != 0 and "--ceiling" in bad.stderr + bad.stdout
@@ -408,6 +409,33 @@ def test_bench_forkcost_prints_each_way_per_cpu_set():
     assert rows["fork@20"]["system_ms"] > 0, rows  # a fork's kernel time is counted (the reaped child's too)
     assert rows["spawn"]["system_ms"] > 0 and rows["compute"]["user_ms"] > 0, rows  # the bash's own, reaped
     assert p.stderr.count("pages: ") == 4 and p.stderr.count("ms CPU an iteration") == 6, p.stderr
+
+
+def test_floor_figures_pair_each_c1_level_with_its_case_round_by_round():
+    """``bench server --floor``'s arithmetic: python c=1 beside the bare fork, bash beside the
+    spawn, other levels and cases left out, a round without a bare figure kept in its place, and a
+    level given twice (its rounds no longer pair up) left out rather than misaligned."""
+    from arl_tangram.bench.server import _floor_figures
+
+    floors = [{"a": {"fork": {"p50_ms": 2.0}, "spawn": {"p50_ms": 1.0}}},
+              {"a": {"fork": None, "spawn": {"p50_ms": 0.5}}},
+              {"a": {"fork": {"p50_ms": 4.0}, "spawn": {"p50_ms": 2.0}}}]
+    every = {("a", "python@c1"): [{"p50_ms": 1.0}, {"p50_ms": 3.0}, {"p50_ms": 2.0}],
+             ("a", "bash@c1"): [{"p50_ms": 1.5}, {"p50_ms": 1.5}, {"p50_ms": 3.0}],
+             ("a", "bash@c8"): [{"p50_ms": 9.0}] * 3, ("a", "cpu_200ms@c32"): [{"p50_ms": 900.0}] * 3,
+             ("b", "bash@c1"): [{"p50_ms": 1.0}] * 3, ("a", "python@c10"): [{"p50_ms": 1.0}] * 3}
+    out = _floor_figures("a", floors, every, ("python", "bash"))
+    assert set(out) == {"python@c1", "bash@c1"}, out
+    py, sh = out["python@c1"], out["bash@c1"]
+    assert py["against"] == "fork" and py["bare_p50_ms"] == [2.0, None, 4.0] and py["x_round"] == [0.5, None, 0.5]
+    assert py["over_ms_round"] == [-1.0, None, -2.0] and py["median_round_x"] == 0.5, py
+    assert sh["against"] == "spawn" and sh["x_round"] == [1.5, 3.0, 1.5] and sh["median_round_x"] == 1.5, sh
+    assert sh["median_over_ms"] == 1.0, sh
+    # one case: the key is the level alone
+    assert set(_floor_figures("a", floors, {("a", "1"): [{"p50_ms": 1.0}] * 3, ("a", "8"): [{"p50_ms": 1.0}] * 3},
+                              ("bash",))) == {"1"}
+    # a level given twice: six runs for three rounds, not paired
+    assert _floor_figures("a", floors, {("a", "bash@c1"): [{"p50_ms": 1.0}] * 6}, ("bash",)) == {}
 
 
 def test_bench_forkcost_timed_gives_one_bare_process_at_a_time():

@@ -550,9 +550,9 @@ def bench_server(
                                   "pure computation, one worker a CPU), and give each ratio as a share of the "
                                   "host's own (host_ceiling)."),
     floor: float = typer.Option(0.0, "--floor", min=0.0, help="Seconds: after each round, time each "
-                                "server's CPUs making a run's bare process one at a time for that long (a bash "
-                                "spawned, a python child forked, each reaped), and give each c=1 p50 beside "
-                                "its case's (host_floor)."),
+                                "server's CPUs for that long a loop, one iteration at a time: a bash spawned, a "
+                                "python child forked (each reaped), 20,000 additions; and give each python or "
+                                "bash c=1 p50 beside its case's bare one (host_floor; needs 1 in --levels)."),
 ) -> None:
     """/run_code latency and throughput over loopback HTTP, beside the same actions in-process or
     beside another SandboxFusion-compatible server (--against)."""

@@ -36,7 +36,8 @@ says each iteration's wall time (p50, p99): the host's own floor at one request 
 sandbox that makes a process a run (``bench server --floor`` measures it beside its c=1 figures).
 
 Printed as JSON, per CPU set and mode: CPU ms an iteration (user, system, both: the workers'
-own and their reaped children's) and iterations a second over all workers. The bookkeeping is
+own and their reaped children's) and iterations a second over all workers; with ``--timed``,
+the iterations, their wall time's p50 and p99 and the CPU ms an iteration. The bookkeeping is
 Python's (a C version would cost less); a process's other state (threads, mappings, descriptors)
 is not in it.
 """
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import resource
 import subprocess
@@ -158,12 +160,13 @@ def _spent(before: tuple) -> dict:
 
 
 def _walls(walls: list[float] | None) -> dict:
-    """p50 and p99 of the iterations' wall times (``--timed``), in ms."""
+    """p50 and p99 of the iterations' wall times (``--timed``), in ms: nearest rank, as
+    ``sim.metrics.percentile`` gives the servers' (not imported: a worker imports the stdlib only)."""
     if not walls:
         return {}
     walls.sort()
-    return {"p50_ms": round(walls[len(walls) // 2] * 1e3, 4),
-            "p99_ms": round(walls[min(len(walls) - 1, int(len(walls) * 0.99))] * 1e3, 4)}
+    rank = {q: max(0, min(len(walls) - 1, math.ceil(q / 100 * len(walls)) - 1)) for q in (50, 99)}
+    return {"p50_ms": round(walls[rank[50]] * 1e3, 4), "p99_ms": round(walls[rank[99]] * 1e3, 4)}
 
 
 def _bare(mode: str, seconds: float, walls: list[float] | None = None) -> dict:
@@ -261,6 +264,8 @@ def latency(cpus: list[int], mode: str, heap_mb: int, pages: int, seconds: float
     row = _workers(cpus, 1, mode, heap_mb, pages, seconds, timed=True)[0]
     if "error" in row:
         return row
+    if not row["iterations"]:
+        return {"error": f"no iteration in {seconds} s"}
     return {"iterations": row["iterations"], "p50_ms": row["p50_ms"], "p99_ms": row["p99_ms"],
             "cpu_ms": round((row["user_s"] + row["system_s"]) * 1e3 / max(row["iterations"], 1), 4)}
 

@@ -471,22 +471,26 @@ def _floor_figures(name: str, floors: list[dict], every: dict[tuple[str, str], l
         mode = FLOOR_MODES.get(case)
         if server != name or mode is None or int(key.rpartition("@c")[2]) != 1:
             continue
-        pairs = [(r["p50_ms"], f[name][mode]["p50_ms"]) for r, f in zip(runs, floors)
-                 if r.get("p50_ms") and (f.get(name) or {}).get(mode)]
-        if pairs:
-            x = [ours / bare for ours, bare in pairs]
-            over = [ours - bare for ours, bare in pairs]
-            out[key] = {"against": mode, "bare_p50_ms": [bare for _, bare in pairs],
-                        "p50_ms": [ours for ours, _ in pairs], "x_round": [round(v, 3) for v in x],
-                        "median_round_x": round(statistics.median(x), 3),
-                        "over_ms_round": [round(v, 3) for v in over], "median_over_ms": round(statistics.median(over), 3)}
+        if len(runs) != len(floors):  # a level or case given twice: the rounds would not pair up
+            continue
+        # round by round, None where either side has no figure (the rounds keep their places)
+        ours = [r.get("p50_ms") or None for r in runs]
+        bare = [((f.get(name) or {}).get(mode) or {}).get("p50_ms") for f in floors]
+        x = [round(o / b, 3) if o and b else None for o, b in zip(ours, bare)]
+        over = [round(o - b, 3) if o and b else None for o, b in zip(ours, bare)]
+        if any(v is not None for v in x):
+            out[key] = {"against": mode, "bare_p50_ms": bare, "p50_ms": ours, "x_round": x,
+                        "median_round_x": round(statistics.median(v for v in x if v is not None), 3),
+                        "over_ms_round": over,
+                        "median_over_ms": round(statistics.median(v for v in over if v is not None), 3)}
     return out
 
 
 def _floor_text(name: str, figures: dict) -> str:
     return "\n".join(f"{name} {key} p50 beside a bare {f['against']} (median round): {f['median_round_x']:.2f}x, "
-                     f"{f['median_over_ms']:+.2f} ms (bare p50 " + ", ".join(f"{b:.2f}" for b in f["bare_p50_ms"])
-                     + " ms)" for key, f in figures.items())
+                     f"{f['median_over_ms']:+.2f} ms (bare p50 "
+                     + ", ".join(f"{b:.2f}" if b else "-" for b in f["bare_p50_ms"]) + " ms)"
+                     for key, f in figures.items())
 
 
 def _ceiling_ratios(first: str, name: str, rounds: list[dict], ours: dict, theirs: dict,
@@ -691,10 +695,13 @@ def _run(levels: tuple[int, ...], log: Callable[[str], None], against: str | Non
     if floors:
         out["host_floor"] = {"seconds": floor, "modes": FLOOR_MODES,
                              "bare": {name: [r.get(name) for r in floors] for name in floors[0]}}
+        out["host_floor"]["c1"] = {}
         for v in variants:
             if figures := _floor_figures(v[0], floors, every, cases):
-                out["host_floor"][v[0]] = figures
+                out["host_floor"]["c1"][v[0]] = figures
                 log(_floor_text(v[0], figures))
+        if not out["host_floor"]["c1"]:
+            log("--floor: no c=1 level of python or bash to give beside it (the bare figures are in host_floor)")
     if len(variants) > 1 or variants[0][0] != "tangram":  # named variants (one named server too)
         first = variants[0][0]
         out["servers"] = {name: {"cpus": cpus, "fronts": fronts, "sandbox_workers": workers, "src": src,
