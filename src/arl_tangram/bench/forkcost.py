@@ -267,7 +267,7 @@ def latency(cpus: list[int], mode: str, heap_mb: int, pages: int, seconds: float
     if not row["iterations"]:
         return {"error": f"no iteration in {seconds} s"}
     return {"iterations": row["iterations"], "p50_ms": row["p50_ms"], "p99_ms": row["p99_ms"],
-            "cpu_ms": round((row["user_s"] + row["system_s"]) * 1e3 / max(row["iterations"], 1), 4)}
+            "cpu_ms": round((row["user_s"] + row["system_s"]) * 1e3 / row["iterations"], 4)}
 
 
 def measure(cpus: list[int], mode: str, heap_mb: int, pages: int, seconds: float) -> dict:

@@ -442,6 +442,13 @@ def _ceiling_round(pinned: dict[str, set[int] | None], seconds: float, log: Call
 FLOOR_MODES = {"python": "fork", "bash": "spawn"}
 
 
+def _case_level(key: str, cases: tuple[str, ...]) -> tuple[str, int]:
+    """A result's key -> its case and concurrency: ``python@c8`` (several cases, or --against), or
+    the level alone (``8``) when only ``cases[0]`` was run."""
+    case, at, level = key.partition("@c")
+    return (case, int(level)) if at else (cases[0], int(key))
+
+
 def _floor_round(sets: dict[str, set[int] | None], seconds: float, log: Callable[[str], None]) -> dict:
     """Each server's CPU set's own time for a run's bare process, one at a time, no server's work
     in it: ``forkcost``'s timed loops for ``seconds`` each (a forked child writing 300 of a 16 MB
@@ -453,8 +460,9 @@ def _floor_round(sets: dict[str, set[int] | None], seconds: float, log: Callable
     out: dict[str, dict[str, dict | None]] = {}
     for name, cpus in sets.items():
         row = out[name] = {}
+        allowed = sorted(cpus or os.sched_getaffinity(0))
         for mode in dict.fromkeys([*FLOOR_MODES.values(), "compute"]):
-            r = latency(sorted(cpus or os.sched_getaffinity(0)), mode, 16, 300 if mode == "fork" else 0, seconds)
+            r = latency(allowed, mode, 16, 300 if mode == "fork" else 0, seconds)
             row[mode] = None if "error" in r else {"p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"]}
         log(f"{name:>8} host floor, one at a time: " + ", ".join(
             f"{m} p50 {v['p50_ms']:.2f} ms" if v else f"{m} -" for m, v in row.items()))
@@ -467,9 +475,9 @@ def _floor_figures(name: str, floors: list[dict], every: dict[tuple[str, str], l
     bare one's (``x``) and the milliseconds ours adds to it (``over_ms``)."""
     out: dict = {}
     for (server, key), runs in every.items():
-        case = key.partition("@")[0] if "@" in key else cases[0]
+        case, level = _case_level(key, cases)
         mode = FLOOR_MODES.get(case)
-        if server != name or mode is None or int(key.rpartition("@c")[2]) != 1:
+        if server != name or mode is None or level != 1:
             continue
         if len(runs) != len(floors):  # a level or case given twice: the rounds would not pair up
             continue
@@ -506,7 +514,7 @@ def _ceiling_ratios(first: str, name: str, rounds: list[dict], ours: dict, their
         if each:
             out[mode] = {"round_x": [round(x, 3) for x in each], "median_round_x": round(statistics.median(each), 3)}
     for key, a in ours.items():
-        mode = CEILING_MODES.get(key.partition("@")[0] if "@" in key else cases[0])
+        mode = CEILING_MODES.get(_case_level(key, cases)[0])
         b = theirs.get(key)
         if not (isinstance(a, dict) and isinstance(b, dict)) or mode not in out:
             continue
