@@ -46,44 +46,19 @@ class Options:
     elastic: bool = True
     migrate: bool = True
     #: a session moves off its full node only when the predicted wait for it is longer than a move
-    #: costs (``_home_wait``; issue 24). Measured in the simulator (``tangram simulate --policy
-    #: tangram``, seed 0, always moving -> priced): code_agent on 4 nodes at 1x ACT 1.935 -> 1.946
-    #: s, step 1031.5 -> 1031.7 s; at 0.5x on 4 / 8 nodes ACT 2.10 -> 2.40 / 2.16 -> 2.66 s, step
-    #: +1.6% / +1.4%; rlvr and mixed on 4 nodes unchanged. That cost was not the wait estimate
-    #: (the guess then: heavy-tailed steps outrunning their predictions) but elasticity: a step
-    #: waiting for its home by choice kept the CPU queue non-empty, so nothing grew for
-    #: ``elastic_quiet_s``. Such steps no longer count as a queue (``_schedule_cpu``). ``tangram
-    #: evaluate --workloads code_agent`` (3 seeds), worst seed's ACT over the best baseline at
-    #: 0.25x / 0.5x / 1x, always moving -> priced before -> priced now: 1.311 / 1.984 / 1.462 ->
-    #: 1.229 / 1.618 / 1.376 -> 1.352 / 2.005 / 1.458, step 1.168 / 1.214 / 1.068 -> 1.174 / 1.194
-    #: / 1.056 -> 1.191 / 1.215 / 1.068; mixed's at 0.25x / 0.5x 1.292 / 1.700 -> 1.221 / 1.598 ->
-    #: 1.307 / 1.706; rlvr, mopd, search identical. Simulated seeds 0-2 at 0.5x (512 cores on 8 /
-    #: 16 nodes scaled: 4 / 8 nodes), ACT always -> now: 2.161 / 2.230 / 2.094 -> 2.168 / 2.194 /
-    #: 2.071 s on 4 nodes, 2.285 / 2.343 / 2.196 -> 2.329 / 2.327 / 2.188 s on 8 (priced before:
-    #: 2.663 and 3.142 s on seed 0). Better wait estimates, measured with that fix and dropped (no
-    #: gain beyond noise): moving once a step has waited a move's cost (ski rental), a running
-    #: action's remaining time as max(predicted rest, elapsed), predictions doubled; without it
-    #: they did not recover the loss either (0.5x worst ACT 1.615 / 1.631 / 1.643). On Ray a move
-    #: also starts the session's processes afresh (its Python state), which the simulator does not
-    #: charge. False: move whenever the home is full (before issue 24).
+    #: costs (``_home_wait``): a move to save less than it costs delays the step it was meant to
+    #: hurry. On Ray a move also starts the session's processes afresh (its Python state), which the
+    #: simulator does not charge. False: move whenever the home is full.
     price_moves: bool = True
     fair_share: bool = True
     residency_aware: bool = True  # cost-aware eviction + wait for a busy resident instance
     prefetch: bool = True  # load registered models onto idle GPUs before they are asked for
     aging_per_s: float = 0.1
     #: Model calls age faster. A call is passed by a newer one for (its key - theirs) / aging
-    #: seconds: at 0.1/s a 235B teacher's call (8 GPUs, seconds of work, a load) waited a minute
-    #: behind 1-GPU calls, its trajectories ended the step, and when its backlog finally won it
-    #: took whole islands from the popular models (mopd seed 4 at 0.5x: a reason-72b trajectory
-    #: then waited 15 s and ended the step 1.5% behind fifo). ``tangram evaluate --workloads mopd``,
-    #: 20 seeds, no client counts, step time over the best baseline's, worst seed / mean at 1x,
-    #: 0.5x, 0.25x: 0.1/s 0.996/1.001, 0.966/1.003, 0.965/1.017; 0.6/s 0.995/1.001, 0.993/1.008,
-    #: 1.000/1.033 (ACT 1.20 -> 1.25, 1.26 -> 1.31, 1.09 -> 1.08 of the best baseline's); with
-    #: counts worst 1.000, 0.972, 0.989 -> 1.000, 0.997, 0.991 (mean at 0.25x 1.055 -> 1.048).
-    #: Other rates, no counts: 0.4 also keeps every seed within 1%; 0.2, 0.5 and 1.0 leave one
-    #: seed at 0.25x at 0.98-0.99; 0.3 and 0.8 put seed 4 at 0.5x back at 0.96 (the seed is
-    #: bimodal: whether a teacher's burst lands on a step's last trajectory). mixed: unchanged
-    #: (10 seeds, within 0.6%); pools without GPUs: identical runs.
+    #: seconds: at 0.1/s a 235B teacher's call (8 GPUs, seconds of work, a load) waits a minute
+    #: behind 1-GPU calls, its trajectories end the step, and when its backlog finally wins it takes
+    #: whole islands from the popular models. 0.6/s keeps mopd's every seed within 1% of the best
+    #: baseline's step time; pools without GPUs are not affected.
     gpu_aging_per_s: float = 0.6
     critical_boost_s: float = 30.0  # 0: no priority from critical.py at all
     critical_path: bool = True  # boost trajectories projected to finish their step last (critical.py)
@@ -305,11 +280,9 @@ class ActionLevelPolicy:
 
         Steps left waiting because they chose to wait for their own full node (``_cpu_node``: the
         wait is predicted shorter than a move) do not make the pool busy for elasticity: only
-        their home can serve them, and nothing grows there (``_water_fill``). Counted as a
-        queue they stopped all growth for ``elastic_quiet_s`` after each (``Options.price_moves``
-        has the figures: code_agent's worst ACT at 0.5x 1.618x -> 2.005x the best baseline's).
-        The take-back below still counts them: not counting them (last round's number) measured
-        code_agent at 0.25x 1.352 -> 1.334 (ACT) and 1.191 -> 1.174 (step), the same elsewhere."""
+        their home can serve them, and nothing grows there (``_water_fill``); counted as a queue
+        they would stop all growth for ``elastic_quiet_s`` after each. The take-back below still
+        counts them: taking no cores back for them costs code_agent ACT and step time at 0.25x."""
         pool = self._cpus
         homed, new = self.queues.get(CPU), self.queues.get(CPU_NEW)
         queues = []
@@ -365,7 +338,7 @@ class ActionLevelPolicy:
     def _follow(self, q: JobQueues, now: float) -> Iterator[Decision]:
         """No core free and one-shots waiting: queue them behind running ones (``Follow``), so
         a core's next run starts the moment its last one ends, with no round trip through the
-        engine between (issue 26). The head of the queue goes behind the oldest run of its size
+        engine between. The head of the queue goes behind the oldest run of its size
         that is predicted short and has not yet run longer than that (``follow_max_s``: a
         follower waits out the rest of its run, so a straggler is not followed), looking at the
         first ``lookahead`` runs only. Stops at the first entry that may not follow (a session's
@@ -420,17 +393,16 @@ class ActionLevelPolicy:
         """How long until ``lo`` cores are free on the full node ``home``, as predicted: its running
         actions' predicted ends, earliest first, until enough cores come back. A session moves only
         when this is longer than a move costs (``Costs.session_restore_s``), as the simulator
-        charges it: a move to save less than it costs delays the step it was meant to hurry (issue
-        24: a real move on Ray measured 0.32 s p50, while steps of a few ms freed the home node
+        charges it: a move to save less than it costs delays the step it was meant to hurry (a
+        real move on Ray costs ~0.3 s, ``MOVE_S``, while steps of a few ms free the home node
         sooner). An action already past its prediction is expected to run as long again as it has
         (its duration is plainly not the usual one), rather than to end at once, which would pin
         its node's sessions behind a straggler. Steps that chose to wait for the node earlier in
-        the round (``_claimed``) are served first: each later one waits for the next ends (without
-        them, every step homed on a busy node expected its first free core, and at 0.5x code_agent
-        on 4 / 8 nodes ACT rose 14% / 25% over always moving). The ends are read from every
-        running action, so only when another node has room, and kept until the earliest of them
-        passes, not per node and round (thousands of running actions read for each of up to
-        ``lookahead`` skipped steps, at one round per event). Free moves (``session_restore_s``
+        the round (``_claimed``) are served first: each later one waits for the next ends (else
+        every step homed on a busy node would expect the same first free core). The ends are read
+        from every running action, so only when another node has room, and kept until the earliest
+        of them passes, not per node and round (thousands of running actions read for each of up
+        to ``lookahead`` skipped steps, at one round per event). Free moves (``session_restore_s``
         0) skip it."""
         cached = self._home_ends.get(home)
         if cached is None or now >= cached[0]:
@@ -466,25 +438,12 @@ class ActionLevelPolicy:
         for ``elastic_quiet_s`` (the caller checks): growing into a burst delays the burst more
         than it speeds up the grown action (measured on rlvr at 0.5x and 0.25x).
 
-        Issue 23: a step's onset looks quiet (the previous step's tail was), so the first actions
-        of its burst are grown just before it queues. rlvr at 0.125x / 0.25x: worst seed ACT
-        0.992x fifo's, all of it from those actions (elastic off: 1.000x). Measured and dropped
-        (worst seed; rlvr 0.125x / 0.25x / 2x, code_agent 2x): a reserve for the arrivals
-        expected during the grown run (decayed rate, or the count over the last run length): no
-        change, the onset accelerates; quiet also for ``elastic_quiet_s`` after each new session:
-        1.000 / 1.000 / 1.000 (from 1.45), code_agent 1.002 (from 1.17); after each new step:
-        1.000 / 1.001 / 1.36, code_agent 1.02; after a step whose pool queued: 0.998 / 0.994 /
-        1.45, code_agent at 1x 1.433 -> 1.414. Kept: the cores are taken back when a queue forms
-        (``_take_back``, a ``Shrink`` the engine applies). Worst of seeds 0-2 against the best
-        baseline, without -> with it (``tangram evaluate`` cells, ACT / step): rlvr at 0.125x
-        0.9919 / 0.9998 -> 1.0004 / 1.0003, 0.25x 0.9921 / 1.0009 -> 1.0027 / 1.0009, 0.5x 1.006 ->
-        1.056, 1x 1.179 -> 1.255, 2x 1.445 (same); code_agent ACT 1.015 / 1.211 / 1.860 / 1.433 /
-        1.169 -> 1.048 / 1.311 / 1.984 / 1.462 / 1.169 at 0.125x-2x, step within 1% (1.172 ->
-        1.168 at 0.25x, 1.223 -> 1.214 at 0.5x); mixed ACT 1.617 / 1.218 / 1.654 / 1.974 / 2.036
-        -> 1.632 / 1.292 / 1.700 / 1.991 / 2.036, step within 0.6%. With it, a shorter quiet
-        window (``elastic_quiet_s`` 2 / 5 s instead of 10), measured and dropped: rlvr's worst ACT
-        at 0.5x 1.056 -> 1.067 / 1.062 and code_agent's at 0.25x 1.311 -> 1.353 / 1.321, but
-        mixed at 0.25x 1.292 -> 1.284 / 1.279 (its mean step ratio 1.161 -> 1.154 / 1.153).
+        A step's onset looks quiet (the previous step's tail was), so the first actions of its
+        burst are grown just before it queues; the cores are taken back when the queue forms
+        (``_take_back``, a ``Shrink`` the engine applies). Reserving for the expected arrivals or
+        staying quiet after each new session or step does not catch the onset and costs growth
+        elsewhere. ``elastic_quiet_s`` is 10 s: shorter windows cost rlvr and code_agent more ACT
+        than they give mixed.
 
         Nothing grows on a node that a step of this round chose to wait for (``_claimed``: the
         wait for its cores is shorter than a move): the cores free there are the ones it waits
@@ -532,7 +491,7 @@ class ActionLevelPolicy:
     def _take_back(self, need: int) -> Iterator[Decision]:
         """A queue formed while actions hold cores a ``Grow`` gave them: take back up to ``need``
         of those cores, every extra core of the most recently grown first (they have the most of
-        their run left at the grown speed; ``_water_fill`` says why and what it measured). A core
+        their run left at the grown speed; ``_water_fill`` says why). A core
         serves a queued action at full speed and the last cores of a grown one at a fraction of
         it (Amdahl), so with a queue they go back whole."""
         running = self.view.running
@@ -569,26 +528,11 @@ class ActionLevelPolicy:
         (``critical.py``): at most ``gpu_aging x slack`` key seconds, none for a trajectory with
         no projection yet (the job's first turns) or on the critical path; without counts nothing
         says which trajectory may wait and it applies in full.
-        Why (issue 23): mopd at 0.125x (8 GPUs, one island, 1,047 GB of weights in 640 GB) keeps
-        the GPUs 93-96% held; fifo spent 17 / 9 / 21% of GPU time on loads (seeds 0-2), Tangram
-        16 / 7 / 22%, and on seed 2 472 of its 749 evictions dropped a copy whose model had
-        actions waiting: average ACT 0.910x fifo's. Priced: loads 14% on seed 2; ACT over the
-        best baseline 1.015 / 1.089 / 0.910 -> 1.251 / 1.122 / 1.251. Worst of 10 seeds at
-        0.125x / 0.25x / 0.5x / 1x, ACT 0.892 / 0.891 / 0.945 / 0.945 -> 1.023 / 1.029 / 1.034 /
-        1.054, step 0.998 / 1.002 / 0.997 / 1.000 -> 1.018 / 1.035 / 0.999 / 1.000 (means 1.027 /
-        1.057 / 1.019 / 1.003 -> 1.079 / 1.084 / 1.021 / 1.003); the step's worst seed at 0.5x is
-        a step-start draw (aging 0.59 instead of 0.6 moved it 1.002 -> 0.995 before). Priced in
-        full it was the same but 0.997 / 1.009 for ACT at 0.25x / 0.5x, and 0.999 on seed 0 of
-        ``tangram evaluate`` at 0.5x: a finance-32b call at the step's onset waited 1.3 s in a
-        queue the price had grown and its trajectory (a 138 s gap later) ended the step. Without
-        counts, 10 seeds: worst ACT 0.905 / 0.960 / 0.987 / 1.074 -> 1.026 / 1.019 / 1.031 /
-        1.068, worst step 0.981 / 1.004 / 0.999 / 0.995 -> 1.016 / 1.025 / 0.991 / 0.995 (0.5x,
-        seed 0: a safety-3b call waited 3.1 s at a step's onset and its trajectory ended the
-        step). Measured and dropped (3 seeds, worst over mopd's scales): resident copies strictly
-        first (0.620x on seed 0 at 0.125x: big models starve), the load amortised over the
-        model's queue (0.851), the own load priced for cold models only (0.989), pricing only
-        starts that evict (0.970), 5x the price (same as 1x), the slack bound with the full price
-        before a projection (ACT 1.002 at 0.25x, step still 0.999)."""
+        Why: with more weights than GPU memory (mopd at 0.125x: 1,047 GB in 640 GB on one island)
+        an unpriced dispatch evicts copies whose own model has calls waiting, and loads take up to a
+        fifth of GPU time. Resident copies strictly first starves the big models; pricing only
+        some setups (cold models, starts that evict, the load amortised over a queue) prices
+        too little."""
         pool = self.view.gpu
         priced = self.opt.dispatch_setup
         order = [(q.peek_key(), model, False) for model, q in self.gpu_queues.items() if q.size]
@@ -679,8 +623,8 @@ class ActionLevelPolicy:
         """With no model action waiting, give every registered model that has no GPU copy one, on
         idle GPUs and in free memory only (never evicting), most requested first. Weights wait in
         host RAM anyway and idle GPUs cost nothing more, while a cold request would pay the load
-        in its ACT. (Prefetching extra copies of busy models up to their recent peak was measured
-        too: the loads occupy GPUs when bursts arrive and it lost on mopd at 1x.)"""
+        in its ACT. One copy only: extra copies of busy models would occupy GPUs with loads just
+        when bursts arrive."""
         pool = self.view.gpu
         if not pool.spare_gpus:
             return

@@ -81,7 +81,7 @@ class Follow:
     reported. Only for an action of ``EngineView.followable`` without a follower, and an action
     that asks for exactly its cores; only engines whose CPU manager can (``core.seam.Chainer``)
     list any. What it saves: the report's way to the engine and the start's way back, during
-    which the core idles (issue 26)."""
+    which the core idles."""
 
     action: Action
     after: str
@@ -160,8 +160,7 @@ class Costs:
         """This machine's bubblewrap sandboxes: what an action's ``setup_s`` measures (2-core VM,
         20 sessions: taking a prepared sandbox 0.2 ms, thawing one 0.17 ms). A session's shell
         starts in its first step (~8 ms there), which is measured, recorded and replayed as that
-        step's work; charging it here as well made replays of real runs ~50% slow (was 10 ms
-        create, 1 ms thaw)."""
+        step's work; charging it here as well would count it twice in replays of real runs."""
         return cls(session_create_s=0.0005, session_thaw_s=0.0002, session_restore_s=0.01,
                    session_mem_gb=session_mem_gb)
 
@@ -176,10 +175,9 @@ class Costs:
                    session_restore_s=MOVE_S if move_s is None else move_s, session_mem_gb=session_mem_gb)
 
 
-#: What a session's move between nodes of a Ray cluster costs, p50: ``tangram bench cluster --nodes
-#: 1 --drain-sessions 50`` on the 2-core VM (loopback cluster, load 6-12), issue 24: 0.32 s (the
-#: simulator's and ``Costs.local``'s 0.01 s priced it 30x too cheap, so sessions moved to save a
-#: few ms of waiting).
+#: What a session's move between nodes of a Ray cluster costs, p50, as ``tangram bench cluster
+#: --nodes 1 --drain-sessions 50`` measures it (0.32 s on a 2-core VM, loopback cluster): priced at
+#: 0.01 s, sessions moved to save a few ms of waiting.
 MOVE_S: Final = 0.32
 
 

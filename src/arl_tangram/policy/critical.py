@@ -23,92 +23,18 @@ submitted action, seconds of priority (taken off its SRPT key) from two signals:
   (a newer call passes an older one for their key difference / aging seconds), so the delay
   cannot make it the step's last.
 
-Why (issue 13). Figures: Tangram's step time over the best baseline's of the same seed, worst of
-seeds 0-4 / mean, at pool scales 1 / 0.5 / 0.25 (``tangram evaluate --scales 1,0.5,0.25 --seeds 5
---no-min-resources [--no-client-remaining]``, ``vs_best_baseline`` in results.json):
-
-* Clients without counts, before: search 0.939/0.968, 0.920/0.980, 0.966/0.986; mopd 0.997/1.002,
-  0.969/0.989, 0.892/0.952. After: search 0.953/0.993, 0.936/0.991, 0.991/0.998; mopd
-  0.996/1.001, 0.985/1.006, 0.993/1.018; against each baseline's own mean Tangram is now ahead on
-  every workload and scale (search vs fifo 1.006 / 1.007 / 1.002). Search's ACT against the best
-  baseline 1.049 / 0.985 / 0.986 -> 1.046 / 1.065 / 1.138.
-* With counts: mopd at 0.25x 0.931/0.991 -> 0.997/1.048; search's worst seed 1.043 / 1.064 /
-  1.046 -> 1.043 / 1.064 / 1.069.
-* The *straggler* boost (once 80% of a step's trajectories had ended, the rest were boosted) was
-  dropped: fixed at submission, it only let the stragglers' new actions overtake older queued ones
-  of the same step (LIFO among them) and pulled model loads forward on GPU pools. It is what cost
-  mopd at 0.25x above; no workload lost step time without it. It did buy mopd some ACT: 1.054 ->
-  1.020 of the best baseline's at 0.25x with counts.
-* The learned projection is kept for sandbox actions only: on mopd (GPU) it boosted LIFO-like
-  among trajectories with equal turn counts (equal residuals, so the latest submission projects
-  latest) and cost 0.985 -> 0.969 at 0.5x (for +2% ACT at 1x); on search it gained nothing; on
-  code_agent it gains ~1% of step time at 0.5x and 0.25x.
-* The waiting credit on search without counts, 20 seeds, step time over fifo's mean / worst seed:
-  before 0.992/0.959, 0.992/0.971, 1.002/0.971 with +7.5 / 3.4 / 1.2% ACT over fifo (SRPT alone:
-  0.991/0.945, 0.997/0.962, 0.996/0.974); with the credit 1.002/0.976, 1.003/0.980, 1.001/0.993
-  with +7.9 / 11.4 / 14.5% ACT. Weight 0.5 gave the same step time for +7.5 / 6.6 / 5.9% ACT;
-  weight 2 more ACT (+25% at 0.25x) for 0.993 of fifo's step time on the mean. Not applied when
-  the client sends counts: it then fights the boost (search 0.5x worst seed 1.064 -> 0.970). On
-  GPU pools it reorders across models and pays loads (mopd 0.25x worst seed 0.993 -> 0.874).
-
-Why the slack order (issue 23): on search at 0.125x / 0.25x / 0.5x Tangram's average ACT was
-0.938 / 0.956 / 0.981 of trajectory-static's on the worst seed (``tangram evaluate``, clients send
-counts), even fifo's was lower. A quota's throughput is fixed and the system is closed (a
+Why each signal is where it is: the boost moves forward the trajectories that end the step,
+which is what shortens it. The learned projection serves sandbox actions only: on GPU pools
+trajectories with equal turn counts have equal residuals, so it boosts the latest submission
+(LIFO-like) and costs step time. The waiting credit applies only without counts and only on quota
+pools: with counts it fights the boost, and on GPU pools it reorders across models and pays
+loads. The slack order exists because a quota's throughput is fixed and the system is closed (a
 trajectory waits for its call, thinks, calls again), so the mean ACT is set by how many
-trajectories are still calling (Little: R = N / X - Z); the baseline's random backoff lets some run
-ahead and finish, while aging and the boost keep all abreast, the largest population to the end.
-Finishing the trajectories with the fewest calls left first shrinks it; the slack bound keeps the
-step. Worst seed, 0.125x ... 2x: ACT 0.938 / 0.956 / 0.981 / 1.041 / 1.001 -> 1.282 / 1.349 /
-1.253 / 1.156 / 1.000 (1.0004), step 1.039 / 1.075 / 1.064 / 1.043 / 1.000 -> 1.015 / 1.056 / 1.134
-/ 1.087 / 1.000; mixed ACT 1.171 -> 1.265 (0.25x), step unchanged or better. Measured and
-dropped: the rest of the trajectory unbounded (ACT 1.26-1.54 but step 0.946), bounded by the
-slack / (remaining turns + 1) (ACT 0.925 at 0.5x), on CPU and GPU pools too (code_agent at 0.125x
-ACT 1.015 -> 0.899, mopd at 0.25x 1.024 -> 0.991: action sizes vary 100x there, per-action SRPT
-already has that gain and the trajectory term fights it). Without counts nothing changes.
-
-mopd's last seed behind fifo without counts (seed 4 at 0.5x, 0.985) was not a critical-path
-matter: model calls now age faster (``action_level.Options.gpu_aging_per_s``, figures there).
-Signals for the GPU round measured first and dropped (mopd, no counts, step time over the best
-baseline's at 1x / 0.5x / 0.25x): the waiting credit, ordering only within a model's queue
-(models by their head's key without it): seeds 0-4 worst 0.919 / 0.800 / 0.846 — it favours the
-trajectories that have run turns over first turns, whose remaining gaps then start late; the
-expected remaining turns x seconds per turn taken off the key (x0.1; least attained,
-continuous): 20 seeds mean 1.002 / 1.008 / 1.023 but seed 4 at 0.5x 0.977, x0.3 and x1 worse,
-within a model's queue only worse (worst 0.960 at 0.5x); holding the block the best blocked
-wide call waits for (EASY backfilling: frontier-235b at 0.25x had calls queued but none running
-235 of 440 s, small models backfilled its island; others ran there only if predicted to end
-before it drained): held GPUs idled, 20 seeds 0.5x / 0.25x mean 0.981 / 0.825, ACT 0.81 / 0.32.
-
-What remains: without counts, search's step time is up to 6.4% behind trajectory-static on single
-seeds (seed 1 at 1x and 0.5x). That baseline's calls hit the API's limiter directly and back off
-at random: a random service order whose step
-time spreads about +-10% around fifo's; even exact submission order (fifo) is >1% behind it on 7
-of 20 seeds at 1x (worst 0.89). Search trajectory lengths are independent of everything a
-scheduler sees (after ~7 turns their hazard is flat, ~0.2 a turn), so no order that uses only what
-was observed finds the long ones; the client's counts do. Seed 1, mean step at 1x / 0.5x: Tangram
-227.5 / 315.1 s, fifo 227.0 / 314.4, trajectory-static 216.9 / 294.9 (fifo 0.955 / 0.938 of it).
-At 1x both steps end with a 30-turn trajectory (the generator's cap) that waited 29.7 + 27.5 s
-under Tangram, 22.9 + 33.3 under fifo, 14.7 + 21.2 under the baseline's backoff, all in the
-step's first 80 s (its first 10 turns, the start-of-step burst), before its length shows. Tangram's
-part of it is one browse call (2.9 s predicted, no credit yet) passed by ~600 newer 0.9 s search
-calls carrying ~1.7 s of credit: 29 s on that call (the window's mean wait was 4.6 s). Bounding
-such pass-overs by aging quota calls at 0.3 / 0.6 per s: seed 1 0.962 / 0.960 at 1x, 0.936 /
-0.936 at 0.5x, 20 seeds' mean unchanged (0.984 at 1x) for ACT 1.05 -> 1.01 / 0.99 of the best
-baseline's; a credit only for waiting above the step's mean: 0.964 / 0.927.
-
-Measured and dropped as well: ordering every action by remaining trajectory time
-(``key -= w * remaining``) gives up SRPT's ACT; with no counts on search (20 seeds, vs fifo):
-least-attained service (fewest turns first, 5 s a turn) = fifo's step time and ACT; submission
-order within the job = fifo exactly (ACT -7% against SRPT at 1x); stronger aging (1/s) 0.999 /
-1.000 of fifo, +1.3% ACT; aging 0.3/s with the credit 0.988 worst, +3.7% ACT; a credit for the
-mean interval per turn (gaps included) instead of the queue wait: +13% ACT but 0.909 of fifo on
-one seed at 1x; (seeds 0-4, vs the best baseline) most-turns-first 0.966 / 0.969 / 0.991 on the
-mean; random order, for scale, 0.86-0.95 on the worst seed. On mopd without counts, boosting the
-trajectories with the most expected turns left (least attained, by class): 20 seeds 1.003 /
-1.007 / 1.019 of fifo on the mean (vs 1.001 / 1.003 / 1.017) but 0.958 on the worst seed at 0.25x
-(vs 0.965), and a scan of the step's runs per submit. A client count blurred by a lognormal factor
-(sigma 0.5) fell to 0.93x (measured before this change): the boost is only as good as the
-client's plan.
+trajectories are still calling (Little: R = N / X - Z); finishing those with the fewest calls left
+first shrinks that number, and the slack bound keeps the step. No order built only from what was
+observed finds search's long trajectories (their hazard is flat after a few turns): the boost is
+only as good as the client's counts. docs/performance.md (engine and policy) keeps the figures and
+the signals measured and dropped.
 """
 
 from __future__ import annotations

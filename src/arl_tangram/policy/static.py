@@ -113,8 +113,8 @@ class TaskIsolatedPolicy(StaticPartitions):
     a node (``cpu_waiting``) go before trajectories that still need a sandbox (``cpu_new``). The
     latter wait first come, first served for a slot — memory for their session — like the
     semaphore a framework puts in front of a fixed sandbox fleet. (One queue with a bounded
-    lookahead deadlocked when more trajectories than slots were queued ahead of the ones holding
-    the slots: issue 13, code_agent at 0.125x.)"""
+    lookahead deadlocks when more trajectories than slots are queued ahead of the ones holding
+    the slots.)"""
 
     name = "task-isolated"
 
