@@ -18,7 +18,7 @@ Contract:
 Hot path: this module and the rest of ``build.HOT_PATH`` are compiled with mypyc at install
 (``setup.py``), and the shape of the code below is what measured quickest on the sources: fast
 paths where an action is checked, a pool's ledger without inner calls, one round per event. What
-was measured, kept and dropped, with the figures, is in docs/performance.md ("The engine").
+was measured, kept and dropped, with the figures, is in docs/performance.md (engine and policy).
 """
 
 from __future__ import annotations
@@ -395,7 +395,7 @@ class Engine:
             return wake
         return deadline if wake is None else min(wake, deadline)
 
-    # -- bounded queue time (issue #15) ----------------------------------------------------------
+    # -- bounded queue time ---------------------------------------------------------------------
     def next_deadline(self) -> float | None:
         """The earliest time a queued action will be rejected for waiting too long, or None."""
         return self.deadlines.earliest(self.pending)

@@ -162,7 +162,7 @@ class Caller:
     def request_cb(self, method: str, args: tuple, done: Callable[[bool, Any], None]) -> None:
         """``request`` with a callback, called as the answer is read: ``done(True, value)`` or
         ``done(False, error)``. A future's callbacks run a loop pass later; a sandbox worker's
-        answer frees a core, and every pass in between keeps it held (issue 10)."""
+        answer frees a core, and every pass in between keeps it held."""
         if self.gone is not None or self._proto is None:
             done(False, PeerGone("the link is down (its peer stopped or died)"))
             return

@@ -53,17 +53,17 @@ def render(url: str, health: dict, jobs: list[v1.JobStats], cluster: dict | None
         head = (f"[bold]{url}[/]  v{health.get('version')}  isolation {health.get('isolation')}   "
                 f"queued [bold]{health['queued']}[/]  running [bold]{health['running']}[/] on {cores} cores   "
                 f"sessions {health['sessions']}")
-    if "session_mem_reserved_mb" in health:  # servers since issue #15
+    if "session_mem_reserved_mb" in health:  # older servers do not report session memory
         head += (f"\nsession memory: {health['session_mem_used_mb']:,.0f} MB in use, "
                  f"{health['session_mem_reserved_mb']:,.0f} MB reserved of {health['memory_mb']:,} MB "
                  f"({health['sessions_placed']} sessions placed)")
         rest = health.get("rest")
-        if rest:  # servers since issue #25
+        if rest:  # nor sessions at rest
             head += (f"\nsessions awake {rest['awake']:,} (at most {rest['max_awake_sessions']:,} idle), at rest "
                      f"{rest['at_rest']:,} using {rest['rest_bytes'] / (1 << 20):,.1f} of {rest['rest_disk_mb']:,} MB "
                      f"of disk; {rest['rests']:,} rests, {rest['wakes']:,} wakes, {rest['rest_failures']} failed")
         workers = health.get("sandbox_workers")
-        if health.get("fronts") or workers:  # servers with helper processes (issue #10)
+        if health.get("fronts") or workers:  # servers with helper processes
             head += f"\nprocesses: {health.get('fronts', 0)} HTTP fronts"
             if workers:
                 head += f", sandbox workers {workers['up']}/{workers['total']} up"

@@ -1,4 +1,4 @@
-"""Bounded queue time (issue #15).
+"""Bounded queue time.
 
 Every accepted action gets a deadline ``submitted_at + max_queue_s``; past it, if it has not
 started, the engine ends it ``rejected`` with a message naming what it waited for (the policy

@@ -247,10 +247,10 @@ class CpuPool:
                 self.free_mem[node] += mem
         self.session_used.pop(session, None)
 
-    # -- session memory by use (issue #15) -------------------------------------------------------
+    # -- session memory by use ------------------------------------------------------------------
     # A session's reservation is the running action's estimate while it runs and, once it goes
     # idle, what it was measured to use plus headroom (requests vs limits: the hard limit stays
-    # its cgroup's). Reserving the whole limit for an idle session admitted ~47 sessions on 24 GB.
+    # its cgroup's). Reserving the whole limit for an idle session admits only ~47 sessions on 24 GB.
 
     def grow_session(self, session: str, mem_gb: float) -> None:
         """Raise ``session``'s reservation towards ``mem_gb`` (an action of it starts), as far as

@@ -5,9 +5,8 @@ action to the manager of its pool; a manager runs it (a sandbox, a model copy on
 call, or a simulation of one) and reports back one typed record to a sink it was given when it was
 built. Nothing here knows about asyncio, processes or sockets.
 
-Alternatives dropped: an ``on_done`` attribute patched on after construction with six positional
-arguments (the first release) made the order of wiring matter and hid the record's shape; string
-keys for managers made the engine special-case ``"api"``.
+The sink is given at construction, so the order of wiring does not matter and the record's shape
+is a type; managers are keyed by ``Pool``, so the engine has no special case for API quotas.
 """
 
 from __future__ import annotations
@@ -111,8 +110,8 @@ class Resizer(Protocol):
 @runtime_checkable
 class Chainer(Protocol):
     """What a CPU manager does when it can start an action the moment another one ends, without
-    waiting to hear from the engine (issue 26's lease: between two one-shots on a core, the round
-    trip to the engine and back left a fifth of 16 cores idle). The engine sends ``Follow``
+    waiting to hear from the engine (the lease: between two one-shots on a core, the round trip to
+    the engine and back leaves the core idle, a fifth of 16 cores' time). The engine sends ``Follow``
     decisions only to such a manager; the cores stay the running action's in the engine's ledger
     until its ``Completion`` arrives, and pass to the follower then, unreleased."""
 

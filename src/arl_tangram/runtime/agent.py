@@ -12,7 +12,7 @@ The class knows nothing of Ray (``RayRuntime`` wraps it as an actor pinned to it
 tested like any manager. Sessions the manager expires are collected here and picked up by the
 head's membership loop (``take_expired``), which ends them in the engine.
 
-**A lease** (issue 24): on Ray the agent outlives the head that started it (a detached actor), so
+**A lease**: on Ray the agent outlives the head that started it (a detached actor), so
 its sessions, files and processes both, survive a head restart. The head renews the lease at each
 look at the agent (``take_expired(lease_s, owner)``); a restarted head takes the agent over
 (``attach``: what it runs for the dead head is cancelled, the head journals those as ended; its
@@ -22,7 +22,7 @@ that nobody owns.
 
 The lease is armed when ``start`` returns, never before: a GPU agent loads every service's weights
 in ``start`` (minutes for big models, longer than ``lease_s``), and a lease running meanwhile
-orphaned the agent in its own start (review of issue 24, H3). A renewal during ``start`` only
+would orphan the agent in its own start. A renewal during ``start`` only
 records the head's ``lease_s``; the lease runs ``lease_s`` from the end of ``start``.
 
 **Owners.** A head names itself (``owner``: ``tangram serve``'s is a UUID stored in its journal
@@ -31,12 +31,12 @@ Only the owner, or any head once the lease ran out, takes the agent over; every 
 for a head (``take_expired``, ``run``, ``keep``, ``cancel``, ``resize``, ``close_session``,
 ``prefetch``, ``evict``, ``export_session``, ``import_session``) carries its name, and a head that
 was replaced gets ``Replaced`` from it and treats the node as lost: it cannot cancel, close or
-evict what the new head runs (review of this round, L2: only three calls checked). In practice a
-head whose lease ran out mostly finds the agent gone instead: the agent's watch orphans it within
-~50 ms of the lease's end (it closes everything and exits), so another head can take it over
-only in that moment or before the lease was first armed; both end as a lost node for the old head. A taken-over agent's one-shots of the dead head
-are cancelled and ``attach`` returns once they ended, so a re-run with the same id (the new head's
-journal re-runs them) never meets the cancelled run's completion (review M1).
+evict what the new head runs. In practice a head whose lease ran out mostly finds the agent gone
+instead: the agent's watch orphans it within ~50 ms of the lease's end (it closes everything and
+exits), so another head can take it over only in that moment or before the lease was first armed;
+both end as a lost node for the old head. A taken-over agent's one-shots of the dead head are
+cancelled and ``attach`` returns once they ended, so a re-run with the same id (the new head's
+journal re-runs them) never meets the cancelled run's completion.
 """
 
 from __future__ import annotations
@@ -347,7 +347,7 @@ class NodeAgent:
             return []
         return sorted({*m.sessions, *m.rested, *m.pending_roots})
 
-    # -- the lease: outliving a head (issue 24) ------------------------------------------------
+    # -- the lease: outliving a head ----------------------------------------------------------
     def renew(self, lease_s: float) -> None:
         """The head is alive: the agent holds on to its work for ``lease_s`` more seconds (called
         from the agent's event loop). The watch starts with the first renewal after ``start``
@@ -377,11 +377,11 @@ class NodeAgent:
         its lease ran out and it closed everything).
 
         Returns once the cancelled one-shots ended (at most ``ATTACH_CANCEL_WAIT_S``): their ids
-        come back as the journal's re-runs, which must not get the cancelled run's completion
-        (review M1: they did, and the old run's bookkeeping dropped the re-run's). Attached twice
-        while a dead head's step still runs, the session keeps the one wait for it (review L3: the
-        second replaced the first's, and a step waiting on that one waited forever); a step of an
-        earlier head still waiting here when another takes over never starts (``cancelled``)."""
+        come back as the journal's re-runs, which must not get the cancelled run's completion (the
+        old run's bookkeeping would drop the re-run's). Attached twice while a dead head's step
+        still runs, the session keeps the one wait for it (a second wait replacing the first would
+        leave a step waiting on the first forever); a step of an earlier head still waiting here
+        when another takes over never starts (``cancelled``)."""
         if self.info is None or self.orphaned:
             return None
         if self.owner != owner and self.lease_until is not None and time.monotonic() < self.lease_until:

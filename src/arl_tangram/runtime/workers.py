@@ -1,9 +1,9 @@
 """Sandbox workers: one-shot runs carried out by worker processes beside the engine process.
 
-On a many-core machine the engine process is the limit of one-shot throughput (issue 10): with
-the HTTP work in front processes it still spent ~93% of a core at 1,440 one-shots/s on 16 cores
-(H100 host), most of it on each sandbox's pipes, the recycling round trip, cgroup files and the
-result's parsing — per-action process work that needs no decision. Here that work moves to
+On a many-core machine the engine process limits one-shot throughput: without workers, and with
+the HTTP work in front processes, it spends ~93% of a core at 1,440 one-shots/s on 16 cores,
+most of it on each sandbox's pipes, the recycling round trip, cgroup files and the result's
+parsing — per-action process work that needs no decision. Here that work moves to
 ``n`` worker processes, each a ``NodeAgent`` (the same class a Ray node runs) with a
 ``SandboxManager`` of its own over the same CPUs; the engine process keeps every decision and
 sends each one-shot to a worker as one frame over a socket pair (``link.py``), getting
@@ -17,7 +17,7 @@ A worker that dies ends the one-shots it held as ``infra_error`` (never the prog
 and is started again; while none is up, one-shots run in the engine process as without workers.
 Workers die with the engine process (``PR_SET_PDEATHSIG``), their sandboxes with them.
 
-The lease (issue 26): when no core is free, the engine queues a one-shot behind a running one
+The lease: when no core is free, the engine queues a one-shot behind a running one
 (``Follow``), and the worker starts it the moment that run's sandbox answers, on its cores,
 before the engine has heard of the end (its manager holds the follower's prepared request until
 then: ``SandboxManager.start``'s ``after``). Without it each core idled for the report's way to
@@ -100,10 +100,10 @@ class SandboxWorkers:
         # behind another (``follow``) starts as that one ends, while the sandbox it ran in is still
         # being reset. Room for three idle a core: the run's, its follower's and the one being
         # reset can all be back at once, and a clean one killed at the idle cap is started anew a
-        # moment later (10-50 ms of CPU against ~1 ms for a reset; issue 26, ninth and tenth
-        # rounds: docs/performance.md). The default cap (64 over all the workers) grows to that
-        # room on hosts with more than ~21 cores (~10 MB of memory an idle sandbox, PSS); a cap,
-        # or a pool, the config sets itself is split as it says: memory is the user's to spend.
+        # moment later (10-50 ms of CPU against ~1 ms for a reset). The default cap (64 over all
+        # the workers) grows to that room on hosts with more than ~21 cores (~10 MB of memory an
+        # idle sandbox, PSS); a cap, or a pool, the config sets itself is split as it says:
+        # memory is the user's to spend.
         cpus = len(self.local.host_cpus)
         cores = -(-min(self.cores or cpus, 2 * cpus) // self.n)
         warm = per(c.warm_pool)
