@@ -32,7 +32,7 @@ def _image_name(v: str) -> str:
     return v
 
 
-#: file names become paths in a sandbox: checked here (a NUL byte was a 500 deep inside ``os``)
+#: file names become paths in a sandbox: checked here (unchecked, a NUL byte is a 500 deep inside ``os``)
 FileMap = Annotated[dict[str, str], AfterValidator(check_paths)]
 FileList = Annotated[list[str], AfterValidator(check_paths)]
 ImageName = Annotated[str, AfterValidator(_image_name)]
@@ -42,7 +42,7 @@ Text = Annotated[str, AfterValidator(check_text)]
 
 class Request(BaseModel):
     """A request body of the native API: an unknown field is a 422 naming it (a misspelled
-    ``timeout`` for ``timeout_s`` was ignored, and the action ran with the default)."""
+    ``timeout`` for ``timeout_s`` would be ignored, and the action run with the default)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -7,9 +7,9 @@ a failed attempt, asks ``RetryPolicy.verdict`` whether to try again. The clients
 ``aio`` only carry plans out (``Client.send``/``time.sleep`` or their awaitable twins): the retry
 rules, the infra_error re-run of one-shot programs and every request body live here alone.
 
-Alternatives dropped: httpx's own layout (a shared base plus a thin wrapper per method in each
-client) still writes every public method twice; a sync client that runs the async one on a
-private event loop breaks callers that already run a loop (verl's agent loop does).
+Why plans: httpx's own layout (a shared base plus a thin wrapper per method in each client)
+writes every public method twice, and a sync client that runs the async one on a private event
+loop breaks callers that already run a loop (verl's agent loop does).
 """
 
 from __future__ import annotations

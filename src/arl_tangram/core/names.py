@@ -49,8 +49,8 @@ def check_paths(paths):
 
 def check_text(text):
     """A pydantic after-validator for program text and stdin: JSON may carry a lone surrogate
-    (``"\\ud800"``), which no UTF-8 file or pipe can hold; it was a 500 when the request was
-    journaled (``PydanticSerializationError``), now a 422 naming the field."""
+    (``"\\ud800"``), which no UTF-8 file or pipe can hold: unchecked, it is a 500 when the request
+    is journaled (``PydanticSerializationError``); checked, a 422 naming the field."""
     if text is None:
         return text
     try:

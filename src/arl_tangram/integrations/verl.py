@@ -24,10 +24,10 @@ in ``ground_truth`` and returns the fraction that pass; an infrastructure failur
 ``reward.sandbox_fusion.url`` path also works against ``tangram serve`` (its ``/run_code``), but
 verl itself counts a sandbox error as a failed test case there.
 
-Alternatives dropped: keying sessions on ``request_id`` strings (with ``full_determinism`` verl
-reuses ``det-<priority>`` ids across steps, so two trajectories would share a sandbox); storing the
-session in ``agent_data.extra_fields`` (verl stops merging the engine's extra fields into a
-non-empty dict and ships every key to the trainer).
+Sessions are not keyed on ``request_id`` strings (with ``full_determinism`` verl reuses
+``det-<priority>`` ids across steps, so two trajectories would share a sandbox), nor stored in
+``agent_data.extra_fields`` (verl stops merging the engine's extra fields into a non-empty dict
+and ships every key to the trainer).
 """
 
 from __future__ import annotations

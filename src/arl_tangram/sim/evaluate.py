@@ -246,7 +246,7 @@ def _best_point(rows: list[dict], key: str, baselines: Iterable[str]) -> dict | 
 def vs_best_baseline(cells: list[dict]) -> dict[str, list[dict]]:
     """Per (workload, scale): Tangram's ACT and step time against the best baseline of each seed
     (``min`` is the worst seed, ``mean`` the mean over seeds; above 1: Tangram better) — the
-    check of issue 13's "on no workload and no seed behind a baseline by more than 1%"."""
+    check of the goal "on no workload and no seed behind a baseline by more than 1%"."""
     return {"act": _vs_best_baseline(cells, "avg_act_s"), "step": _vs_best_baseline(cells, "avg_step_s")}
 
 

@@ -40,8 +40,8 @@ class CodeAgentParams:
       2 s, 1..2 cores, parallel fraction 0.3); 8% test runs (median 30 s, sigma 0.8, up to 600 s,
       1..8 cores, parallel fraction 0.7..0.95 — pytest -n / make -j scale sub-linearly);
       the first action sets the repository up (install: median 20 s, 1..4 cores, fraction 0.5).
-    * cluster: 2 cores per trajectory on 64-core nodes, the ratio of the issue's 2,000 trajectories
-      on 4,096 cores.
+    * cluster: 2 cores per trajectory on 64-core nodes, the ratio of 2,000 trajectories on 4,096
+      cores.
     """
 
     trajectories: int = 256
