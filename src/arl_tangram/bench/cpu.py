@@ -13,8 +13,8 @@ among it; sampled at clock ticks, the kernel's own split), and the sandboxes' CP
 (``in_sandboxes``) for the sandboxes alive at the second reading, each known by its bwrap
 monitor's pid and start time (a child of the process that manages it; the runner under it, the
 namespace's init, whose ``cutime`` holds the bash it spawned and any process orphaned there; the
-zygote, whose ``cutime`` holds every python child it reaped). Issue 26 asked where the
-sandboxes' CPU per one-shot grows between 2 and 16 cores: by process, user or kernel.
+zygote, whose ``cutime`` holds every python child it reaped): where the sandboxes' CPU per
+one-shot grows between 2 and 16 cores, by process, user or kernel.
 """
 
 from __future__ import annotations
@@ -260,11 +260,7 @@ class RunQueue:
     many runnable while CPUs idle (the kernel left waiting tasks on busy CPUs).
 
     Both are the host's: a load generator on the same host counts in them (and this sampler, in
-    the runnable count), and the count includes the tasks running. Issue 26, 14 cores against 2
-    on a 16-CPU Firecracker host, the load generator's 4 processes on the other 2 CPUs: at python
-    c=256 the host held 19-22 runnable tasks at p10, 34 at p50, 44-45 at p90, and some task
-    waited 54-55% of the time, while each of the server's 14 CPUs idled 5-10%
-    (docs/performance.md, twelfth round)."""
+    the runnable count), and the count includes the tasks running."""
 
     def __init__(self, every_s: float = 0.005, read: Callable[[str], str] = _read_text,
                  clock: Callable[[], float] = time.monotonic) -> None:

@@ -1,4 +1,4 @@
-"""``tangram bench e2b``: E2B's own SDK against ``tangram serve`` on this machine (issue #22).
+"""``tangram bench e2b``: E2B's own SDK against ``tangram serve`` on this machine.
 
 A server is started on a free loopback port and the official ``e2b`` / ``e2b-code-interpreter``
 SDKs are pointed at it the way a user would (``E2B_API_URL``, ``E2B_SANDBOX_URL``,

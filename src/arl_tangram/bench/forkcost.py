@@ -1,4 +1,4 @@
-"""What a run's fresh process costs the kernel, against restoring its pages in place (issue 26):
+"""What a run's fresh process costs the kernel, against restoring its pages in place:
 ``python -m arl_tangram.bench.forkcost``.
 
 A python one-shot runs in a child the sandbox's zygote forked; the child writes ~300 of the
@@ -18,9 +18,9 @@ N workers (one per CPU of the set, each allowed the whole set, as one-shots are)
   floor, the pages written known for free.
 - ``tracked``: write them, ask the kernel which pages were written, copy those back, and protect
   them again: userfaultfd's asynchronous write-protection (a write to a protected page is let
-  through in the kernel and marks it written) read by ``PAGEMAP_SCAN`` (Linux 6.7+). The lent
-  hosts' kernels (Firecracker 6.18) have no soft-dirty bits (``CONFIG_MEM_SOFT_DIRTY`` unset:
-  ``clear_refs`` 4 marks nothing), so this is the way there. Each iteration checks nothing was
+  through in the kernel and marks it written) read by ``PAGEMAP_SCAN`` (Linux 6.7+): the way on
+  kernels without soft-dirty bits (``CONFIG_MEM_SOFT_DIRTY`` unset, as Firecracker's: ``clear_refs``
+  4 marks nothing). Each iteration checks nothing was
   missed: ``restored_exactly`` says the buffer equals its pristine copy at the end.
 
 Two more modes give the host's own ceiling for a run's process, nothing of ours in it

@@ -1,6 +1,6 @@
 """Model-service figures: host-to-device bandwidth, scoring throughput with and without batching,
 a MOPD-style run — 12 teacher services of different sizes sharing one device under Tangram, at
-several compute shares (1: one batch on the GPU at a time, as before; smaller: batches of different
+several compute shares (1: one batch on the GPU at a time; smaller: batches of different
 services overlap on their own CUDA streams), against each service owning a dedicated device
 (replayed one service at a time on the same device with its model preloaded, which is what a
 dedicated GPU would give it) — time to first score for a 7B model from a cold start and from host
@@ -669,13 +669,13 @@ def _h2d_after_free(n: int, gb: float = 7.0, reps: int = 3) -> dict:
 
 #: how the multigpu section loads, alternating in one run: packed, as the manager does by default
 #: (evictions hand memory back once loads are quiet: the next load reuses the evicted copy's
-#: blocks); packed with the hand-back right after each eviction (``packed_lazy``, the way before:
-#: 1.45x the 1-GPU load on 2x H200); with no hand-back (``packed_kept``); packed once the GPUs were
-#: left quiet (0.3 s, device syncs, the cache handed back: 1.83x there). Also: ``per_tensor``, and
+#: blocks); packed with the hand-back right after each eviction (``packed_lazy``); with no
+#: hand-back (``packed_kept``); packed once the GPUs were left quiet (0.3 s, device syncs, the
+#: cache handed back: the ceiling; docs/models.md has the figures). Also: ``per_tensor``, and
 #: the parts of settling apart: ``packed_synced`` (pause and syncs, the cache kept) and
 #: ``packed_emptied`` (the cache handed back alone, no pause); ``packed_alloc_first``: every GPU's
-#: part allocated before the first copy is issued (the way before; now each copy goes as soon as
-#: its part is allocated)
+#: part allocated before the first copy is issued (the manager issues each copy as soon as its
+#: part is allocated)
 MULTI_GPU_MODES = ("packed", "packed_lazy", "packed_kept", "packed_settled")
 SETTLE = {"packed_settled": (0.3, True, True), "packed_synced": (0.3, True, False), "packed_emptied": (0.0, False, True)}
 #: packed loads with the manager's evictions handing memory back one way (``manager.HAND_BACK``);

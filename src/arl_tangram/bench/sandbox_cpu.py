@@ -12,8 +12,8 @@ waiting is read from ``schedstat`` (nanoseconds: one child's few hundred microse
 (``new``/``gone`` say how many). Figures are ms of CPU per one-shot; the engine process's own
 (this process: engine, manager, the recycler's resets) is beside them.
 
-Issue 26 measured with it (and an instrumented copy of the runner for the reset's parts: see
-docs/performance.md, "The sandbox's own CPU per one-shot").
+docs/performance.md (one-shots) has its figures, with the reset's parts measured by an
+instrumented copy of the runner.
 """
 
 from __future__ import annotations

@@ -12,20 +12,9 @@ iteration (the bench's own records, complete, submit, schedule) so a change can 
 
 ``floor`` runs the same iteration with the engine and policy reduced to their records and their
 dict and heap operations (no validation, prediction, critical path, ledger or managers), as plain
-Python: 6-9 µs on the 2-core VM where the whole one ran at ~16 µs (issue 13), which left 1-4 µs
-for all the decision logic at 100,000 a second. Hence the compiled hot path (``setup.py``): the
-same sources, ~10 µs an action. ``run`` says which build it measured (``compiled``) and, when
+Python: what is left for all the decision logic at 100,000 actions a second, and why the hot path
+is compiled (``setup.py``). ``run`` says which build it measured (``compiled``) and, when
 compiled, measures the sources too in a child process (``ARL_TANGRAM_PURE=1``) for the ratio.
-
-What is left, compiled (py-spy --native, 10,000 queued): ~17% the bench's own ``Action`` and
-``Completion``, built by interpreted code with keywords (mypyc parses a keyword argument of a
-compiled class's ``__init__`` by decoding every parameter name before it: ``Action(..., job=)``
-0.67 µs, ``Action(..., remaining_turns=)`` 2.0 µs, positional 0.35 µs); ~10% dict lookups in
-dicts of 10,000-64,000 entries (session homes, runs, pending, running: cache misses); ~8% the
-heap pop (tuple comparisons); ~6% calls through the ``Policy`` and ``Clock`` protocols (~37 ns
-each against ~3 ns for a native call). Measured and dropped: ``Action`` as a plain class inside
-the compiled module (``native_class=False``): its keywords parse fast, but every read of its
-fields from compiled code is a lookup by name; 0.88x.
 """
 
 from __future__ import annotations

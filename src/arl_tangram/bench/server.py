@@ -86,7 +86,7 @@ CLIENTS = ("aiohttp", "httpx")
 
 def default_client() -> str:
     """aiohttp where installed: the load generator then costs ~0.1 ms of CPU a request against
-    httpx's ~1.6 ms (measured on this 2-core VM, /v1/ping at 16 concurrent), which on a small
+    httpx's ~1.6 ms (/v1/ping at 16 concurrent, on a 2-core VM), which on a small
     machine is CPU taken from the servers under test, not a property of either."""
     try:
         import aiohttp  # noqa: F401
@@ -358,9 +358,9 @@ def _median_round(runs: list[dict]) -> dict:
 def _ratios(ours: dict, peer: dict) -> dict:
     """``ours`` against ``peer`` level by level: the median rounds' ratios, and with ``--rounds``
     each round's own (``round_throughput_x``, the two measured one right after the other) and their
-    median. The paired figure is the one to quote on a drifting host: on a 2x H200 host both servers
-    lost a fifth of their throughput over five rounds (docs/performance.md, fourteenth round), which
-    the ratio of two medians taken from different rounds does not cancel."""
+    median. The paired figure is the one to quote on a drifting host: both servers can lose a fifth
+    of their throughput over five rounds, which the ratio of two medians taken from different rounds
+    does not cancel."""
     out = {}
     for key in ours:
         a, b = ours[key], peer.get(key)
@@ -560,15 +560,13 @@ def run(levels: tuple[int, ...] = LEVELS, log: Callable[[str], None] = lambda m:
     median throughput, with every round's figures beside it (``rounds``: throughput, p50, and engine
     CPU per request where measured); ``ceiling``: after each round, each pinned server's CPU set's
     own rate for a run's bare process, measured for that many seconds a loop (``_ceiling_round``),
-    and each variant's ratio against the first as a share of the host's (``host_ceiling``): on a
-    2x H200 host a bare bash's 16-vs-2 ratio was 6.96-7.49x, a bare fork's 5.66-6.70x and pure
-    computation's 6.60-8.40x, round by round (issue 26, sixteenth round), so a one-shot ratio
-    means little without the host's beside it; ``floor``: after each round, each server's CPUs'
-    own time for a run's bare process one at a time (a bash spawned and reaped, a python child
-    forked and reaped: ``_floor_round``), and each c=1 level's p50 beside it (``host_floor``): on a
-    nested virtual machine whose kernel made a process in 1.6 ms (a bare bash) to 4.9 ms (a forked
-    python child writing 300 pages), a 2 ms target at c=1 set on another machine says nothing
-    there (issue 26, eighteenth round).
+    and each variant's ratio against the first as a share of the host's (``host_ceiling``): the
+    host's own 16-vs-2 ratio for a bare process moves from round to round (a bare fork's 5.7-6.7x
+    on one host), so a one-shot ratio means little without the host's beside it; ``floor``: after
+    each round, each server's CPUs' own time for a run's bare process one at a time (a bash
+    spawned and reaped, a python child forked and reaped: ``_floor_round``), and each c=1 level's
+    p50 beside it (``host_floor``): where the kernel takes 1.6-4.9 ms to make a process (a nested
+    virtual machine), a c=1 target set on another machine says nothing.
 
     When every tangram server is pinned and CPUs are left over, the load generator runs on those
     (``client_cpus``), as a load generator should: unpinned, its processes and their loopback traffic

@@ -1,8 +1,8 @@
-"""``tangram bench sessions``: session density over HTTP (issues #15, #25).
+"""``tangram bench sessions``: session density over HTTP.
 
 A server is started on a free loopback port with sessions past ``max_awake`` (256: ~3.4 GB awake,
 bounded on a shared host) or idle ``rest_after_s`` (30) put to rest (state on disk, no
-processes); ``--max-awake`` above ``n`` keeps them all awake, as before issue #25.
+processes); ``--max-awake`` above ``n`` keeps them all awake (no rest).
 ``n`` sessions are opened at ``concurrency`` clients, each running one step that leaves a state
 (three imports, a list of 1,000 ints, a variable); then every session is revisited one at a time
 (a step that checks its state exactly; latency per step over HTTP, most of them waking a rested

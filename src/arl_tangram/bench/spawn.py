@@ -5,7 +5,7 @@ In one process on uvloop (the server's loop), holding ``ballast_mb`` of memory b
 real sandboxes are started one at a time through ``SandboxManager`` (isolation, cgroups and the
 runner as a server starts them; ready once the runner answers its ping) and killed, the two ways
 alternating ``rounds`` times: ``fork``, uvloop's ``subprocess_exec`` (libuv forks the whole
-process: the way before), and ``vfork``, ``start_process``. Per start: the starter's CPU and page
+process), and ``vfork``, ``start_process``. Per start: the starter's CPU and page
 faults until the sandbox is ready, then the CPU and faults of writing the ballast once (what a
 server's next full garbage collection or its own work costs after a fork: its pages were marked
 copy-on-write), the wall time to ready, and the loop's longest stall (a 1 ms ticker's lateness).

@@ -1,5 +1,5 @@
 """The python one-shot's child, alone: ``runner.Zygote`` outside any sandbox, its child forked on
-demand (as before issue 26) against forked ahead (as the reset of a recycled sandbox does now),
+demand against forked ahead (as the reset of a recycled sandbox does),
 for ``tangram bench zygote``.
 
 Each measurement is a fresh process importing the sandbox runner (which takes over its own
