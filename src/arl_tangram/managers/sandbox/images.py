@@ -17,7 +17,10 @@ files are created with ``O_NOFOLLOW | O_EXCL`` in a fresh directory, and ownersh
 entry itself. Alternative dropped: ``tarfile``'s ``data`` filter — it refuses absolute symlinks
 (normal in a root filesystem: ``/etc/alternatives``) and knows nothing of whiteouts.
 
-Layer tars may be plain or gzip-compressed (zstd is refused with a clear error: no dependency).
+Layer tars may be plain, gzip- or zstd-compressed (sniffed from their first bytes). Images pulled
+from a registry (``registry/``) go through the same checks: ``ImageStore.unpack_layer`` checks
+and unpacks a layer in one pass into a hidden directory that is renamed into place only once the
+whole layer passed, and ``ImageStore.record`` names an image only once all its layers are in.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import stat
 import tarfile
 import tempfile
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
@@ -63,6 +67,10 @@ class Image:
     source: str = ""
     created: float = 0.0
     size_bytes: int = 0
+    #: each layer's file bytes, as ``layers`` (empty in records written before it was kept)
+    layer_sizes: tuple[int, ...] = ()
+    #: the manifest digest the image was pulled by ("" for an imported one)
+    digest: str = ""
 
     def layer_dirs(self, store: "ImageStore") -> list[Path]:
         return [store.layer_dir(d) for d in self.layers]
@@ -73,15 +81,44 @@ def default_store() -> Path:
     return Path(os.environ.get("TANGRAM_IMAGE_STORE") or base / "arl-tangram" / "images")
 
 
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
 def _open_layer(raw: IO[bytes], where: str) -> IO[bytes]:
-    """A layer stream, decompressed if it is gzip (sniffed, not trusted from a media type)."""
+    """A layer stream, decompressed if it is gzip or zstd (sniffed, not trusted from a media type)."""
     head = raw.read(6)
     rest = _Prefixed(head, raw)
     if head[:2] == b"\x1f\x8b":
         return gzip.GzipFile(fileobj=rest, mode="rb")  # type: ignore[return-value]
-    if head[:4] == b"\x28\xb5\x2f\xfd":
-        raise ImageError(f"{where}: zstd-compressed layers are not supported (re-save the image with gzip)")
+    if head[:4] == ZSTD_MAGIC:
+        try:
+            import zstandard
+        except ImportError:
+            raise ImageError(f"{where}: a zstd-compressed layer needs the zstandard package "
+                             "(pip install zstandard)") from None
+        # read_across_frames: a layer may be written as several frames (one per chunk)
+        return _ZstdErrors(zstandard.ZstdDecompressor().stream_reader(rest, read_across_frames=True), where)
     return rest  # type: ignore[return-value]
+
+
+class _ZstdErrors(io.RawIOBase):
+    """zstandard's stream, its decoding errors made ``ImageError`` naming the layer."""
+
+    def __init__(self, raw, where: str) -> None:
+        self.raw, self.where = raw, where
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        try:
+            data = self.raw.read(len(b))
+        except Exception as e:  # zstandard.ZstdError: corrupt or truncated data
+            if isinstance(e, ImageError):
+                raise
+            raise ImageError(f"{self.where}: not a readable tar (corrupt zstd data: {e})") from None
+        b[:len(data)] = data
+        return len(data)
 
 
 class _Prefixed(io.RawIOBase):
@@ -165,13 +202,23 @@ class _LayerPlan:
 
 
 class Checker:
-    """Validates the members of one layer, in order; the first bad one raises ``ImageError``."""
+    """Validates the members of one layer, in order; the first bad one raises ``ImageError``.
+    ``max_bytes`` bounds the layer's file bytes (a small compressed layer may expand to any size)."""
 
-    def __init__(self, where: str) -> None:
+    def __init__(self, where: str, max_bytes: int | None = None) -> None:
         self.where = where
         self.files: set[str] = set()
         self.links: set[str] = set()
+        self.parents: set[str] = set()  # the directories of ``files``
         self.size = 0
+        self.max_bytes = max_bytes
+
+    def _under_link(self, path: str, name: str, what: str = "member") -> None:
+        probe = posixpath.dirname(path)
+        while probe:
+            if probe in self.links:
+                raise ImageError(f"{self.where}: {what} {name!r} lies under the symlink {probe!r}")
+            probe = posixpath.dirname(probe)
 
     def check(self, m: tarfile.TarInfo, name: str | None = None) -> None:
         where, name = self.where, m.name if name is None else name
@@ -179,11 +226,7 @@ class Checker:
         if not path:
             return
         parent = posixpath.dirname(path)
-        probe = parent
-        while probe:
-            if probe in self.links:
-                raise ImageError(f"{where}: member {name!r} lies under the symlink {probe!r}")
-            probe = posixpath.dirname(probe)
+        self._under_link(path, name)
         base = posixpath.basename(path)
         if base.startswith(WHITEOUT):
             if base != OPAQUE and (base.startswith(WHITEOUT + WHITEOUT) or base == WHITEOUT):
@@ -201,14 +244,27 @@ class Checker:
             target = _normalise(m.linkname, where)
             if target not in self.files:
                 raise ImageError(f"{where}: hard link {name!r} -> {m.linkname!r} names no earlier file of its layer")
+            # the link is made by path: a directory of the target's path replaced by a symlink
+            # since would send it out of the layer
+            self._under_link(target, m.linkname, "hard link target")
         elif m.isreg():
             self.size += m.size
+            if self.max_bytes is not None and self.size > self.max_bytes:
+                raise ImageError(f"{where}: its files hold more than {self.max_bytes} bytes (the limit)")
         elif not m.isdir():
             raise ImageError(f"{where}: member {name!r} has an unsupported type {m.type!r}")
+        if not m.isdir() and path in self.parents:  # a directory replaced: no hard link may name its files
+            prefix = path + "/"
+            self.files = {f for f in self.files if not f.startswith(prefix)}
+            self.parents = {p for p in self.parents if not p.startswith(prefix)}
+            self.parents.discard(path)
         if not m.issym():
             self.links.discard(path)
         if m.isreg() or m.islnk():
             self.files.add(path)
+            while parent and parent not in self.parents:
+                self.parents.add(parent)
+                parent = posixpath.dirname(parent)
         else:
             self.files.discard(path)
 
@@ -266,15 +322,17 @@ class Unpacker:
             return
         if base.startswith(WHITEOUT):
             target = os.path.join(parent, base[len(WHITEOUT):])
+            self._forget(target)
             _remove(target)
             os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))
             return
         if m.isdir():
-            if os.path.lexists(full) and not os.path.isdir(full):
+            if os.path.lexists(full) and not _is_real_dir(full):  # a symlink to a directory is replaced too
                 _remove(full)
             os.makedirs(full, exist_ok=True)
             self.dirs.append((full, m))
             return
+        self._forget(full)
         _remove(full)
         if m.issym():
             os.symlink(m.linkname, full)
@@ -288,9 +346,89 @@ class Unpacker:
                 shutil.copyfileobj(src, fh, 1 << 20)
         _attrs(full, m)
 
+    def _forget(self, full: str) -> None:
+        """A directory about to be replaced: its modes are not applied at the end (a symlink may
+        stand on its path by then, and chmod follows one)."""
+        if self.dirs and _is_real_dir(full):
+            prefix = full + "/"
+            self.dirs = [(d, m) for d, m in self.dirs if d != full and not d.startswith(prefix)]
+
     def finish(self) -> None:
         for full, m in reversed(self.dirs):  # deepest first: a read-only directory is filled before it closes
-            _attrs(full, m)
+            if _is_real_dir(full):  # not one a later member replaced (chmod would follow a symlink there)
+                _attrs(full, m)
+
+
+def _is_real_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+class _ReadErrors(io.RawIOBase):
+    """A layer stream whose read errors (bad gzip, a cut stream) are ``ImageError`` naming the
+    layer, so that only the unpacker's own errors (a full disk) stay ``OSError``."""
+
+    def __init__(self, raw: IO[bytes], where: str) -> None:
+        self.raw, self.where = raw, where
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        try:
+            data = self.raw.read(len(b))
+        except ImageError:
+            raise
+        except (EOFError, OSError, ValueError, zlib.error) as e:
+            raise ImageError(f"{self.where}: not a readable tar (truncated or corrupt: {e})") from None
+        b[:len(data)] = data
+        return len(data)
+
+
+def _check_and_unpack(stream: IO[bytes], dest: Path, where: str, max_bytes: int | None) -> tuple[str, int]:
+    """Check each member, then write it into the fresh directory ``dest``, in one pass (a
+    member's checks depend only on the members before it). Returns (sha256 of the uncompressed
+    tar, file bytes); the caller discards ``dest`` if this raises."""
+    hashing = _Hashing(_ReadErrors(_open_layer(stream, where), where))
+    checker = Checker(where, max_bytes)
+    unpacker = Unpacker(dest, where)
+    try:
+        with tarfile.open(fileobj=io.BufferedReader(hashing, 1 << 20), mode="r|") as tar:
+            for m in tar:
+                checker.check(m)
+                unpacker.add(tar, m)
+            end = tar.offset
+        digest = hashing.finish()
+    except tarfile.TarError as e:
+        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: {e})") from None
+    if hashing.count % 512 or hashing.count < end + 512:
+        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: it ends inside a block or has no "
+                         "end-of-archive marker)")
+    unpacker.finish()
+    return digest, checker.size
+
+
+def remove_dead_temps(directory: Path, prefix: str) -> int:
+    """Delete ``directory/<prefix><pid>-*`` left by processes that are gone (a pull or import
+    killed part way); returns how many were removed."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        pid = name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            _remove(os.path.join(directory, name))
+            removed += 1
+    return removed
+
+
+UNPACKING = ".unpack-"  # + pid + "-": a layer being unpacked, renamed into place once whole
 
 
 def _unpack_layer(stream: IO[bytes], dest: Path, where: str) -> None:
@@ -347,6 +485,7 @@ class ImageStore:
         except FileNotFoundError:
             raise ImageError(f"image: no image named {name!r} (import it with `tangram image import`)") from None
         data["layers"] = tuple(data["layers"])
+        data["layer_sizes"] = tuple(data.get("layer_sizes") or ())
         img = Image(**data)
         missing = [d for d in img.layers if not self.layer_dir(d).is_dir()]
         if missing:
@@ -457,38 +596,122 @@ class ImageStore:
     def _commit(self, name: str, plans: list[_LayerPlan], config: dict, source: str) -> Image:
         """Unpack the layers not cached yet (each into a temporary directory, renamed into place
         whole) and record the image."""
-        (self.root / "layers").mkdir(parents=True, exist_ok=True)
-        (self.root / "images").mkdir(parents=True, exist_ok=True)
         for plan in plans:
-            final = self.layer_dir(plan.digest)
-            if final.is_dir():
+            if self.has_layer(plan.digest):
                 continue
-            tmp = Path(tempfile.mkdtemp(prefix=".unpack-", dir=self.root / "layers"))
+            tmp = self._unpack_dir()
             try:
                 _unpack_layer(plan.open(), tmp, plan.where)
-                os.chmod(tmp, 0o755)
-                os.rename(tmp, final)
-            except OSError as e:
-                shutil.rmtree(tmp, ignore_errors=True)
-                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not final.is_dir():
-                    raise
-                # a concurrent import got there first
+                self._place(tmp, plan.digest)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)
                 raise
+        return self.record(name, [p.digest for p in plans], [p.size for p in plans], config, source)
+
+    # -- the pieces a pull uses --------------------------------------------------------------------
+    def has_layer(self, digest: str) -> bool:
+        return self.layer_dir(digest).is_dir()
+
+    def _unpack_dir(self) -> Path:
+        (self.root / "layers").mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=f"{UNPACKING}{os.getpid()}-", dir=self.root / "layers"))
+
+    def _place(self, tmp: Path, digest: str) -> None:
+        """Rename the unpacked ``tmp`` into place as layer ``digest`` (whole, or not at all)."""
+        os.chmod(tmp, 0o755)
+        final = self.layer_dir(digest)
+        try:
+            os.rename(tmp, final)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not final.is_dir():
+                raise
+            # a concurrent import or pull got there first: the same content
+
+    def unpack_layer(self, stream: IO[bytes], where: str, expect: str | None = None,
+                     max_bytes: int | None = None) -> tuple[str, int]:
+        """Check and unpack one (possibly compressed) layer tar into the cache in one pass; it
+        becomes visible only once whole and checked. ``expect``: the sha256 its uncompressed tar
+        must have (an image config's diff_id, without ``sha256:``). Returns (that digest, its file
+        bytes). Blocking I/O: call it in a thread."""
+        tmp = self._unpack_dir()
+        try:
+            digest, size = _check_and_unpack(stream, tmp, where, max_bytes)
+            if expect is not None and digest != expect:
+                raise ImageError(f"{where}: its content is sha256:{digest}, not the layer sha256:{expect} the "
+                                 "image's config names")
+            self._place(tmp, digest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return digest, size
+
+    def record(self, name: str, layers: list[str], sizes: list[int], config: dict, source: str,
+               digest: str = "") -> Image:
+        """Name an image made of ``layers`` (all in the cache already): written whole, at once,
+        so an image is listed and used only once every layer is in."""
+        if not NAME_RE.match(name):
+            raise ImageError(f"image: {name!r} is not a valid image name (letters, digits, ._:@/-; 128 at most)")
+        missing = [d for d in layers if not self.has_layer(d)]
+        if missing:
+            raise ImageError(f"image: {name!r}: layer {missing[0][:12]} is not in the cache")
         cfg = config.get("config") or config.get("Config") or {}
         env = {}
         for item in cfg.get("Env") or []:
             k, _, v = str(item).partition("=")
             env[k] = v
-        digests = [p.digest for p in plans]
-        img = Image(name=name, id=hashlib.sha256("\n".join(digests).encode()).hexdigest(), layers=tuple(digests),
+        img = Image(name=name, id=hashlib.sha256("\n".join(layers).encode()).hexdigest(), layers=tuple(layers),
                     env=env, workdir=str(cfg.get("WorkingDir") or ""), source=source, created=time.time(),
-                    size_bytes=sum(p.size for p in plans))
-        tmp_json = self._image_file(name).with_suffix(".tmp")
-        tmp_json.write_text(json.dumps(asdict(img)))
-        os.replace(tmp_json, self._image_file(name))
+                    size_bytes=sum(sizes), layer_sizes=tuple(sizes), digest=digest)
+        (self.root / "images").mkdir(parents=True, exist_ok=True)
+        final = self._image_file(name)
+        tmp_json = final.with_name(f".{os.getpid()}-{os.urandom(4).hex()}.tmp")  # not *.json: never listed
+        try:
+            tmp_json.write_text(json.dumps(asdict(img)))
+            os.replace(tmp_json, final)
+        except BaseException:
+            tmp_json.unlink(missing_ok=True)
+            raise
         return img
+
+    def clean_stale(self) -> int:
+        """Remove what imports and pulls killed part way left (never visible, only disk)."""
+        return remove_dead_temps(self.root / "layers", UNPACKING)
+
+    def usage(self) -> list[dict]:
+        """Each image's size and how much of it it shares with other images (layers of the
+        same digest), and ``layers_bytes``: the disk the layers take, each counted once."""
+        images = self.list()
+        users: dict[str, int] = {}
+        for img in images:
+            for d in set(img.layers):
+                users[d] = users.get(d, 0) + 1
+        sizes: dict[str, int] = {}
+        for img in images:
+            if len(img.layer_sizes) == len(img.layers):
+                sizes.update(zip(img.layers, img.layer_sizes))
+        out = []
+        for img in images:
+            per = {d: sizes[d] if d in sizes else sizes.setdefault(d, _tree_bytes(self.layer_dir(d)))
+                   for d in img.layers}
+            out.append({"name": img.name, "id": img.id, "layers": len(img.layers), "size_bytes": sum(per.values()),
+                        "shared_bytes": sum(n for d, n in per.items() if users[d] > 1),
+                        "source": img.source, "digest": img.digest})
+        return out
+
+
+def _tree_bytes(root: Path) -> int:
+    """The file bytes under ``root`` (a layer recorded before per-layer sizes were kept)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(root):
+        for f in filenames:
+            try:
+                st = os.lstat(os.path.join(dirpath, f))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
 
 
 def _archive_member(names: dict[str, tarfile.TarInfo], name: str) -> tarfile.TarInfo | None:
