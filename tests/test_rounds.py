@@ -5,6 +5,11 @@ k completions read in one pass free their cores at once and start the queued act
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from arl_tangram.core.action import Action, Demand, Outcome
 from arl_tangram.core.seam import Completion
@@ -92,3 +97,15 @@ def test_a_report_outside_a_running_loop_is_scheduled_at_once():
     before = rounds[0]
     rt.tick_soon()
     assert rounds[0] == before + 1 and not rt._round_due
+
+
+def test_the_rounds_script_measures_the_code_it_is_pointed_at():
+    """``tools/rounds.py`` runs as a file against a checkout's ``src`` (its A/B use)."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root / "src"), ARL_TANGRAM_PURE="1")
+    done = subprocess.run([sys.executable, str(root / "tools" / "rounds.py"), "--k", "4", "--actions", "400",
+                           "--cores", "4"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["k"] == 4 and out["actions"] == 400 and out["cores"] == 4
+    assert out["rounds_per_action"] > 0 and out["cpu_us_per_action"] > 0 and out["actions_per_s"] > 0

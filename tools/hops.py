@@ -1,4 +1,5 @@
-"""Where a c=1 ``/run_code`` goes, hop by hop (issue 26): ``python -m arl_tangram.bench.hops``.
+"""Where a c=1 ``/run_code`` goes, hop by hop: ``python tools/hops.py`` (in a checkout, with the
+package installed).
 
 The server of ``tangram serve`` (one process, its default on 2 cores) runs in this process on
 uvloop, with the functions each hop passes through wrapped to take a timestamp; a child process
@@ -14,7 +15,10 @@ manager's task runs) -> ``sb_req`` / ``sb_ans`` (the runner's request and answer
 -> ``report`` -> ``finished`` (the engine's record, the caller's callback) -> ``svc_out`` (the
 answer journaled and durable) -> ``resp_start`` (FastAPI serialised it) -> ``client_end`` (the
 client has read it).
-A measurement tool, not a server: the wrapping costs a few µs a hop.
+A measurement tool, not a server: the wrapping costs a few µs a hop. It wraps private functions of
+the server, the runtime and the sandbox manager, so it lives beside the sources as a script, not in
+the installed package as a ``tangram bench`` command: it follows the code it measures, whose
+private names may change from one commit to the next.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from ..sim.metrics import percentile
+from arl_tangram.sim.metrics import percentile
 
 ORDER = ("client", "http_in", "sf_in", "svc_in", "submit", "mgr_run", "sb_req", "sb_ans", "mgr_done", "report",
          "finished", "svc_out", "resp_start", "client_end")
@@ -91,11 +95,28 @@ class _Stamps:
             self.gc[-1].append(time.perf_counter_ns())
 
 
+def _action_run() -> tuple[Any, str]:
+    """The sandbox manager's method that runs one action, from its report's start to its end:
+    ``Runs.run`` in the manager's parts, ``SandboxManager._run`` in a checkout from before them
+    (the script measures other checkouts too)."""
+    import importlib
+
+    for module, cls, name in (("arl_tangram.managers.sandbox.runs", "Runs", "run"),
+                              ("arl_tangram.managers.sandbox.manager", "SandboxManager", "_run")):
+        try:
+            owner = getattr(importlib.import_module(module), cls)
+        except (ImportError, AttributeError):
+            continue
+        if hasattr(owner, name):
+            return owner, name
+    raise RuntimeError("hops: the sandbox manager's run of one action is not where this script looks for it")
+
+
 def _instrument(s: _Stamps) -> None:
-    from ..managers.sandbox import manager, sandbox
-    from ..runtime import base
-    from ..link import answers_later
-    from ..server import journal, sandboxfusion, service
+    from arl_tangram.link import answers_later
+    from arl_tangram.managers.sandbox import sandbox
+    from arl_tangram.runtime import base
+    from arl_tangram.server import journal, sandboxfusion, service
 
     run_oneshot = service.Service.run_oneshot
 
@@ -108,10 +129,10 @@ def _instrument(s: _Stamps) -> None:
         return run_oneshot(self, action, request, reply=timed_reply)
 
     service.Service.run_oneshot = answers_later(timed_run_oneshot)
-    from ..server import calls  # its list of calls holds the method as it was when first imported
+    from arl_tangram.server import calls  # its list of calls holds the method as it was when first imported
     calls.CALLS["run_oneshot"] = service.Service.run_oneshot
     s.wrap(base.Runtime, "submit_cb", "submit")
-    s.wrap(manager.SandboxManager, "_run", "mgr_run", "mgr_done")
+    s.wrap(*_action_run(), "mgr_run", "mgr_done")
     s.wrap(base.Runtime, "report", "report")
     s.wrap(base.Runtime, "_finished", "finished")
     request = sandbox.Sandbox.request
@@ -157,7 +178,7 @@ def run(requests: int = 500, code: str = "print(1)", language: str = "python", p
     import uvicorn
     import uvloop
 
-    from ..server.config import ServeConfig, build
+    from arl_tangram.server.config import ServeConfig, build
 
     client_cpus = None
     if server_cpus:
@@ -247,7 +268,9 @@ if __name__ == "__main__":
     ap.add_argument("--server-cpus", help="pin the server to these CPUs (0-1) and the client to the rest")
     args = ap.parse_args()
     cpus = None
-    if args.server_cpus:
-        from .server import _cpu_set
-        cpus = _cpu_set(args.server_cpus)
+    if args.server_cpus:  # ``taskset -c`` syntax
+        cpus = set()
+        for part in args.server_cpus.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
     print(json.dumps(run(args.requests, args.code, args.language, args.port, server_cpus=cpus), indent=2))

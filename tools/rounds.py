@@ -1,12 +1,14 @@
 """The engine process's own work per one-shot around the engine (``Runtime``, ``Driver``,
 ``Engine``, the policy), without sandboxes or HTTP: a CPU manager double answers the runs it was
 given ``k`` at a time, one batch per loop pass, as one read of a sandbox worker's link hands the
-engine process several answers on a many-core host (issue 26). Prints JSON: CPU µs per action,
-scheduling rounds per action, actions per second.
+engine process several answers on a many-core host. Prints JSON: CPU µs per action, scheduling
+rounds per action, actions per second.
 
-Run as a file, so that the same script measures another checkout's code (imports are absolute)::
+A script beside the sources, not a ``tangram bench`` command, so that the same file measures
+another checkout's code for an A/B (imports are absolute; it reaches into the runtime's private
+``_arm`` to count rounds)::
 
-    ARL_TANGRAM_PURE=1 PYTHONPATH=<a checkout's src> python3 src/arl_tangram/bench/rounds.py --k 8
+    ARL_TANGRAM_PURE=1 PYTHONPATH=<a checkout's src> python3 tools/rounds.py --k 8
 """
 
 from __future__ import annotations
