@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+import tomllib
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -26,7 +27,7 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="ARL-Tangram: action-level resource management for agentic RL.")
 bench_app = typer.Typer(no_args_is_help=True, help="Measured figures, printed as JSON.")
 app.add_typer(bench_app, name="bench")
-image_app = typer.Typer(no_args_is_help=True, help="Container images for sandboxes: import, list, remove.")
+image_app = typer.Typer(no_args_is_help=True, help="Container images for sandboxes: pull, import, list, remove.")
 app.add_typer(image_app, name="image")
 
 console = Console(stderr=True)
@@ -687,17 +688,81 @@ def image_import(
                                "size_bytes": img.size_bytes, "import_s": round(time.perf_counter() - t, 3)}))
 
 
+@image_app.command("pull")
+def image_pull(
+    ref: str = typer.Argument(..., help="A registry reference: python:3.12 (Docker Hub), ghcr.io/org/repo:tag, "
+                              "host:port/name@sha256:..."),
+    config: Optional[Path] = typer.Option(None, "--config", help="A server config (TOML or JSON) whose "
+                                          "[[registries]] tables say how to reach registries (mirrors, insecure "
+                                          "hosts, credentials)."),
+    store: Optional[Path] = typer.Option(None, help=_STORE_HELP, show_default=_STORE_DEFAULT),
+    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+) -> None:
+    """Pull an image from a registry into the store: layers already there are not fetched, every
+    blob is checked against its digest and every layer as `import` checks it. Sessions then ask
+    for it by its full reference (printed as "name")."""
+    from rich.progress import DownloadColumn, TransferSpeedColumn
+
+    from .managers.sandbox.images import ImageError, ImageStore
+    from .managers.sandbox.registry import RegistriesConfig, pull_sync
+
+    registries = RegistriesConfig()
+    if config is not None:
+        try:
+            text = config.read_text()
+            data = tomllib.loads(text) if config.suffix == ".toml" else json.loads(text)
+        except OSError as e:
+            raise fail(f"--config: cannot read {config}: {e.strerror}")
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
+            raise fail(f"--config: {config} is not valid {'TOML' if config.suffix == '.toml' else 'JSON'}: {e}")
+        try:
+            registries = RegistriesConfig.from_toml(data)
+        except ImageError as e:
+            raise fail(f"--config: {e}")
+    fetched: dict[int, int] = {}
+    states: dict[int, str] = {}
+    bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    console=console, disable=quiet, transient=False)
+    tasks: dict[int, object] = {}
+
+    def on_event(e) -> None:
+        if e.index < 0:
+            return
+        states[e.index] = e.state
+        if e.state == "downloading":
+            fetched[e.index] = e.done
+        if e.index not in tasks:
+            tasks[e.index] = bars.add_task("", total=e.size or None)
+        done = e.size if e.state in ("cached", "unpacking", "done") else e.done
+        bars.update(tasks[e.index], completed=done, description=f"{e.digest[7:19]} {e.state:<11}")
+
+    t = time.perf_counter()
+    try:
+        with bars:
+            img = pull_sync(ref, ImageStore(store), registries, on_event)
+    except ImageError as e:
+        raise fail(str(e))
+    except PermissionError as e:
+        raise fail(f"--store: {e} (unpacking whiteouts needs root)")
+    out.print_json(json.dumps({"name": img.name, "id": img.id, "digest": img.digest, "layers": list(img.layers),
+                               "size_bytes": img.size_bytes, "fetched_bytes": sum(fetched.values()),
+                               "cached_layers": sum(1 for s in states.values() if s == "cached"),
+                               "pull_s": round(time.perf_counter() - t, 3)}))
+
+
 @image_app.command("ls")
 def image_ls(store: Optional[Path] = typer.Option(None, help=_STORE_HELP, show_default=_STORE_DEFAULT)) -> None:
-    """List imported images."""
+    """List the images: each one's size (its layers' file bytes) and how much of it is shared with
+    other images (layers of the same digest, on disk once)."""
     from .managers.sandbox.images import ImageError, ImageStore
 
     try:
-        images = ImageStore(store).list()
+        usage = ImageStore(store).usage()
     except ImageError as e:
         raise fail(str(e))
-    out.print_json(json.dumps([{"name": i.name, "id": i.id[:12], "layers": len(i.layers), "size_bytes": i.size_bytes,
-                                "source": i.source} for i in images]))
+    out.print_json(json.dumps([{"name": u["name"], "id": u["id"][:12], "layers": u["layers"],
+                                "size_bytes": u["size_bytes"], "shared_bytes": u["shared_bytes"],
+                                "source": u["source"]} for u in usage]))
 
 
 @image_app.command("rm")
