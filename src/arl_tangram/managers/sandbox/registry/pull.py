@@ -1,0 +1,301 @@
+"""Pull an image from a registry into the ``ImageStore``: layers shared by digest, each fetched once.
+
+``pull(ref, store, registries, progress=...)`` returns the stored ``Image``, named by the full
+reference (``python:3.12`` is stored as ``docker.io/library/python:3.12``).
+
+- A layer is known by its config's ``diff_id`` (the sha256 of its uncompressed tar), which is
+  also how ``tangram image import`` names it: one already in the store is not fetched, whichever
+  image brought it (an image whose base is on the node fetches only its own layers). A fetched
+  layer must hash to its diff_id, so a config cannot plant a layer under another's name.
+- Concurrent pulls of one image share one pull, and concurrent pulls of one layer (by two
+  images) share one download and unpack: a flight per key in this process, a file lock per
+  layer between processes. A flight nobody waits for any more is cancelled.
+- Nothing half-done is visible: a blob is downloaded under a temporary name and renamed to its
+  digest once it matched; a layer is unpacked into a hidden directory and renamed into place
+  once whole and checked (images.py's checks: paths escaping the root, device nodes...); the
+  image is recorded last. A pull killed part way leaves only hidden files, removed by the next
+  pull once their process is gone; a downloaded, verified blob is kept for the next pull to
+  unpack. Layers that passed stay cached even if a later layer of the same image is bad (they
+  are content-addressed; pruning is the store's business).
+- Bounds: at most ``max_layers`` layers and ``max_declared_bytes`` of declared blob sizes per
+  image; a layer's files at most ``max_layer_files_bytes`` once uncompressed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable
+
+from ..images import Image, ImageError, ImageStore, NAME_RE, remove_dead_temps
+from .client import Descriptor, RegistryClient
+from .config import RegistriesConfig
+from .errors import NoPlatform, RegistryError, TooLarge
+from .reference import Reference, parse
+
+PART = ".part-"  # + pid + "-": a blob being downloaded
+
+
+@dataclass(frozen=True)
+class PullLimits:
+    max_layers: int = 128
+    max_declared_bytes: int = 64 << 30
+    max_layer_files_bytes: int = 256 << 30
+    max_config_bytes: int = 8 << 20
+    #: layers of one image fetched at once (Docker's max-concurrent-downloads default)
+    concurrent_layers: int = 3
+
+
+@dataclass(frozen=True)
+class PullEvent:
+    """Progress of one layer of one pull. ``state``: ``cached`` (on the node already),
+    ``waiting`` (another process is fetching it), ``downloading`` (``done`` of ``size`` bytes),
+    ``unpacking``, ``done``. ``index`` -1 with state ``resolved`` announces the image (``size``:
+    its layers' declared bytes, ``done``: how many layers)."""
+
+    ref: str
+    index: int
+    digest: str
+    size: int
+    done: int
+    state: str
+
+
+Progress = Callable[[PullEvent], None]
+
+
+class _Flight:
+    """One piece of work that several callers wait for; progress goes to all of them."""
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task | None = None
+        self.listeners: list[Callable] = []
+        self.waiters = 0
+        self.last: tuple | None = None
+
+    def emit(self, *event) -> None:
+        self.last = event
+        for listener in list(self.listeners):
+            listener(*event)
+
+
+_FLIGHTS: dict[tuple, _Flight] = {}
+
+
+async def _join(key: tuple, start: Callable[[Callable], Awaitable], listener: Callable | None = None):
+    """Wait for the flight ``key``, starting it with ``start(emit)`` if none is under way."""
+    loop = asyncio.get_running_loop()
+    k = (loop, *key)
+    fl = _FLIGHTS.get(k)
+    if fl is None:
+        fl = _FLIGHTS[k] = _Flight()
+        fl.task = loop.create_task(start(fl.emit))
+
+        def done(_t, k=k, fl=fl) -> None:
+            if _FLIGHTS.get(k) is fl:
+                del _FLIGHTS[k]
+
+        fl.task.add_done_callback(done)
+    elif listener is not None and fl.last is not None:
+        listener(*fl.last)
+    if listener is not None:
+        fl.listeners.append(listener)
+    fl.waiters += 1
+    try:
+        return await asyncio.shield(fl.task)
+    finally:
+        fl.waiters -= 1
+        if listener is not None:
+            fl.listeners.remove(listener)
+        if fl.waiters == 0 and not fl.task.done():
+            fl.task.cancel()  # everyone who wanted it left (cancelled)
+
+
+def store_name(ref: Reference) -> str:
+    """The name a pulled image has in the store: its full reference."""
+    return str(ref)
+
+
+async def pull(ref: str | Reference, store: ImageStore, registries: RegistriesConfig | None = None,
+               progress: Progress | None = None, *, client: RegistryClient | None = None,
+               limits: PullLimits | None = None) -> Image:
+    """Pull ``ref`` into ``store`` (unless it is there: a tag is looked up again, a digest is
+    not) and return the stored image. Errors are ``ImageError``s naming the reference. A
+    ``client`` given stays open (the caller closes it); otherwise the pull makes its own."""
+    ref = parse(ref) if isinstance(ref, str) else ref
+    name = store_name(ref)
+    if not NAME_RE.match(name):
+        raise ImageError(f"{ref}: longer than the 128 characters an image name may have in the store")
+    limits = limits or PullLimits()
+    if ref.digest and not ref.tag:
+        try:
+            return store.get(name)  # a digest names fixed content: nothing to ask the registry
+        except ImageError:
+            pass
+
+    async def start(emit: Callable) -> Image:
+        own = client is None
+        c = client or RegistryClient(registries)
+        try:
+            return await _pull(ref, name, store, c, limits, emit)
+        finally:
+            if own:
+                await c.aclose()
+
+    return await _join(("image", str(store.root), name), start, progress)
+
+
+def pull_sync(ref: str | Reference, store: ImageStore, registries: RegistriesConfig | None = None,
+              progress: Progress | None = None, **kwargs) -> Image:
+    """``pull`` from code without an event loop (the command line)."""
+    return asyncio.run(pull(ref, store, registries, progress, **kwargs))
+
+
+async def _pull(ref: Reference, name: str, store: ImageStore, client: RegistryClient, limits: PullLimits,
+                emit: Progress) -> Image:
+    blobs = store.root / "blobs"
+    await asyncio.to_thread(_clean, store, blobs)
+    manifest = await client.resolve(ref)
+    if len(manifest.layers) > limits.max_layers:
+        raise TooLarge(f"{ref}: the manifest lists {len(manifest.layers)} layers (at most {limits.max_layers})")
+    declared = sum(d.size for d in manifest.layers)
+    if declared > limits.max_declared_bytes:
+        raise TooLarge(f"{ref}: the manifest declares {declared} bytes of layers (at most "
+                       f"{limits.max_declared_bytes})")
+    if not manifest.layers:
+        raise RegistryError(f"{ref}: the image has no layers")
+    config = _config(ref, await client.fetch_small(ref, manifest.config, limits.max_config_bytes),
+                     len(manifest.layers))
+    diff_ids = [d.removeprefix("sha256:") for d in config["rootfs"]["diff_ids"]]
+    try:  # the same content under the same name: nothing to do
+        have = store.get(name)
+        if have.digest == manifest.digest and list(have.layers) == diff_ids:
+            return have
+    except ImageError:
+        pass
+    emit(PullEvent(str(ref), -1, manifest.digest, declared, len(manifest.layers), "resolved"))
+    sizes = store.known_layer_sizes()
+    gate = asyncio.Semaphore(limits.concurrent_layers)
+
+    async def layer(i: int, desc: Descriptor, diff: str) -> int:
+        def listen(state: str, done: int) -> None:
+            emit(PullEvent(str(ref), i, desc.digest, desc.size, done, state))
+
+        if store.has_layer(diff):
+            listen("cached", desc.size)
+            return sizes[diff] if diff in sizes else await asyncio.to_thread(store.layer_bytes, diff)
+        async with gate:
+            return await _join(("layer", str(store.root), diff),
+                               lambda e: _fetch_layer(ref, store, client, desc, diff, i, limits, e), listen)
+
+    tasks = [asyncio.ensure_future(layer(i, d, diff)) for i, (d, diff) in enumerate(zip(manifest.layers, diff_ids))]
+    try:
+        got = await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    return await asyncio.to_thread(store.record, name, diff_ids, list(got), config, str(ref), manifest.digest)
+
+
+def _config(ref: Reference, body: bytes, layers: int) -> dict:
+    try:
+        config = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RegistryError(f"{ref}: the image config is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise RegistryError(f"{ref}: the image config is not a JSON object")
+    os_, arch = config.get("os"), config.get("architecture")
+    if os_ and arch and (os_, arch) != ("linux", "amd64"):
+        raise NoPlatform(f"{ref}: the image is for {os_}/{arch}, not linux/amd64")
+    rootfs = config.get("rootfs")
+    diff_ids = rootfs.get("diff_ids") if isinstance(rootfs, dict) else None
+    if not isinstance(diff_ids, list) or len(diff_ids) != layers:
+        raise RegistryError(f"{ref}: the image config names {len(diff_ids) if isinstance(diff_ids, list) else 'no'} "
+                            f"layer digests (diff_ids) for {layers} layers")
+    for d in diff_ids:
+        if not (isinstance(d, str) and d.startswith("sha256:") and len(d) == 71
+                and all(c in "0123456789abcdef" for c in d[7:])):
+            raise RegistryError(f"{ref}: the image config names a layer {d!r} that is not a sha256 digest")
+    return config
+
+
+def _clean(store: ImageStore, blobs: Path) -> None:
+    store.clean_stale()
+    remove_dead_temps(blobs, PART)
+
+
+async def _fetch_layer(ref: Reference, store: ImageStore, client: RegistryClient, desc: Descriptor, diff: str,
+                       index: int, limits: PullLimits, emit: Callable) -> int:
+    """Download (unless a verified blob is here), check and unpack one layer; its file bytes."""
+    blobs = store.root / "blobs"
+    (blobs / "sha256").mkdir(parents=True, exist_ok=True)
+    (blobs / "locks").mkdir(parents=True, exist_ok=True)
+    async with _FileLock(blobs / "locks" / diff, lambda: emit("waiting", 0)):
+        if store.has_layer(diff):  # another process unpacked it while we waited
+            emit("done", desc.size)
+            return await asyncio.to_thread(store.layer_bytes, diff)
+        blob = blobs / "sha256" / desc.digest.removeprefix("sha256:")
+        if not blob.is_file():
+            part = blobs / f"{PART}{os.getpid()}-{os.urandom(4).hex()}"
+            try:
+                emit("downloading", 0)
+                await client.fetch_blob(ref, desc, part, lambda n: emit("downloading", n))
+                os.replace(part, blob)
+            finally:
+                part.unlink(missing_ok=True)
+        emit("unpacking", desc.size)
+        where = f"{ref}: layer {index} ({desc.digest[:19]})"
+        try:
+            _, size = await asyncio.to_thread(_unpack_blob, store, blob, where, diff, limits.max_layer_files_bytes)
+        except ImageError:
+            blob.unlink(missing_ok=True)  # verified against its digest, but not a good layer
+            raise
+        blob.unlink(missing_ok=True)
+        emit("done", desc.size)
+        return size
+
+
+def _unpack_blob(store: ImageStore, blob: Path, where: str, diff: str, max_bytes: int) -> tuple[str, int]:
+    with open(blob, "rb") as fh:
+        return store.unpack_layer(fh, where, expect=diff, max_bytes=max_bytes)
+
+
+class _FileLock:
+    """An exclusive ``flock`` on ``path``, waited for without blocking the loop; ``on_wait`` is
+    called once if another process holds it."""
+
+    def __init__(self, path: Path, on_wait: Callable[[], None]) -> None:
+        self.path, self.on_wait, self.fd = path, on_wait, -1
+
+    async def __aenter__(self) -> "_FileLock":
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        told = False
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return self
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    os.close(self.fd)
+                    raise
+            except BaseException:
+                os.close(self.fd)
+                raise
+            if not told:
+                told = True
+                self.on_wait()
+            try:
+                await asyncio.sleep(0.05)
+            except BaseException:
+                os.close(self.fd)
+                raise
+
+    async def __aexit__(self, *exc) -> None:
+        os.close(self.fd)  # closing the descriptor releases the lock

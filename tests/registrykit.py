@@ -1,0 +1,377 @@
+"""Real registries for the tests: Debian's CNCF distribution registry (``docker-registry``) on
+loopback, images written as OCI layouts here and pushed with ``skopeo``, a token service, and an
+HTTP proxy in front of a registry that counts requests and misbehaves on demand.
+
+Nothing here reaches outside 127.0.0.1. ``MISSING`` names the tools that are not installed
+(``apt-get install -y docker-registry skopeo``); the tests skip naming them.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import hashlib
+import http.client
+import http.server
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from imagekit import layer_tar
+
+REGISTRY = shutil.which("docker-registry")
+SKOPEO = shutil.which("skopeo")
+MISSING = [name for name, path in (("docker-registry", REGISTRY), ("skopeo", SKOPEO)) if path is None]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, timeout: float = 15.0) -> None:
+    parts = urllib.parse.urlsplit(url)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=1)
+            conn.request("GET", parts.path)
+            conn.getresponse().read()
+            conn.close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not answer within {timeout}s")
+            time.sleep(0.05)
+
+
+# -- the registry --------------------------------------------------------------------------------
+
+class Registry:
+    """``docker-registry serve`` on 127.0.0.1 with its storage in ``root``. ``auth``: None,
+    ``("htpasswd", {user: password})`` or ``("token", TokenServer)``; ``proxy_of``: a URL to be a
+    pull-through cache of."""
+
+    def __init__(self, root: Path, auth: tuple | None = None, proxy_of: str | None = None) -> None:
+        self.root = root
+        self.port = free_port()
+        self.host = f"127.0.0.1:{self.port}"
+        root.mkdir(parents=True, exist_ok=True)
+        lines = ["version: 0.1", "log:", "  level: error", "  accesslog:", "    disabled: true", "storage:",
+                 "  filesystem:", f"    rootdirectory: {root / 'data'}", "  delete:", "    enabled: true",
+                 "http:", f"  addr: 127.0.0.1:{self.port}"]
+        if auth is not None and auth[0] == "htpasswd":
+            pw = root / "htpasswd"
+            pw.write_text("".join(f"{u}:{_bcrypt(p)}\n" for u, p in auth[1].items()))
+            lines += ["auth:", "  htpasswd:", "    realm: test-realm", f"    path: {pw}"]
+        elif auth is not None and auth[0] == "token":
+            ts: TokenServer = auth[1]
+            lines += ["auth:", "  token:", f"    realm: {ts.url}/token", f"    service: {ts.service}",
+                      f"    issuer: {ts.issuer}", f"    rootcertbundle: {ts.cert}"]
+        if proxy_of:
+            lines += ["proxy:", f"  remoteurl: {proxy_of}"]
+        (root / "config.yml").write_text("\n".join(lines) + "\n")
+        self.log = open(root / "registry.log", "wb")
+        self.proc = subprocess.Popen([REGISTRY, "serve", str(root / "config.yml")], stdout=self.log,
+                                     stderr=subprocess.STDOUT)
+        try:
+            _wait_http(f"http://{self.host}/v2/")
+        except RuntimeError:
+            self.close()
+            raise RuntimeError(f"docker-registry did not start: {(root / 'registry.log').read_text()[-2000:]}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def _bcrypt(password: str) -> str:
+    import crypt  # deprecated, but here in 3.11-3.12; Debian's libcrypt does bcrypt
+
+    return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))
+
+
+# -- images as OCI layouts, pushed with skopeo -----------------------------------------------------
+
+def compress(data: bytes, how: str) -> tuple[bytes, str]:
+    """A layer tar compressed ``gzip``, ``zstd`` or ``none``: (bytes, OCI media type)."""
+    base = "application/vnd.oci.image.layer.v1.tar"
+    if how == "gzip":
+        return gzip.compress(data, mtime=0), base + "+gzip"
+    if how == "zstd":
+        out = subprocess.run(["zstd", "-q", "-c"], input=data, capture_output=True, check=True).stdout \
+            if shutil.which("zstd") else _zstd(data)
+        return out, base + "+zstd"
+    return data, base
+
+
+def _zstd(data: bytes) -> bytes:
+    import zstandard
+
+    return zstandard.ZstdCompressor().compress(data)
+
+
+@dataclass
+class Layout:
+    """An OCI image layout directory being written (blobs, and index.json's tagged entries)."""
+
+    path: Path
+    entries: list[dict] = field(default_factory=list)
+
+    def blob(self, data: bytes) -> str:
+        h = hashlib.sha256(data).hexdigest()
+        d = self.path / "blobs" / "sha256"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / h).write_bytes(data)
+        return "sha256:" + h
+
+    def image(self, layers: list[list[tuple]], compression: str | list[str] = "gzip", env: list[str] | None = None,
+              arch: str = "amd64", raw_tars: list[bytes] | None = None) -> dict:
+        """Write one image's blobs; returns its manifest descriptor (with its platform)."""
+        tars = raw_tars if raw_tars is not None else [layer_tar(e) for e in layers]
+        hows = compression if isinstance(compression, list) else [compression] * len(tars)
+        descs = []
+        for t, how in zip(tars, hows):
+            data, mtype = compress(t, how)
+            descs.append({"mediaType": mtype, "digest": self.blob(data), "size": len(data)})
+        config = json.dumps({"architecture": arch, "os": "linux",
+                             "config": {"Env": env or ["PATH=/usr/local/bin:/usr/bin:/bin"], "WorkingDir": "/"},
+                             "rootfs": {"type": "layers",
+                                        "diff_ids": ["sha256:" + hashlib.sha256(t).hexdigest() for t in tars]}},
+                            sort_keys=True).encode()
+        manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                               "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
+                                          "digest": self.blob(config), "size": len(config)},
+                               "layers": descs}, sort_keys=True).encode()
+        return {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": self.blob(manifest),
+                "size": len(manifest), "platform": {"architecture": arch, "os": "linux"}}
+
+    def tag(self, tag: str, desc: dict) -> None:
+        self.entries.append({**desc, "annotations": {"org.opencontainers.image.ref.name": tag}})
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+        (self.path / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": self.entries}))
+
+    def index(self, images: list[dict]) -> dict:
+        """An image index of ``images`` (their descriptors, with platforms)."""
+        doc = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+                          "manifests": images}, sort_keys=True).encode()
+        return {"mediaType": "application/vnd.oci.image.index.v1+json", "digest": self.blob(doc), "size": len(doc)}
+
+
+def push(layout: Layout, tag: str, dest: str, creds: str | None = None, fmt: str | None = None,
+         all_images: bool = False) -> None:
+    """``skopeo copy oci:LAYOUT:TAG docker://DEST`` (plain HTTP to loopback)."""
+    argv = [SKOPEO, "--insecure-policy", "copy", "-q", "--dest-tls-verify=false"]
+    if creds:
+        argv += ["--dest-creds", creds]
+    if fmt:
+        argv += ["--format", fmt]
+    if all_images:
+        argv += ["--all"]
+    argv += [f"oci:{layout.path}:{tag}", f"docker://{dest}"]
+    with tempfile.TemporaryDirectory() as tmp:  # skopeo's own state, not the user's
+        env = {**os.environ, "HOME": tmp, "TMPDIR": tmp, "REGISTRY_AUTH_FILE": os.path.join(tmp, "auth.json")}
+        out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"skopeo copy to {dest} failed: {out.stderr.strip()}")
+
+
+# -- a token service (the distribution registry's "token" auth) ------------------------------------
+
+class TokenServer:
+    """Issues JWTs (RS256, the signing certificate in ``x5c``) the registry checks against
+    ``cert``. ``users``: {name: password}; anonymous callers get ``pull`` on ``public``
+    repositories only; a user gets what it asks for. ``calls`` counts token requests."""
+
+    def __init__(self, root: Path, users: dict[str, str], public: set[str] = frozenset()) -> None:
+        self.users, self.public = users, set(public)
+        self.service, self.issuer = "test-registry", "test-issuer"
+        self.key, self.cert = root / "token.key", root / "token.crt"
+        root.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(self.key),
+                        "-out", str(self.cert), "-days", "1", "-subj", "/CN=tangram-test-token"],
+                       check=True, capture_output=True)
+        pem = self.cert.read_text()
+        self.x5c = "".join(line for line in pem.splitlines() if "-----" not in line)
+        self.calls = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                outer.calls += 1
+                q = urllib.parse.urlsplit(self.path)
+                params = urllib.parse.parse_qs(q.query)
+                user = None
+                auth = self.headers.get("Authorization", "")
+                if auth.startswith("Basic "):
+                    name, _, pw = base64.b64decode(auth[6:]).decode().partition(":")
+                    if outer.users.get(name) != pw:
+                        self.send_response(401)
+                        self.end_headers()
+                        return
+                    user = name
+                access = []
+                for scope in params.get("scope", []):
+                    kind, _, rest = scope.partition(":")
+                    name, _, actions = rest.rpartition(":")
+                    wanted = actions.split(",")
+                    granted = wanted if user else (["pull"] if name in outer.public and "pull" in wanted else [])
+                    if granted:
+                        access.append({"type": kind, "name": name, "actions": granted})
+                body = json.dumps({"token": outer.sign(user or "", access), "expires_in": 300}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def sign(self, subject: str, access: list[dict]) -> str:
+        def b64(data: bytes) -> str:
+            return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+        now = int(time.time())
+        header = {"typ": "JWT", "alg": "RS256", "x5c": [self.x5c]}
+        claims = {"iss": self.issuer, "sub": subject, "aud": self.service, "exp": now + 300, "nbf": now - 10,
+                  "iat": now, "jti": os.urandom(8).hex(), "access": access}
+        signing = f"{b64(json.dumps(header).encode())}.{b64(json.dumps(claims).encode())}"
+        sig = subprocess.run(["openssl", "dgst", "-sha256", "-sign", str(self.key)], input=signing.encode(),
+                             capture_output=True, check=True).stdout
+        return f"{signing}.{b64(sig)}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# -- a proxy that counts and misbehaves ------------------------------------------------------------
+
+@dataclass
+class Rule:
+    """Applies to the first ``times`` GETs whose path contains ``match``. ``action``:
+    ``("status", code, retry_after)``, ``("corrupt",)`` (one byte of the body flipped),
+    ``("cut", n)`` (n bytes of the body, then the connection closed), ``("stall", n)`` (n bytes,
+    then nothing until the proxy closes), ``("body", bytes, content_type)`` (this answer
+    instead), ``("delay", seconds)``."""
+
+    match: str
+    action: tuple
+    times: int = 1
+
+
+class Proxy:
+    """An HTTP proxy on 127.0.0.1 in front of ``upstream`` (host:port). ``hits`` counts GETs per
+    path; ``rules`` are consulted in order."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.rules: list[Rule] = []
+        self.hits: dict[str, int] = {}
+        self.lock = threading.Lock()
+        self.release = threading.Event()
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                outer._handle(self)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def blob_gets(self, digest: str | None = None) -> int:
+        return sum(n for p, n in self.hits.items() if "/blobs/" in p and (digest is None or digest in p))
+
+    def _rule(self, path: str) -> Rule | None:
+        with self.lock:
+            self.hits[path] = self.hits.get(path, 0) + 1
+            for r in self.rules:
+                if r.match in path and r.times > 0:
+                    r.times -= 1
+                    return r
+        return None
+
+    def _handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
+        rule = self._rule(h.path)
+        action = rule.action if rule else ("pass",)
+        if action[0] == "status":
+            body = b'{"errors": [{"code": "UNAVAILABLE", "message": "try later"}]}'
+            h.send_response(action[1])
+            if action[2] is not None:
+                h.send_header("Retry-After", str(action[2]))
+            h.send_header("Content-Type", "application/json")
+            h.send_header("Content-Length", str(len(body)))
+            h.end_headers()
+            h.wfile.write(body)
+            return
+        if action[0] == "body":
+            h.send_response(200)
+            h.send_header("Content-Type", action[2])
+            h.send_header("Content-Length", str(len(action[1])))
+            h.end_headers()
+            h.wfile.write(action[1])
+            return
+        if action[0] == "delay":
+            time.sleep(action[1])
+        conn = http.client.HTTPConnection(self.upstream, timeout=30)
+        headers = {k: v for k, v in h.headers.items() if k.lower() not in ("host", "connection")}
+        conn.request("GET", h.path, headers=headers)
+        resp = conn.getresponse()
+        body = resp.read()
+        conn.close()
+        if action[0] == "corrupt" and body:
+            body = body[:-1] + bytes([body[-1] ^ 0xFF])
+        h.send_response(resp.status)
+        for k, v in resp.getheaders():
+            if k.lower() not in ("connection", "transfer-encoding", "content-length"):
+                h.send_header(k, v)
+        h.send_header("Content-Length", str(len(body)))
+        if action[0] in ("cut", "stall"):
+            h.send_header("Connection", "close")
+        h.end_headers()
+        if action[0] == "cut":
+            h.wfile.write(body[:action[1]])
+            h.wfile.flush()
+            h.close_connection = True
+            h.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if action[0] == "stall":
+            h.wfile.write(body[:action[1]])
+            h.wfile.flush()
+            self.release.wait(60)
+            h.close_connection = True
+            return
+        h.wfile.write(body)
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
