@@ -18,7 +18,7 @@ Language = Literal[
     "verilog", "python_gpu", "lean", "swift", "racket", "python2", "gtest", "react"]
 
 
-#: file names are checked where they enter (a NUL byte ended a run ``Failed`` with no record of why):
+#: file names are checked where they enter (unchecked, a NUL byte ends a run ``Failed`` with no record of why):
 #: a 422 naming ``files``/``fetch_files``, as for any other malformed field. Unknown fields are
 #: ignored, as SandboxFusion's own request models (plain pydantic ``BaseModel``s) ignore them.
 FileMap = Annotated[dict[str, Optional[str]], AfterValidator(check_paths)]

@@ -174,9 +174,8 @@ class CpuMeter:
         (``exiting``: how many still were). A one-shot's child is killed as its answer goes out and
         ends after it (its exit off the latency path: ``runner.Zygote.child``); until the zygote
         reaps it, its CPU is in neither the zygote's ``cutime`` nor, for its exit, the control
-        group. A reading right after a level's last answer missed it: the bench's test saw one of
-        three 200 ms jobs missing from the zygotes' children in 7 of 20 runs on the 2-core VM with
-        two CPU hogs beside it (CI once: 140 ms a job against 200), there 0.5 s later."""
+        group. A reading right after a level's last answer can miss it: on a loaded machine a
+        child ends up to ~0.5 s after its answer."""
         out: dict = (dict.fromkeys(PARTS, 0.0) | {f"{k}.sys": 0.0 for k in PARTS}
                      | {"sandbox_procs": {}, "exiting": 0})
         kinds = {kid: kind for kid in _children(self.engine) if (kind := _kind(kid)) is not None}
