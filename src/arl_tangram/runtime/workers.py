@@ -20,10 +20,10 @@ Workers die with the engine process (``PR_SET_PDEATHSIG``), their sandboxes with
 The lease: when no core is free, the engine queues a one-shot behind a running one
 (``Follow``), and the worker starts it the moment that run's sandbox answers, on its cores,
 before the engine has heard of the end (its manager holds the follower's prepared request until
-then: ``SandboxManager.start``'s ``after``). Without it each core idled for the report's way to
+then: ``SandboxManager.start``'s ``after``). Without it each core idles for the report's way to
 the engine and the start's way back: 21-23% of 16 cores at 3,356 one-shots/s. The engine stays
-the one that decides what runs, in which order, on which cores; the worker only no longer waits
-to be told when.
+the one that decides what runs, in which order, on which cores; the worker only does not wait to
+be told when.
 """
 
 from __future__ import annotations
