@@ -128,7 +128,7 @@ def test_an_image_without_bash_gets_its_sh_and_toolchains_are_looked_up_in_the_i
 
 def test_the_default_image_comes_from_the_config_and_fills_the_warm_pool(store):
     async def body(tg):
-        pool = tg.runtime.sandboxes._pool
+        pool = tg.runtime.sandboxes.pool.idle
         for _ in range(500):
             if len(pool) >= 1:
                 break

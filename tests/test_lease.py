@@ -45,7 +45,7 @@ def _run(body):
         m = SandboxManager(SandboxConfig(warm_pool=3), lambda c: done.setdefault(c.action_id, c))
         await m.start_up()
         try:
-            await _until(lambda: len(m._pool) >= 3)
+            await _until(lambda: len(m.pool.idle) >= 3)
             return await body(m, done)
         finally:
             await m.shut_down()
@@ -56,12 +56,12 @@ def _run(body):
 def test_a_follower_is_prepared_at_once_and_runs_only_once_the_run_before_it_answered():
     async def body(m: SandboxManager, done: dict):
         m.start(_one_shot("a", 0.5), CORE)
-        await _until(lambda: m._pins.get("a", [None])[0] is not None)
+        await _until(lambda: m.runs.pins.get("a", [None])[0] is not None)
         m.start(_one_shot("f"), CORE, after="a")
         with pytest.raises(RuntimeError, match="already has a follower"):
             m.start(_one_shot("g"), CORE, after="a")  # would share a's core with f
-        await _until(lambda: m._pins.get("f", [None])[0] is not None)  # its sandbox, taken ahead
-        assert "a" not in done and "f" not in done and m._followers == 1
+        await _until(lambda: m.runs.pins.get("f", [None])[0] is not None)  # its sandbox, taken ahead
+        assert "a" not in done and "f" not in done and m.lease.followers == 1
         await _until(lambda: "f" in done)
         a_end, f_start = _times(done["a"])[1], _times(done["f"])[0]
         assert f_start >= a_end, f"the follower started {a_end - f_start:.3f}s before the run it follows ended"
@@ -69,7 +69,7 @@ def test_a_follower_is_prepared_at_once_and_runs_only_once_the_run_before_it_ans
         m.start(_one_shot("stranger"), CORE, after="not-here")
         await _until(lambda: "late" in done and "stranger" in done)
         assert done["late"].outcome is Outcome.OK and done["stranger"].outcome is Outcome.OK
-        assert m._followers == 0 and not m._unanswered
+        assert m.lease.followers == 0 and not m.lease.unanswered
 
     _run(body)
 
@@ -81,19 +81,19 @@ def test_a_follower_cancelled_before_its_turn_gives_its_sandbox_back_and_its_own
 
     async def body(m: SandboxManager, done: dict):
         m.start(_one_shot("a", 0.6), CORE)
-        await _until(lambda: m._pins.get("a", [None])[0] is not None)
+        await _until(lambda: m.runs.pins.get("a", [None])[0] is not None)
         m.start(_one_shot("f1"), CORE, after="a")
         m.start(_one_shot("f2"), CORE, after="f1")
-        await _until(lambda: m._pins.get("f1", [None])[0] is not None)
-        held = m._pins["f1"][0]
+        await _until(lambda: m.runs.pins.get("f1", [None])[0] is not None)
+        held = m.runs.pins["f1"][0]
         m.cancel("f1")
         await _until(lambda: "f1" in done)
         assert done["f1"].outcome is Outcome.CANCELLED and "a" not in done
-        assert held in m._pool and not held.dead, "a sandbox nothing ran in was killed"
+        assert held in m.pool.idle and not held.dead, "a sandbox nothing ran in was killed"
         await _until(lambda: "f2" in done)
         a_end, f2_start = _times(done["a"])[1], _times(done["f2"])[0]
         assert f2_start >= a_end, f"f2 started {a_end - f2_start:.3f}s before the run on its core ended"
-        assert m._followers == 0 and not m._unanswered
+        assert m.lease.followers == 0 and not m.lease.unanswered
 
     _run(body)
 
@@ -101,7 +101,7 @@ def test_a_follower_cancelled_before_its_turn_gives_its_sandbox_back_and_its_own
 def test_a_follower_of_a_run_cancelled_or_failed_starts_once_that_run_is_over():
     async def body(m: SandboxManager, done: dict):
         m.start(_one_shot("a", 30), CORE)
-        await _until(lambda: m._pins.get("a", [None])[0] is not None)
+        await _until(lambda: m.runs.pins.get("a", [None])[0] is not None)
         m.start(_one_shot("f"), CORE, after="a")
         await asyncio.sleep(0.3)
         assert "f" not in done
@@ -110,7 +110,7 @@ def test_a_follower_of_a_run_cancelled_or_failed_starts_once_that_run_is_over():
         assert done["a"].outcome is Outcome.CANCELLED and done["f"].outcome is Outcome.OK
         bad = Action("bad", "sandbox", Demand({"cpu": (1, 1)}), payload=RunCode("1", language="cobol-2090"))
         m.start(_one_shot("b", 0.4), CORE)
-        await _until(lambda: m._pins.get("b", [None])[0] is not None)
+        await _until(lambda: m.runs.pins.get("b", [None])[0] is not None)
         m.start(bad, CORE, after="b")  # rejected without running: what follows it still waits for b
         m.start(_one_shot("c"), CORE, after="bad")
         await _until(lambda: "c" in done)
@@ -126,14 +126,14 @@ def test_the_place_of_a_follower_cancelled_before_its_turn_is_free_at_once():
 
     async def body(m: SandboxManager, done: dict):
         m.start(_one_shot("a", 0.5), CORE)
-        await _until(lambda: m._pins.get("a", [None])[0] is not None)
+        await _until(lambda: m.runs.pins.get("a", [None])[0] is not None)
         m.start(_one_shot("q0"), CORE, after="a")
         m.cancel("q0")
         m.start(_one_shot("q1"), CORE, after="a")
         await _until(lambda: "q1" in done)
         assert done["q0"].outcome is Outcome.CANCELLED
         assert _times(done["q1"])[0] >= _times(done["a"])[1]
-        assert m._followers == 0 and not m._unanswered
+        assert m.lease.followers == 0 and not m.lease.unanswered
 
     _run(body)
 
@@ -142,16 +142,16 @@ def test_a_run_of_the_same_id_started_again_does_not_strand_the_follower_of_the_
     """The engine reports a cancel at once and may take the same id again while the first run is
     still being killed here: the first run's end must still open its follower's turn (review of
     2eb427e: it was looked up by id, found the second run's entry and did nothing)."""
-    from arl_tangram.managers.sandbox.manager import _Unanswered
+    from arl_tangram.managers.sandbox.lease import Unanswered
     from arl_tangram.managers.sandbox.sandbox import Turn
 
     m = SandboxManager(SandboxConfig())
-    first = m._unanswered["x"] = _Unanswered()
-    b = m._unanswered["b"] = _Unanswered()
+    first = m.lease.unanswered["x"] = Unanswered()
+    b = m.lease.unanswered["b"] = Unanswered()
     b.turn, b.before, first.next = Turn(), first, b
-    m._followers = 1
-    again = m._unanswered["x"] = _Unanswered()  # the same id, started again
-    m._over("x", first)
-    assert b.turn.opened and m._followers == 0 and m._unanswered["x"] is again
-    m._over("x", first)  # told twice: nothing more
-    assert m._followers == 0 and m._unanswered["x"] is again
+    m.lease.followers = 1
+    again = m.lease.unanswered["x"] = Unanswered()  # the same id, started again
+    m.lease.over("x", first)
+    assert b.turn.opened and m.lease.followers == 0 and m.lease.unanswered["x"] is again
+    m.lease.over("x", first)  # told twice: nothing more
+    assert m.lease.followers == 0 and m.lease.unanswered["x"] is again

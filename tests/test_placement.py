@@ -1,4 +1,4 @@
-"""Where a run goes (``SandboxManager._placement``): one-shots share the host's CPUs, bounded to
+"""Where a run goes (``OneShots.placement``): one-shots share the host's CPUs, bounded to
 their cores' worth of CPU time, where that bound holds; sessions, and one-shots where it cannot be
 enforced, are pinned to their cores. At the manager's seam, with the cgroup root as a double (the
 real groups are exercised in test_sandbox.py)."""
@@ -19,9 +19,9 @@ def manager(root=None, **config) -> SandboxManager:
 def test_one_shots_share_the_cpus_with_their_cores_as_a_quota_and_sessions_stay_pinned():
     m = manager(SimpleNamespace(bounds_cpu_time=True))
     assert m.shares_cpus
-    assert m._placement((2,), one_shot=True) == (CPUS, 1)
-    assert m._placement((1, 3), one_shot=True) == (CPUS, 2)
-    assert m._placement((2,), one_shot=False) == ((2,), None)
+    assert m.pool.placement((2,), one_shot=True) == (CPUS, 1)
+    assert m.pool.placement((1, 3), one_shot=True) == (CPUS, 2)
+    assert m.pool.placement((2,), one_shot=False) == ((2,), None)
 
 
 def test_pinned_where_cpu_time_cannot_be_bounded_or_sharing_is_off():
@@ -30,16 +30,16 @@ def test_pinned_where_cpu_time_cannot_be_bounded_or_sharing_is_off():
     for m in (manager(SimpleNamespace(bounds_cpu_time=False)), manager(None),
               manager(SimpleNamespace(bounds_cpu_time=True), one_shots_share_cpus=False)):
         assert not m.shares_cpus
-        assert m._placement((2,), one_shot=True) == ((2,), None)
+        assert m.pool.placement((2,), one_shot=True) == ((2,), None)
 
 
 def test_without_cgroups_a_runs_affinity_is_where_its_sandbox_was_placed_and_thread_counts_its_cores():
     m = manager(None)
     sb = SimpleNamespace(cpus=(2,), rootfs=None)
-    req = m._base((2,), sb)
+    req = m.execution.base((2,), sb)
     assert req["cpus"] == [2] and req["env"]["TANGRAM_NUM_CPUS"] == "1" and req["env"]["OMP_NUM_THREADS"] == "1"
-    assert m._base((3,))["cpus"] == [3]  # no sandbox yet: its cores
-    assert "cpus" not in manager(SimpleNamespace(bounds_cpu_time=True))._base((2,), sb)  # a cpuset places it
+    assert m.execution.base((3,))["cpus"] == [3]  # no sandbox yet: its cores
+    assert "cpus" not in manager(SimpleNamespace(bounds_cpu_time=True)).execution.base((2,), sb)  # a cpuset places it
 
 
 def test_a_sandbox_writes_only_what_changed_the_tighter_bound_first():

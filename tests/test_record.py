@@ -115,7 +115,7 @@ def test_a_real_run_recorded_and_replayed_matches_the_measured_acts(tmp_path):
             # session's first step can pay a sandbox's start (50-140 ms measured) that it does not model
             sm = tg.runtime.sandbox_manager()
             for _ in range(200):
-                if len(sm._pool) >= sm.config.warm_pool and len(sm._session_pool) >= sm._warm_sessions():
+                if len(sm.pool.idle) >= sm.config.warm_pool and len(sm.spares.idle) >= sm.spares.wanted():
                     break
                 await asyncio.sleep(0.05)
             rec = TraceRecorder(path)

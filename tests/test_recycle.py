@@ -535,7 +535,7 @@ def test_a_python_run_in_a_child_forked_ahead_starts_as_one_forked_for_it(tmp_pa
     read from its own pipe, the environment's names, dumpability, the workspace): a run it takes
     sees what a child forked for the run sees, with another environment too (its variables, none
     of the rehearsal's), and the names the rehearsal sets are those the host gives every run."""
-    from arl_tangram.managers.sandbox.manager import SandboxManager
+    from arl_tangram.managers.sandbox.execution import request_env
 
     runs, stats = _bash_runs([(PYTHON_STATE, {"language": "python", "stdin": "in"}) for _ in range(3)])
     first, ahead, again = runs
@@ -548,7 +548,7 @@ def test_a_python_run_in_a_child_forked_ahead_starts_as_one_forked_for_it(tmp_pa
     assert other[0].stdout == other[1].stdout and "'MKL_NUM_THREADS', '2'" in other[1].stdout, other
     names = run_with_runner(tmp_path, "import json, os, sys\nsys.path.insert(0, sys.argv[1])\nsys.argv = ['runner']\n"
                             "import runner\nprint(json.dumps(sorted(runner.RUN_ENV)), file=os.fdopen(runner.PROTO_OUT, 'w'))")
-    assert names == sorted(SandboxManager._request_env(None, (0,))), names  # type: ignore[arg-type]
+    assert names == sorted(request_env((0,))), names
 
 
 def test_fork_ahead_is_the_configs_to_choose():
@@ -560,7 +560,7 @@ def test_fork_ahead_is_the_configs_to_choose():
             mgr = tg.runtime.sandboxes
             r = await tg.run("print(1)")
             await _settle(tg, 0)
-            pooled = list(mgr._pool)
+            pooled = list(mgr.pool.idle)
             if len(pooled) != 1 or pooled[0].group is None:
                 pytest.skip("no cgroups here: the sandbox's processes cannot be counted from the host")
             procs = pooled[0].group.pids()
@@ -628,8 +628,8 @@ def test_a_request_after_an_unread_riding_reset_reads_it_first_and_drops_an_uncl
             out = {}
             for name, code in (("clean", "print(1)"),
                                ("unclean", "import os\nos.setpriority(os.PRIO_PROCESS, 2, 19)")):
-                sb = await mgr._take()
-                run = {**mgr._base((0,), sb), "op": "python", "code": code, "stdin": None, "timeout_s": 5,
+                sb = await mgr.pool.take()
+                run = {**mgr.execution.base((0,), sb), "op": "python", "code": code, "stdin": None, "timeout_s": 5,
                        "files": {}, "fetch": []}
                 await sb.request(run, 10, then=mgr.recycler.riding(sb))
                 pending = sb.then_pending
@@ -1041,23 +1041,23 @@ def test_a_sandbox_lost_from_circulation_is_replaced_within_the_idle_cap():
 
             async def pool_reaches(n):
                 for _ in range(300):
-                    if len(mgr._pool) >= n:
+                    if len(mgr.pool.idle) >= n:
                         return
                     await asyncio.sleep(0.02)
 
             await pool_reaches(1)  # the warm pool, full: its own rule starts nothing more
             started = mgr.fresh["pool"]
-            mgr._followers = 3  # as under load: every core's follower holds a sandbox (the rule's blind spot)
+            mgr.lease.followers = 3  # as under load: every core's follower holds a sandbox (the rule's blind spot)
             try:
                 mgr.recycler.lost()
                 mgr.recycler.lost()
                 await pool_reaches(3)
-                sizes = [len(mgr._pool)]
+                sizes = [len(mgr.pool.idle)]
                 mgr.recycler.lost()  # at the idle cap: nothing more
                 await asyncio.sleep(0.5)
-                sizes.append(len(mgr._pool))
+                sizes.append(len(mgr.pool.idle))
             finally:
-                mgr._followers = 0
+                mgr.lease.followers = 0
             return mgr.fresh["pool"] - started, sizes
 
     started, sizes = asyncio.run(manager_side())
@@ -1075,7 +1075,7 @@ def test_at_a_light_load_each_discard_is_replaced_once():
             mgr = tg.runtime.sandboxes
             async def pooled():
                 for _ in range(300):
-                    if mgr._pool:
+                    if mgr.pool.idle:
                         return
                     await asyncio.sleep(0.02)
 
@@ -1087,12 +1087,12 @@ def test_at_a_light_load_each_discard_is_replaced_once():
                 await _settle(tg, mgr.recycler.recycled + sum(mgr.recycler.discarded.values()) - 1)
                 await pooled()  # (a run sooner than a start finds the pool empty whatever the rule)
             await asyncio.sleep(0.5)  # any replacement started by then is in the pool
-            one_shots = (mgr.fresh["pool"] - before, len(mgr._pool), mgr.recycler.discarded["worn out"])
+            one_shots = (mgr.fresh["pool"] - before, len(mgr.pool.idle), mgr.recycler.discarded["worn out"])
             s = await tg.session()
             assert (await s.exec("echo hi")).stdout.strip() == "hi"
             await s.close()
             await asyncio.sleep(0.3)
-            return one_shots, mgr._owed, mgr.fresh["pool"] - before
+            return one_shots, mgr.pool.owed, mgr.fresh["pool"] - before
 
     (started, pooled, worn), owed, started_after = asyncio.run(main())
     assert worn == 4 and started == 4 and pooled == 1, (started, pooled, worn)  # not 8 and 2
@@ -1109,7 +1109,7 @@ def test_a_one_shot_sandbox_killed_by_its_runs_cancel_is_replaced_under_load():
         async with Tangram.local(sandbox=cfg, cores=1) as tg:
             mgr, rt = tg.runtime.sandboxes, tg.runtime
             for _ in range(300):
-                if mgr._pool:
+                if mgr.pool.idle:
                     break
                 await asyncio.sleep(0.02)
             task = asyncio.ensure_future(tg.run("import time; time.sleep(30)", id="long", timeout_s=60))
@@ -1118,11 +1118,11 @@ def test_a_one_shot_sandbox_killed_by_its_runs_cancel_is_replaced_under_load():
                     break
                 await asyncio.sleep(0.02)
             for _ in range(300):  # the refill has replaced the sandbox the run took (its own rule)
-                if mgr._pool:
+                if mgr.pool.idle:
                     break
                 await asyncio.sleep(0.02)
             started = mgr.fresh["pool"]
-            mgr._followers = 3  # as under load: the followers' sandboxes hide the pool's shortfall
+            mgr.lease.followers = 3  # as under load: the followers' sandboxes hide the pool's shortfall
             try:
                 assert rt.cancel("long") is True
                 r = await asyncio.wait_for(task, 20)
@@ -1131,7 +1131,7 @@ def test_a_one_shot_sandbox_killed_by_its_runs_cancel_is_replaced_under_load():
                         break
                     await asyncio.sleep(0.02)
             finally:
-                mgr._followers = 0
+                mgr.lease.followers = 0
             return r.outcome, mgr.fresh["pool"] - started
 
     outcome, replaced = asyncio.run(main())

@@ -156,7 +156,7 @@ def test_least_recently_used_sessions_go_to_rest_past_max_awake_and_idle_ones_af
                 assert r.outcome is Outcome.OK
                 sessions.append(s)
             for _ in range(100):
-                if len(manager.rested) == 2 and not manager._moving:
+                if len(manager.rested) == 2 and not manager.book.moving:
                     break
                 await asyncio.sleep(0.05)
             assert sorted(manager.rested) == ["lru0", "lru1"]  # the least recently used
@@ -261,7 +261,7 @@ def test_a_session_closed_while_its_rest_is_recorded_leaves_no_blob_and_no_proce
             assert manager.session_state("gone") is None and manager.store.used == 0
             assert not os.path.exists(path)
             # its processes are gone: the sandbox was reset for another session (or killed)
-            assert sb.dead or (sb in manager._session_pool and manager.recycler.sessions_recycled == 1)
+            assert sb.dead or (sb in manager.spares.idle and manager.recycler.sessions_recycled == 1)
     asyncio.run(main())
 
 
@@ -290,10 +290,10 @@ def test_a_session_closed_while_it_is_packed_releases_its_sandbox_once():
             manager.close_session("A")
             assert await resting is False
             for _ in range(200):
-                if not manager._returning and not manager._moving:
+                if not manager.spares.returning and not manager.book.moving:
                     break
                 await asyncio.sleep(0.025)
-            assert sum(x is sb for x in manager._session_pool) <= 1
+            assert sum(x is sb for x in manager.spares.idle) <= 1
             assert manager.session_state("A") is None and manager.store.used == 0
             c, d = await tg.session(trajectory="C"), await tg.session(trajectory="D")
             assert (await c.exec(python="secret = 'C-only'")).outcome is Outcome.OK
@@ -428,7 +428,7 @@ def test_a_server_answers_once_the_sessions_warm_sandboxes_are_ready():
         service = Service(runtime)
         await service.start()
         try:
-            return len(runtime.sandbox_manager()._session_pool)
+            return len(runtime.sandbox_manager().spares.idle)
         finally:
             await service.stop()
     assert asyncio.run(main()) == 3
@@ -492,7 +492,7 @@ def _recycling_config(**kw) -> SandboxConfig:
 
 async def _recycled(manager, before: int) -> None:
     for _ in range(200):
-        if manager.recycler.sessions_recycled > before and not manager._moving:
+        if manager.recycler.sessions_recycled > before and not manager.book.moving:
             return
         await asyncio.sleep(0.025)
     raise AssertionError(f"no session sandbox was recycled: {manager.recycler.stats()}")
@@ -500,7 +500,7 @@ async def _recycled(manager, before: int) -> None:
 
 def _take_recycled(manager, sb) -> None:
     """Make ``sb`` (back in the sessions' pool) the one the next session takes."""
-    pool = manager._session_pool
+    pool = manager.spares.idle
     assert sb in pool, "the rested session's sandbox is not in the sessions' pool"
     pool.remove(sb)
     pool.append(sb)
@@ -686,7 +686,7 @@ def test_a_python_one_shot_in_a_session_s_sandbox_runs_and_the_sandbox_is_then_n
                 if sb.dead:
                     break
                 await asyncio.sleep(0.025)
-            assert sb.dead and sb not in manager._session_pool
+            assert sb.dead and sb not in manager.spares.idle
             assert any("forked from the runner" in why for why in manager.recycler.sessions_discarded)
         finally:
             await agent.shut_down()

@@ -764,13 +764,13 @@ def test_expiry_and_close_leave_nothing_behind():
         # a session's sandbox, once its session is gone, is killed with its cgroup or reset for
         # another session (rest.py: back in the sessions' pool, its session's processes ended)
         gone = s.id not in mgr.sessions and ((sb.dead and not any(d.exists() for d in dirs))
-                                             or sb in mgr._session_pool)
+                                             or sb in mgr.spares.idle)
         t = await tg.session()
         await t.exec("true")
         sb2 = mgr.sessions[t.id]
         await t.close()
         await asyncio.sleep(0.2)
-        closed = (sb2.dead and not any(d.exists() for d in sb2.group.dirs.values())) or sb2 in mgr._session_pool
+        closed = (sb2.dead and not any(d.exists() for d in sb2.group.dirs.values())) or sb2 in mgr.spares.idle
         return gone, closed, list(mgr.root.dirs.values())
 
     gone, closed, roots = run(body, session_idle_expiry_s=0.5)
@@ -786,11 +786,11 @@ def test_a_sandbox_that_dies_is_an_infra_error_not_a_user_failure():
     async def body(tg):
         task = asyncio.create_task(tg.run("import time\ntime.sleep(30)", timeout_s=60))
         for _ in range(600):  # until it runs (a fixed 0.5 s was too short at load 8: its setup took 0.56 s)
-            if tg.runtime.sandboxes._busy:
+            if tg.runtime.sandboxes.busy:
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.2)
-        for sb in list(tg.runtime.sandboxes._busy):
+        for sb in list(tg.runtime.sandboxes.busy):
             sb.proc.kill()
         return await task
 
@@ -873,7 +873,7 @@ def _manager_run(code: str, units: tuple[int, ...], shrink_to: tuple[int, ...] |
             m.start(a, Allocation("cpu", 0, units))
             if shrink_to is not None:
                 for _ in range(2000):  # until it is placed and running
-                    if m._pins.get("grown", [None])[0] is not None:
+                    if m.runs.pins.get("grown", [None])[0] is not None:
                         break
                     await asyncio.sleep(0.01)
                 await asyncio.sleep(0.3)
@@ -884,7 +884,7 @@ def _manager_run(code: str, units: tuple[int, ...], shrink_to: tuple[int, ...] |
                 await asyncio.sleep(0.01)
             if shrink_to is not None:
                 m.resize("grown", Allocation("cpu", 0, shrink_to))  # ended: ignored
-            return done, m._pins
+            return done, m.runs.pins
         finally:
             await m.shut_down()
 
