@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core.action import Action, Allocation
 from ..core.records import Load, Loaded
@@ -26,19 +26,26 @@ from ..core.seam import Sink
 from ..managers.models.spec import ModelCard, ModelServiceConfig, call_problem
 from ..managers.tasks import TaskSet
 from .agent import Replaced
-from .ray_nodes import Node, agent_gone, cancel_on_nodes, run_on_node
+from .ray_nodes import Head, Node, agent_gone, cancel_on_nodes, run_on_node
 
 if TYPE_CHECKING:
-    from .ray_runtime import RayRuntime
+    from ..engine import Engine
 
 log = logging.getLogger(__name__)
+
+
+class ModelsHead(Head, Protocol):
+    """The head as ``RemoteModels`` sees it: a ``Head`` with its engine (whose ``loading`` says
+    whether a prefetch still counts)."""
+
+    engine: Engine
 
 
 class RemoteModels:
     """Implements ``core.seam.ModelHost`` for the head; the model services' catalogue for the
     API and the server (``services``, ``loaded``, ``failed``, ``validate``, as ``ModelManager``)."""
 
-    def __init__(self, runtime: "RayRuntime", sink: Sink, services: list[ModelServiceConfig]) -> None:
+    def __init__(self, runtime: ModelsHead, sink: Sink, services: list[ModelServiceConfig]) -> None:
         self.runtime = runtime
         self.sink = sink
         self.tasks = TaskSet(sink, "gpu-nodes")

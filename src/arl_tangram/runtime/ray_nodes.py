@@ -8,13 +8,13 @@ this one.
 
 **Looks at the agents** (``look_at_agents``: the head's membership loop, every poll): each agent's
 lease is renewed and its expired and rested sessions collected, all agents at once, each under a
-timeout. One after the other with no timeout, one agent whose event loop hung (Ray still lists it
-alive) stalled every renewal, and after ``lease_s`` every other agent orphaned itself, taking every
-session of the cluster with it (review of issue 24, M3). A call that times out stays pending and is
-awaited again at the next look (no second call piles up behind it); a serving node whose agent has
-not answered for ``lease_s`` since the last renewal it did answer is lost (its lease has run out:
-whatever it still holds, it closes). A node still starting (a GPU node loading its weights) is
-renewed too, never lost for silence: Ray may not have placed its agent yet.
+timeout, so that one agent whose event loop hung (Ray still lists it alive) cannot stall every
+renewal: after ``lease_s`` every other agent would orphan itself, taking every session of the
+cluster with it. A call that times out stays pending and is awaited again at the next look (no
+second call piles up behind it); a serving node whose agent has not answered for ``lease_s``
+since the last renewal it did answer is lost (its lease has run out: whatever it still holds, it
+closes). A node still starting (a GPU node loading its weights) is renewed too, never lost for
+silence: Ray may not have placed its agent yet.
 """
 
 from __future__ import annotations
@@ -23,14 +23,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..core.action import Action, Allocation, Outcome
 from ..core.seam import Completion
 from .agent import Replaced
-
-if TYPE_CHECKING:
-    from .ray_runtime import RayRuntime
 
 
 class RayUnavailable(RuntimeError):
@@ -74,6 +71,19 @@ class Node:
     def serving(self) -> bool:
         """Its agent is up: alive, or draining/drained (it still finishes and hands over its work)."""
         return self.state in ("alive", "draining", "drained")
+
+
+class Head(Protocol):
+    """What the head's managers need of the runtime they serve (``RayRuntime`` is one): who the
+    head is, its nodes, and how it counts one lost. A protocol, so that this module and
+    ``ray_models`` need not import ``ray_runtime``, which imports them."""
+
+    owner: str
+    nodes_by_id: dict[str, Node]
+
+    def node_lost(self, node: Node, why: str) -> None: ...
+
+    def lost_reason(self, session: str, node: Node) -> str: ...
 
 
 def ray_module():
@@ -146,7 +156,7 @@ async def _ask(node: Node, lease_s: float, owner: str | None) -> tuple[float, li
     return sent, list(expired), list(rested)
 
 
-async def run_on_node(runtime: "RayRuntime", node: Node, action: Action, allocation: Allocation) -> Completion:
+async def run_on_node(runtime: Head, node: Node, action: Action, allocation: Allocation) -> Completion:
     """Run ``action`` on ``node``'s agent (``allocation`` in the node's own unit ids) and await its
     ``Completion`` unless ``node`` is lost first; then the action ends ``infra_error`` with
     ``NodeLost`` as its result, which the runtime re-runs once elsewhere if it is a one-shot
@@ -174,14 +184,14 @@ async def _agent_run(node: Node, action: Action, allocation: Allocation, owner: 
     return await node.handle.run.remote(action, allocation, owner)
 
 
-def cancel_on_nodes(runtime: "RayRuntime", action_id: str) -> None:
+def cancel_on_nodes(runtime: Head, action_id: str) -> None:
     """Tell the live agent running ``action_id`` to cancel it (wherever it runs)."""
     for node in runtime.nodes_by_id.values():
         if action_id in node.running and node.serving:
             node.handle.cancel.remote(action_id, runtime.owner)
 
 
-def _lost(runtime: "RayRuntime", node: Node, action: Action) -> Completion:
+def _lost(runtime: Head, node: Node, action: Action) -> Completion:
     if action.trajectory is not None:
         why = runtime.lost_reason(action.trajectory, node)
         return Completion(action.id, Outcome.INFRA_ERROR, message=why, result=NodeLost(node.name))

@@ -28,7 +28,7 @@ the move (each session's steps and its move take one lock, in order); once the n
 session and runs nothing its state is ``drained``. The same carry makes the policy's migration
 real: a step the engine places away from its session's node (``Setup.RESTORE``) brings the files.
 
-**The head restarts, sessions stay** (issue 24). Agents are detached actors named after their
+**The head restarts, sessions stay.** Agents are detached actors named after their
 node (``agent_name``): they outlive the head's Ray driver, and with them their sandboxes, files and
 processes (a session's Python state included). The head renews each agent's lease at every look
 (``MEMBERSHIP_POLL_S``; ``lease_s``, default ``LEASE_S``), every agent at once, each under a timeout
