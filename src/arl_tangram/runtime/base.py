@@ -25,7 +25,7 @@ from ..driver import Driver
 from ..engine import Engine
 from ..waits import DEFAULT_MAX_QUEUE_S
 from ..managers.models.spec import ModelServiceConfig
-from ..managers.sandbox.spec import SandboxResult
+from ..managers.sandbox.spec import SandboxConfig, SandboxResult
 from ..policy import Costs, Policy, Profile, Wait, make_policy
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class Snapshot:
     cores_held: int
     gpus_held: int
     isolation: str | None
-    # session density (issue #15)
+    # session density: where sessions are, the memory they use and reserve
     sessions: int = 0  # sessions with state on a node
     session_mem_used_gb: float = 0.0  # what idle sessions were measured to use
     session_mem_reserved_gb: float = 0.0  # what the engine reserves for sessions
@@ -195,9 +195,9 @@ class Runtime:
         done: the reports are applied to the engine as they come (their futures resolve, their
         cores go back to the ledger at once) and one ``schedule()`` then hands the freed cores on,
         as vLLM's engine core applies a step's outputs and then schedules once. A freed core waits
-        only for the rest of the pass, never for an idle ``epoll`` (coalescing over a wait, 16
-        events a round, was measured and dropped: docs/performance.md, "The engine"). A round that
-        is due runs at most once; ``tick()`` in between makes it a no-op round, not a lost one."""
+        only for the rest of the pass, never for an idle ``epoll`` (coalescing reports over a wait
+        did not pay: docs/performance.md). A round that is due runs at most once; ``tick()`` in
+        between makes it a no-op round, not a lost one."""
         if self._round_due:
             return
         try:
@@ -219,9 +219,8 @@ class Runtime:
 
     def _woken(self) -> None:
         """The armed wake-up fired. asyncio may run a timer up to its clock resolution early;
-        the driver must then arm the same instant again, not take it for still armed (it did,
-        and a queue deadline a hair in the future then never fired: found by
-        ``tangram bench sessions``)."""
+        the driver must then arm the same instant again, not take it for still armed, or a queue
+        deadline a hair in the future never fires."""
         self._wake = None
         self.driver.armed_at = None
         self.tick()
@@ -278,7 +277,7 @@ class Runtime:
             self._waiting.pop(action.id, None)
             raise
         if not self._round_due:  # else it rides on the round already due this pass
-            self.tick()  # at once: a deferred start cost c=1 one-shots a loop pass each (measured)
+            self.tick()  # at once: deferred to the pass's end, a lone one-shot would wait a loop pass
 
     def cancel(self, action_id: str) -> bool:
         """Cancel a queued or running action; False if it is not in flight here."""
@@ -379,7 +378,7 @@ class Runtime:
                         now - head.submitted_at if head is not None else 0.0,
                         str(e.why_waiting(head)) if head is not None else "")
 
-    # -- admitting sessions (issue #15) ----------------------------------------------------------
+    # -- admitting sessions ----------------------------------------------------------------------
     def admit_session(self) -> None:
         """Raise ``NoRoom`` if a new session's first step could not find memory: no CPU node has
         room for its estimate (``Costs.session_mem_gb``) after what open sessions reserve (a step
@@ -405,6 +404,22 @@ class Runtime:
     def sandbox_workers(self) -> tuple[int, int] | None:
         """Sandbox worker processes (up, started); None where one-shots run in this process."""
         return None
+
+    def sandbox_config(self) -> SandboxConfig | None:
+        """The config of the sandboxes this process schedules (limits, idle expiry); None where
+        this runtime has none of its own."""
+        return None
+
+    def session_usage(self, trajectory: str) -> tuple[int, float] | None:
+        """A session's memory (bytes) and CPU time (seconds) now, from its sandbox's cgroup;
+        None before its sandbox has started, without a cgroup, or where the sandbox lives in
+        another process."""
+        return None
+
+    def interrupt_step(self, trajectory: str) -> bool:
+        """Kill what the running step of a session started, the session's sandbox living on
+        (``Sandbox.interrupt_step``); False where this process does not hold that sandbox."""
+        return False
 
     async def core_waits(self) -> dict | None:
         """Each core's wait between two one-shots, counted since start (``corewaits.summary``);

@@ -120,6 +120,27 @@ class LocalRuntime(Runtime):
             return s.local
         return s if isinstance(s, SandboxManager) else None
 
+    def sandbox_config(self) -> SandboxConfig | None:
+        return self.sandboxes.config if self.sandboxes is not None else None
+
+    def session_usage(self, trajectory: str) -> tuple[int, float] | None:
+        real = self.sandbox_manager()
+        sb = real.sessions.get(trajectory) if real is not None else None
+        if sb is None or sb.group is None:
+            return None
+        try:
+            return sb.group.memory_bytes(), sb.group.cpu_seconds()
+        except (OSError, ValueError):  # the group went with its sandbox meanwhile
+            return None
+
+    def interrupt_step(self, trajectory: str) -> bool:
+        real = self.sandbox_manager()
+        sb = real.sessions.get(trajectory) if real is not None else None
+        if sb is None:
+            return False
+        sb.interrupt_step()
+        return True
+
     def session_state(self, trajectory: str) -> str | None:
         real = self.sandbox_manager()
         return real.session_state(trajectory) if real is not None else None

@@ -13,7 +13,7 @@ import gc
 import hashlib
 import hmac
 from contextlib import asynccontextmanager
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping, Sequence
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,13 +22,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..runtime import NoRoom, SessionGone
-from .calls import DIALECTS, Local
+from .calls import DIALECTS, Local, RemoteCalls
+from .dialect import Dialect
 from .lean import LeanRoute
 from .service import CALLER_JOB, BadRequest, Conflict, Forbidden, NotFound, Overloaded, Service, Unavailable
 from ..link import PeerGone, RemoteFault
-
-if TYPE_CHECKING:
-    from .front import RemoteService
 
 
 class BodyLimit:
@@ -83,20 +81,20 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def create_app(service: "Service | RemoteService", token: str | None = None, max_body_bytes: int = 32 << 20,
-               keys: Mapping[str, str] | None = None) -> FastAPI:
+def create_app(service: Service | RemoteCalls, token: str | None = None, max_body_bytes: int = 32 << 20,
+               keys: Mapping[str, str] | None = None, dialects: Sequence[Dialect] = DIALECTS) -> FastAPI:
     """The app over ``service``: this process's ``Service``, or a front's ``RemoteService``;
-    ``keys``: API key -> the job it acts as."""
+    ``keys``: API key -> the job it acts as; ``dialects``: the HTTP APIs it speaks (the server's
+    own, and any other: ``calls.with_dialects``); a front's ``RemoteService`` carries the same."""
     # looked up by digest: a dict lookup on the key itself would time its prefix
     jobs = {_digest(k): job for k, job in (keys or {}).items()}
-    key_headers = [d.key_header for d in DIALECTS if d.key_header]
-    shapes = [(d.claims, d.error) for d in DIALECTS if d.claims is not None and d.error is not None]
+    key_headers = [d.key_header for d in dialects if d.key_header]
+    shapes = [(d.claims, d.error) for d in dialects if d.claims is not None and d.error is not None]
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await service.start()
         # What start-up made (modules, the app, the pools) lives as long as the process: out of the
-        # collector's way, so no full pass walks it while a request waits (the first collections
-        # after start-up paused a c=1 request 21-35 ms once; 6.4 ms with this, docs/performance.md)
+        # collector's way, so no full pass over it pauses a request that is waiting
         gc.freeze()
         yield
         await service.stop()
@@ -204,8 +202,8 @@ def create_app(service: "Service | RemoteService", token: str | None = None, max
         return JSONResponse({"message": f"internal error: {name}"}, status_code=500)
 
     app.router.route_class = LeanRoute  # the hot routes' well-formed requests skip FastAPI's handler
-    calls = Local(service) if isinstance(service, Service) else service
-    for dialect in DIALECTS:  # on the app's own router: an included router is one more hop per request
+    calls = Local(service, dialects) if isinstance(service, Service) else service
+    for dialect in dialects:  # on the app's own router: an included router is one more hop per request
         dialect.routes(app.router, calls, guarded)
     return app
 

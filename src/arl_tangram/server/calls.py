@@ -1,18 +1,24 @@
 """The server's dialects, and the one list of calls their routes make on the engine process.
 
-``DIALECTS`` is every HTTP API the server speaks (adding one: docs/architecture.md, "Adding an
-HTTP dialect"). ``CALLS`` joins their calls; from it come ``Local`` (the calls bound to the
-``Service`` of this process: what the routes call without fronts, and what the link serves to
-fronts) and the fronts' ``RemoteService`` (``server/front.py``). So the routes see the same
-names in process and across the link, and a call no dialect declares fails either way.
+``DIALECTS`` is every HTTP API the server speaks: a dialect in this package is its own module (or
+package) plus one line here (docs/architecture.md, "Adding an HTTP dialect"). ``CALLS`` joins
+their calls; from it come ``Local`` (the calls bound to the ``Service`` of this process: what the
+routes call without fronts, and what the link serves to fronts) and the fronts'
+``RemoteService`` (``server/front.py``). So the routes see the same names in process and across
+the link, and a call no dialect declares fails either way.
+
+A dialect that lives elsewhere (a plugin, a test) is served beside these without an edit here:
+``create_app(service, dialects=with_dialects(...))`` in one process, and ``fronts.serve(...,
+dialects=["module"])`` with front processes, each of which imports the module (its ``DIALECT``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 from types import MethodType
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from ..runtime import NoRoom, SessionGone
 from . import e2b, native, sandboxfusion
@@ -22,7 +28,8 @@ from .service import CALLER_JOB, BadRequest, Conflict, Forbidden, NotFound, Over
 DIALECTS: tuple[Dialect, ...] = (sandboxfusion.DIALECT, native.DIALECT, e2b.DIALECT)
 
 
-def _joined(dialects: tuple[Dialect, ...]) -> dict[str, Callable[..., Any]]:
+def joined(dialects: Sequence[Dialect]) -> dict[str, Callable[..., Any]]:
+    """The calls of ``dialects``, by name (a name two of them declare is a ``ValueError``)."""
     out: dict[str, Callable[..., Any]] = {}
     for d in dialects:
         for name, fn in d.calls.items():
@@ -33,26 +40,57 @@ def _joined(dialects: tuple[Dialect, ...]) -> dict[str, Callable[..., Any]]:
 
 
 #: name -> ``fn(service, *args)``, run in the engine process
-CALLS = _joined(DIALECTS)
+CALLS = joined(DIALECTS)
 
-#: the errors ``server/app.py`` maps to a status: they cross the front link as themselves
-RELAYED: tuple[type[BaseException], ...] = (Overloaded, NotFound, BadRequest, Conflict, Forbidden, Unavailable, NoRoom,
-                                            SessionGone,
-                                            e2b.E2bError)
+#: the errors ``server/app.py`` maps to a status: they cross the front link as themselves (each
+#: dialect adds its own: ``Dialect.relayed``)
+SERVICE_ERRORS: tuple[type[BaseException], ...] = (Overloaded, NotFound, BadRequest, Conflict, Forbidden, Unavailable,
+                                                   NoRoom, SessionGone)
+
+
+def relayed(dialects: Sequence[Dialect]) -> tuple[type[BaseException], ...]:
+    """The errors that cross the front link as themselves for a server of ``dialects``."""
+    return SERVICE_ERRORS + tuple(e for d in dialects for e in d.relayed)
+
+
+RELAYED = relayed(DIALECTS)
+
+
+def with_dialects(modules: Sequence[str] = ()) -> tuple[Dialect, ...]:
+    """``DIALECTS`` and the dialect of each module named (its ``DIALECT``), imported here."""
+    return DIALECTS + tuple(importlib.import_module(m).DIALECT for m in modules)
+
+
+def calls_of(dialects: Sequence[Dialect]) -> Mapping[str, Callable[..., Any]]:
+    """The calls of ``dialects``: ``CALLS`` itself for the server's own (one dict, which the
+    benches may instrument), else joined anew."""
+    return CALLS if tuple(dialects) == DIALECTS else joined(dialects)
+
+
+class RemoteCalls(Protocol):
+    """The engine process's calls as another process sees them (``front.RemoteService``): each
+    call by name, and the link's own start and stop."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 #: the link's call for a call made by a request with a job's API key (``scoped`` below)
 SCOPED = "scoped"
 
 
 class Local:
-    """The calls bound to ``service``: each one attribute, a bound method (no cost per call). A
-    call that answers later (``link.answers_later``) is bound as ``_Later``: a route awaits it as
-    any other; the link (``REPLIES``) hands it the reply callback itself."""
+    """The calls of ``dialects`` bound to ``service``: each one attribute, a bound method (no cost
+    per call). A call that answers later (``link.answers_later``) is bound as ``_Later``: a route
+    awaits it as any other; the link (``REPLIES``) hands it the reply callback itself."""
 
-    REPLIES = frozenset(name for name, fn in CALLS.items() if getattr(fn, "answers_later", False))
+    def __init__(self, service: Service, dialects: Sequence[Dialect] = DIALECTS) -> None:
+        for name, fn in calls_of(dialects).items():
+            bound = MethodType(fn, service)
+            setattr(self, name, _Later(bound) if getattr(fn, "answers_later", False) else bound)
 
-    def __init__(self, service: Service) -> None:
-        for name, fn in CALLS.items():
-            setattr(self, name, _Later(MethodType(fn, service)) if name in self.REPLIES else MethodType(fn, service))
+    @property
+    def REPLIES(self) -> frozenset[str]:  # noqa: N802 (the name the link reads, ``link.Hub``)
+        return frozenset(name for name, call in vars(self).items() if isinstance(call, _Later))
 
     async def scoped(self, job: str, name: str, *args: Any) -> Any:
         """``name(*args)`` as a request carrying ``job``'s API key (a front's call across the link:

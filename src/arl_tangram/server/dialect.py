@@ -13,7 +13,12 @@ run in different processes:
 Two optional hooks say how a dialect's clients differ at the door (``server/app.py`` asks every
 dialect, so it names none): ``key_header``, a header its clients carry their API key in besides
 ``Authorization: Bearer`` (E2B's ``X-API-Key``), and ``claims`` with ``error``: the requests
-whose errors (401, routing 404s) it answers in its own body shape.
+whose errors (401, routing 404s) it answers in its own body shape. ``relayed``: the dialect's own
+errors, which its calls raise and its routes answer, crossing the front link as themselves.
+
+A call reaches the native ``Service`` through its public methods only: a session's journaled step
+is ``Service.step``, a dialect's own state on the service ``Service.dialect_state``, and what it
+needs of the runtime a ``Runtime`` method (``service.runtime``).
 
 ``server/calls.py`` joins the dialects' calls into the one list that the routes in process, the
 fronts' remote service and the engine process's link all come from: adding a call is one entry in
@@ -42,6 +47,8 @@ class Dialect:
     claims: Callable[[Request], bool] | None = None
     #: the body of an error of this dialect: (status, message) -> JSON
     error: Callable[[int, str], Any] | None = None
+    #: its own errors that cross the front link as themselves (its routes answer them)
+    relayed: tuple[type[BaseException], ...] = ()
 
 
 async def answer(value: Any) -> Any:

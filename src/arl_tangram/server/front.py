@@ -23,23 +23,26 @@ import signal
 import socket
 from typing import Any
 
+from typing import Sequence
+
 from ..link import Caller
-from .calls import CALLS, SCOPED
+from .calls import DIALECTS, SCOPED, calls_of, with_dialects
+from .dialect import Dialect
 from .service import CALLER_JOB
 
 log = logging.getLogger(__name__)
 
-ENV = "TANGRAM_FRONT"  # JSON: fd, link, max_body_bytes, drain_s, index
+ENV = "TANGRAM_FRONT"  # JSON: fd, link, max_body_bytes, drain_s, index, dialects (modules beside DIALECTS)
 
 
 class RemoteService:
-    """The engine process's calls (``server/calls.py``), each one call across the link: the same
-    names the routes see in process."""
+    """The engine process's calls (``server/calls.py``: those of ``dialects``), each one call
+    across the link: the same names the routes see in process."""
 
-    def __init__(self, link: str) -> None:
+    def __init__(self, link: str, dialects: Sequence[Dialect] = DIALECTS) -> None:
         self.link = link
         self._caller = Caller(on_lost=_stop_front, peer="the engine process")
-        for name in CALLS:  # ``request`` queues the frame now and returns the answer's future
+        for name in calls_of(dialects):  # ``request`` queues the frame now and returns the answer's future
             setattr(self, name, functools.partial(self._request, name))
 
     def _request(self, name: str, *args: Any):
@@ -76,7 +79,9 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s front{spec['index']} %(name)s: "
                                                     "%(message)s")
     sock = socket.socket(fileno=spec["fd"])
-    app = create_app(RemoteService(spec["link"]), token=token, max_body_bytes=spec["max_body_bytes"], keys=keys)
+    dialects = with_dialects(spec.get("dialects", ()))
+    app = create_app(RemoteService(spec["link"], dialects), token=token, max_body_bytes=spec["max_body_bytes"],
+                     keys=keys, dialects=dialects)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
                                            timeout_graceful_shutdown=int(spec["drain_s"]) + 5,
                                            timeout_keep_alive=KEEP_ALIVE_S))

@@ -1,7 +1,7 @@
 """``tangram serve --fronts N``: the engine process with N HTTP front processes.
 
 One Python process serving HTTP, driving the engine and managing every sandbox's pipes tops out
-near one core whatever the machine has (issue 10: 67 req/s on 16 cores, the same as on 2). The
+near one core whatever the machine has, as many requests a second on 16 cores as on 2. The
 engine must stay the single decision maker, so the work that needs no shared state moves out:
 HTTP parsing, auth, body limits, validation and serialisation run in the fronts
 (``server/front.py``); this process keeps the ``Service`` and answers the fronts' calls
@@ -27,10 +27,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Sequence
 
 from .front import ENV
 from ..link import Hub
-from .calls import CALLS, RELAYED, SCOPED, Local
+from .calls import SCOPED, Local, calls_of, relayed, with_dialects
 from .service import Service
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,10 @@ class Fronts:
     """Starts, watches and stops the front processes."""
 
     def __init__(self, sock: socket.socket, link: str, n: int, token: str | None, max_body_bytes: int,
-                 drain_s: float, keys: dict[str, str] | None = None) -> None:
+                 drain_s: float, keys: dict[str, str] | None = None, dialects: Sequence[str] = ()) -> None:
         self.sock, self.link, self.n = sock, link, n
         self.keys = keys or {}
+        self.dialects = list(dialects)  # modules of dialects beside the server's own, imported by each front
         self.token, self.max_body_bytes, self.drain_s = token, max_body_bytes, drain_s
         self.procs: list[subprocess.Popen | None] = [None] * n
         self.started_at = [0.0] * n
@@ -65,7 +67,7 @@ class Fronts:
     def _spawn(self, i: int) -> None:
         env = dict(os.environ)
         env[ENV] = json.dumps({"fd": self.sock.fileno(), "link": self.link, "max_body_bytes": self.max_body_bytes,
-                               "drain_s": self.drain_s, "index": i})
+                               "drain_s": self.drain_s, "index": i, "dialects": self.dialects})
         env.pop("TANGRAM_TOKEN", None)
         if self.token:
             env["TANGRAM_TOKEN"] = self.token  # the environment, not argv: argv is world-readable in ps
@@ -110,14 +112,15 @@ class Fronts:
 
 
 async def _run(service: Service, sock: socket.socket, n: int, token: str | None, max_body_bytes: int,
-               drain_s: float, keys: dict[str, str] | None = None) -> None:
+               drain_s: float, keys: dict[str, str] | None = None, modules: Sequence[str] = ()) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tmp = tempfile.mkdtemp(prefix="tangram-link-")  # mode 0700: only this user reaches the link
-    hub = Hub(Local(service), [*CALLS, SCOPED], RELAYED)
-    fronts = Fronts(sock, os.path.join(tmp, "engine.sock"), n, token, max_body_bytes, drain_s, keys)
+    dialects = with_dialects(modules)
+    hub = Hub(Local(service, dialects), [*calls_of(dialects), SCOPED], relayed(dialects))
+    fronts = Fronts(sock, os.path.join(tmp, "engine.sock"), n, token, max_body_bytes, drain_s, keys, modules)
     service.fronts = n
     await service.start()
     try:
@@ -137,12 +140,14 @@ async def _run(service: Service, sock: socket.socket, n: int, token: str | None,
 
 
 def serve(service: Service, sock: socket.socket, n: int, token: str | None, max_body_bytes: int,
-          drain_s: float, keys: dict[str, str] | None = None) -> None:
-    """Run until SIGTERM/SIGINT (the CLI's entry for ``--fronts N`` with N >= 1)."""
+          drain_s: float, keys: dict[str, str] | None = None, dialects: Sequence[str] = ()) -> None:
+    """Run until SIGTERM/SIGINT (the CLI's entry for ``--fronts N`` with N >= 1). ``dialects``:
+    modules of dialects served beside the server's own (each module's ``DIALECT``), imported here
+    and in every front."""
     try:
         import uvloop
         runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
     except ImportError:
         runner = asyncio.Runner()
     with runner:
-        runner.run(_run(service, sock, n, token, max_body_bytes, drain_s, keys))
+        runner.run(_run(service, sock, n, token, max_body_bytes, drain_s, keys, dialects))

@@ -16,9 +16,8 @@ is ``flock``'s, which the kernel drops when its holder dies: a crashed server le
 
 The journal also names its server (``journal_owner``: a UUID made once and kept in the file): a
 head on Ray says it to its node agents, so that the same journal is the same head across restarts
-(it takes its agents over at once) and another journal, on any host, another head. The file's
-path named the head before, and every host's default path was the same: two heads counted as one
-(review of issue 24, M2). A journal written before keeps its tables and gets an id when opened.
+(it takes its agents over at once) and another journal, on any host, another head: not the file's
+path, which is the same default on every host. A journal without an id gets one when opened.
 """
 
 from __future__ import annotations
@@ -52,13 +51,12 @@ _DONE_ROW = ("INSERT INTO actions (id, job, kind, request, state, outcome, respo
 def new_id(prefix: str) -> str:
     """An id for an action the server names itself: ``prefix-`` and 32 hex digits, the first 12
     the time in ms (as a UUIDv7's), the other 20 random (80 bits). Ids made later sort later, so
-    their rows go at the end of the journal's id index instead of on a random page of it (as a
-    ``uuid4`` did): a commit of 8 accepts and 8 finishes on a 50,000-row journal took 0.75-0.85x
-    the time (2-core VM, alternating). The random part comes from a generator of its own, seeded
-    from the OS (again in a forked child), not a system call per id: 1.35 µs an id against 2.3
-    with ``os.urandom`` and 2.5 for a ``uuid4`` (timeit); of its own, so that a ``random.seed()``
-    elsewhere in the process (a library seeding for reproducibility) cannot make ids repeat. An
-    id names an action; it is no secret (what a request may see is checked by its job)."""
+    their rows go at the end of the journal's id index instead of on a random page of it, which
+    keeps commits cheap as the journal grows. The random part comes from a generator of its own,
+    seeded from the OS (again in a forked child), not a system call per id; of its own, so that a
+    ``random.seed()`` elsewhere in the process (a library seeding for reproducibility) cannot make
+    ids repeat. An id names an action; it is no secret (what a request may see is checked by its
+    job)."""
     return f"{prefix}-{time.time_ns() // 1_000_000:012x}{_IDS.getrandbits(80):020x}"
 
 
@@ -87,21 +85,15 @@ class Journal:
     N. (The one exception: a result whose action has nothing on disk yet, ``finish`` True; its
     answer acknowledges it, and its commit comes right after, behind that answer.) Outside a
     running loop (recovery at start, tools) every write commits at once (but for an ``accept``
-    with ``with_result``, which waits for the next write's commit).
-
-    Measured and dropped (H100 host, 16 cores, one-shots over HTTP): a commit per write, ~19% of
-    the engine process's samples at ~1,000 one-shots/s (py-spy); a writer thread doing the
-    commits, which took that work off the loop but made every answer wait for the GIL twice per
-    statement (the thread reacquires it after each sqlite call, up to the 5 ms switch interval
-    each time while the loop is busy): ~20 ms added to each request's latency at 1,700/s.
+    with ``with_result``, which waits for the next write's commit). The commits stay on the loop:
+    a writer thread would make every answer wait for the GIL after each of its sqlite calls.
 
     The WAL is copied back into the database file by a thread of its own (``Checkpointer``), never
-    inside a commit on the loop: SQLite's automatic checkpoint ran in the commit that filled the
-    WAL to 1,000 pages (every ~400 commits at c=1), with its two ``fsync``s, 1.5-6.3 ms on the
-    2-core VM against 0.07 ms for a commit (p50), a request's worth of latency added to one
-    request in ~200 (issue 26). The thread's connection checkpoints ``PASSIVE``ly: it never blocks
-    the loop's commits, and the loop never waits for it; what is durable and when is unchanged
-    (a commit is in the WAL before the answers that wait for it leave, as before)."""
+    inside a commit on the loop: SQLite's automatic checkpoint, with its two ``fsync``s, would
+    land in whichever request's commit filled the WAL. The thread's connection checkpoints
+    ``PASSIVE``ly: it never blocks the loop's commits, and the loop never waits for it; what is
+    durable and when is unchanged (a commit is in the WAL before the answers that wait for it
+    leave)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -115,7 +107,7 @@ class Journal:
             id TEXT PRIMARY KEY, job TEXT NOT NULL, kind TEXT NOT NULL, request TEXT NOT NULL,
             state TEXT NOT NULL, outcome TEXT, response TEXT, safe INTEGER NOT NULL,
             accepted_at REAL NOT NULL, finished_at REAL)""")
-        # open sessions (issue #25): one at rest has its state in the file at ``path`` and can be
+        # open sessions: one at rest has its state in the file at ``path`` and can be
         # woken by the next server; one awake when the server died lost its state with it
         self._db.execute("""CREATE TABLE IF NOT EXISTS sessions (
             id TEXT PRIMARY KEY, job TEXT NOT NULL, image TEXT, state TEXT NOT NULL, path TEXT, at REAL NOT NULL)""")
@@ -136,22 +128,20 @@ class Journal:
                *, with_result: bool = False) -> Entry | None:
         """Record a new action; returns the existing entry instead when ``id`` is still queued (a
         committed one is left as it is by the insert). No read of the database here: the ids the
-        server makes are new, and callers with a client's id look it up with ``get`` first (a read
-        per accept was ~12% of the engine process's samples, py-spy at 1,100 one-shots/s).
+        server makes are new, and callers with a client's id look it up with ``get`` first.
 
         ``with_result``: nothing acknowledges this acceptance but the action's result (a one-shot
         answered only with its result, under an id the server made and nobody can ask about
         again): its record asks for no commit of its own and goes to disk with the next commit
         anything else asks for, at the latest its result's (then as one row, written done: an
-        insert instead of an insert and an update, 21 against 25 µs a commit, and 38-42 for two
-        commits, timed alone on the 2-core VM). A crash before that leaves no record of
-        an action whose caller was never answered, as a crash just before its acceptance would,
-        or of one answered just before (``finish``: nothing runs twice, a record is lost);
+        insert instead of an insert and an update, in one commit instead of two). A crash before
+        that leaves no record of an action whose caller was never answered, as a crash just before
+        its acceptance would, or of one answered just before (``finish``: nothing runs twice, a
+        record is lost);
         one never finished is committed by ``close`` as accepted (a restart re-runs it) unless
         taken back first (``forget``: the service does when the server closes before the action
-        ends, its caller being told to retry). Before, each such one-shot cost two commits, and the
-        first ran on the loop between its submission and its manager's first step (``bench
-        hops``, c=1: ~0.09 ms of a 2.7 ms ``/run_code``)."""
+        ends, its caller being told to retry). So no commit runs on the loop between a one-shot's
+        submission and its manager's first step."""
         queued = self._pending.get(id)
         if queued is not None:
             return queued
@@ -169,7 +159,7 @@ class Journal:
         request's fields as queued with it, or empty (readers of a finished entry use its state,
         outcome and response; a read of the committed row per finish cost as much as the write).
         ``response`` (and ``accept``'s ``request``) may come as JSON text already (pydantic's
-        ``model_dump_json`` is ~3x quicker than ``json.dumps(model_dump())``).
+        ``model_dump_json`` is quicker than ``json.dumps(model_dump())``).
 
         True when none of the action was on disk: an acceptance made ``with_result`` and still
         queued, now one row written done. Its caller may then be answered before that commit: a

@@ -1,4 +1,4 @@
-"""The hot routes' requests without FastAPI's per-request machinery (issue 26).
+"""The hot routes' requests without FastAPI's per-request machinery.
 
 ``LeanRoute`` is the app router's route class. A route it can serve lean (an endpoint of one
 pydantic body model and nothing else, dependencies that take only the ``Request``, the default
@@ -11,11 +11,9 @@ the same bytes). Anything else (another content type, a body that does not parse
 endpoint returning a ``Response``) goes to FastAPI's own handler with the body replayed, so every
 error a client sees is FastAPI's, field names and all.
 
-Measured on the 2-core VM (an in-process ASGI call of ``POST /run_code`` through the whole app,
-the service's call answering at once): 78-122 µs a request through FastAPI's handler (0.165:
-telemetry hooks, a content-type parse by ``email.message``, the dependency solver, two exit
-stacks), against ~9 µs for the same work written out; at c=1 that handler was 0.28-0.35 ms of
-a ~3 ms ``/run_code`` (``bench hops``: ``http_in -> sf_in``).
+FastAPI's handler (telemetry hooks, a content-type parse by ``email.message``, the dependency
+solver, two exit stacks) costs several times the work itself on a request as small as a
+``/run_code``'s (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -118,8 +116,8 @@ class LeanRoute(APIRoute):
         while True:
             message = await receive()
             if message["type"] != "http.request":  # the client left before its body came: FastAPI's
-                # handler sees the part that came as unfinished, then the disconnect (review M1: a
-                # partial body that parsed was run)
+                # handler sees the part that came as unfinished, then the disconnect (a partial body
+                # that happens to parse must never run)
                 return await self.full(scope, _replay(b"".join(chunks), receive, message, more=True), send)
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):

@@ -17,7 +17,7 @@ import time
 import uuid
 from collections import deque
 from contextvars import ContextVar
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from pydantic import ValidationError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -31,7 +31,7 @@ from ..core.names import path_problem
 from ..managers.sandbox.spec import CommandResult, Files, FsCall, SandboxResult
 from ..managers.sandbox.images import ImageError
 from ..managers.sandbox.languages import LANGUAGES
-from ..runtime import ActionResult, NoRoom, Runtime, Session, Tangram
+from ..runtime import ActionResult, NoRoom, Runtime, Session, SessionGone, Tangram
 from ..runtime.api import SessionError, one_shot
 from .journal import Entry, Journal, JournalError, new_id
 from .snapshots import Snapshots, UnknownSnapshot
@@ -110,7 +110,7 @@ class Metrics:
         self.cores_held = Gauge("tangram_cpu_cores_held", "Cores allocated to running actions", registry=self.registry)
         self.cores = Gauge("tangram_cpu_cores", "Cores in the pool", registry=self.registry)
         self.sessions = Gauge("tangram_sessions", "Open sessions", registry=self.registry)
-        # session density (issue #15)
+        # session density: where sessions are and the memory they use and reserve
         self.sessions_placed = Gauge("tangram_sessions_placed", "Sessions with state on a node",
                                      registry=self.registry)
         self.session_mem_used = Gauge("tangram_session_memory_used_bytes", "Memory idle sessions were measured "
@@ -124,7 +124,7 @@ class Metrics:
                                "(what for: /healthz head_waits_for)", registry=self.registry)
         self.refused = Counter("tangram_sessions_refused_total", "New sessions refused, by the limit reached",
                                ["limit"], registry=self.registry)
-        # sessions at rest (issue #25)
+        # sessions at rest: state on disk, no processes
         self.sessions_awake = Gauge("tangram_sessions_awake", "Sessions whose processes are alive (running or "
                                     "idle and frozen)", registry=self.registry)
         self.sessions_at_rest = Gauge("tangram_sessions_at_rest", "Sessions at rest: state on disk, no processes",
@@ -207,6 +207,65 @@ def _command(c: CommandResult | None) -> v1.CommandResult | None:
                             truncated=c.truncated, timed_out=c.timed_out)
 
 
+T = TypeVar("T")
+
+
+def callers_error(err: BaseException) -> bool:
+    """Whether an exception that stops a step is the request's own fault (the native API's)."""
+    return isinstance(err, (BadRequest, Forbidden, Conflict))
+
+
+class Step:
+    """One journaled step of a session (``Service.step``): admitted and accepted into the journal
+    when it is made, then ended by exactly one terminal outcome. Run it inside ``async with``:
+    ``record`` its result, or ``unrun`` the outcome it ends with without running. An exception
+    that leaves the block first ends it too: ``rejected`` when it is the caller's (``rejects``),
+    else ``infra_error`` (a fault of ours, the server stopping included), never an outcome a
+    caller would score. Leaving the block once it has ended waits until that outcome is on disk,
+    so the answer goes after it and a restart never ends the step a second time."""
+
+    __slots__ = ("id", "job", "label", "ended", "_record", "_unrun", "_durable", "_rejects")
+
+    def __init__(self, id: str, job: str, label: str, record: Callable[[ActionResult, str, str], v1.ActionResult],
+                 unrun: Callable[[str, str, str], None], durable: Callable[[], Any],
+                 rejects: Callable[[BaseException], bool]) -> None:
+        self.id, self.job, self.label = id, job, label
+        self.ended = False
+        self._record, self._unrun, self._durable, self._rejects = record, unrun, durable, rejects
+
+    def record(self, r: ActionResult) -> v1.ActionResult:
+        """The step's result: journaled, counted under its job and label, answered as the native API's."""
+        self.ended = True
+        return self._record(r, self.job, self.label)
+
+    def unrun(self, outcome: str, message: str) -> None:
+        """The step ends with ``outcome`` without having run (killed while it waited, say)."""
+        self.ended = True
+        self._unrun(self.id, outcome, message)
+
+    async def __aenter__(self) -> "Step":
+        return self
+
+    async def __aexit__(self, kind: Any, err: BaseException | None, tb: Any) -> None:
+        if err is not None:
+            if not self.ended:
+                self.unrun(*self.failure(err))
+            return
+        if not self.ended:  # a dialect's bug: its step still gets its one outcome
+            self.unrun("infra_error", "internal error: the step ended without a result")
+        await self._durable()
+
+    def failure(self, err: BaseException) -> tuple[str, str]:
+        """The outcome and message of a step that ``err`` stopped before it had a result."""
+        if self._rejects(err):
+            return "rejected", f"the step did not run: {err}"[:500]
+        if isinstance(err, SessionGone):
+            return "infra_error", err.reason
+        if not isinstance(err, Exception):  # cancelled: only the server's stopping cancels a step
+            return "infra_error", "the server stopped before this step ended (retry it)"
+        return "infra_error", f"internal error: {type(err).__name__}"
+
+
 class Service:
     def __init__(self, runtime: Runtime, journal: Journal | None = None, max_queue: int = 10_000,
                  drain_s: float = 10.0, snapshot_dir: str | None = None) -> None:
@@ -236,6 +295,16 @@ class Service:
             snapshot_dir = f"{journal.path}.snapshots"  # the server's state directory: kept across restarts
         self._snapshot_dir = snapshot_dir
         self._snapshots: Snapshots | None = None
+        self._dialect_state: dict[str, Any] = {}
+
+    def dialect_state(self, name: str, make: Callable[["Service"], T]) -> T:
+        """Dialect ``name``'s own state on this service (E2B's sandboxes, say), made by
+        ``make(service)`` on first use and kept as long as the service: the service knows no
+        dialect, and each keeps what it adds here, under its name."""
+        state = self._dialect_state.get(name)
+        if state is None:
+            state = self._dialect_state[name] = make(self)
+        return state
 
     # -- lifecycle -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -428,16 +497,15 @@ class Service:
         through ``reply(True, ActionResult)``, or ``reply(False, error)``; errors of the request
         itself (a full queue, another job's name) raise here. The answer goes before the result's
         commit when none of the one-shot was on disk (``Journal.finish``: a crash leaves nothing
-        to run again; ``bench hops`` at c=1 on the 2-core VM, the commit and a loop pass between
-        the result and its answer, 0.27 -> 0.13 ms), else once the result is on disk.
+        to run again, and the answer waits for no commit and no loop pass), else once the result
+        is on disk.
 
         The route builds both halves (with fronts, in the front process) and this process only
         journals and schedules: no request model is validated, dumped or unpickled here, and no
         task or coroutine runs per one-shot (the engine's listener calls back, the journal's
         commit calls back; a request with an API key crosses the front link as ``scoped``, which
-        still runs as a task). The engine process's CPU per one-shot with sandbox workers that
-        answer at once (2-core VM, 4 fronts, 4 workers, 64 concurrent, three alternations) went
-        from 0.32-0.35 to 0.23-0.24 ms (issue 26; docs/performance.md)."""
+        still runs as a task), since the engine process's CPU bounds how many one-shots a second
+        the server runs (docs/performance.md)."""
         scope = CALLER_JOB.get()
         if scope is not None and action.job != scope:  # the front checked the key; this is the engine's own check
             raise Forbidden(f"job: this API key acts as job {scope!r}, not {action.job!r}")
@@ -550,21 +618,18 @@ class Service:
             await self._restore(sid, job, req)
         elif sid not in self.sessions:
             try:
-                self.sessions[sid] = await self.tg.session(job=job, trajectory=sid, image=req.image)
+                session = await self.tg.session(job=job, trajectory=sid, image=req.image)
             except ImageError as e:
                 raise BadRequest(str(e)) from None
             except NoRoom as e:
                 self.metrics.refused.labels(e.limit).inc()
                 raise
-            self.metrics.sessions.set(len(self.sessions))
-            if self.journal is not None:
-                self.journal.session_open(sid, job, req.image)
-                await self._durable()
+            await self._opened(sid, session, req.image)
         s = self.sessions[sid]
         return v1.SessionInfo(session_id=sid, job=s.job, image=s.image)
 
     def session_state(self, sid: str) -> v1.SessionState:
-        s = self._session(sid)
+        s = self.session(sid)
         return v1.SessionState(session_id=sid, job=s.job, image=s.image,
                                state=self.runtime.session_state(sid) or "new")
 
@@ -587,22 +652,35 @@ class Service:
             raise BadRequest("image: a restored session's image is its snapshot's; give restore or image")
         path = self._snapshot(req.restore, "restore")
         self.admit()
-        self.tg.runtime.admit_session()  # NoRoom (503) rather than a restore that waits for memory
         try:
-            self.sessions[sid] = await self.tg.restore(path, job=job, trajectory=sid)
+            await self.restore_session(sid, job, path)
         except ImageError as e:
             raise BadRequest(f"restore: {e}") from None
         except SessionError as e:
             raise Unavailable(f"restore: {e.result.outcome.value}: {e.result.message}") from None
+
+    async def restore_session(self, sid: str, job: str, path: str) -> Session:
+        """Open session ``sid`` of ``job`` from the snapshot file at ``path`` (an action on the new
+        session), journaled as any open session, so that a restart knows it. ``NoRoom`` (503) at
+        once rather than a restore that waits for memory; the restore's own failures
+        (``ImageError``, ``SessionError``) are raised as they are, for the caller to put in its terms."""
+        self.runtime.admit_session()
+        session = await self.tg.restore(path, job=job, trajectory=sid)
+        await self._opened(sid, session, session.image)
+        return session
+
+    async def _opened(self, sid: str, session: Session, image: str | None) -> None:
+        """A new open session: served, counted, and in the journal on disk before it is answered."""
+        self.sessions[sid] = session
         self.metrics.sessions.set(len(self.sessions))
-        if self.journal is not None:  # an open session as any other (its restart: issue 25's recovery)
-            self.journal.session_open(sid, job, self.sessions[sid].image)
+        if self.journal is not None:
+            self.journal.session_open(sid, session.job, image)
             await self._durable()
 
     async def snapshot(self, sid: str) -> v1.SnapshotInfo:
         """Snapshot session ``sid``'s files into the server's snapshot directory (an action on the
         session, ordered with its steps); 422 saying why a session cannot be, 503 if we failed."""
-        s = self._session(sid)
+        s = self.session(sid)
         self.admit()
         id, path = self.snapshots.new()
         try:
@@ -644,7 +722,7 @@ class Service:
                 for i in sb.images.list()]
 
     async def fork(self, sid: str, req: v1.ForkRequest) -> v1.ForkResult:
-        s = self._session(sid)
+        s = self.session(sid)
         self.admit()
         try:
             children = await s.fork(req.n)
@@ -667,7 +745,9 @@ class Service:
         return v1.PrewarmResult(image=p.image, requested=p.requested, ready=p.ready, idle_total=p.idle_total,
                                 cap=p.cap, message=p.message)
 
-    def _session(self, sid: str) -> Session:
+    def session(self, sid: str) -> Session:
+        """Open session ``sid`` if the request may see it; else ``NotFound`` (saying why it ended,
+        to a caller who sees every job)."""
         s = self.sessions.get(sid)
         if s is not None and not visible(s.job):
             raise NotFound(f"no session {sid!r}")
@@ -689,35 +769,45 @@ class Service:
             self.journal.session_rested(sid, path)
 
     async def exec(self, sid: str, req: v1.ExecRequest) -> v1.ActionResult:
-        s = self._session(sid)
+        s = self.session(sid)
         if (req.command is None) == (req.python is None):
             raise BadRequest("command/python: give exactly one")
         self._check_cpus("cpus", req.cpus)
-        self.admit()
-        id = new_id("x")
-        if self.journal is not None:
-            self.journal.accept(id, s.job, "exec", req.model_dump_json(), False)
-        try:
+        async with self.step(s.job, req.model_dump_json(), "exec") as step:
             r = await s.exec(req.command, python=req.python, stdin=req.stdin.encode() if req.stdin else None,
                              timeout_s=req.timeout_s, cpus=req.cpus, parallel_fraction=req.hints.parallel_fraction,
-                             hint_s=req.hints.work_s, operation=req.hints.operation, id=id,
+                             hint_s=req.hints.work_s, operation=req.hints.operation, id=step.id,
                              remaining_turns=req.hints.remaining_turns)
-        except Exception as e:
-            self._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
-            raise
-        out = self._record(r, s.job, "exec")
-        await self._durable()
-        return out
+            return step.record(r)
+
+    def step(self, job: str, request: dict | str, label: str, *, id: str | None = None, kind: str = "exec",
+             rejects: Callable[[BaseException], bool] = callers_error) -> Step:
+        """A journaled step of one of ``job``'s sessions, the native API's and every dialect's:
+        ``Overloaded`` when the queue is full, else accepted into the journal now under ``id``
+        (default: a new one) with ``request`` (what the journal keeps of it) and counted under
+        ``label`` once it ends. Not re-run after a restart (a session's state is not). Use::
+
+            async with service.step(s.job, request, "exec") as step:
+                r = await s.exec(..., id=step.id)
+                out = step.record(r)
+
+        ``rejects``: whether an exception that stops the step is the caller's fault (``rejected``;
+        anything else is ``infra_error``). See ``Step``."""
+        self.admit()
+        id = id or new_id("x")
+        if self.journal is not None:
+            self.journal.accept(id, job, kind, request, False)
+        return Step(id, job, label, self._record, self._finish_unrunnable, self._durable, rejects)
 
     async def put_files(self, sid: str, req: v1.PutFiles) -> v1.ActionResult:
-        s = self._session(sid)
+        s = self.session(sid)
         r = await s.files(Files(put=decode_files("files", req.files)))
         return self._record(r, s.job, "files")
 
     async def fs(self, sid: str, req: v1.FsRequest) -> v1.FsResult:
         """``Session.fs``: the caller's failures as 404 (not found), 409 (exists), 403 (denied) or
         422 (anything else about the path), ours as 503."""
-        s = self._session(sid)
+        s = self.session(sid)
         r = await s.fs(FsCall(req.call, req.path, destination=req.destination, depth=req.depth,
                               data=_b64decode("data", req.data), max_bytes=req.max_bytes))
         if r.outcome is Outcome.FAILED and "error" in r.result.info:
@@ -731,7 +821,7 @@ class Service:
         return v1.FsResult(entry=info.get("entry"), entries=info.get("entries"))
 
     async def get_files(self, sid: str, paths: list[str]) -> v1.GotFiles:
-        s = self._session(sid)
+        s = self.session(sid)
         for p in paths:
             if (problem := path_problem(p)) is not None:
                 raise BadRequest(f"path: {problem}")
@@ -740,7 +830,7 @@ class Service:
                            missing=r.result.missing)
 
     async def close_session(self, sid: str) -> None:
-        s = self._session(sid)
+        s = self.session(sid)
         await s.close()  # the runtime tells _session_ended, which forgets it here
 
     # -- models ----------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from .routes import is_e2b, routes
 DIALECT = Dialect("e2b", {**sandboxes.CALLS, **processes.CALLS, **files.CALLS, **interpreter.CALLS}, routes,
                   key_header="x-api-key",  # the SDKs send E2B_API_KEY as X-API-KEY
                   claims=is_e2b,  # E2B's clients parse {"code": int, "message"}, routing errors included
-                  error=lambda status, message: {"code": status, "message": message})
+                  error=lambda status, message: {"code": status, "message": message},
+                  relayed=(E2bError,))
 
 __all__ = ["DIALECT", "E2bError", "is_e2b"]

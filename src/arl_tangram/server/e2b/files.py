@@ -17,7 +17,7 @@ from ...runtime import ActionResult, SessionGone
 from ..service import NotFound, Service
 from . import fsops
 from .envelope import E2bError
-from .sandboxes import GONE, READ_CAP, _path, boxes
+from .sandboxes import GONE, READ_CAP, abs_path, boxes
 
 
 def _in_home(path: str) -> str | None:
@@ -60,7 +60,7 @@ async def e2b_fs(service: Service, sid: str, token: str | None, op: str, args: d
     """``filesystem.Filesystem``'s Stat, ListDir, MakeDir, Remove, Move."""
     clean = {}
     for k, v in args.items():
-        clean[k] = _path(v, k) if k in ("path", "source", "destination") else v
+        clean[k] = abs_path(v, k) if k in ("path", "source", "destination") else v
     depth = clean.get("depth")
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
         raise E2bError(400, "depth: a non-negative integer is expected")
@@ -76,7 +76,7 @@ async def e2b_write(service: Service, sid: str, token: str | None, files: list[t
     """``POST /files``: under the home directory as one files action (no cores); elsewhere one
     ``FsCall`` a file."""
     boxes(service).envd(sid, token)
-    paths = [(_path(p), data) for p, data in files]
+    paths = [(abs_path(p), data) for p, data in files]
     home = {rel: data for p, data in paths if (rel := _in_home(p)) is not None}
     if home:
         r = await _step(service, sid, token, lambda s: s.files(Files(put=home)))
@@ -92,7 +92,7 @@ async def e2b_write(service: Service, sid: str, token: str | None, files: list[t
 
 async def e2b_read(service: Service, sid: str, token: str | None, path: str) -> bytes:
     boxes(service).envd(sid, token)
-    p = _path(path)
+    p = abs_path(path)
     rel = _in_home(p)
     if rel is not None:
         r = await _step(service, sid, token, lambda s: s.files(Files(get=[rel])))

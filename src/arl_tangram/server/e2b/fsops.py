@@ -3,11 +3,11 @@
 Every filesystem call of the E2B API (Stat, ListDir, MakeDir, Remove, Move, and ``/files`` reads
 and writes outside the home directory) is one ``FsCall`` of the sandbox's session, carried out by
 the runner, the sandbox's trusted agent: it sees exactly what the sandbox's own commands see,
-whatever the path, and nothing else. It used to be a python step in the session's interpreter
-(and a shell step for reads and writes), where the user's code runs too: a cell that patched
-``os.lstat`` or a shell function named ``base64`` answered every later call (found by an audit,
-2026-11-29; ``tests/test_e2b.py`` tries both). This module only turns the runner's neutral entries
-(``path, mode, size, mtime, link``) and failure codes into envd's JSON and Connect codes.
+whatever the path, and nothing else. Never a step in the session's interpreter or shell, where
+the user's code runs too: a cell that patched ``os.lstat`` or a shell function named ``base64``
+would answer every later call (``tests/test_e2b.py`` tries both). This module only turns the
+runner's neutral entries (``path, mode, size, mtime, link``) and failure codes into envd's JSON
+and Connect codes.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from ...managers.sandbox.isolation import HOME_ALIAS
 from ...runtime import SessionGone
 from ..service import NotFound, Service
 from .envelope import E2bError
-from .sandboxes import GONE, _NAME, _path, _step_s, _strings, boxes, poll
+from .sandboxes import GONE, VARIABLE, abs_path, boxes, callers_error, poll, step_s, strings
 
 
 log = logging.getLogger(__name__)
@@ -108,21 +108,20 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
     if language not in ("python", "python3"):
         raise E2bError(400, f"language: {language!r} is not supported (python only)")
     if body.get("env_vars"):
-        _strings(body.get("env_vars"), "env_vars")
+        strings(body.get("env_vars"), "env_vars")
     s = service.sessions.get(sid)
     if s is None:
         raise E2bError(502, GONE.format(id=sid))
-    own = _strings(body.get("env_vars"), "env_vars")
+    own = strings(body.get("env_vars"), "env_vars")
     for k in own:
-        if not _NAME.fullmatch(k):
+        if not VARIABLE.fullmatch(k):
             raise E2bError(400, f"env_vars: {k!r} is not a variable name")
     want = ctx or ""
-    service.admit()
-    id = f"x-{uuid.uuid4().hex}"  # journaled as a command is (``processes._exec``)
-    if service.journal is not None:
-        service.journal.accept(id, s.job, "exec", {"command": None, "python": code, "e2b": True}, False)
+    # journaled as a command is (``processes``), answered once its outcome is on disk
+    step = service.step(s.job, {"command": None, "python": code, "e2b": True}, "e2b", id=f"x-{uuid.uuid4().hex}",
+                        rejects=callers_error)
     try:
-        async with box.lock:
+        async with step, box.lock:
             base = {"HOME": HOME_ALIAS, "USER": "user", **box.env}
             if not box.cell_env:  # once per interpreter: the sandbox's environment, as commands get it
                 await _set_env(s, base)
@@ -134,8 +133,8 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
                 await _set_env(s, own)
             r = None
             try:
-                r = await s.exec(python=code, timeout_s=_step_s(box, None), jupyter=True, operation="run_code",
-                                 on_output=on_output, id=id)
+                r = await s.exec(python=code, timeout_s=step_s(box, None), jupyter=True, operation="run_code",
+                                 on_output=on_output, id=step.id)
             finally:
                 if own:  # this run's variables: back to the sandbox's (or unset)
                     try:
@@ -145,16 +144,9 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
                             raise
                         box.cell_env = False  # the cell ran: its result stands; the next cell sets the envs again
                         log.warning("sandbox %s: the run's env_vars could not be taken back after its cell", sid)
+            step.record(r)
     except (SessionGone, NotFound):
-        service._finish_unrunnable(id, "infra_error", GONE.format(id=sid))
         raise E2bError(502, GONE.format(id=sid)) from None
-    except BaseException as e:  # one terminal outcome for what was journaled, whatever stopped it
-        outcome = ("rejected" if isinstance(e, E2bError) and e.status < 500
-                   else "cancelled" if isinstance(e, asyncio.CancelledError) else "infra_error")
-        service._finish_unrunnable(id, outcome, f"the cell did not run: {type(e).__name__}: {e}"[:500])
-        raise
-    service._record(r, s.job, "e2b")
-    await service._durable()  # answered once the result is on disk, as a command's is
     box.used_at = time.time()
     message = r.message or (r.result.message if r.result is not None else "")
     if VARIABLES_GONE in message:  # a new interpreter: without the sandbox's envs (they were lost after
@@ -179,7 +171,7 @@ async def e2b_execute(service: Service, sid: str, token: str | None, body: dict,
         out["error"] = {"name": "TimeoutError", "value": "the cell ran past its timeout", "traceback": ""}
     elif r.outcome is Outcome.OOM:
         out["error"] = {"name": "MemoryError", "value": "the cell ran out of memory and was killed", "traceback": ""}
-    elif DIED_IN_CELL in message:  # os._exit: was a success with no error (an audit)
+    elif DIED_IN_CELL in message:  # os._exit: an error, not a success with none
         out["error"] = {"name": "InterpreterExited", "value": message, "traceback": ""}
     elif run is not None and run.exit_code not in (0, None):  # sys.exit(3): a notebook reports it
         out["error"] = {"name": "SystemExit", "value": str(run.exit_code), "traceback": ""}
@@ -230,7 +222,7 @@ def e2b_context(service: Service, sid: str, token: str | None, op: str, body: di
         if language not in ("python", "python3"):
             raise E2bError(400, f"language: {language!r} is not supported (python only)")
         cwd = body.get("cwd") or HOME_ALIAS
-        ctx = {"id": uuid.uuid4().hex, "language": "python", "cwd": _path(cwd, "cwd")}
+        ctx = {"id": uuid.uuid4().hex, "language": "python", "cwd": abs_path(cwd, "cwd")}
         box.contexts[ctx["id"]] = ctx
         return ctx
     if op == "list":

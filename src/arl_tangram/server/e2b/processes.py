@@ -17,7 +17,7 @@ from ...managers.sandbox.isolation import HOME_ALIAS
 from ...managers.sandbox.livestdin import LiveStdin, StdinClosed, StdinFull
 from ..service import Service
 from .envelope import E2bError
-from .sandboxes import DEFAULT_TEMPLATES, GONE, Box, Proc, _NAME, _step_s, _translate, boxes, poll
+from .sandboxes import DEFAULT_TEMPLATES, GONE, VARIABLE, Box, Proc, boxes, callers_error, poll, step_s, translate
 
 
 #: ended processes kept per sandbox for streams still reading them (each holds its capped output)
@@ -40,7 +40,7 @@ def _shell(box: Box, config: dict) -> str:
     if not isinstance(cwd, str):
         raise E2bError(400, "process.cwd: a path is expected")
     for k in list(box.env) + list(envs):
-        if not _NAME.fullmatch(k):
+        if not VARIABLE.fullmatch(k):
             raise E2bError(400, f"process.envs: {k!r} is not a variable name")
     env = {"HOME": HOME_ALIAS, "USER": "user", **box.env, **envs}
     assigns = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
@@ -71,7 +71,7 @@ def e2b_proc_start(service: Service, sid: str, token: str | None, request: dict,
     live = bool(request.get("stdin")) and session is not None and session.live_stdin_here
     proc = Proc(pid, {"cmd": config.get("cmd"), "args": config.get("args") or [], "envs": config.get("envs") or {},
                       **({"cwd": config["cwd"]} if config.get("cwd") else {})}, tag if isinstance(tag, str) else None,
-                shell, _step_s(box, timeout_s), bytearray() if request.get("stdin") and not live else None,
+                shell, step_s(box, timeout_s), bytearray() if request.get("stdin") and not live else None,
                 asyncio.get_running_loop().create_future(), live=LiveStdin() if live else None)
     box.procs[pid] = proc
     proc.done.add_done_callback(_retrieved)
@@ -107,7 +107,7 @@ async def _run(service: Service, box: Box, proc: Proc, stdin: bytes | None) -> N
             proc.done.set_result(result)
     except BaseException as e:
         if not proc.done.done():
-            proc.done.set_exception(_translate(e, box.id))
+            proc.done.set_exception(translate(e, box.id))
         if not isinstance(e, Exception):
             raise
 
@@ -120,26 +120,21 @@ async def _exec(service: Service, box: Box, command: str | None, stdin: bytes | 
     s = service.sessions.get(box.id)
     if s is None:
         raise E2bError(502, GONE.format(id=box.id))
-    service.admit()
-    if service.journal is not None:
-        service.journal.accept(id, s.job, "exec", {"command": command, "python": python, "e2b": True}, False)
-    try:
+    # answered once its outcome is on disk, as the native API's steps are
+    async with service.step(s.job, {"command": command, "python": python, "e2b": True}, "e2b", id=id,
+                            rejects=callers_error) as step:
         async with box.lock:
             if proc is not None:
                 if proc.killed:  # killed while it waited for the sandbox: it never runs
-                    service._finish_unrunnable(id, "cancelled", "killed before it started")
+                    step.unrun("cancelled", "killed before it started")
                     return {"exit_code": -1, "exited": False, "status": "signal: killed", "stdout": "", "stderr": ""}
                 proc.running = True
             r = await s.exec(command, python=python, stdin=stdin, timeout_s=timeout_s, id=id,
                              jupyter=python is not None, operation=posixpath.basename(operation),
                              on_output=proc.output if proc is not None else None,
                              live_stdin=proc.live if proc is not None else None)
-    except Exception as e:
-        service._finish_unrunnable(id, "infra_error", f"internal error: {type(e).__name__}")
-        raise
-    service._record(r, s.job, "e2b")
-    box.used_at = time.time()
-    await service._durable()  # answered once the result is on disk, as the native API's steps are
+        step.record(r)
+        box.used_at = time.time()
     return _command_result(r, box.id)
 
 
@@ -288,12 +283,9 @@ def e2b_proc_signal(service: Service, sid: str, token: str | None, process: Any,
         return
     # running: its processes are killed inside the sandbox, which lives on (cancelling the action
     # would kill the whole sandbox, and a default sandbox's files with it)
-    local = getattr(service.runtime, "sandboxes", None)
-    sb = getattr(getattr(local, "local", local), "sessions", {}).get(sid)
-    if sb is None or not hasattr(sb, "interrupt_step"):
+    if not service.runtime.interrupt_step(sid):
         raise E2bError(501, "SendSignal: this server cannot stop a running command of this sandbox (it runs "
                             "elsewhere); it ends at its timeout", "unimplemented")
-    sb.interrupt_step()
 
 
 CALLS = {

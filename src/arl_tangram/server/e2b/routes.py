@@ -393,7 +393,7 @@ async def _events(pid: int, output: Callable[[tuple[int, int], float], Any], wai
             left = deadline - time.monotonic() if deadline is not None else None
             if left is not None and left <= 0:
                 # killed here, as the stream says: the step's own timeout counts from its start, and a
-                # command queued behind another ran after its caller was told it was killed (an audit)
+                # command queued behind another would run after its caller was told it was killed
                 if kill is not None:
                     try:
                         await _call(kill)

@@ -35,6 +35,7 @@ from ...managers.sandbox.livestdin import LiveStdin
 from ...managers.sandbox.spec import Files
 from ...runtime import NoRoom, SessionGone
 from ...runtime.api import SessionError
+from ..journal import JournalError
 from ..service import BadRequest, Forbidden, NotFound, Overloaded, Service, job_for, visible
 from .envelope import E2bError
 
@@ -49,8 +50,9 @@ DEFAULT_TEMPLATES = frozenset({"base", "code-interpreter-v1", "code-interpreter"
 #: the longest one command or cell may run (the native API's own bound on a session step)
 MAX_STEP_S = 3600.0
 log = logging.getLogger(__name__)
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_NAME_OK = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}")
+#: a variable name (the sandbox's environment, a process's, a cell's)
+VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,127}")
 #: how long a paused sandbox is kept (E2B keeps them until deleted; an idle session holds memory)
 MAX_PAUSED_S = 86_400.0
 #: the most a file action reads of one file (the runner's own cap)
@@ -144,7 +146,7 @@ class Boxes:
     def __init__(self, service: Service) -> None:
         self.service = service
         self.boxes: dict[str, Box] = {}
-        service.runtime.session_listeners.append(self._ended)
+        service.runtime.session_listeners.append(self.gone)
         self._keeper: asyncio.Task | None = None
         self.snapshots: dict[str, dict] = {}  # id -> {"path", "name", "template"}
         self._snapshot_dir: str | None = None
@@ -170,10 +172,10 @@ class Boxes:
             self._keeper = asyncio.get_running_loop().create_task(self._keep())
 
     async def _keep(self) -> None:
-        local = getattr(self.service.runtime, "sandboxes", None)
-        idle_s = getattr(getattr(getattr(local, "local", local), "config", None), "session_idle_expiry_s", None)
-        if not isinstance(idle_s, (int, float)):
-            return  # no idle expiry here
+        config = self.service.runtime.sandbox_config()
+        if config is None:
+            return  # no idle expiry known here
+        idle_s = config.session_idle_expiry_s
         every = max(0.2, idle_s / 4)  # a session is touched at most 2 * every after its last step
         while self.boxes:
             await asyncio.sleep(every)
@@ -190,7 +192,9 @@ class Boxes:
                     except Exception as e:  # gone meanwhile: nothing to keep
                         log.debug("keep-alive of %s: %r", box.id, e)
 
-    def _ended(self, sid: str, reason: str) -> None:
+    def gone(self, sid: str, reason: str) -> None:
+        """Sandbox ``sid`` is gone (its session ended, it expired, it was killed): forgotten, and
+        what still waits on its processes hears so."""
         box = self.boxes.pop(sid, None)
         if box is None:
             return
@@ -218,7 +222,7 @@ class Boxes:
         s = self.service.sessions.get(sid)
         if s is not None:
             await s.close()
-        self._ended(sid, "timeout")
+        self.gone(sid, "timeout")
 
     def get(self, sid: str) -> Box:
         """For the control plane: 404 when unknown, gone, or another job's (the API key's job,
@@ -241,10 +245,8 @@ class Boxes:
 
 
 def boxes(service: Service) -> Boxes:
-    reg = getattr(service, "_e2b", None)
-    if reg is None:
-        reg = service._e2b = Boxes(service)
-    return reg
+    """The E2B sandboxes of ``service`` (the dialect's state on it)."""
+    return service.dialect_state("e2b", Boxes)
 
 
 def _sandbox(box: Box) -> dict:
@@ -255,10 +257,10 @@ def _sandbox(box: Box) -> dict:
 
 def _detail(service: Service, box: Box, listed: bool = False) -> dict:
     """E2B's ``SandboxDetail`` / ``ListedSandbox``."""
-    cfg = getattr(getattr(getattr(service.runtime, "sandboxes", None), "config", None), "memory_mb", None)
+    config = service.runtime.sandbox_config()
     out = {"templateID": box.template, "sandboxID": box.id, "clientID": CLIENT_ID, "alias": box.template,
            "startedAt": _iso(box.started_at), "endAt": _iso(box.end_at), "envdVersion": ENVD_VERSION,
-           "cpuCount": 1, "memoryMB": cfg if isinstance(cfg, int) else 512, "diskSizeMB": 256,
+           "cpuCount": 1, "memoryMB": config.memory_mb if config is not None else 512, "diskSizeMB": 256,
            "state": "paused" if box.paused else "running", "metadata": dict(box.metadata)}
     if not listed:
         out["envdAccessToken"] = box.token
@@ -274,7 +276,7 @@ def _timeout(value: Any, field_name: str = "timeout") -> int:
     return value
 
 
-def _strings(value: Any, field_name: str) -> dict[str, str]:
+def strings(value: Any, field_name: str) -> dict[str, str]:
     if value is None:
         return {}
     if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
@@ -291,10 +293,10 @@ async def e2b_create(service: Service, body: dict) -> dict:
     if not isinstance(template, str) or not template:
         raise E2bError(400, "templateID: a template name is expected")
     timeout = _timeout(body.get("timeout"))
-    metadata = _strings(body.get("metadata"), "metadata")
-    env = _strings(body.get("envVars"), "envVars")
+    metadata = strings(body.get("metadata"), "metadata")
+    env = strings(body.get("envVars"), "envVars")
     for k in env:
-        if not _NAME.fullmatch(k):
+        if not VARIABLE.fullmatch(k):
             raise E2bError(400, f"envVars: {k!r} is not a variable name")
     try:
         job = job_for(metadata.get("job"), "e2b", "metadata.job")
@@ -329,18 +331,14 @@ async def e2b_create(service: Service, body: dict) -> dict:
 
 async def _from_snapshot(service: Service, reg: Boxes, snap: dict, sid: str, job: str, metadata: dict,
                          env: dict, timeout: int) -> dict:
-    try:
-        service.runtime.admit_session()
-        session = await service.tg.restore(snap["path"], job=job, trajectory=sid)
+    try:  # an open session as any other: journaled, so a restart knows it
+        await service.restore_session(sid, job, snap["path"])
     except NoRoom as e:
         raise E2bError(503, str(e)) from None
+    except JournalError:
+        raise
     except Exception as e:  # the image it was taken from is gone, the file unreadable
         raise E2bError(400, f"templateID: snapshot {snap['id']} cannot be restored: {e}") from None
-    service.sessions[sid] = session
-    service.metrics.sessions.set(len(service.sessions))
-    if service.journal is not None:  # an open session as any other: a restart knows it (issue 25)
-        service.journal.session_open(sid, job, session.image)
-        await service.journal.durable()
     now = time.time()
     box = reg.boxes[sid] = Box(sid, job, snap["id"], metadata, env, secrets.token_urlsafe(24), now, now + timeout)
     box.used_at = now
@@ -356,7 +354,7 @@ async def e2b_snapshot(service: Service, sid: str, body: dict) -> dict:
     reg = boxes(service)
     box = reg.get(sid)
     name = body.get("name")
-    if name is not None and (not isinstance(name, str) or not _NAME_OK.fullmatch(name)):
+    if name is not None and (not isinstance(name, str) or not _SNAPSHOT_NAME.fullmatch(name)):
         raise E2bError(400, "name: letters, digits and . _ - / : only")
     if name is not None and reg.snapshot(name) is not None:
         raise E2bError(409, f"name: a snapshot named {name!r} exists")
@@ -417,7 +415,7 @@ async def e2b_kill(service: Service, sid: str) -> None:
     s = service.sessions.get(sid)
     if s is not None:
         await s.close()
-    reg._ended(box.id, "killed")
+    reg.gone(box.id, "killed")
 
 
 def e2b_set_timeout(service: Service, sid: str, timeout: Any) -> None:
@@ -449,8 +447,8 @@ def e2b_pause(service: Service, sid: str) -> None:
     box = reg.get(sid)
     if box.paused:
         raise E2bError(409, f"sandbox {sid!r} is paused already")
-    # not 409: the SDK reads that as "paused already" and returns False, the sandbox still running
-    # (an audit); a cell holds the box's lock while it runs
+    # not 409: the SDK reads that as "paused already" and returns False, the sandbox still running;
+    # a cell holds the box's lock while it runs
     if any(not p.done.done() for p in box.procs.values()) or box.lock.locked():
         raise E2bError(400, f"sandbox {sid!r} has a command or cell running: it cannot be paused until it "
                             "ends (wait for it, or kill it)", "failed_precondition")
@@ -473,7 +471,7 @@ async def e2b_fork(service: Service, sid: str, body: dict) -> list[dict]:
         async with box.lock:
             res = await service.fork(sid, v1.ForkRequest(n=count))
     except Exception as e:
-        raise _translate(e, sid) from None
+        raise translate(e, sid) from None
     if res.outcome != "ok":
         raise E2bError(400 if res.outcome == "rejected" else 503, f"fork: {res.message or res.outcome}")
     box.cell_env = False  # the source's interpreter starts afresh too
@@ -493,35 +491,36 @@ def e2b_metrics(service: Service, sid: str) -> list[dict]:
     """``GET /sandboxes/{id}/metrics``: one sample, now, from the session's cgroup (none before its
     sandbox has started, or where this process does not hold it)."""
     box = boxes(service).get(sid)
-    sandboxes = getattr(service.runtime, "sandboxes", None)
-    local = getattr(sandboxes, "local", sandboxes)
-    sb = getattr(local, "sessions", {}).get(sid) if local is not None else None
-    group = getattr(sb, "group", None)
-    if group is None:
+    usage = service.runtime.session_usage(sid)
+    if usage is None:
         return []
-    try:
-        mem, cpu = group.memory_bytes(), group.cpu_seconds()
-    except (OSError, ValueError):
-        return []
+    mem, cpu = usage
     now = time.time()
     last_t, last_cpu = box.cpu_sample or (box.started_at, 0.0)
     box.cpu_sample = (now, cpu)
-    cfg = getattr(local, "config", None)
+    config = service.runtime.sandbox_config()
+    memory_mb, workspace_mb = (config.memory_mb, config.workspace_mb) if config is not None else (512, 256)
     return [{"timestamp": _iso(now), "timestampUnix": int(now), "cpuCount": 1,
              "cpuUsedPct": round(100.0 * max(0.0, cpu - last_cpu) / max(1e-6, now - last_t), 2),
-             "memUsed": mem, "memTotal": (getattr(cfg, "memory_mb", 512) or 512) << 20, "memCache": 0,
-             "diskUsed": 0, "diskTotal": (getattr(cfg, "workspace_mb", 256) or 256) << 20}]
+             "memUsed": mem, "memTotal": memory_mb << 20, "memCache": 0,
+             "diskUsed": 0, "diskTotal": workspace_mb << 20}]
 
 
 
 # -- shared by the calls ---------------------------------------------------------------------------
 
-def _step_s(box: Box, timeout_s: float | None) -> float:
+def step_s(box: Box, timeout_s: float | None) -> float:
     left = max(1.0, box.end_at - time.time())
     return min(MAX_STEP_S, left, timeout_s) if timeout_s else min(MAX_STEP_S, left)
 
 
-def _translate(e: BaseException, sid: str) -> E2bError:
+def callers_error(err: BaseException) -> bool:
+    """Whether an exception that stops a journaled step is the caller's fault (``Service.step``'s
+    ``rejects``): an ``E2bError`` of a 4xx; anything else is ours."""
+    return isinstance(err, E2bError) and err.status < 500
+
+
+def translate(e: BaseException, sid: str) -> E2bError:
     if isinstance(e, E2bError):
         return e
     if isinstance(e, (SessionGone, NotFound)):
@@ -535,7 +534,7 @@ def _translate(e: BaseException, sid: str) -> E2bError:
     return E2bError(500, f"internal error: {type(e).__name__}", "internal")
 
 
-def _path(path: Any, field_name: str = "path") -> str:
+def abs_path(path: Any, field_name: str = "path") -> str:
     """An absolute, normalised path; relative ones are under the home directory, as in E2B."""
     if not isinstance(path, str) or not path or "\0" in path:
         raise E2bError(400, f"{field_name}: a path is expected")
