@@ -150,6 +150,7 @@ def test_runtime_probes_in_the_server(tmp_path):
 def test_the_sandbox_agent_imports_the_standard_library_only(tmp_path):
     files = {"__init__.py": "", "managers/__init__.py": "", "managers/sandbox/__init__.py": "",
              "managers/sandbox/inside/__init__.py": "import os, json\nfrom . import loop\n",
+             "managers/sandbox/inside/__main__.py": "from inside import loop\nimport _signal\n",
              "managers/sandbox/inside/loop.py": "from .. import spec\nimport uvloop\nimport asyncio\n",
              "managers/sandbox/spec.py": ""}
     m = _tree(tmp_path, files)

@@ -54,7 +54,9 @@ The measures and their limits:
     counts, nested ones too.
 ``inside_stdlib``
     The agent inside the sandbox (``managers/sandbox/inside/``) imports the standard library and
-    its own modules only. The package not written yet is a failure of this limit.
+    its own modules only: relatively, by their full name, or by the name the package runs under in
+    the sandbox (``inside``, its folder's name: ``from inside import loop``). The package not
+    written yet is a failure of this limit.
 """
 
 from __future__ import annotations
@@ -489,6 +491,7 @@ def runtime_probes(modules: dict[str, Module]) -> list[str]:
 def inside_imports(modules: dict[str, Module]) -> tuple[bool, list[str]]:
     """(whether the package exists, its imports of anything but the standard library and itself)."""
     package = f"{PACKAGE}.{INSIDE.replace('/', '.')}"
+    own = INSIDE.rpartition("/")[2]  # its name in the sandbox
     mine = [m for m in modules.values() if m.name == package or m.name.startswith(package + ".")]
     out = []
     for mod in mine:
@@ -501,7 +504,7 @@ def inside_imports(modules: dict[str, Module]) -> tuple[bool, list[str]]:
             else:
                 continue
             for name in names:
-                if name == package or name.startswith(package + "."):
+                if name == package or name.startswith(package + ".") or name.split(".")[0] == own:
                     continue
                 if name.split(".")[0] in sys.stdlib_module_names:
                     continue
