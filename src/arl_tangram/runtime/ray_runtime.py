@@ -1,11 +1,11 @@
 """The multi-node runtime on Ray: one engine in the head, one ``NodeAgent`` per node.
 
 Shape (docs/design.md, "Many nodes"): the head process holds the engine and policy (the single
-decision maker), the journal and the HTTP server; every Ray node with CPUs gets a ``NodeAgent`` actor pinned to it
-(node affinity, not soft) that owns the node's sandboxes. The engine's CPU pool is the union of the
-agents' cores; an action started on node ``i`` goes to agent ``i``, and the agent's answer is its
-``Completion``. Arguments and results travel as Ray objects (large ones through the object store,
-never through the head's HTTP handler twice).
+decision maker), the journal and the HTTP server; every Ray node with CPUs gets a ``NodeAgent``
+actor pinned to it (node affinity, not soft) that owns the node's sandboxes. The engine's CPU pool
+is the union of the agents' cores; an action started on node ``i`` goes to agent ``i``, and the
+agent's answer is its ``Completion``. Arguments and results travel as Ray objects (large ones
+through the object store, never through the head's HTTP handler twice).
 
 With model services, every node with Ray's ``GPU`` resource gets an agent that holds all of the
 node's GPUs (Ray then shows it exactly those) and serves the services there (``ray_models``: the
@@ -28,25 +28,27 @@ the move (each session's steps and its move take one lock, in order); once the n
 session and runs nothing its state is ``drained``. The same carry makes the policy's migration
 real: a step the engine places away from its session's node (``Setup.RESTORE``) brings the files.
 
-**The head restarts, sessions stay.** Agents are detached actors named after their
-node (``agent_name``): they outlive the head's Ray driver, and with them their sandboxes, files and
+**The head restarts, sessions stay.** Agents are detached actors named after their node
+(``agent_name``): they outlive the head's Ray driver, and with them their sandboxes, files and
 processes (a session's Python state included). The head renews each agent's lease at every look
 (``MEMBERSHIP_POLL_S``; ``lease_s``, default ``LEASE_S``), every agent at once, each under a timeout
 (``ray_nodes.look_at_agents``: one hung agent stalls no other's renewal), agents still starting
 included; the looks begin before the first joins end (a GPU node loads its weights in its agent's
 start, minutes maybe, while the other nodes' leases, taken-over agents' too, must be renewed). An
-agent's lease runs from the end of its start. A restarted head on the same Ray cluster
-finds each node's agent by name and takes it over (``NodeAgent.attach``): the one-shots it ran for
-the dead head are cancelled (the journal re-runs those whose acceptance it holds), a session's step in flight runs to its end
-(the journal ends it ``infra_error``: its answer is lost), and its sessions are an inventory. The service then re-attaches the journal's open sessions found there
-(``adopt_live``: homed on their node again, their next step sees their files and their Python
-state) and the agent closes the rest (``prune_live``). A session whose agent died meanwhile ends as
-before, saying so. An agent whose lease runs out with no head closes everything and exits: nothing
-is left that nobody owns. Heads are told apart by ``owner`` (``tangram serve``: the UUID in its
-journal): a second head finds the agents held (``HeldElsewhere``) and uses none of them; a head
-whose agent another took over (its lease ran out while it lived: a hung head) hears ``Replaced`` at
-its next renewal or run and counts the node lost, the reason in ``/v1/cluster``. The head must join the cluster as a driver (``ray.init(address=...)`` of a
-cluster started with ``ray start``), never start one of its own: that one would die with it.
+agent's lease runs from the end of its start. A restarted head on the same Ray cluster finds each
+node's agent by name and takes it over (``NodeAgent.attach``): the one-shots it ran for the dead
+head are cancelled (the journal re-runs those whose acceptance it holds), a session's step in flight
+runs to its end (the journal ends it ``infra_error``: its answer is lost), and its sessions are an
+inventory. The service then re-attaches the journal's open sessions found there (``adopt_live``:
+homed on their node again, their next step sees their files and their Python state) and the agent
+closes the rest (``prune_live``). A session whose agent died meanwhile ends as before, saying so. An
+agent whose lease runs out with no head closes everything and exits: nothing is left that nobody
+owns. Heads are told apart by ``owner`` (``tangram serve``: the UUID in its journal): a second head
+finds the agents held (``HeldElsewhere``) and uses none of them; a head whose agent another took
+over (its lease ran out while it lived: a hung head) hears ``Replaced`` at its next renewal or run
+and counts the node lost, the reason in ``/v1/cluster``. The head must join the cluster as a driver
+(``ray.init(address=...)`` of a cluster started with ``ray start``), never start one of its own:
+that one would die with it.
 """
 
 from __future__ import annotations
