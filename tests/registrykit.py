@@ -270,7 +270,8 @@ class TokenServer:
 
 @dataclass
 class Rule:
-    """Applies to the first ``times`` GETs whose path contains ``match``. ``action``:
+    """Applies to ``times`` GETs whose path contains ``match``, after the first ``after`` of
+    them. ``action``:
     ``("status", code, retry_after)``, ``("corrupt",)`` (one byte of the body flipped),
     ``("cut", n)`` (n bytes of the body, then the connection closed), ``("stall", n)`` (n bytes,
     then nothing until the proxy closes), ``("body", bytes, content_type)`` (this answer
@@ -279,6 +280,7 @@ class Rule:
     match: str
     action: tuple
     times: int = 1
+    after: int = 0
 
 
 class Proxy:
@@ -289,6 +291,7 @@ class Proxy:
         self.upstream = upstream
         self.rules: list[Rule] = []
         self.hits: dict[str, int] = {}
+        self.ranges: list[str] = []  # the Range headers asked for
         self.lock = threading.Lock()
         self.release = threading.Event()
         outer = self
@@ -301,6 +304,9 @@ class Proxy:
 
             def do_GET(self) -> None:
                 outer._handle(self)
+
+            def do_HEAD(self) -> None:  # a pull-through cache asks the origin what a blob is
+                outer._handle(self, head=True)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -315,12 +321,29 @@ class Proxy:
             self.hits[path] = self.hits.get(path, 0) + 1
             for r in self.rules:
                 if r.match in path and r.times > 0:
+                    if r.after > 0:
+                        r.after -= 1
+                        continue
                     r.times -= 1
                     return r
         return None
 
-    def _handle(self, h: http.server.BaseHTTPRequestHandler) -> None:
+    def _handle(self, h: http.server.BaseHTTPRequestHandler, head: bool = False) -> None:
+        if head:
+            conn = http.client.HTTPConnection(self.upstream, timeout=30)
+            conn.request("HEAD", h.path, headers={k: v for k, v in h.headers.items() if k.lower() != "host"})
+            resp = conn.getresponse()
+            resp.read()
+            conn.close()
+            h.send_response(resp.status)
+            for k, v in resp.getheaders():
+                if k.lower() not in ("connection", "transfer-encoding"):
+                    h.send_header(k, v)
+            h.end_headers()
+            return
         rule = self._rule(h.path)
+        if h.headers.get("Range"):
+            self.ranges.append(h.headers["Range"])
         action = rule.action if rule else ("pass",)
         if action[0] == "status":
             body = b'{"errors": [{"code": "UNAVAILABLE", "message": "try later"}]}'

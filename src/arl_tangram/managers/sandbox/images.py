@@ -678,9 +678,25 @@ class ImageStore:
         """Remove what imports and pulls killed part way left (never visible, only disk)."""
         return remove_dead_temps(self.root / "layers", UNPACKING)
 
+    def layer_bytes(self, digest: str) -> int:
+        """The file bytes of a cached layer, counted on disk."""
+        return _tree_bytes(self.layer_dir(digest))
+
+    def known_layer_sizes(self) -> dict[str, int]:
+        """Layer -> its file bytes, as the image records say (images that cannot be read skipped)."""
+        out: dict[str, int] = {}
+        d = self.root / "images"
+        for p in (d.glob("*.json") if d.is_dir() else ()):
+            try:
+                data = json.loads(p.read_text())
+                out.update(zip(data["layers"], data.get("layer_sizes") or ()))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
     def usage(self) -> list[dict]:
         """Each image's size and how much of it it shares with other images (layers of the
-        same digest), and ``layers_bytes``: the disk the layers take, each counted once."""
+        same digest, on disk once)."""
         images = self.list()
         users: dict[str, int] = {}
         for img in images:
@@ -692,7 +708,7 @@ class ImageStore:
                 sizes.update(zip(img.layers, img.layer_sizes))
         out = []
         for img in images:
-            per = {d: sizes[d] if d in sizes else sizes.setdefault(d, _tree_bytes(self.layer_dir(d)))
+            per = {d: sizes[d] if d in sizes else sizes.setdefault(d, self.layer_bytes(d))
                    for d in img.layers}
             out.append({"name": img.name, "id": img.id, "layers": len(img.layers), "size_bytes": sum(per.values()),
                         "shared_bytes": sum(n for d, n in per.items() if users[d] > 1),

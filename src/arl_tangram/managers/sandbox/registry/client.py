@@ -262,12 +262,25 @@ class RegistryClient:
         raise last
 
     # -- documents -------------------------------------------------------------------------------
+    async def _get_bytes(self, ref: Reference, ep: Endpoint, path: str, headers: dict[str, str] | None,
+                         limit: int, message: str, error=TooLarge) -> tuple[bytes, httpx.Response]:
+        """A whole (small) body, at most ``limit`` bytes; a body cut part way is asked again."""
+        for attempt in range(self.retries + 1):
+            resp = await self._send(ref, ep, path, headers)
+            try:
+                return await _read_bounded(resp, limit, message, error), resp
+            except httpx.TransportError as e:
+                if attempt >= self.retries:
+                    raise Unreachable(f"{ref}: {path.partition('/')[0][:-1]} from {ep.host} was cut "
+                                      f"{attempt + 1} times ({type(e).__name__})") from None
+                await self._wait(attempt, None)
+            finally:
+                await resp.aclose()
+        raise AssertionError("unreachable")
+
     async def _document(self, ref: Reference, ep: Endpoint, selector: str, max_bytes: int) -> tuple[bytes, str]:
-        resp = await self._send(ref, ep, f"manifests/{selector}", {"Accept": ACCEPT})
-        try:
-            body = await _read_bounded(resp, max_bytes, f"{ref}: the manifest is larger than {max_bytes} bytes")
-        finally:
-            await resp.aclose()
+        body, resp = await self._get_bytes(ref, ep, f"manifests/{selector}", {"Accept": ACCEPT}, max_bytes,
+                                           f"{ref}: the manifest is larger than {max_bytes} bytes")
         digest = _sha256(body)
         if selector.startswith("sha256:") and digest != selector:
             raise DigestMismatch(f"{ref}: {ep.host} sent a manifest whose sha256 is {digest}, not {selector}")
@@ -320,12 +333,9 @@ class RegistryClient:
             raise TooLarge(f"{ref}: the image config declares {desc.size} bytes (at most {max_bytes})")
 
         async def one(ep: Endpoint) -> bytes:
-            resp = await self._send(ref, ep, f"blobs/{desc.digest}")
-            try:
-                body = await _read_bounded(resp, desc.size, f"{ref}: blob {desc.digest} is longer than its declared "
-                                           f"{desc.size} bytes", DigestMismatch)
-            finally:
-                await resp.aclose()
+            body, _ = await self._get_bytes(ref, ep, f"blobs/{desc.digest}", None, desc.size,
+                                            f"{ref}: blob {desc.digest} is longer than its declared {desc.size} "
+                                            "bytes", DigestMismatch)
             if _sha256(body) != desc.digest or len(body) != desc.size:
                 raise DigestMismatch(f"{ref}: blob {desc.digest} from {ep.host} does not match its digest")
             return body
@@ -356,7 +366,7 @@ class RegistryClient:
                                  .startswith(f"bytes {done}-")):  # no (such) range here: from the start
                         await asyncio.to_thread(_restart, fh)
                         sha, done = hashlib.sha256(), 0
-                    async for chunk in resp.aiter_bytes(_CHUNK):
+                    async for chunk in resp.aiter_bytes():  # as it arrives: a cut keeps what came
                         if done + len(buf) + len(chunk) > desc.size:
                             raise DigestMismatch(f"{ref}: blob {desc.digest} from {ep.host} is longer than its "
                                                  f"declared {desc.size} bytes")

@@ -1,0 +1,555 @@
+"""Task images from registries, for real: Debian's distribution registry (``docker-registry``) on
+loopback, images pushed with ``skopeo`` from OCI layouts the tests write (tests/registrykit.py),
+and pulls into the image store through a proxy that counts requests and misbehaves on demand.
+Without the tools the registry tests skip naming them (``apt-get install -y docker-registry
+skopeo``); the parsing tests run anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+from imagekit import docker_archive, host_tools, layer_tar
+from registrykit import MISSING, Layout, Proxy, Registry, Rule, TokenServer, free_port, push
+
+from arl_tangram.managers.sandbox.images import ImageError, ImageStore
+from arl_tangram.managers.sandbox.registry import (BadReference, DigestMismatch, NoPlatform, NotFound, PullLimits,
+                                                   RegistriesConfig, RegistryConfigError, TooLarge, Unauthorized,
+                                                   Unreachable, parse, pull, pull_sync)
+from arl_tangram.managers.sandbox.registry.auth import parse_challenges
+from arl_tangram.managers.sandbox.registry.client import RegistryClient
+from arl_tangram.managers.sandbox.registry.config import docker_credentials
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="unpacking whiteouts (mknod, trusted xattrs) needs root")
+needs_tools = pytest.mark.skipif(bool(MISSING), reason=f"needs {' and '.join(MISSING)} (apt-get install -y "
+                                 "docker-registry skopeo)")
+
+BASE = [("dir", "etc"), ("file", "etc/motd", "from the base\n"), ("file", "etc/gone", "deleted above\n"),
+        ("file", "usr/share/doc/big.txt", "x" * 50_000)]
+BASE_TOP = [("whiteout", "etc/gone"), ("file", "etc/os-release", "ID=tiny\n"), ("symlink", "etc/motd.link", "motd")]
+
+
+def app_layer(n: int) -> list[tuple]:
+    return [("dir", "repo"), ("file", "repo/app.py", f"VERSION = {n}\n"), ("file", f"repo/only{n}.txt", str(n))]
+
+
+# -- references, config, challenges (no registry) --------------------------------------------------
+
+def test_references_are_read_as_docker_reads_them():
+    cases = {
+        "python:3.12": ("docker.io", "library/python", "3.12", ""),
+        "python": ("docker.io", "library/python", "latest", ""),
+        "me/tool": ("docker.io", "me/tool", "latest", ""),
+        "index.docker.io/library/busybox:1": ("docker.io", "library/busybox", "1", ""),
+        "ghcr.io/org/repo:tag": ("ghcr.io", "org/repo", "tag", ""),
+        "127.0.0.1:5000/a/b/c:v1.2-x": ("127.0.0.1:5000", "a/b/c", "v1.2-x", ""),
+        "localhost/x": ("localhost", "x", "latest", ""),
+        "quay.io/a/b@sha256:" + "0" * 64: ("quay.io", "a/b", "", "sha256:" + "0" * 64),
+        "a/b:t@sha256:" + "f" * 64: ("docker.io", "a/b", "t", "sha256:" + "f" * 64),
+    }
+    for text, (registry, repository, tag, digest) in cases.items():
+        ref = parse(text)
+        assert (ref.registry, ref.repository, ref.tag, ref.digest) == (registry, repository, tag, digest), text
+    assert str(parse("python:3.12")) == "docker.io/library/python:3.12"
+    assert parse("python:3.12").api_host == "registry-1.docker.io" and parse("ghcr.io/a:b").api_host == "ghcr.io"
+    bad = {"Python:3": "'Python' is not a valid repository", "a/b@sha256:123": "not a sha256 digest",
+           "a:b:c": "not a valid repository", "a/b:-x": "not a valid tag", "": "empty",
+           "a//b": "not a valid repository", "ex ample/x": "not a valid", "a/b@md5:" + "0" * 32: "not a sha256"}
+    for text, message in bad.items():
+        with pytest.raises(BadReference, match=message) as e:
+            parse(text)
+        assert repr(text) in str(e.value)  # every error names the reference as given
+    with pytest.raises(ImageError):  # what callers catch
+        parse("UPPER")
+
+
+def test_the_registries_config_is_validated_naming_the_field(tmp_path):
+    cfg = RegistriesConfig.from_toml({"policy": "tangram", "registries": [
+        {"host": "index.docker.io", "mirrors": ["https://mirror.example:5000/", "127.0.0.1:5001"]},
+        {"host": "127.0.0.1:5001", "insecure": True},
+        {"host": "ghcr.io", "username": "me", "password": "secret"}]})
+    assert cfg.host("docker.io").mirrors == ["mirror.example:5000", "127.0.0.1:5001"]
+    assert cfg.host("127.0.0.1:5001").insecure and not cfg.host("quay.io").insecure
+    assert cfg.credentials("ghcr.io") == ("me", "secret")
+    client = RegistryClient(cfg)
+    eps = client.endpoints(parse("python:3"))
+    assert [(e.base, e.mirror) for e in eps] == [("https://mirror.example:5000", True),
+                                                 ("http://127.0.0.1:5001", True),
+                                                 ("https://registry-1.docker.io", False)]
+    asyncio.run(client.aclose())
+    bad = [({"registries": [{"host": "a b"}]}, "registries.0.host"),
+           ({"registries": [{"host": "x.io", "insecure": "maybe"}]}, "registries.0.insecure"),
+           ({"registries": [{"host": "x.io", "mirrors": ["http://m.io"]}]}, "registries.0.mirrors.*insecure = true"),
+           ({"registries": [{"host": "x.io", "username": "u"}]}, "registries.0.*username and password"),
+           ({"registries": [{"host": "x.io"}, {"host": "x.io"}]}, "registries: .*two tables"),
+           ({"registries": [{"host": "x.io", "colour": 1}]}, "registries.0.colour"),
+           ({"registries": {"host": "x.io"}}, "registries")]
+    for data, message in bad:
+        with pytest.raises(RegistryConfigError, match=message):
+            RegistriesConfig.from_toml(data)
+    # Docker's config.json: auths by host (Docker Hub under its v1 URL), "auth" or username/password
+    dc = tmp_path / "config.json"
+    dc.write_text(json.dumps({"auths": {
+        "https://index.docker.io/v1/": {"auth": base64.b64encode(b"hubuser:hubpass").decode()},
+        "127.0.0.1:5000": {"username": "u", "password": "p:w"}}, "credsStore": "desktop"}))
+    assert docker_credentials("docker.io", dc) == ("hubuser", "hubpass")
+    assert docker_credentials("127.0.0.1:5000", dc) == ("u", "p:w")
+    assert docker_credentials("ghcr.io", dc) is None and docker_credentials("x", tmp_path / "none.json") is None
+    cfg = RegistriesConfig.from_toml({"docker_config": str(dc)})
+    assert cfg.credentials("docker.io") == ("hubuser", "hubpass")
+
+
+def test_www_authenticate_challenges_are_parsed():
+    [c] = parse_challenges('Bearer realm="https://auth.docker.io/token",service="registry.docker.io",'
+                           'scope="repository:library/python:pull"')
+    assert c.scheme == "bearer" and c.params == {"realm": "https://auth.docker.io/token",
+                                                 "service": "registry.docker.io",
+                                                 "scope": "repository:library/python:pull"}
+    two = parse_challenges('Basic realm="a, \\"quoted\\"", Bearer realm="https://t/x",service=s')
+    assert [(c.scheme, c.params) for c in two] == [("basic", {"realm": 'a, "quoted"'}),
+                                                   ("bearer", {"realm": "https://t/x", "service": "s"})]
+
+
+# -- the store's layer checks, for pulled layers too ------------------------------------------------
+
+@root_only
+def test_a_layer_cannot_write_through_a_link_it_replaced(tmp_path):
+    """A symlink to a host directory, then a directory entry of the same name, then a file in
+    it: the file lands in the layer (the symlink is replaced), never on the host; and a hard link
+    to a file under a directory since replaced by a symlink is refused."""
+    outside = tmp_path / "host"
+    outside.mkdir()
+    os.chmod(outside, 0o700)
+    store = ImageStore(tmp_path / "store")
+    img = store.import_path(docker_archive(tmp_path / "a.tar", [[
+        ("symlink", "d", str(outside)), ("dir", "d", 0o777), ("file", "d/planted", "x")]]), "replaced")
+    layer = store.layer_dir(img.layers[0])
+    assert stat.S_ISDIR(os.lstat(layer / "d").st_mode) and (layer / "d/planted").read_text() == "x"
+    assert list(outside.iterdir()) == [] and stat.S_IMODE(os.stat(outside).st_mode) == 0o700
+    # a directory given a mode, then replaced by a symlink: the mode is not applied through it
+    store.import_path(docker_archive(tmp_path / "b.tar", [[("dir", "e", 0o777), ("symlink", "e", str(outside))]]),
+                      "relinked")
+    assert stat.S_IMODE(os.stat(outside).st_mode) == 0o700
+    for entries in ([("file", "d/shadow", "x"), ("symlink", "d", str(outside)), ("hardlink", "h", "d/shadow")],
+                    [("file", "d/shadow", "x"), ("file", "d", "now a file"), ("hardlink", "h", "d/shadow")]):
+        with pytest.raises(ImageError, match="under the symlink|names no earlier file"):
+            store.import_path(docker_archive(tmp_path / "c.tar", [entries]), "linked")
+
+
+@root_only
+def test_zstd_layers_import_and_a_corrupt_one_is_named(tmp_path):
+    import zstandard
+
+    store = ImageStore(tmp_path / "store")
+    tar = layer_tar(BASE)
+    z = zstandard.ZstdCompressor().compress(tar)
+    path = tmp_path / "z.tar"
+    with tarfile.open(path, "w") as out:
+        for name, data in (("l.tar", z), ("manifest.json", b'[{"Layers": ["l.tar"]}]')):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            import io
+            out.addfile(info, io.BytesIO(data))
+    img = store.import_path(path, "zstd")
+    assert (store.layer_dir(img.layers[0]) / "etc/motd").read_text() == "from the base\n"
+    import hashlib
+    assert img.layers[0] == hashlib.sha256(tar).hexdigest()  # the same layer as its gzip twin
+    with pytest.raises(ImageError, match="truncated or corrupt"):
+        store.unpack_layer(__import__("io").BytesIO(z[: len(z) // 2]), "layer 0")
+    assert sorted(p.name for p in (store.root / "layers").iterdir()) == [img.layers[0]]
+
+
+# -- against a real registry -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def origin(tmp_path_factory):
+    """One registry with: tiny/base (two layers, gzip), tiny/app1 and tiny/app2 on it (app1's own
+    layer zstd, app2 a Docker schema-2 image), tiny/multi (an index: arm64 and amd64),
+    tiny/armonly (an index without amd64), tiny/bad (a layer escaping the root), tiny/sh (a
+    shell and tools, for a session)."""
+    if MISSING:
+        pytest.skip(f"needs {' and '.join(MISSING)} (apt-get install -y docker-registry skopeo)")
+    d = tmp_path_factory.mktemp("origin")
+    reg = Registry(d / "registry")
+    lay = Layout(d / "layout")
+    lay.tag("base", lay.image([BASE, BASE_TOP]))
+    lay.tag("app1", lay.image([BASE, BASE_TOP, app_layer(1)], ["gzip", "gzip", "zstd"]))
+    lay.tag("app2", lay.image([BASE, BASE_TOP, app_layer(2)], ["gzip", "gzip", "none"]))
+    for n in range(3, 5):
+        lay.tag(f"app{n}", lay.image([BASE, BASE_TOP, app_layer(n)]))
+    arm = lay.image([[("file", "arch", "arm64")]], arch="arm64")
+    amd = lay.image([[("file", "arch", "amd64")]])
+    lay.tag("multi", lay.index([arm, amd]))
+    lay.tag("armonly", lay.index([arm]))
+    lay.tag("bad", lay.image([BASE, [("file", "../evil", "x")]]))
+    lay.tag("device", lay.image([BASE, [("chr", "dev/mem")]]))
+    sh = host_tools("/usr/bin/dash", "/usr/bin/cat", "/usr/bin/ls") + [("symlink", "usr/bin/sh", "dash")]
+    lay.tag("sh", lay.image([sh, [("file", "etc/motd", "pulled\n")], [("whiteout", "etc/motd"),
+                                                                      ("file", "repo/task.txt", "task 7\n")]]))
+    for tag in ("base", "app1", "app3", "app4", "bad", "device", "sh"):
+        push(lay, tag, f"{reg.host}/tiny/{tag}:v1")
+    push(lay, "app2", f"{reg.host}/tiny/app2:v1", fmt="v2s2")
+    push(lay, "multi", f"{reg.host}/tiny/multi:v1", all_images=True)
+    push(lay, "armonly", f"{reg.host}/tiny/armonly:v1", all_images=True)
+    yield reg
+    reg.close()
+
+
+@pytest.fixture
+def proxy(origin):
+    p = Proxy(origin.host)
+    yield p
+    p.close()
+
+
+def _config(*hosts: str, **extra) -> RegistriesConfig:
+    return RegistriesConfig.from_toml({"registries": [{"host": h, "insecure": True, **extra} for h in hosts]})
+
+
+def _fast(cfg: RegistriesConfig, **kw) -> RegistryClient:
+    return RegistryClient(cfg, **{"backoff_s": 0.01, "max_wait_s": 2.0, "timeout_s": 10.0, **kw})
+
+
+def _pull(ref: str, store: ImageStore, cfg: RegistriesConfig, events=None, **kw):
+    async def main():
+        async with _fast(cfg, **kw.pop("client", {})) as c:
+            return await pull(ref, store, cfg, events.append if events is not None else None, client=c, **kw)
+
+    return asyncio.run(main())
+
+
+@root_only
+@needs_tools
+def test_layers_are_shared_by_digest_an_image_on_a_base_fetches_only_its_own(tmp_path, proxy):
+    store = ImageStore(tmp_path / "store")
+    cfg = _config(proxy.host)
+    events = []
+    app1 = _pull(f"{proxy.host}/tiny/app1:v1", store, cfg, events)
+    assert app1.name == f"{proxy.host}/tiny/app1:v1" and len(app1.layers) == 3 and app1.digest.startswith("sha256:")
+    assert proxy.blob_gets() == 4  # the config and three layers
+    base_dir, top_dir, own_dir = (store.layer_dir(d) for d in app1.layers)
+    assert (base_dir / "etc/motd").read_text() == "from the base\n"
+    gone = os.lstat(top_dir / "etc/gone")
+    assert stat.S_ISCHR(gone.st_mode) and gone.st_rdev == 0  # an overlay whiteout, as import makes it
+    assert os.readlink(top_dir / "etc/motd.link") == "motd" and (own_dir / "repo/app.py").read_text() == "VERSION = 1\n"
+    assert {e.state for e in events if e.index >= 0} >= {"downloading", "unpacking", "done"}
+    # app2 (Docker schema 2, its own layer uncompressed) on the same base: only its own layer and config
+    before = proxy.blob_gets()
+    events.clear()
+    app2 = _pull(f"{proxy.host}/tiny/app2:v1", store, cfg, events)
+    assert app2.layers[:2] == app1.layers[:2] and app2.layers[2] != app1.layers[2]
+    assert proxy.blob_gets() - before == 2
+    assert [e.state for e in events if e.index in (0, 1)] == ["cached", "cached"]
+    # a base imported by hand counts too: the same layers under the same digests
+    store2 = ImageStore(tmp_path / "store2")
+    store2.import_path(docker_archive(tmp_path / "base.tar", [BASE, BASE_TOP]), "hand-made")
+    before = proxy.blob_gets()
+    _pull(f"{proxy.host}/tiny/app3:v1", store2, cfg)
+    assert proxy.blob_gets() - before == 2
+    # ls: sizes, and what each shares with the others
+    usage = {u["name"]: u for u in store.usage()}
+    own = len("VERSION = 1\n") + 1
+    assert usage[app1.name]["size_bytes"] == app1.size_bytes and app1.size_bytes - usage[app1.name]["shared_bytes"] == own
+    # a second pull of the same tag: the manifest is asked again, no blob is fetched
+    before = proxy.blob_gets()
+    assert _pull(f"{proxy.host}/tiny/app1:v1", store, cfg).id == app1.id and proxy.blob_gets() - before == 1
+    # by digest, with the image in the store: no request at all
+    hits = sum(proxy.hits.values())
+    by_digest = f"{proxy.host}/tiny/app1@{app1.digest}"
+    pulled = _pull(by_digest, store, cfg)
+    assert pulled.layers == app1.layers and sum(proxy.hits.values()) > hits  # first time: fetched once
+    hits = sum(proxy.hits.values())
+    assert _pull(by_digest, store, cfg).id == pulled.id and sum(proxy.hits.values()) == hits
+
+
+@root_only
+@needs_tools
+def test_an_index_gives_its_linux_amd64_image_and_one_without_is_a_clear_error(tmp_path, origin):
+    store = ImageStore(tmp_path / "store")
+    cfg = _config(origin.host)
+    img = _pull(f"{origin.host}/tiny/multi:v1", store, cfg)
+    assert (store.layer_dir(img.layers[0]) / "arch").read_text() == "amd64"
+    with pytest.raises(NoPlatform, match=rf"{origin.host}/tiny/armonly:v1: no linux/amd64 image .*linux/arm64"):
+        _pull(f"{origin.host}/tiny/armonly:v1", store, cfg)
+    with pytest.raises(NotFound, match=rf"{origin.host}/tiny/base:nope: not found .*404"):
+        _pull(f"{origin.host}/tiny/base:nope", store, cfg)
+    with pytest.raises(NotFound, match="tiny/nothing:v1: not found"):
+        _pull(f"{origin.host}/tiny/nothing:v1", store, cfg)
+    assert [i.name for i in store.list()] == [img.name]
+
+
+@root_only
+@needs_tools
+def test_429_and_5xx_are_retried_honouring_retry_after_and_a_dead_registry_is_named(tmp_path, proxy):
+    store = ImageStore(tmp_path / "store")
+    cfg = _config(proxy.host)
+    proxy.rules += [Rule("/manifests/", ("status", 503, None), 2), Rule("/blobs/", ("status", 429, 1), 1),
+                    Rule("/blobs/", ("status", 502, None), 1)]
+    t = time.monotonic()
+    img = _pull(f"{proxy.host}/tiny/base:v1", store, cfg)
+    assert time.monotonic() - t >= 1.0  # Retry-After: 1 waited out (the backoff alone is ~0.01 s)
+    assert proxy.hits[f"/v2/tiny/base/manifests/v1"] == 3 and len(img.layers) == 2
+    # past the retries: an error naming the reference and what was answered
+    proxy.rules.append(Rule("/manifests/", ("status", 503, None), 10))
+    with pytest.raises(Unreachable, match=rf"{proxy.host}/tiny/app1:v1: .*HTTP 503.*3 times"):
+        _pull(f"{proxy.host}/tiny/app1:v1", store, cfg, client={"retries": 2})
+    dead = f"127.0.0.1:{free_port()}"
+    with pytest.raises(Unreachable, match=rf"{dead}/tiny/base:v1: cannot reach {dead}"):
+        _pull(f"{dead}/tiny/base:v1", store, _config(dead), client={"retries": 1})
+    with pytest.raises(Unreachable, match="no TLS.*insecure"):  # plain HTTP only where the config says so
+        _pull(f"{proxy.host}/tiny/base:v1", store, RegistriesConfig(), client={"retries": 1})
+    assert [i.name for i in store.list()] == [img.name]
+
+
+@root_only
+@needs_tools
+def test_a_blob_that_does_not_match_its_digest_is_refused_and_nothing_is_left(tmp_path, proxy):
+    store = ImageStore(tmp_path / "store")
+    cfg = _config(proxy.host)
+    proxy.rules.append(Rule("/blobs/", ("corrupt",), 1000))
+    with pytest.raises(DigestMismatch, match=rf"{proxy.host}/tiny/app4:v1: blob sha256:\w+ .*does not match"):
+        _pull(f"{proxy.host}/tiny/app4:v1", store, cfg, client={"retries": 0})
+    assert store.list() == [] and not list((store.root / "layers").glob("*")) if (store.root / "layers").exists() \
+        else store.list() == []
+    assert not [p for p in (store.root / "blobs").rglob("*") if p.is_file() and "locks" not in p.parts]
+    proxy.rules.clear()
+    assert len(_pull(f"{proxy.host}/tiny/app4:v1", store, cfg).layers) == 3
+
+
+@root_only
+@needs_tools
+def test_bad_layers_and_manifests_past_the_bounds_are_refused_naming_the_reference(tmp_path, proxy):
+    store = ImageStore(tmp_path / "store")
+    cfg = _config(proxy.host)
+    with pytest.raises(ImageError, match=rf"{proxy.host}/tiny/bad:v1: layer 1 .*escapes the root"):
+        _pull(f"{proxy.host}/tiny/bad:v1", store, cfg)
+    with pytest.raises(ImageError, match=rf"{proxy.host}/tiny/device:v1: layer 1 .*device node"):
+        _pull(f"{proxy.host}/tiny/device:v1", store, cfg)
+    assert store.list() == []
+    leftovers = [p.name for p in (store.root / "layers").iterdir() if p.name.startswith(".")]
+    assert leftovers == []
+    # a manifest of thousands of layers, one declaring a huge size: refused before any blob
+    layer = {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": "sha256:" + "a" * 64, "size": 10}
+    config = {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": "sha256:" + "b" * 64, "size": 10}
+    many = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                       "config": config, "layers": [layer] * 5000}).encode()
+    huge = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                       "config": config, "layers": [{**layer, "size": 1 << 50}]}).encode()
+    mtype = "application/vnd.oci.image.manifest.v1+json"
+    proxy.rules += [Rule("/tiny/many/manifests/", ("body", many, mtype)),
+                    Rule("/tiny/huge/manifests/", ("body", huge, mtype))]
+    blobs = proxy.blob_gets()
+    with pytest.raises(TooLarge, match=rf"{proxy.host}/tiny/many:v1: the manifest lists 5000 layers"):
+        _pull(f"{proxy.host}/tiny/many:v1", store, cfg)
+    with pytest.raises(TooLarge, match=rf"{proxy.host}/tiny/huge:v1: the manifest declares {1 << 50} bytes"):
+        _pull(f"{proxy.host}/tiny/huge:v1", store, cfg)
+    assert proxy.blob_gets() == blobs
+    # an image whose files expand past the limit is refused while it unpacks
+    with pytest.raises(ImageError, match="more than 1000 bytes"):
+        _pull(f"{proxy.host}/tiny/base:v1", store, cfg, limits=PullLimits(max_layer_files_bytes=1000))
+    assert store.list() == []
+
+
+@root_only
+@needs_tools
+def test_concurrent_pulls_of_one_image_or_one_layer_download_each_blob_once(tmp_path, proxy):
+    store = ImageStore(tmp_path / "store")
+    cfg = _config(proxy.host)
+    proxy.rules.append(Rule("/blobs/", ("delay", 0.3), 1000))  # so that the pulls overlap
+
+    async def main():
+        async with _fast(cfg) as c:
+            return await asyncio.gather(*(pull(f"{proxy.host}/tiny/{name}:v1", store, cfg, client=c)
+                                          for name in ("app1", "app1", "app1", "app3")))
+
+    a, b, c3, other = asyncio.run(main())
+    assert a.id == b.id == c3.id and other.layers[:2] == a.layers[:2]
+    counts = {p: n for p, n in proxy.hits.items() if "/blobs/" in p}
+    assert counts and set(counts.values()) == {1}, counts  # every blob once
+    assert len(counts) == 2 + 3 + 1  # two configs, the shared base's two layers and each image's own
+
+
+@root_only
+@needs_tools
+def test_a_pull_cut_part_way_resumes_and_one_killed_part_way_leaves_nothing_visible(tmp_path, proxy):
+    store = ImageStore(tmp_path / "store")
+    cfg = _config(proxy.host)
+    # a connection cut mid-blob: the rest asked for with a Range request
+    proxy.rules += [Rule("/blobs/", ("cut", 40), 1), Rule("/blobs/", ("cut", 40), 1, after=2)]  # the config, a layer
+    img = _pull(f"{proxy.host}/tiny/app1:v1", store, cfg)
+    assert len(img.layers) == 3 and proxy.ranges == ["bytes=40-"]  # the config is asked again whole
+    # a pull killed while one of its layers stalls: nothing listed, and the next pull completes
+    # it, fetching only what it had not
+    (tmp_path / "c.toml").write_text(f'[[registries]]\nhost = "{proxy.host}"\ninsecure = true\n')
+    store2 = tmp_path / "store2"
+    proxy.hits.clear()
+    proxy.rules.append(Rule("/tiny/app3/blobs/", ("delay", 0), 2))  # the config and the first layer pass
+    proxy.rules.append(Rule("/tiny/app3/blobs/", ("stall", 10), 1))
+    child = subprocess.Popen([sys.executable, "-m", "arl_tangram.cli", "image", "pull", f"{proxy.host}/tiny/app3:v1",
+                              "--config", str(tmp_path / "c.toml"), "--store", str(store2), "--quiet"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while proxy.blob_gets() < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    s2 = ImageStore(store2)
+    assert s2.list() == []
+    first = proxy.blob_gets()
+    img3 = _pull(f"{proxy.host}/tiny/app3:v1", s2, cfg)
+    assert [i.name for i in s2.list()] == [img3.name] and len(img3.layers) == 3
+    assert proxy.blob_gets() - first < 4  # what the killed pull finished is not fetched again
+    assert not [p.name for p in (store2 / "layers").iterdir() if p.name.startswith(".")]
+    assert not list((store2 / "blobs").glob(".part-*"))
+
+
+# -- authentication ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def pushed_layout(tmp_path_factory):
+    d = tmp_path_factory.mktemp("authlayout")
+    lay = Layout(d / "layout")
+    lay.tag("v1", lay.image([BASE]))
+    return lay
+
+
+@root_only
+@needs_tools
+def test_bearer_tokens_from_the_www_authenticate_challenge(tmp_path, pushed_layout):
+    tokens = TokenServer(tmp_path / "token", {"alice": "wonderland"}, public={"pub/img"})
+    reg = Registry(tmp_path / "registry", auth=("token", tokens))
+    try:
+        for repo in ("pub/img", "priv/img"):
+            push(pushed_layout, "v1", f"{reg.host}/{repo}:v1", creds="alice:wonderland")
+        store = ImageStore(tmp_path / "store")
+        calls = tokens.calls
+        img = _pull(f"{reg.host}/pub/img:v1", store, _config(reg.host))  # anonymous token
+        assert len(img.layers) == 1 and tokens.calls - calls == 1  # one token for the whole pull
+        with pytest.raises(Unauthorized, match=rf"{reg.host}/priv/img:v1: .*HTTP 401"):
+            _pull(f"{reg.host}/priv/img:v1", store, _config(reg.host))
+        assert _pull(f"{reg.host}/priv/img:v1", store, _config(reg.host, username="alice", password="wonderland"))
+        with pytest.raises(Unauthorized, match=rf"{reg.host}/priv/img:v1: the token service .*refused the credentials"):
+            _pull(f"{reg.host}/priv/img:v1", store, _config(reg.host, username="alice", password="no"))
+        dc = tmp_path / "docker.json"
+        dc.write_text(json.dumps({"auths": {reg.host: {"auth": base64.b64encode(b"alice:wonderland").decode()}}}))
+        cfg = RegistriesConfig.from_toml({"registries": [{"host": reg.host, "insecure": True}],
+                                          "docker_config": str(dc)})
+        store2 = ImageStore(tmp_path / "store2")
+        assert _pull(f"{reg.host}/priv/img:v1", store2, cfg).layers == img.layers
+    finally:
+        reg.close()
+        tokens.close()
+
+
+@root_only
+@needs_tools
+def test_basic_credentials_for_an_htpasswd_registry(tmp_path, pushed_layout):
+    reg = Registry(tmp_path / "registry", auth=("htpasswd", {"bob": "builder"}))
+    try:
+        push(pushed_layout, "v1", f"{reg.host}/team/img:v1", creds="bob:builder")
+        store = ImageStore(tmp_path / "store")
+        with pytest.raises(Unauthorized, match=rf"{reg.host}/team/img:v1: {reg.host} asks for a username and "
+                                               "password"):
+            _pull(f"{reg.host}/team/img:v1", store, _config(reg.host))
+        with pytest.raises(Unauthorized, match=rf"{reg.host}/team/img:v1: .*refused access \(HTTP 401"):
+            _pull(f"{reg.host}/team/img:v1", store, _config(reg.host, username="bob", password="wrong"))
+        img = _pull(f"{reg.host}/team/img:v1", store, _config(reg.host, username="bob", password="builder"))
+        assert len(img.layers) == 1 and store.list() == [img]
+    finally:
+        reg.close()
+
+
+# -- mirrors ------------------------------------------------------------------------------------------
+
+@root_only
+@needs_tools
+def test_mirrors_are_tried_first_and_the_origin_after(tmp_path, origin):
+    front = Proxy(origin.host)  # counts what reaches the origin
+    mirror = Registry(tmp_path / "mirror", proxy_of=f"http://{front.host}")  # a real pull-through cache
+    mirror_front = Proxy(mirror.host)
+    try:
+        dead = f"127.0.0.1:{free_port()}"
+        cfg = RegistriesConfig.from_toml({"registries": [
+            {"host": front.host, "insecure": True, "mirrors": [dead, mirror_front.host]},
+            {"host": mirror_front.host, "insecure": True}, {"host": dead, "insecure": True}]})
+        store = ImageStore(tmp_path / "store")
+        img = _pull(f"{front.host}/tiny/app1:v1", store, cfg)
+        assert len(img.layers) == 3 and mirror_front.blob_gets() == 4
+        # the mirror fetched from the origin once; a second node pulls from the mirror alone
+        origin_blobs = front.blob_gets()
+        store2 = ImageStore(tmp_path / "store2")
+        _pull(f"{front.host}/tiny/app1:v1", store2, cfg)
+        assert mirror_front.blob_gets() == 8 and front.blob_gets() == origin_blobs
+        # the mirror failing: the origin answers
+        mirror_front.rules.append(Rule("/", ("status", 500, None), 1000))
+        store3 = ImageStore(tmp_path / "store3")
+        assert _pull(f"{front.host}/tiny/app3:v1", store3, cfg, client={"retries": 0}).layers[:2] == img.layers[:2]
+        assert sum(n for p, n in front.hits.items() if "app3" in p) >= 2
+    finally:
+        mirror_front.close()
+        mirror.close()
+        front.close()
+
+
+# -- the command line and a session ---------------------------------------------------------------
+
+@root_only
+@needs_tools
+def test_the_cli_pulls_with_a_config_and_lists_what_is_shared(tmp_path, origin):
+    from typer.testing import CliRunner
+
+    from arl_tangram.cli import app
+
+    (tmp_path / "c.toml").write_text(f'[[registries]]\nhost = "{origin.host}"\ninsecure = true\n')
+    args = ["--config", str(tmp_path / "c.toml"), "--store", str(tmp_path / "store"), "--quiet"]
+    runner = CliRunner()
+    one = runner.invoke(app, ["image", "pull", f"{origin.host}/tiny/app1:v1", *args])
+    assert one.exit_code == 0, one.output
+    first = json.loads(one.stdout)
+    assert first["name"] == f"{origin.host}/tiny/app1:v1" and first["cached_layers"] == 0
+    two = json.loads(runner.invoke(app, ["image", "pull", f"{origin.host}/tiny/app2:v1", *args]).stdout)
+    assert two["cached_layers"] == 2
+    listed = json.loads(runner.invoke(app, ["image", "ls", "--store", str(tmp_path / "store")]).stdout)
+    assert [i["name"] for i in listed] == [first["name"], two["name"]]
+    assert all(0 < i["shared_bytes"] < i["size_bytes"] for i in listed)
+    bad = runner.invoke(app, ["image", "pull", "NotARef", *args])
+    assert bad.exit_code == 2 and "'NotARef'" in bad.output
+    (tmp_path / "bad.toml").write_text('[[registries]]\nhost = "x.io"\nmirrors = "m.io"\n')
+    cfg = runner.invoke(app, ["image", "pull", "x.io/a:b", "--config", str(tmp_path / "bad.toml")])
+    assert cfg.exit_code == 2 and "--config: registries.0.mirrors" in cfg.output
+
+
+@pytest.mark.slow
+@root_only
+@needs_tools
+@pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="bubblewrap is not installed")
+def test_a_session_runs_on_a_pulled_image(tmp_path, origin):
+    from arl_tangram.core import Outcome
+    from arl_tangram.managers.sandbox.manager import SandboxConfig
+    from arl_tangram.runtime import Tangram
+
+    store = ImageStore(tmp_path / "store")
+    img = _pull(f"{origin.host}/tiny/sh:v1", store, _config(origin.host))
+
+    async def main():
+        cfg = SandboxConfig(warm_pool=0, image_store=str(store.root))
+        async with Tangram.local(sandbox=cfg) as tg:
+            s = await tg.session(image=img.name)
+            r = await s.exec("cat /repo/task.txt; ls /etc; echo made > /repo/new; cat /repo/new")
+            await s.close()
+            return r
+
+    r = asyncio.run(main())
+    assert r.outcome is Outcome.OK, r.stderr
+    assert r.stdout.splitlines()[0] == "task 7" and "motd" not in r.stdout and r.stdout.endswith("made\n")
