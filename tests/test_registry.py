@@ -379,6 +379,23 @@ def test_concurrent_pulls_of_one_image_or_one_layer_download_each_blob_once(tmp_
     assert len(counts) == 2 + 3 + 1  # two configs, the shared base's two layers and each image's own
 
 
+@pytest.mark.slow
+@root_only
+@needs_tools
+def test_two_processes_pulling_one_image_download_each_blob_once(tmp_path, proxy):
+    """Between processes a file lock per layer does what the flights do inside one."""
+    (tmp_path / "c.toml").write_text(f'[[registries]]\nhost = "{proxy.host}"\ninsecure = true\n')
+    proxy.rules.append(Rule("/blobs/", ("delay", 0.5), 1000))
+    argv = [sys.executable, "-m", "arl_tangram.cli", "image", "pull", f"{proxy.host}/tiny/app4:v1", "--config",
+            str(tmp_path / "c.toml"), "--store", str(tmp_path / "store"), "--quiet"]
+    children = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    outs = [c.communicate(timeout=120) for c in children]
+    assert [c.returncode for c in children] == [0, 0], outs
+    assert json.loads(outs[0][0])["id"] == json.loads(outs[1][0])["id"]
+    layers = {p: n for p, n in proxy.hits.items() if "/blobs/" in p}
+    assert len(layers) == 4 and sum(layers.values()) == 3 + 2  # each layer once; the config by each
+
+
 @root_only
 @needs_tools
 def test_a_pull_cut_part_way_resumes_and_one_killed_part_way_leaves_nothing_visible(tmp_path, proxy):

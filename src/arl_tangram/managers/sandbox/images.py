@@ -483,7 +483,8 @@ class ImageStore:
         try:
             data = json.loads(self._image_file(name).read_text())
         except FileNotFoundError:
-            raise ImageError(f"image: no image named {name!r} (import it with `tangram image import`)") from None
+            raise ImageError(f"image: no image named {name!r} (pull it with `tangram image pull` or import "
+                             "it with `tangram image import`)") from None
         data["layers"] = tuple(data["layers"])
         data["layer_sizes"] = tuple(data.get("layer_sizes") or ())
         img = Image(**data)
