@@ -101,9 +101,30 @@ class Registry:
 
 
 def _bcrypt(password: str) -> str:
-    import crypt  # deprecated, but here in 3.11-3.12; Debian's libcrypt does bcrypt
+    """A bcrypt hash, the only kind the registry's htpasswd reads: Python's crypt (3.12 and
+    before; Debian's libcrypt does bcrypt), else the bcrypt package, else htpasswd(1)."""
+    import warnings
 
-    return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        try:
+            import crypt
+
+            return crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))
+        except ImportError:
+            pass
+    try:
+        import bcrypt
+
+        return bcrypt.hashpw(password.encode(), bcrypt.gensalt()).decode()
+    except ImportError:
+        pass
+    if shutil.which("htpasswd"):
+        out = subprocess.run(["htpasswd", "-nbB", "u", password], capture_output=True, text=True, check=True)
+        return out.stdout.strip().partition(":")[2]
+    import pytest
+
+    pytest.skip("no bcrypt here for an htpasswd file (Python's crypt, the bcrypt package or htpasswd)")
 
 
 # -- images as OCI layouts, pushed with skopeo -----------------------------------------------------
