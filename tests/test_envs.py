@@ -371,8 +371,10 @@ print(sorted(os.listdir('/run/tangram')))
     assert "True" not in r.stdout and "home: ['user'] /workspace" in r.stdout
     assert not os.path.exists("/etc/evil")
     assert not any((d / "etc/evil").exists() for d in store.get("tiny-sh").layer_dirs(store))
-    # no python3 in the image: the host's /usr is bound read-only for the runner (as in every sandbox)
-    assert "['host', 'runner.py', 'shell.py']" in r.stdout
+    # no python3 in the image: the host's /usr is bound read-only for the agent (as in every sandbox);
+    # its package is bound at /run/tangram/inside (the base layer still holds the mount points of the
+    # two files it used to be)
+    assert "['host', 'inside', 'runner.py', 'shell.py']" in r.stdout
 
 
 # -- the native API ----------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from arl_tangram.managers.sandbox.isolation import Isolation
 from arl_tangram.managers.sandbox.manager import SandboxConfig
 from arl_tangram.runtime import Tangram
 
-from runnerkit import run_with_runner
+from runnerkit import PRELUDE, run_with_runner
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 
@@ -95,7 +95,7 @@ def assert_pristine(out: dict, reused: bool) -> None:
 
 
 def test_sandboxes_run_as_sched_batch_and_a_reset_keeps_them_so():
-    """The runner, the zygote and a one-shot all run ``SCHED_BATCH`` (``runner.batch``: their
+    """The runner, the zygote and a one-shot all run ``SCHED_BATCH`` (``inside.loop.batch``: their
     wake-ups never preempt the host's process that woke them), before and after a reuse."""
     out = attack_then_inspect("print('harmless')")
     assert out["fresh"]["policy"] == [os.SCHED_BATCH] * 3, out["fresh"]["policy"]
@@ -222,18 +222,19 @@ ON_ITS_WAY_OUT = r"""
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 sys.argv = ["runner"]
-import runner  # (takes over this process's stdin and stdout: run apart, never in pytest's)
+from inside import loop, reset
+st = loop.boot()  # (takes over this process's stdin and stdout: run apart, never in pytest's)
 pid = os.fork()
 if pid == 0:
     os._exit(0)
 for _ in range(200):  # until it is a zombie
-    if runner.read_proc(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[0] == b"Z":
+    if reset.read_proc(st, f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[0] == b"Z":
         break
     time.sleep(0.01)
-out = [runner.process_state(pid)["ending"], runner.process_state(os.getpid())["ending"],
-       runner.sigkill_pending(os.getpid())]
+out = [reset.process_state(st, pid)["ending"], reset.process_state(st, os.getpid())["ending"],
+       reset.sigkill_pending(st, os.getpid())]
 os.waitpid(pid, 0)
-os.write(runner.PROTO_OUT, json.dumps(out).encode())
+os.write(st.proto_out, json.dumps(out).encode())
 """
 
 
@@ -241,32 +242,33 @@ HELD_PROC = r"""
 import json, os, resource, sys
 sys.path.insert(0, sys.argv[1])
 sys.argv = ["runner"]
-import runner
+from inside import loop, reset
+st = loop.boot()
 r, w = os.pipe()
 pid = os.fork()
 if pid == 0:
     os.read(r, 1)
     os._exit(0)
 path = f"/proc/{pid}/limits"
-first = runner.read_proc(path, hold=True)
+first = reset.read_proc(st, path, hold=True)
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft - 7, hard))  # changed between two reads
-again = runner.read_proc(path, hold=True)  # the same descriptor, read afresh
-fresh = first != again and again == runner.read_proc(path) and b" %d " % (soft - 7) in again
+again = reset.read_proc(st, path, hold=True)  # the same descriptor, read afresh
+fresh = first != again and again == reset.read_proc(st, path) and b" %d " % (soft - 7) in again
 os.write(w, b"x")
 os.waitpid(pid, 0)
 try:
-    runner.read_proc(path, hold=True)
+    reset.read_proc(st, path, hold=True)
     after = "read"
 except OSError as e:
     after = e.errno
-print(json.dumps({"fresh": fresh, "held": path in runner.PROC_HELD,
-                  "after": after, "esrch": __import__("errno").ESRCH}), file=os.fdopen(runner.PROTO_OUT, "w"))
+print(json.dumps({"fresh": fresh, "held": path in st.proc_held,
+                  "after": after, "esrch": __import__("errno").ESRCH}), file=os.fdopen(st.proto_out, "w"))
 """
 
 
 def test_a_held_proc_file_reads_afresh_and_fails_once_its_process_is_gone(tmp_path):
-    """``runner.read_proc(hold=True)``: the reset's reads of the runner's and the zygote's state
+    """``inside.reset.read_proc(hold=True)``: the reset's reads of the runner's and the zygote's state
     come from descriptors kept open; each read is the file as it is now, and once the process has
     ended (and been reaped) a read fails rather than reaching whatever process takes its number."""
     out = run_with_runner(tmp_path, HELD_PROC)
@@ -275,13 +277,13 @@ def test_a_held_proc_file_reads_afresh_and_fails_once_its_process_is_gone(tmp_pa
 
 
 def test_a_process_on_its_way_out_is_not_taken_for_the_one_snapshotted():
-    """``runner.process_state``: a zombie (as a killed zygote is until reaped) reads ``ending``."""
+    """``inside.reset.process_state``: a zombie (as a killed zygote is until reaped) reads ``ending``."""
     import subprocess
     import sys
 
     from importlib.util import find_spec
 
-    where = os.path.dirname(find_spec("arl_tangram.managers.sandbox.runner").origin)  # (found, not imported)
+    where = os.path.dirname(os.path.dirname(find_spec("arl_tangram.managers.sandbox.inside").origin))  # (not imported)
     p = subprocess.run([sys.executable, "-c", ON_ITS_WAY_OUT, where],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
@@ -320,7 +322,7 @@ print("key", libc.syscall(c(248), b"user", b"leak", b"secret", c(6), c(-4)) > 0)
 print("mq", libc.mq_open(b"/leak", os.O_CREAT | os.O_RDWR, 0o600, None) >= 0)
 '''
     out = attack_then_inspect(attack)
-    # the keyrings are closed to sandboxed code (runner.deny_keyrings): the add is refused outright
+    # the keyrings are closed to sandboxed code (inside.reset.deny_keyrings): the add is refused outright
     assert "shm True" in out["attack"].stdout and "key False" in out["attack"].stdout, out["attack"].stdout
     assert "mq False" in out["attack"].stdout  # POSIX queues cannot be created at all (RLIMIT_MSGQUEUE 0)
     assert_pristine(out, reused=True)
@@ -399,14 +401,12 @@ def test_a_child_forked_ahead_is_seen_by_no_other_kind_of_run():
     assert stats["recycled"] == 2 and not stats["discarded"], stats
 
 
-#: a script's start that drives ``runner.Zygote`` itself (``z``), answering on ``out``
-WITH_ZYGOTE = r'''
-import json, os, signal, sys, tempfile, time
-sys.path.insert(0, sys.argv[1])
-sys.argv = ["runner"]
-import runner  # its fds 0 and 1 now go to /dev/null: answer on the protocol's copy
-out = os.fdopen(runner.PROTO_OUT, "w")
-z = runner.Zygote()
+#: a script's start that drives the agent's ``Zygote`` itself (``z``), answering on ``out``
+WITH_ZYGOTE = PRELUDE + r'''
+import signal, tempfile, time
+from inside import procs, zygote
+from inside.loop import unb64
+z = zygote.Zygote(st)
 '''
 
 ZYGOTE_PROTOCOL = WITH_ZYGOTE + r'''
@@ -414,7 +414,7 @@ req = {"cwd": tempfile.gettempdir(), "code": "import os\nprint(os.getpid())", "t
 seen = []
 def run():
     r = z.run(req)
-    seen.append((r["exit_code"], runner.unb64(r["stdout"]).decode().strip()))
+    seen.append((r["exit_code"], unb64(r["stdout"]).decode().strip()))
 run()
 z.fork_ahead()
 ahead = z.ahead
@@ -434,14 +434,14 @@ for how in ("ahead", "died idle", "on demand"):
     if how == "died idle":
         os.kill(z.ahead, signal.SIGKILL)
     r = z.run(slow)
-    late.append((r["timed_out"], r.get("signal"), runner.unb64(r["stdout"]).decode().strip()))
+    late.append((r["timed_out"], r.get("signal"), unb64(r["stdout"]).decode().strip()))
 run()
 print(json.dumps({"ahead": ahead, "seen": seen, "late": late, "broken": z.broken}), file=out, flush=True)
 '''
 
 
 def test_the_zygote_protocol_survives_a_child_forked_ahead_dying_idle(tmp_path):
-    out = run_with_runner(tmp_path, ZYGOTE_PROTOCOL)  # (importing runner.py would take over our fds)
+    out = run_with_runner(tmp_path, ZYGOTE_PROTOCOL)  # (booting the agent would take over our fds)
     assert out["broken"] == ""
     assert [code for code, _ in out["seen"]] == [0] * 6, out
     assert out["seen"][1][1] == str(out["ahead"])  # the second run was the child forked ahead
@@ -461,19 +461,19 @@ try:
     z.run(dict(req, stdin="a"))        # not base64: refused before anything is sent to the zygote
 except Exception as e:
     seen["bad_stdin"] = type(e).__name__
-seen["after_bad_stdin"] = (runner.unb64(z.run(req)["stdout"]).decode(), z.broken)
+seen["after_bad_stdin"] = (unb64(z.run(req)["stdout"]).decode(), z.broken)
 z.fork_ahead()
-collect = runner.collect
+collect = zygote.collect
 def failing(*a, **k):
     raise OSError("collecting failed")
-runner.collect = failing                # a failure after the send: the zygote's replies go unread
+zygote.collect = failing                # a failure after the send: the zygote's replies go unread
 try:
     z.run(req)
 except OSError:
     pass
-runner.collect = collect
+zygote.collect = collect
 seen["after_failure"] = z.broken
-y = runner.Zygote()                     # a zygote that never says who took the run (stopped)
+y = zygote.Zygote(st)                   # a zygote that never says who took the run (stopped)
 y.run(req)
 os.kill(y.pid, signal.SIGSTOP)
 t = time.monotonic()
@@ -514,7 +514,7 @@ BASH_GROUP = 'read -r -a f < /proc/$$/stat; [ "${f[4]}" = $$ ]; g=$?; [ "${f[5]}
 def test_a_one_shot_leads_a_process_group_of_its_own_but_no_session_with_pythons_sigint_and_dumpable():
     """``Zygote.child``: the first run's child is forked for it, the later ones ahead (the reset
     after a python run); each leads a process group of its own (what a timeout kills), but no
-    session of its own (a session costs the kernel an autogroup: runner.py, "A run's process
+    session of its own (a session costs the kernel an autogroup: inside/procs.py, "A run's process
     group"), has Python's SIGINT handler (a KeyboardInterrupt), and is an ordinary (dumpable)
     process again, unlike the zygote. A bash one-shot (started by posix_spawn, then ahead) too."""
     runs, stats = _bash_runs([(USER_PROCESS, {"language": "python"}) for _ in range(3)]
@@ -531,7 +531,7 @@ PYTHON_STATE = ("import ctypes, os, signal, sys\n"
 
 
 def test_a_python_run_in_a_child_forked_ahead_starts_as_one_forked_for_it(tmp_path):
-    """The child forked ahead rehearses a run's steps before it waits (``runner.warm``: a request
+    """The child forked ahead rehearses a run's steps before it waits (``inside.zygote.warm``: a request
     read from its own pipe, the environment's names, dumpability, the workspace): a run it takes
     sees what a child forked for the run sees, with another environment too (its variables, none
     of the rehearsal's), and the names the rehearsal sets are those the host gives every run."""
@@ -546,8 +546,8 @@ def test_a_python_run_in_a_child_forked_ahead_starts_as_one_forked_for_it(tmp_pa
     two = [(PYTHON_STATE, {"language": "python", "cpus": 2}) for _ in range(2)]  # values not the rehearsal's
     other, stats = _bash_runs(two, cores=2)
     assert other[0].stdout == other[1].stdout and "'MKL_NUM_THREADS', '2'" in other[1].stdout, other
-    names = run_with_runner(tmp_path, "import json, os, sys\nsys.path.insert(0, sys.argv[1])\nsys.argv = ['runner']\n"
-                            "import runner\nprint(json.dumps(sorted(runner.RUN_ENV)), file=os.fdopen(runner.PROTO_OUT, 'w'))")
+    names = run_with_runner(tmp_path, PRELUDE + "from inside.zygote import RUN_ENV\n"
+                            "print(json.dumps(sorted(RUN_ENV)), file=out)")
     assert names == sorted(request_env((0,))), names
 
 
@@ -676,11 +676,12 @@ def without_traceback(name, *args, **kwargs):
         raise ImportError("an image's minimal python")
     return real(name, *args, **kwargs)
 builtins.__import__ = without_traceback
-import runner
-out = os.fdopen(runner.PROTO_OUT, "w")
-z = runner.Zygote()
+from inside import loop, zygote
+st = loop.boot()
+out = os.fdopen(st.proto_out, "w")
+z = zygote.Zygote(st)
 r = z.run({"cwd": tempfile.gettempdir(), "code": "print(5)", "timeout_s": 10})
-print(json.dumps({"exit": r["exit_code"], "stdout": runner.unb64(r["stdout"]).decode(), "broken": z.broken}), file=out)
+print(json.dumps({"exit": r["exit_code"], "stdout": loop.unb64(r["stdout"]).decode(), "broken": z.broken}), file=out)
 """
 
 
@@ -799,13 +800,10 @@ def test_a_python_child_ends_with_the_status_a_fresh_process_would(code, exit_co
     assert after.stdout == "[1, 2]\n" and stats["recycled"] == 2 and not stats["discarded"], (after, stats)
 
 
-OUT_OF_PROTOCOL = r'''
-import json, os, sys, tempfile
-sys.path.insert(0, sys.argv[1])
-sys.argv = ["runner"]
-import runner
-out = os.fdopen(runner.PROTO_OUT, "w")
-z = runner.Zygote()
+OUT_OF_PROTOCOL = PRELUDE + r'''
+import tempfile
+from inside import zygote
+z = zygote.Zygote(st)
 req = {"cwd": tempfile.gettempdir(), "code": "print(1)", "timeout_s": 10}
 first = z.run(req)["exit_code"]
 z.settle()
@@ -830,7 +828,7 @@ def test_the_zygote_ends_on_a_message_out_of_protocol(tmp_path):
 
 # -- a bash started ahead (issue 26) -----------------------------------------------------------------
 # After a bash one-shot the reset starts the next one's bash ahead, held before its script
-# (runner.py, "a bash started ahead"). These run the same probe in a fresh bash and in one started
+# (inside/procs.py, "A bash started ahead"). These run the same probe in a fresh bash and in one started
 # ahead and compare everything a script can see, then attack and inspect as above.
 
 #: whether this bash was started ahead (its initial environment holds the BASH_ENV it waited on)

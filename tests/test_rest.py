@@ -18,7 +18,7 @@ from arl_tangram.runtime import NoRoom, Tangram
 from arl_tangram.runtime.local import LocalRuntime
 from arl_tangram.server.service import Service
 
-from runnerkit import run_with_runner
+from runnerkit import PRELUDE, run_with_runner
 from servers import Server, alive
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -796,7 +796,7 @@ def test_the_step_that_wakes_a_session_runs_in_the_wake_and_is_reported_as_any_s
             r = await s.exec(python="import time\ntime.sleep(5)", timeout_s=0.3)
             assert r.outcome is Outcome.TIMEOUT and r.result.info["woken"] is True
             assert (await s.exec(python="print(x)")).stdout == "1\n"  # a cell's own timeout keeps the state
-            await _rest(tg, "rides")  # the cell rides on the load (runner.load_here): its own timeout still holds
+            await _rest(tg, "rides")  # the cell rides on the load (inside.pickling.load_here): its own timeout still holds
             r = await s.exec(python="import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True: pass",
                              timeout_s=0.5)
             assert r.outcome is Outcome.TIMEOUT and r.result.info["woken"] is True, r.message
@@ -885,30 +885,27 @@ def test_a_wake_past_max_awake_puts_the_least_recently_used_to_rest_while_its_st
 # The runner packs and unpacks a session's files itself (PID 1 of the sandbox): never through a
 # link the sandbox's code put in the way, whatever the blob says (an audit found a tree swapped
 # while it was packed made the wake write a file through a link into /proc/1/fd/4, the answer
-# channel). Run apart: importing the runner takes over the process's stdin and stdout.
-PACKING = r'''
-import json, os, sys, tempfile
-sys.path.insert(0, sys.argv[1])
-sys.argv = ["runner"]
-import runner
-out = os.fdopen(runner.PROTO_OUT, "w")
+# channel). Run apart: booting the agent takes over the process's stdin and stdout.
+PACKING = PRELUDE + r'''
+import tempfile
+from inside import rest
 outside = tempfile.mkdtemp()
 src, dst = tempfile.mkdtemp(), tempfile.mkdtemp()
 os.symlink("/proc/self/maps", os.path.join(src, "maps"))
 os.symlink(outside, os.path.join(src, "away"))
 os.mkfifo(os.path.join(src, "fifo"))
 deep = src
-for _ in range(runner.PACK_DEPTH + 5):
+for _ in range(rest.PACK_DEPTH + 5):
     deep = os.path.join(deep, "d")
 os.makedirs(deep)
-entries, skipped = runner._pack(src)
+entries, skipped = rest._pack(src)
 kinds = {rel: (kind, data) for rel, kind, mode, mtime, data in entries}
 # a blob as a swapped tree packed it: "a" a link out, then a file under "a"; and "pre", a link the
 # fresh sandbox already has, with a file packed under it
 os.symlink(outside, os.path.join(dst, "pre"))
 blob = [("a", "l", 0o777, 0.0, outside.encode()), ("a/4", "f", 0o644, 0.0, b"forged"),
         ("pre/5", "f", 0o644, 0.0, b"forged"), ("ok", "d", 0o755, 0.0, b""), ("ok/f", "f", 0o600, 7.0, b"fine")]
-dropped = runner._unpack(dst, blob)
+dropped = rest._unpack(dst, blob)
 print(json.dumps({
     "maps": [kinds["maps"][0], kinds["maps"][1].decode()], "away": kinds["away"][0], "fifo": skipped.get("fifo"),
     "deep": [k for k in skipped if k.endswith("/")],

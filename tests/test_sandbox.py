@@ -27,7 +27,7 @@ from arl_tangram.managers.sandbox.livestdin import UNSENT_MAX, LiveStdin, StdinC
 from arl_tangram.managers.sandbox.manager import SandboxConfig
 from arl_tangram.runtime import Tangram
 
-from runnerkit import run_with_runner
+from runnerkit import PRELUDE, run_with_runner
 
 pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 _root = open_root(tag=f"tangram-probe-{os.getpid()}")
@@ -74,7 +74,7 @@ def test_programs_start_with_default_signals_and_stdin_and_as_the_language_says(
     """Programs are spawned without a fork of the runner where they can be (posix_spawn): what
     they see must not change — SIGPIPE and SIGINT at their defaults (``yes | head`` ends
     quietly, as in a terminal and under SandboxFusion), stdin fed, their own process group (not
-    their own session: runner.py, "A run's process group"), and a program that does not exist fails
+    their own session: inside/procs.py, "A run's process group"), and a program that does not exist fails
     as before."""
     async def body(tg):
         pipe = await tg.run("yes | head -2; echo rc=${PIPESTATUS[0]}", "bash")
@@ -530,9 +530,9 @@ def test_a_cell_that_forges_answers_never_shifts_its_sessions_answers(forged_id)
 # request's nonce if it carries one (the cell can read its own request: it runs in that process)
 FORGE_WELL_FORMED = """import os, sys
 f = sys._getframe()
-while "OUT" not in f.f_globals:
+while "st" not in f.f_locals:
     f = f.f_back
-fd, req, g = f.f_globals["OUT"][0], None, sys._getframe()
+fd, req, g = f.f_locals["st"].out, None, sys._getframe()
 while g is not None:
     if isinstance(g.f_locals.get("req"), dict) and g.f_locals["req"].get("op") == "cell":
         req = g.f_locals["req"]
@@ -625,9 +625,9 @@ def test_a_well_formed_forged_answer_answers_only_its_own_step():
 
 BAD_CHUNK = """import os, sys
 f = sys._getframe()
-while "OUT" not in f.f_globals:
+while "st" not in f.f_locals:
     f = f.f_back
-os.write(f.f_globals["OUT"][0], b'{"stream":"stdout","data":"A"}\\n')"""
+os.write(f.f_locals["st"].out, b'{"stream":"stdout","data":"A"}\\n')"""
 
 
 def test_a_streamed_cell_s_malformed_output_chunk_ends_its_interpreter_not_the_step_as_infra():
@@ -655,11 +655,11 @@ def test_a_cell_flooding_its_answer_pipe_without_a_newline_is_its_own_failure():
     reads no longer line) and ends the interpreter: the user's failure; the sandbox lives on."""
     cell = """import os, sys
 f = sys._getframe()
-while "OUT" not in f.f_globals:
+while "st" not in f.f_locals:
     f = f.f_back
 chunk = b"x" * (1 << 20)
 for i in range(320):
-    os.write(f.f_globals["OUT"][0], chunk)"""
+    os.write(f.f_locals["st"].out, chunk)"""
 
     async def body(tg):
         s = await tg.session()
@@ -695,7 +695,7 @@ def test_a_streamed_cell_writing_a_byte_at_a_time_is_coalesced():
     """Each read of a cell's pipe used to be its own chunk line: hostile output written a byte at a
     time cost the engine process a line, a decode and a call per byte. Chunks now leave at most
     every CELL_COALESCE_S (the bound below counts the cell's whole duration), all bytes in order."""
-    from arl_tangram.managers.sandbox.runner import CELL_COALESCE_S
+    from arl_tangram.managers.sandbox.inside.loop import COALESCE_S as CELL_COALESCE_S
     cell = "import os\nfor i in range(20000):\n    os.write(1, b'x')\nos.write(2, b'end')"
 
     r, chunks, took = _streamed_cell(cell)
@@ -710,14 +710,14 @@ def test_a_streamed_cell_writing_chunk_lines_itself_is_capped_and_coalesced():
     Capture's cap and coalescing: the runner relayed each line and the engine process parsed and
     decoded every one (200k lines: 1.69 s of its CPU). The runner now relays at most
     ``max_output_bytes`` a stream, in chunks at most every CELL_COALESCE_S."""
-    from arl_tangram.managers.sandbox.runner import CELL_COALESCE_S
+    from arl_tangram.managers.sandbox.inside.loop import COALESCE_S as CELL_COALESCE_S
     cell = """import os, sys
 f = sys._getframe()
-while "OUT" not in f.f_globals:
+while "st" not in f.f_locals:
     f = f.f_back
 line = b'{"stream":"stdout","data":"eA=="}\\n' * 1000
 for i in range(100):
-    os.write(f.f_globals["OUT"][0], line)
+    os.write(f.f_locals["st"].out, line)
 print('own')"""
 
     r, chunks, took = _streamed_cell(cell, max_output_bytes=4096)
@@ -776,9 +776,9 @@ def test_expiry_and_close_leave_nothing_behind():
     gone, closed, roots = run(body, session_idle_expiry_s=0.5)
     assert gone and closed
     assert not any(d.exists() for d in roots), "shutdown left cgroups behind"
-    # this checkout's sandboxes only (their bwrap names our runner's path): other checkouts may be testing too
-    from arl_tangram.managers.sandbox.isolation import RUNNER
-    ours = subprocess.run(["pgrep", "-f", str(RUNNER)], capture_output=True, text=True).stdout.split()
+    # this checkout's sandboxes only (their bwrap names our agent's path): other checkouts may be testing too
+    from arl_tangram.managers.sandbox.isolation import INSIDE
+    ours = subprocess.run(["pgrep", "-f", str(INSIDE)], capture_output=True, text=True).stdout.split()
     assert not ours, f"sandbox processes left running: {ours}"
 
 
@@ -811,7 +811,7 @@ def test_unshare_fallback_still_isolates():
 def test_the_same_program_sees_the_same_paths_in_every_isolating_mode(isolation):
     code = ("import os\nopen('f', 'w').write('x')\nopen('/tmp/t', 'w').write('x')\nopen('/dev/shm/s', 'w').write('x')\n"
             "print(os.getcwd(), os.environ['HOME'], sorted(os.listdir('/workspace')), os.path.exists('/root'),"
-            " os.path.exists('/run/tangram/runner.py'))")
+            " os.path.exists('/run/tangram/inside/__main__.py'))")
     r = run(lambda tg: tg.run(code), isolation=isolation)
     assert r.outcome is Outcome.OK, r.message + r.stderr
     assert r.stdout == "/workspace /workspace ['f'] False True\n"
@@ -1027,50 +1027,48 @@ def test_a_sessions_shell_files_never_lead_the_runner_to_its_own_channel():
 # links the sandbox planted, with its own rights: ``open_plain`` must refuse its own descriptors
 # (reached through /proc/<pid>/fd), /proc and /sys files, and anything not a regular file, with
 # openat2 and without it (an older kernel: the descriptors this process holds are compared).
-OPEN_PLAIN = r'''
-import json, os, sys, tempfile
-sys.path.insert(0, sys.argv[1])
-sys.argv = ["runner"]
-import runner
-out = os.fdopen(runner.PROTO_OUT, "w")
+OPEN_PLAIN = PRELUDE + r'''
+import tempfile
+from inside import files, fsops
+from inside.loop import to_json
 d = tempfile.mkdtemp()
 held = open(os.path.join(d, "held.txt"), "w")  # a file this process holds open
 plain = os.path.join(d, "plain.txt")
 open(plain, "w").write("plain")
 os.mkfifo(os.path.join(d, "fifo"))
-links = {"answers": f"/proc/self/fd/{runner.PROTO_OUT}", "requests": f"/proc/self/fd/{runner.PROTO_IN}",
+links = {"answers": f"/proc/self/fd/{st.proto_out}", "requests": f"/proc/self/fd/{st.proto_in}",
          "held": f"/proc/self/fd/{held.fileno()}", "maps": "/proc/self/maps", "fifo": os.path.join(d, "fifo"),
          "plain": plain}
 for name, target in links.items():
     os.symlink(target, os.path.join(d, "to-" + name))
 got = {}
 for openat2 in (True, False):
-    runner.OPENAT2[0] = openat2 and runner.LIBC is not None
+    st.openat2 = openat2 and st.libc is not None
     for name in links:
         for flags in (os.O_RDONLY, os.O_WRONLY | os.O_CREAT):
             try:
-                os.close(runner.open_plain(os.path.join(d, "to-" + name), flags))
+                os.close(files.open_plain(st, os.path.join(d, "to-" + name), flags))
                 got[f"{openat2} {name} {flags}"] = "opened"
-            except runner.NotPlain:
+            except files.NotPlain:
                 got[f"{openat2} {name} {flags}"] = "refused"
             except OSError as e:
                 got[f"{openat2} {name} {flags}"] = f"error {e.errno}"
-runner.OPENAT2[0] = runner.LIBC is not None
-runner.LIST_MAX = 3
+st.openat2 = st.libc is not None
+fsops.LIST_MAX = 3
 for i in range(4):
     open(os.path.join(d, f"f{i}"), "w").write("x" * i)
-fs = {"big": runner.op_fs({"call": "list", "path": d}),
-      "read": runner.op_fs({"call": "read", "path": os.path.join(d, "f3"), "max_bytes": 2}),
-      "relative": runner.op_fs({"call": "stat", "path": "plain.txt"}),
-      "missing": runner.op_fs({"call": "remove", "path": os.path.join(d, "nowhere")}),
-      "made": runner.op_fs({"call": "mkdir", "path": os.path.join(d, "a", "b")})["fs"]["entry"]["mode"] & 0o170000}
+fs = {"big": fsops.op_fs(st, {"call": "list", "path": d}),
+      "read": fsops.op_fs(st, {"call": "read", "path": os.path.join(d, "f3"), "max_bytes": 2}),
+      "relative": fsops.op_fs(st, {"call": "stat", "path": "plain.txt"}),
+      "missing": fsops.op_fs(st, {"call": "remove", "path": os.path.join(d, "nowhere")}),
+      "made": fsops.op_fs(st, {"call": "mkdir", "path": os.path.join(d, "a", "b")})["fs"]["entry"]["mode"] & 0o170000}
 # a terminal opened for the host never becomes PID 1's controlling terminal (O_NOCTTY)
 import pty
 master, slave = pty.openpty()
 os.setsid()  # a session leader with no terminal: the case where an open without O_NOCTTY takes one
 os.symlink(os.ttyname(slave), os.path.join(d, "tty"))
 os.close(slave)
-tty = runner.op_fs({"call": "read", "path": os.path.join(d, "tty")})
+tty = fsops.op_fs(st, {"call": "read", "path": os.path.join(d, "tty")})
 tty_nr = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[4])
 # a tree 1,500 deep: listed and removed without recursion; names that are not UTF-8; /proc/self
 deep = os.path.join(d, "deep")
@@ -1082,29 +1080,29 @@ for _ in range(1500):
     os.close(fd)
     fd = nfd
 os.close(fd)
-runner.LIST_MAX = 10000
-listed = runner.op_fs({"call": "list", "path": deep, "depth": 2000})
+fsops.LIST_MAX = 10000
+listed = fsops.op_fs(st, {"call": "list", "path": deep, "depth": 2000})
 assert "fs" in listed, listed
-removed = runner.op_fs({"call": "remove", "path": deep})
+removed = fsops.op_fs(st, {"call": "remove", "path": deep})
 odd = os.path.join(d, "odd")
 os.mkdir(odd)
 open(os.path.join(os.fsencode(odd), b"bad\xffname"), "w").close()
 os.symlink(b"/tmp/\xfe", os.path.join(os.fsencode(odd), b"oddlink"))
-odd_list = runner.op_fs({"call": "list", "path": odd})
-line = runner.to_json(odd_list).encode()  # what the runner sends: never "answer not encodable"
-runner.LIST_BYTES = 2000  # names past the byte budget: too_many, never an answer past the channel's line
+odd_list = fsops.op_fs(st, {"call": "list", "path": odd})
+line = to_json(odd_list).encode()  # what the agent sends: never "answer not encodable"
+fsops.LIST_BYTES = 2000  # names past the byte budget: too_many, never an answer past the channel's line
 many = os.path.join(d, "many")
 os.mkdir(many)
 for i in range(40):
     os.symlink("/" + "t" * 200, os.path.join(many, f"l{i}"))
-budget = runner.op_fs({"call": "list", "path": many})
-nul = runner.op_fs({"call": "write", "path": os.path.join(d, "b\0zzz"), "data": "eA=="})
+budget = fsops.op_fs(st, {"call": "list", "path": many})
+nul = fsops.op_fs(st, {"call": "write", "path": os.path.join(d, "b\0zzz"), "data": "eA=="})
 try:
-    runner.open_plain(os.path.join(d, "plain.txt\0/etc"), os.O_RDONLY)
+    files.open_plain(st, os.path.join(d, "plain.txt\0/etc"), os.O_RDONLY)
     nul_open = "opened"
 except ValueError:
     nul_open = "refused"
-proc = {p: runner.op_fs({"call": c, "path": p}) for c, p in (("list", "/proc/self/map_files"), ("stat", "/proc/self/fd/0"),
+proc = {p: fsops.op_fs(st, {"call": c, "path": p}) for c, p in (("list", "/proc/self/map_files"), ("stat", "/proc/self/fd/0"),
                                                               ("list", "/proc/self/fd"))}
 print(json.dumps({"got": got, "fs": fs, "tty": tty, "tty_nr": tty_nr, "listed": len(listed["fs"]["entries"]),
                   "removed": removed, "gone": not os.path.exists(deep), "odd": json.loads(line),

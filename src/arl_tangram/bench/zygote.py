@@ -1,9 +1,9 @@
-"""The python one-shot's child, alone: ``runner.Zygote`` outside any sandbox, its child forked on
-demand against forked ahead (as the reset of a recycled sandbox does),
-for ``tangram bench zygote``.
+"""The python one-shot's child, alone: the sandbox agent's ``Zygote`` (``inside/zygote.py``) outside
+any sandbox, its child forked on demand against forked ahead (as the reset of a recycled sandbox
+does), for ``tangram bench zygote``.
 
-Each measurement is a fresh process importing the sandbox runner (which takes over its own
-descriptors 0 and 1, so it answers on the protocol's copy): ``runs`` trivial one-shots, an idle
+Each measurement is a fresh process that starts the sandbox agent's state (``inside.loop.boot``:
+it takes over its own descriptors 0 and 1, so it answers on the protocol's copy): ``runs`` trivial one-shots, an idle
 ``gap_s`` after each (where the sandbox would wait in the pool), reporting a run's p50 wall time
 (the latency path), the zygote's and its children's CPU and page faults per run, and the
 runner's CPU per run. The two modes alternate ``rounds`` times and the medians are compared as
@@ -25,9 +25,10 @@ import json, os, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 ahead, runs, gap = sys.argv[2] == "ahead", int(sys.argv[3]), float(sys.argv[4])
 sys.argv = ["runner"]
-import runner
-out = os.fdopen(runner.PROTO_OUT, "w")
-z = runner.Zygote()
+from inside import loop, zygote
+st = loop.boot()
+out = os.fdopen(st.proto_out, "w")
+z = zygote.Zygote(st)
 req = {"cwd": os.environ.get("TMPDIR", "/tmp"), "code": os.environ["PROBE_CODE"],
        "env": {"TANGRAM_NUM_CPUS": "1"}, "timeout_s": 10, "max_output": 1 << 20}
 def one():
@@ -63,12 +64,12 @@ MODES = ("on_demand", "ahead")
 
 
 def _measure(mode: str, runs: int, gap_s: float, code: str) -> dict:
-    from ..managers.sandbox.isolation import RUNNER  # (importing runner.py here would take over our descriptors)
+    from ..managers.sandbox.isolation import INSIDE  # (booting the agent here would take over our descriptors)
 
     with tempfile.TemporaryDirectory() as tmp:
         probe = Path(tmp) / "probe.py"
         probe.write_text(PROBE)
-        p = subprocess.run([sys.executable, "-I", str(probe), str(Path(RUNNER).parent),
+        p = subprocess.run([sys.executable, "-I", str(probe), str(INSIDE.parent),
                             "ahead" if mode == "ahead" else "no", str(runs), str(gap_s)],
                            capture_output=True, text=True, timeout=120,
                            env={"TMPDIR": tmp, "PATH": "/usr/bin:/bin", "PROBE_CODE": code})

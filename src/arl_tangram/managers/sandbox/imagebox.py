@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from .cgroups import CgroupRoot
 from .images import Image, ImageError, ImageStore
-from .isolation import HOME_ALIAS, RUNNER, SHELL, Isolation, Layout, command
+from .isolation import HOME_ALIAS, INSIDE, Isolation, Layout, command
 from .rootfs import (HOST_IMAGE, Interpreter, Layer, RootFs, choose_interpreter, ensure_base, overlay_supported,
                      umount)
 from .sandbox import Limits, Sandbox, SandboxDied
@@ -38,11 +38,12 @@ def bwrap_argv(layout: Layout, root: str, interp: Interpreter) -> list[str]:
         argv += ["--ro-bind", src, dst]
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/tmp",
-             "--ro-bind", str(RUNNER), "/run/tangram/runner.py", "--ro-bind", str(SHELL), "/run/tangram/shell.py",
+             "--ro-bind", str(INSIDE), "/run/tangram/inside",
              "--chdir", "/workspace", "--clearenv",
              "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/workspace",
              "--setenv", "LANG", "C.UTF-8"]
-    return argv + _home_alias(root) + [*interp.argv, "/run/tangram/runner.py", "--reap"]
+    # started as a script: the image's python is not the one the package was compiled with
+    return argv + _home_alias(root) + [*interp.argv, "/run/tangram/inside/__main__.py", "--reap"]
 
 
 def _home_alias(root: str) -> list[str]:

@@ -1,13 +1,13 @@
-"""How a sandbox is walled off: the command line that starts its runner.
+"""How a sandbox is walled off: the command line that starts its agent (the ``inside`` package).
 
 ``bwrap`` (bubblewrap) is the default: new user, pid, net, ipc, uts, cgroup and mount namespaces;
 system directories read-only; a size-limited private tmpfs for the workspace and another for /tmp;
 the root and /dev remounted read-only (/dev/shm is a private tmpfs); no capabilities; a clean
-environment; an unprivileged uid; the runner is the PID namespace's init (``--as-pid-1``), so
+environment; an unprivileged uid; the agent is the PID namespace's init (``--as-pid-1``), so
 nothing inside can signal it. The only writable places are ``WRITABLE`` (what a recycled sandbox
 wipes). Without bwrap, ``unshare`` gives the same namespaces and builds the same tree (the same
 paths: the workspace is ``/workspace`` in every isolating mode) on a tmpfs it pivots into, but the
-code runs as root of its user namespace. ``none`` runs the runner directly:
+code runs as root of its user namespace. ``none`` runs the agent directly:
 only for trusted code, and only when configured explicitly.
 """
 
@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import enum
 import os
+import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-RUNNER = Path(__file__).with_name("runner.py")
-SHELL = Path(__file__).with_name("shell.py")  # loaded by the runner for persistent shell steps
+#: the agent's package, bound read-only at ``/run/tangram/inside`` in every sandbox (its directory
+#: name is the name it is imported by there); started by ``ENTRY`` as a script, or by ``BOOT``
+INSIDE = Path(__file__).with_name("inside")
+ENTRY = INSIDE / "__main__.py"
+#: the package's ``__pycache__``: where the copy compiled for the sandboxes' interpreter is bound
+#: (``compile_runner``), over whatever the host's own imports left there
+PYCACHE = INSIDE / "__pycache__"
 SYSTEM_LINKS = ("bin", "lib", "lib64", "sbin")
 ETC_FILES = ("alternatives", "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "ssl", "java-17-openjdk",
              "gcc", "bash.bashrc")
@@ -46,7 +52,7 @@ class IsolationUnavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class Layout:
-    """What the sandbox sees. ``interpreter`` runs the runner and one-shot python; ``ro_binds``
+    """What the sandbox sees. ``interpreter`` runs the agent and one-shot python; ``ro_binds``
     are host paths made visible read-only (a venv with the tasks' packages, say)."""
 
     interpreter: str = "/usr/bin/python3"
@@ -55,24 +61,29 @@ class Layout:
     workspace_bytes: int = 256 << 20
     tmp_bytes: int = 64 << 20
     uid: int = 1000
-    pycache: str | None = None  # a host directory holding the runner compiled by ``interpreter`` (``compile_runner``)
+    pycache: str | None = None  # a host directory holding the agent compiled by ``interpreter`` (``compile_runner``)
 
 
-#: how the runner starts when its compiled form is there: imported (a script is compiled at every
-#: start, ~9 ms of CPU of the ~28 ms a sandbox's start costs, measured on the 2-core VM), then its
-#: directory leaves ``sys.path`` again (the user's code must not import it by accident)
-BOOT = "import sys; sys.path.insert(0, '/run/tangram'); import runner; del sys.path[0]; runner.main()"
+#: how the agent starts when its compiled form is there: imported (a script's modules would be
+#: compiled at every start, a large part of a sandbox's start-up), then its directory leaves
+#: ``sys.path`` again (the user's code must not import it by accident)
+BOOT = "import sys; sys.path.insert(0, '/run/tangram'); from inside import loop; del sys.path[0]; loop.main()"
 
 
 def compile_runner(interpreter: str, args: tuple[str, ...], into: str) -> bool:
-    """Compile the runner with the sandboxes' own interpreter (its magic number, its cache tag)
-    into ``into``, as the ``__pycache__`` the sandbox will look in; False when it cannot (the
-    sandboxes then run it as a script, as before)."""
-    script = ("import importlib.util, os, py_compile, sys; src = '/run/tangram/runner.py'; "
-              "name = os.path.basename(importlib.util.cache_from_source(src)); "
-              "py_compile.compile(sys.argv[1], cfile=os.path.join(sys.argv[2], name), dfile=src, doraise=True)")
+    """Compile the agent's modules with the sandboxes' own interpreter (its magic number, its
+    cache tag) into ``into``, as the ``__pycache__`` the sandbox will look in (``PYCACHE``, made
+    here if the host never imported the package: it is the mount point); False when it cannot
+    (the sandboxes then start it as a script)."""
+    script = ("import importlib.util, os, py_compile, sys\n"
+              "for src in sys.argv[2:]:\n"
+              "    name = os.path.basename(src)\n"
+              "    cfile = os.path.join(sys.argv[1], os.path.basename(importlib.util.cache_from_source(src)))\n"
+              "    py_compile.compile(src, cfile=cfile, dfile='/run/tangram/inside/' + name, doraise=True)")
+    sources = sorted(str(p) for p in INSIDE.glob("*.py") if p.name != "__main__.py")
     try:
-        return subprocess.run([interpreter, *args, "-c", script, str(RUNNER), into], capture_output=True,
+        PYCACHE.mkdir(exist_ok=True)
+        return subprocess.run([interpreter, *args, "-c", script, into, *sources], capture_output=True,
                               timeout=30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
@@ -103,25 +114,32 @@ def detect(preferred: Isolation, layout: Layout) -> Isolation:
 
 def command(mode: Isolation, layout: Layout, probe: bool = False, workspace: str | None = None,
             layered: str | None = None) -> list[str]:
-    """The argv that starts the runner (or, with ``probe``, just checks the isolation works).
+    """The argv that starts the agent (or, with ``probe``, just checks the isolation works).
     ``workspace`` is the host directory used as workspace when there is no isolation; ``layered``
     (bwrap only) a mounted copy-on-write workspace (``rootfs.RootFs`` of ``HOST_IMAGE``: a session's,
     so that it can fork and snapshot) bound in place of the private workspace tmpfs."""
-    tail = [layout.interpreter, *layout.interpreter_args, "/run/tangram/runner.py", "--reap"]
-    if mode is Isolation.BWRAP and layout.pycache is not None:
+    compiled = mode is Isolation.BWRAP and _compiled(layout)
+    tail = [layout.interpreter, *layout.interpreter_args, "/run/tangram/inside/__main__.py", "--reap"]
+    if compiled:
         tail = [layout.interpreter, *layout.interpreter_args, "-c", BOOT, "--reap"]
-    if layered:  # a session's sandbox: its runner makes no zygote for one-shots (runner.SESSION)
+    if layered:  # a session's sandbox: its zygote forks session interpreters, not one-shots (``State.session``)
         tail.append("--session")
     if probe:
         tail = [layout.interpreter, "-I", "-S", "-c", "pass"]
     if mode is Isolation.BWRAP:
-        return _bwrap(layout, layered) + tail
+        return _bwrap(layout, layered, compiled) + tail
     if mode is Isolation.UNSHARE:
         return _unshare(layout, tail)
-    return [layout.interpreter, *layout.interpreter_args, str(RUNNER), "--workspace", workspace or "/tmp"]
+    return [layout.interpreter, *layout.interpreter_args, str(ENTRY), "--workspace", workspace or "/tmp"]
 
 
-def _bwrap(layout: Layout, layered: str | None = None) -> list[str]:
+def _compiled(layout: Layout) -> bool:
+    """The compiled copy is there and so is its mount point (a host's cleaning may remove an
+    empty ``__pycache__`` while the server runs: then the agent starts as a script)."""
+    return layout.pycache is not None and PYCACHE.is_dir()
+
+
+def _bwrap(layout: Layout, layered: str | None = None, compiled: bool = False) -> list[str]:
     argv = ["bwrap", "--unshare-all", "--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--uid", str(layout.uid), "--gid", str(layout.uid), "--hostname", "sandbox",
             "--ro-bind", "/usr", "/usr"]
@@ -141,8 +159,8 @@ def _bwrap(layout: Layout, layered: str | None = None) -> list[str]:
              *(["--bind", layered, "/workspace"] if layered else
                ["--perms", "0777", "--size", str(layout.workspace_bytes), "--tmpfs", "/workspace"]),
              "--symlink", "/workspace", HOME_ALIAS,
-             "--ro-bind", str(RUNNER), "/run/tangram/runner.py", "--ro-bind", str(SHELL), "/run/tangram/shell.py",
-             *(("--ro-bind", layout.pycache, "/run/tangram/__pycache__") if layout.pycache else ()),
+             "--ro-bind", str(INSIDE), "/run/tangram/inside",
+             *(("--ro-bind", layout.pycache, "/run/tangram/inside/__pycache__") if compiled else ()),
              "--remount-ro", "/", "--chdir", "/workspace", "--clearenv",
              "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/workspace",
              "--setenv", "LANG", "C.UTF-8"]
@@ -152,11 +170,11 @@ def _bwrap(layout: Layout, layered: str | None = None) -> list[str]:
 def _unshare(layout: Layout, tail: list[str]) -> list[str]:
     """Namespaces by unshare(1): the mount setup runs as root of the new user namespace and builds
     the same tree as bubblewrap's (read-only system directories, the chosen /etc files, private
-    /tmp, /dev/shm and /workspace tmpfs, the runner at /run/tangram) on a tmpfs, then pivots into
+    /tmp, /dev/shm and /workspace tmpfs, the agent at /run/tangram/inside) on a tmpfs, then pivots into
     it, so a program sees the same paths in both modes and nothing of the host beyond them."""
     size_tmp, size_ws = layout.tmp_bytes, layout.workspace_bytes
     steps = ["set -e", "mount -t tmpfs -o size=8m,mode=755 none /mnt", "cd /mnt",
-             f"mkdir -p usr etc proc dev/shm tmp workspace run/tangram .old {os.path.dirname(HOME_ALIAS)[1:]}",
+             f"mkdir -p usr etc proc dev/shm tmp workspace run/tangram/inside .old {os.path.dirname(HOME_ALIAS)[1:]}",
              f"ln -s /workspace {HOME_ALIAS[1:]}",
              "mount --rbind /usr usr", "mount -o remount,bind,ro usr"]
     for name in SYSTEM_LINKS:
@@ -180,7 +198,7 @@ def _unshare(layout: Layout, tail: list[str]) -> list[str]:
               f"mount -t tmpfs -o size={size_tmp},mode=1777 none tmp",
               f"mount -t tmpfs -o size={size_ws},mode=0777 none workspace",
               "mount -t proc proc proc",
-              f"cp {RUNNER} {SHELL} run/tangram/",
+              f"cp {shlex.quote(str(INSIDE))}/*.py run/tangram/inside/",
               "pivot_root . .old", "umount -l /.old", "rmdir /.old", "mount -o remount,ro,bind /",
               "cd /workspace",
               'exec /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/workspace LANG=C.UTF-8 "$@"']
