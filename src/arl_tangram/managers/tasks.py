@@ -5,8 +5,8 @@ helper owns those tasks: it reports each body's completion to the manager's sink
 turns a bug in the body into ``infra_error`` (never the user's fault, never a silent loss), turns
 ``cancel(id)`` into a ``cancelled`` completion, and on ``close`` cancels what is left without
 reporting (the runtime is going away; the journal re-runs or ends those actions on restart).
-It also keeps background tasks (loads, kills) alive until they finish. The first release wrote
-this bookkeeping three times, once per manager.
+It also keeps background tasks (loads, kills) alive until they finish, so that every manager
+writes this bookkeeping once, here.
 """
 
 from __future__ import annotations

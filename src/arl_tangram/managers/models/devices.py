@@ -2,14 +2,14 @@
 
 Streams: a batch takes a stream of its GPU for its duration and gives it back, instead of each
 copy owning one. PyTorch's caching allocator keeps freed blocks per stream, so with a stream per
-copy every service's largest batch stayed cached apart from every other's: 12 services on one
-H100 ended with 28.8 GB reserved but unallocated and ran out of memory (warmed with full batches).
+copy every service's largest batch stays cached apart from every other's (12 services on one
+H100, warmed with full batches, would end with ~29 GB reserved but unallocated, out of memory).
 A pool grows to the most batches that ran on the GPU at once (1 at compute share 1), and services
 reuse each other's blocks. Batches of services that share a GPU still overlap, each on a stream.
 
-Gate: a CUDA graph capture must not run beside other work on its GPU (measured: captures beside
-other services' batches failed with cuBLAS execution errors and invalidated captures, and took
-the batches down with them). Batches hold the gate shared; a capture holds it alone, waiting for
+Gate: a CUDA graph capture must not run beside other work on its GPU (captures beside other
+services' batches fail with cuBLAS execution errors and invalidated captures, and take the
+batches down with them). Batches hold the gate shared; a capture holds it alone, waiting for
 the running batches to end and holding back new ones (a waiting capture goes first).
 """
 

@@ -180,10 +180,10 @@ def _assign(module: torch.nn.Module, name: str, t: torch.Tensor) -> None:
     reach: non-persistent buffers)."""
     path, _, leaf = name.rpartition(".")
     owner = module.get_submodule(path)
-    if leaf in owner._buffers:
-        owner._buffers[leaf] = t
-    else:
-        owner._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
+    if isinstance(getattr(owner, leaf, None), torch.nn.Parameter):
+        setattr(owner, leaf, torch.nn.Parameter(t, requires_grad=False))
+    else:  # a buffer (``Module.__setattr__`` keeps it one, persistent or not)
+        setattr(owner, leaf, t)
 
 
 @dataclass
@@ -199,9 +199,8 @@ class DeviceCopy:
 
 #: the interpreter's thread switch interval while GPU services run. Batches run in worker threads;
 #: at Python's default 5 ms, the event loop thread that starts the next batch and answers callers
-#: waits for the GIL behind them, and under bursts those waits compound into ~1 s stalls: MOPD-style
-#: run with 12 services sharing one GPU, p99 ACT 948 ms (H200) and 1,244 ms (H100) at 5 ms vs 44 ms
-#: and 52 ms at 0.2 ms, average 32.8/42.8 ms vs 12.9/11.9 ms (`bench models --shares 1,1@0.2`).
+#: waits for the GIL behind them, and under bursts those waits compound into ~1 s stalls (a p99 ACT
+#: ~20x that at 0.2 ms with 12 services sharing one GPU: ``bench models --shares 1,1@0.2``).
 GPU_SWITCH_INTERVAL_S = 0.0002
 
 #: when an evicted copy's device memory goes back to the driver (``ModelManager.hand_back``):
@@ -209,13 +208,10 @@ GPU_SWITCH_INTERVAL_S = 0.0002
 #: the eviction sooner, as the engine's evict-then-prefetch does, gets the evicted copy's cached
 #: blocks); "lazy": in a thread right after the eviction; "kept": never by an eviction (the caching
 #: allocator hands cached blocks back itself when an allocation would otherwise fail).
-#: Why not "lazy", as before: a copy into device memory the driver handed out right after other
-#: memory went back to it runs slower while the driver is still busy with the freed memory — one
-#: H100, 7 GB from page-locked memory right after 14 GB were freed: 43.8 GB/s, into blocks the
-#: allocator kept from the freed tensor 53.8, into fresh memory 0.3 s after the free 54.9
-#: (``bench models --sections h2d``, ``after_free``). That made the first GPU's part of a 2-GPU load
-#: right after an eviction copy at ~45 GB/s (2x H200), and waiting for no load to be copying before
-#: handing back did not help (the driver's work goes on after ``cudaFree`` returns). A caveat of
+#: Why not "lazy": a copy into device memory the driver handed out right after other memory went
+#: back to it runs ~20% slower while the driver is still busy with the freed memory (``bench models
+#: --sections h2d``, ``after_free``), and waiting for no load to be copying before handing back does
+#: not help (the driver's work goes on after ``cudaFree`` returns). A caveat of
 #: keeping blocks: a smaller part carved from a larger evicted block leaves the rest of that block
 #: cached for loads only (batches allocate on other streams) until the part is evicted; the
 #: caching allocator's own retry on a failed allocation frees only whole unused blocks. And a
@@ -224,10 +220,8 @@ GPU_SWITCH_INTERVAL_S = 0.0002
 HAND_BACK = "deferred"
 #: the stream whose cache a packed load's per-GPU parts are allocated from: "default" (the
 #: loading thread's current stream) or "load" (the GPU's load stream, which nothing but loads
-#: allocates on). Tried as the cure for the second GPU's fresh allocation: 2x H200 (NV18), 7B,
-#: alternating, 4 rounds: 2-GPU load 0.148 s median ("load") vs 0.139 s ("default"), 1.68x vs 1.80x
-#: the 1-GPU load, the second GPU's part fresh either way (its cache was empty: ``graphs``'
-#: ``EMPTY_CACHE_ON_CAPTURE`` says why). Dropped: "default" stays
+#: allocates on). "load" does not spare the second GPU's part its fresh allocation (its cache is
+#: empty: ``graphs``' ``EMPTY_CACHE_ON_CAPTURE`` says why) and loads a little slower: "default" it is
 ALLOC_ON = "default"
 ALLOC_WAYS = ("default", "load")
 HAND_BACK_WAYS = ("deferred", "lazy", "kept")
@@ -406,9 +400,8 @@ class ModelManager:
         """Run every op of a new copy on a few batches before it takes calls, so that no caller
         pays the first-use costs: loading kernels (CUDA loads modules lazily), cuBLAS workspaces for
         the copy's stream, the caching allocator's pool for that stream (blocks are per stream),
-        and capturing CUDA graphs. Measured on H100 before this: the first MOPD run of 12 services
-        sharing a GPU averaged 8.4x the ACT of dedicated GPUs (136 ms, p99 1.86 s), the same run
-        again 1.48x. Shapes: a full batch of long sequences eagerly (the pool's largest blocks), a
+        and capturing CUDA graphs (unwarmed, the first run of a many-service workload pays them
+        all, several times the ACT of a warm one). Shapes: a full batch of long sequences eagerly (the pool's largest blocks), a
         single short one (the small kernels cuBLAS picks for few rows), then every graph bucket
         of ``WARM_LEN`` tokens, timed eager and graphed (every bucket, or one row: ``graph_judge``):
         graphs that do not pay are dropped (``graphs``). An op that fails here is logged, not
@@ -484,9 +477,8 @@ class ModelManager:
         (start, end) event pair per copy (the time each GPU's copy engine spent, for the load log).
 
         Each GPU's copy is issued as soon as its part is allocated (``alloc_first`` off), so the
-        next GPU's allocation overlaps the copies already running: 2x H200, 7B on 2 GPUs, the
-        second GPU's part a fresh 7 GB ``cudaMalloc`` of ~13 ms, which with every part allocated
-        first came before any copy (load 0.136 s, copies 0.122 s)."""
+        next GPU's allocation (a fresh 7 GB ``cudaMalloc`` is ~13 ms) overlaps the copies already
+        running instead of coming before any of them."""
         assert ld.packed is not None
         fresh, alloc_s = 0, 0.0
         parts: list[torch.Tensor] = []
@@ -537,8 +529,8 @@ class ModelManager:
 
     def _copy_to_gpus(self, host: dict[str, torch.Tensor], where: dict, first: torch.device, wait: bool = True):
         """Host tensors onto their GPUs, every GPU's link busy at once: one allocation per GPU
-        (measured on 2 H200s: a cudaMalloc per tensor kept the first GPU's copies enqueueing
-        while the second's link idled, 0.24 s for 14 GB split over two against 0.29 s on one),
+        (a cudaMalloc per tensor keeps the first GPU's copies enqueueing while the second's link
+        idles),
         then asynchronous copies into views of it, interleaved over the GPUs, on each GPU's load
         stream; the thread waits for those streams only."""
         align = 256
@@ -687,7 +679,7 @@ class ModelManager:
             _unpin(ld.pinned)  # before the host tensors are freed
             ld.pinned = []
         # let go of every host tensor now, whoever still holds this manager: a benchmark that runs
-        # one runtime after another was killed for host memory at its third (128 GiB host)
+        # one runtime after another would otherwise run out of host memory
         self.loaded.clear()
         self._load_streams.clear()
 

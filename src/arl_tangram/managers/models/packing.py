@@ -6,12 +6,11 @@ order inside a part, which is layer order), so that a load is **one** host-to-de
 (``cudaMemcpyAsync`` of the whole part into one device allocation, on that GPU's load stream, all
 GPUs at once) and the copy's parameters and buffers are views into that device allocation.
 
-Why: a load issued one copy per tensor (hundreds for a 7B model) made the 2-GPU load only 1.16x
-to 1.38x faster than the 1-GPU load, while raw copies reach ~110 GB/s to two GPUs at once, twice
-one: the issuing thread paid a launch per tensor (31 ms on two GPUs against 11 ms on one), the
-second GPU's link idled while the first GPU's copies were queued, and one issuing thread per GPU
-measured no better (docs/models.md). With one copy per GPU, issue time is a few microseconds and
-each link runs one long transfer.
+Why: a load issued one copy per tensor (hundreds for a 7B model) pays a launch per tensor, and
+the second GPU's link idles while the first GPU's copies are queued, so two GPUs load barely
+faster than one, while raw copies reach twice the bandwidth to two GPUs at once (one issuing
+thread per GPU does no better: docs/models.md). With one copy per GPU, issue time is a few
+microseconds and each link runs one long transfer.
 
 Host memory stays one copy of the weights: a Hugging Face checkpoint is read straight into its
 slots (``hf.load(layout_for=...)``), and a loader's module tensors are moved into the buffer one
@@ -63,9 +62,8 @@ class Layout:
 
 def host_buffer(nbytes: int) -> torch.Tensor:
     """An uninitialised host buffer of ``nbytes`` (uint8) for packed weights, page-locked later in
-    place. Tried and dropped: anonymous memory advised to use transparent huge pages (fewer pages
-    for the DMA to translate): 2x H200, 7 GB to each of two GPUs at once, 109 GB/s vs 106 GB/s
-    from torch's memory one run and 106 vs 106 the next; ``pin_memory`` (cudaHostAlloc) 110 / 104."""
+    place (torch's own memory copies as fast as memory advised to use transparent huge pages, or
+    ``cudaHostAlloc``'s)."""
     return torch.empty(nbytes, dtype=torch.uint8)
 
 

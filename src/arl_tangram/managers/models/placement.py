@@ -94,11 +94,10 @@ def _move(x: Any, device: torch.device, hops: dict) -> Any:
 def _follow(sub: nn.Module, dev: torch.device, hops: dict) -> None:
     """Move ``sub``'s tensor inputs onto ``dev`` before its own ``forward`` runs. An instance
     attribute, not a forward pre-hook: a hook turns off ``TransformerEncoderLayer``'s fused fast
-    path (measured: other kernels, scores no longer bit-identical to one GPU's). The attribute
-    reaches ``sub`` through a weak reference: holding its bound ``forward`` made a cycle
-    (sub -> forward -> sub) that kept an evicted copy's weights on its GPUs until the garbage
-    collector's next full pass (2x H100: the 7B loads of ``bench models --sections multigpu`` ran
-    out of memory with 50 GiB of evicted copies still allocated)."""
+    path (other kernels: scores no longer bit-identical to one GPU's). The attribute reaches
+    ``sub`` through a weak reference: holding its bound ``forward`` would make a cycle
+    (sub -> forward -> sub) that keeps an evicted copy's weights on its GPUs until the garbage
+    collector's next full pass, long enough for the next loads to run out of memory."""
     if "forward" in sub.__dict__:  # already an instance attribute: wrap it as it is
         inner = sub.forward
 

@@ -85,10 +85,9 @@ class ModelServiceConfig:
     max_wait_ms: float = 5.0
     # compute_share, of each GPU per batch: < 1 lets other services' batches run beside it on their
     # own streams. 1 (one batch per GPU at a time, in the policy's SRPT order) is the default because
-    # it measured best on the MOPD-style bench (2x H200: avg ACT 1.06x of dedicated GPUs at 1, 1.41x
-    # at 0.5, 1.95x at 1/12; H100: 10.0 ms at 1, 17.2 ms at 0.25, 14.4 ms at 1/12): these eager
-    # PyTorch batches are bound by kernel launches, so overlapping them adds contention for the
-    # interpreter and the SMs and turns SRPT order into processor sharing. Shares pay off where a
+    # it does best on the MOPD-style bench (``bench models``; docs/models.md): these eager PyTorch
+    # batches are bound by kernel launches, so overlapping them adds contention for the interpreter
+    # and the SMs and turns SRPT order into processor sharing. Shares pay off where a
     # batch leaves most of its GPU idle for long (small batches of big kernels, CUDA graphs).
     compute_share: float = 1.0
     idle_s: float | None = None  # a copy unused this long releases its GPU memory (None: kept while it fits)

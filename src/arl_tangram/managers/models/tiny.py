@@ -26,9 +26,9 @@ class TinyConfig:
     def of_size(cls, billions: float, vocab: int = 32000, dtype: str = "bfloat16", seed: int = 0) -> "TinyConfig":
         """A config of about ``billions`` parameters (12 d^2 per layer, 32 layers or fewer), with
         heads of 128 and an even number of them: an odd count sends ``nn.MultiheadAttention`` down
-        its slow path, whose input projection over a batch-first input of 2+ rows ran as 512
-        products of 2 rows each, every one reading the whole weight (profiled on H200: the 7B's
-        33 heads, ~10 ms a layer, 340 ms for a 2 x 512 batch against ~25 ms)."""
+        its slow path, whose input projection over a batch-first input of 2+ rows runs as 512
+        products of 2 rows each, every one reading the whole weight (a 7B's 33 heads: 340 ms for a
+        2 x 512 batch against ~25 ms)."""
         layers = 32 if billions >= 3 else 24 if billions >= 1 else 16
         d = int(((billions * 1e9 - 2 * vocab * 1024) / (12 * layers)) ** 0.5) // 256 * 256
         return cls(vocab=vocab, d_model=max(128, d), layers=layers, heads=max(2, d // 128), seed=seed, dtype=dtype)
