@@ -160,9 +160,8 @@ class Group:
     def oom_kills(self) -> int:
         """How many times the kernel's OOM killer has acted in this group (or failcnt on old v1).
 
-        Read after every action, so through a descriptor kept open (one ``pread``, where opening
-        the file each time took ~6 system calls: ~9% of the engine process's samples at 1,400
-        one-shots/s on 16 cores, where system calls are dear)."""
+        Read after every action, so through a descriptor kept open: one ``pread``, where opening
+        the file each time takes ~6 system calls, dear at a thousand one-shots a second."""
         d = self._dir("memory")
         name = "memory.events" if self.v2 else "memory.oom_control"
         if self._events_fd is None:
@@ -203,7 +202,7 @@ class Group:
         if frozen:
             # freezing completes asynchronously on v1 (as on v2, where nobody waits either): an idle
             # session need not be frozen before its step reports, and a thaw written while it is
-            # still FREEZING wins. Waiting here cost ~0.5 ms of every session step's latency.
+            # still FREEZING wins. Waiting here would cost ~0.5 ms of every session step's latency.
             return
         for _ in range(1000):  # a thaw must be complete before the session's next request
             if (d / "freezer.state").read_text().strip() == "THAWED":

@@ -1,5 +1,5 @@
 """How long a core sat between one one-shot's answer and the next one's request on it: what the
-lease (issue 26) is for, measured where it happens. Each ``SandboxManager`` keeps one (in the engine
+lease (``lease.py``) is for, measured where it happens. Each ``SandboxManager`` keeps one (in the engine
 process and in each sandbox worker); ``/healthz`` shows them merged (``core_waits``), and ``bench
 server`` the part of each level. Under load it is the hand-over between two runs; on an idle server
 it is idleness, seconds long.

@@ -4,7 +4,7 @@ An image session's whole root is layered; a default session's workspace is (``ro
 the rest of its tree is the host's read-only directories, as for a one-shot), so both go through
 the same operations here.
 
-The manager owns the sessions and carries these out (``SandboxManager._fork``, ``_restore``);
+The manager owns the sessions and carries these out (``execution.Execution.fork``, ``restore``);
 this module holds the operations on roots and files they are made of.
 
 **Fork** (an action on the source session, so it is ordered with the session's other actions):

@@ -1,8 +1,8 @@
 """A session's workspace files, read and written from the engine process (no runner round trip).
 
 Why: a file action through the sandbox's runner carries the bytes base64 in JSON over its pipe
-both ways; for a 1 MB ``files.write`` + ``read`` through E2B's SDK that was 108-150 ms p50 on our
-loaded 2-core VM, most of it the encoding and the pipe. The workspace is a tmpfs in the sandbox's
+both ways; for a 1 MB ``files.write`` + ``read`` through E2B's SDK that is 100-150 ms p50 on a
+loaded 2-core host, most of it the encoding and the pipe. The workspace is a tmpfs in the sandbox's
 mount namespace, which this process reaches as ``/proc/<runner>/root/workspace``: opened once
 (``open_workspace``) and kept as a directory fd, the files under it are plain ``openat`` calls.
 

@@ -1,7 +1,7 @@
 """A running shell step's stdin, fed while the step runs (E2B's ``send_stdin``/``close_stdin``).
 
-A step's stdin used to be whole: given with the step, so a command that waits for its input
-(``cat``, a REPL, ``read line``) could only be started once all of it was known. A ``LiveStdin``
+Without it a step's stdin is whole: given with the step, so a command that waits for its input
+(``cat``, a REPL, ``read line``) can only be started once all of it is known. A ``LiveStdin``
 is handed to ``Session.exec``; what is ``send``-ed before the step holds the sandbox is kept, and
 from then on goes straight to the sandbox's runner, which writes it into the step's stdin (a FIFO,
 ``shell.py``) as the step reads; ``close`` is its end of file. A step that has ended takes no

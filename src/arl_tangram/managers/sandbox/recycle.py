@@ -17,13 +17,11 @@ Left as they are (low-bandwidth signals a later run could read, but nothing that
 a later program does unless it looks for them): the PID and tmpfs inode counters advance, and
 timing. The kernel's keyrings are not namespaced, and every sandbox's user is the same host
 user, so a key one sandbox added was listed, description and serial, in /proc/keys of every other
-sandbox running at that time (issue 26, found while measuring): a channel between concurrent
-runs that no reset closes. So the runner refuses ``add_key``, ``request_key`` and ``keyctl`` to
+sandbox running at that time: a channel between concurrent runs that no reset closes. So the runner refuses ``add_key``, ``request_key`` and ``keyctl`` to
 everything in its sandbox with a seccomp filter, as container runtimes' default profiles do
 (``runner.deny_keyrings``; the keyring clear above stays for a kernel or architecture where the
-filter cannot be installed). Alternative considered and dropped: a fresh user+mount+PID namespace
-per run inside the sandbox (closes those counters too, but needs capability dropping by hand in
-every child).
+filter cannot be installed). A fresh user+mount+PID namespace per run inside the sandbox would
+close those counters too, but needs capability dropping by hand in every child.
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ class Recycler:
         ``ahead``: the reset after a python run forks the next python child ahead (runner.py);
         ``settled``: called when a released sandbox's reset ended (it is in the pool, or not);
         ``lost``: called when a recyclable one released was discarded (worn out, unclean, dead),
-        so that its place in circulation is filled (``SandboxManager._keep_pool_full``)."""
+        so that its place in circulation is filled (``pool.OneShots.lost``)."""
         self.enabled = enabled
         self.put = put
         self.spawn = spawn
@@ -137,20 +135,17 @@ class Recycler:
     def limit(self, sb: Sandbox) -> int:
         """How many one-shots ``sb`` runs before it is replaced: its own count, drawn once from the
         last tenth of ``max_uses`` (900-1,000 by default). With one count for all, the sandboxes
-        a busy host keeps in circulation wore out together (they take turns from the top of the
-        pool): 10-26 discarded in one level of 5,000 one-shots on 12 cores, then replaced at once
-        (``SandboxManager._lost``), a burst of starts of 10-50 ms of CPU each. Drawn from the
-        upper half instead, they lived a fifth shorter on average (750 one-shots against 950) and
-        the extra starts cost python c=64 0.90x there (docs/performance.md, issue 26's eleventh
-        round).
+        a busy host keeps in circulation (they take turns from the top of the pool) would wear out
+        together and be replaced at once (``pool.OneShots.lost``), a burst of starts of 10-50 ms
+        of CPU each; drawn from the upper half, they would live a fifth shorter on average, and
+        the extra starts cost more than the bursts.
 
         Until the first sandbox wears out, counts are drawn from the upper half: the sandboxes a
         server starts with (or makes as its load grows) are used at the same pace, so a tenth's
-        spread still wore most of them out within one stretch (at 14 cores, bash c=256: 22 in a
-        level of 5,000, and 6 of its runs started a sandbox of their own). Spread over half a
-        life, their replacements come as spread, and each replacement's own count, drawn from the
-        last tenth, keeps its place in that spread; the first generation's shorter lives cost a
-        quarter of one generation's starts, once."""
+        spread would still wear most of them out within one stretch. Spread over half a life,
+        their replacements come as spread, and each replacement's own count, drawn from the last
+        tenth, keeps its place in that spread; the first generation's shorter lives cost a quarter
+        of one generation's starts, once."""
         if sb.max_uses is None:
             low = self.max_uses - self.max_uses // 10 if self._worn else self.max_uses - self.max_uses // 2
             sb.max_uses = self._draw.randint(max(1, low), self.max_uses)

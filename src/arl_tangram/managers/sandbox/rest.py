@@ -1,75 +1,36 @@
-"""Sessions at rest: an idle session's state on disk instead of in processes (issue #25).
+"""Sessions at rest: an idle session's state on disk instead of in processes.
 
-Measured on the 2-core VM (one session after a step that imports three modules and keeps a list
-of 1,000 ints): its cgroup is charged 10.7 MB; of that the runner is 6.4 MB PSS (4.7 MB private
-dirty), its zygote 4.2 MB PSS (2.8 MB private dirty), bubblewrap 0.2 MB, the rest kernel objects
-(page tables, namespaces, the tmpfs). An interpreter's private dirty pages alone are ~3x the
-1.5 MB an idle session may cost, so sharing pages with a warm zygote cannot get there; ending
-the processes can. So a session idle for ``rest_after_s``, or the least recently used when more
-than ``max_awake_sessions`` are awake, is *put to rest*: its interpreter packs its namespace (pickled:
-functions and classes defined in the session by their code, modules by name) and its tmpfs files
-(the workspace, /tmp) into one blob (``runner.op_rest``), the host fetches it in chunks and writes
-it here, and the sandbox is reset for another session (below) or killed. An image session's
-workspace is on disk already: its root stays mounted and only /tmp goes into the blob. The next
-step *wakes* it: a sandbox from the sessions' pool (or the session's own root) loads the blob
-(``runner.op_wake``).
+An awake idle session costs ~11-13 MB in processes (its cgroup's charge: the runner, its zygote, the
+session's interpreter, bubblewrap, kernel objects). An interpreter's private dirty pages alone are
+several times the 1.5 MB an idle session may cost, so sharing pages with a warm zygote cannot get
+there; ending the processes can. So a session idle for ``rest_after_s``, or the least recently
+used when more than ``max_awake_sessions`` are awake, is *put to rest* (``resting.py`` says when):
+its interpreter packs its namespace (pickled: functions and classes defined in the session by their
+code, modules by name) and its tmpfs files (the workspace, /tmp) into one blob
+(``runner.op_rest``), the host fetches it in chunks and writes it here, and the sandbox is reset
+for another session (below) or killed. An image session's workspace is on disk already: its root
+stays mounted and only /tmp goes into the blob. The next step *wakes* it: a sandbox from the
+sessions' pool (or the session's own root) loads the blob (``runner.op_wake``).
 
 A session's python runs in its own interpreter, a child forked from the sandbox's zygote
 (``runner.SessionChild``), never in the runner: so once the session has left (put to rest, or
 closed) its sandbox is reset exactly as a one-shot's is (the child and the shell killed, every
 writable place wiped, IPC and keyrings emptied, the runner's and zygote's rlimits and affinity
-checked: ``recycle.Recycler.session_verdict``) and goes back to the sessions' pool. An open or
-a wake then costs a fork of a warm zygote and a cell, not a new sandbox (bubblewrap, an
-interpreter: 27-50 ms of CPU); before this, every wake and every open took a fresh sandbox, and
-a stream of them was bounded by how fast the pool refilled (10,000 opens took 1189 s at load
-9-16). Only a default session's sandbox is reused (its root is the host's, read-only; a fork's or
-a restore's workspace has layers under it); an image session's is not (its root is writable).
+checked: ``recycle.Recycler.session_verdict``) and goes back to the sessions' pool
+(``sessionpool.py``). An open or a wake then costs a fork of a warm zygote and a cell, not a new
+sandbox (bubblewrap, an interpreter: 27-50 ms of CPU). Only a default session's sandbox is reused
+(its root is the host's, read-only; a fork's or a restore's workspace has layers under it); an
+image session's is not (its root is writable). An awake session keeps its zygote: without it, its
+sandbox could not be reset for another session (the next interpreter must come from a zygote that
+never held a request), and an interpreter restarted after a crash would fork from the runner,
+whose heap has relayed earlier sessions' cells.
 
-Measured over HTTP (``tangram bench sessions --n 1000 --baseline``, 2-core VM, load 4-13): 1,000
-sessions opened in 32.7 s against 108.9 s before (3.33x the opens per second), revisits one at a
-time p50 14.1 / p99 64 ms against 27.1 / 836 ms, 7.79x the steps per second at 16 clients;
-10,000 (``--n 10000``, load 6-8) opened in 136 s (1189 s before), 0.34 MB idle each, revisits
-p50 12.8 / p99 73 ms, 10000/10000 states exact. An
-awake session costs more (~13 MB against ~7: its sandbox keeps the zygote, and the session's
-interpreter is a third process; its cgroup's charge after a step importing three modules: the
-runner 5.0 MB private dirty, the zygote 1.5, the interpreter 1.6, bash 0.3, bubblewrap 0.15, the
-rest kernel objects), which 256 awake of 10,000 spread to ~0.3 MB a session. Ending an awake
-session's zygote would free its 1.5 MB, but then its sandbox could not be reset for another
-session (the next interpreter must come from a zygote that never held a request) and an
-interpreter restarted after a crash would fork from the runner, whose heap has relayed earlier
-sessions' cells: not done. Per
-session, one at a time without HTTP (200 sessions past ``max_awake_sessions`` 8, load 3-7): an
-open 7-8 ms of sandbox CPU (its first cell 1.8, the reset and the next interpreter's fork 2.4,
-the rest of the session it displaces 0.7) and ~3 ms of this process's; a revisit's wake 2 ms.
-The step that wakes a session rides on the wake's last request (``load(then=...)``), and a blob up
-to 256 KB on the rest's own answer: one round trip fewer each. Past ``max_awake_sessions`` (640 by default: ~8.5 GB of awake sessions) the least
-recently used goes to rest as a wake or an open *starts* (``manager._run``), so that its pack
-overlaps the wake rather than the step's answer and the next request.
-
-Where a revisit's time goes (issue #25's follow-up; HTTP, 300 sessions revisited one at a time
-past ``max_awake_sessions`` 100, 2-core VM at load 1-3): a one-at-a-time scan past the LRU bound
-wakes at every step (600 of 600 in ``tangram bench sessions --n 600``), and every wake sends the
-least recently used to rest. Per woken step, CPU: the client 2.0 ms, the server 3.4, the sandboxes
-5.4; per awake step 2.2, 2.2 and 2.1 (p50 ~9-11 ms against ~6). Of the sandboxes': the wake 2.5-3.4
-ms (the interpreter's load 0.5, the cell 1.0-1.6 in an interpreter just forked against 0.7 in one
-that has run a cell: its first writes to the zygote's pages), the reset of the displaced session's
-sandbox 2.2-3.2 (ending its interpreter 0.8-0.9, forking the next 1.0), its pack 0.6-0.9. On two
-cores that work competes with the client and the server, so the p50 moves with the machine's load
-more than with any one hop. The interpreter forked ahead warms itself (``runner.session_warm``: a
-load and a cell of its own before the session's first request): the wake's CPU 0.4-0.9 ms less, the
-reset's 1.5-1.9 more, more CPU in all, but off the revisit's path: ``tangram bench sessions --n 1000
---baseline`` (main's code first, then this, 2-core VM, load 1.5-5.5), revisit p50 7.37 vs 9.45 ms
-and 6.74 vs 8.69 ms (0.78x both), p99 0.80x / 1.06x; steps/s at 16 clients 1.09x / 0.76x (the
-CPU shows there). Dropped, measured: ``gc.freeze()`` in the zygote: an awake session's charge
-unchanged (13.3 MB against 13.2-13.5); the waking cell riding on the interpreter's load request
-(one request to it, two answer lines): the sandbox's CPU per wake 3.8-4.7 ms against 4.3-4.5,
-within the noise, and not carried over the answers' nonces (``runner.child_call``).
-
-Costs, measured on the 2-core VM shared with other work (load 4-10): packing a small session
-(a list of 1,000 ints, three modules; a 2-5 KB blob) 3-12 ms, loading it 0.4-2.5 ms once the
-warm sandbox's zygote has imported pickle and what a first cell needs (``op_warm``: into the
-zygote, so every session interpreter forked from it shares them). Dropped: keeping the sandbox
-and resting only the interpreter (bubblewrap, the runner and the kernel's share stay: ~6 MB).
+A wake's latency: the step that wakes a session rides on the wake's last request
+(``load(then=...)``), and a blob up to 256 KB on the rest's own answer, one round trip fewer each;
+the warm sandbox's zygote has imported pickle and what a first cell needs (``op_warm``), so every
+session interpreter forked from it shares them; and the interpreter forked ahead warms itself
+(``runner.session_warm``: a load and a cell of its own before the session's first request), which
+moves CPU off the revisit's path.
 
 What a rest carries: the values a step can hold (ints, strings, lists, dicts, functions and
 classes defined in the session, by their code; modules, by name: re-imported at the wake, so an
@@ -130,9 +91,8 @@ class RestStore:
         """Write atomically (a killed server leaves the old blob or the new one, never half of
         one). Not synced: the journal that records the rest promises as much (``synchronous=
         NORMAL``: a killed process, not a power cut), and a session whose blob a power cut lost
-        is reported gone when the server starts again (``adopt_rested``). An fsync per rest was
-        0.2 ms of a thread and a commit of the file system's journal on every wake past
-        ``max_awake_sessions`` (0.4 ms a write with it, 0.2 without, 2-core VM)."""
+        is reported gone when the server starts again (``adopt_rested``). An fsync per rest would
+        add a commit of the file system's journal to every wake past ``max_awake_sessions``."""
         path = self.path(trajectory)
         tmp = path + ".tmp"
         with open(tmp, "wb") as fh:

@@ -21,8 +21,8 @@ from .spawn import Process, start_process
 #: where a kill's cleanup runs (waiting for the group's processes to exit and removing it, polling
 #: every few ms; unmounting a root): its own threads, not the loop's default executor, whose few
 #: threads (cores + 4) the latency-critical work shares: a wake reading its blob, a spawn mounting a
-#: root, a rest writing one. With rests and wakes at a few per second, kills held those threads and
-#: a wake's read waited behind them.
+#: root, a rest writing one. With rests and wakes at a few per second, kills would hold those
+#: threads and a wake's read wait behind them.
 _CLEANUP = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="sandbox-cleanup")
 
 
@@ -40,11 +40,11 @@ class SandboxDied(RuntimeError):
 
 
 class Turn:
-    """A core's turn, passed from a one-shot to the one queued behind it (issue 26's lease): it
-    opens once, and what waits for it runs inside ``open``, synchronously. So a follower's request,
-    prepared ahead, is written to its sandbox in the very call that saw the run before it answer,
-    not a pass or two of a busy worker's loop later (the answer's bookkeeping, the reply to the
-    engine and the follower's task start used to come first)."""
+    """A core's turn, passed from a one-shot to the one queued behind it (the lease: ``lease.py``):
+    it opens once, and what waits for it runs inside ``open``, synchronously. So a follower's
+    request, prepared ahead, is written to its sandbox in the very call that saw the run before it
+    answer, not a pass or two of a busy worker's loop later (after the answer's bookkeeping, the
+    reply to the engine and the follower's task start)."""
 
     __slots__ = ("opened", "_then")
 
@@ -476,8 +476,8 @@ class Sandbox:
         # the runner's children: the shell, and the zygote (a fork of the runner: the same cmdline)
         shells = {p for p, (parent, _, cmd) in info.items() if parent in runners and cmd not in runner_cmds}
         # parents before their children: a process whose child was killed first could run on
-        # before its own kill (a step's subshell, woken by its killed ``sleep``, ran its next
-        # ``echo``: CI, a loaded 2-core VM)
+        # before its own kill (a step's subshell, woken by its killed ``sleep``, runs its next
+        # ``echo``)
         children: dict[int, list[int]] = {}
         for p, (parent, _, _) in info.items():
             children.setdefault(parent, []).append(p)

@@ -5,11 +5,10 @@ the page tables of the whole server process, and every page the server writes af
 write-protect fault (the child has long exec'd by then, but the server's pages were marked
 copy-on-write at the fork). CPython's own ``subprocess`` starts it with ``vfork()`` (the child
 borrows the parent's memory until it execs; ``_posixsubprocess`` does so when no ``preexec_fn``,
-user, group or groups are asked for), which copies nothing. Measured on the 2-core VM, a process
-holding ~105 MB starting ``sh -c 'exec true'`` under uvloop against ``subprocess``, the starter's
-CPU per start: 20.1-21.1 ms and 14,624 page faults against 3.2-3.8 ms and 2 (``tangram bench
-spawn`` measures the sandboxes' own start: docs/performance.md, issue 26's thirteenth round). The
-fork also stalls the loop, and every request in flight with it, while the tables are copied.
+user, group or groups are asked for), which copies nothing: from a process holding ~100 MB, a
+start costs its starter ~20 ms of CPU and ~15,000 page faults through uvloop, 3-4 ms and two
+through ``subprocess`` (``tangram bench spawn`` measures the sandboxes' own start). The fork also
+stalls the loop, and every request in flight with it, while the tables are copied.
 
 ``start_process`` runs ``subprocess.Popen`` and gives the process what ``Sandbox`` uses of
 ``asyncio.subprocess.Process``: asyncio streams on its three pipes and an exit the loop learns of

@@ -78,7 +78,7 @@ class SandboxConfig(BaseModel):
     one_shots_share_cpus: bool = Field(True, description="a one-shot runs on any of the host CPUs, bounded to its "
                                         "cores' worth of CPU time (the cgroup cpu controller's quota), instead of "
                                         "pinned to its cores: a run no longer waits for its own CPU while another "
-                                        "is idle (16 cores: 1.07-1.23x one-shots/s, docs/performance.md). Where "
+                                        "is idle (16 cores: 1.07-1.23x one-shots/s). Where "
                                         "the cpu controller is not ours, or there are no cgroups, one-shots are "
                                         "pinned as sessions are")
     image: str | None = Field(None, description="image for sessions and one-shots that name none (default: the "
