@@ -313,6 +313,8 @@ class Proxy:
         self.rules: list[Rule] = []
         self.hits: dict[str, int] = {}
         self.ranges: list[str] = []  # the Range headers asked for
+        self.agents: dict[str, int] = {}  # GETs by User-Agent's first word (arl-tangram: ours)
+        self.log: list[tuple[str, str]] = []
         self.lock = threading.Lock()
         self.release = threading.Event()
         outer = self
@@ -351,8 +353,7 @@ class Proxy:
 
     def _handle(self, h: http.server.BaseHTTPRequestHandler, head: bool = False) -> None:
         if head:
-            conn = http.client.HTTPConnection(self.upstream, timeout=30)
-            conn.request("HEAD", h.path, headers={k: v for k, v in h.headers.items() if k.lower() != "host"})
+            conn = self._forward(h, "HEAD")
             resp = conn.getresponse()
             resp.read()
             conn.close()
@@ -363,6 +364,10 @@ class Proxy:
             h.end_headers()
             return
         rule = self._rule(h.path)
+        agent = (h.headers.get("User-Agent") or "-").split("/")[0].split()[0]
+        with self.lock:
+            self.agents[agent] = self.agents.get(agent, 0) + 1
+            self.log.append((agent, h.path))
         if h.headers.get("Range"):
             self.ranges.append(h.headers["Range"])
         action = rule.action if rule else ("pass",)
@@ -385,9 +390,7 @@ class Proxy:
             return
         if action[0] == "delay":
             time.sleep(action[1])
-        conn = http.client.HTTPConnection(self.upstream, timeout=30)
-        headers = {k: v for k, v in h.headers.items() if k.lower() not in ("host", "connection")}
-        conn.request("GET", h.path, headers=headers)
+        conn = self._forward(h, "GET")
         resp = conn.getresponse()
         body = resp.read()
         conn.close()
@@ -414,6 +417,17 @@ class Proxy:
             h.close_connection = True
             return
         h.wfile.write(body)
+
+    def _forward(self, h: http.server.BaseHTTPRequestHandler, method: str) -> http.client.HTTPConnection:
+        """The request sent on upstream, every header line kept (Go's clients send one Accept
+        line per media type)."""
+        conn = http.client.HTTPConnection(self.upstream, timeout=30)
+        conn.putrequest(method, h.path, skip_accept_encoding=True)
+        for k, v in h.headers.items():
+            if k.lower() not in ("connection", "host"):
+                conn.putheader(k, v)
+        conn.endheaders()
+        return conn
 
     def close(self) -> None:
         self.release.set()

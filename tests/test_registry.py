@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import io
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
 import sys
 import tarfile
 import time
-from pathlib import Path
 
 import pytest
 from imagekit import docker_archive, host_tools, layer_tar
@@ -25,7 +27,7 @@ from registrykit import MISSING, Layout, Proxy, Registry, Rule, TokenServer, fre
 from arl_tangram.managers.sandbox.images import ImageError, ImageStore
 from arl_tangram.managers.sandbox.registry import (BadReference, DigestMismatch, NoPlatform, NotFound, PullLimits,
                                                    RegistriesConfig, RegistryConfigError, TooLarge, Unauthorized,
-                                                   Unreachable, parse, pull, pull_sync)
+                                                   Unreachable, parse, pull)
 from arl_tangram.managers.sandbox.registry.auth import parse_challenges
 from arl_tangram.managers.sandbox.registry.client import RegistryClient
 from arl_tangram.managers.sandbox.registry.config import docker_credentials
@@ -158,14 +160,12 @@ def test_zstd_layers_import_and_a_corrupt_one_is_named(tmp_path):
         for name, data in (("l.tar", z), ("manifest.json", b'[{"Layers": ["l.tar"]}]')):
             info = tarfile.TarInfo(name)
             info.size = len(data)
-            import io
             out.addfile(info, io.BytesIO(data))
     img = store.import_path(path, "zstd")
     assert (store.layer_dir(img.layers[0]) / "etc/motd").read_text() == "from the base\n"
-    import hashlib
     assert img.layers[0] == hashlib.sha256(tar).hexdigest()  # the same layer as its gzip twin
     with pytest.raises(ImageError, match="truncated or corrupt"):
-        store.unpack_layer(__import__("io").BytesIO(z[: len(z) // 2]), "layer 0")
+        store.unpack_layer(io.BytesIO(z[: len(z) // 2]), "layer 0")
     assert sorted(p.name for p in (store.root / "layers").iterdir()) == [img.layers[0]]
 
 
@@ -319,8 +319,8 @@ def test_a_blob_that_does_not_match_its_digest_is_refused_and_nothing_is_left(tm
     proxy.rules.append(Rule("/blobs/", ("corrupt",), 1000))
     with pytest.raises(DigestMismatch, match=rf"{proxy.host}/tiny/app4:v1: blob sha256:\w+ .*does not match"):
         _pull(f"{proxy.host}/tiny/app4:v1", store, cfg, client={"retries": 0})
-    assert store.list() == [] and not list((store.root / "layers").glob("*")) if (store.root / "layers").exists() \
-        else store.list() == []
+    layers = store.root / "layers"
+    assert store.list() == [] and (not layers.exists() or not list(layers.iterdir()))
     assert not [p for p in (store.root / "blobs").rglob("*") if p.is_file() and "locks" not in p.parts]
     proxy.rules.clear()
     assert len(_pull(f"{proxy.host}/tiny/app4:v1", store, cfg).layers) == 3
@@ -503,16 +503,16 @@ def test_mirrors_are_tried_first_and_the_origin_after(tmp_path, origin):
         store = ImageStore(tmp_path / "store")
         img = _pull(f"{front.host}/tiny/app1:v1", store, cfg)
         assert len(img.layers) == 3 and mirror_front.blob_gets() == 4
-        # the mirror fetched from the origin once; a second node pulls from the mirror alone
-        origin_blobs = front.blob_gets()
-        store2 = ImageStore(tmp_path / "store2")
+        store2 = ImageStore(tmp_path / "store2")  # a second node: the mirror again
         _pull(f"{front.host}/tiny/app1:v1", store2, cfg)
-        assert mirror_front.blob_gets() == 8 and front.blob_gets() == origin_blobs
+        assert mirror_front.blob_gets() == 8
+        # what reached the origin came from the mirror (its cache filling), none from us
+        assert front.blob_gets() >= 4 and "arl-tangram" not in front.agents, (front.log, mirror_front.log)
         # the mirror failing: the origin answers
         mirror_front.rules.append(Rule("/", ("status", 500, None), 1000))
         store3 = ImageStore(tmp_path / "store3")
         assert _pull(f"{front.host}/tiny/app3:v1", store3, cfg, client={"retries": 0}).layers[:2] == img.layers[:2]
-        assert sum(n for p, n in front.hits.items() if "app3" in p) >= 2
+        assert sum(n for p, n in front.hits.items() if "app3" in p) >= 2 and front.agents.get("arl-tangram", 0) >= 2
     finally:
         mirror_front.close()
         mirror.close()
@@ -550,7 +550,7 @@ def test_the_cli_pulls_with_a_config_and_lists_what_is_shared(tmp_path, origin):
 @pytest.mark.slow
 @root_only
 @needs_tools
-@pytest.mark.skipif(__import__("shutil").which("bwrap") is None, reason="bubblewrap is not installed")
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
 def test_a_session_runs_on_a_pulled_image(tmp_path, origin):
     from arl_tangram.core import Outcome
     from arl_tangram.managers.sandbox.manager import SandboxConfig

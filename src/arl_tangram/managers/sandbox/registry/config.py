@@ -31,7 +31,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..images import ImageError
-from .reference import DOCKER_HUB, BadReference, normalise_host
+from .reference import BadReference, normalise_host
 
 
 class RegistryConfigError(ImageError):
@@ -189,4 +189,4 @@ def _auth_key_host(key: str) -> str | None:
         return None
 
 
-__all__ = ["DOCKER_HUB", "RegistriesConfig", "RegistryConfigError", "RegistryHost", "docker_credentials"]
+__all__ = ["RegistriesConfig", "RegistryConfigError", "RegistryHost", "docker_credentials"]

@@ -27,6 +27,7 @@ import asyncio
 import errno
 import fcntl
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from .config import RegistriesConfig
 from .errors import NoPlatform, RegistryError, TooLarge
 from .reference import Reference, parse
 
+log = logging.getLogger(__name__)
 PART = ".part-"  # + pid + "-": a blob being downloaded
 
 
@@ -81,7 +83,10 @@ class _Flight:
     def emit(self, *event) -> None:
         self.last = event
         for listener in list(self.listeners):
-            listener(*event)
+            try:
+                listener(*event)
+            except Exception:  # a caller's progress display must not fail a pull others share
+                log.exception("a pull's progress listener failed")
 
 
 _FLIGHTS: dict[tuple, _Flight] = {}
