@@ -115,9 +115,9 @@ class Session:
         self.job = job
         self.image = image
         self.last_fork: dict = {}
-        # A session's steps run one at a time, in the order they came: two started at once shared
-        # one sandbox, and the first one's end froze the sandbox's cgroup under the second, which
-        # then hung until its timeout. A step that arrives while another runs waits here (FIFO).
+        # A session's steps run one at a time, in the order they came: two started at once would
+        # share one sandbox, and the first one's end would freeze the sandbox's cgroup under the
+        # second until its timeout. A step that arrives while another runs waits here (FIFO).
         self._steps = asyncio.Lock()
 
     async def _step(self, action: Action) -> ActionResult:

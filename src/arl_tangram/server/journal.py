@@ -157,7 +157,8 @@ class Journal:
     def finish(self, id: str, outcome: str, response: dict | str) -> bool:
         """Record an action's result. Until it is committed, ``get`` shows the result with the
         request's fields as queued with it, or empty (readers of a finished entry use its state,
-        outcome and response; a read of the committed row per finish cost as much as the write).
+        outcome and response; a read of the committed row per finish would cost as much as the
+        write).
         ``response`` (and ``accept``'s ``request``) may come as JSON text already (pydantic's
         ``model_dump_json`` is quicker than ``json.dumps(model_dump())``).
 
