@@ -379,6 +379,29 @@ def test_concurrent_pulls_of_one_image_or_one_layer_download_each_blob_once(tmp_
     assert len(counts) == 2 + 3 + 1  # two configs, the shared base's two layers and each image's own
 
 
+@root_only
+@needs_tools
+def test_a_pull_cancelled_while_another_waits_for_the_same_layer_leaves_it_to_finish(tmp_path, proxy):
+    store = ImageStore(tmp_path / "store")
+    cfg = _config(proxy.host)
+    proxy.rules.append(Rule("/blobs/", ("delay", 0.6), 1000))
+
+    async def main():
+        first = asyncio.ensure_future(pull(f"{proxy.host}/tiny/app1:v1", store, cfg))  # each its own client
+        second = asyncio.ensure_future(pull(f"{proxy.host}/tiny/app3:v1", store, cfg))
+        await asyncio.sleep(0.9)  # past the configs: both wait for the shared base layers
+        first.cancel()
+        img = await second
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return img
+
+    img = asyncio.run(main())
+    assert [i.name for i in store.list()] == [img.name] and len(img.layers) == 3
+    counts = [n for p, n in proxy.hits.items() if "/blobs/" in p]
+    assert set(counts) == {1}, proxy.hits
+
+
 @pytest.mark.slow
 @root_only
 @needs_tools

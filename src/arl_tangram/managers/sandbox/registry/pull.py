@@ -144,13 +144,12 @@ async def pull(ref: str | Reference, store: ImageStore, registries: RegistriesCo
             pass
 
     async def start(emit: Callable) -> Image:
-        own = client is None
-        c = client or RegistryClient(registries)
+        owned = _Owned(RegistryClient(registries)) if client is None else None
         try:
-            return await _pull(ref, name, store, c, limits, emit)
+            return await _pull(ref, name, store, client or owned.client, limits, emit, owned)
         finally:
-            if own:
-                await c.aclose()
+            if owned is not None:
+                await owned.release()
 
     return await _join(("image", str(store.root), name), start, progress)
 
@@ -161,8 +160,24 @@ def pull_sync(ref: str | Reference, store: ImageStore, registries: RegistriesCon
     return asyncio.run(pull(ref, store, registries, progress, **kwargs))
 
 
+class _Owned:
+    """A client the pull made: closed by its last user (a layer's flight may outlive the pull
+    that started it, when another pull waits for that layer too)."""
+
+    def __init__(self, client: RegistryClient) -> None:
+        self.client, self.users = client, 1
+
+    def hold(self) -> None:
+        self.users += 1
+
+    async def release(self) -> None:
+        self.users -= 1
+        if self.users == 0:
+            await self.client.aclose()
+
+
 async def _pull(ref: Reference, name: str, store: ImageStore, client: RegistryClient, limits: PullLimits,
-                emit: Progress) -> Image:
+                emit: Progress, owned: _Owned | None) -> Image:
     blobs = store.root / "blobs"
     await asyncio.to_thread(_clean, store, blobs)
     manifest = await client.resolve(ref)
@@ -194,9 +209,17 @@ async def _pull(ref: Reference, name: str, store: ImageStore, client: RegistryCl
         if store.has_layer(diff):
             listen("cached", desc.size)
             return sizes[diff] if diff in sizes else await asyncio.to_thread(store.layer_bytes, diff)
+        async def fetch(e: Callable) -> int:
+            if owned is not None:
+                owned.hold()
+            try:
+                return await _fetch_layer(ref, store, client, desc, diff, i, limits, e)
+            finally:
+                if owned is not None:
+                    await owned.release()
+
         async with gate:
-            return await _join(("layer", str(store.root), diff),
-                               lambda e: _fetch_layer(ref, store, client, desc, diff, i, limits, e), listen)
+            return await _join(("layer", str(store.root), diff), fetch, listen)
 
     tasks = [asyncio.ensure_future(layer(i, d, diff)) for i, (d, diff) in enumerate(zip(manifest.layers, diff_ids))]
     try:
