@@ -355,6 +355,22 @@ class Tangram:
         # checked now: the batch's action is built later, in a timer callback
         return await front.call(list(tokens), job, seconds("hint_s", hint_s))
 
+    async def call_model(self, model: str, op: str, item: Any, *, job: str = "default",
+                         hint_s: float | None = None) -> ActionResult:
+        """One request to any op of a model service, with the item that op takes per request
+        (``generate``'s ``Generate``, ``classify``'s ``Classify``: ``managers/models/generation.py``),
+        batched with concurrent calls to the same op as ``score`` and ``logprobs`` are. The caller
+        checks the item (``runtime.models.validate`` for token ids); an unknown model is rejected."""
+        rt = self.runtime
+        mm = rt.models
+        if mm is None or model not in mm.services:
+            return ActionResult.rejected(rt.new_id("m"), f"service: unknown model {model!r}")
+        front = self.fronts.get((model, op))
+        if front is None:
+            spec = mm.services[model]
+            front = self.fronts[(model, op)] = _ModelFront(rt, model, op, spec.max_batch, spec.max_wait_ms, spec.gpus)
+        return await front.call(item, job, seconds("hint_s", hint_s))
+
     async def call_api(self, name: str, payload: Any = None, *, job: str = "default", timeout_s: float = 60.0,
                        operation: str = "", hint_s: float | None = None) -> ActionResult:
         """Call an external API through its quota (waits in the queue rather than over-calling)."""

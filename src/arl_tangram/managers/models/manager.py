@@ -43,7 +43,7 @@ from ...core.records import Load
 from ...core.seam import Completion, Loaded, Sink
 from ..tasks import TaskSet
 from .devices import Device, batch_on
-from . import packing
+from . import decode, packing
 from .graphs import GRAPH_JUDGE, MIN_GAIN, Graphs
 from .packing import Layout
 from .placement import place
@@ -92,6 +92,7 @@ def _load(spec: ModelServiceConfig, pin: bool) -> HostModel:
 
         got = hf.load(spec.hf, spec.task or "", spec.dtype, layout_for=layout_for)
         module, ops, vocab, max_len = got.module, got.ops, got.vocab, got.max_positions
+        ops = {**ops, **decode.ops_for(spec.hf, spec.task or "", spec.name, module)}  # generate / classify
         tensors, buffer = got.tensors, got.storage
     else:
         mod_name, _, fn_name = (spec.loader or "").partition(":")
@@ -426,7 +427,7 @@ class ModelManager:
                     g.enabled = False
                 for rows, length in ((ld.spec.max_batch, n), (1, min(n, 16)), (1, n)):
                     _run_op(op, inst, batch(rows, length))
-                if g is None:
+                if g is None or op_name in decode.EAGER_OPS:  # graphs are judged by the ops they serve
                     continue
                 g.enabled = True
                 sizes, rows = [], 1
