@@ -119,6 +119,7 @@ async def _join(key: tuple, start: Callable[[Callable], Awaitable], listener: Ca
             fl.listeners.remove(listener)
         if fl.waiters == 0 and not fl.task.done():
             fl.task.cancel()  # everyone who wanted it left (cancelled)
+            await asyncio.wait([fl.task])  # and it has ended (its threads too) before we go on
 
 
 def store_name(ref: Reference) -> str:
@@ -280,8 +281,15 @@ async def _fetch_layer(ref: Reference, store: ImageStore, client: RegistryClient
                 part.unlink(missing_ok=True)
         emit("unpacking", desc.size)
         where = f"{ref}: layer {index} ({desc.digest[:19]})"
+        unpacking = asyncio.ensure_future(asyncio.to_thread(_unpack_blob, store, blob, where, diff,
+                                                            limits.max_layer_files_bytes))
         try:
-            _, size = await asyncio.to_thread(_unpack_blob, store, blob, where, diff, limits.max_layer_files_bytes)
+            _, size = await asyncio.shield(unpacking)
+        except asyncio.CancelledError:
+            # a thread cannot be stopped: the layer ends unpacked (and cached) or discarded
+            # before this returns, so a cancelled pull leaves nothing of it running
+            await asyncio.gather(unpacking, return_exceptions=True)
+            raise
         except ImageError:
             blob.unlink(missing_ok=True)  # verified against its digest, but not a good layer
             raise
