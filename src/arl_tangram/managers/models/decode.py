@@ -199,6 +199,7 @@ class _Row:
     generator: torch.Generator | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top: list[list[tuple[int, float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
     @property
     def s(self) -> Sampling:
@@ -329,18 +330,20 @@ def _prompt_logprobs(r: _Row, logits: torch.Tensor, ids: torch.Tensor) -> None:
     n, start = len(r.prompt), r.req.prompt_logprobs_from or 0
     values: list[float | None] = [None] if start == 0 else []
     tops: list[list[tuple[int, float]] | None] = [None] if start == 0 else []
+    ranks: list[int | None] = [None] if start == 0 else []
     first = max(start, 1)
     if first < n:
         lp = _log_softmax(logits[first - 1:n - 1], r)
         target = ids[first:n].to(lp.device)
-        values += lp.gather(-1, target[:, None])[:, 0].tolist()
+        chosen = lp.gather(-1, target[:, None])
+        values += chosen[:, 0].tolist()
         if r.req.top_logprobs > 0:
             v, i = lp.topk(min(r.req.top_logprobs, lp.shape[-1]), dim=-1)
             tops += [list(zip(a, b)) for a, b in zip(i.tolist(), v.tolist())]
-        else:
-            tops += [[] for _ in range(n - first)]
+            ranks += ((lp > chosen).sum(-1) + 1).tolist()
     r.prompt_logprobs = values[:max(0, n - start)]
-    r.prompt_top = tops[:max(0, n - start)] if r.req.top_logprobs > 0 else None
+    if r.req.top_logprobs > 0:
+        r.prompt_top, r.prompt_ranks = tops[:max(0, n - start)], ranks[:max(0, n - start)]
 
 
 def _choose(logits: torch.Tensor, rows: list[_Row]) -> list[int]:
@@ -423,7 +426,7 @@ def _answer(r: _Row, codec: Codec) -> Generated:
         # a stop token ends the answer but is not part of its text (SGLang's and vLLM's way)
         text = codec.decode(r.out[:-1], False)
     g = Generated(prompt_ids=r.prompt, output_ids=r.out, text=text, finish=r.finish, matched=r.matched,
-                  prompt_logprobs=r.prompt_logprobs, prompt_top=r.prompt_top,
+                  prompt_logprobs=r.prompt_logprobs, prompt_top=r.prompt_top, prompt_ranks=r.prompt_ranks,
                   output_logprobs=r.logprobs if r.req.output_logprobs else None,
                   output_top=r.tops if r.req.top_logprobs else None)
     if r.req.pieces:
@@ -431,6 +434,7 @@ def _answer(r: _Row, codec: Codec) -> Generated:
         for tops in (r.prompt_top or []) + (r.tops or []):
             seen.update(t for t, _ in tops or ())
         g.pieces = {t: codec.piece(t) for t in seen}
+        g.prompt_text = codec.decode(r.prompt, False)
     return g
 
 

@@ -79,9 +79,11 @@ class Generated:
     matched: int | str | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top: list[list[tuple[int, float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank in its distribution (1: the likeliest)
     output_logprobs: list[float] | None = None
     output_top: list[list[tuple[int, float]]] | None = None
     pieces: dict[int, str] = field(default_factory=dict)
+    prompt_text: str | None = None  # the prompt's tokens decoded, special tokens kept (with ``pieces``)
 
 
 @dataclass

@@ -1,0 +1,57 @@
+"""Model services in the protocols RL frameworks already call: SGLang's ``/generate``
+(``sglang.py``), OpenAI's completions, chat and models for the official SDK (``openai.py``),
+vLLM's ``/classify`` and ``/pooling`` and SGLang's ``/v1/embeddings`` (``pooling.py``), and the
+reward batch shapes of OpenRLHF and slime at configured paths (``rewards.py``), with API quotas
+(``quotas.py``). Each configured Hugging Face service answers the routes of its kind: a causal LM
+(``task = "logprobs"``) generates, a score model (``task = "score"``) classifies.
+
+The routes translate bodies into ``Generate`` / ``Classify`` requests (wherever HTTP is served,
+fronts included); ``engine.py`` runs them in the engine process as the model services' batched
+calls. ``dialect(config)`` builds the dialect over a configuration (quotas, reward routes);
+``DIALECT`` is the one without (docs/model-protocols.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from fastapi import Request
+
+from ..dialect import Dialect
+from . import openai, pooling, rewards, sglang
+from .common import ApiError, error_body
+from .config import ModelApiConfig, Quota, RewardRoute
+from .engine import Calls
+
+#: the paths the protocols' routes take (their errors, routing's included, are in their shape)
+PREFIXES = ("/generate", "/classify", "/pooling", "/models/", "/v1/completions", "/v1/chat/completions",
+            "/v1/embeddings")
+
+
+def dialect(config: ModelApiConfig | None = None) -> Dialect:
+    """The model protocols' dialect over ``config`` (its quotas and reward routes)."""
+    config = config or ModelApiConfig()
+    calls = Calls(config)
+    reward_paths = frozenset(r.path for r in config.reward_routes)
+
+    def routes(router: Any, remote: Any, guarded: Sequence[Any]) -> None:
+        sglang.routes(router, remote, guarded)
+        openai.routes(router, remote, guarded)
+        pooling.routes(router, remote, guarded)
+        for r in config.reward_routes:
+            rewards.add(router, remote, guarded, r)
+
+    def claims(request: Request) -> bool:
+        p = request.url.path
+        return (p.startswith(PREFIXES) or p == "/v1/models" or p in reward_paths
+                or (p.startswith("/v1/models/") and request.method == "GET"))
+
+    return Dialect("modelapi", {"modelapi_models": calls.models, "modelapi_generate": calls.generate,
+                                "modelapi_classify": calls.classify}, routes,
+                   claims=claims, error=lambda status, message: error_body("openai", status, message),
+                   relayed=(ApiError,))
+
+
+DIALECT = dialect()
+
+__all__ = ["DIALECT", "ApiError", "ModelApiConfig", "Quota", "RewardRoute", "dialect"]
