@@ -1,5 +1,5 @@
 """Scripts run against the sandbox's agent (the ``inside`` package) in a child process of their
-own: starting its state (``inside.loop.boot``) takes over the process's stdin and stdout (never
+own: starting its state (``inside.boot``) takes over the process's stdin and stdout (never
 pytest's). A script gets the package's parent directory as ``sys.argv[1]`` and prints one JSON
 object, on the agent's protocol descriptor; ``PRELUDE`` starts one so (``st``: the state, ``out``:
 a text stream on that descriptor)."""
@@ -16,8 +16,8 @@ PRELUDE = r'''
 import json, os, sys
 sys.path.insert(0, sys.argv[1])
 sys.argv = ["runner"]
-from inside import loop as _loop
-st = _loop.boot()  # its fds 0 and 1 now go to /dev/null: answer on the protocol's copy
+import inside as _inside
+st = _inside.boot()  # its fds 0 and 1 now go to /dev/null: answer on the protocol's copy
 out = os.fdopen(st.proto_out, "w")
 '''
 

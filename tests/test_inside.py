@@ -52,7 +52,7 @@ def test_the_agent_imports_the_standard_library_and_itself_only():
 
 
 def test_the_agent_keeps_its_state_in_one_object():
-    """What outlives a request lives on ``loop.State``: no ``global`` statement, no module-level
+    """What outlives a request lives on ``inside.State``: no ``global`` statement, no module-level
     list (the shape the old module kept its state in), and every other module-level name a
     constant (upper case), an import, a function or a class."""
     for path in MODULES:

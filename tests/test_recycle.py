@@ -222,17 +222,18 @@ ON_ITS_WAY_OUT = r"""
 import json, os, sys, time
 sys.path.insert(0, sys.argv[1])
 sys.argv = ["runner"]
-from inside import loop, reset
-st = loop.boot()  # (takes over this process's stdin and stdout: run apart, never in pytest's)
+import inside
+from inside import procs
+st = inside.boot()  # (takes over this process's stdin and stdout: run apart, never in pytest's)
 pid = os.fork()
 if pid == 0:
     os._exit(0)
 for _ in range(200):  # until it is a zombie
-    if reset.read_proc(st, f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[0] == b"Z":
+    if procs.read_proc(st, f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[0] == b"Z":
         break
     time.sleep(0.01)
-out = [reset.process_state(st, pid)["ending"], reset.process_state(st, os.getpid())["ending"],
-       reset.sigkill_pending(st, os.getpid())]
+out = [procs.process_state(st, pid)["ending"], procs.process_state(st, os.getpid())["ending"],
+       procs.sigkill_pending(st, os.getpid())]
 os.waitpid(pid, 0)
 os.write(st.proto_out, json.dumps(out).encode())
 """
@@ -242,23 +243,24 @@ HELD_PROC = r"""
 import json, os, resource, sys
 sys.path.insert(0, sys.argv[1])
 sys.argv = ["runner"]
-from inside import loop, reset
-st = loop.boot()
+import inside
+from inside import procs
+st = inside.boot()
 r, w = os.pipe()
 pid = os.fork()
 if pid == 0:
     os.read(r, 1)
     os._exit(0)
 path = f"/proc/{pid}/limits"
-first = reset.read_proc(st, path, hold=True)
+first = procs.read_proc(st, path, hold=True)
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft - 7, hard))  # changed between two reads
-again = reset.read_proc(st, path, hold=True)  # the same descriptor, read afresh
-fresh = first != again and again == reset.read_proc(st, path) and b" %d " % (soft - 7) in again
+again = procs.read_proc(st, path, hold=True)  # the same descriptor, read afresh
+fresh = first != again and again == procs.read_proc(st, path) and b" %d " % (soft - 7) in again
 os.write(w, b"x")
 os.waitpid(pid, 0)
 try:
-    reset.read_proc(st, path, hold=True)
+    procs.read_proc(st, path, hold=True)
     after = "read"
 except OSError as e:
     after = e.errno
@@ -268,7 +270,7 @@ print(json.dumps({"fresh": fresh, "held": path in st.proc_held,
 
 
 def test_a_held_proc_file_reads_afresh_and_fails_once_its_process_is_gone(tmp_path):
-    """``inside.reset.read_proc(hold=True)``: the reset's reads of the runner's and the zygote's state
+    """``inside.procs.read_proc(hold=True)``: the reset's reads of the runner's and the zygote's state
     come from descriptors kept open; each read is the file as it is now, and once the process has
     ended (and been reaped) a read fails rather than reaching whatever process takes its number."""
     out = run_with_runner(tmp_path, HELD_PROC)
@@ -277,7 +279,7 @@ def test_a_held_proc_file_reads_afresh_and_fails_once_its_process_is_gone(tmp_pa
 
 
 def test_a_process_on_its_way_out_is_not_taken_for_the_one_snapshotted():
-    """``inside.reset.process_state``: a zombie (as a killed zygote is until reaped) reads ``ending``."""
+    """``inside.procs.process_state``: a zombie (as a killed zygote is until reaped) reads ``ending``."""
     import subprocess
     import sys
 
@@ -404,8 +406,7 @@ def test_a_child_forked_ahead_is_seen_by_no_other_kind_of_run():
 #: a script's start that drives the agent's ``Zygote`` itself (``z``), answering on ``out``
 WITH_ZYGOTE = PRELUDE + r'''
 import signal, tempfile, time
-from inside import procs, zygote
-from inside.loop import unb64
+from inside import unb64, zygote
 z = zygote.Zygote(st)
 '''
 
@@ -676,12 +677,13 @@ def without_traceback(name, *args, **kwargs):
         raise ImportError("an image's minimal python")
     return real(name, *args, **kwargs)
 builtins.__import__ = without_traceback
-from inside import loop, zygote
-st = loop.boot()
+import inside
+from inside import zygote
+st = inside.boot()
 out = os.fdopen(st.proto_out, "w")
 z = zygote.Zygote(st)
 r = z.run({"cwd": tempfile.gettempdir(), "code": "print(5)", "timeout_s": 10})
-print(json.dumps({"exit": r["exit_code"], "stdout": loop.unb64(r["stdout"]).decode(), "broken": z.broken}), file=out)
+print(json.dumps({"exit": r["exit_code"], "stdout": inside.unb64(r["stdout"]).decode(), "broken": z.broken}), file=out)
 """
 
 

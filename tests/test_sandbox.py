@@ -695,7 +695,7 @@ def test_a_streamed_cell_writing_a_byte_at_a_time_is_coalesced():
     """Each read of a cell's pipe used to be its own chunk line: hostile output written a byte at a
     time cost the engine process a line, a decode and a call per byte. Chunks now leave at most
     every CELL_COALESCE_S (the bound below counts the cell's whole duration), all bytes in order."""
-    from arl_tangram.managers.sandbox.inside.loop import COALESCE_S as CELL_COALESCE_S
+    from arl_tangram.managers.sandbox.inside import COALESCE_S as CELL_COALESCE_S
     cell = "import os\nfor i in range(20000):\n    os.write(1, b'x')\nos.write(2, b'end')"
 
     r, chunks, took = _streamed_cell(cell)
@@ -710,7 +710,7 @@ def test_a_streamed_cell_writing_chunk_lines_itself_is_capped_and_coalesced():
     Capture's cap and coalescing: the runner relayed each line and the engine process parsed and
     decoded every one (200k lines: 1.69 s of its CPU). The runner now relays at most
     ``max_output_bytes`` a stream, in chunks at most every CELL_COALESCE_S."""
-    from arl_tangram.managers.sandbox.inside.loop import COALESCE_S as CELL_COALESCE_S
+    from arl_tangram.managers.sandbox.inside import COALESCE_S as CELL_COALESCE_S
     cell = """import os, sys
 f = sys._getframe()
 while "st" not in f.f_locals:
@@ -1029,8 +1029,7 @@ def test_a_sessions_shell_files_never_lead_the_runner_to_its_own_channel():
 # openat2 and without it (an older kernel: the descriptors this process holds are compared).
 OPEN_PLAIN = PRELUDE + r'''
 import tempfile
-from inside import files, fsops
-from inside.loop import to_json
+from inside import files, fsops, to_json
 d = tempfile.mkdtemp()
 held = open(os.path.join(d, "held.txt"), "w")  # a file this process holds open
 plain = os.path.join(d, "plain.txt")

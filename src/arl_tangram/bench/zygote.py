@@ -2,7 +2,7 @@
 any sandbox, its child forked on demand against forked ahead (as the reset of a recycled sandbox
 does), for ``tangram bench zygote``.
 
-Each measurement is a fresh process that starts the sandbox agent's state (``inside.loop.boot``:
+Each measurement is a fresh process that starts the sandbox agent's state (``inside.boot``:
 it takes over its own descriptors 0 and 1, so it answers on the protocol's copy): ``runs`` trivial one-shots, an idle
 ``gap_s`` after each (where the sandbox would wait in the pool), reporting a run's p50 wall time
 (the latency path), the zygote's and its children's CPU and page faults per run, and the
@@ -25,8 +25,9 @@ import json, os, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 ahead, runs, gap = sys.argv[2] == "ahead", int(sys.argv[3]), float(sys.argv[4])
 sys.argv = ["runner"]
-from inside import loop, zygote
-st = loop.boot()
+import inside
+from inside import zygote
+st = inside.boot()
 out = os.fdopen(st.proto_out, "w")
 z = zygote.Zygote(st)
 req = {"cwd": os.environ.get("TMPDIR", "/tmp"), "code": os.environ["PROBE_CODE"],

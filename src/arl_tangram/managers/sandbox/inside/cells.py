@@ -15,9 +15,8 @@ import select
 import sys
 import time
 
-from .pickling import _rest_dump, load_here, pack_here
-from .loop import PR_SET_DUMPABLE
-from .loop import COALESCE_S, b64, chunk_line, print_exc, read_message, stream, to_json, write_all
+from . import COALESCE_S, PR_SET_DUMPABLE, b64, chunk_line, print_exc, read_message, stream, to_json, write_all
+from .pickling import load_here, pack_here, rest_dump
 
 
 class Capture:
@@ -67,7 +66,7 @@ class Capture:
 
 def chunk_writer(st):
     """A streamed request's output chunks, sent while it runs as a shell step's are (a chunk line
-    each, ``loop.chunk_line``), from the capture threads (one lock: lines whole); to ``st.out``:
+    each, ``inside.chunk_line``), from the capture threads (one lock: lines whole); to ``st.out``:
     the agent's pipe, in a session's interpreter."""
     import threading
     lock = threading.Lock()
@@ -189,7 +188,7 @@ def session_warm(st, fd_in):
     namespace = st.namespace
     names, environ, path, cwd = dict(namespace), dict(os.environ), list(sys.path), os.getcwd()
     try:
-        load_here(st, {"state": marshal.dumps({"ns": _rest_dump(st, {"x": list(range(1000)), "y": "warm"}), "cwd": cwd,
+        load_here(st, {"state": marshal.dumps({"ns": rest_dump(st, {"x": list(range(1000)), "y": "warm"}), "cwd": cwd,
                                                "environ": environ, "path": path}, 4)})
         cell_here(st, {"code": "_ = [i for i in range(3)]\ndel _\n1 + 1", "timeout_s": 5, "max_output": 1024})
     except BaseException:  # a saving only

@@ -11,8 +11,7 @@ and only a regular file outside the kernel's pseudo file systems is read or writ
 
 import os
 
-from .loop import ctypes
-from .loop import b64, unb64, write_all
+from . import b64, ctypes, unb64, write_all
 
 SYS_OPENAT2 = 437  # one number on every architecture (it came after the tables were unified)
 RESOLVE_NO_MAGICLINKS = 0x02

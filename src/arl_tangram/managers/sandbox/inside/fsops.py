@@ -9,8 +9,8 @@ writes are (``files.open_plain``); nothing on a pseudo file system is shown (``f
 
 import os
 
-from .files import NotPlain, open_no_magic, open_plain, pseudo_devs, read_past, READ_TOTAL
-from .loop import b64, shown, unb64, write_all
+from . import b64, shown, unb64, write_all
+from .files import READ_TOTAL, NotPlain, open_no_magic, open_plain, pseudo_devs, read_past
 
 #: the most entries one ``list`` answers, and the most bytes of their names (the answer is one line
 #: of the host's channel, 64 MiB: 10,000 links of 4 KB targets under a deep path would overflow it)

@@ -12,7 +12,7 @@ import marshal
 import os
 import sys
 
-from .loop import b64
+from . import b64
 
 REST_SKIP = ("__builtins__",)
 
@@ -87,7 +87,7 @@ def _rest_pickler(st, buf):
     return Pickler(buf, 4)
 
 
-def _rest_dump(st, value):
+def rest_dump(st, value):
     buf = io.BytesIO()
     _rest_pickler(st, buf).dump(value)
     return buf.getvalue()
@@ -119,16 +119,16 @@ def pack_here(st, req):
     dropped = {}
     st.rest_modules = set()
     try:
-        ns = _rest_dump(st, state)
+        ns = rest_dump(st, state)
     except BaseException:  # one value cannot be carried: find which, keep the others together
         keep = {}
         for k, v in state.items():
             try:
-                _rest_dump(st, v)
+                rest_dump(st, v)
                 keep[k] = v
             except BaseException as e:
                 dropped[k] = f"{type(e).__name__}: {e}"[:300]
-        ns = _rest_dump(st, keep)
+        ns = rest_dump(st, keep)
     blob = marshal.dumps({"ns": ns, "cwd": os.getcwd(), "environ": dict(os.environ), "path": list(sys.path)}, 4)
     return {"state": b64(blob), "dropped": dropped, "modules": sorted(st.rest_modules)}
 

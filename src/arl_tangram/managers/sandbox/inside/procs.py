@@ -1,5 +1,5 @@
 """Processes: a one-shot's child and its output, the ``run`` operation, the bash started ahead,
-and the reaping of whatever a request left running.
+the reaping of whatever a request left running, and what ``/proc`` says of a process.
 
 A run's process group. Each run's process (a python one-shot's child, a bash, a program) leads a
 process group of its own, which is what a timeout kills, in the agent's session (bubblewrap's
@@ -34,15 +34,16 @@ import os
 import select
 import time
 
-from .loop import SIGINT, SIGKILL, SIGPIPE, SIGXFSZ
-from .loop import b64, print_exc, unb64, write_all
+from . import SIGINT, SIGKILL, SIGPIPE, SIGXFSZ, b64, print_exc, unb64, write_all
 
 # what an exec'd program starts with at its default disposition, as Python's subprocess does
-# (restore_signals): the agent ignores SIGINT (``loop.boot``) and SIGPIPE (Python's start-up),
+# (restore_signals): the agent ignores SIGINT (``inside.boot``) and SIGPIPE (Python's start-up),
 # and `yes | head -1` must end quietly, as in a terminal and under SandboxFusion
 RESTORED = (SIGINT, SIGPIPE, SIGXFSZ)
 BASH_AHEAD_FD = 3
 BASH_NOT_AHEAD = ("BASH_ENV", "ENV", "POSIXLY_CORRECT", "SHELLOPTS", "BASHOPTS", "PS4", "LOCPATH", "GCONV_PATH")
+PF_EXITING = 0x4  # /proc/<pid>/stat's flags: the process is exiting (bench/cpu.py's ``_exiting`` reads
+# the same three signs on the host: this package runs alone inside a sandbox and shares no import)
 
 
 def reap_strays(st, keep=()):
@@ -357,3 +358,56 @@ def take_bash_ahead(st, req, argv, env, limit):
     os.close(ctl_w)
     return finish(req, start, *collect(pid, out_r, err_r, in_w, unb64(req.get("stdin")),
                                        float(req.get("timeout_s") or 10), int(req.get("max_output") or 1 << 20)))
+
+
+# -- /proc --------------------------------------------------------------------------------------------
+# The files the reset reads after every one-shot (the agent's and the zygote's stat and limits, the
+# zygote's status) are held open by path: a read is then one ``pread`` at offset 0 (the kernel
+# writes the text afresh at every read) instead of an open, two reads and a close. A held file
+# belongs to the process it was opened for: once that one has ended its reads fail (ESRCH), where
+# opening the path again could reach a process that has taken the number since. Never in a process
+# forked from the agent (``State.close_held``): they are close-on-exec, and the forks that run no
+# exec (the zygote, a run's child without one, a session's interpreter without one) close them.
+
+def read_proc(st, path, hold=False):
+    """A ``/proc`` file's bytes, read raw (``open()``'s text stack costs more: the reset reads five
+    of them per one-shot); ``hold``: from a descriptor kept open (``State.proc_held``)."""
+    if hold:
+        fd = st.proc_held.get(path)
+        if fd is None:
+            fd = st.proc_held[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        data = os.pread(fd, 65536, 0)
+        if len(data) < 65536:  # (all of it: none of these files is near that long)
+            return data
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = b""
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return data
+            data += chunk
+    finally:
+        os.close(fd)
+
+
+def process_state(st, pid):
+    """What a same-uid process could change about ``pid`` without ptrace: rlimits (prlimit),
+    nice and scheduling policy, CPU affinity; whether it is stopped; and whether it is on its way
+    out (a one-shot's ``kill -9 -1`` kills the zygote, and the reset right after its answer may
+    still find it in /proc, a SIGKILL pending or exiting: kept, the next python one-shot there
+    would fail)."""
+    f = read_proc(st, f"/proc/{pid}/stat", hold=True).rsplit(b")", 1)[1].split()
+    return {"limits": read_proc(st, f"/proc/{pid}/limits", hold=True), "nice": f[16], "policy": f[38],
+            "cpus": sorted(os.sched_getaffinity(pid)), "stopped": f[0] in (b"T", b"t"),
+            # from the same read; a SIGKILL pending is one more (``sigkill_pending``), asked by the
+            # reset for the zygote only: the agent, reading, has none
+            "ending": f[0] in (b"Z", b"X", b"x") or bool(int(f[6]) & PF_EXITING)}
+
+
+def sigkill_pending(st, pid):
+    """Whether a SIGKILL waits for ``pid`` (its thread's or its process's pending signals)."""
+    for line in read_proc(st, f"/proc/{pid}/status", hold=True).splitlines():
+        if line.startswith((b"SigPnd:", b"ShdPnd:")) and int(line.split()[1], 16) & (1 << (SIGKILL - 1)):
+            return True
+    return False

@@ -3,7 +3,7 @@
 No process but the agent and the zygote, every writable place empty with its mode back and no
 extended attributes, no System V IPC object, empty keyrings (or none usable at all:
 ``deny_keyrings``), and the agent's and the zygote's rlimits, priority and affinity as they were at
-start (``/proc``, read from descriptors held open). What cannot be verified says why, and the host
+start (``procs.process_state``, read from descriptors held open). What cannot be verified says why, and the host
 discards the sandbox instead of reusing it.
 """
 
@@ -11,8 +11,8 @@ import os
 import sys
 import time
 
-from .procs import drop_bash_ahead, reap_strays, start_bash_ahead
-from .loop import SIGKILL, ctypes
+from . import ctypes
+from .procs import drop_bash_ahead, process_state, reap_strays, read_proc, sigkill_pending, start_bash_ahead
 
 MACHINE = os.uname().machine
 #: seccomp's view of the architecture (``AUDIT_ARCH_*``) and the keyring system calls' numbers there
@@ -23,8 +23,6 @@ SECCOMP_CALL = {"x86_64": 317, "aarch64": 277}  # seccomp(2): for SECCOMP_FILTER
 X32_BIT = 0x40000000  # x32 system calls on x86_64: refused whole (no interpreter here uses them)
 KEYCTL = KEYRING_CALLS[MACHINE][1][2] if MACHINE in KEYRING_CALLS else None  # keyctl(2) here, if known
 KEYS_GC_S = 1.0  # how long a reset waits for the keys it unlinked to be destroyed
-PF_EXITING = 0x4  # /proc/<pid>/stat's flags: the process is exiting (bench/cpu.py's ``_exiting`` reads
-# the same three signs on the host: this package runs alone inside a sandbox and shares no import)
 #: (cmd, offset of the count in the answer): SHM_INFO's ``used_ids``, MSG_INFO's ``msgpool``,
 #: SEM_INFO's ``semusz``: how many objects of each kind this IPC namespace holds
 IPC_COUNTS = (("shm", 14, 0), ("msg", 12, 0), ("sem", 19, 28))
@@ -123,59 +121,6 @@ def wipe(path):
         else:
             os.unlink(entry.path)
     return found
-
-
-# -- /proc --------------------------------------------------------------------------------------------
-# The files the reset reads after every one-shot (the agent's and the zygote's stat and limits, the
-# zygote's status) are held open by path: a read is then one ``pread`` at offset 0 (the kernel
-# writes the text afresh at every read) instead of an open, two reads and a close. A held file
-# belongs to the process it was opened for: once that one has ended its reads fail (ESRCH), where
-# opening the path again could reach a process that has taken the number since. Never in a process
-# forked from the agent (``State.close_held``): they are close-on-exec, and the forks that run no
-# exec (the zygote, a run's child without one, a session's interpreter without one) close them.
-
-def read_proc(st, path, hold=False):
-    """A ``/proc`` file's bytes, read raw (``open()``'s text stack costs more: the reset reads five
-    of them per one-shot); ``hold``: from a descriptor kept open (``State.proc_held``)."""
-    if hold:
-        fd = st.proc_held.get(path)
-        if fd is None:
-            fd = st.proc_held[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        data = os.pread(fd, 65536, 0)
-        if len(data) < 65536:  # (all of it: none of these files is near that long)
-            return data
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        data = b""
-        while True:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return data
-            data += chunk
-    finally:
-        os.close(fd)
-
-
-def process_state(st, pid):
-    """What a same-uid process could change about ``pid`` without ptrace: rlimits (prlimit),
-    nice and scheduling policy, CPU affinity; whether it is stopped; and whether it is on its way
-    out (a one-shot's ``kill -9 -1`` kills the zygote, and the reset right after its answer may
-    still find it in /proc, a SIGKILL pending or exiting: kept, the next python one-shot there
-    would fail)."""
-    f = read_proc(st, f"/proc/{pid}/stat", hold=True).rsplit(b")", 1)[1].split()
-    return {"limits": read_proc(st, f"/proc/{pid}/limits", hold=True), "nice": f[16], "policy": f[38],
-            "cpus": sorted(os.sched_getaffinity(pid)), "stopped": f[0] in (b"T", b"t"),
-            # from the same read; a SIGKILL pending is one more (``sigkill_pending``), asked by the
-            # reset for the zygote only: the agent, reading, has none
-            "ending": f[0] in (b"Z", b"X", b"x") or bool(int(f[6]) & PF_EXITING)}
-
-
-def sigkill_pending(st, pid):
-    """Whether a SIGKILL waits for ``pid`` (its thread's or its process's pending signals)."""
-    for line in read_proc(st, f"/proc/{pid}/status", hold=True).splitlines():
-        if line.startswith((b"SigPnd:", b"ShdPnd:")) and int(line.split()[1], 16) & (1 << (SIGKILL - 1)):
-            return True
-    return False
 
 
 def snapshot(st, pid=None):

@@ -13,8 +13,8 @@ import marshal
 import os
 import time
 
-from .sessions import LATE_PACK, REST_CHILD_S, CHILD_LINE_MAX, child_call, end_child, start_child
-from .loop import b64, unb64, write_all
+from . import b64, unb64, write_all
+from .sessions import CHILD_LINE_MAX, LATE_PACK, REST_CHILD_S, child_call, end_child, start_child
 
 REST_INLINE = 256 << 10  # a blob up to this size rides on the rest's own answer
 REST_CHUNK = 4 << 20  # bytes per answer line (base64: ~5.6 MB; the host reads lines up to 64 MB)

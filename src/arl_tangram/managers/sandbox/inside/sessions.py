@@ -22,8 +22,13 @@ import select
 import sys
 import time
 
-from .loop import SIGKILL, _socket
-from .loop import COALESCE_S, b64, chunk_line, unb64, write_all
+from . import COALESCE_S, SIGKILL, b64, chunk_line, unb64, write_all
+from .procs import process_state
+
+try:
+    import _socket
+except ImportError:  # an image's minimal python: no zygote there (``inside.LIBC`` is None)
+    _socket = None
 
 CHILD_GRACE_S = 1.0  # past a cell's own timeout (its alarm, in the child), the agent ends the child
 CHILD_LINE_MAX = 1 << 30  # a pack's answer (the namespace, fetched by the host in chunks) longer than this is nonsense
@@ -332,7 +337,6 @@ def _cell_parts(display, raised):
 def _zygote_ended(st):
     """Whether the zygote was ended or stopped: in a session's sandbox only the session's own
     code can do that (a signal to its interpreter's parent, or the memory it used)."""
-    from .reset import process_state
     try:
         pid, _ = os.waitpid(st.zygote.pid, os.WNOHANG)
         return bool(pid) or process_state(st, st.zygote.pid)["stopped"]

@@ -9,7 +9,7 @@ step. Each step is written to a file and sourced in the shell's own process by a
 
 OUT and ERR are FIFOs the agent reads while the step runs (stdout and stderr stay apart, each
 capped like every other step's output; a ``stream`` request also forwards what it keeps to the
-host while the step runs, ``loop.COALESCE_S`` at a time); the step's exit status comes back on a
+host while the step runs, ``inside.COALESCE_S`` at a time); the step's exit status comes back on a
 private pipe (fd 3, closed for the step itself) behind a per-step random nonce. The agent also holds
 a writer of each FIFO open, so a step's end is never mistaken for the start of the next one. The
 files are made as ``shellio`` says.
@@ -35,9 +35,9 @@ import os
 import select
 import time
 
+from . import COALESCE_S, b64, chunk_line, read_message, unb64, write_all
 from .procs import env_for, reap_strays
 from .shellio import DIR, LiveIn, ShellDir, Tampered
-from .loop import COALESCE_S, b64, chunk_line, read_message, unb64, write_all
 
 #: what a shell file's making fails with when something else was put in its way (the shell is then
 #: started afresh); anything else (ENOSPC: /tmp full) fails the step and keeps the shell

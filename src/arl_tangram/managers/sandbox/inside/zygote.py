@@ -11,9 +11,14 @@ import select
 import sys
 import time
 
+from . import (PR_GET_DUMPABLE, PR_SET_DUMPABLE, SIGINT, SIGKILL, print_exc, read_exact, read_message, stream, unb64,
+               write_all)
 from .procs import RESTORED, cap_address_space, collect, env_for, finish, spawn
-from .loop import PR_GET_DUMPABLE, PR_SET_DUMPABLE, SIGINT, SIGKILL, _socket
-from .loop import print_exc, read_exact, read_message, stream, unb64, write_all
+
+try:
+    import _socket
+except ImportError:  # an image's minimal python: no zygote there (``inside.LIBC`` is None)
+    _socket = None
 
 RUN_FDS = 4  # a run's stdin, stdout, stderr and status pipe
 #: at a run's deadline, how long its child's pid may still take to come (``Zygote.taken_by``): well
