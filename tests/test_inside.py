@@ -116,3 +116,51 @@ def test_a_one_shot_loads_only_what_it_uses(tmp_path):
     shell = sorted(cell + ["inside.shell", "inside.shellio"])
     assert seen["shell"] == [shell, "5\n"], seen
     assert seen["rest"] == sorted(shell + ["inside.rest"]), seen
+
+
+EARLIER_BLOB = PRELUDE + r'''
+import marshal, pickle, types
+from inside import pickling
+# a namespace as the agent before this package packed it: its helpers were the module ``runner``'s
+# (or ``__main__``'s, run as a script); a blob of that kind must still load after an upgrade
+for where in ("runner", "__main__"):
+    mod = types.ModuleType(where) if where == "runner" else sys.modules["__main__"]
+    sys.modules[where] = mod
+    for name in ("_rest_fn", "_rest_fn_fill", "_rest_cls", "_rest_cls_fill"):
+        stand_in = getattr(pickling, name)
+        fake = types.FunctionType(stand_in.__code__, stand_in.__globals__, name, stand_in.__defaults__)
+        fake.__module__, fake.__qualname__ = where, name
+        setattr(mod, name, fake)
+    ns = {"__name__": "__main__"}
+    exec("k = 7\ndef f(x):\n    return x + k\nclass C:\n    y = 2\nc = C()", ns)
+    saved = pickling._rest_fn, pickling._rest_fn_fill, pickling._rest_cls, pickling._rest_cls_fill
+    pickling._rest_fn, pickling._rest_fn_fill, pickling._rest_cls, pickling._rest_cls_fill = (
+        mod._rest_fn, mod._rest_fn_fill, mod._rest_cls, mod._rest_cls_fill)
+    st.namespace = ns
+    blob = pickling.rest_dump(st, {k: v for k, v in ns.items() if k != "__builtins__"})
+    pickling._rest_fn, pickling._rest_fn_fill, pickling._rest_cls, pickling._rest_cls_fill = saved
+    assert b"_rest_fn" in blob and b"inside.pickling" not in blob and (where != "runner" or b"runner" in blob), blob
+    if where == "runner":
+        del sys.modules["runner"]
+    for name in ("_rest_fn", "_rest_fn_fill", "_rest_cls", "_rest_cls_fill"):
+        delattr(mod, name)  # gone, as after an upgrade
+    st.namespace = {"__name__": "__main__"}
+    r = pickling.load_here(st, {"state": marshal.dumps({"ns": blob, "cwd": os.getcwd(), "environ": dict(os.environ),
+                                                        "path": list(sys.path)}, 4)})
+    got = st.namespace
+    print(json.dumps([where, r["dropped"], got["f"](1), got["c"].y, got["f"].__globals__ is got]), file=out)
+'''
+
+
+def test_a_namespace_the_agent_packed_before_it_was_a_package_still_wakes(tmp_path):
+    """Rested sessions are kept on disk across a server's restart: a blob whose functions and
+    classes were packed by ``runner._rest_fn`` (or ``__main__``'s, the agent run as a script) loads
+    with the package's own helpers, the functions bound to the namespace they are loaded into."""
+    script = tmp_path / "earlier.py"
+    script.write_text(EARLIER_BLOB)
+    import subprocess
+    p = subprocess.run([sys.executable, "-I", str(script), str(INSIDE.parent)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = [__import__("json").loads(line) for line in p.stdout.splitlines()]
+    assert lines == [["runner", {}, 8, 2, True], ["__main__", {}, 8, 2, True]], lines
