@@ -168,8 +168,7 @@ class Graphs:
                 if not _out_of_memory(e):
                     raise
                 # the GPU's free memory sits in the caches, which no capture may hand back: once
-                # more the way that empties them first (a full H100 of 12 teachers: a 7B's capture
-                # ran out of memory with 41 GiB cached and unused, and that copy ran eager)
+                # more the way that empties them first (else a full GPU's copy would run eager)
                 log.info("a CUDA graph capture ran out of memory with the caches kept: captured again "
                          "after handing them back")
                 graph = torch.cuda.CUDAGraph()
