@@ -13,7 +13,8 @@ calls. ``dialect(config)`` builds the dialect over a configuration (quotas, rewa
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
 
 from fastapi import Request
 
@@ -28,18 +29,29 @@ PREFIXES = ("/generate", "/classify", "/pooling", "/models/", "/v1/completions",
             "/v1/embeddings")
 
 
+class Reach(NamedTuple):
+    """The engine process's calls the routes make (in process, or across the front link)."""
+
+    models: Callable[..., Any]
+    generate: Callable[..., Any]
+    classify: Callable[..., Any]
+
+
+def routes(router: Any, calls: Any, guarded: Sequence[Any], config: ModelApiConfig | None = None) -> None:
+    """Every protocol's routes over ``calls``; the reward routes ``config`` names."""
+    reach = Reach(lambda *a: calls.modelapi_models(*a), lambda *a: calls.modelapi_generate(*a),  # looked up
+                  lambda *a: calls.modelapi_classify(*a))  # when called, as every dialect's routes do
+    sglang.routes(router, reach, guarded)
+    openai.routes(router, reach, guarded)
+    pooling.routes(router, reach, guarded)
+    for r in (config.reward_routes if config is not None else ()):
+        rewards.add(router, reach, guarded, r)
+
+
 def dialect(config: ModelApiConfig | None = None) -> Dialect:
     """The model protocols' dialect over ``config`` (its quotas and reward routes)."""
-    config = config or ModelApiConfig()
-    calls = Calls(config)
-    reward_paths = frozenset(r.path for r in config.reward_routes)
-
-    def routes(router: Any, remote: Any, guarded: Sequence[Any]) -> None:
-        sglang.routes(router, remote, guarded)
-        openai.routes(router, remote, guarded)
-        pooling.routes(router, remote, guarded)
-        for r in config.reward_routes:
-            rewards.add(router, remote, guarded, r)
+    calls = Calls(config or ModelApiConfig())
+    reward_paths = frozenset(r.path for r in config.reward_routes) if config is not None else frozenset()
 
     def claims(request: Request) -> bool:
         p = request.url.path
@@ -47,7 +59,8 @@ def dialect(config: ModelApiConfig | None = None) -> Dialect:
                 or (p.startswith("/v1/models/") and request.method == "GET"))
 
     return Dialect("modelapi", {"modelapi_models": calls.models, "modelapi_generate": calls.generate,
-                                "modelapi_classify": calls.classify}, routes,
+                                "modelapi_classify": calls.classify},
+                   routes if config is None else functools.partial(routes, config=config),
                    claims=claims, error=lambda status, message: error_body("openai", status, message),
                    relayed=(ApiError,))
 

@@ -232,7 +232,7 @@ async def _sse(chunks: list[dict]):
 def routes(router: Any, calls: Any, guarded: Any) -> None:
     async def models(request: Request) -> Response:
         only = request.path_params.get("model")
-        got = await answer(calls.modelapi_models())
+        got = await answer(calls.models())
         data = [{"id": m["id"], "object": "model", "created": 0, "owned_by": OWNER, "root": m["root"], "parent": None}
                 for m in got if only is None or m["id"] == only]
         if only is not None and not data:
@@ -241,7 +241,7 @@ def routes(router: Any, calls: Any, guarded: Any) -> None:
 
     async def model(request: Request) -> Response:
         name = request.path_params["name"]
-        got = await answer(calls.modelapi_models())
+        got = await answer(calls.models())
         for m in got:
             if m["id"] == name and request.path_params.get("model") in (None, name):
                 return json_response({"id": m["id"], "object": "model", "created": 0, "owned_by": OWNER,
@@ -265,7 +265,7 @@ def routes(router: Any, calls: Any, guarded: Any) -> None:
                             output_logprobs=body.logprobs is not None, top_logprobs=k, pieces=True)
             items += _samples(base, body.n)
         name = request.path_params.get("model") or body.model
-        resolved, got = await answer(calls.modelapi_generate(PROTOCOL, name, items))
+        resolved, got = await answer(calls.generate(PROTOCOL, name, items))
         shown = body.model or resolved
         choices = []
         for i, g in enumerate(got):
@@ -314,7 +314,7 @@ def routes(router: Any, calls: Any, guarded: Any) -> None:
                         output_logprobs=body.logprobs, top_logprobs=max(k, body.prompt_logprobs or 0),
                         pieces=body.logprobs or body.prompt_logprobs is not None)
         name = request.path_params.get("model") or body.model
-        resolved, got = await answer(calls.modelapi_generate(PROTOCOL, name, _samples(base, body.n)))
+        resolved, got = await answer(calls.generate(PROTOCOL, name, _samples(base, body.n)))
         shown = body.model or resolved
         cid, created = new_id("chatcmpl"), now()
         usage = _usage(got, body.n)

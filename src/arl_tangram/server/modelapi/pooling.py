@@ -85,7 +85,7 @@ def routes(router: Any, calls: Any, guarded: Any) -> None:
     async def run(request: Request) -> tuple[ScoreBody, str, list[Classified]]:
         body = await body_of(request, ScoreBody)
         name = request.path_params.get("model") or body.model
-        resolved, got = await answer(calls.modelapi_classify(PROTOCOL, name, inputs(body)))
+        resolved, got = await answer(calls.classify(PROTOCOL, name, inputs(body)))
         return body, body.model or resolved, got
 
     async def classify(request: Request) -> Response:

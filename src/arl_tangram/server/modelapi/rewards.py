@@ -50,7 +50,7 @@ def add(router: Any, calls: Any, guarded: Any, r: RewardRoute) -> None:
             body = await body_of(request, OpenRlhfBody)
             if not body.query:
                 raise bad("query: empty", "query")
-            _, got = await answer(calls.modelapi_classify(PROTOCOL, r.model, [Classify(text=q) for q in body.query]))
+            _, got = await answer(calls.classify(PROTOCOL, r.model, [Classify(text=q) for q in body.query]))
             rewards = [c.values[-1] for c in got]
             return json_response({"rewards": rewards, "scores": rewards,
                                   "extra_logs": {"tokens": [c.tokens for c in got]}})
@@ -63,7 +63,7 @@ def add(router: Any, calls: Any, guarded: Any, r: RewardRoute) -> None:
                 item = Classify(messages=[*body.prompt, {"role": "assistant", "content": body.response}])
             else:
                 item = Classify(text=body.prompt + body.response)
-            _, got = await answer(calls.modelapi_classify(PROTOCOL, r.model, [item]))
+            _, got = await answer(calls.classify(PROTOCOL, r.model, [item]))
             return json_response(got[0].values[-1])
 
         route(router, r.path, ["POST"], PROTOCOL, guarded, slime)

@@ -178,7 +178,7 @@ def routes(router: Any, calls: Any, guarded: Any) -> None:
         model = request.path_params.get("model") or body.model
         items, where, batch = requests(body)
         t = time.perf_counter()
-        _, got = await answer(calls.modelapi_generate(PROTOCOL, model, items))
+        _, got = await answer(calls.generate(PROTOCOL, model, items))
         took = time.perf_counter() - t
         rids = body.rid if isinstance(body.rid, list) else None
         out = [result(g, req, (rids[i] if rids and i < len(rids) else body.rid if isinstance(body.rid, str)
