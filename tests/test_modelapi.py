@@ -402,3 +402,37 @@ def test_bad_input_is_a_4xx_in_each_protocols_shape_and_the_batch_goes_on(server
                       headers={"Authorization": f"Bearer {FREE}"}).json()["error"]["message"] == "body: not valid JSON"
     r = httpx.get(server.url + "/v1/completions", headers={"Authorization": f"Bearer {FREE}"})
     assert r.status_code == 405 and "error" in r.json()
+
+
+# -- tangram serve, with HTTP front processes ----------------------------------------------------------
+
+@pytest.mark.slow
+def test_tangram_serve_with_fronts_answers_the_protocols_across_the_link(tmp_path, dirs):
+    """The default dialect in ``tangram serve`` (over the sandbox double) with a front process: the
+    requests cross the link as plain data, the protocols' errors as themselves."""
+    import openai
+
+    from servers import Server
+
+    config = {"models": [{"name": "llama", "hf": dirs["llama"], "task": "logprobs", "max_wait_ms": 20},
+                         {"name": "rm", "hf": dirs["rm"], "task": "score"}]}
+    server = Server(tmp_path, config, double=True, args=("--fronts", "1"), start_timeout_s=180)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        c = client.completions.create(model="llama", prompt=SEQS[0], max_tokens=0, echo=True, logprobs=0)
+        want = httpx.post(server.url + "/v1/models/llama/logprobs", json={"tokens": SEQS[0]}).json()["value"]
+        assert c.choices[0].logprobs.token_logprobs[1:] == pytest.approx(want, abs=1e-5)
+        chat = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=3, temperature=0)
+        assert chat.usage.completion_tokens <= 3
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="llama", prompt=[1, 99999])
+        assert e.value.body["param"] == "prompt"
+        r = httpx.post(server.url + "/generate", json={"input_ids": SEQS[1], "return_logprob": True,
+                                                       "logprob_start_len": 0,
+                                                       "sampling_params": {"max_new_tokens": 0}})
+        assert r.status_code == 200 and len(r.json()["meta_info"]["input_token_logprobs"]) == len(SEQS[1])
+        r = httpx.post(server.url + "/classify", json={"model": "rm", "input": "hello"})
+        assert r.status_code == 200 and r.json()["data"][0]["num_classes"] == 1
+    finally:
+        server.stop()
