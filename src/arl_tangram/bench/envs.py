@@ -137,7 +137,7 @@ async def _measure(samples: int, workspace_mb: int, children: int, log: Callable
         if mgr.layered:
             spawns: dict[str, list[float]] = {"plain": [], "layered": []}
             for _ in range(samples * 2):
-                for key, spawn in (("plain", mgr._spawn), ("layered", mgr._spawn_session)):
+                for key, spawn in (("plain", mgr.pool.spawn), ("layered", mgr.spares.spawn)):
                     t = time.perf_counter()
                     sb = await spawn()
                     spawns[key].append((time.perf_counter() - t) * 1000)

@@ -42,7 +42,7 @@ def interpreter_startup_ms(candidates: list[list[str]], runs: int = 15) -> dict[
 
 
 async def _wait_pool(tg: Tangram, size: int) -> None:
-    pool = tg.runtime.sandboxes._pool
+    pool = tg.runtime.sandboxes.pool.idle
     for _ in range(2000):
         if len(pool) >= size:
             return

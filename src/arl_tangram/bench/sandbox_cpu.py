@@ -58,7 +58,7 @@ def _group_s(sb) -> float | None:
 
 def _snapshot(mgr) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
-    for sb in list(mgr._pool or []) + list(mgr._busy):
+    for sb in list(mgr.pool.idle or []) + list(mgr.busy):
         monitor = _stat(sb.proc.pid)
         if monitor is None:
             continue

@@ -57,7 +57,7 @@ async def _measure(manager: SandboxManager, way: str, starts: int, ballast: byte
             await asyncio.sleep(0.01)
             c0, f0 = _usage()
             t0 = time.perf_counter()
-            sb = await manager._spawn(warm=False)
+            sb = await manager.pool.spawn(warm=False)
             wall = time.perf_counter() - t0
             c1, f1 = _usage()
             _touch(ballast)

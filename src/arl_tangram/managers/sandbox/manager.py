@@ -284,18 +284,3 @@ class SandboxManager(SandboxHost):
     @rest_recorded.setter
     def rest_recorded(self, fn: Callable[[], Awaitable[None]] | None) -> None:
         self.resting.rest_recorded = fn
-
-    # -- names bench/ reads today; the parts' public names replace them there --------------------
-    @property
-    def _pool(self) -> list[Sandbox] | None:
-        return self.pool.idle
-
-    @property
-    def _busy(self) -> set[Sandbox]:
-        return self.busy
-
-    async def _spawn(self, warm: bool = True) -> Sandbox:
-        return await self.pool.spawn(warm)
-
-    async def _spawn_session(self) -> Sandbox:
-        return await self.spares.spawn()
