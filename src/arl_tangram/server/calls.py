@@ -21,11 +21,12 @@ from types import MethodType
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from ..runtime import NoRoom, SessionGone
-from . import e2b, modelapi, native, sandboxfusion
+from . import daytona, e2b, modelapi, native, sandboxfusion
 from .dialect import Dialect
 from .service import CALLER_JOB, BadRequest, Conflict, Forbidden, NotFound, Overloaded, Service, Unavailable
 
-DIALECTS: tuple[Dialect, ...] = (sandboxfusion.DIALECT, native.DIALECT, e2b.DIALECT, modelapi.DIALECT)
+DIALECTS: tuple[Dialect, ...] = (sandboxfusion.DIALECT, native.DIALECT, e2b.DIALECT, modelapi.DIALECT,
+                                 daytona.DIALECT)
 
 
 def joined(dialects: Sequence[Dialect]) -> dict[str, Callable[..., Any]]:

@@ -36,6 +36,7 @@ NETWORK = ("http", "https", "git")
 GIT_TIMEOUT_S = 300.0
 #: git's own messages, as the daemon's error codes
 ERRORS = (("not a git repository", 404, "GIT_REPO_NOT_FOUND"),
+          ("cannot change to", 404, "GIT_REPO_NOT_FOUND"),
           ("Authentication failed", 401, "GIT_AUTH_FAILED"),
           ("could not read Username", 401, "GIT_AUTH_FAILED"),
           ("already exists", 409, "GIT_BRANCH_EXISTS"),
@@ -99,19 +100,20 @@ def _remote(url: Any, username: Any, password: Any) -> tuple[str, str | None]:
     return url, shown
 
 
-def _host_env(home: str) -> dict[str, str]:
+def _host_env(home: str, network: bool) -> dict[str, str]:
     """The host git's environment: none of the server's own (its secrets stay), no prompts, no
-    system or user configuration, and only the network protocols a sandbox's remote may use."""
+    system or user configuration; a command that reaches a remote may use only the network
+    protocols (never a path of the host), one that reads a bundle only files."""
     return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": home, "LC_ALL": "C", "GIT_TERMINAL_PROMPT": "0",
-            "GIT_CONFIG_NOSYSTEM": "1", "GIT_ALLOW_PROTOCOL": ":".join(NETWORK)}
+            "GIT_CONFIG_NOSYSTEM": "1", "GIT_ALLOW_PROTOCOL": ":".join(NETWORK) if network else "file"}
 
 
-async def _host(args: list[str], tmp: str, secret: str | None, insecure: bool = False) -> str:
+async def _host(args: list[str], tmp: str, secret: str | None, insecure: bool = False, network: bool = True) -> str:
     """``git args`` on the host (in a thread: a git transfer is seconds of waiting, not the event
     loop's); its failure as the daemon's error, the credentials masked."""
     argv = ["git", "-c", "transfer.fsckObjects=true"] + (["-c", "http.sslVerify=false"] if insecure else []) + args
     try:
-        p = await asyncio.to_thread(subprocess.run, argv, cwd=tmp, env=_host_env(tmp), capture_output=True,
+        p = await asyncio.to_thread(subprocess.run, argv, cwd=tmp, env=_host_env(tmp, network), capture_output=True,
                                     timeout=GIT_TIMEOUT_S, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         raise daemon(502, f"git {args[0]}: no answer from the remote within {GIT_TIMEOUT_S:.0f} s",
@@ -130,7 +132,8 @@ async def _fetched(remote: dict, branch: str | None = None) -> bytes:
         args = ["clone", "--bare", "--quiet"] + (["--branch", branch] if branch else []) + ["--", remote["fetch"],
                                                                                               "repo.git"]
         await _host(args, tmp, remote.get("password"), remote.get("insecure", False))
-        await _host(["-C", "repo.git", "bundle", "create", "--quiet", "../all.bundle", "--all"], tmp, None)
+        await _host(["-C", "repo.git", "bundle", "create", "--quiet", "../all.bundle", "--all"], tmp, None,
+                    network=False)
         with open(os.path.join(tmp, "all.bundle"), "rb") as fh:
             return fh.read()
     finally:
@@ -142,9 +145,9 @@ async def _push(remote: dict, bundle: bytes, branch: str) -> None:
     try:
         with open(os.path.join(tmp, "b.bundle"), "wb") as fh:
             fh.write(bundle)
-        await _host(["init", "--bare", "--quiet", "repo.git"], tmp, None)
+        await _host(["init", "--bare", "--quiet", "repo.git"], tmp, None, network=False)
         ref = f"refs/heads/{branch}"
-        await _host(["-C", "repo.git", "fetch", "--quiet", "../b.bundle", f"{ref}:{ref}"], tmp, None)
+        await _host(["-C", "repo.git", "fetch", "--quiet", "../b.bundle", f"{ref}:{ref}"], tmp, None, network=False)
         await _host(["-C", "repo.git", "push", "--quiet", "--", remote["fetch"], f"{ref}:{ref}"], tmp,
                     remote.get("password"), remote.get("insecure", False))
     finally:

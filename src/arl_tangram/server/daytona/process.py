@@ -26,25 +26,28 @@ from ...managers.sandbox.livestdin import LiveStdin, StdinClosed, StdinFull
 from ...runtime import ActionResult, SessionGone
 from ..service import NotFound, Service
 from .errors import DaytonaApiError, daemon
-from .sandboxes import LANGUAGE_LABEL, MAX_STEP_S, Box, sandboxes, translate, variables
+from .sandboxes import LANGUAGE_LABEL, MAX_STEP_S, USER, Box, sandboxes, translate, variables
 
 #: a command's timeout when ``exec`` names none (the toolbox API's documented default)
 EXEC_TIMEOUT_S = 10.0
 #: the interpreters ``code-run`` runs its code with, by the sandbox's language label
 INTERPRETERS = {"python": ["python3", "-c"], "javascript": ["node", "-e"],
                 "typescript": ["npx", "--yes", "tsx", "-e"]}
-#: where a process session keeps its state in the sandbox (one directory a session)
-STATE_ROOT = "/tmp/.tangram-daytona"
+#: where a process session keeps its state in the sandbox (a prefix: ``.cwd``, ``.vars``)
+STATE_ROOT = "/tmp/.tangram-daytona-"
 #: variables a session's state leaves out: the shell's own, and the state step's
-NOT_KEPT = ("BASH[A-Z_]*|BASHOPTS|BASHPID|EUID|PPID|SHELLOPTS|UID|GROUPS|FUNCNAME|PIPESTATUS|SECONDS|RANDOM|SRANDOM|"
-            "LINENO|EPOCHREALTIME|EPOCHSECONDS|HISTCMD|DIRSTACK|COMP_WORDBREAKS|_|__s|__rc|__c|PWD|OLDPWD|SHLVL")
+NOT_KEPT = ("BASH*|EUID|PPID|SHELLOPTS|UID|GROUPS|FUNCNAME|PIPESTATUS|SECONDS|RANDOM|SRANDOM|LINENO|EPOCHREALTIME|"
+            "EPOCHSECONDS|HISTCMD|DIRSTACK|COMP_WORDBREAKS|_|__*|PWD|OLDPWD|SHLVL")
 #: one command of a process session: its state read, the command run, its state written as it
-#: exits (an ``exit`` in the command included); every name is quoted by the caller
-SESSION_STEP = ("( __s={dir}; {exports}[ -f \"$__s/vars\" ] && . \"$__s/vars\" >/dev/null 2>&1; "
-                "if [ -f \"$__s/cwd\" ]; then read -r __c < \"$__s/cwd\"; cd -- \"$__c\" 2>/dev/null; fi; "
-                "trap '__rc=$?; {{ mkdir -p \"$__s\" && pwd > \"$__s/cwd\" && {{ declare -p; declare -f; }} "
-                "| grep -Ev \"^declare -[-a-zA-Z]* ({skip})(=|$)\" > \"$__s/vars\"; }} 2>/dev/null; exit $__rc' EXIT; "
-                "eval {command} )")
+#: exits (an ``exit`` in the command included). Shell builtins and keywords only, so that a
+#: ``grep`` or ``mkdir`` the session's commands replaced does not break its state; every name is
+#: quoted by the caller
+SESSION_STEP = ("( __s={state}; {exports}[ -f \"$__s.vars\" ] && . \"$__s.vars\" >/dev/null 2>&1; "
+                "if [ -f \"$__s.cwd\" ]; then read -r __c < \"$__s.cwd\"; cd -- \"$__c\" 2>/dev/null; "
+                "else cd -- {home}; fi; "
+                "trap '__rc=$?; {{ pwd > \"$__s.cwd\"; {{ while IFS= read -r __v; do case $__v in {skip}) ;; "
+                "*) declare -p \"$__v\";; esac; done < <(compgen -v); declare -f; }} > \"$__s.vars\"; }} 2>/dev/null; "
+                "exit $__rc' EXIT; eval {command} )")
 
 
 def abs_path(path: Any, name: str = "path", base: str = HOME_ALIAS) -> str:
@@ -53,6 +56,11 @@ def abs_path(path: Any, name: str = "path", base: str = HOME_ALIAS) -> str:
         raise daemon(400, f"{name}: a path is expected", "INVALID_FILE_PATH")
     full = posixpath.normpath(path if path.startswith("/") else posixpath.join(base, path))
     return "/" + full.lstrip("/")
+
+
+def base_env(box: Box) -> dict[str, str]:
+    """Every command's variables: the user's home and name, then the sandbox's own."""
+    return {"HOME": HOME_ALIAS, "USER": USER, **box.env}
 
 
 def _exports(env: dict[str, str]) -> str:
@@ -132,7 +140,7 @@ async def daytona_exec(service: Service, sid: str, body: dict) -> dict:
     if not isinstance(command, str):
         raise daemon(400, "command: a string is expected")
     async with Using(service, sid) as (box, s):
-        env = {**box.env, **variables(body.get("envs"), "envs")}
+        env = {**base_env(box), **variables(body.get("envs"), "envs")}
         cwd = abs_path(body.get("cwd") or HOME_ALIAS, "cwd")
         shell = f"( {_exports(env)}cd -- {shlex.quote(cwd)} && eval {shlex.quote(command)} ) 2>&1"
         r = await step(service, box, s, shell, _timeout(body.get("timeout")),
@@ -244,10 +252,10 @@ async def daytona_code_run(service: Service, sid: str, body: dict) -> dict:
         language = body.get("language") or box.labels.get(LANGUAGE_LABEL) or "python"
         if language not in INTERPRETERS:
             raise daemon(400, f"language: {language!r} is not one of {', '.join(INTERPRETERS)}")
-        env = {**box.env, **variables(body.get("envs"), "envs")}
+        env = {**base_env(box), **variables(body.get("envs"), "envs")}
         timeout_s = _timeout(body.get("timeout"))
         if language == "python":
-            cell = CODE_RUN_CELL.format(code=code, argv=argv, env={"HOME": HOME_ALIAS, **env}, cwd=HOME_ALIAS)
+            cell = CODE_RUN_CELL.format(code=code, argv=argv, env=env, cwd=HOME_ALIAS)
             r = await step(service, box, s, None, timeout_s, "code_run", python=cell)
             return _code_result(r, sid)
         words = " ".join(shlex.quote(w) for w in [*INTERPRETERS[language], code, *argv])
@@ -261,6 +269,8 @@ def _code_result(r: ActionResult, sid: str) -> dict:
     """A python ``code-run``'s answer from its cell: the child's exit code is the cell's value;
     a cell that failed itself (its interpreter gone) is an error of ours."""
     code, out, err = ran(r, sid)
+    if r.outcome is Outcome.OOM:  # the child (or the interpreter with it) was killed for memory
+        return {"exitCode": 137, "result": out + err, "artifacts": {"charts": []}}
     run = r.result.run
     value = run.display[0].get("text/plain") if run.display else None
     if code != 0 or value is None or not value.lstrip("-").isdigit():
@@ -299,7 +309,7 @@ class Command:
 @dataclass
 class ProcSession:
     id: str
-    state_dir: str
+    state_dir: str  # its state files' prefix in the sandbox
     commands: dict[str, Command] = field(default_factory=dict)
 
     def running(self) -> bool:
@@ -343,7 +353,7 @@ def daytona_session(service: Service, sid: str, op: str, session_id: str | None)
     if op == "create":
         if session_id in box.sessions or session_id == ENTRYPOINT:
             raise daemon(409, f"session {session_id} already exists")
-        box.sessions[session_id] = ProcSession(session_id, f"{STATE_ROOT}/{uuid.uuid4().hex}")
+        box.sessions[session_id] = ProcSession(session_id, f"{STATE_ROOT}{uuid.uuid4().hex}")
         return None
     if session_id == ENTRYPOINT and op == "get":
         return {"sessionId": ENTRYPOINT, "commands": []}
@@ -375,8 +385,8 @@ async def daytona_session_exec(service: Service, sid: str, session_id: str, body
     c.done.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody waiting is no error of ours
     c.done.add_done_callback(lambda _: c.changed.set())
     ps.commands[c.id] = c
-    shell = SESSION_STEP.format(dir=shlex.quote(ps.state_dir), exports=_exports(box.env), skip=NOT_KEPT,
-                                command=shlex.quote(command))
+    shell = SESSION_STEP.format(state=shlex.quote(ps.state_dir), exports=_exports(base_env(box)), skip=NOT_KEPT,
+                                home=shlex.quote(HOME_ALIAS), command=shlex.quote(command))
     c.task = asyncio.get_running_loop().create_task(_run(service, sid, c, shell))
     if run_async:
         return {"cmdId": c.id}, True

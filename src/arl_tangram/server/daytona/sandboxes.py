@@ -386,8 +386,8 @@ def daytona_list(service: Service, query: dict) -> dict:
     chosen = [b for b in sandboxes(service).boxes.values() if visible(b.job)
               and all(b.labels.get(k) == v for k, v in labels.items())
               and (not states or b.state in states)
-              and (not query.get("id") or b.id.startswith(query["id"]))
-              and (not query.get("name") or query["name"] in b.name)
+              and (not query.get("id") or b.id.lower().startswith(query["id"].lower()))
+              and (not query.get("name") or b.name.lower().startswith(query["name"].lower()))
               and (not query.get("snapshots") or b.snapshot in query["snapshots"])]
     sort = query.get("sort") or "createdAt"
     keys = {"name": lambda b: b.name, "cpu": lambda b: b.cpu, "memoryGiB": lambda b: b.memory_gb,
