@@ -51,7 +51,11 @@ NAME_RE = IMAGE_NAME_RE  # core.names: checked where names enter too
 
 
 class ImageError(ValueError):
-    """An import or lookup that cannot be done; the message names the archive member or field."""
+    """An import or lookup that cannot be done; the message names the archive member or field.
+    ``infra``: the failure is ours or a registry's, not the request's (a registry that does not
+    answer): an action it ends is ``infra_error``, not ``rejected``."""
+
+    infra = False
 
 
 @dataclass(frozen=True)
@@ -695,6 +699,90 @@ class ImageStore:
                 continue
         return out
 
+    # -- use and the disk budget ------------------------------------------------------------------
+    def touch(self, name: str) -> None:
+        """Mark ``name`` used now: the disk budget evicts the least recently used images first
+        (an image's record's mtime is its last use; ``record`` sets it too)."""
+        try:
+            os.utime(self._image_file(name))
+        except OSError:
+            pass  # removed meanwhile: nothing to mark
+
+    def last_used(self) -> dict[str, float]:
+        """Image name -> when it was last used (or recorded)."""
+        d = self.root / "images"
+        out: dict[str, float] = {}
+        for p in (d.glob("*.json") if d.is_dir() else ()):
+            try:
+                out[json.loads(p.read_text())["name"]] = p.stat().st_mtime
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return out
+
+    def disk_bytes(self) -> int:
+        """The file bytes of the layers the images use, each layer counted once."""
+        used = {d for img in self._records() for d in img.get("layers", ())}
+        sizes = self.known_layer_sizes()
+        return sum(sizes[d] if d in sizes else self.layer_bytes(d) for d in used if self.has_layer(d))
+
+    def _records(self) -> list[dict]:
+        d = self.root / "images"
+        out = []
+        for p in (d.glob("*.json") if d.is_dir() else ()):
+            try:
+                out.append(json.loads(p.read_text()))
+            except (OSError, ValueError):
+                continue
+        return out
+
+    def evict(self, max_bytes: int, keep: set[str] = frozenset()) -> list[str]:
+        """Remove the least recently used images until the layers the others use fit in
+        ``max_bytes``: never one in ``keep`` nor one a mounted root uses (a sandbox of it is
+        running, prewarmed or at rest), and a layer only once no image left uses it. Returns the
+        images removed (fewer than needed when the rest are in use)."""
+        removed: list[str] = []
+        if self.disk_bytes() <= max_bytes:
+            return removed
+        mounts = _mount_text()
+        for name, _ in sorted(self.last_used().items(), key=lambda kv: kv[1]):
+            if name in keep:
+                continue
+            try:
+                img = self.get(name)
+            except ImageError:
+                continue
+            if any(str(self.layer_dir(d)) in mounts for d in img.layers):
+                continue
+            try:
+                self.remove(name)
+            except ImageError:
+                continue  # mounted since
+            removed.append(name)
+            if self.disk_bytes() <= max_bytes:
+                break
+        return removed
+
+    def prune(self, max_bytes: int | None = None, grace_s: float = 600.0) -> dict:
+        """The store's part of ``tangram image prune`` (``registry.pulling.prune`` adds the blobs):
+        the budget applied (``max_bytes``), and what killed imports and pulls left removed:
+        hidden directories of processes that are gone, layers no image uses (unused for
+        ``grace_s``: a pull under way in another process may be about to name them)."""
+        evicted = self.evict(max_bytes) if max_bytes is not None else []
+        hidden = self.clean_stale()
+        used = {d for img in self._records() for d in img.get("layers", ())}
+        mounts = _mount_text()
+        orphans = 0
+        now = time.time()
+        layers = self.root / "layers"
+        for entry in (os.scandir(layers) if layers.is_dir() else ()):
+            if entry.name.startswith(".") or entry.name in used or not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.path in mounts or now - entry.stat(follow_symlinks=False).st_ctime < grace_s:
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            orphans += 1
+        return {"evicted": evicted, "hidden_removed": hidden, "unused_layers_removed": orphans}
+
     def usage(self) -> list[dict]:
         """Each image's size and how much of it it shares with other images (layers of the
         same digest, on disk once)."""
@@ -743,13 +831,18 @@ def _archive_member(names: dict[str, tarfile.TarInfo], name: str) -> tarfile.Tar
     return None
 
 
-def _mounted_layers(dirs) -> int:
-    """How many mounts on this host stack one of ``dirs`` (overlay options name their layers)."""
+def _mount_text() -> str:
+    """This mount namespace's mount table (overlay options name their layers)."""
     try:
         with open("/proc/self/mountinfo") as fh:
-            text = fh.read()
+            return fh.read()
     except OSError:
-        return 0
+        return ""
+
+
+def _mounted_layers(dirs) -> int:
+    """How many mounts on this host stack one of ``dirs``."""
+    text = _mount_text()
     return sum(text.count(str(d)) for d in dirs)
 
 

@@ -21,7 +21,7 @@ import ssl
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import certifi
 import httpx
@@ -360,18 +360,21 @@ class RegistryClient:
         return await self._each_endpoint(ref, one)
 
     async def fetch_blob(self, ref: Reference, desc: Descriptor, dest: Path,
-                         on_bytes: Callable[[int], None] | None = None) -> None:
+                         on_bytes: Callable[[int], None] | None = None, tee: "Tee | None" = None) -> None:
         """Stream blob ``desc`` into the file ``dest`` (created or truncated); raises
         ``DigestMismatch`` (and leaves ``dest`` to the caller to delete) unless its size and
         sha256 are the declared ones. A connection cut part way resumes with a Range request
-        where the registry allows it."""
-        await self._each_endpoint(ref, lambda ep: self._fetch_blob(ref, ep, desc, dest, on_bytes))
+        where the registry allows it. ``tee`` is handed each chunk as it is written, in order,
+        from a worker thread, and told when the download starts over from its first byte."""
+        await self._each_endpoint(ref, lambda ep: self._fetch_blob(ref, ep, desc, dest, on_bytes, tee))
 
     async def _fetch_blob(self, ref: Reference, ep: Endpoint, desc: Descriptor, dest: Path,
-                          on_bytes: Callable[[int], None] | None) -> None:
+                          on_bytes: Callable[[int], None] | None, tee: "Tee | None" = None) -> None:
         sha = hashlib.sha256()
         done = 0
         buf = bytearray()
+        if tee is not None:
+            tee.restart()  # another endpoint after one that failed part way
         fh = await asyncio.to_thread(open, dest, "wb")
         try:
             for attempt in range(self.retries + 1):
@@ -381,7 +384,7 @@ class RegistryClient:
                     buf.clear()
                     if done and (resp.status_code != 206 or not resp.headers.get("content-range", "")
                                  .startswith(f"bytes {done}-")):  # no (such) range here: from the start
-                        await asyncio.to_thread(_restart, fh)
+                        await asyncio.to_thread(_restart, fh, tee)
                         sha, done = hashlib.sha256(), 0
                     async for chunk in resp.aiter_bytes():  # as it arrives: a cut keeps what came
                         if done + len(buf) + len(chunk) > desc.size:
@@ -389,20 +392,20 @@ class RegistryClient:
                                                  f"declared {desc.size} bytes")
                         buf += chunk
                         if len(buf) >= _CHUNK:
-                            await asyncio.to_thread(_write, fh, sha, bytes(buf))
+                            await asyncio.to_thread(_write, fh, sha, bytes(buf), tee)
                             done += len(buf)
                             buf.clear()
                             if on_bytes:
                                 on_bytes(done)
                     if buf:
-                        await asyncio.to_thread(_write, fh, sha, bytes(buf))
+                        await asyncio.to_thread(_write, fh, sha, bytes(buf), tee)
                         done += len(buf)
                     if on_bytes:
                         on_bytes(done)
                     break
                 except httpx.TransportError as e:
                     if buf:  # what arrived before the cut is kept
-                        await asyncio.to_thread(_write, fh, sha, bytes(buf))
+                        await asyncio.to_thread(_write, fh, sha, bytes(buf), tee)
                         done += len(buf)
                         buf.clear()
                     if attempt >= self.retries:
@@ -418,14 +421,26 @@ class RegistryClient:
                                  f"{done} bytes, sha256:{sha.hexdigest()[:12]}...)")
 
 
-def _write(fh, sha, data: bytes) -> None:
+class Tee(Protocol):
+    """Where a blob's bytes go besides its file (``fetch_blob``)."""
+
+    def write(self, data: bytes) -> None: ...
+
+    def restart(self) -> None: ...
+
+
+def _write(fh, sha, data: bytes, tee: Tee | None = None) -> None:
     sha.update(data)
     fh.write(data)
+    if tee is not None:
+        tee.write(data)
 
 
-def _restart(fh) -> None:
+def _restart(fh, tee: Tee | None = None) -> None:
     fh.seek(0)
     fh.truncate()
+    if tee is not None:
+        tee.restart()
 
 
 async def _read_bounded(resp: httpx.Response, limit: int, message: str, error=TooLarge) -> bytes:

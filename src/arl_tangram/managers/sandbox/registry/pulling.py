@@ -10,13 +10,18 @@ reference (``python:3.12`` is stored as ``docker.io/library/python:3.12``).
 - Concurrent pulls of one image share one pull, and concurrent pulls of one layer (by two
   images) share one download and unpack: a flight per key in this process, a file lock per
   layer between processes. A flight nobody waits for any more is cancelled.
-- Nothing half-done is visible: a blob is downloaded under a temporary name and renamed to its
-  digest once it matched; a layer is unpacked into a hidden directory and renamed into place
-  once whole and checked (images.py's checks: paths escaping the root, device nodes...); the
-  image is recorded last. A pull killed part way leaves only hidden files, removed by the next
-  pull once their process is gone; a downloaded, verified blob is kept for the next pull to
-  unpack. Layers that passed stay cached even if a later layer of the same image is bad (they
-  are content-addressed; pruning is the store's business).
+- A layer is unpacked while it downloads: its bytes go to a thread that checks and unpacks
+  them into a hidden directory as they arrive (images.py's checks: paths escaping the root,
+  device nodes...), so a pull takes about as long as the longer of the two, not their sum.
+- Nothing unverified is visible or used: that thread sees the end of the stream only once the
+  download has checked the blob's size and sha256, and the hidden directory is renamed into
+  place only after that and once the uncompressed tar hashed to its diff_id; a failed check
+  removes it. The blob is written to a temporary file beside it, renamed to its digest once it
+  matched: a download that starts over (another mirror, a registry without ranges) unpacks from
+  that file instead. The image is recorded last. A pull killed part way leaves only hidden
+  files, removed by the next pull once their process is gone. Layers that passed stay cached
+  even if a later layer of the same image is bad (they are content-addressed; ``tangram image
+  prune`` removes those no image uses).
 - Bounds: at most ``max_layers`` layers and ``max_declared_bytes`` of declared blob sizes per
   image; a layer's files at most ``max_layer_files_bytes`` once uncompressed.
 """
@@ -26,9 +31,13 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import io
 import json
 import logging
 import os
+import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
@@ -129,10 +138,12 @@ def store_name(ref: Reference) -> str:
 
 async def pull(ref: str | Reference, store: ImageStore, registries: RegistriesConfig | None = None,
                progress: Progress | None = None, *, client: RegistryClient | None = None,
-               limits: PullLimits | None = None) -> Image:
+               limits: PullLimits | None = None, fetched: Callable[[int], None] | None = None) -> Image:
     """Pull ``ref`` into ``store`` (unless it is there: a tag is looked up again, a digest is
     not) and return the stored image. Errors are ``ImageError``s naming the reference. A
-    ``client`` given stays open (the caller closes it); otherwise the pull makes its own."""
+    ``client`` given stays open (the caller closes it); otherwise the pull makes its own.
+    ``fetched(n)``: told the bytes of each layer this pull downloaded (not those another pull
+    of this process downloaded for it, nor cached ones)."""
     ref = parse(ref) if isinstance(ref, str) else ref
     name = store_name(ref)
     if not NAME_RE.match(name):
@@ -147,7 +158,7 @@ async def pull(ref: str | Reference, store: ImageStore, registries: RegistriesCo
     async def start(emit: Callable) -> Image:
         owned = _Owned(RegistryClient(registries)) if client is None else None
         try:
-            return await _pull(ref, name, store, client or owned.client, limits, emit, owned)
+            return await _pull(ref, name, store, client or owned.client, limits, emit, owned, fetched)
         finally:
             if owned is not None:
                 await owned.release()
@@ -178,7 +189,7 @@ class _Owned:
 
 
 async def _pull(ref: Reference, name: str, store: ImageStore, client: RegistryClient, limits: PullLimits,
-                emit: Progress, owned: _Owned | None) -> Image:
+                emit: Progress, owned: _Owned | None, fetched: Callable[[int], None] | None) -> Image:
     blobs = store.root / "blobs"
     await asyncio.to_thread(_clean, store, blobs)
     manifest = await client.resolve(ref)
@@ -214,7 +225,7 @@ async def _pull(ref: Reference, name: str, store: ImageStore, client: RegistryCl
             if owned is not None:
                 owned.hold()
             try:
-                return await _fetch_layer(ref, store, client, desc, diff, i, limits, e)
+                return await _fetch_layer(ref, store, client, desc, diff, i, limits, e, fetched)
             finally:
                 if owned is not None:
                     await owned.release()
@@ -261,35 +272,31 @@ def _clean(store: ImageStore, blobs: Path) -> None:
 
 
 async def _fetch_layer(ref: Reference, store: ImageStore, client: RegistryClient, desc: Descriptor, diff: str,
-                       index: int, limits: PullLimits, emit: Callable) -> int:
-    """Download (unless a verified blob is here), check and unpack one layer; its file bytes."""
+                       index: int, limits: PullLimits, emit: Callable,
+                       fetched: Callable[[int], None] | None = None) -> int:
+    """Download, check and unpack one layer (unpacked as it arrives; from the blob where a
+    verified one is here already); its file bytes."""
     blobs = store.root / "blobs"
     (blobs / "sha256").mkdir(parents=True, exist_ok=True)
     (blobs / "locks").mkdir(parents=True, exist_ok=True)
+    where = f"{ref}: layer {index} ({desc.digest[:19]})"
     async with _FileLock(blobs / "locks" / diff, lambda: emit("waiting", 0)):
         if store.has_layer(diff):  # another process unpacked it while we waited
             emit("done", desc.size)
             return await asyncio.to_thread(store.layer_bytes, diff)
         blob = blobs / "sha256" / desc.digest.removeprefix("sha256:")
-        if not blob.is_file():
-            part = blobs / f"{PART}{os.getpid()}-{os.urandom(4).hex()}"
-            try:
-                emit("downloading", 0)
-                await client.fetch_blob(ref, desc, part, lambda n: emit("downloading", n))
-                os.replace(part, blob)
-            finally:
-                part.unlink(missing_ok=True)
-        emit("unpacking", desc.size)
-        where = f"{ref}: layer {index} ({desc.digest[:19]})"
-        unpacking = asyncio.ensure_future(asyncio.to_thread(_unpack_blob, store, blob, where, diff,
-                                                            limits.max_layer_files_bytes))
         try:
-            _, size = await asyncio.shield(unpacking)
-        except asyncio.CancelledError:
-            # a thread cannot be stopped: the layer ends unpacked (and cached) or discarded
-            # before this returns, so a cancelled pull leaves nothing of it running
-            await asyncio.gather(unpacking, return_exceptions=True)
-            raise
+            streamed: tuple[str, int] | None = None
+            if not blob.is_file():
+                streamed = await _download(ref, store, client, desc, diff, where, blob, limits, emit)
+                if fetched is not None:
+                    fetched(desc.size)
+            if streamed is None:  # unpacked from the verified blob on disk
+                emit("unpacking", desc.size)
+                _, size = await _finish(_in_thread(_unpack_blob, store, blob, where, diff,
+                                                   limits.max_layer_files_bytes))
+            else:
+                size = streamed[1]
         except ImageError:
             blob.unlink(missing_ok=True)  # verified against its digest, but not a good layer
             raise
@@ -298,9 +305,208 @@ async def _fetch_layer(ref: Reference, store: ImageStore, client: RegistryClient
         return size
 
 
+async def _download(ref: Reference, store: ImageStore, client: RegistryClient, desc: Descriptor, diff: str,
+                    where: str, blob: Path, limits: PullLimits, emit: Callable) -> tuple[str, int] | None:
+    """Download blob ``desc`` into ``blob`` while a thread unpacks it; (diff_id, file bytes) of
+    the layer now in place, or None where the stream was spoiled (the download started over):
+    the caller unpacks the verified blob then."""
+    part = blob.parent.parent / f"{PART}{os.getpid()}-{os.urandom(4).hex()}"
+    feed = _Feed()
+    unpacking = _in_thread(_unpack_feed, store, feed, where, diff, limits.max_layer_files_bytes)
+    try:
+        emit("downloading", 0)
+        await client.fetch_blob(ref, desc, part, lambda n: emit("downloading", n), tee=feed)
+        os.replace(part, blob)
+    except BaseException:
+        feed.fail()
+        await asyncio.gather(unpacking, return_exceptions=True)  # its hidden directory removed
+        raise
+    finally:
+        part.unlink(missing_ok=True)
+    feed.end()  # verified: the unpacking may see the stream's end, and place the layer
+    emit("unpacking", desc.size)
+    try:
+        return await _finish(unpacking)
+    except _Spoiled:
+        return None
+
+
+async def _finish(unpacking: asyncio.Future):
+    """Await an unpacking thread; cancelled, wait for it to end first (a thread cannot be
+    stopped: the layer ends unpacked, and cached, or discarded before this returns, so a
+    cancelled pull leaves nothing of it running)."""
+    try:
+        return await asyncio.shield(unpacking)
+    except asyncio.CancelledError:
+        await asyncio.gather(unpacking, return_exceptions=True)
+        raise
+
+
 def _unpack_blob(store: ImageStore, blob: Path, where: str, diff: str, max_bytes: int) -> tuple[str, int]:
     with open(blob, "rb") as fh:
         return store.unpack_layer(fh, where, expect=diff, max_bytes=max_bytes)
+
+
+def _unpack_feed(store: ImageStore, feed: "_Feed", where: str, diff: str, max_bytes: int) -> tuple[str, int]:
+    try:
+        return store.unpack_layer(io.BufferedReader(feed, 1 << 20), where, expect=diff, max_bytes=max_bytes)
+    finally:
+        feed.gone()
+
+
+class _Spoiled(Exception):
+    """The download started over: what the unpacking read is not the blob's beginning."""
+
+
+class _Failed(Exception):
+    """The download failed: the unpacking stops, its directory removed."""
+
+
+class _Feed(io.RawIOBase):
+    """A layer's bytes from its download to the thread unpacking it, in order, at most ``limit``
+    bytes ahead of it (the download's writes wait). The end of the stream comes only with
+    ``end``, once the blob's digest matched; ``fail`` or ``restart`` (the download starting over
+    after bytes came) make the reader raise instead. The writes come from worker threads, the
+    reads from the unpacking thread."""
+
+    def __init__(self, limit: int = 16 << 20) -> None:
+        self.limit = limit
+        self.cv = threading.Condition()
+        self.chunks: deque[bytes] = deque()
+        self.held = 0
+        self.fed = False
+        self.ended = False
+        self.error: Exception | None = None
+        self.reader_gone = False
+
+    def readable(self) -> bool:
+        return True
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        with self.cv:
+            while self.held >= self.limit and not (self.reader_gone or self.error):
+                self.cv.wait()
+            if self.reader_gone or self.error:
+                return len(data)  # nobody reads on: the download goes on for its digest's verdict
+            self.chunks.append(data)
+            self.held += len(data)
+            self.fed = True
+            self.cv.notify_all()
+        return len(data)
+
+    def restart(self) -> None:
+        with self.cv:
+            if self.fed and self.error is None:
+                self.error = _Spoiled()
+                self.cv.notify_all()
+
+    def end(self) -> None:
+        with self.cv:
+            self.ended = True
+            self.cv.notify_all()
+
+    def fail(self) -> None:
+        with self.cv:
+            if self.error is None:
+                self.error = _Failed()
+            self.cv.notify_all()
+
+    def gone(self) -> None:
+        with self.cv:
+            self.reader_gone = True
+            self.chunks.clear()
+            self.cv.notify_all()
+
+    def readinto(self, b) -> int:
+        with self.cv:
+            while not self.chunks and not self.ended and self.error is None:
+                self.cv.wait()
+            if self.error is not None:
+                raise self.error
+            if not self.chunks:
+                return 0
+            head = self.chunks[0]
+            n = min(len(b), len(head))
+            b[:n] = head[:n]
+            if n == len(head):
+                self.chunks.popleft()
+            else:
+                self.chunks[0] = head[n:]
+            self.held -= n
+            self.cv.notify_all()
+            return n
+
+
+def _in_thread(fn: Callable, *args) -> asyncio.Future:
+    """``fn(*args)`` in a thread of its own (not the loop's executor: an unpacking reads from
+    writes that run there, and must never wait behind them); a future of its result."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(result, error) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(*args), None
+        except BaseException as e:  # handed to the awaiting side
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="tangram-unpack", daemon=True).start()
+    return fut
+
+
+def prune(store: ImageStore, max_bytes: int | None = None, grace_s: float = 600.0) -> dict:
+    """``tangram image prune``: the store's part (``ImageStore.prune``: the budget, hidden
+    directories, unused layers), then the blobs': partial blobs of processes that are gone,
+    downloaded blobs older than ``grace_s`` (a pull unpacks its blob at once: an old one was left
+    by a pull killed before it did) and lock files nobody holds. What was removed, and the disk
+    the images use now."""
+    out = store.prune(max_bytes, grace_s)
+    out.update(_prune_blobs(store.root / "blobs", grace_s))
+    out["disk_bytes"] = store.disk_bytes()
+    return out
+
+
+def _prune_blobs(blobs: Path, grace_s: float) -> dict:
+    parts = remove_dead_temps(blobs, PART)
+    old = 0
+    now = time.time()
+    for p in ((blobs / "sha256").iterdir() if (blobs / "sha256").is_dir() else ()):
+        try:
+            if now - p.stat().st_mtime >= grace_s:
+                p.unlink()
+                old += 1
+        except OSError:
+            continue
+    locks = 0
+    for p in ((blobs / "locks").iterdir() if (blobs / "locks").is_dir() else ()):
+        try:
+            fd = os.open(p, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue  # a pull holds it
+        try:  # one that opens it now locks a file no longer named: at worst a layer fetched twice
+            p.unlink()
+            locks += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return {"partial_blobs_removed": parts, "blobs_removed": old, "locks_removed": locks}
 
 
 class _FileLock:
