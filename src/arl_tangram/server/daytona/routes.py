@@ -229,70 +229,7 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
     async def activate(key: str, request: Request) -> Response:
         return await reply(request, lambda: calls.daytona_snapshot_get(key))
 
-    toolbox_routes(router, calls, guarded, add, reply, with_body)
-
-    # -- WebSockets: the streamed logs, the event connection -----------------------------------
-    async def authorized(ws: WebSocket, token: str | None = None) -> str | None:
-        """The app's own credential check, on a WebSocket's request (or on the token the event
-        connection sends): None when it passes (the task then acts as its key's job), else why not."""
-        if auth is None:
-            return None
-        scope = dict(ws.scope, type="http")
-        if token is not None:
-            scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k != b"authorization"]
-            scope["headers"].append((b"authorization", f"Bearer {token}".encode()))
-        try:
-            await auth(Request(scope))
-        except StarletteHTTPException as e:
-            return str(e.detail)
-        return None
-
-    async def logs(ws: WebSocket, sid: str, session: str, command: str) -> None:
-        if ws.query_params.get("follow") != "true" or await authorized(ws) is not None:
-            await ws.close(code=1008)
-            return
-        try:
-            await answer(calls.daytona_command(sid, session, command))
-        except Exception as e:
-            await ws.close(code=1008, reason=_fault(e).message[:120])
-            return
-        await ws.accept()
-        sent = 0
-        try:
-            while True:
-                chunks, done = await answer(calls.daytona_command_poll(sid, session, command, sent, POLL_S))
-                for stream, data in chunks:
-                    await ws.send_bytes(MARKS[stream] + data)
-                sent += len(chunks)
-                if done:
-                    break
-        except WebSocketDisconnect:
-            return
-        except Exception as e:
-            await ws.close(code=1011, reason=_fault(e).message[:120])
-            return
-        await ws.close(code=1000)
-
-    router.add_api_websocket_route(TOOLBOX + "/{sid}/process/session/{session}/command/{command}/logs", logs)
-
-    async def pty(ws: WebSocket) -> None:
-        await ws.close(code=1003, reason="PTY sessions are not supported by this server")
-
-    router.add_api_websocket_route(TOOLBOX + "/{sid}/process/pty/{rest:path}", pty)
-
-    async def events(ws: WebSocket) -> None:
-        await socketio.serve(ws, lambda token: authorized(ws, token),
-                             lambda after, wait_s: answer(calls.daytona_events(after, wait_s)),
-                             lambda data: ({**data, "sandbox": _sandbox(ws, data["sandbox"])}
-                                           if isinstance(data.get("sandbox"), dict) else data))
-
-    router.add_api_websocket_route(PREFIX + "/socket.io/", events)
-    router.add_api_websocket_route(PREFIX + "/socket.io", events)
-
-
-def toolbox_routes(router: APIRouter, calls: Any, guarded: Sequence[Any], add: Callable, reply: Callable,
-                   with_body: Callable) -> None:
-    """A sandbox's toolbox: ``/api/toolbox/{id}/...``, as the SDK's toolbox client calls it."""
+    # -- a sandbox's toolbox: /api/toolbox/{id}/..., as the SDK's toolbox client calls it --------
     def tb(path: str, method: str):
         return add("/toolbox/{sid}" + path, method)
 
@@ -458,3 +395,63 @@ def toolbox_routes(router: APIRouter, calls: Any, guarded: Sequence[Any], add: C
     async def version(sid: str, request: Request) -> Response:
         return await reply(request, lambda: calls.daytona_session(sid, "list", None),
                            shaped=lambda _: {"version": f"tangram-{__version__}"})
+
+
+    # -- WebSockets: the streamed logs, the event connection -----------------------------------
+    async def authorized(ws: WebSocket, token: str | None = None) -> str | None:
+        """The app's own credential check, on a WebSocket's request (or on the token the event
+        connection sends): None when it passes (the task then acts as its key's job), else why not."""
+        if auth is None:
+            return None
+        scope = dict(ws.scope, type="http")
+        if token is not None:
+            scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k != b"authorization"]
+            scope["headers"].append((b"authorization", f"Bearer {token}".encode()))
+        try:
+            await auth(Request(scope))
+        except StarletteHTTPException as e:
+            return str(e.detail)
+        return None
+
+    async def logs(ws: WebSocket, sid: str, session: str, command: str) -> None:
+        if ws.query_params.get("follow") != "true" or await authorized(ws) is not None:
+            await ws.close(code=1008)
+            return
+        try:
+            await answer(calls.daytona_command(sid, session, command))
+        except Exception as e:
+            await ws.close(code=1008, reason=_fault(e).message[:120])
+            return
+        await ws.accept()
+        sent = 0
+        try:
+            while True:
+                chunks, done = await answer(calls.daytona_command_poll(sid, session, command, sent, POLL_S))
+                for stream, data in chunks:
+                    await ws.send_bytes(MARKS[stream] + data)
+                sent += len(chunks)
+                if done:
+                    break
+        except WebSocketDisconnect:
+            return
+        except Exception as e:
+            await ws.close(code=1011, reason=_fault(e).message[:120])
+            return
+        await ws.close(code=1000)
+
+    router.add_api_websocket_route(TOOLBOX + "/{sid}/process/session/{session}/command/{command}/logs", logs)
+
+    async def pty(ws: WebSocket) -> None:
+        await ws.close(code=1003, reason="PTY sessions are not supported by this server")
+
+    router.add_api_websocket_route(TOOLBOX + "/{sid}/process/pty/{rest:path}", pty)
+
+    async def events(ws: WebSocket) -> None:
+        await socketio.serve(ws, lambda token: authorized(ws, token),
+                             lambda after, wait_s: answer(calls.daytona_events(after, wait_s)),
+                             lambda data: ({**data, "sandbox": _sandbox(ws, data["sandbox"])}
+                                           if isinstance(data.get("sandbox"), dict) else data))
+
+    router.add_api_websocket_route(PREFIX + "/socket.io/", events)
+    router.add_api_websocket_route(PREFIX + "/socket.io", events)
+
