@@ -21,9 +21,10 @@ daytona = pytest.importorskip("daytona")
 from daytona import (AsyncDaytona, CreateSandboxFromImageParams, CreateSandboxFromSnapshotParams,  # noqa: E402
                      CreateSnapshotParams, Daytona, DaytonaConfig, FileDownloadRequest, FileUpload,
                      ListSandboxesQuery, Resources, SessionExecuteRequest)
-from daytona.common.errors import (DaytonaAuthenticationError, DaytonaBadRequestError, DaytonaConflictError,  # noqa: E402
-                                   DaytonaError, DaytonaFileNotFoundError, DaytonaForbiddenError,
-                                   DaytonaNotFoundError, DaytonaProcessExecutionTimeoutError)
+from daytona.common.errors import (DaytonaAuthenticationError, DaytonaBadRequestError,  # noqa: E402
+                                   DaytonaConflictError, DaytonaError, DaytonaFileNotFoundError,
+                                   DaytonaForbiddenError, DaytonaNotFoundError,
+                                   DaytonaProcessExecutionTimeoutError)
 
 from servers import Server  # noqa: E402
 
@@ -540,7 +541,7 @@ def test_an_imported_image_resources_and_a_snapshot_of_it(tmp_path):
         with pytest.raises(DaytonaBadRequestError):
             d.create(CreateSandboxFromImageParams(image="tiny-daytona", resources=Resources(memory=100_000)))
         with pytest.raises(DaytonaBadRequestError):
-            d.create(CreateSandboxFromImageParams(image="not-imported-here"))
+            d.create(CreateSandboxFromImageParams(image="../not-an-image-name"))
         with pytest.raises(DaytonaBadRequestError):  # anything to build: refused, saying why
             d.create(CreateSandboxFromImageParams(image=daytona.Image.base("tiny-daytona").pip_install("numpy")))
         d.snapshot.create(CreateSnapshotParams(name="tiny-snap", image="tiny-daytona"))

@@ -152,9 +152,10 @@ async def daytona_exec(service: Service, sid: str, body: dict) -> dict:
 #: ``code-run`` of python: a cell of the session's interpreter forks a child that runs the code as
 #: ``python3 -c`` would (``__main__``, ``sys.argv``, the variables, the home directory, stdin
 #: empty, stdout and stderr as one), the child's output copied into the cell's, its exit code
-#: the cell's value. The interpreter runs nothing else of the dialect's, so each child starts
-#: from the same clean interpreter, at a fork's cost instead of an interpreter's start.
-CODE_RUN_CELL = """
+#: the cell's value (``CODE_RUN_CELL``). The interpreter runs nothing else of the dialect's, so
+#: each child starts from the same clean interpreter, at a fork's cost instead of an
+#: interpreter's start.
+CODE_RUN_DEF = """
 def __tangram_code_run(code, argv, env, cwd):
     import os, select, signal, sys
     r, w = os.pipe()
@@ -234,8 +235,11 @@ def __tangram_code_run(code, argv, env, cwd):
                 pass
         os.close(r)
         os.close(done)
-__tangram_code_run({code!r}, {argv!r}, {env!r}, {cwd!r})
 """
+#: the cell of one ``code-run``: the function defined once an interpreter (again after a rest,
+#: whose pickle leaves functions out), then called
+CODE_RUN_CELL = ("try:\n    __tangram_code_run\nexcept NameError:\n    exec({define!r})\n"
+                 "__tangram_code_run({code!r}, {argv!r}, {env!r}, {cwd!r})")
 
 
 async def daytona_code_run(service: Service, sid: str, body: dict) -> dict:
@@ -255,7 +259,7 @@ async def daytona_code_run(service: Service, sid: str, body: dict) -> dict:
         env = {**base_env(box), **variables(body.get("envs"), "envs")}
         timeout_s = _timeout(body.get("timeout"))
         if language == "python":
-            cell = CODE_RUN_CELL.format(code=code, argv=argv, env=env, cwd=HOME_ALIAS)
+            cell = CODE_RUN_CELL.format(define=CODE_RUN_DEF, code=code, argv=argv, env=env, cwd=HOME_ALIAS)
             r = await step(service, box, s, None, timeout_s, "code_run", python=cell)
             return _code_result(r, sid)
         words = " ".join(shlex.quote(w) for w in [*INTERPRETERS[language], code, *argv])

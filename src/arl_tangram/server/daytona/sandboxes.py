@@ -27,6 +27,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from ... import __version__
 from ...api import v1
 from ...managers.sandbox.spec import Files
@@ -86,6 +88,7 @@ class Box:
     destroy_at: float | None = None  # its time to live, from creation (``ttlMinutes``)
     public: bool = False
     busy: int = 0  # toolbox calls in flight: never stopped under one
+    touched: float = 0.0  # its session's last keep-alive step (``Sandboxes._tend``)
     sessions: dict[str, Any] = field(default_factory=dict)  # process sessions (``process.py``)
     remotes: dict[str, dict] = field(default_factory=dict)  # git: repository path -> where it was cloned from
 
@@ -202,8 +205,13 @@ class Sandboxes:
             await delete(self.service, box)
             return
         s = self.service.sessions.get(box.id)
-        if every is not None and s is not None and not box.busy and now - box.used_at > every:
-            box.used_at = now if box.state == "started" else box.used_at
+        if every is None or s is None or box.busy:
+            return
+        # a started sandbox's session is kept from the expiry's reach; a stopped one's is let rest
+        # and touched only when the expiry nears (the touch wakes it: its next rest comes soon after)
+        due = every if box.state == "started" else 3 * every
+        if now - max(box.used_at, box.touched) > due:
+            box.touched = now
             await s.files(Files())  # an empty files step: no core, no process; it marks the session used
 
 
@@ -296,8 +304,9 @@ def _image_of(body: dict) -> str | None:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
     words = lines[0].split() if len(lines) == 1 else []
     if len(words) not in (2, 4) or words[0].upper() != "FROM" or (len(words) == 4 and words[2].upper() != "AS"):
-        raise DaytonaApiError(400, "buildInfo: this server builds no images; it runs images of its store by name "
-                                   "(Image.base(name): `tangram image import` or `tangram image pull` it first)")
+        raise DaytonaApiError(400, "buildInfo: this server builds no images; it runs an image by name "
+                                   "(Image.base(name)): one of its store (`tangram image import`), or a registry "
+                                   "reference, pulled on first use")
     return words[1]
 
 
@@ -356,6 +365,8 @@ async def daytona_create(service: Service, body: dict) -> dict:
             await service.open_session(v1.SessionRequest(job=job, trajectory=sid, restore=snap["store_id"]))
         else:
             await service.open_session(v1.SessionRequest(job=job, trajectory=sid, image=image))
+    except ValidationError as e:
+        raise DaytonaApiError(400, f"{'snapshot' if key else 'buildInfo'}: {e.errors()[0]['msg']}") from None
     except (BadRequest, ValueError) as e:
         raise DaytonaApiError(400, f"{'snapshot' if key else 'buildInfo'}: {e}") from None
     except NoRoom as e:
