@@ -436,3 +436,25 @@ def test_tangram_serve_with_fronts_answers_the_protocols_across_the_link(tmp_pat
         assert r.status_code == 200 and r.json()["data"][0]["num_classes"] == 1
     finally:
         server.stop()
+
+
+# -- the bench -------------------------------------------------------------------------------------------
+
+def test_the_bench_measures_each_protocols_overhead_and_decode_against_transformers():
+    from typer.testing import CliRunner
+
+    from arl_tangram.bench.modelapi import run
+    from arl_tangram.cli import app
+
+    out = run("cpu", ("overhead", "decode"), requests=10, batches=(1, 3), new_tokens=4, prompt_len=5, runs=1,
+              log=lambda m: None)
+    added = out["overhead"]["added_over_native"]
+    assert {"sglang /generate", "openai /v1/completions echo", "vllm /classify", "sglang /v1/embeddings",
+            "openrlhf reward", "slime reward"} <= set(added)
+    assert all(isinstance(v["added_ms"], float) for v in added.values())
+    for b in ("1", "3"):
+        row = out["decode"]["batches"][b]
+        assert row["tangram"]["tokens_per_s"] > 0 and row["transformers"]["tokens_per_s"] > 0
+        assert row["rows_identical_to_transformers"] == f"{b}/{b}" and row["bound_tokens_per_s"] > 0
+    r = CliRunner().invoke(app, ["bench", "modelapi", "--sections", "nope"])
+    assert r.exit_code != 0 and "--sections" in r.output

@@ -513,6 +513,44 @@ def bench_models(
                     shares=shares.split(",") if shares else None, dedicated_gpus=dedicated_gpus), json_out)
 
 
+@bench_app.command("modelapi")
+def bench_modelapi(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    device: str = typer.Option("auto", help="cuda, cpu, or auto."),
+    sections: Optional[str] = typer.Option(None, help="Comma-separated parts (default all): overhead, decode."),
+    requests: int = typer.Option(300, min=10, help="Overhead: requests per route."),
+    shape: Optional[str] = typer.Option(None, help="Decode: tiny, qwen2.5-0.5b or qwen2.5-1.5b, random weights "
+                                                   "(default: qwen2.5-0.5b on CUDA, tiny on CPU)."),
+    batches: str = typer.Option("1,32", help="Decode: comma-separated batch sizes."),
+    new_tokens: int = typer.Option(128, "--new-tokens", min=1, help="Decode: tokens each row generates."),
+    prompt_len: int = typer.Option(32, "--prompt-len", min=1, help="Decode: prompt tokens per row."),
+    runs: int = typer.Option(3, min=1, help="Decode: timed runs of each way, alternating (medians)."),
+    dtype: Optional[str] = typer.Option(None, help="Decode: float32, bfloat16 or float16 (default: bfloat16 on "
+                                                   "CUDA, float32 on CPU)."),
+    bandwidth_gbps: Optional[float] = typer.Option(None, "--bandwidth-gbps", min=0.001, help="Decode: the "
+                                                   "device's memory bandwidth for the bound (default: a copy's)."),
+) -> None:
+    """The model protocols' added ms per request over the native API, and decode tokens/s vs transformers."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise fail(f"--device: expected auto, cpu or cuda, got {device!r}")
+    from .bench.modelapi import SECTIONS, SHAPES, run
+
+    picked = tuple(x for x in (sections or ",".join(SECTIONS)).split(",") if x)
+    unknown = sorted(set(picked) - set(SECTIONS))
+    if unknown:
+        raise fail(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
+    if shape is not None and shape not in SHAPES:
+        raise fail(f"--shape: one of {', '.join(SHAPES)}, got {shape!r}")
+    if dtype not in (None, "float32", "bfloat16", "float16"):
+        raise fail(f"--dtype: float32, bfloat16 or float16, got {dtype!r}")
+    try:
+        sizes = tuple(int(b) for b in batches.split(",") if b)
+    except ValueError:
+        raise fail(f"--batches: comma-separated integers, got {batches!r}") from None
+    _print_json(run(device, picked, requests, shape, sizes, new_tokens, prompt_len, runs, dtype, bandwidth_gbps,
+                    log=lambda m: console.print(m)), json_out)
+
+
 @bench_app.command("server")
 def bench_server(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
@@ -656,6 +694,25 @@ def bench_e2b(
     """E2B's own SDK against a local server: create + first command, commands.run("true"), 1 MB
     write + read, run_code (p50/p90), and N sandboxes open at once."""
     from .bench.e2b import run
+
+    try:
+        _print_json(run(samples, open_n, log=lambda m: console.print(m), open_concurrency=open_concurrency),
+                    json_out)
+    except RuntimeError as e:
+        raise fail(str(e))
+
+
+@bench_app.command("daytona")
+def bench_daytona(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    samples: int = typer.Option(30, min=1, help="Calls per latency figure."),
+    open_n: int = typer.Option(200, "--open", min=1, help="Sandboxes to open at once, each with a small state."),
+    open_concurrency: int = typer.Option(50, "--open-concurrency", min=1,
+                                         help="Of those, how many are being created at a time."),
+) -> None:
+    """Daytona's own SDK against a local server: create + first exec, exec("true"), code_run, a
+    session command, 1 MB upload + download, list_files (p50/p90), and N sandboxes open at once."""
+    from .bench.daytona import run
 
     try:
         _print_json(run(samples, open_n, log=lambda m: console.print(m), open_concurrency=open_concurrency),

@@ -52,13 +52,13 @@ class Codec:
     """The model directory's tokenizer (transformers' ``AutoTokenizer``, nothing downloaded), or
     none: then only token ids are taken."""
 
-    def __init__(self, path: str, name: str) -> None:
+    def __init__(self, path: str | None, name: str) -> None:
         self.name = name
         self.tokenizer = None
         try:
             from transformers import AutoTokenizer
 
-            if any(os.path.exists(os.path.join(path, f)) for f in
+            if path is not None and any(os.path.exists(os.path.join(path, f)) for f in
                    ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")):
                 self.tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as e:  # a directory without a usable tokenizer still serves token ids
@@ -98,11 +98,16 @@ class Codec:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def piece(self, id: int) -> str:
-        """One token's text (as the OpenAI API's ``tokens`` and top log-probabilities show it)."""
+    def pieces(self, ids: set[int]) -> dict[int, str]:
+        """Each token's own text (as the OpenAI API's ``tokens`` and top log-probabilities show
+        it): one call into the tokenizer for all of them."""
+        order = sorted(ids)
         if self.tokenizer is None:
-            return f"token_id:{id}"
-        return self.tokenizer.decode([id], skip_special_tokens=False)
+            return {t: f"token_id:{t}" for t in order}
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # a fast tokenizer's own (Rust) batch
+        if backend is not None:
+            return dict(zip(order, backend.decode_batch([[t] for t in order], skip_special_tokens=False)))
+        return dict(zip(order, self.tokenizer.batch_decode([[t] for t in order], skip_special_tokens=False)))
 
 
 def eos_ids(path: str, module: nn.Module, codec: Codec) -> frozenset[int]:
@@ -294,9 +299,9 @@ def _decode(model: nn.Module, rows: list[_Row], eos: frozenset[int], codec: Code
         mask = mask[sel]
     pos = torch.tensor([len(r.prompt) for r in going], device=device)
     while True:
-        chosen = _choose(step, going)
+        tokens, chosen = _choose(step, going)
         left = []
-        for r, t in zip(going, chosen):
+        for r, t in zip(going, tokens):
             _extend(r, t, eos, codec)
             if not r.done:
                 left.append(r)
@@ -305,13 +310,11 @@ def _decode(model: nn.Module, rows: list[_Row], eos: frozenset[int], codec: Code
         if len(left) < len(going):
             sel = torch.tensor([i for i, r in enumerate(going) if not r.done], device=device)
             cache.batch_select_indices(sel)  # type: ignore[union-attr]
-            mask, pos = mask[sel], pos[sel]
-            chosen = [t for r, t in zip(going, chosen) if not r.done]
+            mask, pos, chosen = mask[sel], pos[sel], chosen[sel.to(chosen.device)]
         going = left
         mask = torch.cat([mask, torch.ones((len(going), 1), dtype=mask.dtype, device=device)], dim=1)
-        inputs = torch.tensor(chosen, dtype=torch.long, device=device)[:, None]
-        step = model(input_ids=inputs, attention_mask=mask, position_ids=pos[:, None], past_key_values=cache,
-                     use_cache=True).logits[:, -1]
+        step = model(input_ids=chosen.to(device)[:, None], attention_mask=mask, position_ids=pos[:, None],
+                     past_key_values=cache, use_cache=True).logits[:, -1]
         pos = pos + 1
 
 
@@ -346,9 +349,10 @@ def _prompt_logprobs(r: _Row, logits: torch.Tensor, ids: torch.Tensor) -> None:
         r.prompt_top, r.prompt_ranks = tops[:max(0, n - start)], ranks[:max(0, n - start)]
 
 
-def _choose(logits: torch.Tensor, rows: list[_Row]) -> list[int]:
+def _choose(logits: torch.Tensor, rows: list[_Row]) -> tuple[list[int], torch.Tensor]:
     """The next token of each row (greedy, or drawn at its temperature from its top-k and top-p),
-    and each row's log-probability of it where asked."""
+    on the host and on the device (the next step's input, never copied back), and each row's
+    log-probability of it where asked."""
     chosen = logits.argmax(-1)
     sampled = [i for i, r in enumerate(rows) if not r.greedy]
     if sampled:
@@ -368,15 +372,26 @@ def _choose(logits: torch.Tensor, rows: list[_Row]) -> list[int]:
             if g is not None:  # its own draws: the same whatever the batch around it
                 chosen[i] = torch.multinomial(probs[j], 1, generator=g)[0]
     tokens = chosen.tolist()
-    for i, r in enumerate(rows):
-        if r.req.output_logprobs or r.req.top_logprobs:
-            lp = _log_softmax(logits[i], r)
+    asked = [i for i, r in enumerate(rows) if r.req.output_logprobs or r.req.top_logprobs]
+    if asked:  # one log-softmax and one copy to the host for every row that asked
+        x = logits[asked].float()
+        scale = [rows[i].s.temperature if rows[i].req.scaled_logprobs and rows[i].s.temperature > 0 else 1.0
+                 for i in asked]
+        if any(t != 1.0 for t in scale):
+            x = x / torch.tensor(scale, device=x.device)[:, None]
+        lp = x.log_softmax(-1)
+        picked = lp.gather(-1, chosen[asked][:, None].to(lp.device))[:, 0].tolist()
+        k = max(rows[i].req.top_logprobs for i in asked)
+        tops = lp.topk(min(k, lp.shape[-1]), dim=-1) if k else None
+        ids, values = (tops.indices.tolist(), tops.values.tolist()) if tops is not None else ([], [])
+        for j, i in enumerate(asked):
+            r = rows[i]
             if r.req.output_logprobs:
-                r.logprobs.append(lp[tokens[i]].item())
+                r.logprobs.append(picked[j])
             if r.req.top_logprobs:
-                v, ix = lp.topk(min(r.req.top_logprobs, lp.shape[-1]))
-                r.tops.append(list(zip(ix.tolist(), v.tolist())))
-    return tokens
+                n = r.req.top_logprobs
+                r.tops.append(list(zip(ids[j][:n], values[j][:n])))
+    return tokens, chosen
 
 
 def _filter(x: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
@@ -433,7 +448,7 @@ def _answer(r: _Row, codec: Codec) -> Generated:
         seen = set(r.prompt) | set(r.out)
         for tops in (r.prompt_top or []) + (r.tops or []):
             seen.update(t for t, _ in tops or ())
-        g.pieces = {t: codec.piece(t) for t in seen}
+        g.pieces = codec.pieces(seen)
         g.prompt_text = codec.decode(r.prompt, False)
     return g
 

@@ -80,8 +80,14 @@ def error_body(protocol: str, status: int, message: str, param: str | None = Non
                       "param": param, "code": status}}
 
 
-def dumps(value: Any) -> bytes:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+try:  # a log-probability answer is thousands of numbers: orjson writes them ~10x faster, where installed
+    import orjson
+
+    def dumps(value: Any) -> bytes:
+        return orjson.dumps(value)
+except ImportError:  # pragma: no cover - the standard library's, same bytes but for spacing
+    def dumps(value: Any) -> bytes:
+        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
 
 
 def json_response(value: Any, status: int = 200, headers: dict | None = None) -> Response:

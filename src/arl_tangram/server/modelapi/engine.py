@@ -35,6 +35,7 @@ class State:
     def __init__(self, service: Service, config: ModelApiConfig) -> None:
         self.service = service
         self.quotas = Quotas(config.quotas)
+        self._children: dict[tuple, Any] = {}
         reg = service.metrics.registry
         self.requests = Counter("tangram_model_api_requests_total", "Requests of the model protocols, by protocol, "
                                 "model, job and HTTP status", ["protocol", "model", "job", "status"], registry=reg)
@@ -77,11 +78,19 @@ class State:
             raise ApiError(503, problem, retry_after_s=5)
         return name
 
+    def count(self, counter: Counter, *labels: str) -> Any:
+        """A counter's labelled child, kept: ``labels()`` locks and validates on every call."""
+        key = (id(counter), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = counter.labels(*labels)
+        return child
+
     def enter(self, protocol: str, model: str, job: str) -> None:
         throttled = self.quotas.enter(job, model)
         if throttled is not None:
-            self.throttled.labels(model, job, throttled.limit).inc()
-            self.requests.labels(protocol, model, job, "429").inc()
+            self.count(self.throttled, model, job, throttled.limit).inc()
+            self.count(self.requests, protocol, model, job, "429").inc()
             q = throttled.quota
             per = q.requests_per_minute if throttled.limit == "requests" else q.tokens_per_minute
             raise ApiError(429, f"rate limit reached for {model} (job {job}): {per} {throttled.limit} per minute; "
@@ -132,7 +141,10 @@ class Calls:
         st.enter(protocol, name, job)
         try:
             service.admit()
-            done = await asyncio.gather(*(service.tg.call_model(name, op, it, job=job) for it in items))
+            if len(items) == 1:  # no task for the common case
+                done = [await service.tg.call_model(name, op, items[0], job=job)]
+            else:
+                done = await asyncio.gather(*(service.tg.call_model(name, op, it, job=job) for it in items))
             out = []
             for r in done:
                 if r.outcome is Outcome.REJECTED:
@@ -144,19 +156,19 @@ class Calls:
             if bad is not None:
                 raise ApiError(400, bad.error, param=bad.error.split(":", 1)[0] if ":" in bad.error else None)
         except ApiError as e:
-            st.requests.labels(protocol, name, job, str(e.status)).inc()
+            st.count(st.requests, protocol, name, job, str(e.status)).inc()
             raise
         except BaseException:
-            st.requests.labels(protocol, name, job, "5xx").inc()
+            st.count(st.requests, protocol, name, job, "5xx").inc()
             raise
-        st.requests.labels(protocol, name, job, "200").inc()
+        st.count(st.requests, protocol, name, job, "200").inc()
         if op == "generate":
             prompt = sum(len(x.prompt_ids) for x in out)
             completion = sum(len(x.output_ids) for x in out)
         else:
             prompt, completion = sum(x.tokens for x in out), 0
-        st.tokens.labels(name, job, "prompt").inc(prompt)
+        st.count(st.tokens, name, job, "prompt").inc(prompt)
         if completion:
-            st.tokens.labels(name, job, "completion").inc(completion)
+            st.count(st.tokens, name, job, "completion").inc(completion)
         st.quotas.charge(job, name, prompt + completion)
         return out

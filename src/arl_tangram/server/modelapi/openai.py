@@ -54,7 +54,7 @@ class _Common(BaseModel):
 
 
 class CompletionBody(_Common):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Any = None  # checked by ``prompts_of`` (a union here costs more than the rest of the body)
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=1000)
     echo: bool = False
@@ -111,20 +111,20 @@ def _samples(base: Generate, n: int) -> list[Generate]:
     return out
 
 
-def _prompts(prompt: Any) -> list[dict]:
+def prompts_of(prompt: Any, field: str = "prompt") -> list[dict]:
+    """A prompt (or an input) as OpenAI's API takes it: text, a list of texts, token ids or a list
+    of token-id lists; one ``{"text"}`` or ``{"ids"}`` each."""
     if isinstance(prompt, str):
         return [{"text": prompt}]
-    if not prompt:
-        raise bad("prompt: empty", "prompt")
+    if not isinstance(prompt, list) or not prompt:
+        raise bad(f"{field}: a string, a list of strings, a list of token ids or a list of such lists", field)
     if all(isinstance(p, str) for p in prompt):
         return [{"text": p} for p in prompt]
     if all(type(p) is int for p in prompt):
-        return [{"ids": list(prompt)}]
-    if all(isinstance(p, list) for p in prompt):
-        if any(not p for p in prompt):
-            raise bad("prompt: an empty token list", "prompt")
-        return [{"ids": list(p)} for p in prompt]
-    raise bad("prompt: a string, a list of strings, a list of token ids or a list of such lists", "prompt")
+        return [{"ids": prompt}]
+    if all(isinstance(p, list) and p and all(type(t) is int for t in p) for p in prompt):
+        return [{"ids": p} for p in prompt]
+    raise bad(f"{field}: a string, a list of strings, a list of token ids or a list of such lists", field)
 
 
 def messages_of(messages: Any) -> list[dict]:
@@ -259,7 +259,7 @@ def routes(router: Any, calls: Any, guarded: Any) -> None:
         want_prompt = body.echo and body.logprobs is not None or body.prompt_logprobs is not None
         k = max(body.logprobs or 0, body.prompt_logprobs or 0)
         items: list[Generate] = []
-        for p in _prompts(body.prompt):
+        for p in prompts_of(body.prompt):
             base = Generate(**p, add_special_tokens=body.add_special_tokens, sampling=s,
                             prompt_logprobs_from=0 if want_prompt else None,
                             output_logprobs=body.logprobs is not None, top_logprobs=k, pieces=True)

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from ...managers.models.generation import Classified, Classify
 from ..dialect import answer
 from .common import bad, body_of, json_response, new_id, now, route
-from .openai import messages_of
+from .openai import messages_of, prompts_of
 
 PROTOCOL = "vllm"
 
@@ -33,7 +33,7 @@ class ScoreBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]] | None = None
+    input: Any = None  # checked by ``inputs``
     messages: Any = None
     use_activation: bool | None = None
     activation: bool | None = None
@@ -51,18 +51,8 @@ def inputs(body: ScoreBody) -> list[Classify]:
         raise bad("input/messages: give exactly one", "input")
     if body.messages is not None:
         return [Classify(messages=messages_of(body.messages))]
-    x: Any = body.input
-    if isinstance(x, str):
-        return [Classify(text=x, add_special_tokens=body.add_special_tokens)]
-    if not x:
-        raise bad("input: empty", "input")
-    if all(isinstance(v, str) for v in x):
-        return [Classify(text=v, add_special_tokens=body.add_special_tokens) for v in x]
-    if all(type(v) is int for v in x):
-        return [Classify(ids=list(x))]
-    if all(isinstance(v, list) and v for v in x):
-        return [Classify(ids=list(v)) for v in x]
-    raise bad("input: a string, a list of strings, a list of token ids or a list of such lists", "input")
+    return [Classify(**p, add_special_tokens=body.add_special_tokens) if "text" in p else Classify(**p)
+            for p in prompts_of(body.input, "input")]
 
 
 def activated(values: list[float]) -> list[float]:

@@ -38,8 +38,8 @@ _NEUTRAL = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "re
 class GenerateBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    text: str | list[str] | None = None
-    input_ids: list[int] | list[list[int]] | None = None
+    text: Any = None  # these two checked by ``requests`` (a union here costs more than the rest)
+    input_ids: Any = None
     sampling_params: dict | list[dict] | None = None
     return_logprob: bool | list[bool] = False
     logprob_start_len: int | list[int] = -1
@@ -118,11 +118,15 @@ def requests(body: GenerateBody) -> tuple[list[Generate], list[tuple[int, int]],
         raise bad("text/input_ids: give exactly one", "input_ids" if body.input_ids is not None else "text")
     if body.text is not None:
         batch = isinstance(body.text, list)
+        if not isinstance(body.text, str) and not (batch and all(isinstance(t, str) for t in body.text)):
+            raise bad("text: a string or a list of strings", "text")
         prompts: list[dict] = [{"text": t} for t in (body.text if batch else [body.text])]
     else:
         ids: Any = body.input_ids
-        batch = bool(ids) and isinstance(ids[0], list)
-        prompts = [{"ids": list(x)} for x in (ids if batch else [ids])]
+        batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = [{"ids": x} for x in (ids if batch else [ids])]
+        if not all(isinstance(x["ids"], list) and x["ids"] and all(type(t) is int for t in x["ids"]) for x in prompts):
+            raise bad("input_ids: a non-empty list of token ids, or a list of such lists", "input_ids")
     if not prompts:
         raise bad("input_ids: empty batch", "input_ids")
     out, where = [], []
