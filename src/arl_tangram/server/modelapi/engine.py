@@ -147,9 +147,7 @@ class Calls:
                 done = await asyncio.gather(*(service.tg.call_model(name, op, it, job=job) for it in items))
             out = []
             for r in done:
-                if r.outcome is Outcome.REJECTED:
-                    raise ApiError(400, r.message or "rejected")
-                if r.outcome is not Outcome.OK:  # the GPU, the runtime: ours
+                if r.outcome is not Outcome.OK:  # the input was checked: a queue past max_queue_s, the GPU, ours
                     raise ApiError(503, f"{r.outcome.value}: {r.message}", retry_after_s=1)
                 out.append(r.result)
             bad = next((x for x in out if x.error), None)
