@@ -9,8 +9,6 @@ Nothing here reaches outside 127.0.0.1. ``MISSING`` names the tools that are not
 from __future__ import annotations
 
 import base64
-import gzip
-import hashlib
 import http.client
 import http.server
 import json
@@ -18,57 +16,30 @@ import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from imagekit import layer_tar
 
-REGISTRY = shutil.which("docker-registry")
-SKOPEO = shutil.which("skopeo")
-MISSING = [name for name, path in (("docker-registry", REGISTRY), ("skopeo", SKOPEO)) if path is None]
+from arl_tangram.bench import taskimages
+from arl_tangram.bench.taskimages import MISSING, compress, free_port, push  # noqa: F401 (the tests' names)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, timeout: float = 15.0) -> None:
-    parts = urllib.parse.urlsplit(url)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=1)
-            conn.request("GET", parts.path)
-            conn.getresponse().read()
-            conn.close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not answer within {timeout}s")
-            time.sleep(0.05)
+REGISTRY, SKOPEO = taskimages.REGISTRY, taskimages.SKOPEO
 
 
 # -- the registry --------------------------------------------------------------------------------
 
-class Registry:
+class Registry(taskimages.Registry):
     """``docker-registry serve`` on 127.0.0.1 with its storage in ``root``. ``auth``: None,
     ``("htpasswd", {user: password})`` or ``("token", TokenServer)``; ``proxy_of``: a URL to be a
     pull-through cache of."""
 
     def __init__(self, root: Path, auth: tuple | None = None, proxy_of: str | None = None) -> None:
-        self.root = root
-        self.port = free_port()
-        self.host = f"127.0.0.1:{self.port}"
         root.mkdir(parents=True, exist_ok=True)
-        lines = ["version: 0.1", "log:", "  level: error", "  accesslog:", "    disabled: true", "storage:",
-                 "  filesystem:", f"    rootdirectory: {root / 'data'}", "  delete:", "    enabled: true",
-                 "http:", f"  addr: 127.0.0.1:{self.port}"]
+        lines: list[str] = []
         if auth is not None and auth[0] == "htpasswd":
             pw = root / "htpasswd"
             pw.write_text("".join(f"{u}:{_bcrypt(p)}\n" for u, p in auth[1].items()))
@@ -79,25 +50,7 @@ class Registry:
                       f"    issuer: {ts.issuer}", f"    rootcertbundle: {ts.cert}"]
         if proxy_of:
             lines += ["proxy:", f"  remoteurl: {proxy_of}"]
-        (root / "config.yml").write_text("\n".join(lines) + "\n")
-        self.log = open(root / "registry.log", "wb")
-        self.proc = subprocess.Popen([REGISTRY, "serve", str(root / "config.yml")], stdout=self.log,
-                                     stderr=subprocess.STDOUT)
-        try:
-            _wait_http(f"http://{self.host}/v2/")
-        except RuntimeError:
-            self.close()
-            raise RuntimeError(f"docker-registry did not start: {(root / 'registry.log').read_text()[-2000:]}")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
+        super().__init__(root, lines)
 
 
 def _bcrypt(password: str) -> str:
@@ -129,88 +82,15 @@ def _bcrypt(password: str) -> str:
 
 # -- images as OCI layouts, pushed with skopeo -----------------------------------------------------
 
-def compress(data: bytes, how: str) -> tuple[bytes, str]:
-    """A layer tar compressed ``gzip``, ``zstd`` or ``none``: (bytes, OCI media type)."""
-    base = "application/vnd.oci.image.layer.v1.tar"
-    if how == "gzip":
-        return gzip.compress(data, mtime=0), base + "+gzip"
-    if how == "zstd":
-        out = subprocess.run(["zstd", "-q", "-c"], input=data, capture_output=True, check=True).stdout \
-            if shutil.which("zstd") else _zstd(data)
-        return out, base + "+zstd"
-    return data, base
-
-
-def _zstd(data: bytes) -> bytes:
-    import zstandard
-
-    return zstandard.ZstdCompressor().compress(data)
-
-
 @dataclass
-class Layout:
-    """An OCI image layout directory being written (blobs, and index.json's tagged entries)."""
-
-    path: Path
-    entries: list[dict] = field(default_factory=list)
-
-    def blob(self, data: bytes) -> str:
-        h = hashlib.sha256(data).hexdigest()
-        d = self.path / "blobs" / "sha256"
-        d.mkdir(parents=True, exist_ok=True)
-        (d / h).write_bytes(data)
-        return "sha256:" + h
+class Layout(taskimages.Layout):
+    """An OCI image layout directory being written, its layers given as the tests' entries."""
 
     def image(self, layers: list[list[tuple]], compression: str | list[str] = "gzip", env: list[str] | None = None,
               arch: str = "amd64", raw_tars: list[bytes] | None = None) -> dict:
         """Write one image's blobs; returns its manifest descriptor (with its platform)."""
         tars = raw_tars if raw_tars is not None else [layer_tar(e) for e in layers]
-        hows = compression if isinstance(compression, list) else [compression] * len(tars)
-        descs = []
-        for t, how in zip(tars, hows):
-            data, mtype = compress(t, how)
-            descs.append({"mediaType": mtype, "digest": self.blob(data), "size": len(data)})
-        config = json.dumps({"architecture": arch, "os": "linux",
-                             "config": {"Env": env or ["PATH=/usr/local/bin:/usr/bin:/bin"], "WorkingDir": "/"},
-                             "rootfs": {"type": "layers",
-                                        "diff_ids": ["sha256:" + hashlib.sha256(t).hexdigest() for t in tars]}},
-                            sort_keys=True).encode()
-        manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
-                               "config": {"mediaType": "application/vnd.oci.image.config.v1+json",
-                                          "digest": self.blob(config), "size": len(config)},
-                               "layers": descs}, sort_keys=True).encode()
-        return {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": self.blob(manifest),
-                "size": len(manifest), "platform": {"architecture": arch, "os": "linux"}}
-
-    def tag(self, tag: str, desc: dict) -> None:
-        self.entries.append({**desc, "annotations": {"org.opencontainers.image.ref.name": tag}})
-        self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
-        (self.path / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": self.entries}))
-
-    def index(self, images: list[dict]) -> dict:
-        """An image index of ``images`` (their descriptors, with platforms)."""
-        doc = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
-                          "manifests": images}, sort_keys=True).encode()
-        return {"mediaType": "application/vnd.oci.image.index.v1+json", "digest": self.blob(doc), "size": len(doc)}
-
-
-def push(layout: Layout, tag: str, dest: str, creds: str | None = None, fmt: str | None = None,
-         all_images: bool = False) -> None:
-    """``skopeo copy oci:LAYOUT:TAG docker://DEST`` (plain HTTP to loopback)."""
-    argv = [SKOPEO, "--insecure-policy", "copy", "-q", "--dest-tls-verify=false"]
-    if creds:
-        argv += ["--dest-creds", creds]
-    if fmt:
-        argv += ["--format", fmt]
-    if all_images:
-        argv += ["--all"]
-    argv += [f"oci:{layout.path}:{tag}", f"docker://{dest}"]
-    with tempfile.TemporaryDirectory() as tmp:  # skopeo's own state, not the user's
-        env = {**os.environ, "HOME": tmp, "TMPDIR": tmp, "REGISTRY_AUTH_FILE": os.path.join(tmp, "auth.json")}
-        out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)
-    if out.returncode != 0:
-        raise RuntimeError(f"skopeo copy to {dest} failed: {out.stderr.strip()}")
+        return self.image_of(tars, compression, env, arch)
 
 
 # -- a token service (the distribution registry's "token" auth) ------------------------------------

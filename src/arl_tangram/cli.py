@@ -10,7 +10,6 @@ import json
 import os
 import sys
 import time
-import tomllib
 from enum import Enum
 from pathlib import Path
 from typing import Optional
@@ -761,21 +760,9 @@ def image_pull(
     from rich.progress import DownloadColumn, TransferSpeedColumn
 
     from .managers.sandbox.images import ImageError, ImageStore
-    from .managers.sandbox.registry import RegistriesConfig, pull_sync
+    from .managers.sandbox.registry import pull_sync
 
-    registries = RegistriesConfig()
-    if config is not None:
-        try:
-            text = config.read_text()
-            data = tomllib.loads(text) if config.suffix == ".toml" else json.loads(text)
-        except OSError as e:
-            raise fail(f"--config: cannot read {config}: {e.strerror}")
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as e:
-            raise fail(f"--config: {config} is not valid {'TOML' if config.suffix == '.toml' else 'JSON'}: {e}")
-        try:
-            registries = RegistriesConfig.from_toml(data)
-        except ImageError as e:
-            raise fail(f"--config: {e}")
+    registries = _images_config(config).sandbox.registries
     fetched: dict[int, int] = {}
     states: dict[int, str] = {}
     bars = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
@@ -805,6 +792,42 @@ def image_pull(
                                "size_bytes": img.size_bytes, "fetched_bytes": sum(fetched.values()),
                                "cached_layers": sum(1 for s in states.values() if s == "cached"),
                                "pull_s": round(time.perf_counter() - t, 3)}))
+
+
+@image_app.command("prune")
+def image_prune(
+    config: Optional[Path] = typer.Option(None, "--config", help="A server config (TOML or JSON): its "
+                                          "images.max_gb is the budget applied."),
+    max_gb: Optional[float] = typer.Option(None, "--max-gb", min=0, help="Remove the least recently used images "
+                                           "no sandbox uses until the store's layers fit in this many GB "
+                                           "(default: the config's images.max_gb; none: no image is removed)."),
+    grace_s: float = typer.Option(600.0, "--grace-s", min=0, help="Leave layers no image names and downloaded "
+                                  "blobs younger than this (a pull under way may be about to use them)."),
+    store: Optional[Path] = typer.Option(None, help=_STORE_HELP, show_default=_STORE_DEFAULT),
+) -> None:
+    """Apply the disk budget, and clear what killed pulls and imports left: partial blobs and
+    hidden directories of processes that are gone, layers no image uses, downloaded blobs and
+    lock files nobody holds. Prints what was removed and the disk the images use now."""
+    from .managers.sandbox.images import ImageError, ImageStore
+    from .managers.sandbox.registry import prune
+
+    if max_gb is None and config is not None:
+        max_gb = _images_config(config).images.max_gb
+    try:
+        got = prune(ImageStore(store), int(max_gb * (1 << 30)) if max_gb is not None else None, grace_s)
+    except ImageError as e:
+        raise fail(str(e))
+    out.print_json(json.dumps(got))
+
+
+def _images_config(config: Optional[Path]):
+    """The server config at ``config`` (its [[registries]] and [images]), or the defaults."""
+    from .server.config import ConfigError, ServeConfig, load
+
+    try:
+        return load(config) if config is not None else ServeConfig()
+    except ConfigError as e:
+        raise fail(str(e))
 
 
 @image_app.command("ls")

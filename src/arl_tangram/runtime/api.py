@@ -379,8 +379,10 @@ class Tangram:
         return await self.runtime.submit(action)
 
     async def session(self, job: str = "default", trajectory: str | None = None, image: str | None = None) -> Session:
-        """A new session (its sandbox starts with its first action). An unknown ``image`` raises
-        ``ImageError`` here, not at the first step; ``NoRoom`` when memory for it has run out."""
+        """A new session (its sandbox starts with its first action). An ``image`` neither in the
+        store nor a registry reference raises ``ImageError`` here, not at the first step; one
+        named by a reference not here starts to be pulled, and the first step waits for the
+        pull (a failed pull ends that step, saying why); ``NoRoom`` when memory has run out."""
         if image is not None:
             self._check_image(image)
         self.runtime.admit_session()  # NoRoom rather than a first step that waits for memory
@@ -395,8 +397,8 @@ class Tangram:
         return sb
 
     def _check_image(self, image: str) -> None:
-        sb = self._sandboxes("image")
-        sb.imageboxes.image(image) if sb.imageboxes is not None else sb.images.get(image)
+        """An image here, or a registry reference (its pull starts now; the first step waits for it)."""
+        self._sandboxes("image").check_image(image)
 
     async def restore(self, path: str | os.PathLike, job: str = "default", trajectory: str | None = None) -> Session:
         """A new session whose files are those of a snapshot (``Session.snapshot``), made by an
@@ -414,6 +416,7 @@ class Tangram:
         return Session(self.runtime, traj, job, r.result.info["image"])
 
     async def prewarm(self, image: str, n: int):
-        """Start ``n`` sandboxes of ``image`` now, so that sessions and one-shots of it skip
-        setup, within the idle cap ``max_idle_sandboxes`` (see the result's ``ready``)."""
+        """Start ``n`` sandboxes of ``image`` now (pulled first if it is a reference not here),
+        so that sessions and one-shots of it skip setup, within the idle cap
+        ``max_idle_sandboxes`` (see the result's ``ready``)."""
         return await self._sandboxes("prewarm").prewarm(image, n)

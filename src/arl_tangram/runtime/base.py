@@ -340,6 +340,12 @@ class Runtime:
         """Counts and limits of sessions at rest (``SandboxManager.rest_stats``); None where none rest here."""
         return None
 
+    def image_stats(self) -> dict | None:
+        """Image pulls and the image store's disk (``SandboxManager.image_stats``: pulls, bytes
+        pulled, pull seconds, cache hits, evictions, disk used and its bound); None where no
+        sandbox manager of this process pulls."""
+        return None
+
     def adopt_rested(self, trajectory: str, path: str, image: str | None) -> None:
         """A session an earlier server put to rest wakes here on its next step."""
         raise LookupError("this runtime cannot wake sessions put to rest by an earlier server")

@@ -23,7 +23,7 @@ from ..managers.quota import ApiManager, Handler
 from ..managers.sandbox.corewaits import summary
 from ..managers.sandbox.manager import SandboxManager
 from ..managers.sandbox.spec import SandboxConfig
-from ..policy import Costs, Policy, Profile
+from ..policy import Costs, Policy, Profile, Wait
 from ..waits import DEFAULT_MAX_QUEUE_S
 from .base import NoRoom, Runtime
 from .host import LocalHost, mem_available_mb
@@ -152,6 +152,21 @@ class LocalRuntime(Runtime):
     def rest_stats(self) -> dict | None:
         real = self.sandbox_manager()
         return real.rest_stats() if real is not None and real.store is not None else None
+
+    def image_stats(self) -> dict | None:
+        real = self.sandbox_manager()
+        return real.image_stats() if real is not None else None
+
+    def why_waiting(self, action_id: str) -> Wait | None:
+        """The policy's reason while the action is queued; once started, while it waits for its
+        image's pull, "pulling IMAGE: N of M MB" (reason ``image-pull``)."""
+        wait = super().why_waiting(action_id)
+        real = self.sandbox_manager()
+        if wait is None and real is not None:
+            pulling = real.pulling(action_id)
+            if pulling is not None:
+                return Wait("image-pull", pulling)
+        return wait
 
     def adopt_rested(self, trajectory: str, path: str, image: str | None) -> None:
         real = self.sandbox_manager()

@@ -8,9 +8,10 @@ import tomllib
 from typing import Literal
 from pathlib import Path
 
-from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..managers.models.spec import HF_TASKS, hf_dir_problem
+from ..managers.sandbox.registry.config import RegistriesConfig, RegistryHost
 from ..managers.sandbox.spec import SandboxConfig
 from ..policy import MOVE_S, POLICIES
 from ..waits import DEFAULT_MAX_QUEUE_S
@@ -65,6 +66,18 @@ class ApiKey(BaseModel):
                      "actions the key sees and submits under (its fair share)")
 
 
+class ImagesConfig(BaseModel):
+    """The image store (``[images]``); where images come from is ``[[registries]]``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_gb: float | None = Field(None, gt=0, description="disk the image store may use: past it, after a pull, "
+                                 "the least recently used images no sandbox uses are removed (default: no bound; "
+                                 "`tangram image prune` applies it by hand)")
+    docker_config: str | None = Field(None, description="Docker's config.json to take registry credentials from "
+                                      "(default: $DOCKER_CONFIG/config.json, else ~/.docker/config.json)")
+
+
 class ServeConfig(BaseModel):
     policy: str = Field("tangram", description=f"scheduling policy ({', '.join(POLICIES)})")
     cores: int | None = Field(None, ge=1, description="cores to schedule (default: this process's CPUs)")
@@ -88,6 +101,10 @@ class ServeConfig(BaseModel):
                                    "request with one sees only that job's sessions, sandboxes and actions, and "
                                    "submits under it; with any configured, every request needs a key (or --token)")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    registries: list[RegistryHost] = Field(default_factory=list, description="[[registries]] tables: how to reach "
+                                           "the registries images are pulled from by reference (mirrors, plain "
+                                           "HTTP for hosts named insecure, credentials)")
+    images: ImagesConfig = Field(default_factory=ImagesConfig)
     models: list[ModelService] = Field(default_factory=list, description="model services to serve on the GPUs "
                                                                           "(or CPU devices without CUDA)")
     gpus: int | None = Field(None, ge=1, description="GPUs to schedule (default: all visible; CPU devices: 1); "
@@ -112,6 +129,28 @@ class ServeConfig(BaseModel):
     def keys(self) -> dict[str, str]:
         """API key -> its job."""
         return {k.key: k.job for k in self.api_keys}
+
+    @field_validator("registries")
+    @classmethod
+    def _one_table_a_host(cls, v: list[RegistryHost]) -> list[RegistryHost]:
+        hosts = [r.host for r in v]
+        for h in hosts:
+            if hosts.count(h) > 1:
+                raise ValueError(f"host {h!r} has two tables")
+        return v
+
+    @model_validator(mode="after")
+    def _images_to_sandboxes(self) -> "ServeConfig":
+        """The sandboxes pull and bound the store: they carry these (to workers and nodes too)."""
+        update: dict = {}
+        if self.registries or self.images.docker_config is not None:
+            update["registries"] = RegistriesConfig(registries=self.registries,
+                                                    docker_config=self.images.docker_config)
+        if self.images.max_gb is not None:
+            update["image_max_gb"] = self.images.max_gb
+        if update:
+            self.sandbox = self.sandbox.model_copy(update=update)
+        return self
 
     @field_validator("policy")
     @classmethod

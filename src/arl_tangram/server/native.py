@@ -136,7 +136,8 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
     @router.get("/metrics", tags=["stats"], dependencies=guarded, responses={403: {"model": v1.Error}})
     async def metrics(request: Request) -> PlainTextResponse:
         _every_job(request, "GET /metrics")
-        return PlainTextResponse(await answer(calls.metrics_text()), media_type="text/plain; version=0.0.4")
+        text = await answer(calls.metrics_text()) + await answer(calls.image_metrics())
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @router.get("/healthz", tags=["stats"])
     async def healthz(request: Request) -> dict:
@@ -157,6 +158,33 @@ def _every_job(request: Request, what: str) -> None:
                         "key sees its own job in /v1/jobs")
 
 
+#: the image pulls' lines of /metrics: (name, type, help, key of ``Runtime.image_stats``)
+IMAGE_METRICS = (
+    ("tangram_image_pulls_total", "counter", "Images pulled from registries", "pulls"),
+    ("tangram_image_pull_failures_total", "counter", "Image pulls that failed", "pull_failures"),
+    ("tangram_image_pulled_bytes_total", "counter", "Layer bytes downloaded from registries", "bytes_pulled"),
+    ("tangram_image_pull_seconds_total", "counter", "Seconds spent pulling images", "pull_seconds"),
+    ("tangram_image_cache_hits_total", "counter", "New sandboxes whose image was on the node already", "cache_hits"),
+    ("tangram_image_evictions_total", "counter", "Images removed to keep the store within images.max_gb", "evicted"),
+    ("tangram_image_disk_bytes", "gauge", "Disk the image store's layers use", "disk_bytes"),
+    ("tangram_image_disk_limit_bytes", "gauge", "images.max_gb, in bytes", "disk_limit_bytes"),
+    ("tangram_image_pulls_in_flight", "gauge", "Image pulls under way", "pulling"),
+)
+
+
+def image_metrics(service: Service) -> str:
+    """``/metrics``' lines of image pulls and the image store (none without a sandbox manager here)."""
+    stats = service.runtime.image_stats()
+    if stats is None:
+        return ""
+    lines = []
+    for name, kind, help_, key in IMAGE_METRICS:
+        value = stats.get(key)
+        if value is None:
+            continue
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {float(value)!r}"]
+    return "\n".join(lines) + "\n" if lines else ""
+
 
 DIALECT = Dialect("native", {
     "submit": Service.submit, "run_oneshot": Service.run_oneshot, "status": Service.status, "cancel": Service.cancel,
@@ -166,5 +194,5 @@ DIALECT = Dialect("native", {
     "images": Service.images,
     "close_session": Service.close_session, "model_call": Service.model_call, "all_jobs": Service.all_jobs,
     "job_stats": Service.job_stats, "cluster": Service.cluster, "drain_node": Service.drain_node, "health": Service.health,
-    "metrics_text": Service.metrics_text,
+    "metrics_text": Service.metrics_text, "image_metrics": image_metrics,
 }, routes)

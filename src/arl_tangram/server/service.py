@@ -740,8 +740,8 @@ class Service:
     async def prewarm(self, req: v1.PrewarmRequest) -> v1.PrewarmResult:
         try:
             p = await self.tg.prewarm(req.image, req.n)
-        except ImageError as e:
-            raise BadRequest(str(e)) from None
+        except ImageError as e:  # a registry that does not answer is ours to say, not the request's
+            raise (Unavailable if e.infra else BadRequest)(str(e)) from None
         return v1.PrewarmResult(image=p.image, requested=p.requested, ready=p.ready, idle_total=p.idle_total,
                                 cap=p.cap, message=p.message)
 

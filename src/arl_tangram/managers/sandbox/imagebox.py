@@ -132,6 +132,10 @@ class ImageSandboxes:
             img = self._images[name] = self.store.get(name)
         return img
 
+    def forget(self, name: str) -> None:
+        """``name`` is being removed from the store (the disk budget): looked up afresh next time."""
+        self._images.pop(name, None)
+
     def _setup(self) -> None:
         """Once, from whichever thread mounts the first root. Locked, and ``run_dir`` is set last:
         two first spawns at once (the sessions' warm pool starts two) once let one thread see

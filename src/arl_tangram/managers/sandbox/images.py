@@ -504,17 +504,27 @@ class ImageStore:
         return sorted((self.get(json.loads(p.read_text())["name"]) for p in d.glob("*.json")), key=lambda i: i.name)
 
     def remove(self, name: str) -> list[str]:
-        """Forget ``name`` and delete the layers no other image uses; returns the deleted layers."""
+        """Forget ``name`` and delete the layers no other image uses; returns the deleted layers.
+        Refused while a sandbox's root is made of it (another image's root that shares some of
+        its layers keeps those, and does not hold it)."""
         img = self.get(name)
-        busy = _mounted_layers(self.layer_dir(d) for d in img.layers)
+        stacks = self._mounted_stacks()
+        busy = stacks.count(tuple(img.layers))
         if busy:
             raise ImageError(f"image: {name!r} is in use by {busy} running sandbox mount(s); stop the server using "
                              "it first")
         self._image_file(name).unlink()
-        used = {d for other in self.list() for d in other.layers}
+        used = {d for other in self.list() for d in other.layers} | {d for st in stacks for d in st}
         gone = [d for d in img.layers if d not in used]
         for d in gone:
-            shutil.rmtree(self.layer_dir(d), ignore_errors=True)
+            # renamed hidden first: a layer is there whole or not at all, for a pull that looks
+            # (and one whose removal is killed part way is cleaned up as an unpacking is)
+            hidden = self.root / "layers" / f"{UNPACKING}{os.getpid()}-rm-{os.urandom(4).hex()}"
+            try:
+                os.rename(self.layer_dir(d), hidden)
+            except FileNotFoundError:
+                continue
+            shutil.rmtree(hidden, ignore_errors=True)
         return gone
 
     # -- import ----------------------------------------------------------------------------------
@@ -735,31 +745,67 @@ class ImageStore:
                 continue
         return out
 
-    def evict(self, max_bytes: int, keep: set[str] = frozenset()) -> list[str]:
-        """Remove the least recently used images until the layers the others use fit in
+    def _mounted_stacks(self) -> list[tuple[str, ...]]:
+        """The images' layers (bottom first) of each overlay root mounted on this host from this
+        store: what a mount lists below the store's base directory (``rootfs.RootFs``: the
+        session's layers, the base, then the image's, top first)."""
+        layers = f"{self.root / 'layers'}/"
+        out = []
+        for line in _mount_text().splitlines():
+            if " - overlay " not in line:
+                continue
+            lowers: list[str] = []
+            for opt in line.rsplit(" ", 1)[-1].split(","):
+                key, _, value = opt.partition("=")
+                if key == "lowerdir":
+                    lowers += value.split(":")
+                elif key == "lowerdir+":
+                    lowers.append(value)
+            mine = [p[len(layers):] for p in lowers if p.startswith(layers)]
+            if mine:
+                out.append(tuple(reversed(mine)))
+        return out
+
+    def victims(self, max_bytes: int, keep: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        """The least recently used images to remove so that the layers the others use fit in
         ``max_bytes``: never one in ``keep`` nor one a mounted root uses (a sandbox of it is
-        running, prewarmed or at rest), and a layer only once no image left uses it. Returns the
-        images removed (fewer than needed when the rest are in use)."""
-        removed: list[str] = []
-        if self.disk_bytes() <= max_bytes:
-            return removed
-        mounts = _mount_text()
+        running, prewarmed or at rest); a layer counts until no image left uses it. Fewer than
+        needed when the rest are in use. Reads only."""
+        records = {r["name"]: r for r in self._records() if isinstance(r.get("name"), str)}
+        sizes = self.known_layer_sizes()
+        stacks = self._mounted_stacks()
+        users: dict[str, int] = {}
+        for layers in [r.get("layers", ()) for r in records.values()] + stacks:  # a mounted layer stays
+            for d in set(layers):
+                users[d] = users.get(d, 0) + 1
+        size = {d: sizes[d] if d in sizes else self.layer_bytes(d) for d in users if self.has_layer(d)}
+        total = sum(size.values())
+        out: list[str] = []
+        if total <= max_bytes:
+            return out
         for name, _ in sorted(self.last_used().items(), key=lambda kv: kv[1]):
-            if name in keep:
+            r = records.get(name)
+            if r is None or name in keep or tuple(r.get("layers", ())) in stacks:
                 continue
-            try:
-                img = self.get(name)
-            except ImageError:
-                continue
-            if any(str(self.layer_dir(d)) in mounts for d in img.layers):
-                continue
+            out.append(name)
+            for d in set(r.get("layers", ())):
+                users[d] -= 1
+                if users[d] == 0:
+                    total -= size.get(d, 0)
+            if total <= max_bytes:
+                break
+        return out
+
+    def evict(self, max_bytes: int, keep: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        """Remove ``victims(max_bytes, keep)`` (each with the layers no other image uses);
+        returns those removed (one mounted meanwhile stays)."""
+        removed = []
+        for name in self.victims(max_bytes, keep):
             try:
                 self.remove(name)
             except ImageError:
-                continue  # mounted since
+                continue
             removed.append(name)
-            if self.disk_bytes() <= max_bytes:
-                break
         return removed
 
     def prune(self, max_bytes: int | None = None, grace_s: float = 600.0) -> dict:
@@ -838,12 +884,6 @@ def _mount_text() -> str:
             return fh.read()
     except OSError:
         return ""
-
-
-def _mounted_layers(dirs) -> int:
-    """How many mounts on this host stack one of ``dirs``."""
-    text = _mount_text()
-    return sum(text.count(str(d)) for d in dirs)
 
 
 def _blob(digest: str) -> str:

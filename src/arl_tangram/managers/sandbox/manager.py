@@ -14,7 +14,8 @@ the one owner of its state:
 - ``resting.Resting``: when sessions rest and wake, and idle expiry;
 - ``execution.Execution``: a payload carried out in its sandbox, by a table of payload types;
 - ``runs.Runs``: one action's life (its sandbox found, placed, run, reported);
-- ``lease.Lease``: one-shots queued behind a running one on its cores.
+- ``lease.Lease``: one-shots queued behind a running one on its cores;
+- ``pulls.Pulls``: images named by a registry reference, pulled on first use; the disk budget.
 
 They share the host's side (``host.SandboxHost``: config, isolation, cgroups, images, recycler),
 which this class is.
@@ -40,6 +41,7 @@ from .isolation import Isolation, compile_runner, detect
 from .lease import Lease
 from .livestdin import LiveStdin
 from .pool import OneShots
+from .pulls import Pulls
 from .recycle import Recycler
 from .rest import RestStore
 from .resting import Resting
@@ -74,7 +76,9 @@ class SandboxManager(SandboxHost):
         self.spares = SessionPool(self, self.pool, self.book)
         self.resting = Resting(self, self.book, self.spares, self._expired)
         self.execution = Execution(self, self.book)
-        self.runs = Runs(self, self.lease, self.pool, self.spares, self.book, self.resting, self.execution)
+        self.pulls = Pulls(self)
+        self.runs = Runs(self, self.lease, self.pool, self.spares, self.book, self.resting, self.execution,
+                         self.pulls)
         # the parts' state under the names the runtime, the server and the tests read
         self.sessions: dict[str, Sandbox] = self.book.awake
         self.pending_roots = self.book.pending
@@ -99,14 +103,17 @@ class SandboxManager(SandboxHost):
         self.resting.open_store()
         self.imageboxes = ImageSandboxes(self.images, self.layout, Limits(c.memory_mb << 20, c.pids_max), self.root,
                                          c.interpreter, tuple(c.interpreter_args), c.max_idle_sandboxes)
+        await self.pulls.start()
         if c.image is not None:  # the default image: fail at start, not at every action
             if self.mode is not Isolation.BWRAP:
                 raise ImageError(f"sandbox.image: sandboxes from images need bubblewrap isolation (this host uses "
                                  f"{self.mode.value})")
-            try:
-                self.imageboxes.image(c.image)
+            try:  # pulled now if it is a reference not here; named as the store names it from now on
+                name = await self.pulls.ready(c.image)
+                self.imageboxes.image(name)
             except ImageError as e:
-                raise ImageError(f"sandbox.{e}") from None
+                raise ImageError(f"sandbox.image: {str(e).removeprefix('image: ')}") from None
+            self.config = c = c.model_copy(update={"image": name})
         self.layered = self.mode is Isolation.BWRAP and c.image is None and overlay_supported() is None
         if self.mode is Isolation.BWRAP and c.image is None and not self.layered:
             log.warning("default sessions cannot fork or snapshot here: %s", overlay_supported())
@@ -122,6 +129,7 @@ class SandboxManager(SandboxHost):
     async def shut_down(self) -> None:
         """Kill every sandbox and remove every cgroup and directory this manager made."""
         self.closing = True
+        await self.pulls.close()
         loops = [t for t in (self._fill, *self.resting.loops()) if t is not None]
         for t in loops:
             t.cancel()
@@ -229,11 +237,29 @@ class SandboxManager(SandboxHost):
 
     async def prewarm(self, image: str, n: int) -> Prewarmed:
         """Have ``n`` more sandboxes of ``image`` ready for new sessions and one-shots, within
-        ``max_idle_sandboxes`` (the result says how many were started and why not all)."""
+        ``max_idle_sandboxes`` (the result says how many were started and why not all). An
+        image named by a reference not here is pulled first."""
         if self.mode is not Isolation.BWRAP:
             raise ImageError(f"image: sandboxes from images need bubblewrap isolation (this host uses "
                              f"{self.mode.value if self.mode else 'none yet'})")
-        return await self.imageboxes.prewarm(image, n, len(self.pool.idle or ()) + len(self.spares.idle))
+        name = await self.pulls.ready(image)
+        return await self.imageboxes.prewarm(name, n, len(self.pool.idle or ()) + len(self.spares.idle))
+
+    # -- images from registries (pulls.py) -------------------------------------------------------
+    def check_image(self, image: str) -> None:
+        """``ImageError`` unless ``image`` is here or a registry reference; a reference not here
+        starts to be pulled (the session's first step waits for what is left)."""
+        self.pulls.check(image)
+        if self.mode is not None and not self.closing:
+            self.pulls.prefetch(image)
+
+    def pulling(self, action_id: str) -> str | None:
+        """"pulling IMAGE: N of M MB" while an action waits for its image's pull; else None."""
+        return self.pulls.pulling(action_id)
+
+    def image_stats(self) -> dict:
+        """Pulls, bytes pulled, pull seconds, cache hits, evictions and the store's disk use."""
+        return self.pulls.stats()
 
     async def sessions_warm(self, timeout_s: float) -> bool:
         """Wait until the sessions' pool is full (False: not within ``timeout_s``). A server waits

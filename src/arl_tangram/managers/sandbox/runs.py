@@ -2,7 +2,8 @@
 
 A one-shot takes a sandbox from the pool (``pool.py``) and gives it to the recycler after its
 report; a session's step uses its session's sandbox, waking it from rest (``resting.py``) or
-starting a pending root's processes first, and freezes it after. The sandbox is pinned to the
+starting a pending root's processes first, and freezes it after. A new sandbox of an image not
+on this node waits for the image's pull first (``pulls.py``), within the action. The sandbox is pinned to the
 allocation's cores (cpuset) or, for a one-shot sharing the host's CPUs, bounded to their worth of
 CPU time (``OneShots.placement``), and limited to its memory; the payload runs through
 ``execution.py``'s table.
@@ -24,6 +25,7 @@ from .images import ImageError
 from .lease import Lease, Unanswered
 from .livestdin import LiveStdin
 from .pool import OneShots
+from .pulls import Pulls
 from .resting import Resting
 from .sandbox import Sandbox, SandboxDied
 from .sessionpool import SessionPool
@@ -37,9 +39,9 @@ class Runs:
     """Runs the actions the engine starts here and reports each one's ``Completion``."""
 
     def __init__(self, host: SandboxHost, lease: Lease, pool: OneShots, spares: SessionPool, book: SessionBook,
-                 resting: Resting, execution: Execution) -> None:
+                 resting: Resting, execution: Execution, pulls: Pulls) -> None:
         self.host, self.lease, self.pool, self.spares = host, lease, pool, spares
-        self.book, self.resting, self.execution = book, resting, execution
+        self.book, self.resting, self.execution, self.pulls = book, resting, execution, pulls
         #: running actions -> [their sandbox once it is pinned (None before), the cores they may
         #: use]: registered at ``start`` so that a ``resize`` before the run is pinned is not lost
         self.pins: dict[str, list] = {}
@@ -138,6 +140,9 @@ class Runs:
                 # would compete with the answer and the next request for the cores
                 self.resting.want()
         try:
+            if image is not None and (traj is None or traj not in book.awake or book.awake[traj].dead):
+                # a new sandbox of it: the image pulled first where it is not here (``pulls.py``)
+                image = await self.pulls.ready(image, action.id)
             if traj is None:
                 sb = await self.pool.take(image, self.pool.placement(cores, True)[0])
             else:
@@ -203,7 +208,8 @@ class Runs:
             outcome, result = self._died(e, action)
             setup_s, exec_s = time.monotonic() - t0, 0.0
         except ImageError as e:  # an unknown image, or images unsupported here: the request's problem
-            outcome, result = Outcome.REJECTED, SandboxResult(message=str(e))
+            # (but a registry that does not answer is not)
+            outcome, result = Outcome.INFRA_ERROR if e.infra else Outcome.REJECTED, SandboxResult(message=str(e))
             setup_s, exec_s = time.monotonic() - t0, 0.0
         except asyncio.CancelledError:
             self._ended_unanswered(traj, sb, cores)

@@ -16,6 +16,7 @@ from pydantic import BaseModel, Field, model_validator
 from ...core.action import by_fields
 
 from .isolation import Isolation
+from .registry.config import RegistriesConfig
 
 
 class SandboxConfig(BaseModel):
@@ -85,6 +86,12 @@ class SandboxConfig(BaseModel):
                                                 "host's system directories)")
     image_store: str | None = Field(None, description="image cache directory (default: $TANGRAM_IMAGE_STORE, else "
                                                       "~/.local/share/arl-tangram/images)")
+    registries: RegistriesConfig = Field(default_factory=RegistriesConfig, description="how images named by a "
+                                         "registry reference are pulled on first use (the server config's "
+                                         "[[registries]] tables and images.docker_config)")
+    image_max_gb: float | None = Field(None, gt=0, description="disk the image store may use (the server "
+                                       "config's images.max_gb): past it, the least recently used images no "
+                                       "sandbox uses are removed after a pull (default: no bound)")
     snapshot_dir: str | None = Field(None, description="where the server keeps the snapshots of POST "
                                                        "/v1/sessions/{id}/snapshot (default: beside its journal); on "
                                                        "Ray a path every node can read (a node's agent writes it). "

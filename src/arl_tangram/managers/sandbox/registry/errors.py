@@ -27,7 +27,10 @@ class DigestMismatch(RegistryError):
 
 
 class Unreachable(RegistryError):
-    """The registry did not answer, or kept answering 429/5xx past the retries."""
+    """The registry did not answer, or kept answering 429/5xx past the retries: not the
+    request's failure (an action it ends is ``infra_error``)."""
+
+    infra = True
 
 
 class TooLarge(RegistryError):
