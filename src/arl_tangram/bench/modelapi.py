@@ -5,7 +5,7 @@ model service decodes.
 request at a time (each its own batch), in the server's own app in this process (the ASGI app
 called directly: no sockets, the same stack either way), one request of every route in turn;
 per route the median latency and CPU time (the model's forward on one thread), and what each
-protocol adds per request over the native call of the same op (the issue's target: at most
+protocol adds per request over the native call of the same op (the target: at most
 0.3 ms).
 
 ``decode``: tokens/s of the ``generate`` op's decode loop at each batch size against
@@ -40,7 +40,7 @@ SHAPES = {
                          rope_theta=1000000.0, tie_word_embeddings=True),
 }
 
-#: the issue's target for what a protocol adds per request over the native call
+#: the most a protocol may add per request over the native call (the bench reports against it)
 TARGET_ADDED_MS = 0.3
 
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France? Paris.",
@@ -65,8 +65,9 @@ def model_dir(path: str, arch: str, seed: int = 0) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(CORPUS * 4, trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False,
-                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[0], eos_token=specials[2],
                                    pad_token=specials[0])
     fast.chat_template = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + "
@@ -78,7 +79,8 @@ def model_dir(path: str, arch: str, seed: int = 0) -> str:
 
 def _stats(walls: list[float], cpus: list[float]) -> dict:
     return {"n": len(walls), "median_ms": round(statistics.median(walls) * 1e3, 4),
-            "mean_ms": round(statistics.fmean(walls) * 1e3, 4), "cpu_median_ms": round(statistics.median(cpus) * 1e3, 4)}
+            "mean_ms": round(statistics.fmean(walls) * 1e3, 4),
+            "cpu_median_ms": round(statistics.median(cpus) * 1e3, 4)}
 
 
 def overhead(device: str = "cpu", requests: int = 300, tokens: int = 32, log: Callable[[str], None] = print) -> dict:

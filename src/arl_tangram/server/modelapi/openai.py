@@ -190,22 +190,24 @@ def _prompt_logprobs(g: Generated) -> list | None:
 def _completion_logprobs(g: Generated, echo: bool, k: int) -> dict:
     """The legacy completions' ``logprobs``: tokens, their log-probabilities, the top ``k`` (and
     the token itself) at each, and each token's offset in the text."""
-    ids = (g.prompt_ids if echo else []) + g.output_ids
-    values = ((g.prompt_logprobs or [None] * len(g.prompt_ids)) if echo else []) + list(g.output_logprobs or [])
-    tops = ((g.prompt_top or [None] * len(g.prompt_ids)) if echo else []) + list(g.output_top or [[]] * len(g.output_ids))
-    tokens = [g.pieces.get(t, "") for t in ids]
+    pieces = g.pieces
+    ids = (g.prompt_ids + g.output_ids) if echo else g.output_ids
+    values = (list(g.prompt_logprobs or [None] * len(g.prompt_ids)) if echo else []) + list(g.output_logprobs or [])
+    tops = (((g.prompt_top or [None] * len(g.prompt_ids)) if echo else [])
+            + list(g.output_top or [None] * len(g.output_ids)))
+    tokens = [pieces.get(t, "") for t in ids]
     top: list = []
-    for t, v, row in zip(ids, values, tops):
+    offsets: list[int] = []
+    at = 0
+    for s, v, row in zip(tokens, values, tops):
+        offsets.append(at)
+        at += len(s)
         if v is None:
             top.append(None)
             continue
-        d = {g.pieces.get(a, ""): lp(x) for a, x in (row or [])[:k]}
-        d.setdefault(g.pieces.get(t, ""), lp(v))
+        d = {pieces.get(a, ""): lp(x) for a, x in row[:k]} if row else {}
+        d.setdefault(s, lp(v))
         top.append(d)
-    offsets, at = [], 0
-    for s in tokens:
-        offsets.append(at)
-        at += len(s)
     return {"tokens": tokens, "token_logprobs": [lp(v) for v in values], "top_logprobs": top, "text_offset": offsets}
 
 

@@ -20,7 +20,7 @@ from starlette.responses import Response, StreamingResponse
 
 from ...managers.models.generation import FINISH_STOP, Generate, Generated, Sampling
 from ..dialect import answer
-from .common import ApiError, bad, body_of, dumps, json_response, lp, route
+from .common import bad, body_of, dumps, json_response, lp, route
 
 PROTOCOL = "sglang"
 #: SGLang's default when ``max_new_tokens`` is not given
@@ -202,5 +202,3 @@ async def _events(out: list[dict]):
         yield b"data: " + dumps(item) + b"\n\n"
     yield b"data: [DONE]\n\n"
 
-
-__all__ = ["ApiError", "routes"]
