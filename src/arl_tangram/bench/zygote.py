@@ -2,11 +2,11 @@
 any sandbox, its child forked on demand against forked ahead (as the reset of a recycled sandbox
 does), for ``tangram bench zygote``.
 
-Each measurement is a fresh process that starts the sandbox agent's state (``inside.boot``:
-it takes over its own descriptors 0 and 1, so it answers on the protocol's copy): ``runs`` trivial one-shots, an idle
-``gap_s`` after each (where the sandbox would wait in the pool), reporting a run's p50 wall time
-(the latency path), the zygote's and its children's CPU and page faults per run, and the
-runner's CPU per run. The two modes alternate ``rounds`` times and the medians are compared as
+Each measurement is a fresh process that starts the sandbox agent's state (``inside.boot``: it
+takes over its own descriptors 0 and 1, so it answers on the protocol's copy): ``runs`` trivial
+one-shots, an idle ``gap_s`` after each (where the sandbox would wait in the pool), reporting a
+run's p50 wall time (the latency path), the zygote's and its children's CPU and page faults per
+run, and the agent's CPU per run. The two modes alternate ``rounds`` times and the medians are compared as
 ratios (ahead / on demand), so slow drift of a shared machine hits both alike.
 """
 

@@ -76,8 +76,9 @@ def openat2_call(st):
             _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
 
         # syscall(SYS_openat2, AT_FDCWD, path, &how, sizeof how)
-        call = st.hows["call"] = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_char_p,
-                                                  ctypes.c_void_p, ctypes.c_size_t, use_errno=True)(("syscall", st.libc))
+        prototype = ctypes.CFUNCTYPE(ctypes.c_long, ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
+                                     ctypes.c_size_t, use_errno=True)
+        call = st.hows["call"] = prototype(("syscall", st.libc))
         st.hows["struct"] = OpenHow
     return call
 

@@ -67,7 +67,10 @@ def serve(st):
         # a one-shot's reset may ride on its run (``then``): it runs right after the run's answer and
         # the reaping, answered under its own id, before anything else is read (the host then spends
         # no write on it, and the agent no wake-up)
-        req, then = (then, None) if then is not None else (st.held.pop(0) if st.held else read_message(st.proto_in), None)
+        if then is not None:
+            req, then = then, None
+        else:
+            req = st.held.pop(0) if st.held else read_message(st.proto_in)
         if req is None:
             return
         op = req["op"]

@@ -136,7 +136,8 @@ class Shell:
                 os._exit(127)
         os.close(cmd_r)
         os.close(ctl_w)
-        self.pid, self.cmd, self.ctl, self.out, self.err, self.name = pid, cmd_w, ctl_r, (out_r, out_w), (err_r, err_w), name
+        self.pid, self.cmd, self.ctl, self.name = pid, cmd_w, ctl_r, name
+        self.out, self.err = (out_r, out_w), (err_r, err_w)
         st.keep[:] = [pid]
         return name
 
