@@ -314,7 +314,7 @@ def test_a_real_task_end_to_end_a_session_from_its_image_a_patch_and_its_tests(t
         finally:
             proxy.close()
     for t, (before, after) in zip(tasks, results):
-        assert before.outcome is Outcome.OK and after.outcome is Outcome.OK, (before.message, after.message)
+        assert before.outcome is Outcome.OK and after.outcome is Outcome.OK, (before.result.run, after.result.run)
         assert before.stdout.strip().startswith(f"{t.failing} failed, {t.tests - t.failing} passed"), before.stdout
         assert after.stdout.strip().startswith(f"{t.tests} passed"), after.stdout
     assert set(blobs.values()) == {1} and len(blobs) == 1 + 2 * len(tasks)  # the base once

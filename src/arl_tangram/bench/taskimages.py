@@ -241,7 +241,8 @@ def _libraries(exe: str) -> set[str]:
 def host_python_root(dest: Path) -> Path:
     """A root of the host's ``python3`` (its whole standard library with the compiled modules it
     has, mtimes kept so they stay valid), ``pytest`` and what it imports from this interpreter's
-    site-packages, ``dash`` as ``/bin/sh``, ``patch``; built once into ``dest`` (returned)."""
+    site-packages, ``dash`` as ``/bin/sh``, ``patch`` and a few coreutils; built once into
+    ``dest`` (returned)."""
     done = dest / ".complete"
     if done.exists():
         return dest
@@ -254,8 +255,9 @@ def host_python_root(dest: Path) -> Path:
     for link, target in (("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64")):
         os.symlink(target, dest / link)
     exes = {f"/usr/bin/python{version}": f"python{version}", "/usr/bin/dash": "dash"}
-    if shutil.which("patch"):
-        exes[os.path.realpath(shutil.which("patch"))] = "patch"
+    for tool in ("patch", "cat", "ls", "head", "tail", "env", "mkdir", "rm"):
+        if shutil.which(tool):
+            exes[os.path.realpath(shutil.which(tool))] = tool
     libs: set[str] = set()
     for exe, name in exes.items():
         _copy(os.path.realpath(exe), dest / "usr/bin" / name)
