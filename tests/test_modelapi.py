@@ -440,6 +440,7 @@ def test_tangram_serve_with_fronts_answers_the_protocols_across_the_link(tmp_pat
 
 # -- the bench -------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_the_bench_measures_each_protocols_overhead_and_decode_against_transformers():
     from typer.testing import CliRunner
 
