@@ -624,6 +624,11 @@ def test_through_http_fronts(tmp_path):
         assert sb.process.code_run("print(1)").result == "1\n"
         sb.fs.upload_file(b"via fronts", "f")
         assert sb.fs.download_file("f") == b"via fronts"
+        for _ in range(100):  # the event connection through a front's link too
+            if d._event_dispatcher.is_connected:
+                break
+            time.sleep(0.05)
+        assert d._event_dispatcher.is_connected
         sb.delete()
     finally:
         srv.stop()
@@ -654,6 +659,20 @@ def test_errors_in_daytona_shape(server, client):
             sb.process.get_session_command("nope", "nope")
     finally:
         sb.delete()
+
+
+def test_past_capacity_a_clear_refusal(tmp_path):
+    """A sandbox the server has no room for is refused at once (503, saying which limit), never
+    left to hang."""
+    srv = Server(tmp_path, config={"sandbox": {"min_free_memory_mb": 10 ** 8, "warm_pool": 0}})
+    try:
+        d = Daytona(DaytonaConfig(api_key="x", api_url=f"{srv.url}/api"))
+        t = time.monotonic()
+        with pytest.raises(daytona.DaytonaError) as e:
+            d.create()
+        assert e.value.status_code == 503 and "memory" in str(e.value) and time.monotonic() - t < 10
+    finally:
+        srv.stop()
 
 
 # -- the event connection --------------------------------------------------------------------------

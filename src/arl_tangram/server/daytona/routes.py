@@ -63,6 +63,16 @@ def _error(request: Request, e: BaseException) -> JSONResponse:
     return JSONResponse(err.body(request.url.path, request.method), status_code=err.status)
 
 
+async def _refuse(ws: WebSocket, err: DaytonaApiError) -> None:
+    """A WebSocket refused before its handshake: the error as an HTTP answer in Daytona's shape
+    where the server can send one (uvicorn's ``websockets`` implementations), else a close
+    saying why."""
+    if "websocket.http.response" in ws.scope.get("extensions", {}):
+        await ws.send_denial_response(JSONResponse(err.body(ws.url.path, "GET"), status_code=err.status))
+    else:
+        await ws.close(code=1008, reason=err.message[:120])
+
+
 def _base(request: Request | WebSocket) -> str:
     """The toolbox's URL at the address this request came to."""
     scheme = {"ws": "http", "wss": "https"}.get(request.url.scheme, request.url.scheme)
@@ -414,13 +424,17 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
         return None
 
     async def logs(ws: WebSocket, sid: str, session: str, command: str) -> None:
-        if ws.query_params.get("follow") != "true" or await authorized(ws) is not None:
-            await ws.close(code=1008)
+        why = await authorized(ws)
+        if why is not None:
+            await _refuse(ws, DaytonaApiError(401, why))
+            return
+        if ws.query_params.get("follow") != "true":
+            await _refuse(ws, daemon(400, "follow: a WebSocket follows the logs (follow=true)"))
             return
         try:
             await answer(calls.daytona_command(sid, session, command))
         except Exception as e:
-            await ws.close(code=1008, reason=_fault(e).message[:120])
+            await _refuse(ws, _fault(e))
             return
         await ws.accept()
         sent = 0
@@ -442,7 +456,8 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
     router.add_api_websocket_route(TOOLBOX + "/{sid}/process/session/{session}/command/{command}/logs", logs)
 
     async def pty(ws: WebSocket) -> None:
-        await ws.close(code=1003, reason="PTY sessions are not supported by this server")
+        await _refuse(ws, daemon(501, "PTY sessions: not supported by this server (docs/daytona.md)",
+                                 "NOT_IMPLEMENTED"))
 
     router.add_api_websocket_route(TOOLBOX + "/{sid}/process/pty/{rest:path}", pty)
 
