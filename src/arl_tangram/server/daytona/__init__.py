@@ -1,4 +1,5 @@
-"""The Daytona dialect: Daytona's official SDK (``daytona``, sync and async) against ``tangram serve``.
+"""The Daytona dialect: Daytona's official SDK (``daytona``, sync and async) against
+``tangram serve``.
 
 A Daytona sandbox is a Tangram session, as an E2B sandbox is. ``routes.py`` speaks Daytona's wire
 protocols (the control plane's REST under ``/api``, each sandbox's toolbox under

@@ -42,7 +42,8 @@ class DaytonaApiError(Exception):
 def shape(status: int, message: str, code: str | None = None, source: str = API, path: str = "",
           method: str = "") -> dict:
     """Daytona's error body: the control plane's ``{statusCode, message, error}`` and the
-    toolbox's ``ErrorResponse`` fields (``code``, ``source``, ``path``, ``method``, ``timestamp``) in one."""
+    toolbox's ``ErrorResponse`` fields (``code``, ``source``, ``path``, ``method``,
+    ``timestamp``) in one."""
     try:
         phrase = HTTPStatus(status).phrase
     except ValueError:

@@ -70,7 +70,8 @@ def _error(text: str, default: int = 400, secret: str | None = None) -> DaytonaA
 
 
 async def _git(service: Service, box: Box, s: Any, script: str, op: str) -> str:
-    """``script`` (git commands) in the sandbox: its stdout, or its failure as the daemon's error."""
+    """``script`` (git commands) in the sandbox: its stdout, or its failure as the daemon's
+    error."""
     r = await step(service, box, s, f"( export GIT_TERMINAL_PROMPT=0 && {script} )", GIT_TIMEOUT_S, f"git {op}")
     code, out, err = ran(r, box.id)
     if code != 0:
@@ -274,7 +275,8 @@ async def _clone(service: Service, box: Box, s: Any, path: str, args: dict) -> N
 
 
 async def _sync(service: Service, box: Box, s: Any, path: str, op: str, args: dict) -> None:
-    """``pull`` and ``push``: through the server for a remote a clone named, else the sandbox's git."""
+    """``pull`` and ``push``: through the server for a remote a clone named, else the
+    sandbox's git."""
     name = args.get("remote") or "origin"
     branch = _branch(args.get("branch"))
     p = _q(path)

@@ -1,11 +1,13 @@
 """The toolbox's ``/process`` calls: ``exec``, ``code-run`` and process sessions, each command one
 journaled step of the sandbox's Tangram session (``Service.step``).
 
-``exec`` and ``code-run`` run in a subshell of the session's persistent shell (its shell keeps no
-trace of them), stdout and stderr as one output, as Daytona answers them. A process session keeps
-its working directory, variables and functions from one command to the next: each command runs in
-a subshell that reads them from the session's state file in the sandbox and writes them back as it
-exits (``SESSION_STEP``), so the sandbox's one shell serves any number of process sessions. An
+``exec`` runs in a subshell of the session's persistent shell (its shell keeps no trace of it),
+stdout and stderr as one output, as Daytona answers it; python's ``code-run`` in a child forked by
+the session's python interpreter (``CODE_RUN_DEF``), another language's as ``exec``. A process
+session keeps its working directory, variables and functions from one command to the next: each
+command runs in a subshell that reads them from the session's state files in the sandbox and
+writes them back as it exits (``SESSION_STEP``), so the sandbox's one shell serves any number of
+process sessions. An
 asynchronous command (``runAsync``) runs as a task; its output is kept as it comes (``Command``)
 for its logs, plain or streamed, and its stdin is fed while it runs where its session runs in this
 process (``send_session_command_input``)."""
@@ -87,7 +89,7 @@ class Using:
 
     async def __aexit__(self, *exc: Any) -> None:
         self.box.busy -= 1
-        self.box.used_at = time.time()
+        self.box.used_at = self.box.stepped = time.time()
 
 
 async def step(service: Service, box: Box, s: Any, shell: str | None, timeout_s: float, operation: str,

@@ -41,7 +41,8 @@ SERVICE_ERRORS = ((NotFound, 404), (Forbidden, 403), (Conflict, 409), (BadReques
 
 
 def is_daytona(request: Request) -> bool:
-    """A request of Daytona's clients: its errors are in Daytona's shape, routing errors included."""
+    """A request of Daytona's clients: its errors are in Daytona's shape, routing errors
+    included."""
     return request.url.path.startswith(PREFIX + "/")
 
 
@@ -410,7 +411,8 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
     # -- WebSockets: the streamed logs, the event connection -----------------------------------
     async def authorized(ws: WebSocket, token: str | None = None) -> str | None:
         """The app's own credential check, on a WebSocket's request (or on the token the event
-        connection sends): None when it passes (the task then acts as its key's job), else why not."""
+        connection sends): None when it passes (the task then acts as its key's job), else why
+        not."""
         if auth is None:
             return None
         scope = dict(ws.scope, type="http")

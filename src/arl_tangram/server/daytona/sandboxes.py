@@ -88,7 +88,7 @@ class Box:
     destroy_at: float | None = None  # its time to live, from creation (``ttlMinutes``)
     public: bool = False
     busy: int = 0  # toolbox calls in flight: never stopped under one
-    touched: float = 0.0  # its session's last keep-alive step (``Sandboxes._tend``)
+    stepped: float = 0.0  # its session's last step of the dialect's (a keep-alive step included)
     sessions: dict[str, Any] = field(default_factory=dict)  # process sessions (``process.py``)
     remotes: dict[str, dict] = field(default_factory=dict)  # git: repository path -> where it was cloned from
 
@@ -207,11 +207,10 @@ class Sandboxes:
         s = self.service.sessions.get(box.id)
         if every is None or s is None or box.busy:
             return
-        # a started sandbox's session is kept from the expiry's reach; a stopped one's is let rest
-        # and touched only when the expiry nears (the touch wakes it: its next rest comes soon after)
-        due = every if box.state == "started" else 3 * every
-        if now - max(box.used_at, box.touched) > due:
-            box.touched = now
+        # touched only as the expiry nears: the touch wakes a session at rest, which rests again
+        # soon after (``sandbox.rest_after_s``)
+        if now - max(box.stepped, box.created) > 3 * every:
+            box.stepped = now
             await s.files(Files())  # an empty files step: no core, no process; it marks the session used
 
 

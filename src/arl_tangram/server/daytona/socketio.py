@@ -91,21 +91,29 @@ async def serve(ws: WebSocket, authenticate: Callable[[str | None], Awaitable[st
         await _close(ws)
         return
     await send("40" + json.dumps({"sid": secrets.token_urlsafe(15)}))
-    tasks = [asyncio.create_task(_ping(send)), asyncio.create_task(_push(send, events, decorate))]
+    # whichever ends first ends the connection: the client leaving, or the events failing (the
+    # engine process gone): the SDK then reconnects, or polls
+    tasks = [asyncio.create_task(_read(ws, send)), asyncio.create_task(_push(send, events, decorate)),
+             asyncio.create_task(_ping(send))]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await _close(ws)
+
+
+async def _read(ws: WebSocket, send: Callable[[str], Awaitable[None]]) -> None:
     try:
         while True:
             msg = await ws.receive_text()
             if msg == "2":  # a client's ping (not the SDK's way, but Engine.IO's)
                 await send("3")
             elif msg in ("1", "41"):  # the transport closed, or the namespace left
-                break
-    except WebSocketDisconnect:
-        pass
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await _close(ws)
+                return
+    except (WebSocketDisconnect, KeyError, RuntimeError):  # gone, or a binary frame: not ours to read
+        return
 
 
 async def _ping(send: Callable[[str], Awaitable[None]]) -> None:
@@ -122,9 +130,7 @@ async def _push(send: Callable[[str], Awaitable[None]], events: Callable[[int | 
             got, after = await events(after, POLL_S)
             for name, data in got:
                 await send("42" + json.dumps([name, decorate(data)]))
-    except asyncio.CancelledError:
-        raise
-    except Exception as e:  # the engine process went away, or the socket: the client reconnects
+    except Exception as e:  # the engine process went away, or the socket
         log.info("daytona event connection ends: %r", e)
 
 
