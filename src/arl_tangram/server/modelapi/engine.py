@@ -19,7 +19,7 @@ from prometheus_client import Counter
 
 from ...core.action import Outcome
 from ...managers.models.generation import Classified, Classify, Generate, Generated
-from ..service import UNNAMED_JOB, Service, job_for
+from ..service import UNNAMED_JOB, Overloaded, Service, job_for
 from .common import ApiError
 from .config import ModelApiConfig
 from .quotas import Quotas
@@ -155,6 +155,9 @@ class Calls:
                 raise ApiError(400, bad.error, param=bad.error.split(":", 1)[0] if ":" in bad.error else None)
         except ApiError as e:
             st.count(st.requests, protocol, name, job, str(e.status)).inc()
+            raise
+        except Overloaded:  # the server's queue is full: a 429 too
+            st.count(st.requests, protocol, name, job, "429").inc()
             raise
         except BaseException:
             st.count(st.requests, protocol, name, job, "5xx").inc()
