@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from fastapi import APIRouter, Request, Response, WebSocket
 from fastapi.responses import JSONResponse
@@ -316,6 +316,18 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
             out["recursive"] = out["recursive"] == "true"
         return out
 
+    def files_route(op: str, names: tuple[str, ...]) -> Callable[..., Awaitable[Response]]:
+        # op and names bound by a closure, not as defaults: FastAPI would read a defaulted parameter
+        # as part of the request (a tuple as form data, which needs python-multipart)
+        async def files_call(sid: str, request: Request) -> Response:
+            try:
+                args = query(request, *names)
+            except DaytonaApiError as e:
+                return _error(request, e)
+            return await reply(request, lambda: calls.daytona_fs(sid, op, args),
+                               201 if op == "mkdir" else 204 if op == "delete" else 200)
+        return files_call
+
     for path, method, op, names in (("/files", "GET", "list", ("path", "depth")),
                                     ("/files", "DELETE", "delete", ("path", "recursive")),
                                     ("/files/info", "GET", "info", ("path",)),
@@ -324,14 +336,7 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
                                     ("/files/find", "GET", "find", ("path", "pattern")),
                                     ("/files/search", "GET", "search", ("path", "pattern")),
                                     ("/files/permissions", "POST", "chmod", ("path", "mode", "owner", "group"))):
-        async def files_call(sid: str, request: Request, op: str = op, names: tuple = names) -> Response:
-            try:
-                args = query(request, *names)
-            except DaytonaApiError as e:
-                return _error(request, e)
-            return await reply(request, lambda: calls.daytona_fs(sid, op, args),
-                         201 if op == "mkdir" else 204 if op == "delete" else 200)
-        router.add_api_route(PREFIX + "/toolbox/{sid}" + path, files_call, methods=[method],
+        router.add_api_route(PREFIX + "/toolbox/{sid}" + path, files_route(op, names), methods=[method],
                              dependencies=list(guarded), include_in_schema=False)
 
     @tb("/files/replace", "POST")
