@@ -6,12 +6,15 @@ user would: only ``DAYTONA_API_URL`` (the server's URL followed by ``/api``) and
 from __future__ import annotations
 
 import asyncio
+import inspect
 import io
 import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -65,22 +68,89 @@ def client(server):
     return Daytona()
 
 
+class Synced:
+    """An object of the async SDK driven from a test written for the sync one: each coroutine it
+    returns runs on ``loop`` (a thread's) and is waited for, an async iterator is read whole, and
+    what comes back is wrapped the same way. So one test walks both SDKs, call by call."""
+
+    def __init__(self, obj, loop) -> None:
+        self._obj, self._loop = obj, loop
+
+    def __getattr__(self, name: str):
+        value = getattr(self._obj, name)
+        if callable(value) and not isinstance(value, type) and inspect.ismethod(value):
+            return lambda *a, **k: self._settle(value(*a, **k))
+        return self._wrap(value)
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(120)
+
+    def _settle(self, value):
+        if inspect.isawaitable(value):
+            async def wait():
+                return await value
+            value = self._run(wait())
+        if inspect.isasyncgen(value) or hasattr(value, "__anext__"):
+            async def read():
+                return [x async for x in value]
+            value = self._run(read())
+        return self._wrap(value)
+
+    def _wrap(self, value):
+        if isinstance(value, list):
+            return [self._wrap(v) for v in value]
+        if type(value).__module__.startswith("daytona._async"):
+            return Synced(value, self._loop)
+        return value
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def sdk(request, server, client):
+    """The sync client, or the async one behind ``Synced``: the walks below run with both."""
+    if request.param == "sync":
+        yield client
+        return
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def make():
+        return AsyncDaytona()
+
+    d = asyncio.run_coroutine_threadsafe(make(), loop).result(30)
+    yield Synced(d, loop)
+    asyncio.run_coroutine_threadsafe(d.close(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def _follow(process, session: str, command: str, out: list, err: list | None = None) -> None:
+    """A command's streamed logs to its end (the sync SDK's method is a coroutine; through
+    ``Synced`` the async SDK's has run already)."""
+    done = process.get_session_command_logs_async(session, command, out.append,
+                                                  (err if err is not None else out).append)
+    if inspect.isawaitable(done):
+        asyncio.run(done)
+
+
 def _labels(**kw: str) -> CreateSandboxFromSnapshotParams:
     return CreateSandboxFromSnapshotParams(labels=kw)
 
 
 # -- sandboxes: create, get, list, states, intervals, exec, code_run -------------------------------
 
-def test_sync_sandboxes_exec_code_run_and_states(server, client):
-    sb = client.create(CreateSandboxFromSnapshotParams(name="sync-one", labels={"purpose": "sync"},
+def test_sandboxes_exec_code_run_and_states(server, sdk):
+    client = sdk
+    name = f"one-{uuid.uuid4().hex[:8]}"
+    sb = client.create(CreateSandboxFromSnapshotParams(name=name, labels={"purpose": name},
                                                        env_vars={"FOO": "bar baz"}, auto_stop_interval=0))
     try:
-        assert sb.state.value == "started" and sb.name == "sync-one" and sb.labels["purpose"] == "sync"
+        assert sb.state.value == "started" and sb.name == name and sb.labels["purpose"] == name
         assert sb.labels["code-toolbox-language"] == "python" and sb.env == {"FOO": "bar baz"}
         assert (sb.cpu, sb.gpu) == (1, 0) and sb.memory >= 1 and sb.disk >= 1 and sb.auto_stop_interval == 0
-        assert client.get("sync-one").id == sb.id and client.get(sb.id).name == "sync-one"
+        assert client.get(name).id == sb.id and client.get(sb.id).name == name
         with pytest.raises(DaytonaConflictError):
-            client.create(CreateSandboxFromSnapshotParams(name="sync-one"))
+            client.create(CreateSandboxFromSnapshotParams(name=name))
 
         r = sb.process.exec('echo "out $FOO"; echo err >&2; pwd; echo $HOME')
         assert (r.exit_code, r.result) == (0, "out bar baz\nerr\n/home/user\n/home/user\n")
@@ -113,11 +183,11 @@ def test_sync_sandboxes_exec_code_run_and_states(server, client):
         assert e.value.status == 408 and "PROCESS_EXECUTION_TIMEOUT" in e.value.body
         assert sb.process.code_run("print(2 + 2)").result == "4\n"
 
-        listed = [s.id for s in client.list(ListSandboxesQuery(labels={"purpose": "sync"}))]
+        listed = [s.id for s in client.list(ListSandboxesQuery(labels={"purpose": name}))]
         assert listed == [sb.id]
-        assert [s.id for s in client.list(ListSandboxesQuery(name="sync-o"))] == [sb.id]
+        assert [s.id for s in client.list(ListSandboxesQuery(name=name[:6]))] == [sb.id]
 
-        sb.set_labels({"purpose": "sync", "extra": "yes"})
+        sb.set_labels({"purpose": name, "extra": "yes"})
         sb.set_autostop_interval(30)
         sb.set_auto_delete_interval(60)
         sb.refresh_data()
@@ -137,7 +207,7 @@ def test_sync_sandboxes_exec_code_run_and_states(server, client):
         sb.delete()
     with pytest.raises(DaytonaNotFoundError):
         client.get(sb.id)
-    assert [s.id for s in client.list(ListSandboxesQuery(labels={"purpose": "sync"}))] == []
+    assert [s.id for s in client.list(ListSandboxesQuery(labels={"purpose": name}))] == []
 
 
 def test_list_pages_and_an_ephemeral_sandbox(server, client):
@@ -161,7 +231,8 @@ def test_list_pages_and_an_ephemeral_sandbox(server, client):
 
 # -- process sessions ------------------------------------------------------------------------------
 
-def test_sync_process_sessions(server, client):
+def test_process_sessions(server, sdk):
+    client = sdk
     sb = client.create(_labels(purpose="sessions"))
     p = sb.process
     try:
@@ -183,11 +254,10 @@ def test_sync_process_sessions(server, client):
         r = p.execute_session_command("s1", SessionExecuteRequest(
             command="for i in 1 2 3; do echo line $i; sleep 0.2; done; echo bad >&2; exit 2", run_async=True))
         assert r.exit_code is None and p.get_session_command("s1", r.cmd_id).exit_code is None
-        seen = []
-        asyncio.run(p.get_session_command_logs_async("s1", r.cmd_id, lambda x: seen.append(("out", x)),
-                                                     lambda x: seen.append(("err", x))))
-        assert "".join(x for k, x in seen if k == "out") == "line 1\nline 2\nline 3\n"
-        assert "".join(x for k, x in seen if k == "err") == "bad\n"
+        out: list[str] = []
+        err: list[str] = []
+        _follow(p, "s1", r.cmd_id, out, err)
+        assert ("".join(out), "".join(err)) == ("line 1\nline 2\nline 3\n", "bad\n")
         assert p.get_session_command("s1", r.cmd_id).exit_code == 2
         logs = p.get_session_command_logs("s1", r.cmd_id)
         assert (logs.stdout, logs.stderr) == ("line 1\nline 2\nline 3\n", "bad\n")
@@ -223,7 +293,8 @@ def test_sync_process_sessions(server, client):
 
 # -- the file system -------------------------------------------------------------------------------
 
-def test_sync_file_system(server, client, tmp_path):
+def test_file_system(server, sdk, tmp_path):
+    client = sdk
     sb = client.create(_labels(purpose="files"))
     fs = sb.fs
     try:
@@ -410,7 +481,8 @@ def git_server(tmp_path):
     daemon.wait(10)
 
 
-def test_git_against_a_loopback_git_server(server, client, git_server):
+def test_git_against_a_loopback_git_server(server, sdk, git_server):
+    client = sdk
     url, bare, work = git_server
     sb = client.create(_labels(purpose="git"))
     g = sb.git
@@ -481,22 +553,24 @@ def test_git_against_a_loopback_git_server(server, client, git_server):
 
 # -- snapshots, fork -------------------------------------------------------------------------------
 
-def test_snapshots_and_fork(server, client):
+def test_snapshots_and_fork(server, sdk):
+    client = sdk
     sb = client.create(_labels(purpose="snap", job="snapjob"))
     made = []
     try:
         sb.fs.upload_file(b"state one", "state.txt")
-        sb.create_snapshot("snap-one")
+        snap_name = f"snap-{uuid.uuid4().hex[:8]}"
+        sb.create_snapshot(snap_name)
         assert sb.state.value == "started"
-        snap = client.snapshot.get("snap-one")
-        assert (snap.name, snap.state.value, snap.source_sandbox_id) == ("snap-one", "active", sb.id)
-        assert "snap-one" in [s.name for s in client.snapshot.list().items]
+        snap = client.snapshot.get(snap_name)
+        assert (snap.name, snap.state.value, snap.source_sandbox_id) == (snap_name, "active", sb.id)
+        assert snap_name in [s.name for s in client.snapshot.list().items]
         with pytest.raises(DaytonaConflictError):
-            sb.create_snapshot("snap-one")
+            sb.create_snapshot(snap_name)
         sb.fs.upload_file(b"state two", "state.txt")
-        from_snap = client.create(CreateSandboxFromSnapshotParams(snapshot="snap-one", labels={"job": "snapjob"}))
+        from_snap = client.create(CreateSandboxFromSnapshotParams(snapshot=snap_name, labels={"job": "snapjob"}))
         made.append(from_snap)
-        assert from_snap.snapshot == "snap-one"
+        assert from_snap.snapshot == snap_name
         assert from_snap.fs.download_file("state.txt") == b"state one"
         with pytest.raises(DaytonaNotFoundError):
             client.create(CreateSandboxFromSnapshotParams(snapshot="no-such-snapshot"))
@@ -508,9 +582,9 @@ def test_snapshots_and_fork(server, client):
         child.fs.upload_file(b"child's", "state.txt")
         assert sb.fs.download_file("state.txt") == b"state two"  # copy-on-write: the source is untouched
 
-        client.snapshot.delete("snap-one")
+        client.snapshot.delete(snap_name)
         with pytest.raises(DaytonaNotFoundError):
-            client.snapshot.get("snap-one")
+            client.snapshot.get(snap_name)
     finally:
         for s in made:
             s.delete()
