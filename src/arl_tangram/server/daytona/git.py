@@ -61,8 +61,8 @@ STATUS = {".": "Unmodified", "M": "Modified", "T": "Modified", "A": "Added", "D"
 
 def _error(text: str, default: int = 400, secret: str | None = None) -> DaytonaApiError:
     text = text.strip() or "git failed"
-    if secret:
-        text = text.replace(secret, "***")
+    if secret:  # as given, and as it is written in a URL
+        text = text.replace(secret, "***").replace(urllib.parse.quote(secret, safe=""), "***")
     for needle, status, code in ERRORS:
         if needle in text:
             return daemon(status, text[-2000:], code)
@@ -109,7 +109,8 @@ def _host_env(home: str, network: bool) -> dict[str, str]:
             "GIT_CONFIG_NOSYSTEM": "1", "GIT_ALLOW_PROTOCOL": ":".join(NETWORK) if network else "file"}
 
 
-async def _host(args: list[str], tmp: str, secret: str | None, insecure: bool = False, network: bool = True) -> str:
+async def _host(args: list[str], tmp: str, secret: str | None, insecure: bool = False,
+                network: bool = True) -> str:
     """``git args`` on the host (in a thread: a git transfer is seconds of waiting, not the event
     loop's); its failure as the daemon's error, the credentials masked."""
     argv = ["git", "-c", "transfer.fsckObjects=true"] + (["-c", "http.sslVerify=false"] if insecure else []) + args
@@ -264,7 +265,9 @@ async def _clone(service: Service, box: Box, s: Any, path: str, args: dict) -> N
             d, src = f"--depth {depth} ", src if "://" in src else "file://" + src  # (a plain path ignores --depth)
         await _git(service, box, s, f"git clone --quiet {b}{d}-- {_q(src)} {_q(path)}{then}", "clone")
         return
-    remote = {"fetch": fetch, "url": shown, "password": args.get("password") or None,
+    remote = {"fetch": fetch, "url": shown,
+              "password": args.get("password") or urllib.parse.unquote(urllib.parse.urlsplit(fetch).password or "")
+              or None,
               "insecure": bool(args.get("insecure_skip_tls"))}
     bundle = await _fetched(remote, branch)
     name, full = _bundle_name()
