@@ -112,7 +112,7 @@ def test_an_image_without_bash_gets_its_sh_and_toolchains_are_looked_up_in_the_i
         again = await s.exec("echo $x; f 2")
         bash = await tg.run("echo hi", "bash", image="tiny-sh")
         bash_ok = await tg.run("echo hi $BASH_VERSION | cut -c1-3", "bash", image="tiny-bash")
-        unknown = await tg.run("print(1)", image="no-such-image")
+        unknown = await tg.run("print(1)", image="No_Such_Image")
         await s.close()
         return shell, again, bash, bash_ok, unknown
 
@@ -121,9 +121,9 @@ def test_an_image_without_bash_gets_its_sh_and_toolchains_are_looked_up_in_the_i
     assert again.stdout == "1\nf2\n"
     assert bash.outcome is Outcome.REJECTED and "needs bash" in bash.message
     assert bash_ok.outcome in (Outcome.OK, Outcome.FAILED) and bash_ok.result.run is not None
-    assert unknown.outcome is Outcome.REJECTED and "no image named 'no-such-image'" in unknown.message
+    assert unknown.outcome is Outcome.REJECTED and "no image named 'No_Such_Image'" in unknown.message
     with pytest.raises(ImageError, match="no image named"):
-        run(store, lambda tg: tg.session(image="no-such-image"))
+        run(store, lambda tg: tg.session(image="No_Such_Image"))
 
 
 def test_the_default_image_comes_from_the_config_and_fills_the_warm_pool(store):
@@ -140,7 +140,7 @@ def test_the_default_image_comes_from_the_config_and_fills_the_warm_pool(store):
     assert pooled == ["tiny-sh"]
     assert r.outcome is Outcome.OK and r.stdout == "True\n"
     with pytest.raises(ImageError, match="sandbox.image|no image named"):
-        run(store, lambda tg: tg.run("pass"), image="no-such-image")
+        run(store, lambda tg: tg.run("pass"), image="No_Such_Image")
 
 
 @pytest.mark.skipif(not os.path.exists("/usr/bin/python3.11"), reason="builds its image from the host's python3.11")
@@ -328,7 +328,7 @@ def test_prewarm_fills_up_to_the_idle_cap_and_sessions_use_it(store):
         used = boxes.idle()
         await s.close()
         with pytest.raises(ImageError):
-            await tg.prewarm("no-such-image", 1)
+            await tg.prewarm("No_Such_Image", 1)
         return first, ready, used, r
 
     first, ready, used, r = run(store, body, max_idle_sandboxes=3)
@@ -389,7 +389,7 @@ def test_server_sessions_in_images_fork_and_prewarm(store, tmp_path):
         c = httpx.Client(base_url=server.url, timeout=30)
         one = c.post("/v1/actions", json={"action": {"code": "print(open('/repo/app.py').read())"}}).json()
         assert one["outcome"] == "ok" and one["run"]["stdout"] == "VERSION = 1\n\n"
-        bad = c.post("/v1/sessions", json={"image": "no-such-image"})
+        bad = c.post("/v1/sessions", json={"image": "No_Such_Image"})
         assert bad.status_code == 422 and "no image named" in bad.json()["message"]
         sid = c.post("/v1/sessions", json={"image": "tiny-bash"}).json()["session_id"]
         assert c.post(f"/v1/sessions/{sid}/exec", json={"command": "cd /repo; echo v5 > app.py"}).json()["outcome"] == "ok"
@@ -401,7 +401,7 @@ def test_server_sessions_in_images_fork_and_prewarm(store, tmp_path):
         assert c.post(f"/v1/sessions/{sid}/fork", json={"n": 0}).status_code == 422
         warm = c.post("/v1/pools/prewarm", json={"image": "tiny-sh", "n": 5}).json()
         assert warm["ready"] == 2 and warm["cap"] == 2 and "capped" in warm["message"]
-        assert c.post("/v1/pools/prewarm", json={"image": "nope", "n": 1}).status_code == 422
+        assert c.post("/v1/pools/prewarm", json={"image": "No_Such_Image", "n": 1}).status_code == 422
         for k in (sid, *fork["session_ids"]):
             assert c.delete(f"/v1/sessions/{k}").status_code == 204
     finally:

@@ -415,6 +415,12 @@ class Tangram:
             raise SessionError(r)
         return Session(self.runtime, traj, job, r.result.info["image"])
 
+    async def pull(self, image: str) -> str:
+        """Have ``image`` in this runtime's store now (pulled if it is a registry reference not
+        here; ``ImageError`` naming it if it cannot be, its ``infra`` set where the registry did
+        not answer); returns the store's name for it."""
+        return await self._sandboxes("pull").pull_image(image)
+
     async def prewarm(self, image: str, n: int):
         """Start ``n`` sandboxes of ``image`` now (pulled first if it is a reference not here),
         so that sessions and one-shots of it skip setup, within the idle cap

@@ -308,11 +308,27 @@ def _remove(path: str) -> None:
 
 
 class Unpacker:
-    """Writes validated members into the fresh directory ``dest`` in overlayfs' format."""
+    """Writes validated members into the fresh directory ``dest`` in overlayfs' format.
+
+    ``dest`` starts empty, so a path this unpacker has not made does not exist: a member there is
+    created with no look first, and a file gets its ownership, mode and mtime through its open
+    descriptor (the layer's files are the bulk of a pull's system calls). A path made before (a
+    later member replacing an earlier one) is looked at and removed first."""
 
     def __init__(self, dest: Path | str, where: str) -> None:
         self.dest, self.where = str(dest), where
         self.dirs: list[tuple[str, tarfile.TarInfo]] = []
+        self.made: set[str] = set()  # the paths this unpacker created (with their parent directories)
+        self.owner = (os.geteuid(), os.getegid())
+        self.umask = _umask()
+
+    def _parent(self, parent: str) -> None:
+        if parent == self.dest or parent in self.made:
+            return
+        os.makedirs(parent, exist_ok=True)
+        while parent != self.dest and parent not in self.made:
+            self.made.add(parent)
+            parent = os.path.dirname(parent)
 
     def add(self, tar: tarfile.TarFile, m: tarfile.TarInfo, name: str | None = None) -> None:
         rel = _normalise(m.name if name is None else name, self.where)
@@ -320,35 +336,65 @@ class Unpacker:
             return
         full = os.path.join(self.dest, rel)
         parent, base = os.path.split(full)
-        os.makedirs(parent, exist_ok=True)
+        self._parent(parent)
         if base == OPAQUE:
             os.setxattr(parent, "trusted.overlay.opaque", b"y")
             return
         if base.startswith(WHITEOUT):
             target = os.path.join(parent, base[len(WHITEOUT):])
-            self._forget(target)
-            _remove(target)
+            if target in self.made:
+                self._forget(target)
+                _remove(target)
             os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))
+            self.made.add(target)
             return
+        again = full in self.made
+        self.made.add(full)
         if m.isdir():
-            if os.path.lexists(full) and not _is_real_dir(full):  # a symlink to a directory is replaced too
-                _remove(full)
-            os.makedirs(full, exist_ok=True)
+            if not again:
+                os.mkdir(full, 0o700)
+            else:
+                if os.path.lexists(full) and not _is_real_dir(full):  # a symlink to a directory is replaced too
+                    _remove(full)
+                os.makedirs(full, exist_ok=True)
             self.dirs.append((full, m))
             return
-        self._forget(full)
-        _remove(full)
+        if again:
+            self._forget(full)
+            _remove(full)
         if m.issym():
             os.symlink(m.linkname, full)
         elif m.islnk():
             os.link(os.path.join(self.dest, _normalise(m.linkname, self.where)), full, follow_symlinks=False)
             return  # shares the target's inode, ownership and mode
         else:
-            src = tar.extractfile(m)
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "wb") as fh:
-                shutil.copyfileobj(src, fh, 1 << 20)
+            self._file(tar, m, full)
+            return
         _attrs(full, m)
+
+    def _file(self, tar: tarfile.TarFile, m: tarfile.TarInfo, full: str) -> None:
+        mode = m.mode & 0o7777
+        # created with its mode where the umask keeps it (setuid and setgid bits are set after the owner)
+        plain = not mode & 0o7000 and not mode & self.umask
+        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     mode if plain else 0o600)
+        try:
+            src = tar.extractfile(m)
+            while True:
+                chunk = src.read(1 << 20)
+                if not chunk:
+                    break
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view):]
+            if (m.uid, m.gid) != self.owner:
+                os.fchown(fd, m.uid, m.gid)
+                plain = False  # a new owner clears setuid/setgid bits: the mode is written after it
+            if not plain:
+                os.fchmod(fd, mode)
+            os.utime(fd, (m.mtime, m.mtime))
+        finally:
+            os.close(fd)
 
     def _forget(self, full: str) -> None:
         """A directory about to be replaced: its modes are not applied at the end (a symlink may
@@ -361,6 +407,18 @@ class Unpacker:
         for full, m in reversed(self.dirs):  # deepest first: a read-only directory is filled before it closes
             if _is_real_dir(full):  # not one a later member replaced (chmod would follow a symlink there)
                 _attrs(full, m)
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it for every thread)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o777  # unknown: every mode is written explicitly
 
 
 def _is_real_dir(path: str) -> bool:

@@ -253,6 +253,10 @@ class SandboxManager(SandboxHost):
         if self.mode is not None and not self.closing:
             self.pulls.prefetch(image)
 
+    async def pull_image(self, image: str) -> str:
+        """The store's name for ``image``, pulled now if it is a reference not here."""
+        return await self.pulls.ready(image)
+
     def pulling(self, action_id: str) -> str | None:
         """"pulling IMAGE: N of M MB" while an action waits for its image's pull; else None."""
         return self.pulls.pulling(action_id)

@@ -131,6 +131,8 @@ class Pulls:
             self.waiting[action_id] = (name, full)
         try:
             await asyncio.shield(self._flight(ref, full))
+        except ImageError as e:  # the same kind (``infra`` kept), saying what was looked for first
+            raise type(e)(f"image: no image named {name!r} in the store, and pulling it failed: {e}") from None
         finally:
             if action_id is not None:
                 self.waiting.pop(action_id, None)

@@ -30,6 +30,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ...api import v1
+from ...managers.sandbox.images import ImageError
 from ...managers.sandbox.isolation import HOME_ALIAS
 from ...managers.sandbox.livestdin import LiveStdin
 from ...managers.sandbox.spec import Files
@@ -316,6 +317,11 @@ async def e2b_create(service: Service, body: dict) -> dict:
         name = {"job": "metadata.job", "trajectory": "metadata.trajectory", "image": "templateID"}.get(
             str(first["loc"][0]) if first["loc"] else "", "body")
         raise E2bError(400, f"{name}: {first['msg']}") from None
+    if image is not None:  # an E2B sandbox is ready when created: a template named by reference is pulled now
+        try:
+            await service.tg.pull(image)
+        except ImageError as e:
+            raise E2bError(503 if e.infra else 400, f"templateID: {e}") from None
     try:
         await service.open_session(req)
     except BadRequest as e:

@@ -17,6 +17,7 @@ import email.utils
 import hashlib
 import json
 import random
+import socket
 import ssl
 import time
 from dataclasses import dataclass, field
@@ -190,6 +191,9 @@ class RegistryClient:
                 if isinstance(e, httpx.ConnectError) and "SSL" in str(e):  # no use trying again
                     raise Unreachable(f"{ref}: no TLS at {ep.host} ({e}); if it speaks plain HTTP, name it "
                                       "insecure in a [[registries]] table") from None
+                if isinstance(e, httpx.ConnectError) and _no_such_host(e):  # no use trying again either
+                    raise Unreachable(f"{ref}: cannot reach {ep.host}: no such host (or no network to look it "
+                                      "up)") from None
                 if ep.mirror and isinstance(e, (httpx.ConnectError, httpx.ConnectTimeout)):
                     self.dead.add(ep.host)
                     raise Unreachable(f"{ref}: mirror {ep.host} does not answer ({type(e).__name__}: {e})") \
@@ -427,6 +431,17 @@ class Tee(Protocol):
     def write(self, data: bytes) -> None: ...
 
     def restart(self) -> None: ...
+
+
+def _no_such_host(e: BaseException) -> bool:
+    """The host's name does not resolve (EAI_NONAME), as opposed to a resolver that failed for now."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, socket.gaierror):
+            return e.errno == socket.EAI_NONAME
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _write(fh, sha, data: bytes, tee: Tee | None = None) -> None:
