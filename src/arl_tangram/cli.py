@@ -359,7 +359,8 @@ def serve(
         raise fail(str(e))
     console.print(f"ARL-Tangram serving on http://{host}:{port} with {n} HTTP front processes (docs at /docs, "
                   "SandboxFusion at /run_code)")
-    serve_with_fronts(service, sock, n, token, int(cfg.max_body_mb * (1 << 20)), cfg.drain_s, cfg.keys())
+    serve_with_fronts(service, sock, n, token, int(cfg.max_body_mb * (1 << 20)), cfg.drain_s, cfg.keys(),
+                      settings=cfg.dialect_settings())
 
 
 @app.command()
@@ -696,6 +697,32 @@ def bench_e2b(
 
     try:
         _print_json(run(samples, open_n, log=lambda m: console.print(m), open_concurrency=open_concurrency),
+                    json_out)
+    except RuntimeError as e:
+        raise fail(str(e))
+
+
+@bench_app.command("images")
+def bench_images(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    tasks: int = typer.Option(100, min=1, help="Task images over the one base (each one project as one layer)."),
+    concurrent: int = typer.Option(64, min=1, help="Sessions opened at once over --images images not on the node."),
+    images: int = typer.Option(16, min=1, help="Images those sessions name."),
+    samples: int = typer.Option(20, min=3, help="Sessions per first-session latency figure."),
+    runs: int = typer.Option(3, min=1, help="Pulls (and skopeo copies) of the base for the throughput figure."),
+    base: str = typer.Option("debian", help="debian (Debian's packages by mmdebstrap, cached) or host-python (the "
+                                            "host's python3 and pytest, copied)."),
+    cache: Optional[Path] = typer.Option(None, help="Where the base root and its compressed layer are kept.",
+                                         show_default="$XDG_CACHE_HOME/arl-tangram/bench-images"),
+) -> None:
+    """Task images from a registry on loopback: pull throughput vs skopeo copy, N task images over
+    one base (bytes fetched, disk used), first session from a pulled image, concurrent sessions
+    over images not on the node, and bad inputs through a server. Needs root, bubblewrap,
+    docker-registry and skopeo (and mmdebstrap for the Debian base)."""
+    from .bench.images import run
+
+    try:
+        _print_json(run(tasks, concurrent, images, samples, runs, base, cache, log=lambda m: console.print(m)),
                     json_out)
     except RuntimeError as e:
         raise fail(str(e))

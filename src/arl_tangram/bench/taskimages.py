@@ -22,6 +22,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -38,6 +39,7 @@ REGISTRY = shutil.which("docker-registry")
 SKOPEO = shutil.which("skopeo")
 MISSING = [name for name, path in (("docker-registry", REGISTRY), ("skopeo", SKOPEO)) if path is None]
 DEBIAN_PACKAGES = ("python3", "python3-pytest", "git", "patch")
+_ACCESS = re.compile(r'"GET (\S+) HTTP/[\d.]+" (\d{3}) (\d+|-)')
 
 
 def free_port() -> int:
@@ -65,14 +67,15 @@ class Registry:
     """``docker-registry serve`` on 127.0.0.1 with its storage in ``root``. ``extra``: more lines
     of its YAML config (authentication, a pull-through cache)."""
 
-    def __init__(self, root: Path, extra: list[str] = ()) -> None:
+    def __init__(self, root: Path, extra: list[str] = (), access_log: bool = False) -> None:
         if REGISTRY is None:
             raise RuntimeError("needs docker-registry (apt-get install -y docker-registry)")
         self.root = root
         self.port = free_port()
         self.host = f"127.0.0.1:{self.port}"
         root.mkdir(parents=True, exist_ok=True)
-        lines = ["version: 0.1", "log:", "  level: error", "  accesslog:", "    disabled: true", "storage:",
+        lines = ["version: 0.1", "log:", "  level: error", "  accesslog:", f"    disabled: {str(not access_log).lower()}",
+                 "storage:",
                  "  filesystem:", f"    rootdirectory: {root / 'data'}", "  delete:", "    enabled: true",
                  "http:", f"  addr: 127.0.0.1:{self.port}", *extra]
         (root / "config.yml").write_text("\n".join(lines) + "\n")
@@ -84,6 +87,16 @@ class Registry:
         except RuntimeError:
             self.close()
             raise RuntimeError(f"docker-registry did not start: {(root / 'registry.log').read_text()[-2000:]}")
+
+    def blob_gets(self) -> dict[str, list[int]]:
+        """With ``access_log``: each blob path GET so far -> the bytes of each answer (200 and 206)."""
+        self.log.flush()
+        out: dict[str, list[int]] = {}
+        for line in (self.root / "registry.log").read_text(errors="replace").splitlines():
+            m = _ACCESS.search(line)
+            if m and "/blobs/" in m.group(1) and m.group(2) in ("200", "206"):
+                out.setdefault(m.group(1), []).append(int(m.group(3)) if m.group(3).isdigit() else 0)
+        return out
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -137,12 +150,13 @@ class Layout:
         return "sha256:" + h
 
     def image_of(self, tars: list[bytes], compression: str | list[str] = "gzip", env: list[str] | None = None,
-                 arch: str = "amd64", workdir: str = "/") -> dict:
-        """Write one image's blobs (its layers' tars given); returns its manifest descriptor."""
+                 arch: str = "amd64", workdir: str = "/", packed: dict[int, tuple[bytes, str]] | None = None) -> dict:
+        """Write one image's blobs (its layers' tars given; ``packed``: layer index -> its blob and
+        media type, compressed already); returns its manifest descriptor."""
         hows = compression if isinstance(compression, list) else [compression] * len(tars)
         descs = []
-        for t, how in zip(tars, hows):
-            data, mtype = compress(t, how, self.level)
+        for i, (t, how) in enumerate(zip(tars, hows)):
+            data, mtype = (packed or {}).get(i) or compress(t, how, self.level)
             descs.append({"mediaType": mtype, "digest": self.blob(data), "size": len(data)})
         config = json.dumps({"architecture": arch, "os": "linux",
                              "config": {"Env": env or ["PATH=/usr/local/bin:/usr/bin:/bin"], "WorkingDir": workdir},
@@ -405,3 +419,88 @@ def run_task_command(patch_path: str = "/workspace/fix.patch") -> str:
     """The shell command of one task's step: apply the patch, run the project's tests."""
     return (f"cd /repo && patch -s -p1 < {patch_path} && "
             "python3 -m pytest -q -p no:cacheprovider 2>&1 | tail -n 1")
+
+
+# -- a registry that misbehaves ----------------------------------------------------------------------
+
+class BadRegistry:
+    """A registry API on 127.0.0.1 whose every image is bad in its own way: ``bad/many:v1`` (a
+    manifest of 5,000 layers), ``bad/huge:v1`` (a layer declaring a petabyte), ``bad/mismatch:v1``
+    (a layer whose bytes are not its digest's), ``bad/escape:v1`` and ``bad/device:v1`` (a layer
+    with a path out of the root, a device node); anything else is a 404."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        docs: dict[str, tuple[bytes, str]] = {}
+        blobs: dict[str, bytes] = {}
+
+        def blob(data: bytes) -> dict:
+            digest = "sha256:" + hashlib.sha256(data).hexdigest()
+            blobs[digest] = data
+            return {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": digest, "size": len(data)}
+
+        def image(repo: str, layers: list[dict], diff_ids: list[str]) -> None:
+            config = json.dumps({"architecture": "amd64", "os": "linux", "config": {},
+                                 "rootfs": {"type": "layers", "diff_ids": diff_ids}}).encode()
+            cdesc = {**blob(config), "mediaType": "application/vnd.oci.image.config.v1+json"}
+            doc = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                              "config": cdesc, "layers": layers}).encode()
+            docs[f"/v2/bad/{repo}/manifests/v1"] = (doc, "application/vnd.oci.image.manifest.v1+json")
+
+        fake = {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip", "digest": "sha256:" + "a" * 64, "size": 10}
+        image("many", [fake] * 5000, ["sha256:" + "b" * 64] * 5000)
+        image("huge", [{**fake, "size": 1 << 50}], ["sha256:" + "b" * 64])
+        for repo, entry in (("escape", ("file", "../escaped")), ("device", ("chr", "dev/mem"))):
+            tar = _one_member_tar(*entry)
+            image(repo, [blob(gzip.compress(tar, mtime=0))], ["sha256:" + hashlib.sha256(tar).hexdigest()])
+        good = _one_member_tar("file", "etc/motd")
+        layer = blob(gzip.compress(good, mtime=0))
+        blobs[layer["digest"]] = gzip.compress(good + b"\0" * 512, mtime=0)  # served: not what its digest names
+        image("mismatch", [layer], ["sha256:" + hashlib.sha256(good).hexdigest()])
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *a) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                path = self.path.split("?")[0]
+                if path == "/v2/":
+                    body, ctype = b"{}", "application/json"
+                elif path in docs:
+                    body, ctype = docs[path]
+                elif "/blobs/" in path and path.rsplit("/", 1)[1] in blobs:
+                    body, ctype = blobs[path.rsplit("/", 1)[1]], "application/octet-stream"
+                else:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.host = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _one_member_tar(kind: str, name: str) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        info = tarfile.TarInfo(name)
+        if kind == "chr":
+            info.type, info.devmajor, info.devminor = tarfile.CHRTYPE, 1, 1
+            tar.addfile(info)
+        else:
+            info.size = 2
+            tar.addfile(info, io.BytesIO(b"x\n"))
+    return buf.getvalue()

@@ -1,0 +1,332 @@
+"""``tangram bench images``: task images from a registry, the issue's targets side by side (JSON).
+
+Everything runs on this machine: Debian's distribution registry on loopback, images pushed with
+``skopeo`` (``bench/taskimages.py``), a base root (Debian's packages by ``mmdebstrap``, cached;
+``--base host-python`` copies the host's python3 and pytest instead) and ``tasks`` task images
+over it, each adding one small Python project with its own tests as one layer.
+
+* ``throughput``: one pull of the base image into an empty store (its blob's digest checked,
+  its layer checked and unpacked) against ``skopeo copy`` of the same image to a directory (the
+  wire and the disk, nothing unpacked), ``runs`` of each alternating, medians; ``tar -xzf`` of
+  the same blob beside them (this disk's own speed at creating the layer's files). Target: 0.8x.
+* ``tasks``: the ``tasks`` images pulled into one store: layer bytes fetched and the disk the
+  store's layers use, each against the base plus the task layers (target: within 5%), and how
+  often the base's blob was fetched (target: once).
+* ``first_session``: a session from a pulled task image and its first step, p50 over ``samples``
+  (target 50 ms), and from a prewarmed one (target 15 ms).
+* ``concurrent``: ``concurrent`` sessions over ``images`` task images none of which is on the
+  node, opened and stepped at once (each its image's first use among them): how many times each
+  blob was fetched (target: once), every step's outcome, the wall time.
+* ``bad_input``: through a ``tangram serve`` subprocess, each bad input's HTTP status and answer:
+  an unknown image, a registry that is down, a blob whose digest does not match, a layer with a
+  path out of the root, one with a device node, a manifest of 5,000 layers, one declaring a
+  petabyte, a name that is no reference; then that none of them is listed and no 5xx came but
+  for the registry that is down (target: a 4xx or a clear error naming the reference).
+
+Needs root (overlay mounts, whiteouts), bubblewrap, docker-registry and skopeo.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from ..managers.sandbox.images import ImageStore
+from ..managers.sandbox.registry import RegistriesConfig, pull
+from ..managers.sandbox.spec import SandboxConfig
+from ..runtime import Tangram
+from . import taskimages
+from .taskimages import (BadRegistry, Layout, Registry, compress, debian_root, host_python_root, project, push,
+                         root_layer, skopeo, tar_dir, task_layer)
+
+BASES = ("debian", "host-python")
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return round(values[min(len(values) - 1, max(0, round(q / 100 * len(values)) - 1))], 2)
+
+
+def _cache_dir(given: Path | None) -> Path:
+    if given is not None:
+        return given
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "arl-tangram" / "bench-images"
+
+
+def _base(kind: str, cache: Path, log: Callable[[str], None]) -> tuple[bytes, tuple[bytes, str], str]:
+    """The base layer's tar, its gzip blob (cached beside it: compressing it is the slow part) and
+    what it is."""
+    if kind == "debian":
+        t = time.monotonic()
+        tar_path = debian_root(cache)
+        log(f"base: Debian root {tar_path} ({time.monotonic() - t:.0f} s)")
+        tar = root_layer(tar_path)
+        what = f"Debian {tar_path.name} (minbase + {', '.join(taskimages.DEBIAN_PACKAGES)})"
+    else:
+        tar = tar_dir(host_python_root(cache / f"host-python-{sys.version_info.major}.{sys.version_info.minor}"))
+        what = "the host's python3 and pytest"
+    key = hashlib.sha256(tar).hexdigest()
+    packed = cache / f"base-{key[:16]}.tar.gz"
+    if not packed.is_file():
+        gz = shutil.which("pigz") or shutil.which("gzip")
+        t = time.monotonic()
+        if gz:
+            data = subprocess.run([gz, "-6", "-n", "-c"], input=tar, capture_output=True, check=True).stdout
+        else:
+            data = compress(tar, "gzip")[0]
+        packed.write_bytes(data)
+        log(f"base: compressed {len(tar) >> 20} MB to {len(data) >> 20} MB ({time.monotonic() - t:.0f} s, cached)")
+    return tar, (packed.read_bytes(), "application/vnd.oci.image.layer.v1.tar+gzip"), what
+
+
+def run(tasks: int = 100, concurrent: int = 64, images: int = 16, samples: int = 20, runs: int = 3,
+        base: str = "debian", cache: Path | None = None, log: Callable[[str], None] = print) -> dict:
+    if os.geteuid() != 0:
+        raise RuntimeError("needs root (overlay mounts and whiteouts)")
+    if taskimages.MISSING:
+        raise RuntimeError(f"needs {' and '.join(taskimages.MISSING)} (apt-get install -y docker-registry skopeo)")
+    if base not in BASES:
+        raise RuntimeError(f"--base: {' or '.join(BASES)}, got {base!r}")
+    cache = _cache_dir(cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    base_tar, base_blob, what = _base(base, cache, log)
+    work = Path(tempfile.mkdtemp(prefix="tangram-bench-images-"))
+    out: dict = {"base": what, "tasks": tasks}
+    try:
+        with Registry(work / "registry", access_log=True) as reg:
+            layout = Layout(work / "layout")
+            layout.tag("base", layout.image_of([base_tar], packed={0: base_blob}))
+            push(layout, "base", f"{reg.host}/swe/base:v1")
+            t = time.monotonic()
+            task_tars = {}
+            for n in range(max(tasks, images)):
+                task_tars[n] = task_layer(project(n))
+                layout.tag(f"task{n}", layout.image_of([base_tar, task_tars[n]], packed={0: base_blob}))
+                push(layout, f"task{n}", f"{reg.host}/swe/task{n}:v1")
+            log(f"pushed the base and {max(tasks, images)} task images with skopeo ({time.monotonic() - t:.0f} s)")
+            regs = RegistriesConfig.from_toml({"registries": [{"host": reg.host, "insecure": True}]})
+            out["throughput"] = _throughput(reg, regs, base_blob[0], runs, work, log)
+            out["tasks_over_one_base"] = _tasks(reg, regs, tasks, base_tar, base_blob[0], task_tars, work, log)
+            out["first_session"] = _first_session(reg, regs, samples, work, log)
+            out["concurrent"] = _concurrent(reg, regs, concurrent, images, work, log)
+            out["bad_input"] = _bad_input(reg, work, log)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def _throughput(reg: Registry, regs: RegistriesConfig, blob: bytes, runs: int, work: Path,
+                log: Callable[[str], None]) -> dict:
+    ours, theirs, tars = [], [], []
+    ref = f"{reg.host}/swe/base:v1"
+    blob_path = work / "base.tar.gz"
+    blob_path.write_bytes(blob)
+    for i in range(runs):
+        d = work / f"skopeo-{i}"
+        t = time.perf_counter()
+        skopeo("copy", "-q", "--src-tls-verify=false", f"docker://{ref}", f"dir:{d}")
+        theirs.append(time.perf_counter() - t)
+        shutil.rmtree(d, ignore_errors=True)
+        store = ImageStore(work / f"tp-store-{i}")
+        t = time.perf_counter()
+        asyncio.run(pull(ref, store, regs))
+        ours.append(time.perf_counter() - t)
+        shutil.rmtree(store.root, ignore_errors=True)
+        d = work / f"tar-{i}"
+        d.mkdir()
+        t = time.perf_counter()
+        subprocess.run(["tar", "-xzf", str(blob_path), "-C", str(d)], check=False, capture_output=True)
+        tars.append(time.perf_counter() - t)
+        shutil.rmtree(d, ignore_errors=True)
+    mb = len(blob) / (1 << 20)
+    result = {"blob_mb": round(mb, 1), "pull_s": round(statistics.median(ours), 3),
+              "skopeo_copy_s": round(statistics.median(theirs), 3), "tar_xzf_s": round(statistics.median(tars), 3),
+              "pull_mb_per_s": round(mb / statistics.median(ours), 1),
+              "ratio_vs_skopeo": round(statistics.median(theirs) / statistics.median(ours), 2),
+              "ratio_vs_skopeo_plus_tar": round((statistics.median(theirs) + statistics.median(tars))
+                                                / statistics.median(ours), 2),
+              "target_ratio": 0.8, "runs": runs}
+    log(f"throughput: pull {result['pull_s']} s, skopeo copy {result['skopeo_copy_s']} s, tar -xzf "
+        f"{result['tar_xzf_s']} s: {result['ratio_vs_skopeo']}x skopeo")
+    return result
+
+
+async def _pull_all(refs: list[str], store: ImageStore, regs: RegistriesConfig, at_once: int) -> None:
+    gate = asyncio.Semaphore(at_once)
+
+    async def one(ref: str) -> None:
+        async with gate:
+            await pull(ref, store, regs)
+
+    await asyncio.gather(*(one(r) for r in refs))
+
+
+def _tasks(reg: Registry, regs: RegistriesConfig, tasks: int, base_tar: bytes, base_blob: bytes,
+           task_tars: dict[int, bytes], work: Path, log: Callable[[str], None]) -> dict:
+    store = ImageStore(work / "tasks-store")
+    before = reg.blob_gets()
+    t = time.perf_counter()
+    asyncio.run(_pull_all([f"{reg.host}/swe/task{n}:v1" for n in range(tasks)], store, regs, 8))
+    took = time.perf_counter() - t
+    gets = {p: v[len(before.get(p, [])):] for p, v in reg.blob_gets().items()}
+    base_digest = "sha256:" + hashlib.sha256(base_blob).hexdigest()
+    task_blobs = [compress(task_tars[n], "gzip")[0] for n in range(tasks)]
+    layer_digests = {base_digest} | {"sha256:" + hashlib.sha256(b).hexdigest() for b in task_blobs}
+    fetched = sum(sum(v) for p, v in gets.items() if p.rsplit("/", 1)[1] in layer_digests)
+    expected_fetch = len(base_blob) + sum(len(b) for b in task_blobs)
+    disk = store.disk_bytes()
+    expected_disk = _file_bytes(base_tar) + sum(_file_bytes(task_tars[n]) for n in range(tasks))
+    result = {"images": tasks, "pull_s": round(took, 2), "layer_bytes_fetched": fetched,
+              "base_plus_task_layer_bytes": expected_fetch, "fetched_ratio": round(fetched / expected_fetch, 4),
+              "disk_bytes": disk, "base_plus_task_file_bytes": expected_disk,
+              "disk_ratio": round(disk / expected_disk, 4),
+              "base_fetched": sum(len(v) for p, v in gets.items() if p.endswith(base_digest)),
+              "target": "ratios within 1 +- 0.05; the base fetched once"}
+    log(f"{tasks} task images: fetched {result['fetched_ratio']}x base + task layers, disk {result['disk_ratio']}x, "
+        f"base fetched {result['base_fetched']}x ({took:.1f} s)")
+    return result
+
+
+def _file_bytes(tar: bytes) -> int:
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        return sum(m.size for m in t if m.isreg())
+
+
+def _config(work: Path, regs: RegistriesConfig, name: str, **kw) -> SandboxConfig:
+    return SandboxConfig(warm_pool=0, warm_sessions=0, image_store=str(work / name), registries=regs,
+                         memory_mb=1024, **kw)
+
+
+def _first_session(reg: Registry, regs: RegistriesConfig, samples: int, work: Path,
+                   log: Callable[[str], None]) -> dict:
+    refs = [f"{reg.host}/swe/task{n}:v1" for n in range(2)]
+
+    async def main() -> dict:
+        cfg = _config(work, regs, "session-store", max_idle_sandboxes=samples + 8)
+        async with Tangram.local(sandbox=cfg) as tg:
+            for ref in refs:
+                await tg.pull(ref)
+                await (await tg.session(image=ref)).exec("true")  # first use: base directory, interpreter
+            cold = []
+            for i in range(samples):
+                t = time.perf_counter()
+                s = await tg.session(image=refs[i % 2])
+                r = await s.exec("true")
+                cold.append((time.perf_counter() - t) * 1000)
+                if not r.ok:
+                    raise RuntimeError(f"a session's first step failed: {r.message}")
+                await s.close()
+            await tg.prewarm(refs[0], samples)
+            warm = []
+            for _ in range(samples):
+                t = time.perf_counter()
+                s = await tg.session(image=refs[0])
+                r = await s.exec("true")
+                warm.append((time.perf_counter() - t) * 1000)
+                await s.close()
+            return {"cold_p50_ms": _pct(cold, 50), "prewarmed_p50_ms": _pct(warm, 50), "samples": samples,
+                    "target_ms": {"cold": 50, "prewarmed": 15}}
+
+    result = asyncio.run(main())
+    log(f"first session from a pulled image: p50 {result['cold_p50_ms']} ms, prewarmed {result['prewarmed_p50_ms']} ms")
+    return result
+
+
+def _concurrent(reg: Registry, regs: RegistriesConfig, n: int, images: int, work: Path,
+                log: Callable[[str], None]) -> dict:
+    refs = [f"{reg.host}/swe/task{k}:v1" for k in range(images)]
+
+    async def main() -> tuple[list, float, dict]:
+        cfg = _config(work, regs, "concurrent-store", max_idle_sandboxes=8)
+        async with Tangram.local(sandbox=cfg) as tg:
+            before = reg.blob_gets()
+            t = time.perf_counter()
+
+            async def one(i: int):
+                s = await tg.session(image=refs[i % images])
+                r = await s.exec("cat /repo/README.md")
+                await s.close()
+                return r
+
+            results = await asyncio.gather(*(one(i) for i in range(n)))
+            took = time.perf_counter() - t
+            gets = {p: len(v) - len(before.get(p, [])) for p, v in reg.blob_gets().items()}
+            return results, took, {p: c for p, c in gets.items() if c}, tg.runtime.image_stats()
+
+    results, took, gets, stats = asyncio.run(main())
+    outcomes: dict[str, int] = {}
+    for r in results:
+        outcomes[r.outcome.value] = outcomes.get(r.outcome.value, 0) + 1
+    result = {"sessions": n, "images": images, "wall_s": round(took, 2), "outcomes": outcomes,
+              "blobs_fetched": len(gets), "most_fetches_of_one_blob": max(gets.values(), default=0),
+              "pulls": stats["pulls"], "target": "every blob fetched once"}
+    log(f"{n} sessions over {images} images: {outcomes}, {len(gets)} blobs, each fetched at most "
+        f"{result['most_fetches_of_one_blob']}x ({took:.1f} s)")
+    return result
+
+
+def _bad_input(reg: Registry, work: Path, log: Callable[[str], None]) -> dict:
+    import httpx
+
+    from .server import free_port, wait_up
+
+    bad = BadRegistry()
+    dead = f"127.0.0.1:{free_port()}"
+    port = free_port()
+    config = {"registries": [{"host": h, "insecure": True} for h in (reg.host, bad.host, dead)],
+              "sandbox": {"image_store": str(work / "bad-store"), "warm_pool": 0, "warm_sessions": 0}}
+    (work / "bad.json").write_text(json.dumps(config))
+    logf = open(work / "bad-server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port), "--config",
+                             str(work / "bad.json"), "--journal", str(work / "bad-journal.sqlite3"), "--fronts", "0",
+                             "--sandbox-workers", "0"], stdout=logf, stderr=subprocess.STDOUT)
+    cases = {"unknown image": f"{reg.host}/swe/nothing:v1", "registry down": f"{dead}/swe/base:v1",
+             "digest mismatch": f"{bad.host}/bad/mismatch:v1", "path out of the root": f"{bad.host}/bad/escape:v1",
+             "device node": f"{bad.host}/bad/device:v1", "5,000 layers": f"{bad.host}/bad/many:v1",
+             "a petabyte declared": f"{bad.host}/bad/huge:v1"}
+    out: dict = {}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_up(url, timeout_s=60, proc=proc, log=str(work / "bad-server.log"))
+        with httpx.Client(base_url=url, timeout=120) as c:
+            for what, ref in cases.items():
+                r = c.post("/v1/actions", json={"action": {"code": "print(1)", "image": ref}})
+                body = r.json()
+                out[what] = {"status": r.status_code, "outcome": body.get("outcome"),
+                             "message": (body.get("message") or "")[:300], "names_the_reference": ref in
+                             (body.get("message") or "")}
+            r = c.post("/v1/sessions", json={"image": "Not_A_Reference"})
+            out["no reference"] = {"status": r.status_code, "message": r.json().get("message", "")[:300]}
+            listed = [i["name"] for i in c.get("/v1/images").json()]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        logf.close()
+        bad.close()
+    store = ImageStore(work / "bad-store")
+    hidden = [p.name for p in (store.root / "layers").iterdir() if p.name.startswith(".")] \
+        if (store.root / "layers").is_dir() else []
+    out["summary"] = {"listed": listed, "hidden_left": hidden,
+                      "server_errors": [w for w, v in out.items() if v["status"] >= 500],
+                      "all_named": all(v.get("names_the_reference", True) for v in out.values()),
+                      "target": "each a 4xx or a clear error naming the reference; nothing listed or left"}
+    log("bad input: " + ", ".join(f"{w}: {v.get('outcome') or v['status']}" for w, v in out.items() if w != "summary"))
+    return out
