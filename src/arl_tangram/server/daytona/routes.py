@@ -179,12 +179,22 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
     async def labels(key: str, request: Request) -> Response:
         return await with_body(request, lambda body: calls.daytona_labels(key, body))
 
-    for kind in ("autostop", "autodelete", "autoarchive", "autopause"):
-        async def interval(key: str, value: str, request: Request, kind: str = kind) -> Response:
+    # a route made in a loop binds what it serves by a closure, never as a defaulted parameter:
+    # FastAPI would read that from the request (a caller's ``?op=`` choosing the operation)
+    def interval_route(kind: str) -> Callable[..., Awaitable[Response]]:
+        async def interval(key: str, value: str, request: Request) -> Response:
             minutes = lambda: _int(value, f"{kind} interval", 0, -1)  # noqa: E731
             return await reply(request, lambda: calls.daytona_interval(key, kind, minutes()),
                                shaped=lambda v: _sandbox(request, v))
-        router.add_api_route(PREFIX + f"/sandbox/{{key}}/{kind}/{{value}}", interval, methods=["POST"],
+        return interval
+
+    def unsupported_route(message: str, error: Callable[[str], DaytonaApiError]) -> Callable[..., Any]:
+        async def unsupported(request: Request) -> Response:
+            return _error(request, error(f"{message}: not supported by this server (docs/daytona.md)"))
+        return unsupported
+
+    for kind in ("autostop", "autodelete", "autoarchive", "autopause"):
+        router.add_api_route(PREFIX + f"/sandbox/{{key}}/{kind}/{{value}}", interval_route(kind), methods=["POST"],
                              dependencies=list(guarded), include_in_schema=False)
 
     @add("/sandbox/{key}/ttl/{value}", "POST")
@@ -208,11 +218,10 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
 
     for what in ("pause", "archive", "resize", "recover", "backup", "public/{value}", "network-settings",
                  "ssh-access", "ports/{port}/preview-url", "ports/{port}/signed-preview-url"):
-        async def unsupported(request: Request, what: str = what) -> Response:
-            return _error(request, DaytonaApiError(501, f"{what.split('/')[0]}: not supported by this server "
-                                                        "(docs/daytona.md)", "NOT_IMPLEMENTED"))
-        router.add_api_route(PREFIX + f"/sandbox/{{key}}/{what}", unsupported, methods=["POST", "GET"],
-                             dependencies=list(guarded), include_in_schema=False)
+        router.add_api_route(PREFIX + f"/sandbox/{{key}}/{what}",
+                             unsupported_route(what.split("/")[0],
+                                               lambda m: DaytonaApiError(501, m, "NOT_IMPLEMENTED")),
+                             methods=["POST", "GET"], dependencies=list(guarded), include_in_schema=False)
 
     # -- snapshots -----------------------------------------------------------------------------
     @add("/snapshots", "GET")
@@ -296,15 +305,12 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
         return await with_body(request, lambda body: calls.daytona_command_input(sid, session, command,
                                                                                  body.get("data")), 204)
 
-    for path in ("/process/pty", "/process/pty/{rest:path}", "/process/interpreter/{rest:path}",
-                 "/computeruse/{rest:path}", "/lsp/{rest:path}"):
-        async def unsupported(request: Request, path: str = path) -> Response:
-            what = {"/process/pty": "PTY sessions", "/process/interpreter": "the stateful code interpreter",
-                    "/computeruse": "computer use", "/lsp": "language servers"}[path.split("/{")[0]]
-            return _error(request, daemon(501, f"{what}: not supported by this server (docs/daytona.md)",
-                                          "NOT_IMPLEMENTED"))
-        router.add_api_route(PREFIX + "/toolbox/{sid}" + path, unsupported, methods=["GET", "POST", "DELETE"],
-                             dependencies=list(guarded), include_in_schema=False)
+    for path, what in (("/process/pty", "PTY sessions"), ("/process/pty/{rest:path}", "PTY sessions"),
+                       ("/process/interpreter/{rest:path}", "the stateful code interpreter"),
+                       ("/computeruse/{rest:path}", "computer use"), ("/lsp/{rest:path}", "language servers")):
+        router.add_api_route(PREFIX + "/toolbox/{sid}" + path,
+                             unsupported_route(what, lambda m: daemon(501, m, "NOT_IMPLEMENTED")),
+                             methods=["GET", "POST", "DELETE"], dependencies=list(guarded), include_in_schema=False)
 
     # -- files ---------------------------------------------------------------------------------
     def query(request: Request, *names: str) -> dict:
@@ -382,21 +388,25 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
         return Response(data, media_type="application/octet-stream")
 
     # -- git -----------------------------------------------------------------------------------
+    def git_route(op: str, queried: bool) -> Callable[..., Awaitable[Response]]:
+        async def git_call(sid: str, request: Request) -> Response:
+            if queried:
+                return await reply(request, lambda: calls.daytona_git(sid, op, {"path": request.query_params.get(
+                    "path")}))
+            return await with_body(request, lambda body: calls.daytona_git(sid, op, body),
+                                   201 if op in ("create_branch", "init") else 204 if op == "delete_branch" else 200)
+        return git_call
+
     for path, method, op in (("/git/clone", "POST", "clone"), ("/git/add", "POST", "add"),
                              ("/git/commit", "POST", "commit"), ("/git/checkout", "POST", "checkout"),
                              ("/git/branches", "POST", "create_branch"), ("/git/branches", "DELETE", "delete_branch"),
                              ("/git/init", "POST", "init"), ("/git/pull", "POST", "pull"),
                              ("/git/push", "POST", "push")):
-        async def git_body(sid: str, request: Request, op: str = op) -> Response:
-            return await with_body(request, lambda body: calls.daytona_git(sid, op, body),
-                             201 if op in ("create_branch", "init") else 204 if op == "delete_branch" else 200)
-        router.add_api_route(PREFIX + "/toolbox/{sid}" + path, git_body, methods=[method],
+        router.add_api_route(PREFIX + "/toolbox/{sid}" + path, git_route(op, False), methods=[method],
                              dependencies=list(guarded), include_in_schema=False)
 
     for path, op in (("/git/status", "status"), ("/git/branches", "branches")):
-        async def git_query(sid: str, request: Request, op: str = op) -> Response:
-            return await reply(request, lambda: calls.daytona_git(sid, op, {"path": request.query_params.get("path")}))
-        router.add_api_route(PREFIX + "/toolbox/{sid}" + path, git_query, methods=["GET"],
+        router.add_api_route(PREFIX + "/toolbox/{sid}" + path, git_route(op, True), methods=["GET"],
                              dependencies=list(guarded), include_in_schema=False)
 
     # -- where things are ----------------------------------------------------------------------
