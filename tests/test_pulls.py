@@ -318,3 +318,54 @@ def test_a_real_task_end_to_end_a_session_from_its_image_a_patch_and_its_tests(t
         assert before.stdout.strip().startswith(f"{t.failing} failed, {t.tests - t.failing} passed"), before.stdout
         assert after.stdout.strip().startswith(f"{t.tests} passed"), after.stdout
     assert set(blobs.values()) == {1} and len(blobs) == 1 + 2 * len(tasks)  # the base once
+
+
+@root_only
+@needs_tools
+@needs_bwrap
+def test_over_http_the_client_names_references_and_metrics_count_the_pulls(tmp_path, proxy):
+    from arl_tangram.client import TangramClient
+    from servers import Server
+
+    config = {"registries": [{"host": proxy.host, "insecure": True}], "images": {"max_gb": 10},
+              "sandbox": {"image_store": str(tmp_path / "store"), "warm_pool": 0, "warm_sessions": 0}}
+    server = Server(tmp_path, config=config)
+    t0, t1 = f"{proxy.host}/py/task0:v1", f"{proxy.host}/py/task1:v1"
+    try:
+        with TangramClient(server.url) as c:
+            s = c.session(image=t0)
+            r = s.exec(python="print(open('/repo/README.md').read().split()[1])")
+            assert (r.outcome, r.run.stdout) == ("ok", "shapes0\n"), r.message
+            proxy.rules.append(Rule("/blobs/", ("delay", 1.0), 1000))
+            sub = c.submit("print('one-shot')", image=t1)
+            waits = []
+            while True:
+                got = c.get(sub.id)
+                if got.state == "done":
+                    break
+                waits.append(got.message)
+                time.sleep(0.05)
+            assert got.outcome == "ok" and got.run.stdout == "one-shot\n", got.message
+            assert any(m.startswith(f"waiting for pulling {t1}: ") and m.endswith(" MB") for m in waits), waits
+            proxy.rules.clear()
+            warm = c.prewarm(t0, 1)
+            assert warm.ready == 1 and warm.image == t0
+            assert {t0, t1} <= {i.name for i in c.images()}
+            metrics = httpx_get(f"{server.url}/metrics")
+            s.close()
+    finally:
+        server.stop()
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("tangram_image_")}
+    assert values["tangram_image_pulls_total"] == 2 and values["tangram_image_pull_failures_total"] == 0
+    assert values["tangram_image_pulled_bytes_total"] > 0 and values["tangram_image_pull_seconds_total"] >= 1.0
+    assert values["tangram_image_cache_hits_total"] >= 1 and values["tangram_image_disk_bytes"] > 0
+    assert values["tangram_image_disk_limit_bytes"] == 10 * (1 << 30)
+
+
+def httpx_get(url: str) -> str:
+    import httpx
+
+    r = httpx.get(url, timeout=30)
+    r.raise_for_status()
+    return r.text

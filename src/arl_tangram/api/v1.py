@@ -68,7 +68,9 @@ class RunCodeAction(Request):
     compile_timeout_s: float = Field(10, gt=0, le=3600)
     timeout_s: float = Field(10, gt=0, le=3600)
     memory_mb: Optional[int] = Field(None, ge=16, le=MAX_MEMORY_MB)
-    image: Optional[ImageName] = Field(None, description="image to run in (default: the server's sandbox.image)")
+    image: Optional[ImageName] = Field(None, description="image to run in (default: the server's sandbox.image): "
+                                       "one in the server's store, or a registry reference, pulled on first use "
+                                       "as part of the action")
     memory_as_rlimit: bool = Field(False, description="also cap the address space at memory_mb, so allocations "
                                                       "fail inside the program (python: MemoryError) instead of "
                                                       "an OOM kill; SandboxFusion's behaviour")
@@ -117,7 +119,8 @@ class SessionRequest(Request):
     job: str = Field("default", min_length=1, max_length=200)
     trajectory: Optional[str] = Field(None, min_length=1, max_length=200, pattern=r"^[A-Za-z0-9._:@-]+$")
     image: Optional[ImageName] = Field(None, description="image the session's root comes from (default: the "
-                                                          "server's)")
+                                                          "server's): one in its store, or a registry reference, "
+                                                          "pulled by the first step")
     restore: Optional[str] = Field(None, max_length=200, description="open the session from this snapshot "
                                    "(POST /v1/sessions/{id}/snapshot): its files; its processes start afresh")
 
@@ -162,7 +165,7 @@ class SnapshotInfo(BaseModel):
 
 
 class ImageInfo(BaseModel):
-    """An image of the server's store (``tangram image import``), for sessions and one-shots."""
+    """An image of the server's store (``tangram image import`` or ``pull``, or pulled on first use)."""
 
     name: str
     id: str

@@ -321,11 +321,13 @@ def debian_root(cache: Path, suite: str = "bookworm", packages: tuple[str, ...] 
     out = cache / f"debian-{suite}-{key}.tar"
     if out.is_file():
         return out
+    if out.exists():  # not a tar: left by something else
+        shutil.rmtree(out, ignore_errors=True)
     exe = shutil.which("mmdebstrap")
     if exe is None:
         raise RuntimeError("needs mmdebstrap for the Debian base (apt-get install -y mmdebstrap)")
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    tmp = out.with_name(f".{os.getpid()}-{out.name}")  # ends in .tar: mmdebstrap writes a tar for that name
     try:
         run = subprocess.run([exe, "--quiet", "--variant=minbase", "--mode=root", f"--include={','.join(packages)}",
                               "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-exclude=/usr/share/man/*",

@@ -151,6 +151,8 @@ class RunOptions(TypedDict, total=False):
     parallel_fraction: float
     operation: str
     remaining_turns: int
+    #: the image to run in: one in the server's store, or a registry reference it pulls on first use
+    image: str | None
 
 
 def b64(files: dict[str, bytes] | None) -> dict[str, str]:
@@ -167,6 +169,8 @@ def action_body(code: str, language: str, id: str | None, job: str, wait: bool, 
               "files": b64(o.get("files")), "fetch_files": list(o.get("fetch_files") or []),
               "timeout_s": o.get("timeout_s", 10.0), "compile_timeout_s": o.get("compile_timeout_s", 10.0),
               "memory_mb": o.get("memory_mb")}
+    if o.get("image") is not None:
+        action["image"] = o["image"]
     return {"id": id or f"c-{uuid.uuid4().hex}", "job": job, "wait": wait, "cpus": list(o.get("cpus", (1, 1))),
             "hints": {"work_s": o.get("hint_s"), "parallel_fraction": o.get("parallel_fraction", 0.0),
                       "operation": o.get("operation", ""), "remaining_turns": o.get("remaining_turns")},
@@ -221,7 +225,8 @@ class Methods:
             "POST", "/v1/actions", action_body(code, language, id, job, False, options)), self.policy))
 
     def get(self, id: str) -> v1.ActionResult:
-        """An action's state, and its result once done (404: unknown id)."""
+        """An action's state, and its result once done (404: unknown id); while one waits, its
+        ``message`` says for what (a queue's reason, or "pulling IMAGE: N of M MB")."""
         return self._carry_out(typed(v1.ActionResult, Request("GET", f"/v1/actions/{id}"), self.policy))
 
     def cancel(self, id: str) -> v1.ActionResult:
@@ -231,8 +236,9 @@ class Methods:
     # -- sessions --------------------------------------------------------------------------------
     def session(self, job: str = "default", trajectory: str | None = None, image: str | None = None) -> Any:
         """Open (or, for a known ``trajectory``, reopen) a stateful session (of ``image``: default the
-        server's). The client names a new session itself so that a retried open cannot leave an
-        orphan behind."""
+        server's; an image of its store, or a registry reference it pulls, the first step waiting
+        for the pull). The client names a new session itself so that a retried open cannot leave
+        an orphan behind."""
         body = {"job": job, "trajectory": trajectory or f"s-{uuid.uuid4().hex}"}
         if image is not None:
             body["image"] = image
@@ -253,12 +259,13 @@ class Methods:
         return self._carry_out(exchange(Request("DELETE", f"/v1/snapshots/{snapshot}"), self.policy))
 
     def images(self) -> list[v1.ImageInfo]:
-        """The images sessions and one-shots may name (``tangram image import`` on the server)."""
+        """The images in the server's store (``tangram image import`` or ``pull`` there, or pulled on
+        first use); sessions and one-shots may also name any registry reference."""
         return self._carry_out(self._list(v1.ImageInfo, "/v1/images"))
 
     def prewarm(self, image: str, n: int) -> v1.PrewarmResult:
-        """Have ``n`` more sandboxes of ``image`` ready, within the server's idle cap (``ready``
-        says how many were started)."""
+        """Have ``n`` more sandboxes of ``image`` ready (a registry reference not on the server is
+        pulled first), within the server's idle cap (``ready`` says how many were started)."""
         request = Request("POST", "/v1/pools/prewarm", {"image": image, "n": n}, idempotent=False)
         return self._carry_out(typed(v1.PrewarmResult, request, self.policy))
 
