@@ -29,7 +29,7 @@ if __name__ == "__main__":
     if n_fronts:
         service = build_service(cfg, journal=journal, sandboxes=double)
         fronts.serve(service, fronts.listen("127.0.0.1", port), n_fronts, None, int(cfg.max_body_mb * (1 << 20)),
-                     cfg.drain_s)
+                     cfg.drain_s, settings=cfg.dialect_settings())
     else:
         app = build(cfg, journal=journal, sandboxes=double)
         uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+import pytest
 from fastapi import APIRouter
 from pydantic import BaseModel
 
@@ -182,3 +183,19 @@ if __name__ == "__main__":
     port, journal = int(sys.argv[1]), Path(sys.argv[2])
     service = build_service(ServeConfig(), journal=journal, sandboxes=InProcessSandboxes.factory())
     fronts.serve(service, fronts.listen("127.0.0.1", port), 2, None, 32 << 20, 5.0, dialects=["test_dialects"])
+
+
+def test_a_dialects_settings_build_it_and_settings_for_a_dialect_that_takes_none_are_refused():
+    from arl_tangram.server.calls import DIALECTS, with_dialects
+    from arl_tangram.server.config import ServeConfig
+
+    assert with_dialects() == DIALECTS and ServeConfig().dialect_settings() == {}
+    cfg = ServeConfig.model_validate({"model_api": {"reward_routes": [
+        {"path": "/rm/score", "model": "rm", "shape": "openrlhf"}]}})
+    built = with_dialects(settings=cfg.dialect_settings())
+    assert [d.name for d in built] == [d.name for d in DIALECTS]
+    modelapi = next(d for d in built if d.name == "modelapi")
+    assert modelapi is not next(d for d in DIALECTS if d.name == "modelapi")
+    assert all(a is b for a, b in zip(built, DIALECTS) if a.name != "modelapi")
+    with pytest.raises(ValueError, match="native"):
+        with_dialects(settings={"native": {}})

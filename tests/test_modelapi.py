@@ -65,7 +65,7 @@ def server(dirs):
     from arl_tangram.runtime import LocalRuntime
     from arl_tangram.server import modelapi
     from arl_tangram.server.app import create_app
-    from arl_tangram.server.calls import DIALECTS
+    from arl_tangram.server.calls import with_dialects
     from arl_tangram.server.service import Service
 
     models = [M("llama", hf=dirs["llama"], task="logprobs", max_wait_ms=30, max_batch=8),
@@ -76,7 +76,7 @@ def server(dirs):
                 {"job": "limited", "model": "rm", "tokens_per_minute": 5}],
         reward_routes=[{"path": "/openrlhf/reward", "model": "rm", "shape": "openrlhf"},
                        {"path": "/slime/rm", "model": "rm", "shape": "slime"}])
-    dialects = tuple(d for d in DIALECTS if d.name != "modelapi") + (modelapi.dialect(config),)
+    dialects = with_dialects(settings={"modelapi": config.model_dump()})  # as tangram serve's [model_api]
     service = Service(LocalRuntime(sandboxes=False, models=models, model_device="cpu"))
     live = Live(create_app(service, token=TOKEN, keys={FREE: "free", LIMITED: "limited"}, dialects=dialects))
     live.dirs = dirs
@@ -415,7 +415,8 @@ def test_tangram_serve_with_fronts_answers_the_protocols_across_the_link(tmp_pat
     from servers import Server
 
     config = {"models": [{"name": "llama", "hf": dirs["llama"], "task": "logprobs", "max_wait_ms": 20},
-                         {"name": "rm", "hf": dirs["rm"], "task": "score"}]}
+                         {"name": "rm", "hf": dirs["rm"], "task": "score"}],
+              "model_api": {"reward_routes": [{"path": "/openrlhf/reward", "model": "rm", "shape": "openrlhf"}]}}
     server = Server(tmp_path, config, double=True, args=("--fronts", "1"), start_timeout_s=180)
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
@@ -434,6 +435,10 @@ def test_tangram_serve_with_fronts_answers_the_protocols_across_the_link(tmp_pat
         assert r.status_code == 200 and len(r.json()["meta_info"]["input_token_logprobs"]) == len(SEQS[1])
         r = httpx.post(server.url + "/classify", json={"model": "rm", "input": "hello"})
         assert r.status_code == 200 and r.json()["data"][0]["num_classes"] == 1
+        # the config's [model_api] reached the front's routes and the engine process's calls
+        r = httpx.post(server.url + "/openrlhf/reward", json={"query": ["a b", "c"], "prompts": ["a", "c"],
+                                                              "labels": ["", ""]})
+        assert r.status_code == 200 and len(r.json()["rewards"]) == 2, r.text
     finally:
         server.stop()
 

@@ -57,9 +57,18 @@ def relayed(dialects: Sequence[Dialect]) -> tuple[type[BaseException], ...]:
 RELAYED = relayed(DIALECTS)
 
 
-def with_dialects(modules: Sequence[str] = ()) -> tuple[Dialect, ...]:
-    """``DIALECTS`` and the dialect of each module named (its ``DIALECT``), imported here."""
-    return DIALECTS + tuple(importlib.import_module(m).DIALECT for m in modules)
+def with_dialects(modules: Sequence[str] = (), settings: Mapping[str, Mapping[str, Any]] | None = None,
+                  ) -> tuple[Dialect, ...]:
+    """``DIALECTS`` and the dialect of each module named (its ``DIALECT``), imported here; a
+    dialect named in ``settings`` (by its name) is built over its settings (``Dialect.configure``)."""
+    dialects = DIALECTS + tuple(importlib.import_module(m).DIALECT for m in modules)
+    if not settings:
+        return dialects
+    unknown = set(settings) - {d.name for d in dialects if d.configure is not None}
+    if unknown:
+        raise ValueError(f"settings for dialects that take none: {sorted(unknown)}")
+    return tuple(d.configure(settings[d.name]) if d.configure is not None and d.name in settings else d
+                 for d in dialects)
 
 
 def calls_of(dialects: Sequence[Dialect]) -> Mapping[str, Callable[..., Any]]:

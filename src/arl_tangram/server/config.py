@@ -15,6 +15,7 @@ from ..managers.sandbox.registry.config import RegistriesConfig, RegistryHost
 from ..managers.sandbox.spec import SandboxConfig
 from ..policy import MOVE_S, POLICIES
 from ..waits import DEFAULT_MAX_QUEUE_S
+from .modelapi.config import ModelApiConfig
 
 
 class ConfigError(ValueError):
@@ -104,6 +105,8 @@ class ServeConfig(BaseModel):
     registries: list[RegistryHost] = Field(default_factory=list, description="[[registries]] tables: how to reach "
                                            "the registries images are pulled from by reference (mirrors, plain "
                                            "HTTP for hosts named insecure, credentials)")
+    model_api: ModelApiConfig = Field(default_factory=ModelApiConfig, description="[model_api]: the model "
+                                      "protocols' quotas and reward routes (docs/model-protocols.md)")
     images: ImagesConfig = Field(default_factory=ImagesConfig)
     models: list[ModelService] = Field(default_factory=list, description="model services to serve on the GPUs "
                                                                           "(or CPU devices without CUDA)")
@@ -129,6 +132,11 @@ class ServeConfig(BaseModel):
     def keys(self) -> dict[str, str]:
         """API key -> its job."""
         return {k.key: k.job for k in self.api_keys}
+
+    def dialect_settings(self) -> dict[str, dict]:
+        """The dialects' own tables, by dialect name, as plain data (``calls.with_dialects``); a
+        dialect left at its defaults is not named."""
+        return {"modelapi": self.model_api.model_dump()} if self.model_api != ModelApiConfig() else {}
 
     @field_validator("registries")
     @classmethod
@@ -186,9 +194,11 @@ def build(cfg: ServeConfig, token: str | None = None, journal: Path | None = Non
           ray: str | None = None, record: Path | None = None):
     """The ASGI app of ``tangram serve`` in one process (``build_service``'s service behind it)."""
     from .app import create_app
+    from .calls import with_dialects
 
     return create_app(build_service(cfg, journal, sandboxes, ray, record), token=token,
-                      max_body_bytes=int(cfg.max_body_mb * (1 << 20)), keys=cfg.keys())
+                      max_body_bytes=int(cfg.max_body_mb * (1 << 20)), keys=cfg.keys(),
+                      dialects=with_dialects(settings=cfg.dialect_settings()))
 
 
 def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True, ray: str | None = None,

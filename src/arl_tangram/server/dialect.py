@@ -49,6 +49,9 @@ class Dialect:
     error: Callable[[int, str], Any] | None = None
     #: its own errors that cross the front link as themselves (its routes answer them)
     relayed: tuple[type[BaseException], ...] = ()
+    #: the dialect over its settings (its table in the server config, as plain data: it crosses to
+    #: the front processes as JSON); None where it has none
+    configure: Callable[[Mapping[str, Any]], "Dialect"] | None = None
 
 
 async def answer(value: Any) -> Any:

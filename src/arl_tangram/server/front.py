@@ -79,7 +79,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s front{spec['index']} %(name)s: "
                                                     "%(message)s")
     sock = socket.socket(fileno=spec["fd"])
-    dialects = with_dialects(spec.get("dialects", ()))
+    dialects = with_dialects(spec.get("dialects", ()), spec.get("settings"))
     app = create_app(RemoteService(spec["link"], dialects), token=token, max_body_bytes=spec["max_body_bytes"],
                      keys=keys, dialects=dialects)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning",

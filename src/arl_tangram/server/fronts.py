@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from .front import ENV
 from ..link import Hub
@@ -55,8 +55,10 @@ class Fronts:
     """Starts, watches and stops the front processes."""
 
     def __init__(self, sock: socket.socket, link: str, n: int, token: str | None, max_body_bytes: int,
-                 drain_s: float, keys: dict[str, str] | None = None, dialects: Sequence[str] = ()) -> None:
+                 drain_s: float, keys: dict[str, str] | None = None, dialects: Sequence[str] = (),
+                 settings: Mapping[str, Any] | None = None) -> None:
         self.sock, self.link, self.n = sock, link, n
+        self.settings = dict(settings or {})  # the dialects' own tables (``calls.with_dialects``)
         self.keys = keys or {}
         self.dialects = list(dialects)  # modules of dialects beside the server's own, imported by each front
         self.token, self.max_body_bytes, self.drain_s = token, max_body_bytes, drain_s
@@ -67,7 +69,8 @@ class Fronts:
     def _spawn(self, i: int) -> None:
         env = dict(os.environ)
         env[ENV] = json.dumps({"fd": self.sock.fileno(), "link": self.link, "max_body_bytes": self.max_body_bytes,
-                               "drain_s": self.drain_s, "index": i, "dialects": self.dialects})
+                               "drain_s": self.drain_s, "index": i, "dialects": self.dialects,
+                               "settings": self.settings})
         env.pop("TANGRAM_TOKEN", None)
         if self.token:
             env["TANGRAM_TOKEN"] = self.token  # the environment, not argv: argv is world-readable in ps
@@ -112,15 +115,17 @@ class Fronts:
 
 
 async def _run(service: Service, sock: socket.socket, n: int, token: str | None, max_body_bytes: int,
-               drain_s: float, keys: dict[str, str] | None = None, modules: Sequence[str] = ()) -> None:
+               drain_s: float, keys: dict[str, str] | None = None, modules: Sequence[str] = (),
+               settings: Mapping[str, Any] | None = None) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     tmp = tempfile.mkdtemp(prefix="tangram-link-")  # mode 0700: only this user reaches the link
-    dialects = with_dialects(modules)
+    dialects = with_dialects(modules, settings)
     hub = Hub(Local(service, dialects), [*calls_of(dialects), SCOPED], relayed(dialects))
-    fronts = Fronts(sock, os.path.join(tmp, "engine.sock"), n, token, max_body_bytes, drain_s, keys, modules)
+    fronts = Fronts(sock, os.path.join(tmp, "engine.sock"), n, token, max_body_bytes, drain_s, keys, modules,
+                    settings)
     service.fronts = n
     await service.start()
     try:
@@ -140,14 +145,15 @@ async def _run(service: Service, sock: socket.socket, n: int, token: str | None,
 
 
 def serve(service: Service, sock: socket.socket, n: int, token: str | None, max_body_bytes: int,
-          drain_s: float, keys: dict[str, str] | None = None, dialects: Sequence[str] = ()) -> None:
+          drain_s: float, keys: dict[str, str] | None = None, dialects: Sequence[str] = (),
+          settings: Mapping[str, Any] | None = None) -> None:
     """Run until SIGTERM/SIGINT (the CLI's entry for ``--fronts N`` with N >= 1). ``dialects``:
     modules of dialects served beside the server's own (each module's ``DIALECT``), imported here
-    and in every front."""
+    and in every front; ``settings``: the dialects' own tables (``calls.with_dialects``)."""
     try:
         import uvloop
         runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
     except ImportError:
         runner = asyncio.Runner()
     with runner:
-        runner.run(_run(service, sock, n, token, max_body_bytes, drain_s, keys, dialects))
+        runner.run(_run(service, sock, n, token, max_body_bytes, drain_s, keys, dialects, settings))

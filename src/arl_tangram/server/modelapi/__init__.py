@@ -62,7 +62,7 @@ def dialect(config: ModelApiConfig | None = None) -> Dialect:
                                 "modelapi_classify": calls.classify},
                    routes if config is None else functools.partial(routes, config=config),
                    claims=claims, error=lambda status, message: error_body("openai", status, message),
-                   relayed=(ApiError,))
+                   relayed=(ApiError,), configure=lambda raw: dialect(ModelApiConfig.model_validate(raw)))
 
 
 DIALECT = dialect()
