@@ -1,8 +1,6 @@
 """Multipart forms, both ways: the toolbox's uploads come as one (``files[i].path`` and
 ``files[i].file`` fields), its bulk downloads go back as one (a ``file`` part a path, or an
-``error`` part in Daytona's shape). The body is cut at its boundary with ``bytes.find``; only each
-part's header block goes through ``email``'s parser (its feed parser reads a payload line by line:
-slow on a large file)."""
+``error`` part in Daytona's shape). Parsed by the dialects' shared ``server/forms.py``."""
 
 from __future__ import annotations
 
@@ -10,39 +8,18 @@ import json
 import re
 import secrets
 import urllib.parse
-from email.parser import BytesParser
-from email.policy import HTTP
 
+from ..forms import Part, form_parts
 from .errors import daemon
 
 FIELD = re.compile(r"files\[(\d+)\]\.(path|file)")
 
 
-def parts(ctype: str, body: bytes) -> list[tuple[str, str | None, bytes]]:
+def parts(ctype: str, body: bytes) -> list[Part]:
     """The parts of a ``multipart/form-data`` body: (field name, file name, bytes)."""
-    head = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + ctype.encode() + b"\r\n\r\n")
-    boundary = head.get_param("boundary")
-    if head.get_content_type() != "multipart/form-data" or not boundary:
+    if not ctype.lower().startswith("multipart/form-data"):
         raise daemon(400, "body: a multipart/form-data form is expected")
-    delim = b"--" + str(boundary).encode()
-    at = body.find(delim)
-    if at < 0:
-        raise daemon(400, "body: not a multipart form")
-    at += len(delim)
-    out: list[tuple[str, str | None, bytes]] = []
-    while not body.startswith(b"--", at):  # "--" after a delimiter closes the form
-        end = body.find(b"\r\n" + delim, at)
-        if end < 0:
-            raise daemon(400, "body: the multipart form is cut short")
-        first = body.find(b"\n", at) + 1
-        split = body.find(b"\r\n\r\n", first, end + 2)
-        if split < 0:
-            raise daemon(400, "body: a form part has no header block")
-        headers = BytesParser(policy=HTTP).parsebytes(body[first:split + 4], headersonly=True)
-        name = headers.get_param("name", header="content-disposition")
-        out.append((str(name or ""), headers.get_filename(), body[split + 4:end]))
-        at = end + 2 + len(delim)
-    return out
+    return form_parts(ctype, body, daemon)
 
 
 def uploads(ctype: str, body: bytes) -> list[tuple[str, bytes]]:

@@ -10,7 +10,6 @@ Daytona's shape; they are left out of the OpenAPI (it documents the native API).
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -23,6 +22,7 @@ from ... import __version__
 from ...link import PeerGone, RemoteFault
 from ...managers.sandbox.isolation import HOME_ALIAS
 from ..dialect import answer
+from ..forms import json_object
 from ..service import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Unavailable
 from . import forms, socketio
 from .errors import DaytonaApiError, daemon
@@ -86,16 +86,7 @@ def _sandbox(request: Request | WebSocket, value: dict) -> dict:
 
 
 async def _json(request: Request) -> dict:
-    body = await request.body()
-    if not body:
-        return {}
-    try:
-        value = json.loads(body)
-    except ValueError as e:
-        raise DaytonaApiError(400, f"body: not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise DaytonaApiError(400, "body: a JSON object is expected")
-    return value
+    return await json_object(request, DaytonaApiError)
 
 
 def _int(raw: str | None, name: str, default: int | None = None, low: int = 0, high: int = 1 << 31) -> int | None:

@@ -19,8 +19,6 @@ import json
 import logging
 import time
 import urllib.parse
-from email.parser import BytesParser
-from email.policy import HTTP
 from typing import Any, Callable, Sequence
 
 from fastapi import APIRouter, Request, Response
@@ -28,6 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ...link import PeerGone, RemoteFault
 from ..dialect import answer
+from ..forms import form_parts, json_object
 from . import envelope
 from .envelope import E2bError
 
@@ -96,16 +95,7 @@ def _rpc_error(err: E2bError) -> Response:
 
 
 async def _json(request: Request) -> dict:
-    body = await request.body()
-    if not body:
-        return {}
-    try:
-        value = json.loads(body)
-    except ValueError as e:
-        raise E2bError(400, f"body: not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise E2bError(400, "body: a JSON object is expected")
-    return value
+    return await json_object(request, E2bError)
 
 
 def _sid(request: Request) -> str:
@@ -487,37 +477,8 @@ TRUNCATED_NOTE = "[tangram: this cell's output passed the server's cap; the rest
 
 
 def _form_files(ctype: str, body: bytes) -> list[tuple[str | None, bytes]]:
-    """The ``file`` parts of a multipart form: (file name, bytes). The body is cut at its
-    boundary with ``bytes.find`` and only each part's header block goes through ``email``'s
-    parser, whose feed parser reads a payload line by line: slow on a large upload."""
-    head = BytesParser(policy=HTTP).parsebytes(b"Content-Type: " + ctype.encode() + b"\r\n\r\n")
-    boundary = head.get_param("boundary")
-    if not boundary:
-        raise E2bError(400, "body: not a multipart form (no boundary)")
-    delim = b"--" + str(boundary).encode()
-    start = body.find(delim)
-    if start < 0:
-        raise E2bError(400, "body: not a multipart form")
-    out: list[tuple[str | None, bytes]] = []
-    at = start + len(delim)
-    while not body.startswith(b"--", at):  # "--" after a delimiter closes the form
-        end = body.find(b"\r\n" + delim, at)
-        if end < 0:
-            raise E2bError(400, "body: the multipart form is cut short")
-        first = body.find(b"\n", at) + 1
-        split = body.find(b"\r\n\r\n", first, end + 2)
-        if split < 0:
-            raise E2bError(400, "body: a form part has no header block")
-        headers = BytesParser(policy=HTTP).parsebytes(body[first:split + 4], headersonly=True)
-        if headers.get_param("name", header="content-disposition") == "file":
-            encoding = str(headers.get("content-transfer-encoding", "")).lower()
-            if encoding in ("", "binary", "8bit", "7bit"):
-                data = body[split + 4:end]  # the one copy of the bytes
-            else:  # rare: let email decode it
-                data = BytesParser(policy=HTTP).parsebytes(body[first:end]).get_payload(decode=True) or b""
-            out.append((headers.get_filename(), data))
-        at = end + 2 + len(delim)
-    return out
+    """The ``file`` parts of a multipart form: (file name, bytes)."""
+    return [(p.filename, p.data) for p in form_parts(ctype, body, E2bError) if p.name == "file"]
 
 
 def _body_limit(request: Request) -> int:
