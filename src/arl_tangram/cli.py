@@ -12,7 +12,7 @@ import sys
 import time
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import typer
 from rich.console import Console
@@ -490,6 +490,20 @@ def bench_e2e(
     _print_json(run(trajectories, turns, seed, log=lambda m: console.print(m)), json_out)
 
 
+def _check_device(device: str) -> None:
+    if device not in ("auto", "cpu", "cuda"):
+        raise fail(f"--device: expected auto, cpu or cuda, got {device!r}")
+
+
+def _sections(given: str | None, known: Sequence[str]) -> tuple[str, ...]:
+    """``--sections``: the parts named (default: all), each one a bench knows."""
+    picked = tuple(x for x in (given or ",".join(known)).split(",") if x)
+    unknown = sorted(set(picked) - set(known))
+    if unknown:
+        raise fail(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(known)})")
+    return picked
+
+
 @bench_app.command("models")
 def bench_models(
     json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
@@ -501,14 +515,10 @@ def bench_models(
     dedicated_gpus: int = typer.Option(1, "--dedicated-gpus", min=1, help="Dedicated replays at once, one per GPU."),
 ) -> None:
     """Host-to-device bandwidth, batched vs unbatched scoring, HF services, 12 services sharing vs dedicated."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise fail(f"--device: expected auto, cpu or cuda, got {device!r}")
+    _check_device(device)
     from .bench.models import SECTIONS, run
 
-    picked = tuple(x for x in (sections or ",".join(SECTIONS)).split(",") if x)
-    unknown = sorted(set(picked) - set(SECTIONS))
-    if unknown:
-        raise fail(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
+    picked = _sections(sections, SECTIONS)
     _print_json(run(device, log=lambda m: console.print(m), requests=requests, sections=picked,
                     shares=shares.split(",") if shares else None, dedicated_gpus=dedicated_gpus), json_out)
 
@@ -531,14 +541,10 @@ def bench_modelapi(
                                                    "device's memory bandwidth for the bound (default: a copy's)."),
 ) -> None:
     """The model protocols' added ms per request over the native API, and decode tokens/s vs transformers."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise fail(f"--device: expected auto, cpu or cuda, got {device!r}")
+    _check_device(device)
     from .bench.modelapi import SECTIONS, SHAPES, run
 
-    picked = tuple(x for x in (sections or ",".join(SECTIONS)).split(",") if x)
-    unknown = sorted(set(picked) - set(SECTIONS))
-    if unknown:
-        raise fail(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
+    picked = _sections(sections, SECTIONS)
     if shape is not None and shape not in SHAPES:
         raise fail(f"--shape: one of {', '.join(SHAPES)}, got {shape!r}")
     if dtype not in (None, "float32", "bfloat16", "float16"):
