@@ -57,6 +57,10 @@ def main(builtins=None):
         from .zygote import Zygote
         st.zygote = Zygote(st)
         reset.snapshot(st, st.zygote.pid)
+    # a bash one-shot writes its script first: its module is imported before the first request (a
+    # warm sandbox's start is off the latency path, its first request is not), after the zygote's
+    # fork (the zygote never writes a file for the host)
+    from . import files  # noqa: F401
     serve(st)
 
 
