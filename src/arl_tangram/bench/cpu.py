@@ -172,7 +172,7 @@ class CpuMeter:
 
         ``settle_s``: first wait, that long at most, until no sandbox process is exiting
         (``exiting``: how many still were). A one-shot's child is killed as its answer goes out and
-        ends after it (its exit off the latency path: ``runner.Zygote.child``); until the zygote
+        ends after it (its exit off the latency path: ``inside.zygote.Zygote.child``); until the zygote
         reaps it, its CPU is in neither the zygote's ``cutime`` nor, for its exit, the control
         group. A reading right after a level's last answer can miss it: on a loaded machine a
         child ends up to ~0.5 s after its answer."""

@@ -124,7 +124,7 @@ async def stdin_turns(cls, sandbox_id: str, n: int) -> dict:
 
 
 def fs_calls(sb, n: int) -> dict:
-    """The filesystem calls the sandbox's agent answers (``runner.op_fs``): ``files.list`` of the
+    """The filesystem calls the sandbox's agent answers (``inside.fsops.op_fs``): ``files.list`` of the
     home directory (a few entries), ``files.exists``, and a small read outside the home directory
     (``/tmp``), one at a time."""
     sb.files.write("/tmp/small.txt", "small")

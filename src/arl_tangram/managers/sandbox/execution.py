@@ -277,7 +277,7 @@ def request_env(cores: tuple[int, ...]) -> dict[str, str]:
 
 
 def fs_outcome(call: FsCall, r: dict) -> Done:
-    """A filesystem call's answer (``runner.op_fs``): the caller's failure is ``FAILED`` with its
+    """A filesystem call's answer (``inside.fsops.op_fs``): the caller's failure is ``FAILED`` with its
     code in ``info["error"]``; an answer of neither shape (the runner's own failure) is
     ``infra_error``, never the caller's."""
     err, got = r.get("fs_error"), r.get("fs")

@@ -29,7 +29,7 @@ from .spec import SandboxConfig
 
 log = logging.getLogger(__name__)
 
-#: modules a fresh warm-pool sandbox imports before it is taken (``runner.op_warm``): those rested
+#: modules a fresh warm-pool sandbox imports before it is taken (``inside.sessions.op_warm``): those rested
 #: sessions use most, up to this many
 WARM_MODULES = 8
 

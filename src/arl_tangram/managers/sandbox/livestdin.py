@@ -4,7 +4,7 @@ Without it a step's stdin is whole: given with the step, so a command that waits
 (``cat``, a REPL, ``read line``) can only be started once all of it is known. A ``LiveStdin``
 is handed to ``Session.exec``; what is ``send``-ed before the step holds the sandbox is kept, and
 from then on goes straight to the sandbox's runner, which writes it into the step's stdin (a FIFO,
-``shell.py``) as the step reads; ``close`` is its end of file. A step that has ended takes no
+``inside/shellio.py``) as the step reads; ``close`` is its end of file. A step that has ended takes no
 more input (``StdinClosed``), as a pipe whose reader is gone.
 
 Bounded both ways, losing nothing silently: what waits for the step to start, and what waits in

@@ -8,7 +8,7 @@ empties every writable place (``isolation.WRITABLE``), removes System V IPC obje
 /proc/keys listed them to the next run for 10-20 ms), and checks that its own and the zygote's
 rlimits, priority and affinity are as at start; anything it cannot verify makes the sandbox be
 discarded, never reused. The runner is the namespace's init and non-dumpable, and python one-shots
-fork from a zygote that never held a request (see ``runner.py``). Recycling is on only under
+fork from a zygote that never held a request (see ``inside/zygote.py``). Recycling is on only under
 bubblewrap: there the user's code has no capabilities at all. Under ``unshare`` it is root of its
 user namespace (it could ptrace the runner despite the dumpable flag) and under ``none`` there is
 no namespace to reset, so those modes keep a fresh sandbox per one-shot.
@@ -19,7 +19,7 @@ timing. The kernel's keyrings are not namespaced, and every sandbox's user is th
 user, so a key one sandbox added was listed, description and serial, in /proc/keys of every other
 sandbox running at that time: a channel between concurrent runs that no reset closes. So the runner refuses ``add_key``, ``request_key`` and ``keyctl`` to
 everything in its sandbox with a seccomp filter, as container runtimes' default profiles do
-(``runner.deny_keyrings``; the keyring clear above stays for a kernel or architecture where the
+(``inside.reset.deny_keyrings``; the keyring clear above stays for a kernel or architecture where the
 filter cannot be installed). A fresh user+mount+PID namespace per run inside the sandbox would
 close those counters too, but needs capability dropping by hand in every child.
 """
@@ -45,7 +45,7 @@ class Recycler:
                  max_uses: int = 1000, timeout_s: float = 10.0, ahead: bool = True,
                  settled: Callable[[], None] = lambda: None, lost: Callable[[], None] = lambda: None) -> None:
         """``spawn`` runs a background coroutine that shutdown waits for (the manager's TaskSet);
-        ``ahead``: the reset after a python run forks the next python child ahead (runner.py);
+        ``ahead``: the reset after a python run forks the next python child ahead (inside/zygote.py);
         ``settled``: called when a released sandbox's reset ended (it is in the pool, or not);
         ``lost``: called when a recyclable one released was discarded (worn out, unclean, dead),
         so that its place in circulation is filled (``pool.OneShots.lost``)."""

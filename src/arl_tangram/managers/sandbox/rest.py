@@ -7,13 +7,13 @@ there; ending the processes can. So a session idle for ``rest_after_s``, or the 
 used when more than ``max_awake_sessions`` are awake, is *put to rest* (``resting.py`` says when):
 its interpreter packs its namespace (pickled: functions and classes defined in the session by their
 code, modules by name) and its tmpfs files (the workspace, /tmp) into one blob
-(``runner.op_rest``), the host fetches it in chunks and writes it here, and the sandbox is reset
+(``inside.rest.op_rest``), the host fetches it in chunks and writes it here, and the sandbox is reset
 for another session (below) or killed. An image session's workspace is on disk already: its root
 stays mounted and only /tmp goes into the blob. The next step *wakes* it: a sandbox from the
-sessions' pool (or the session's own root) loads the blob (``runner.op_wake``).
+sessions' pool (or the session's own root) loads the blob (``inside.rest.op_wake``).
 
 A session's python runs in its own interpreter, a child forked from the sandbox's zygote
-(``runner.SessionChild``), never in the runner: so once the session has left (put to rest, or
+(``inside.sessions.SessionChild``), never in the runner: so once the session has left (put to rest, or
 closed) its sandbox is reset exactly as a one-shot's is (the child and the shell killed, every
 writable place wiped, IPC and keyrings emptied, the runner's and zygote's rlimits and affinity
 checked: ``recycle.Recycler.session_verdict``) and goes back to the sessions' pool
@@ -29,7 +29,7 @@ A wake's latency: the step that wakes a session rides on the wake's last request
 (``load(then=...)``), and a blob up to 256 KB on the rest's own answer, one round trip fewer each;
 the warm sandbox's zygote has imported pickle and what a first cell needs (``op_warm``), so every
 session interpreter forked from it shares them; and the interpreter forked ahead warms itself
-(``runner.session_warm``: a load and a cell of its own before the session's first request), which
+(``inside.cells.session_warm``: a load and a cell of its own before the session's first request), which
 moves CPU off the revisit's path.
 
 What a rest carries: the values a step can hold (ints, strings, lists, dicts, functions and
@@ -126,7 +126,7 @@ async def pack(sb: Sandbox, roots: list[str]) -> tuple[bytes, dict[str, str], li
     size = int(r["size"])
     parts: list[bytes] = []
     got = 0
-    if r.get("data"):  # a small blob came with the answer (runner.REST_INLINE)
+    if r.get("data"):  # a small blob came with the answer (inside.rest.REST_INLINE)
         parts.append(base64.b64decode(r["data"]))
         got = len(parts[0])
     while got < size:
@@ -142,7 +142,7 @@ async def pack(sb: Sandbox, roots: list[str]) -> tuple[bytes, dict[str, str], li
 async def load(sb: Sandbox, blob: bytes, then: dict | None = None) -> tuple[dict[str, str], dict | None]:
     """Load a blob into a fresh sandbox; returns what was dropped (at rest and now) and, with
     ``then`` (a ``cell`` request; its ``_timeout`` is the host's wait for it), that cell's answer,
-    run by the same request once the state is loaded (``runner.op_wake``)."""
+    run by the same request once the state is loaded (``inside.rest.op_wake``)."""
     off = 0
     while True:
         chunk = blob[off:off + WAKE_CHUNK]

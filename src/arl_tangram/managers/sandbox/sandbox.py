@@ -118,7 +118,7 @@ class Sandbox:
         self.uses = 0  # one-shots run in it before (recycling)
         self.max_uses: int | None = None  # one-shots it may run in all, drawn by the recycler (``Recycler.limit``)
         self.recyclable = False  # a plain warm-pool sandbox (not an image's): recycling may reuse it
-        self.warmed: frozenset[str] = frozenset()  # modules its zygote imported (``runner.op_warm``)
+        self.warmed: frozenset[str] = frozenset()  # modules its zygote imported (``inside.sessions.op_warm``)
         self.oom_seen = 0  # the group's OOM-kill count when last read
         self._cpus: tuple[int, ...] | None = None  # what it was last placed on: a group's write costs a
         self._memory: int | None = -1  # cgroupfs round trip per action, and mostly nothing changes
@@ -306,7 +306,7 @@ class Sandbox:
             answer = None
         if not isinstance(answer, dict) or answer.get("id") != want:
             # a runner taken over could write lines of its own (a session's code ran in the runner
-            # before it had its own interpreter, runner.SessionChild): one that is
+            # before it had its own interpreter, inside.sessions.SessionChild): one that is
             # not this request's answer would shift every later answer by one step; the
             # channel is broken, so is the sandbox
             await self.kill()

@@ -52,7 +52,7 @@ class SandboxConfig(BaseModel):
                                                            "first wears out, from nine tenths after)")
     fork_ahead: bool = Field(True, description="the reset of a recycled sandbox whose last one-shot was python "
                                                "forks the next python child ahead, and one whose last was bash starts "
-                                               "the next bash ahead, off the next run's latency path (runner.py: "
+                                               "the next bash ahead, off the next run's latency path (inside/procs.py: "
                                                "Zygote, a bash started ahead)")
     session_idle_expiry_s: float = Field(600.0, gt=0, description="close a session unused for this long")
     session_memory: Literal["use", "limit"] = Field("use", description="what an idle session reserves on its node: "
@@ -203,7 +203,7 @@ FsKind = Literal["stat", "list", "mkdir", "remove", "move", "read", "write"]
 class FsCall:
     """One filesystem call on a session's sandbox, by its absolute ``path`` inside the sandbox
     (anywhere the sandbox's code sees, not only the workspace): carried out by the sandbox's agent
-    (``runner.op_fs``), never by the session's shell or interpreter, which its code can replace.
+    (``inside.fsops.op_fs``), never by the session's shell or interpreter, which its code can replace.
     ``result.info`` holds ``entry`` (stat, mkdir, move, write) or ``entries`` (list) as
     ``{path, mode, size, mtime, link}``; a read's bytes are ``result.files[path]``
     (``info["cut"]``: only the first ``max_bytes``). A failure that is the caller's is

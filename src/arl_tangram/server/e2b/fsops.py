@@ -1,4 +1,4 @@
-"""envd's filesystem answers, shaped from the sandbox agent's (``runner.op_fs``).
+"""envd's filesystem answers, shaped from the sandbox agent's (``inside.fsops.op_fs``).
 
 Every filesystem call of the E2B API (Stat, ListDir, MakeDir, Remove, Move, and ``/files`` reads
 and writes outside the home directory) is one ``FsCall`` of the sandbox's session, carried out by
