@@ -1,6 +1,7 @@
-"""The package's layers, read from the sources: no import cycle between modules, and the arrows
-between packages that docs/architecture.md draws ("Dependencies"). An import inside a function
-counts (it runs as surely, only later); one under ``if TYPE_CHECKING:`` does not (it never runs)."""
+"""The package's layers, read from the sources: the arrows between packages that
+docs/architecture.md draws ("Dependencies"). An import inside a function counts (it runs as surely,
+only later); one under ``if TYPE_CHECKING:`` does not (it never runs). No import cycle, counting
+even those, is ``tools/house.py``'s measure (``tests/test_house.py``)."""
 
 from __future__ import annotations
 
@@ -68,49 +69,10 @@ def _imports(module: str, path: Path) -> set[str]:
 GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
 
 
-def _cycles() -> list[list[str]]:
-    """Strongly connected components of more than one module (Tarjan)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on: set[str] = set()
-    out: list[list[str]] = []
-
-    def connect(v: str) -> None:
-        index[v] = low[v] = len(index)
-        stack.append(v)
-        on.add(v)
-        for w in GRAPH[v]:
-            if w not in index:
-                connect(w)
-                low[v] = min(low[v], low[w])
-            elif w in on:
-                low[v] = min(low[v], index[w])
-        if low[v] == index[v]:
-            comp = []
-            while True:
-                w = stack.pop()
-                on.discard(w)
-                comp.append(w)
-                if w == v:
-                    break
-            if len(comp) > 1:
-                out.append(sorted(comp))
-
-    for v in sorted(GRAPH):
-        if v not in index:
-            connect(v)
-    return out
-
-
 def test_the_parser_sees_imports_of_every_kind():
     assert "arl_tangram.engine" in GRAPH["arl_tangram.driver"]  # from .engine import ...
     assert "arl_tangram.runtime.workers" in GRAPH["arl_tangram.runtime.local"]  # inside a function
     assert "arl_tangram.server.front" not in GRAPH["arl_tangram.server.app"]  # under TYPE_CHECKING
-
-
-def test_no_module_imports_itself_through_others():
-    assert _cycles() == []
 
 
 def _package(module: str) -> str:
