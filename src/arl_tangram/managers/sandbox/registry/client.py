@@ -317,7 +317,7 @@ class RegistryClient:
 
     async def _resolve(self, ref: Reference, ep: Endpoint, platform: tuple[str, str]) -> Manifest:
         body, ctype = await self._document(ref, ep, ref.selector, MAX_MANIFEST_BYTES)
-        doc = _json(ref, body, "manifest")
+        doc = json_document(ref, body, "manifest")
         mtype = doc.get("mediaType") or ctype
         index_digest = ""
         if mtype in INDEX_TYPES or (not mtype and "manifests" in doc):
@@ -327,7 +327,7 @@ class RegistryClient:
             if len(body) != chosen.size:
                 raise DigestMismatch(f"{ref}: the {'/'.join(platform)} manifest is {len(body)} bytes, its index "
                                      f"says {chosen.size}")
-            doc = _json(ref, body, "manifest")
+            doc = json_document(ref, body, "manifest")
             mtype = doc.get("mediaType") or ctype
             if mtype in INDEX_TYPES or "manifests" in doc:
                 raise RegistryError(f"{ref}: an index inside an index is not supported")
@@ -470,7 +470,8 @@ async def _read_bounded(resp: httpx.Response, limit: int, message: str, error=To
     return bytes(out)
 
 
-def _json(ref: Reference, body: bytes, what: str) -> dict:
+def json_document(ref: Reference, body: bytes, what: str) -> dict:
+    """A registry document (a manifest, an image config) as a JSON object, or an error naming ``ref``."""
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:

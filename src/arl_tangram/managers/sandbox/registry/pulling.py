@@ -32,7 +32,6 @@ import asyncio
 import errno
 import fcntl
 import io
-import json
 import logging
 import os
 import threading
@@ -43,7 +42,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from ..images import Image, ImageError, ImageStore, NAME_RE, remove_dead_temps
-from .client import Descriptor, RegistryClient
+from .client import Descriptor, RegistryClient, json_document
 from .config import RegistriesConfig
 from .errors import NoPlatform, RegistryError, TooLarge
 from .reference import Reference, parse
@@ -245,12 +244,7 @@ async def _pull(ref: Reference, name: str, store: ImageStore, client: RegistryCl
 
 
 def _config(ref: Reference, body: bytes, layers: int) -> dict:
-    try:
-        config = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise RegistryError(f"{ref}: the image config is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise RegistryError(f"{ref}: the image config is not a JSON object")
+    config = json_document(ref, body, "image config")
     os_, arch = config.get("os"), config.get("architecture")
     if os_ and arch and (os_, arch) != ("linux", "amd64"):
         raise NoPlatform(f"{ref}: the image is for {os_}/{arch}, not linux/amd64")
