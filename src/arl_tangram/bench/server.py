@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -308,8 +309,26 @@ def _counted_between(before: dict | None, after: dict | None) -> dict | None:
     return {k: max(0, v - (before or {}).get(k, 0)) for k, v in after.items()}  # (a worker restarted: never below 0)
 
 
+_PORTS = random.Random()  # its own: a test that seeds the module's generator must not pick its ports
+
+
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for a server started by a bench or a test)."""
+    """A free TCP port on 127.0.0.1 (for a server started by a bench or a test), chosen below the
+    kernel's ephemeral range: a port the kernel hands out (``bind`` to 0) is also what every
+    outgoing connection gets, and Ray opens many, so one of them could take the port between this
+    check and the server's own bind. Ray's workers listen on 10002-19999 by default, hence 20000 up."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = _PORTS.randrange(20000, max(low, 20001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
