@@ -438,12 +438,6 @@ def test_a_hundred_concurrent_sandboxes(server):
 
 # -- git -------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _host_git(*args: str, cwd=None) -> str:
     env = {"PATH": os.environ["PATH"], "HOME": str(cwd or "/tmp"), "GIT_CONFIG_NOSYSTEM": "1",
            "GIT_AUTHOR_NAME": "host", "GIT_AUTHOR_EMAIL": "host@x", "GIT_COMMITTER_NAME": "host",
@@ -466,7 +460,9 @@ def git_server(tmp_path):
     _host_git("add", ".", cwd=work)
     _host_git("commit", "-qm", "second", cwd=work)
     _host_git("clone", "-q", "--bare", str(work), str(base / "repo.git"))
-    port = _free_port()
+    from arl_tangram.bench.server import free_port
+
+    port = free_port()
     daemon = subprocess.Popen(["git", "daemon", "--reuseaddr", "--listen=127.0.0.1", f"--port={port}",
                                f"--base-path={base}", "--export-all", "--enable=receive-pack", str(base)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -304,7 +304,6 @@ def restart(sessions: int, cores: int, log: Callable[[str], None]) -> dict:
     yet: each step predicted 1 s, over a move's 0.32 s), and a move starts the session's processes
     afresh (1 of 6 sessions lost its Python variable that way, its files kept)."""
     import signal
-    import socket
     import subprocess
     import sys
     import tempfile
@@ -324,9 +323,9 @@ def restart(sessions: int, cores: int, log: Callable[[str], None]) -> dict:
         port only once its nodes joined (seconds later), and Ray's own processes bind free ports
         meanwhile: a port taken in that window is tried again on another, the time counted from
         the try that served (in CI one was: 'address already in use')."""
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        from .server import free_port
+
+        port = free_port()
         t = time.perf_counter()
         out = open(os.path.join(state, f"server-{port}.log"), "w")
         procs.append(subprocess.Popen([sys.executable, "-m", "arl_tangram.cli", "serve", "--port", str(port),

@@ -24,7 +24,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -35,17 +34,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .server import free_port
+
 REGISTRY = shutil.which("docker-registry")
 SKOPEO = shutil.which("skopeo")
 MISSING = [name for name, path in (("docker-registry", REGISTRY), ("skopeo", SKOPEO)) if path is None]
 DEBIAN_PACKAGES = ("python3", "python3-pytest", "git", "patch")
 _ACCESS = re.compile(r'"GET (\S+) HTTP/[\d.]+" (\d{3}) (\d+|-)')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float = 15.0) -> None:
