@@ -73,6 +73,45 @@ def test_a_name_neither_imported_nor_a_reference_is_refused_at_once(tmp_path):
     asyncio.run(main())
 
 
+def test_a_node_tells_the_images_it_holds_listed_again_only_when_they_changed(tmp_path, monkeypatch):
+    """What a node's agent tells its head for placement (``Pulls.present``): the store's names and
+    those being pulled, under a mark that stays while nothing changed (nothing is read again)."""
+    from types import SimpleNamespace
+
+    store = ImageStore(tmp_path / "store")
+    pulls = pulls_module.Pulls(SimpleNamespace(images=store))
+    lists = []
+    real = pulls_module._names
+    monkeypatch.setattr(pulls_module, "_names", lambda s: lists.append(1) or real(s))
+
+    def root(n: int) -> Path:
+        d = tmp_path / f"root{n}"
+        (d / "etc").mkdir(parents=True)
+        (d / "etc" / "hello").write_text(str(n))
+        return d
+
+    async def main():
+        seen = [await pulls.present()]
+        store.import_path(root(0), "myimage")
+        seen.append(await pulls.present())
+        seen.append(await pulls.present())  # nothing changed: the same mark, no listing
+        pulls.flights["docker.io/library/python:3.12"] = asyncio.get_running_loop().create_future()
+        seen.append(await pulls.present())  # a pull under way counts: a session placed there joins it
+        del pulls.flights["docker.io/library/python:3.12"]
+        time.sleep(0.01)
+        store.import_path(root(1), "127.0.0.1:5000/py/task0:v1")  # by another process: the directory changed
+        seen.append(await pulls.present())
+        return seen
+
+    seen = asyncio.run(main())
+    assert [sorted(names) for _, names in seen] == [
+        [], ["myimage"], ["myimage"], ["docker.io/library/python:3.12", "myimage"],
+        ["127.0.0.1:5000/py/task0:v1", "myimage"]]
+    assert seen[1][0] == seen[2][0] and len({m for m, _ in seen}) == 4 and len(lists) == 4
+    assert pulls_module.stored_names("python:3.12") == ["python:3.12", "docker.io/library/python:3.12"]
+    assert pulls_module.stored_names("Not_A_Ref") == ["Not_A_Ref"]
+
+
 # -- against a registry -----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

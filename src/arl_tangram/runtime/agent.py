@@ -56,6 +56,7 @@ from ..core.cluster import DEFAULT_H2D_GBPS, GpuNode
 from ..core.pools import Instance
 from ..core.records import Load
 from ..core.seam import Completion, Loaded, Report
+from ..managers.sandbox.images import ImageError
 from ..managers.sandbox.manager import SandboxManager
 from ..managers.sandbox.spec import Restore, SandboxConfig, Snapshot
 from .host import LocalHost, host_cpus, memory_gb
@@ -339,6 +340,49 @@ class NodeAgent:
         out = list(self._rested.items())
         self._rested.clear()
         return out
+
+    async def take_news(self, images_seen: object = None) -> dict:
+        """What the head's look collects besides expiries: ``rested`` (``take_rested``); the images
+        this node holds or is pulling (``images``: ``(mark, names)``, or None when the mark is
+        ``images_seen``, the one the head has: unchanged); the actions waiting here for a pull,
+        each with its "pulling IMAGE: N of M MB" (``pulling``); and the pull counts and disk use
+        (``image_stats``). The images are listed again only when they may have changed
+        (``Pulls.present``)."""
+        news: dict = {"rested": self.take_rested(), "images": None, "pulling": {}, "image_stats": None}
+        m = self.manager
+        if m is not None and m.mode is not None:
+            mark, names = await m.pulls.present()
+            if mark != images_seen:
+                news["images"] = (mark, sorted(names))
+            news["pulling"] = m.pulls.waits()
+            news["image_stats"] = m.image_stats()
+        return news
+
+    async def pull_image(self, image: str, owner: str | None = None) -> tuple[str, str, bool]:
+        """Have ``image`` in this node's store (pulled with this node's ``[[registries]]`` config
+        if it is a reference not here): ``("ok", the store's name, False)``, or ``("error",
+        message, infra)`` for an ``ImageError`` (its kind kept: a registry that did not answer is
+        ``infra``), which then crosses to the head as plain data."""
+        self._check_owner(owner)
+        try:
+            return "ok", await self._image_manager().pull_image(image), False
+        except ImageError as e:
+            return "error", str(e), e.infra
+
+    async def prewarm(self, image: str, n: int, owner: str | None = None) -> tuple[str, Any, bool]:
+        """``n`` sandboxes of ``image`` started here for new sessions and one-shots, the image
+        pulled first if it is not here: ``("ok", Prewarmed, False)`` or ``("error", message,
+        infra)`` as ``pull_image``."""
+        self._check_owner(owner)
+        try:
+            return "ok", await self._image_manager().prewarm(image, n), False
+        except ImageError as e:
+            return "error", str(e), e.infra
+
+    def _image_manager(self) -> SandboxManager:
+        if self.manager is None:
+            raise ImageError(f"image: node {self.name} runs no sandboxes: {self.problem}")
+        return self.manager
 
     def sessions(self) -> list[str]:
         """Every session held here: awake, at rest, or made by a fork and not stepped yet."""

@@ -398,7 +398,7 @@ class Tangram:
 
     def _check_image(self, image: str) -> None:
         """An image here, or a registry reference (its pull starts now; the first step waits for it)."""
-        self._sandboxes("image").check_image(image)
+        self.runtime.check_image(image)
 
     async def restore(self, path: str | os.PathLike, job: str = "default", trajectory: str | None = None) -> Session:
         """A new session whose files are those of a snapshot (``Session.snapshot``), made by an
@@ -418,11 +418,14 @@ class Tangram:
     async def pull(self, image: str) -> str:
         """Have ``image`` in this runtime's store now (pulled if it is a registry reference not
         here; ``ImageError`` naming it if it cannot be, its ``infra`` set where the registry did
-        not answer); returns the store's name for it."""
-        return await self._sandboxes("pull").pull_image(image)
+        not answer); returns the store's name for it. On Ray: on one node (one that holds it,
+        else the emptiest), which sessions naming it then prefer."""
+        return await self.runtime.pull_image(image)
 
-    async def prewarm(self, image: str, n: int):
+    async def prewarm(self, image: str, n: int, nodes: int | None = None):
         """Start ``n`` sandboxes of ``image`` now (pulled first if it is a reference not here),
         so that sessions and one-shots of it skip setup, within the idle cap
-        ``max_idle_sandboxes`` (see the result's ``ready``)."""
-        return await self._sandboxes("prewarm").prewarm(image, n)
+        ``max_idle_sandboxes`` (see the result's ``ready``). ``nodes``: on Ray, pull it and start
+        ``n`` sandboxes on each of that many nodes (default one; those holding it first), which
+        sessions naming it then prefer; one machine is one node (more: ``ValueError``)."""
+        return await self.runtime.prewarm(image, n, nodes)

@@ -25,10 +25,12 @@ from ..driver import Driver
 from ..engine import Engine
 from ..waits import DEFAULT_MAX_QUEUE_S
 from ..managers.models.spec import ModelServiceConfig
+from ..managers.sandbox.images import ImageError
 from ..managers.sandbox.spec import SandboxConfig, SandboxResult
 from ..policy import Costs, Policy, Profile, Wait, make_policy
 
 if TYPE_CHECKING:
+    from ..managers.sandbox.imagebox import Prewarmed
     from ..managers.sandbox.manager import SandboxManager
 
 log = logging.getLogger(__name__)
@@ -406,6 +408,31 @@ class Runtime:
         """The sandbox manager of this process, for what only it does (images, prewarming); None
         where there is none (no sandboxes, a test double) or sandboxes live on other nodes."""
         return None
+
+    # -- images ----------------------------------------------------------------------------------
+    def _image_sandboxes(self, what: str) -> "SandboxManager":
+        sb = self.sandbox_manager()
+        if sb is None:
+            raise ImageError(f"{what}: this runtime has no image-capable sandboxes")
+        return sb
+
+    def check_image(self, image: str) -> None:
+        """``ImageError`` unless ``image`` is in the image store or a registry reference; a
+        reference not here starts to be pulled (``SandboxManager.check_image``; on Ray, on the
+        node the session's first step will prefer)."""
+        self._image_sandboxes("image").check_image(image)
+
+    async def pull_image(self, image: str) -> str:
+        """The store's name for ``image``, pulled now if it is a reference not here."""
+        return await self._image_sandboxes("pull").pull_image(image)
+
+    async def prewarm(self, image: str, n: int, nodes: int | None = None) -> "Prewarmed":
+        """``n`` sandboxes of ``image`` started now (pulled first if it is a reference not here);
+        ``nodes``: on how many nodes (this machine is one: more is a ``ValueError`` naming it)."""
+        if nodes is not None and nodes != 1:
+            raise ValueError(f"nodes: {nodes!r} asked, and this server runs on one machine (only a Ray cluster "
+                             "prewarms on several nodes)")
+        return await self._image_sandboxes("prewarm").prewarm(image, n)
 
     def sandbox_workers(self) -> tuple[int, int] | None:
         """Sandbox worker processes (up, started); None where one-shots run in this process."""

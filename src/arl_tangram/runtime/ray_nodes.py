@@ -62,6 +62,12 @@ class Node:
     look: asyncio.Future | None = None  # the look at its agent still unanswered (``look_at_agents``)
     renewed_at: float | None = None  # monotonic time the last renewal it answered was sent
     why: str = ""  # why it was lost (``/v1/cluster`` shows it)
+    # its images, as its agent last told (``NodeAgent.take_news``; ``ray_images``)
+    images: frozenset[str] = frozenset()  # the store's names of the images it holds or is pulling
+    images_mark: object = None  # the agent's mark of them: sent back, unchanged ones are not listed again
+    pulling: dict[str, str] = field(default_factory=dict)  # action id -> "pulling IMAGE: N of M MB"
+    image_stats: dict | None = None  # its pulls' counts and its store's disk use
+    sent: dict[str, float] = field(default_factory=dict)  # image name -> when the head last sent work naming it
 
     @property
     def name(self) -> str:
@@ -110,12 +116,14 @@ log = logging.getLogger(__name__)
 @dataclass
 class Look:
     """What one look at a node's agent found: sessions it expired, sessions it rested or woke
-    (``take_rested``), or why the node is lost to this head."""
+    (``take_rested``), its images' news (``NodeAgent.take_news``), or why the node is lost to
+    this head."""
 
     node: Node
     expired: list[str] = field(default_factory=list)
     rested: list[tuple[str, str | None]] = field(default_factory=list)
     lost: str | None = None
+    news: dict | None = None
 
 
 async def look_at_agents(nodes: list[Node], lease_s: float, owner: str | None, timeout_s: float) -> list[Look]:
@@ -129,7 +137,7 @@ async def _look(node: Node, lease_s: float, owner: str | None, timeout_s: float)
     if call is None:
         call = node.look = asyncio.ensure_future(_ask(node, lease_s, owner))
     try:
-        sent, expired, rested = await asyncio.wait_for(asyncio.shield(call), timeout_s)
+        sent, expired, news = await asyncio.wait_for(asyncio.shield(call), timeout_s)
     except asyncio.TimeoutError:
         silent = time.monotonic() - node.renewed_at if node.renewed_at is not None else 0.0
         if node.serving and silent > lease_s:
@@ -146,14 +154,14 @@ async def _look(node: Node, lease_s: float, owner: str | None, timeout_s: float)
         if call.done():
             node.look = None
     node.renewed_at = max(node.renewed_at or sent, sent)
-    return Look(node, expired, rested)
+    return Look(node, expired, list(news.get("rested") or ()), news=news)
 
 
-async def _ask(node: Node, lease_s: float, owner: str | None) -> tuple[float, list[str], list]:
+async def _ask(node: Node, lease_s: float, owner: str | None) -> tuple[float, list[str], dict]:
     sent = time.monotonic()
     expired = await node.handle.take_expired.remote(lease_s, owner)  # renews its lease
-    rested = await node.handle.take_rested.remote()
-    return sent, list(expired), list(rested)
+    news = await node.handle.take_news.remote(node.images_mark)
+    return sent, list(expired), dict(news)
 
 
 async def run_on_node(runtime: Head, node: Node, action: Action, allocation: Allocation) -> Completion:

@@ -62,14 +62,16 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.action import Action, Allocation, Finished, Outcome
+from ..managers.sandbox.imagebox import Prewarmed
 from ..core.cluster import Cluster, CpuNode
 from ..core.seam import Completion, Pool, Sink
 from ..managers.models.spec import ModelServiceConfig
 from ..managers.sandbox.spec import Fork, SandboxConfig
 from ..managers.tasks import TaskSet
-from ..policy import Costs, Policy, Profile
+from ..policy import Costs, Policy, Profile, Wait
 from ..waits import DEFAULT_MAX_QUEUE_S
 from .agent import NodeAgent
+from .ray_images import ClusterImages
 from .ray_nodes import (LOOK_TIMEOUT_S, Node, NodeLost, RayUnavailable, cancel_on_nodes, look_at_agents, ray_module,
                         run_on_node)
 
@@ -135,6 +137,7 @@ class RemoteSandboxes:
 
     def start(self, action: Action, allocation: Allocation) -> None:
         node = self.runtime.by_index[allocation.node]
+        allocation = self.runtime.images.first_step(node, action, allocation)
         traj = action.trajectory
         if traj is None:
             self.tasks.run(action, lambda: run_on_node(self.runtime, node, action, allocation))
@@ -218,6 +221,7 @@ class RemoteSandboxes:
     def close_session(self, trajectory: str) -> None:
         node = self.homes.pop(trajectory, None)
         self._locks.pop(trajectory, None)
+        self.runtime.images.forget(trajectory)
         if node is not None and node.serving:
             node.handle.close_session.remote(trajectory, self.runtime.owner)
 
@@ -267,6 +271,7 @@ class RayRuntime(Runtime):
         self.nodes_by_id: dict[str, Node] = {}
         self.by_index: dict[int, Node] = {}
         self.sandboxes = RemoteSandboxes(self, self.report)
+        self.images = ClusterImages(self)  # what each node's store holds; placement by image (ray_images)
         self.model_configs = list(models or [])
         self.model_options = {"gpus": gpus_per_node, "gpu_memory_gb": gpu_memory_gb,
                               "gpu_island_size": gpu_island_size, "model_device": model_device}
@@ -540,6 +545,7 @@ class RayRuntime(Runtime):
                     if look.lost is not None:  # gone, replaced by another head, or silent past its lease
                         self.node_lost(node, look.lost)
                         continue
+                    self.images.learn(node, look.news)
                     for s in look.expired:
                         self.sandboxes.homes.pop(s, None)
                         self.end_session(s, f"session {s} expired: unused for more than "
@@ -596,6 +602,43 @@ class RayRuntime(Runtime):
         if gone:
             log.warning("closed %d sessions an earlier head left that no open session owned", gone)
         return gone
+
+    # -- images (ray_images) ----------------------------------------------------------------------
+    def submit_cb(self, action: Action, done) -> None:
+        """As every runtime's, after homing a new session whose first step names an image on a node
+        that holds it, where one has room (``ClusterImages.place``)."""
+        placed = self.images.place(action) is not None
+        try:
+            super().submit_cb(action, done)
+        except BaseException:
+            if placed:
+                self.images.unplace(action)
+            raise
+        if placed and action.id not in self.engine.pending and action.id not in self.engine.running:
+            self.images.unplace(action)  # refused at once: the session has no step on its way there
+
+    def why_waiting(self, action_id: str) -> Wait | None:
+        """The policy's reason while the action is queued; once started, while its node pulls its
+        image, "pulling IMAGE: N of M MB" as that node's agent last told (reason ``image-pull``)."""
+        wait = super().why_waiting(action_id)
+        if wait is None:
+            pulling = self.images.pulling(action_id)
+            if pulling is not None:
+                return Wait("image-pull", pulling)
+        return wait
+
+    def image_stats(self) -> dict | None:
+        return self.images.stats()
+
+    def check_image(self, image: str) -> None:
+        self.images.check(image)
+        self.images.prefetch(image)
+
+    async def pull_image(self, image: str) -> str:
+        return await self.images.pull(image)
+
+    async def prewarm(self, image: str, n: int, nodes: int | None = None) -> Prewarmed:
+        return await self.images.prewarm(image, n, nodes)
 
     # -- one re-run of one-shots whose node died -------------------------------------------------
     def _retry(self, f: Finished, result: Any) -> bool:

@@ -16,11 +16,17 @@ manager is under way, and a pull waits for an eviction to end (it may find a lay
 the eviction takes); never an image an action resolved within ``RECENT_S`` (it is about to mount
 it: a mounted one is kept anyway); an action asking for an image being removed waits for the
 removal, then pulls it again.
+
+On a cluster every node pulls for itself, and its agent tells the head what its store holds
+(``present``: the names of the images here and of those being pulled) and which of its actions
+wait for a pull (``waits``), so that the head places a new session where its image is and shows
+the waiting reason as one machine does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 
@@ -36,6 +42,29 @@ RECENT_S = 60.0
 #: the store's record of an image's last use is written at most this often per image
 TOUCH_S = 30.0
 MB = 1 << 20
+
+
+def stored_names(name: str) -> list[str]:
+    """The names the store may hold image ``name`` by, in the order they are looked up: the name
+    as it is (an imported image keeps working by its name), then the reference it parses as."""
+    names = [name]
+    try:
+        full = store_name(parse(name))
+    except BadReference:
+        return names
+    if full != name:
+        names.append(full)
+    return names
+
+
+def as_reference(name: str, where: str = "in the store") -> Reference:
+    """``name`` as a registry reference; ``ImageError`` naming it (and saying that no image of
+    that name is ``where``) if it is not one."""
+    try:
+        return parse(name)
+    except BadReference as e:
+        raise ImageError(f"image: no image named {name!r} {where}, and it is not a registry reference "
+                         f"({str(e).removeprefix(f'image reference {name!r}: ')})") from None
 
 
 class _Progress:
@@ -73,6 +102,8 @@ class Pulls:
         self.counts = {"pulls": 0, "pull_failures": 0, "bytes_pulled": 0, "pull_seconds": 0.0, "cache_hits": 0,
                        "evicted": 0}
         self.disk_bytes: int | None = None
+        self.changes = 0  # pulls landed and images removed here: ``present`` reads the store again
+        self._present: tuple[object, frozenset[str]] = (None, frozenset())
 
     # -- names -----------------------------------------------------------------------------------
     def local(self, name: str) -> str | None:
@@ -81,14 +112,7 @@ class Pulls:
         if stored is not None and stored not in self.doomed:
             return stored
         store = self.host.images
-        candidates = [name]
-        try:
-            full = store_name(parse(name))
-            if full != name:
-                candidates.append(full)
-        except BadReference:
-            pass
-        for candidate in candidates:
+        for candidate in stored_names(name):
             if candidate in self.doomed:
                 continue
             try:
@@ -106,11 +130,7 @@ class Pulls:
             self.reference(name)
 
     def reference(self, name: str) -> Reference:
-        try:
-            return parse(name)
-        except BadReference as e:
-            raise ImageError(f"image: no image named {name!r} in the store, and it is not a registry reference "
-                             f"({str(e).removeprefix(f'image reference {name!r}: ')})") from None
+        return as_reference(name)
 
     # -- pulls -----------------------------------------------------------------------------------
     async def ready(self, name: str, action_id: str | None = None) -> str:
@@ -161,6 +181,30 @@ class Pulls:
         prog = self.progress.get(w[1])
         return prog.text(w[0]) if prog is not None else f"pulling {w[0]}"
 
+    def waits(self) -> dict[str, str]:
+        """Every action waiting for a pull here, with its ``pulling`` text (a node's news to its head)."""
+        return {aid: text for aid in list(self.waiting) if (text := self.pulling(aid)) is not None}
+
+    async def present(self) -> tuple[object, frozenset[str]]:
+        """``(mark, names)``: the store's names of the images here and of those being pulled (a
+        session placed here now joins the pull under way), what a node reports for placement.
+        ``mark`` changes whenever the names may have, so a caller that saw it asks for nothing
+        more; the store's images are listed again only then (the modification time of its
+        directory of images, which an import by another process changes too, and this manager's
+        own pulls and removals)."""
+        listing = self.host.images.root / "images"  # the store's named images, one file each
+        try:
+            mtime = listing.stat().st_mtime_ns
+        except OSError:
+            mtime = 0
+        mark = (mtime, self.changes, tuple(sorted(self.flights)))
+        seen, names = self._present
+        if mark != seen:
+            stored = await asyncio.to_thread(_names, self.host.images)
+            names = frozenset(stored) | frozenset(self.flights)
+            self._present = (mark, names)
+        return mark, names
+
     def _flight(self, ref: Reference, full: str) -> asyncio.Task:
         task = self.flights.get(full)
         if task is None:
@@ -187,6 +231,7 @@ class Pulls:
 
     def _landed(self, full: str, task: asyncio.Task) -> None:
         self.flights.pop(full, None)
+        self.changes += 1
         if task.cancelled():
             return
         e = task.exception()
@@ -240,6 +285,7 @@ class Pulls:
         finally:
             self.doomed = set()
         self.counts["evicted"] += len(removed)
+        self.changes += 1
         if removed:
             log.info("image store over images.max_gb (%g GB): removed %s", limit, ", ".join(removed))
         self.disk_bytes = await asyncio.to_thread(store.disk_bytes)
@@ -263,6 +309,23 @@ class Pulls:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _names(store) -> list[str]:
+    """The names of the images in ``store`` that are whole (one damaged is left out, not the list)."""
+    try:
+        return [i.name for i in store.list()]
+    except (ImageError, OSError, ValueError):  # one image damaged or removed while listed: each alone
+        pass
+    names = []
+    for path in sorted((store.root / "images").glob("*.json")):
+        try:
+            name = json.loads(path.read_text())["name"]
+            store.get(name)
+        except (ImageError, OSError, ValueError, KeyError, TypeError):
+            continue
+        names.append(name)
+    return names
 
 
 def _remove_each(store, names: list[str]) -> list[str]:
