@@ -490,6 +490,32 @@ def bench_e2e(
     _print_json(run(trajectories, turns, seed, log=lambda m: console.print(m)), json_out)
 
 
+@bench_app.command("agentic")
+def bench_agentic(
+    json_out: Optional[Path] = typer.Option(None, "--json", help="Also write the JSON here."),
+    device: str = typer.Option("cpu", help="cuda or cpu: where the teacher and reward models run."),
+    groups: Optional[int] = typer.Option(None, min=1, help="GRPO groups (default: 2 x cores / k)."),
+    k: Optional[int] = typer.Option(None, "--k", min=1, help="Trajectories per group (default: 2 on cpu, 4 on cuda)."),
+    turns: Optional[int] = typer.Option(None, min=1, help="Turns per trajectory, give or take one."),
+    seed: int = typer.Option(0, help="Seed of the workload."),
+    cores: Optional[int] = typer.Option(None, min=1, help="Sandbox cores (default: this process's CPUs)."),
+    search_runs: int = typer.Option(3, "--search-runs", min=0, help="Real runs of the equal-step search at most."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="A directory for results.json, report.md/.html, "
+                                                               "plots and the traces."),
+) -> None:
+    """A real GRPO-style step (sandboxes, teacher and reward models, a judge API) under Tangram and
+    trajectory-static on the same cores and device, with the simulator's replay of its trace."""
+    if device not in ("cpu", "cuda"):
+        raise fail(f"--device: expected cpu or cuda, got {device!r}")
+    from .bench.agentic import run
+
+    try:
+        result = run(device, groups, k, turns, seed, cores, search_runs, out_dir, log=lambda m: console.print(m))
+    except ValueError as e:
+        raise fail(str(e))
+    _print_json(result, json_out)
+
+
 def _check_device(device: str) -> None:
     if device not in ("auto", "cpu", "cuda"):
         raise fail(f"--device: expected auto, cpu or cuda, got {device!r}")
@@ -645,6 +671,18 @@ def bench_cluster(
                                        "moves to a node that joined); 0 skips it."),
     restart_sessions: int = typer.Option(20, min=0, help="Sessions held by `tangram serve --ray` when it is "
                                          "killed with -9 and started again (the restart run); 0 skips it."),
+    per_core: int = typer.Option(4, "--per-core", min=1, help="Requests in flight per node core (scaling, hops, "
+                                 "local, sessions' revisits)."),
+    hops: int = typer.Option(1000, min=0, help="One-shots of each node count's hop-by-hop probe under load (a head "
+                             "in the bench's process); 0 skips it."),
+    hops_alone: int = typer.Option(100, "--hops-alone", min=1, help="One-shots of the probe one at a time."),
+    profiled: int = typer.Option(500, "--profiled", min=0, help="One-shots of the probe under load with the head's "
+                                 "main thread profiled (its CPU by owner: engine, runtime, Ray, asyncio); 0 skips it."),
+    local: bool = typer.Option(True, "--local/--no-local", help="The same load on `tangram serve` without Ray "
+                               "pinned to the largest cluster's sandbox cores."),
+    sessions: int = typer.Option(0, "--sessions", min=0, help="Sessions opened over the largest cluster, each "
+                                 "revisited under load and a sample alone (revisit p50/p99); 0 skips it."),
+    session_sample: int = typer.Option(100, "--session-sample", min=0, help="Sessions revisited one at a time."),
 ) -> None:
     """The Ray backend: scaling over nodes, a node killed mid-run, the engine's cost at 64 nodes,
     a node of --drain-sessions sessions drained, the head killed with -9 holding --restart-sessions
@@ -664,7 +702,10 @@ def bench_cluster(
         raise fail(f"--model-device: expected auto, cuda or cpu, got {model_device!r}")
     _print_json(run(parsed, cores, actions, work_ms, chaos_actions=chaos, log=lambda m: console.print(m),
                     gpu_nodes=gpu_nodes, model_calls=model_calls, model_device=model_device,
-                    drain_sessions=drain_sessions, restart_sessions=restart_sessions), json_out)
+                    drain_sessions=drain_sessions, restart_sessions=restart_sessions, per_core=per_core, hops=hops,
+                    hops_alone=hops_alone, compare_local=local, sessions=sessions, session_sample=session_sample,
+                    profiled=profiled),
+                json_out)
 
 
 @bench_app.command("sessions")
