@@ -210,11 +210,12 @@ def test_bench_cluster_prints_scaling_chaos_and_engine_figures(tmp_path):
     pytest.importorskip("ray")
     out = tmp_path / "c.json"
     p = tangram("bench", "cluster", "--nodes", "1,2", "--actions", "20", "--chaos", "40", "--drain-sessions", "4",
-                "--restart-sessions", "3", "--json", str(out))
+                "--restart-sessions", "3", "--hops", "10", "--hops-alone", "3", "--profiled", "0", "--json", str(out))
     assert p.returncode == 0, p.stderr
     r = json.loads(out.read_text())
     assert [row["nodes"] for row in r["scaling"]] == [1, 2]
-    assert all(row["outcomes"] == {"ok": 20} for row in r["scaling"])
+    assert all(row["errors"] == 0 and row["actions_per_s"] > 0 for row in r["scaling"])
+    assert set(r["scaling_ratio"]) == {"1", "2"} and r["local"]["errors"] == 0 and r["ray_vs_local"] > 0
     assert r["chaos"]["lost"] == 0 and r["chaos"]["duplicated"] == 0 and r["chaos"]["outcomes"] == {"ok": 40}
     assert r["engine"]["open_sessions"] == 10_000 and r["engine"]["queued"] == 10_000
     if os.geteuid() == 0:  # moves snapshot layered workspaces (overlay mounts)

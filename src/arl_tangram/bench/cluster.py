@@ -1,7 +1,16 @@
 """The multi-node backend measured on a real Ray cluster of loopback nodes (``tangram bench cluster``).
 
-* ``scaling``: actions/s and ACT percentiles with 1, 2, ... nodes of ``cores`` CPUs each (trivial
-  one-shots, or CPU-bound ones of ``work_ms``), at a fixed concurrency per core.
+* ``scaling``: per node count (1, 2, ... nodes of ``cores`` CPUs each), the head as deployed
+  (``tangram serve --ray``) over HTTP: actions/s and latency percentiles of trivial one-shots (or
+  CPU-bound ones of ``work_ms``) at ``per_core`` requests in flight per node core, and the CPU per
+  action of every part: the head by thread and its fronts, each node's agent, Ray's processes, the
+  sandboxes (``cluster_head``); beside it (``hops``) one action's latency hop by hop, the
+  in-process rate and (``profiled``) where the head's main thread spends its CPU, through a head in
+  this process whose agents stamp each hop (``cluster_hops``).
+* ``local``: the same load on ``tangram serve`` without Ray pinned to the cores the largest
+  cluster's nodes gave their sandboxes (``ray_vs_local``: that cluster's rate over this one's).
+* ``sessions`` (``sessions`` > 0): that many sessions over the largest cluster's head, each with a
+  state, every one revisited under load and a sample alone (revisit p50/p99).
 * ``chaos``: ``actions`` one-shots in flight while a node is removed mid-run: how many were lost
   (no terminal answer), answered twice, and how long until the dead node's one-shots had finished
   elsewhere.
@@ -64,46 +73,87 @@ def _close(c) -> None:
     c.shutdown()
 
 
-async def _load(tg, n: int, concurrency: int, program: str, prefix: str) -> tuple[list[float], float, Counter]:
-    sem = asyncio.Semaphore(concurrency)
-    acts: list[float] = []
-    outcomes: Counter = Counter()
+def split_cores(nodes: int, cores: int, mine: set[int] | None = None) -> tuple[set[int], set[int]]:
+    """The CPUs the nodes' sandboxes get (node ``i``'s agent takes the ``i``-th ``cores`` of the
+    CPUs it may use, in order: ``NodeAgent``'s ``cpu_offset``) and the rest, where the head and the
+    load generator go (none left: they run anywhere)."""
+    mine = set(os.sched_getaffinity(0)) if mine is None else mine
+    ordered = sorted(mine)
+    used = set(ordered[:nodes * cores]) if nodes * cores < len(ordered) else set(ordered)
+    return used, set(ordered) - used
 
-    async def one(i: int) -> None:
-        async with sem:
-            r = await tg.run(program, id=f"{prefix}-{i}", timeout_s=60)
-            outcomes[r.outcome.value] += 1
-            acts.append(r.act_s)
 
-    t = time.perf_counter()
-    await asyncio.gather(*(one(i) for i in range(n)))
-    return acts, time.perf_counter() - t, outcomes
+def head_config(cores: int, nodes: int = 1) -> dict:
+    """The servers' config: each node's warm pool as the in-process runs have it (a local server
+    gets every node's), sessions neither put to rest nor expired within a run."""
+    return {"sandbox": {"warm_pool": 2 * cores * nodes, "rest_after_s": 3600, "session_idle_expiry_s": 3600}}
 
 
 def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: float, per_core: int,
-            log: Callable[[str], None]) -> list[dict]:
-    from ..managers.sandbox.spec import SandboxConfig
-    from ..runtime.api import Tangram
+            log: Callable[[str], None], hops_loaded: int = 1000, hops_alone: int = 100, sessions: int = 0,
+            session_sample: int = 100, profiled: int = 0) -> tuple[list[dict], dict | None]:
+    """Each node count's row (the head over HTTP, the hops in process), and the sessions run on the
+    largest cluster."""
+    import tempfile
 
-    out = []
+    from .cluster_head import Head, cpu_list, cpu_text, measure, pinned, sessions_run
+    from .cluster_hops import hops
+
+    out: list[dict] = []
+    revisits = None
+    tmp = tempfile.mkdtemp(prefix="tangram-bench-cluster-")
     for n in node_counts:
         c, _ = _cluster(n, cores)
+        used, spare = split_cores(n, cores)
+        row: dict = {"nodes": n, "cores_per_node": cores, "sandbox_cpus": cpu_list(used),
+                     "head_cpus": cpu_list(spare) or None}
         try:
-            async def main() -> dict:
-                async with Tangram.ray(c.address, sandbox=SandboxConfig(warm_pool=2 * cores)) as tg:
-                    await _load(tg, 2 * n * cores, n * cores, _program(0), "warm")
-                    acts, span, outcomes = await _load(tg, actions, per_core * n * cores, _program(work_ms), "m")
-                return {"nodes": n, "cores_per_node": cores, "actions": actions, "work_ms": work_ms,
-                        "actions_per_s": round(actions / span, 1), "act_p50_ms": round(_pct(acts, 50) * 1000, 1),
-                        "act_p99_ms": round(_pct(acts, 99) * 1000, 1), "outcomes": dict(outcomes)}
-
-            row = asyncio.run(main())
+            if hops_loaded:
+                row["hops"] = hops(c.address, n, cores, hops_alone, hops_loaded, per_core, log, profiled)
+            head = Head(tmp, head_config(cores), ray=c.address, cpus=cpu_list(spare) or None)
+            try:
+                health = head.wait_cores(n * cores)
+                row["head_fronts"] = health.get("fronts")
+                with pinned(spare):
+                    row.update(measure(head, actions, per_core * n * cores, work_ms, ray_root=os.getpid()))
+                    if sessions and n == max(node_counts):
+                        revisits = {"nodes": n, **sessions_run(head, sessions, per_core * n * cores, session_sample,
+                                                               log)}
+            finally:
+                head.stop()
         finally:
             _close(c)
-        log(f"{n} node(s) x {cores} core(s): {row['actions_per_s']} actions/s, ACT p50 {row['act_p50_ms']} ms, "
-            f"p99 {row['act_p99_ms']} ms")
+        log(f"{n} node(s) x {cores} core(s), tangram serve --ray: {row['actions_per_s']} actions/s, p50 "
+            f"{row['p50_ms']} ms, p99 {row['p99_ms']} ms, {row['errors']} errors")
+        log(f"  {cpu_text(row['cpu_ms_per_action'])}")
+        if revisits is not None and revisits["nodes"] == n:
+            log(f"sessions: {revisits['opened']} over {n} nodes, revisited at {revisits['revisit_concurrency']}: p50 "
+                f"{revisits['revisit_p50_ms']} ms, p99 {revisits['revisit_p99_ms']} ms ({revisits['revisits_ok']} "
+                f"ok); alone p50 {revisits['alone_p50_ms']} ms, p99 {revisits['alone_p99_ms']} ms")
         out.append(row)
-    return out
+    return out, revisits
+
+
+def local(nodes: int, cores: int, actions: int, work_ms: float, per_core: int, log: Callable[[str], None]) -> dict:
+    """``tangram serve`` without Ray on the sandbox cores of ``nodes`` nodes, the same load."""
+    import tempfile
+
+    from .cluster_head import Head, cpu_list, cpu_text, measure, pinned
+
+    used, spare = split_cores(nodes, cores)
+    head = Head(tempfile.mkdtemp(prefix="tangram-bench-local-"), head_config(cores, nodes), cpus=cpu_list(used))
+    try:
+        health = head.wait_cores(len(used))
+        with pinned(spare):
+            row = {"cpus": cpu_list(used), "fronts": health.get("fronts"),
+                   "sandbox_workers": health.get("sandbox_workers"),
+                   **measure(head, actions, per_core * nodes * cores, work_ms, ray_root=None)}
+    finally:
+        head.stop()
+    log(f"tangram serve without Ray on CPUs {row['cpus']}: {row['actions_per_s']} actions/s, p50 {row['p50_ms']} ms, "
+        f"p99 {row['p99_ms']} ms, {row['errors']} errors")
+    log(f"  {cpu_text(row['cpu_ms_per_action'])}")
+    return row
 
 
 def chaos(nodes: int, cores: int, actions: int, work_ms: float, log: Callable[[str], None]) -> dict:
@@ -414,17 +464,26 @@ def engine_cost(nodes: int = 64, sessions: int = 10_000, depth: int = 10_000, se
 def run(nodes: tuple[int, ...] = (1, 2, 3), cores: int = 1, actions: int = 150, work_ms: float = 0.0,
         per_core: int = 4, chaos_actions: int = 300, log: Callable[[str], None] = print, gpu_nodes: int = 0,
         model_calls: int = 400, model_device: str = "auto", drain_sessions: int = 0,
-        restart_sessions: int = 0) -> dict:
-    result = {"machine_cpus": len(os.sched_getaffinity(0))}
+        restart_sessions: int = 0, hops: int = 1000, hops_alone: int = 100, compare_local: bool = True,
+        sessions: int = 0, session_sample: int = 100, profiled: int = 500) -> dict:
+    result: dict = {"machine_cpus": len(os.sched_getaffinity(0))}
     result["engine"] = engine_cost()
     log(f"engine: {result['engine']['decisions_per_s']:,} decisions/s with {result['engine']['open_sessions']:,} "
         f"open sessions on {result['engine']['nodes']} nodes")
     # no node counts: no scaling or chaos run (the model chaos run alone, on a machine without
     # bubblewrap for the one-shots' sandboxes: the accelerator machine)
-    result["scaling"] = scaling(nodes, cores, actions, work_ms, per_core, log) if nodes else []
+    result["scaling"], revisits = scaling(nodes, cores, actions, work_ms, per_core, log, hops, hops_alone, sessions,
+                                          session_sample, profiled) if nodes else ([], None)
+    if revisits is not None:
+        result["sessions"] = revisits
     if len(result["scaling"]) > 1:
         base = result["scaling"][0]["actions_per_s"]
         result["scaling_ratio"] = {str(r["nodes"]): round(r["actions_per_s"] / base, 2) for r in result["scaling"]}
+    if compare_local and nodes:
+        result["local"] = local(max(nodes), cores, actions, work_ms, per_core, log)
+        top = max(result["scaling"], key=lambda r: r["nodes"])
+        result["ray_vs_local"] = round(top["actions_per_s"] / result["local"]["actions_per_s"], 3)
+        log(f"{top['nodes']} Ray nodes / tangram serve without Ray on their cores: {result['ray_vs_local']}x")
     if chaos_actions and nodes:
         result["chaos"] = chaos(max(nodes), cores, chaos_actions, 100.0 if work_ms <= 0 else work_ms, log)
     if drain_sessions and os.geteuid() != 0:

@@ -318,3 +318,201 @@ class RunQueue:
         out["cpu_pressure"] = (round(min(1.0, (psi1 - self._psi0) / span_us), 3)
                                if psi1 is not None and self._psi0 is not None and span_us > 0 else None)
         return out
+
+
+# -- a head and the Ray processes of a loopback cluster ------------------------------------------
+#: the head process's threads: its main thread (the event loop: engine, service, journal, Ray's
+#: Python side of every call); Ray's own threads (named by Ray: gRPC, io, the task event buffer:
+#: the link's transport); the other threads (Python's, and threads gone between two readings)
+HEAD_THREADS = ("main", "ray_threads", "other_threads")
+#: Ray's processes by kind: each node's raylet, the GCS, Ray's workers that are not a node agent
+#: (idle workers, each raylet's dashboard and runtime-env agents), its head services (dashboard,
+#: monitor, log monitor: Python programs of the ``ray`` package)
+RAY_PARTS = ("raylet", "gcs", "ray_workers", "ray_services")
+#: a Ray worker's process title while it is a node agent (``ray::NodeAgent``, ``ray::NodeAgent.run``)
+AGENT_TITLE = b"ray::NodeAgent"
+#: a thread whose name is the interpreter's: one Python started (Ray names its C++ threads)
+_PY_THREAD_NAMES = ("python", "python3")
+
+
+def _cpu_s(pid: int) -> float:
+    """A process's own CPU seconds (user + system, its reaped children not counted)."""
+    _, (u, s, _, _), _ = _proc_times(pid)
+    return u + s
+
+
+def _threads(pid: int) -> dict[str, float]:
+    """``HEAD_THREADS`` of ``pid``: CPU seconds by thread kind (``/proc/<pid>/task``); the other
+    threads are the process's total less the two named kinds, so a thread that ended is in them."""
+    total = _cpu_s(pid)
+    main = ray = 0.0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        tasks = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as fh:
+                name = fh.read().strip()
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                text = fh.read()
+        except OSError:
+            continue
+        fields = text.rsplit(")", 1)[1].split()
+        used = (int(fields[11]) + int(fields[12])) / _ticks()
+        if int(tid) == pid:
+            main = used
+        elif not name.startswith(_PY_THREAD_NAMES):
+            ray += used
+    return {"main": main, "ray_threads": ray, "other_threads": max(0.0, total - main - ray)}
+
+
+def _argv(pid: int) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().split(b"\0")
+    except OSError:
+        return []
+
+
+def _ray_kind(pid: int) -> str | None:
+    """``agent`` (a node agent), one of ``RAY_PARTS``, or None (not Ray's)."""
+    argv = _argv(pid)
+    if not argv:
+        return None
+    first = argv[0]
+    if first.startswith(AGENT_TITLE):
+        return "agent"
+    if first.startswith(b"ray::"):
+        return "ray_workers"
+    name = os.path.basename(first.split(b" ")[0])
+    if name == b"raylet":
+        return "raylet"
+    if name == b"gcs_server":
+        return "gcs"
+    if any(b"/ray/" in a for a in argv[:3]):
+        return "ray_services"
+    return None
+
+
+def _descendants_of(pid: int) -> list[int]:
+    out, todo = [], _children(pid)
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(_children(p))
+    return out
+
+
+def _io_write_bytes(pid: int) -> int:
+    """Bytes ``pid`` caused to be written to storage (``/proc/<pid>/io``'s ``write_bytes``; 0 where
+    unreadable): the journal's WAL and checkpoints, for a head."""
+    try:
+        with open(f"/proc/{pid}/io") as fh:
+            for line in fh:
+                if line.startswith("write_bytes:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+class ClusterCpuMeter:
+    """CPU seconds of a head (``tangram serve``, with or without Ray) and of the loopback Ray
+    cluster it runs on, by part: ``read()`` twice and ``per_action`` of the difference.
+
+    * the head: its process by thread (``HEAD_THREADS``), its fronts and sandbox workers (its
+      children, as ``CpuMeter``), the bytes it wrote to storage;
+    * each node's agent (a Ray worker titled ``ray::NodeAgent``), by pid;
+    * Ray's own processes (``RAY_PARTS``): the descendants of ``ray_root`` (the process that
+      started the loopback cluster's nodes) that are Ray's and not an agent;
+    * the sandboxes: the control groups of the agents and of the head and its workers (as
+      ``CpuMeter``: a sandbox started and discarded between readings is counted there);
+    * the load generator (``client_pid``) and the whole machine's busy CPU (``/proc/stat``): what
+      the parts do not add up to is the host's other work (kernel threads, the loopback network's
+      soft interrupts, anything else running).
+
+    A process started between the readings counts from its start (a Ray worker, an agent); one
+    gone between them is missing."""
+
+    def __init__(self, head_pid: int, ray_root: int | None = None, client_pid: int | None = None) -> None:
+        self.head = head_pid
+        self.ray_root = ray_root
+        self.client = client_pid
+
+    def read(self) -> dict:
+        out: dict = {"head": dict.fromkeys(HEAD_THREADS, 0.0) | {"fronts": 0.0, "workers": 0.0},
+                     "agents": {}, "ray": dict.fromkeys(RAY_PARTS, 0.0), "sandboxes": 0.0, "client": 0.0,
+                     "head_write_bytes": 0, "machine_busy": 0.0}
+        idle, total = cpu_ticks()
+        out["machine_busy"] = (total - idle) / _ticks()
+        try:
+            out["head"].update(_threads(self.head))
+        except OSError:
+            pass
+        out["head_write_bytes"] = _io_write_bytes(self.head)
+        owners = {self.head}
+        for kid in _children(self.head):
+            kind = _kind(kid)
+            if kind is None:
+                continue
+            owners.add(kid)
+            try:
+                out["head"][kind] += _cpu_s(kid)
+            except OSError:
+                continue
+        if self.ray_root is not None:
+            mine = {self.head, *_descendants_of(self.head)}
+            skip: set[int] = set()
+            for pid in _descendants_of(self.ray_root):
+                if pid in mine or pid in skip:
+                    continue
+                kind = _ray_kind(pid)
+                if kind is None:
+                    continue
+                try:
+                    used = _cpu_s(pid)
+                except OSError:
+                    continue
+                if kind == "agent":
+                    out["agents"][pid] = used
+                    owners.add(pid)
+                    skip.update(_descendants_of(pid))  # its sandboxes: their control groups count them
+                else:
+                    out["ray"][kind] += used
+        if self.client is not None:
+            try:
+                out["client"] = _cpu_s(self.client)
+            except OSError:
+                pass
+        for g in _sandbox_groups(owners):
+            out["sandboxes"] += _group_cpu_s(g)[0]
+        return out
+
+    @staticmethod
+    def per_action(before: dict, after: dict, n: int) -> dict:
+        """Milliseconds of CPU per action by part: ``head`` (each thread kind, fronts, workers,
+        ``total``), ``agents`` (``each``: one figure per agent alive at both readings, ``total``),
+        ``ray`` (``RAY_PARTS``, ``total``), ``sandboxes``, ``client``; ``all``: their sum (the client
+        left out), ``machine``: the host's busy CPU, ``unattributed``: machine less all and client;
+        ``head_write_kb``: storage written by the head per action (KB)."""
+        def per(seconds: float) -> float:
+            return round(seconds * 1000 / max(1, n), 3)
+
+        head = {k: per(after["head"][k] - before["head"][k]) for k in (*HEAD_THREADS, "fronts", "workers")}
+        head["total"] = round(sum(head.values()), 3)
+        both = sorted(set(before["agents"]) & set(after["agents"]))
+        each = [per(after["agents"][p] - before["agents"][p]) for p in both]
+        new = sorted(set(after["agents"]) - set(before["agents"]))
+        each += [per(after["agents"][p]) for p in new]
+        agents = {"each": each, "total": round(sum(each), 3), "started_between": len(new)}
+        ray = {k: per(after["ray"][k] - before["ray"][k]) for k in RAY_PARTS}
+        ray["total"] = round(sum(ray.values()), 3)
+        sandboxes = per(after["sandboxes"] - before["sandboxes"])
+        client = per(after["client"] - before["client"])
+        everything = round(head["total"] + agents["total"] + ray["total"] + sandboxes, 3)
+        machine = per(after["machine_busy"] - before["machine_busy"])
+        return {"head": head, "agents": agents, "ray": ray, "sandboxes": sandboxes, "client": client,
+                "all": everything, "machine": machine,
+                "unattributed": round(machine - everything - client, 3),
+                "head_write_kb": round((after["head_write_bytes"] - before["head_write_bytes"]) / 1024 / max(1, n), 3)}

@@ -1,0 +1,242 @@
+"""One Ray action's latency hop by hop (``tangram bench cluster``'s ``hops``), in process.
+
+A head (``Tangram.ray``) whose agents are ``TimedAgent``s, and stamps taken on the head by the
+bench alone (instance attributes set on this head's objects: the runtime's code is as deployed):
+every point is ``time.monotonic()``, one clock for every process of a loopback cluster.
+
+========================  ====================================================================
+hop                       from, to
+========================  ====================================================================
+``queued``                the client's call (``Tangram.run``) to the engine's start of it on a
+                          node (``RemoteSandboxes.start``): submission, the wait for a free
+                          core (under load), the scheduling round
+``to_task``               that start to the first step of the action's task on the head
+``link_out``              that step to the agent's ``run``: one more loop pass (the ``.remote``
+                          call is made by a task of its own), Ray's serialisation and transport,
+                          the agent's event loop
+``agent_in``              the agent's ``run`` to its sandbox manager's ``start``
+``sandbox``               that start to the manager's report (the one-shot itself)
+``agent_out``             the report to ``run`` returning
+``link_back``             that return to the head's task having the answer: Ray's reply, the
+                          head's loop
+``finish``                the answer to the engine's record of the outcome (the report, the round)
+``answer``                that record to the client's call returning
+========================  ====================================================================
+
+``alone``: one action at a time (the latency of the path); ``loaded``: ``per_core`` per node core in
+flight, the in-process rate beside it, and the bench process's CPU (the head, its Ray threads and
+the client, ``cpu.ClusterCpuMeter``) per action. ``message_bytes``: what crosses the link for
+one action, pickled (the call's arguments, the answer).
+
+``profiled`` (``profiled`` > 0): that many more under load with the main thread profiled
+(``cProfile`` on its CPU clock, ``time.thread_time``): its CPU per action by ``GROUPS`` and the
+functions that cost most of their own. The profiler's own cost per call inflates code of many
+small calls (the engine's, asyncio's) against code in C (Ray's Cython core): shares to rank what
+to cut, not figures to add up with the unprofiled ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import os
+import pickle
+import pstats
+import time
+from typing import Any, Callable
+
+from ..runtime.agent import NodeAgent
+from .cpu import ClusterCpuMeter
+
+HOPS = ("queued", "to_task", "link_out", "agent_in", "sandbox", "agent_out", "link_back", "finish", "answer")
+
+
+#: the main thread's code by who owns it, first match of a function's file or built-in's name wins
+GROUPS = (("ray", ("/ray/", "ray._raylet", "'ray.")), ("bench", ("/arl_tangram/bench/",)),
+          ("runtime", ("/arl_tangram/runtime/", "/arl_tangram/managers/")),
+          ("engine", ("/arl_tangram/", "arl_tangram.", "Engine", "Driver")),
+          ("asyncio", ("/asyncio/", "_asyncio.", "select.epoll", "_contextvars", "'_asyncio")))
+
+
+def group_of(key: tuple[str, int, str]) -> str:
+    """A ``pstats`` key's group (``GROUPS``; ``other`` where none matches)."""
+    where = f"{key[0]} {key[2]}"
+    for name, marks in GROUPS:
+        if any(m in where for m in marks):
+            return name
+    return "other"
+
+
+class TimedAgent(NodeAgent):
+    """A node agent that stamps each action's hops on its node: received, sandbox started,
+    sandbox reported, replied (``take_stamps``), and the size of the first actions' messages."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stamps: dict[str, list[float]] = {}
+        self.sizes: list[tuple[int, int]] = []
+
+    async def run(self, action, allocation, owner=None):
+        st = self.stamps[action.id] = [time.monotonic(), 0.0, 0.0, 0.0]
+        c = await super().run(action, allocation, owner)
+        st[3] = time.monotonic()
+        if len(self.sizes) < 20:
+            self.sizes.append((len(pickle.dumps((action, allocation, owner), 5)), len(pickle.dumps(c, 5))))
+        return c
+
+    def run_cb(self, action, allocation, done, after=None):
+        st = self.stamps.get(action.id)
+        if st is None:  # a move's snapshot or restore: not timed
+            return super().run_cb(action, allocation, done, after)
+        st[1] = time.monotonic()
+
+        def reported(c, st=st):
+            st[2] = time.monotonic()
+            done(c)
+
+        return super().run_cb(action, allocation, reported, after)
+
+    def take_stamps(self) -> tuple[dict[str, list[float]], list[tuple[int, int]]]:
+        out, self.stamps = self.stamps, {}
+        return out, self.sizes
+
+
+class HeadStamps:
+    """Stamps on the head of one ``Tangram.ray``: the engine's start of an action, its task's
+    first step and its answer, the engine's record (its listener)."""
+
+    def __init__(self, rt: Any) -> None:
+        self.points: dict[str, dict[str, float]] = {}
+        sandboxes = rt.sandboxes
+        start, run = sandboxes.start, sandboxes.tasks.run
+
+        def timed_start(action, allocation):
+            self.points.setdefault(action.id, {})["started"] = time.monotonic()
+            return start(action, allocation)
+
+        def timed_run(action, body):
+            async def timed():
+                p = self.points.setdefault(action.id, {})
+                p["task"] = time.monotonic()
+                c = await body()
+                p["answered"] = time.monotonic()
+                return c
+            return run(action, timed)
+
+        sandboxes.start = timed_start  # this head's instances only
+        sandboxes.tasks.run = timed_run
+        rt.engine.listeners.append(lambda f: self.points.setdefault(f.action.id, {}).__setitem__(
+            "finished", time.monotonic()))
+
+
+def hops_of(client: tuple[float, float], head: dict[str, float], agent: list[float]) -> dict[str, float] | None:
+    """One action's hops in ms (None if a point is missing: a re-run, say)."""
+    points = [client[0], head.get("started"), head.get("task"), *agent, head.get("answered"),
+              head.get("finished"), client[1]]
+    if any(not p for p in points):
+        return None
+    return {h: (b - a) * 1000 for h, a, b in zip(HOPS, points, points[1:])}
+
+
+def _summary(rows: list[dict[str, float]]) -> dict:
+    from ..sim.metrics import percentile
+
+    out: dict = {"n": len(rows)}
+    for q in (50, 99):
+        out[f"p{q}_ms"] = {h: round(percentile(sorted(r[h] for r in rows), q), 3) for h in HOPS} if rows else {}
+    if rows:
+        out["p50_ms"]["total"] = round(percentile(sorted(sum(r.values()) for r in rows), 50), 3)
+    return out
+
+
+async def _probe(tg: Any, stamps: HeadStamps, n: int, concurrency: int, prefix: str) -> tuple[dict, float]:
+    clients: dict[str, tuple[float, float]] = {}
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> None:
+        aid = f"{prefix}-{i}"
+        async with gate:
+            t = time.monotonic()
+            r = await tg.run("pass", id=aid, timeout_s=60)
+            if r.ok:
+                clients[aid] = (t, time.monotonic())
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(i) for i in range(n)))
+    return clients, time.perf_counter() - t0
+
+
+def profile_shares(prof: cProfile.Profile, n: int, top: int = 12) -> dict:
+    """The profiled CPU per action (ms) by group, and the ``top`` functions by their own time."""
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    groups: dict[str, float] = {}
+    for key, (_, _, own, _, _) in stats.items():
+        g = group_of(key)
+        groups[g] = groups.get(g, 0.0) + own
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {"ms_per_action": {g: round(v * 1000 / max(1, n), 4) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
+            "top": [{"function": f"{os.path.basename(k[0])}:{k[1]} {k[2]}", "group": group_of(k), "calls_per_action":
+                     round(v[1] / max(1, n), 2), "own_ms_per_action": round(v[2] * 1000 / max(1, n), 4)}
+                    for k, v in ranked]}
+
+
+def hops(address: str, nodes: int, cores: int, alone: int, loaded: int, per_core: int,
+         log: Callable[[str], None], profiled: int = 0) -> dict:
+    """``alone`` one-shots one at a time, then ``loaded`` at ``per_core`` per node core, through a
+    head in this process on the cluster at ``address`` (``nodes`` nodes of ``cores``)."""
+    from ..managers.sandbox.spec import SandboxConfig
+    from ..runtime.api import Tangram
+    from ..runtime.ray_nodes import ray_module
+
+    async def main() -> dict:
+        tg = Tangram.ray(address, sandbox=SandboxConfig(warm_pool=2 * cores))
+        rt = tg.runtime
+        rt._agent_cls = ray_module().remote(num_cpus=0, max_restarts=0)(TimedAgent)
+        async with tg:
+            stamps = HeadStamps(rt)
+            await _probe(tg, stamps, 2 * nodes * cores, nodes * cores, "warm")
+            first, _ = await _probe(tg, stamps, alone, 1, "alone")
+            meter = ClusterCpuMeter(os.getpid())
+            before = meter.read()
+            second, span = await _probe(tg, stamps, loaded, per_core * nodes * cores, "loaded")
+            cpu = ClusterCpuMeter.per_action(before, meter.read(), len(second))
+            shares = None
+            if profiled:
+                prof = cProfile.Profile(time.thread_time)
+                prof.enable()
+                try:
+                    third, _ = await _probe(tg, stamps, profiled, per_core * nodes * cores, "profiled")
+                finally:
+                    prof.disable()
+                shares = profile_shares(prof, len(third))
+            agents: dict[str, list[float]] = {}
+            sizes: list[tuple[int, int]] = []
+            for node in rt.nodes_by_id.values():
+                if node.serving:
+                    got, seen = await node.handle.take_stamps.remote()
+                    agents.update(got)
+                    sizes += seen
+
+        def rows(clients: dict) -> list[dict]:
+            out = (hops_of(c, stamps.points.get(a, {}), agents.get(a, [])) for a, c in clients.items())
+            return [r for r in out if r is not None]
+
+        head = cpu["head"]
+        return {"nodes": nodes, "cores_per_node": cores, "alone": _summary(rows(first)),
+                "loaded": {**_summary(rows(second)), "concurrency": per_core * nodes * cores,
+                           "actions_per_s": round(len(second) / span, 1),
+                           "process_cpu_ms_per_action": {k: head[k] for k in ("main", "ray_threads", "other_threads",
+                                                                               "total")}},
+                "message_bytes": {"call": max((s[0] for s in sizes), default=None),
+                                  "answer": max((s[1] for s in sizes), default=None)},
+                **({"profiled": {"n": profiled, **shares}} if shares is not None else {})}
+
+    r = asyncio.run(main())
+    a, b = r["alone"].get("p50_ms", {}), r["loaded"].get("p50_ms", {})
+    log(f"hops, {nodes} node(s), p50 ms alone / loaded: " + ", ".join(
+        f"{h} {a.get(h)}/{b.get(h)}" for h in (*HOPS, "total")))
+    log(f"  in process: {r['loaded']['actions_per_s']} actions/s loaded; this process's CPU ms/action "
+        f"{r['loaded']['process_cpu_ms_per_action']}; message bytes {r['message_bytes']}")
+    if "profiled" in r:
+        log(f"  main thread profiled, ms/action by group: {r['profiled']['ms_per_action']}")
+    return r
