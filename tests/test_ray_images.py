@@ -147,3 +147,241 @@ def test_the_head_checks_names_against_its_nodes_and_sums_their_pull_counts():
     with pytest.raises(ValueError, match=r"nodes: 0 is not a positive"):
         images._chosen(T0, 0)
     assert [n.index for n in images._chosen("myimage", 1)] == [1]  # its holder first
+
+
+# -- on a real loopback Ray cluster, with a real registry ---------------------------------------------
+
+ray_and_registry = [pytest.mark.ray, pytest.mark.slow,
+                    pytest.mark.skipif(os.geteuid() != 0, reason="overlay roots and whiteouts need root"),
+                    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A registry with py/task0..3 (one base of the host's python, one task project each) behind a
+    counting proxy, and a Ray cluster of two nodes of two cores, each with its own image store."""
+    pytest.importorskip("ray", reason="ray is not installed: pip install -e '.[ray]'")
+    from imagekit import layer_tar, python_layer
+    from raycluster import loopback_cluster
+    from registrykit import MISSING, Layout, Proxy, Registry, push
+
+    from arl_tangram.bench.taskimages import project, task_layer
+
+    if MISSING:
+        pytest.skip(f"needs {' and '.join(MISSING)} (apt-get install -y docker-registry skopeo)")
+    d = tmp_path_factory.mktemp("ray-images")
+    reg = Registry(d / "registry")
+    lay = Layout(d / "layout")
+    base = layer_tar(python_layer())
+    for n in range(4):
+        lay.tag(f"task{n}", lay.image_of([base, task_layer(project(n))]))
+        push(lay, f"task{n}", f"{reg.host}/py/task{n}:v1")
+    proxy = Proxy(reg.host)
+    stores = [d / "store-a", d / "store-b"]
+    try:
+        with loopback_cluster(*({"num_cpus": 2, "env_vars": {"TANGRAM_IMAGE_STORE": str(s)}} for s in stores)) as (
+                c, nodes):
+            yield SimpleNamespace(cluster=c, stores={n.node_id: s for n, s in zip(nodes, stores)}, proxy=proxy,
+                                  registry=reg, refs=[f"{proxy.host}/py/task{n}:v1" for n in range(4)])
+    finally:
+        proxy.close()
+        reg.close()
+
+
+def _task_layer_gets(world, n: int) -> int:
+    """How many times task ``n``'s own layer (the last of its image) was fetched through the proxy."""
+    import httpx
+
+    r = httpx.get(f"http://{world.registry.host}/v2/py/task{n}/manifests/v1", timeout=30,
+                  headers={"Accept": "application/vnd.oci.image.manifest.v1+json"})
+    digest = r.json()["layers"][-1]["digest"]
+    return sum(k for path, k in world.proxy.hits.items() if path.endswith(f"/blobs/{digest}"))
+
+
+def _has(store, image: str) -> bool:
+    from arl_tangram.managers.sandbox.images import ImageStore
+
+    try:
+        ImageStore(store).get(image)
+    except ImageError:
+        return False
+    return True
+
+
+def _sandboxes(world, *hosts: str):
+    from arl_tangram.managers.sandbox.registry import RegistriesConfig
+    from arl_tangram.managers.sandbox.spec import SandboxConfig
+
+    regs = RegistriesConfig.from_toml({"registries": [{"host": h, "insecure": True} for h in hosts]})
+    return SandboxConfig(warm_pool=0, warm_sessions=0, registries=regs)  # each node's own store (the fixture)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="overlay roots and whiteouts need root")
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_on_ray_each_node_pulls_for_itself_and_sessions_go_where_their_image_is(world, tmp_path):
+    from imagekit import docker_archive, python_layer
+    from registrykit import Rule, free_port
+
+    from arl_tangram.managers.sandbox.images import ImageStore
+    from arl_tangram.runtime import Tangram
+
+    t0, t1, t2 = world.refs[:3]
+    dead = f"127.0.0.1:{free_port()}"
+    proxy = world.proxy
+
+    rt = None
+
+    async def until(what, timeout_s=30.0):
+        deadline = time.monotonic() + timeout_s
+        while not what():
+            assert time.monotonic() < deadline, (
+                f"timed out; running {[(r.action.id, r.action.trajectory, r.allocation.node) for r in rt.engine.running.values()]}, "
+                f"queued {[(a, str(rt.why_waiting(a))) for a in rt.engine.pending]}, homes {rt.engine.cpu.homes}, "
+                f"nodes {[(n['name'], n['cores_free'], n['running']) for n in rt.nodes()]}")
+            await asyncio.sleep(0.05)
+
+    async def main():
+        out = {}
+        nonlocal rt
+        async with Tangram.ray(world.cluster.address, sandbox=_sandboxes(world, proxy.host, dead)) as tg:
+            rt = tg.runtime
+            assert len(rt.by_index) == 2
+
+            def home(s):
+                return rt.sandboxes.homes[s.id]
+
+            # two sessions of one image at once: one node, one pull (its blobs fetched once), and
+            # the steps wait for it saying so
+            proxy.rules.append(Rule("/blobs/", ("delay", 1.0), 1000))
+            s1, s2 = await tg.session(image=t0), await tg.session(image=t0)
+            first = [asyncio.ensure_future(s.exec(python="print(open('/repo/README.md').read().split()[1])",
+                                                  id=f"first-{i}", timeout_s=60)) for i, s in enumerate((s1, s2))]
+            waits = []
+            while not all(f.done() for f in first):
+                w = rt.why_waiting("first-0")
+                if w is not None and w.reason == "image-pull":
+                    waits.append(w.detail)
+                await asyncio.sleep(0.05)
+            out["first"] = [f.result() for f in first]
+            out["waits"] = waits
+            proxy.rules.clear()
+            a = home(s1)
+            out["same_node"] = home(s2) is a
+            out["t0_gets_after_one_node"] = _task_layer_gets(world, 0)
+
+            # that node full: a third session of the image goes to the other node, which pulls it itself
+            busy = [asyncio.ensure_future(s.exec(python="import time; time.sleep(4)", timeout_s=30)) for s in (s1, s2)]
+            await until(lambda: sum(1 for r in rt.engine.running.values() if r.action.trajectory in (s1.id, s2.id)) == 2)
+            s3 = await tg.session(image=t0)
+            out["third"] = await s3.exec(python="print(open('/repo/README.md').read().split()[1])", timeout_s=60)
+            b = home(s3)
+            out["third_elsewhere"] = b is not a
+            out["t0_gets_after_two_nodes"] = _task_layer_gets(world, 0)
+            out["stores_t0"] = [_has(world.stores[n.ray_id], t0) for n in (a, b)]
+            await asyncio.gather(*busy)
+
+            # a session of another image: once a node holds it, the next one goes there even though
+            # the other node has more free cores (it would be the engine's choice)
+            s4 = await tg.session(image=t1)
+            out["s4"] = await s4.exec(python="print(open('/repo/README.md').read().split()[1])", timeout_s=60)
+            x = home(s4)
+            hold = asyncio.ensure_future(s4.exec(python="import time; time.sleep(4)", timeout_s=30))
+            await until(lambda: any(r.action.trajectory == s4.id for r in rt.engine.running.values()))
+            s5 = await tg.session(image=t1)
+            out["s5"] = await s5.exec(python="print(open('/repo/README.md').read().split()[1])", timeout_s=60)
+            out["s5_with_s4"] = home(s5) is x
+            out["t1_gets"] = _task_layer_gets(world, 1)
+            await hold
+
+            # an image imported on one node only, by its own name: sessions naming it go there
+            other = b if x is a else a
+            archive = docker_archive(tmp_path / "local.tar", [python_layer() + [("file", "etc/which", b"imported\n")]])
+            ImageStore(world.stores[other.ray_id]).import_path(archive, "localonly")
+            await until(lambda: "localonly" in other.images)
+            s6 = await tg.session(image="localonly")
+            out["s6"] = await s6.exec(python="print(open('/etc/which').read(), end='')")
+            out["s6_there"] = home(s6) is other
+
+            # bad names: a clear error at once, or the step's (rejected: the request's; infra_error:
+            # a registry that does not answer), each naming the reference
+            with pytest.raises(ImageError, match=r"no image named 'Not_A_Ref' on any node, and it is not a "
+                                                 r"registry reference"):
+                await tg.session(image="Not_A_Ref")
+            missing = await tg.session(image=f"{proxy.host}/py/nothing:v1")
+            out["missing"] = await missing.exec("true")
+            down = await tg.session(image=f"{dead}/py/task0:v1")
+            out["down"] = await down.exec("true")
+            out["one_shot"] = await tg.run("print(open('/repo/README.md').read().split()[1])", image=t1)
+
+            # prewarm: the image pulled and its sandboxes started on two nodes
+            out["prewarm"] = await tg.prewarm(t2, 1, nodes=2)
+            out["t2_gets"] = _task_layer_gets(world, 2)
+            out["stores_t2"] = [_has(s, t2) for s in world.stores.values()]
+            with pytest.raises(ValueError, match=r"nodes: 3 asked, and the cluster has 2 node"):
+                await tg.prewarm(t2, 1, nodes=3)
+            # t0 and t2 on both nodes, t1 on one at least: the nodes' counts as their next looks tell
+            await until(lambda: (rt.image_stats() or {}).get("pulls", 0) >= 5)
+            out["stats"] = rt.image_stats()
+        return out
+
+    out = asyncio.run(asyncio.wait_for(main(), 600))
+    assert [(r.outcome, r.stdout) for r in out["first"]] == [(Outcome.OK, "shapes0\n")] * 2, out["first"]
+    assert out["same_node"] and out["t0_gets_after_one_node"] == 1
+    assert out["waits"] and all(w.startswith(f"pulling {t0}") for w in out["waits"]), out["waits"]
+    assert any(re.search(r": \d+\.\d of \d+\.\d MB$", w) for w in out["waits"]), out["waits"]
+    assert (out["third"].outcome, out["third"].stdout) == (Outcome.OK, "shapes0\n"), out["third"]
+    assert out["third_elsewhere"] and out["t0_gets_after_two_nodes"] == 2 and out["stores_t0"] == [True, True]
+    assert (out["s4"].outcome, out["s5"].outcome) == (Outcome.OK, Outcome.OK) and out["s5"].stdout == "shapes1\n"
+    assert out["s5_with_s4"] and out["t1_gets"] == 1
+    assert (out["s6"].outcome, out["s6"].stdout, out["s6_there"]) == (Outcome.OK, "imported\n", True)
+    assert out["missing"].outcome is Outcome.REJECTED and "py/nothing:v1" in out["missing"].message
+    assert out["down"].outcome is Outcome.INFRA_ERROR and dead in out["down"].message
+    assert out["one_shot"].outcome is Outcome.OK and out["one_shot"].stdout == "shapes1\n"
+    p = out["prewarm"]
+    assert p.image == t2 and p.requested == 2 and p.ready == 2 and "on each of 2 node(s)" in p.message
+    assert out["t2_gets"] == 2 and out["stores_t2"] == [True, True]
+    assert out["stats"]["pulls"] >= 5 and out["stats"]["pull_failures"] >= 2 and out["stats"]["bytes_pulled"] > 0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.skipif(os.geteuid() != 0, reason="overlay roots and whiteouts need root")
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+def test_tangram_serve_with_ray_takes_task_images_and_prewarms_on_n_nodes(world, tmp_path):
+    import httpx
+    from servers import Server
+
+    from arl_tangram.client import TangramClient
+
+    t3 = world.refs[3]
+    config = {"registries": [{"host": world.proxy.host, "insecure": True}], "lease_s": 10,
+              "sandbox": {"warm_pool": 0, "warm_sessions": 0}}
+    server = Server(tmp_path, config=config, args=("--ray", world.cluster.address), start_timeout_s=120)
+    try:
+        with TangramClient(server.url) as c:
+            s = c.session(image=t3)
+            r = s.exec(python="print(open('/repo/README.md').read().split()[1])")
+            warm = httpx.post(f"{server.url}/v1/pools/prewarm", params={"nodes": 2}, json={"image": t3, "n": 1},
+                              timeout=120)
+            too_many = httpx.post(f"{server.url}/v1/pools/prewarm", params={"nodes": 3},
+                                  json={"image": t3, "n": 1}, timeout=60)
+            bad = httpx.post(f"{server.url}/v1/sessions", json={"image": "Not_A_Ref"}, timeout=60)
+            deadline = time.monotonic() + 30
+            while True:  # the nodes' pull counts reach the head with their agents' next looks
+                metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+                pulls = [float(line.split()[1]) for line in metrics.splitlines()
+                         if line.startswith("tangram_image_pulls_total")]
+                if (pulls and pulls[0] >= 2) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            s.close()
+    finally:
+        server.stop()
+    assert (r.outcome, r.run.stdout) == ("ok", "shapes3\n"), r.message
+    assert warm.status_code == 200, warm.text
+    assert warm.json()["ready"] == 2 and warm.json()["image"] == t3 and _task_layer_gets(world, 3) == 2
+    assert too_many.status_code == 400 and "nodes: 3 asked" in too_many.text
+    assert bad.status_code in (400, 422) and "Not_A_Ref" in bad.text
+    assert pulls and pulls[0] >= 2  # t3 on each node, each its own pull
