@@ -122,9 +122,10 @@ def test_shift_first_gaps_moves_only_each_trajectorys_first_action(tmp_path):
         {"step": 0, "trajectory": "a", "seq": 0, "service": "sandbox", "gap_s": 0.0, "work_s": 1.0},
         {"step": 0, "trajectory": "a", "seq": 1, "service": "sandbox", "gap_s": 0.5, "work_s": 1.0},
         {"step": 0, "trajectory": "b", "seq": 0, "service": "sandbox", "gap_s": 0.2, "work_s": 1.0}])
-    assert R.shift_first_gaps(src, tmp_path / "s.jsonl", 1.5) == 3
-    gaps = [json.loads(x)["gap_s"] for x in (tmp_path / "s.jsonl").read_text().splitlines()]
-    assert gaps == [1.5, 0.5, 1.7]
+    assert R.shift_first_gaps(src, tmp_path / "s.jsonl", 1.5, work={("a", 1): 0.25}) == 3
+    lines = [json.loads(x) for x in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert [x["gap_s"] for x in lines] == [1.5, 0.5, 1.7]
+    assert [x["work_s"] for x in lines] == [1.0, 0.25, 1.0]
     with pytest.raises(ValueError, match="offset_s"):
         R.shift_first_gaps(src, tmp_path / "x.jsonl", -1.0)
 
@@ -181,6 +182,7 @@ def test_flat_figures_and_their_errors_compare_key_by_key():
 def _report() -> dict:
     side = {f: 1.0 for f in FIGURES}
     pol = {"measured": side, "simulated": {**side, "step_s": 1.1}, "error": errors(side, {**side, "step_s": 1.1}),
+           "error_own": errors(side, side),
            "act_quantiles": {"measured": [0.1, 1.0], "simulated": [0.1, 1.2]}}
     return {"plan": {"groups": 1, "k": 2, "actions": 10, "by_kind": {"shell": 4}, "seed": 0, "teachers": ["t"],
                      "reward_model": "r", "judge": {"rate_per_s": 1.0, "concurrency": 1}},
@@ -202,7 +204,7 @@ def test_the_report_files_are_written_with_their_plots(tmp_path):
     assert {p.name for p in paths} >= {"results.json", "report.md", "report.html", "figures.png", "act_cdf.png",
                                        "equal_step.png"}
     md = (tmp_path / "report.md").read_text()
-    assert "| step_s | 1.000 | 1.100 | +10.0% |" in md and "![" in md
+    assert "| step_s | 1.000 | 1.100 | +10.0% | +0.0% |" in md and "![" in md
     assert json.loads((tmp_path / "results.json").read_text())["policies"]["tangram"]["error"]["step_s"] == \
         pytest.approx(0.1)
 
@@ -228,7 +230,8 @@ def test_bench_agentic_on_cpu_measures_both_policies_and_replays_the_trace(tmp_p
             for f in ("avg_act_s", "p99_act_s", "step_s", "core_s", "gpu_s", "cpu_avg_act_s", "gpu_avg_act_s",
                       "api_avg_act_s"):
                 assert x[side][f] is not None and x[side][f] > 0 and math.isfinite(x[side][f]), (name, side, f)
-        assert all(e is not None for f, e in x["error"].items() if f in ("avg_act_s", "step_s", "core_s", "gpu_s"))
+        for key in ("error", "error_own"):
+            assert all(x[key][f] is not None for f in ("avg_act_s", "step_s", "core_s", "gpu_s")), (name, key)
         assert x["details"]["model_loads_in_step"] == 0  # every copy was resident before the step
     assert r["policies"]["tangram"]["details"]["judge_rejections"] == 0  # the engine keeps to the quota
     # the static device is cut in one slice per model, each held the whole step

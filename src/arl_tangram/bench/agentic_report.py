@@ -69,16 +69,19 @@ def blocks(data: dict, images: dict[str, str]) -> list[tuple]:
                    f"({', '.join(p['teachers'])}; {p['reward_model']}); judge API at {p['judge']['rate_per_s']:g}/s, "
                    f"{p['judge']['concurrency']} in flight. Measured: each policy's real run. Simulated: the Tangram "
                    f"run's recorded trace replayed under that policy on the cluster its real run had. Error: "
-                   f"simulated / measured - 1. {data['wall_s']:.0f} s in all."))
+                   f"simulated / measured - 1; own trace's error: the same for the policy's own run's trace "
+                   f"replayed under it. {data['wall_s']:.0f} s in all."))
     b.append(("p", f"Baseline ({data['baseline']}): {data['frameworks'][data['baseline']]}."))
     rows = []
     for f in FIGURES:
         row = [f]
         for name in data["policies"]:
             x = data["policies"][name]
-            row += [_f(x["measured"].get(f)), _f(x["simulated"].get(f)), _pct(x["error"].get(f))]
+            row += [_f(x["measured"].get(f)), _f(x["simulated"].get(f)), _pct(x["error"].get(f)),
+                    _pct(x.get("error_own", {}).get(f))]
         rows.append(row)
-    heads = ["figure"] + [f"{n} {c}" for n in data["policies"] for c in ("measured", "simulated", "error")]
+    heads = ["figure"] + [f"{n} {c}" for n in data["policies"]
+                          for c in ("measured", "simulated", "error", "own trace's error")]
     b.append(("h", 2, "Measured and simulated, per policy"))
     b.append(("table", heads, rows))
     c = data["comparison"]

@@ -21,6 +21,7 @@ trace, and the engine's ``Finished`` records give the figures, as the simulator'
 from __future__ import annotations
 
 import asyncio
+import gc
 import shutil
 import subprocess
 import sys
@@ -182,11 +183,21 @@ async def _act(tg: Tangram, s, st: Step, left: int, weights: dict[str, float]):
                                   timeout_s=STEP_TIMEOUT_S, payload=JudgeCall(st.service_s), remaining_turns=left))
 
 
+def _release_memory(device: str) -> None:
+    """Free this run's host and device copies before the next run builds its own."""
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 def measure(policy: str, trajs: list[Trajectory], sizes: Sizes, device: str, cores: int, trace: Path, seed: int = 0,
             log: Callable[[str], None] = lambda m: None) -> Measured:
     """Run the step under ``policy`` on ``cores`` sandbox cores; its trace goes to ``trace``."""
     t = time.monotonic()
     m = asyncio.run(_run(policy, trajs, sizes, device, cores, trace, seed, log))
+    _release_memory(device)
     f = m.figures
     log(f"{policy} on {cores} cores: step {f['step_s']:.2f}s, avg ACT {f['avg_act_s']:.3f}s, "
         f"core-s {f['core_s']:.1f}, GPU-s {f['gpu_s']:.2f} ({time.monotonic() - t:.0f}s wall)")

@@ -49,14 +49,18 @@ def act_figures(finished: list[Finished]) -> dict:
     return {**stats([f.act_s for f in done]), "by_kind": {k: stats(by[k]) for k in KINDS if k in by}}
 
 
-def shift_first_gaps(src: str | Path, dst: str | Path, offset_s: float) -> int:
+def shift_first_gaps(src: str | Path, dst: str | Path, offset_s: float,
+                     work: dict[tuple[str, int], float] | None = None) -> int:
     """Copy the trace ``src`` to ``dst`` with ``offset_s`` added to the gap of every trajectory's
     first action; returns the lines written. A recorder takes a step's start to be its earliest
     submission; a run that knows when its step really began (the trajectories' first generation
     before any action) gives the difference here, so that a replay's step time counts from the
-    same instant as the measured one."""
+    same instant as the measured one. ``work``: (trajectory, seq) -> the work of that action
+    instead of the recorded one (an API call whose recorded time holds the client's retries,
+    which a replay under a policy that lets calls fail models again)."""
     if offset_s < 0:
         raise ValueError(f"offset_s: must be >= 0, got {offset_s}")
+    work = work or {}
     n = 0
     with open(src, encoding="utf-8") as fh, open(dst, "w", encoding="utf-8") as out:
         for raw in fh:
@@ -65,6 +69,9 @@ def shift_first_gaps(src: str | Path, dst: str | Path, offset_s: float) -> int:
             line = json.loads(raw)
             if line.get("seq") == 0:
                 line["gap_s"] = round(line["gap_s"] + offset_s, 6)
+            w = work.get((line.get("trajectory"), line.get("seq")))
+            if w is not None:
+                line["work_s"] = round(w, 6)
             out.write(json.dumps(line, separators=(",", ":")) + "\n")
             n += 1
     return n
