@@ -127,9 +127,11 @@ def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: flo
             f"{row['p50_ms']} ms, p99 {row['p99_ms']} ms, {row['errors']} errors")
         log(f"  {cpu_text(row['cpu_ms_per_action'])}")
         if revisits is not None and revisits["nodes"] == n:
-            log(f"sessions: {revisits['opened']} over {n} nodes, revisited at {revisits['revisit_concurrency']}: p50 "
+            log(f"sessions: {revisits['opened']} over {n} nodes (held {revisits['sessions_per_node']}), revisited at "
+                f"{revisits['revisit_concurrency']}: p50 "
                 f"{revisits['revisit_p50_ms']} ms, p99 {revisits['revisit_p99_ms']} ms ({revisits['revisits_ok']} "
-                f"ok); alone p50 {revisits['alone_p50_ms']} ms, p99 {revisits['alone_p99_ms']} ms")
+                f"ok); alone p50 {revisits['alone_p50_ms']} ms, p99 {revisits['alone_p99_ms']} ms"
+                + (f"; failures: {revisits['failures']}" if revisits["failures"] else ""))
         out.append(row)
     return out, revisits
 

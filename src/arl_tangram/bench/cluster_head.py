@@ -9,7 +9,9 @@
   the cluster's nodes gave their sandboxes: what one machine of those cores does.
 * ``sessions_run``: ``sessions`` sessions opened over the cluster, each left with a state by a
   first step, then every one revisited (a step that checks its state) at ``per_core`` concurrent
-  steps per node core, and a sample revisited one at a time: revisit latency under load and alone.
+  steps per node core, and a sample revisited one at a time: revisit latency under load and alone,
+  how many sessions each node held, and the first failures in a line each (a session the policy
+  moved to another node under a queue starts its processes afresh: its Python state is gone).
 
 Where the machine has cores the nodes' sandboxes do not use, the head and the load generator run
 on those (Ray's processes and the agents, started before, run anywhere): a head on a host of its
@@ -223,14 +225,23 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
         sids = [(i, sid) for i, (sid, _) in enumerate(made) if sid is not None]
         log(f"sessions: {len(sids)}/{n} opened with a first step in {open_s:.1f} s")
 
+        failures: list[str] = []
+
         async def revisit(i: int, sid: str, gate: asyncio.Semaphore) -> tuple[float, bool]:
             async with gate:
                 t = time.perf_counter()
                 r = await c.post(f"{url}/v1/sessions/{sid}/exec", json={"python": CHECK})
                 took = time.perf_counter() - t
                 body = r.json() if r.status_code == 200 else {}
-                return took, body.get("outcome") == "ok" and (body.get("run") or {}).get("stdout") == f"{i}\n"
+                run = body.get("run") or {}
+                good = body.get("outcome") == "ok" and run.get("stdout") == f"{i}\n"
+                if not good and len(failures) < 5:  # what went wrong, in a line
+                    said = (run.get("stderr") or "").strip().splitlines()[-1:] or [body.get("message") or r.text[:200]]
+                    failures.append(f"{r.status_code} {body.get('outcome')}: {said[0]}")
+                return took, good
 
+        nodes = (await c.get(f"{url}/v1/cluster")).json().get("nodes", [])
+        spread = sorted((n.get("sessions", 0) for n in nodes), reverse=True)
         order = sids[:]
         random.Random(0).shuffle(order)
         t0 = time.perf_counter()
@@ -241,13 +252,14 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
             async with gate:
                 await c.delete(f"{url}/v1/sessions/{sid}")
     ok = [t for t, good in loaded if good]
-    return {"sessions": n, "opened": len(sids), "open_s": round(open_s, 2),
+    return {"sessions": n, "opened": len(sids), "open_s": round(open_s, 2), "sessions_per_node": spread,
             "open_step_p50_ms": _ms([t for sid, t in made if sid], 50),
             "revisit_concurrency": concurrency, "revisits": len(loaded), "revisits_ok": len(ok),
             "revisit_p50_ms": _ms([t for t, _ in loaded], 50), "revisit_p99_ms": _ms([t for t, _ in loaded], 99),
             "revisits_per_s": round(len(loaded) / span, 1) if span else None,
             "alone": len(alone), "alone_ok": sum(good for _, good in alone),
-            "alone_p50_ms": _ms([t for t, _ in alone], 50), "alone_p99_ms": _ms([t for t, _ in alone], 99)}
+            "alone_p50_ms": _ms([t for t, _ in alone], 50), "alone_p99_ms": _ms([t for t, _ in alone], 99),
+            "failures": failures}
 
 
 def sessions_run(head: Head, sessions: int, concurrency: int, sample: int, log: Callable[[str], None]) -> dict:

@@ -51,11 +51,15 @@ from .cpu import ClusterCpuMeter
 HOPS = ("queued", "to_task", "link_out", "agent_in", "sandbox", "agent_out", "link_back", "finish", "answer")
 
 
-#: the main thread's code by who owns it, first match of a function's file or built-in's name wins
-GROUPS = (("ray", ("/ray/", "ray._raylet", "'ray.")), ("bench", ("/arl_tangram/bench/",)),
+#: the main thread's code by who owns it, first match of a function's file or built-in's name wins.
+#: ``ray`` takes the serialisation Ray does for a call in this process (pickle, msgpack, the check
+#: of the call's arguments against the method's signature: ``inspect``), the head calling nothing
+#: else that uses them
+GROUPS = (("ray", ("/ray/", "ray._raylet", "'ray.", "Pickler.dump", "/msgpack/", "/inspect.py", "/pickle.py")),
+          ("bench", ("/arl_tangram/bench/",)),
           ("runtime", ("/arl_tangram/runtime/", "/arl_tangram/managers/")),
           ("engine", ("/arl_tangram/", "arl_tangram.", "Engine", "Driver")),
-          ("asyncio", ("/asyncio/", "_asyncio.", "select.epoll", "_contextvars", "'_asyncio")))
+          ("asyncio", ("/asyncio/", "_asyncio.", "select.epoll", "/selectors.py", "_contextvars", "'_asyncio")))
 
 
 def group_of(key: tuple[str, int, str]) -> str:
