@@ -106,6 +106,11 @@ def test_the_head_places_a_session_where_its_image_is_and_sends_its_first_step_a
     # one-shots, sessions with a home and steps without an image are the engine's alone
     assert images.place(Action("o", "sandbox", payload=RunCode("1", image=T0))) is None
     assert images.place(_step("a6", "s1", T0)) is None and images.place(_step("a7", "s7", None)) is None
+    # a node lost before the first step of a session homed there by its image was sent: that
+    # session loses nothing with it (placed again), the one that ran there keeps its home (lost)
+    assert images.place(_step("a8", "s8", T0)) == holder and "s8" in images.fresh
+    images.node_lost(holder)
+    assert "s8" not in engine.cpu.homes and "s8" not in images.fresh and engine.cpu.homes["s1"] == holder
 
 
 def test_a_holder_without_room_does_not_take_the_session_and_a_refused_step_leaves_no_home():

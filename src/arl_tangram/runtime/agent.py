@@ -10,7 +10,11 @@ own (0..n-1); the head maps its global ids to them (``RemoteModels``).
 
 The class knows nothing of Ray (``RayRuntime`` wraps it as an actor pinned to its node), so it is
 tested like any manager. Sessions the manager expires are collected here and picked up by the
-head's membership loop (``take_expired``), which ends them in the engine.
+head's membership loop (``take_expired``), which ends them in the engine; so are the sessions it
+rested and the node's images: those its store holds or is pulling, the actions waiting for a pull
+and the pull counts (``take_news``: the head places sessions by them, ``ray_images``). The node
+pulls its images itself, into its own store, with the head's ``[[registries]]`` config (part of
+the sandbox config every agent gets).
 
 **A lease**: on Ray the agent outlives the head that started it (a detached actor), so
 its sessions, files and processes both, survive a head restart. The head renews the lease at each
@@ -29,7 +33,7 @@ records the head's ``lease_s``; the lease runs ``lease_s`` from the end of ``sta
 file, so the same file is the same head across restarts and another host's journal another head).
 Only the owner, or any head once the lease ran out, takes the agent over; every call that acts
 for a head (``take_expired``, ``run``, ``keep``, ``cancel``, ``resize``, ``close_session``,
-``prefetch``, ``evict``, ``export_session``, ``import_session``) carries its name, and a head that
+``prefetch``, ``evict``, ``export_session``, ``import_session``, ``pull_image``, ``prewarm``) carries its name, and a head that
 was replaced gets ``Replaced`` from it and treats the node as lost: it cannot cancel, close or
 evict what the new head runs. In practice a head whose lease ran out mostly finds the agent gone
 instead: the agent's watch orphans it within ~50 ms of the lease's end (it closes everything and

@@ -382,7 +382,8 @@ class Tangram:
         """A new session (its sandbox starts with its first action). An ``image`` neither in the
         store nor a registry reference raises ``ImageError`` here, not at the first step; one
         named by a reference not here starts to be pulled, and the first step waits for the
-        pull (a failed pull ends that step, saying why); ``NoRoom`` when memory has run out."""
+        pull (a failed pull ends that step, saying why); ``NoRoom`` when memory has run out. On
+        Ray the node the session lands on pulls it, one that holds it preferred."""
         if image is not None:
             self._check_image(image)
         self.runtime.admit_session()  # NoRoom rather than a first step that waits for memory

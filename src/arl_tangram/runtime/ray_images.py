@@ -164,6 +164,14 @@ class ClusterImages:
     def forget(self, trajectory: str) -> None:
         self.fresh.discard(trajectory)
 
+    def node_lost(self, index: int) -> None:
+        """Node ``index`` is lost: the sessions homed there by their image whose first step has not
+        been sent lose nothing with it; they are placed again, as any new session."""
+        homes = self.runtime.engine.cpu.homes
+        for traj in [t for t in self.fresh if homes.get(t) == index]:
+            self.fresh.discard(traj)
+            self.runtime.engine.cpu.detach(traj)
+
     # -- names, pulls and prewarms ---------------------------------------------------------------
     def check(self, image: str) -> None:
         """``ImageError`` unless some node holds an image named ``image`` (imported there, say) or

@@ -18,6 +18,12 @@ one-shots are re-run once on another node (same id: the idempotency key), and it
 ``infra_error`` with a reason that later calls get back as ``SessionGone`` (404 over HTTP). A node
 whose agent died while its raylet lives gets a new agent later (``REJOIN_AFTER_S``).
 
+**Task images.** A step naming an image (a registry reference, or an image imported on a node)
+runs on its node as on one machine: the node's agent pulls it into the node's own store, the step
+waiting for the pull, and every step of that node waiting for one image shares one pull. The head
+places a new session on a node that holds its image when one has room, shows a step waiting for
+its node's pull as one machine does, and prewarms an image on a number of nodes (``ray_images``).
+
 **Drain and move.** ``drain_node`` takes a node out of placement at once (state ``draining``: no
 new session or one-shot lands there; the engine decides, ``Engine.drain_cpu_node``); its running
 actions finish; then each of its sessions moves to another node between two of its steps
@@ -506,6 +512,7 @@ class RayRuntime(Runtime):
         log.error("node %s (%s) lost: %s", node.name, node.address, why)
         held = [s for s, home in self.sandboxes.homes.items() if home is node]
         if node.index is not None:
+            self.images.node_lost(node.index)
             lost = self.engine.remove_cpu_node(
                 node.index, f"the session was lost with its node {node.name} ({node.address}); its state is gone")
             held = list(dict.fromkeys([*held, *lost]))
