@@ -656,6 +656,8 @@ def _check_keys_scope_jobs(srv: Server) -> None:
         r = httpx.post(f"{url}/toolbox/{sb.id}/process/execute", json={"command": "echo hi"},
                        headers={"Authorization": f"Bearer {KEY_A}"})
         assert r.status_code == 404 and r.json()["statusCode"] == 404
+        r = httpx.post(f"{url}/toolbox/{sb.id}/process/execute", json={"command": "echo hi"})  # no key at all
+        assert r.status_code == 401 and r.json()["statusCode"] == 401
         r = httpx.delete(f"{url}/sandbox/{sb.id}", headers={"Authorization": f"Bearer {KEY_A}"})
         assert r.status_code == 404
         assert sb.process.exec("echo still b").result == "still b\n"  # untouched
@@ -710,6 +712,10 @@ def test_errors_in_daytona_shape(server, client):
     assert r.status_code == 404 and r.json()["statusCode"] == 404 and r.json()["source"] == "DAYTONA_API"
     r = httpx.get(f"{server.url}/api/no-such-route", headers=h)  # a routing 404, in Daytona's shape
     assert r.status_code == 404 and r.json()["statusCode"] == 404 and "message" in r.json()
+    r = httpx.put(f"{server.url}/api/sandbox", headers=h)  # a known path, another method: 405, its shape too
+    assert r.status_code == 405 and r.json()["statusCode"] == 405 and "POST" in r.headers["allow"]
+    r = httpx.get(f"{server.url}/api", headers=h)  # not under /api/: not the dialect's
+    assert r.status_code == 404 and "statusCode" not in r.json()
     r = httpx.post(f"{server.url}/api/sandbox", content=b"[1]", headers=h)
     assert r.status_code == 400 and "JSON object" in r.json()["message"]
     r = httpx.post(f"{server.url}/api/sandbox", json={"cpu": "many"}, headers=h)

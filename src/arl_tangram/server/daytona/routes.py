@@ -5,7 +5,9 @@ address the request came to), the streamed logs of a command and the SDK's event
 (``/api/socket.io/``) as WebSockets. Every error is Daytona's shape (``errors.py``).
 
 These routes parse their own bodies (no FastAPI models) so that a bad one is answered in
-Daytona's shape; they are left out of the OpenAPI (it documents the native API).
+Daytona's shape; they are left out of the OpenAPI (it documents the native API). They are plain
+Starlette routes in one route of the app's router, first in it (``table.py``): a toolbox call is
+matched in a few steps, without FastAPI's per-request machinery.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..service import BadRequest, Conflict, Forbidden, NotFound, Overloaded, Una
 from . import forms, socketio
 from .errors import DaytonaApiError, daemon
 from .sandboxes import PAGE_MAX, parse_labels
+from .table import Table
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +105,14 @@ def _int(raw: str | None, name: str, default: int | None = None, low: int = 0, h
 
 
 def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
+    """The dialect's routes, as one route first in ``router`` (``table.Table``), the toolbox's
+    commands and files first among them."""
     auth = guarded[0].dependency if guarded else None
+    table = Table(PREFIX, auth)
 
     def add(path: str, method: str):
         def wrap(fn):
-            router.add_api_route(PREFIX + path, fn, methods=[method], dependencies=list(guarded),
-                                 include_in_schema=False)
+            table.add(PREFIX + path, method, fn)
             return fn
         return wrap
 
@@ -129,116 +134,12 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
             return _error(request, e)
         return await reply(request, lambda: fn(body), status, shaped)
 
-    # -- the control plane ---------------------------------------------------------------------
-    @add("/sandbox", "POST")
-    async def create(request: Request) -> Response:
-        return await with_body(request, calls.daytona_create, shaped=lambda v: _sandbox(request, v))
-
-    @add("/sandbox", "GET")
-    async def listing(request: Request) -> Response:
-        q = request.query_params
-        try:
-            query = {"labels": parse_labels(q.get("labels")), "states": q.getlist("states"), "id": q.get("id"),
-                     "name": q.get("name"), "snapshots": q.getlist("snapshots"), "sort": q.get("sort"),
-                     "order": q.get("order"), "cursor": _int(q.get("cursor"), "cursor", 0),
-                     "limit": _int(q.get("limit"), "limit", None, 1, PAGE_MAX)}
-        except DaytonaApiError as e:
-            return _error(request, e)
-
-        def shaped(page: dict) -> dict:
-            return {**page, "items": [_sandbox(request, b) for b in page["items"]]}
-        return await reply(request, lambda: calls.daytona_list(query), shaped=shaped)
-
-    @add("/sandbox/{key}", "GET")
-    async def get(key: str, request: Request) -> Response:
-        return await reply(request, lambda: calls.daytona_get(key), shaped=lambda v: _sandbox(request, v))
-
-    @add("/sandbox/{key}", "DELETE")
-    async def delete(key: str, request: Request) -> Response:
-        return await reply(request, lambda: calls.daytona_delete(key), shaped=lambda v: _sandbox(request, v))
-
-    @add("/sandbox/{key}/start", "POST")
-    async def start(key: str, request: Request) -> Response:
-        return await reply(request, lambda: calls.daytona_start(key), shaped=lambda v: _sandbox(request, v))
-
-    @add("/sandbox/{key}/stop", "POST")
-    async def stop(key: str, request: Request) -> Response:
-        force = request.query_params.get("force") == "true"
-        return await reply(request, lambda: calls.daytona_stop(key, force), shaped=lambda v: _sandbox(request, v))
-
-    @add("/sandbox/{key}/labels", "PUT")
-    async def labels(key: str, request: Request) -> Response:
-        return await with_body(request, lambda body: calls.daytona_labels(key, body))
-
-    # a route made in a loop binds what it serves by a closure, never as a defaulted parameter:
-    # FastAPI would read that from the request (a caller's ``?op=`` choosing the operation)
-    def interval_route(kind: str) -> Callable[..., Awaitable[Response]]:
-        async def interval(key: str, value: str, request: Request) -> Response:
-            minutes = lambda: _int(value, f"{kind} interval", 0, -1)  # noqa: E731
-            return await reply(request, lambda: calls.daytona_interval(key, kind, minutes()),
-                               shaped=lambda v: _sandbox(request, v))
-        return interval
-
+    # a route made in a loop binds what it serves by a closure: its function is given only its
+    # path's parameters, by name
     def unsupported_route(message: str, error: Callable[[str], DaytonaApiError]) -> Callable[..., Any]:
         async def unsupported(request: Request) -> Response:
             return _error(request, error(f"{message}: not supported by this server (docs/daytona.md)"))
         return unsupported
-
-    for kind in ("autostop", "autodelete", "autoarchive", "autopause"):
-        router.add_api_route(PREFIX + f"/sandbox/{{key}}/{kind}/{{value}}", interval_route(kind), methods=["POST"],
-                             dependencies=list(guarded), include_in_schema=False)
-
-    @add("/sandbox/{key}/ttl/{value}", "POST")
-    async def ttl(key: str, value: str, request: Request) -> Response:
-        return await reply(request, lambda: calls.daytona_interval(key, "ttl", _int(value, "ttlMinutes", 0)),
-                           shaped=lambda v: _sandbox(request, v))
-
-    @add("/sandbox/{key}/fork", "POST")
-    async def fork(key: str, request: Request) -> Response:
-        return await with_body(request, lambda body: calls.daytona_fork(key, body),
-                               shaped=lambda v: _sandbox(request, v))
-
-    @add("/sandbox/{key}/snapshot", "POST")
-    async def snapshot_sandbox(key: str, request: Request) -> Response:
-        return await with_body(request, lambda body: calls.daytona_snapshot_sandbox(key, body),
-                               shaped=lambda v: _sandbox(request, v))
-
-    @add("/sandbox/{key}/toolbox-proxy-url", "GET")
-    async def toolbox_url(key: str, request: Request) -> Response:
-        return await reply(request, lambda: calls.daytona_get(key), shaped=lambda _: {"url": _base(request)})
-
-    for what in ("pause", "archive", "resize", "recover", "backup", "public/{value}", "network-settings",
-                 "ssh-access", "ports/{port}/preview-url", "ports/{port}/signed-preview-url"):
-        router.add_api_route(PREFIX + f"/sandbox/{{key}}/{what}",
-                             unsupported_route(what.split("/")[0],
-                                               lambda m: DaytonaApiError(501, m, "NOT_IMPLEMENTED")),
-                             methods=["POST", "GET"], dependencies=list(guarded), include_in_schema=False)
-
-    # -- snapshots -----------------------------------------------------------------------------
-    @add("/snapshots", "GET")
-    async def snapshots(request: Request) -> Response:
-        q = request.query_params
-        try:
-            page, limit = _int(q.get("page"), "page", 1, 1), _int(q.get("limit"), "limit", 100, 1, PAGE_MAX)
-        except DaytonaApiError as e:
-            return _error(request, e)
-        return await reply(request, lambda: calls.daytona_snapshots(page, limit))
-
-    @add("/snapshots", "POST")
-    async def create_snapshot(request: Request) -> Response:
-        return await with_body(request, calls.daytona_snapshot_create)
-
-    @add("/snapshots/{key}", "GET")
-    async def get_snapshot(key: str, request: Request) -> Response:
-        return await reply(request, lambda: calls.daytona_snapshot_get(key))
-
-    @add("/snapshots/{key}", "DELETE")
-    async def delete_snapshot(key: str, request: Request) -> Response:
-        return await reply(request, lambda: calls.daytona_snapshot_delete(key))
-
-    @add("/snapshots/{key}/activate", "POST")
-    async def activate(key: str, request: Request) -> Response:
-        return await reply(request, lambda: calls.daytona_snapshot_get(key))
 
     # -- a sandbox's toolbox: /api/toolbox/{id}/..., as the SDK's toolbox client calls it --------
     def tb(path: str, method: str):
@@ -299,9 +200,109 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
     for path, what in (("/process/pty", "PTY sessions"), ("/process/pty/{rest:path}", "PTY sessions"),
                        ("/process/interpreter/{rest:path}", "the stateful code interpreter"),
                        ("/computeruse/{rest:path}", "computer use"), ("/lsp/{rest:path}", "language servers")):
-        router.add_api_route(PREFIX + "/toolbox/{sid}" + path,
-                             unsupported_route(what, lambda m: daemon(501, m, "NOT_IMPLEMENTED")),
-                             methods=["GET", "POST", "DELETE"], dependencies=list(guarded), include_in_schema=False)
+        table.add(PREFIX + "/toolbox/{sid}" + path, ["GET", "POST", "DELETE"],
+                  unsupported_route(what, lambda m: daemon(501, m, "NOT_IMPLEMENTED")))
+
+    # -- the control plane ---------------------------------------------------------------------
+    @add("/sandbox", "POST")
+    async def create(request: Request) -> Response:
+        return await with_body(request, calls.daytona_create, shaped=lambda v: _sandbox(request, v))
+
+    @add("/sandbox", "GET")
+    async def listing(request: Request) -> Response:
+        q = request.query_params
+        try:
+            query = {"labels": parse_labels(q.get("labels")), "states": q.getlist("states"), "id": q.get("id"),
+                     "name": q.get("name"), "snapshots": q.getlist("snapshots"), "sort": q.get("sort"),
+                     "order": q.get("order"), "cursor": _int(q.get("cursor"), "cursor", 0),
+                     "limit": _int(q.get("limit"), "limit", None, 1, PAGE_MAX)}
+        except DaytonaApiError as e:
+            return _error(request, e)
+
+        def shaped(page: dict) -> dict:
+            return {**page, "items": [_sandbox(request, b) for b in page["items"]]}
+        return await reply(request, lambda: calls.daytona_list(query), shaped=shaped)
+
+    @add("/sandbox/{key}", "GET")
+    async def get(key: str, request: Request) -> Response:
+        return await reply(request, lambda: calls.daytona_get(key), shaped=lambda v: _sandbox(request, v))
+
+    @add("/sandbox/{key}", "DELETE")
+    async def delete(key: str, request: Request) -> Response:
+        return await reply(request, lambda: calls.daytona_delete(key), shaped=lambda v: _sandbox(request, v))
+
+    @add("/sandbox/{key}/start", "POST")
+    async def start(key: str, request: Request) -> Response:
+        return await reply(request, lambda: calls.daytona_start(key), shaped=lambda v: _sandbox(request, v))
+
+    @add("/sandbox/{key}/stop", "POST")
+    async def stop(key: str, request: Request) -> Response:
+        force = request.query_params.get("force") == "true"
+        return await reply(request, lambda: calls.daytona_stop(key, force), shaped=lambda v: _sandbox(request, v))
+
+    @add("/sandbox/{key}/labels", "PUT")
+    async def labels(key: str, request: Request) -> Response:
+        return await with_body(request, lambda body: calls.daytona_labels(key, body))
+
+    def interval_route(kind: str) -> Callable[..., Awaitable[Response]]:
+        async def interval(key: str, value: str, request: Request) -> Response:
+            minutes = lambda: _int(value, f"{kind} interval", 0, -1)  # noqa: E731
+            return await reply(request, lambda: calls.daytona_interval(key, kind, minutes()),
+                               shaped=lambda v: _sandbox(request, v))
+        return interval
+
+    for kind in ("autostop", "autodelete", "autoarchive", "autopause"):
+        table.add(PREFIX + f"/sandbox/{{key}}/{kind}/{{value}}", "POST", interval_route(kind))
+
+    @add("/sandbox/{key}/ttl/{value}", "POST")
+    async def ttl(key: str, value: str, request: Request) -> Response:
+        return await reply(request, lambda: calls.daytona_interval(key, "ttl", _int(value, "ttlMinutes", 0)),
+                           shaped=lambda v: _sandbox(request, v))
+
+    @add("/sandbox/{key}/fork", "POST")
+    async def fork(key: str, request: Request) -> Response:
+        return await with_body(request, lambda body: calls.daytona_fork(key, body),
+                               shaped=lambda v: _sandbox(request, v))
+
+    @add("/sandbox/{key}/snapshot", "POST")
+    async def snapshot_sandbox(key: str, request: Request) -> Response:
+        return await with_body(request, lambda body: calls.daytona_snapshot_sandbox(key, body),
+                               shaped=lambda v: _sandbox(request, v))
+
+    @add("/sandbox/{key}/toolbox-proxy-url", "GET")
+    async def toolbox_url(key: str, request: Request) -> Response:
+        return await reply(request, lambda: calls.daytona_get(key), shaped=lambda _: {"url": _base(request)})
+
+    for what in ("pause", "archive", "resize", "recover", "backup", "public/{value}", "network-settings",
+                 "ssh-access", "ports/{port}/preview-url", "ports/{port}/signed-preview-url"):
+        table.add(PREFIX + f"/sandbox/{{key}}/{what}", ["POST", "GET"],
+                  unsupported_route(what.split("/")[0], lambda m: DaytonaApiError(501, m, "NOT_IMPLEMENTED")))
+
+    # -- snapshots -----------------------------------------------------------------------------
+    @add("/snapshots", "GET")
+    async def snapshots(request: Request) -> Response:
+        q = request.query_params
+        try:
+            page, limit = _int(q.get("page"), "page", 1, 1), _int(q.get("limit"), "limit", 100, 1, PAGE_MAX)
+        except DaytonaApiError as e:
+            return _error(request, e)
+        return await reply(request, lambda: calls.daytona_snapshots(page, limit))
+
+    @add("/snapshots", "POST")
+    async def create_snapshot(request: Request) -> Response:
+        return await with_body(request, calls.daytona_snapshot_create)
+
+    @add("/snapshots/{key}", "GET")
+    async def get_snapshot(key: str, request: Request) -> Response:
+        return await reply(request, lambda: calls.daytona_snapshot_get(key))
+
+    @add("/snapshots/{key}", "DELETE")
+    async def delete_snapshot(key: str, request: Request) -> Response:
+        return await reply(request, lambda: calls.daytona_snapshot_delete(key))
+
+    @add("/snapshots/{key}/activate", "POST")
+    async def activate(key: str, request: Request) -> Response:
+        return await reply(request, lambda: calls.daytona_snapshot_get(key))
 
     # -- files ---------------------------------------------------------------------------------
     def query(request: Request, *names: str) -> dict:
@@ -333,8 +334,7 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
                                     ("/files/find", "GET", "find", ("path", "pattern")),
                                     ("/files/search", "GET", "search", ("path", "pattern")),
                                     ("/files/permissions", "POST", "chmod", ("path", "mode", "owner", "group"))):
-        router.add_api_route(PREFIX + "/toolbox/{sid}" + path, files_route(op, names), methods=[method],
-                             dependencies=list(guarded), include_in_schema=False)
+        table.add(PREFIX + "/toolbox/{sid}" + path, method, files_route(op, names))
 
     @tb("/files/replace", "POST")
     async def replace(sid: str, request: Request) -> Response:
@@ -393,20 +393,17 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
                              ("/git/branches", "POST", "create_branch"), ("/git/branches", "DELETE", "delete_branch"),
                              ("/git/init", "POST", "init"), ("/git/pull", "POST", "pull"),
                              ("/git/push", "POST", "push")):
-        router.add_api_route(PREFIX + "/toolbox/{sid}" + path, git_route(op, False), methods=[method],
-                             dependencies=list(guarded), include_in_schema=False)
+        table.add(PREFIX + "/toolbox/{sid}" + path, method, git_route(op, False))
 
     for path, op in (("/git/status", "status"), ("/git/branches", "branches")):
-        router.add_api_route(PREFIX + "/toolbox/{sid}" + path, git_route(op, True), methods=["GET"],
-                             dependencies=list(guarded), include_in_schema=False)
+        table.add(PREFIX + "/toolbox/{sid}" + path, "GET", git_route(op, True))
 
     # -- where things are ----------------------------------------------------------------------
     for path in ("/user-home-dir", "/work-dir"):
         async def where(sid: str, request: Request) -> Response:
             return await reply(request, lambda: calls.daytona_session(sid, "list", None),
                                shaped=lambda _: {"dir": HOME_ALIAS})
-        router.add_api_route(PREFIX + "/toolbox/{sid}" + path, where, methods=["GET"],
-                             dependencies=list(guarded), include_in_schema=False)
+        table.add(PREFIX + "/toolbox/{sid}" + path, "GET", where)
 
     @tb("/version", "GET")
     async def version(sid: str, request: Request) -> Response:
@@ -461,13 +458,13 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
             return
         await ws.close(code=1000)
 
-    router.add_api_websocket_route(TOOLBOX + "/{sid}/process/session/{session}/command/{command}/logs", logs)
+    table.add_websocket(TOOLBOX + "/{sid}/process/session/{session}/command/{command}/logs", logs)
 
     async def pty(ws: WebSocket) -> None:
         await _refuse(ws, daemon(501, "PTY sessions: not supported by this server (docs/daytona.md)",
                                  "NOT_IMPLEMENTED"))
 
-    router.add_api_websocket_route(TOOLBOX + "/{sid}/process/pty/{rest:path}", pty)
+    table.add_websocket(TOOLBOX + "/{sid}/process/pty/{rest:path}", pty)
 
     async def events(ws: WebSocket) -> None:
         await socketio.serve(ws, lambda token: authorized(ws, token),
@@ -475,6 +472,7 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
                              lambda data: ({**data, "sandbox": _sandbox(ws, data["sandbox"])}
                                            if isinstance(data.get("sandbox"), dict) else data))
 
-    router.add_api_websocket_route(PREFIX + "/socket.io/", events)
-    router.add_api_websocket_route(PREFIX + "/socket.io", events)
+    table.add_websocket(PREFIX + "/socket.io/", events)
+    table.add_websocket(PREFIX + "/socket.io", events)
+    router.routes.insert(0, table)  # every path under /api/ matched in one step, before the others' routes
 
