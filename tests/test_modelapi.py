@@ -404,6 +404,57 @@ def test_bad_input_is_a_4xx_in_each_protocols_shape_and_the_batch_goes_on(server
     assert r.status_code == 405 and "error" in r.json()
 
 
+def test_a_tokens_text_is_decoded_once_and_is_the_tokenizers_every_time(dirs):
+    from arl_tangram.managers.models.decode import Codec
+
+    codec = Codec(dirs["qwen2"], "qwen2")
+    backend = codec.tokenizer.backend_tokenizer
+    want = {t: backend.decode([t], skip_special_tokens=False) for t in (0, 3, 5, 17, 88)}
+    assert codec.pieces({5, 17, 3}) == {t: want[t] for t in (3, 5, 17)}
+    assert codec.pieces({0, 3, 88}) == {t: want[t] for t in (0, 3, 88)}  # known and new together
+    assert Codec(dirs["bare"], "bare").pieces({7}) == {7: "token_id:7"}
+
+
+def test_the_protocols_table_finds_its_routes_by_path_and_leaves_every_other_to_the_apps_routes():
+    """One entry first in the app's table: a protocol route found by its path (a model's URL and a
+    trailing name included), another method a partial match (a later full match still wins, else
+    the 405), any other path no match at all."""
+    from starlette.routing import Match, Route
+
+    from arl_tangram.server.app import create_app
+    from arl_tangram.server.modelapi.table import Table
+
+    async def one(request):  # pragma: no cover - never called
+        raise AssertionError
+
+    table = Table()
+    for path, methods in (("/generate", ["POST"]), ("/models/{model}/generate", ["POST"]), ("/v1/models", ["GET"]),
+                          ("/v1/models/{name:path}", ["GET"]), ("/models/{model}/v1/models/{name:path}", ["GET"])):
+        table.add_route(path, one, methods)
+
+    def match(path, method="POST", **scope):
+        return table.matches({"type": "http", "path": path, "method": method, "path_params": {}, **scope})
+
+    assert match("/generate")[0] == Match.FULL and match("/generate")[1]["path_params"] == {}
+    assert match("/models/lm/generate")[1]["path_params"] == {"model": "lm"}
+    assert match("/v1/models/org/name", "GET")[1]["path_params"] == {"name": "org/name"}
+    assert match("/models/lm/v1/models/x", "HEAD")[0] == Match.FULL  # a GET route answers HEAD, as Starlette's
+    assert match("/models/lm/v1/models/x", "HEAD")[1]["path_params"] == {"model": "lm", "name": "x"}
+    assert match("/v1/models/lm/logprobs")[0] == Match.PARTIAL  # the native route after it matches fully
+    assert match("/api/generate", root_path="/api")[0] == Match.FULL
+    for path in ("/generatex", "/models//generate", "/models/lm", "/models/lm/nope", "/sandboxes", "/"):
+        assert match(path)[0] == Match.NONE, path
+    assert table.matches({"type": "websocket", "path": "/generate"})[0] == Match.NONE
+    with pytest.raises(ValueError):
+        table.add_route("/generate", one, ["POST"])
+    with pytest.raises(ValueError):
+        table.add_route("/a/{b}/c", one, ["POST"])
+    app = create_app(object())
+    first = next(i for i, r in enumerate(app.routes) if isinstance(r, Table))
+    assert not any(isinstance(r, Route) for r in app.routes[:first])  # before every route of a path (as its own)
+    assert not any(getattr(r, "path", "") in ("/generate", "/v1/completions") for r in app.routes)
+
+
 # -- tangram serve, with HTTP front processes ----------------------------------------------------------
 
 @pytest.mark.slow

@@ -55,6 +55,7 @@ class Codec:
     def __init__(self, path: str | None, name: str) -> None:
         self.name = name
         self.tokenizer = None
+        self._pieces: dict[int, str] = {}  # token id -> its own text (``pieces``)
         try:
             from transformers import AutoTokenizer
 
@@ -106,14 +107,21 @@ class Codec:
 
     def pieces(self, ids: set[int]) -> dict[int, str]:
         """Each token's own text (as the OpenAI API's ``tokens`` and top log-probabilities show
-        it): one call into the tokenizer for all of them."""
-        order = sorted(ids)
-        if self.tokenizer is None:
-            return {t: f"token_id:{t}" for t in order}
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)  # a fast tokenizer's own (Rust) batch
-        if backend is not None:
-            return dict(zip(order, backend.decode_batch([[t] for t in order], skip_special_tokens=False)))
-        return dict(zip(order, self.tokenizer.batch_decode([[t] for t in order], skip_special_tokens=False)))
+        it). A token's text never changes, so each is decoded once (one call into the tokenizer
+        for the ones not seen yet) and kept: at most the vocabulary's size, and a prompt's
+        tokens are mostly ones seen before (decoding 32 of them took more than the rest of an
+        OpenAI request's own work)."""
+        known = self._pieces
+        new = sorted(t for t in ids if t not in known)
+        if new:
+            if self.tokenizer is None:
+                texts = [f"token_id:{t}" for t in new]
+            else:
+                backend = getattr(self.tokenizer, "backend_tokenizer", None)  # a fast tokenizer's own (Rust)
+                texts = (backend.decode_batch([[t] for t in new], skip_special_tokens=False) if backend is not None
+                         else self.tokenizer.batch_decode([[t] for t in new], skip_special_tokens=False))
+            known.update(zip(new, texts))
+        return {t: known[t] for t in ids}
 
 
 def eos_ids(path: str, module: nn.Module, codec: Codec) -> frozenset[int]:

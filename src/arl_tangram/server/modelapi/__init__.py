@@ -23,6 +23,7 @@ from . import openai, pooling, rewards, sglang
 from .common import ApiError, error_body
 from .config import ModelApiConfig, Quota, RewardRoute
 from .engine import Calls
+from .table import Table
 
 #: the paths the protocols' routes take (their errors, routing's included, are in their shape)
 PREFIXES = ("/generate", "/classify", "/pooling", "/models/", "/v1/completions", "/v1/chat/completions",
@@ -38,14 +39,17 @@ class Reach(NamedTuple):
 
 
 def routes(router: Any, calls: Any, guarded: Sequence[Any], config: ModelApiConfig | None = None) -> None:
-    """Every protocol's routes over ``calls``; the reward routes ``config`` names."""
+    """Every protocol's routes over ``calls``; the reward routes ``config`` names. They stand
+    first in ``router``'s table as one entry matched by path (``table.py``)."""
     reach = Reach(lambda *a: calls.modelapi_models(*a), lambda *a: calls.modelapi_generate(*a),  # looked up
                   lambda *a: calls.modelapi_classify(*a))  # when called, as every dialect's routes do
-    sglang.routes(router, reach, guarded)
-    openai.routes(router, reach, guarded)
-    pooling.routes(router, reach, guarded)
+    table = Table()
+    sglang.routes(table, reach, guarded)
+    openai.routes(table, reach, guarded)
+    pooling.routes(table, reach, guarded)
     for r in (config.reward_routes if config is not None else ()):
-        rewards.add(router, reach, guarded, r)
+        rewards.add(table, reach, guarded, r)
+    router.routes.insert(0, table)
 
 
 def dialect(config: ModelApiConfig | None = None) -> Dialect:

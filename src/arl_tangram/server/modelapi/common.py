@@ -109,18 +109,20 @@ def lp(x: float | None) -> float | None:
 
 async def body_of(request: Request, model: type[BaseModel]) -> Any:
     """The request's JSON body validated into ``model``; a 400 in the protocol's shape naming the
-    first field that is wrong."""
+    first field that is wrong. Parsed and validated in one pass by pydantic's own JSON parser: the
+    standard library's ``json.loads`` alone took twice what the whole pass does."""
     raw = await request.body()
-    try:
-        data = json.loads(raw) if raw else None
-    except (ValueError, RecursionError):
-        raise bad("body: not valid JSON") from None
-    if not isinstance(data, dict):
+    if not raw:
         raise bad("body: must be a JSON object")
     try:
-        return model.model_validate(data)
+        return model.model_validate_json(raw)
     except ValidationError as e:
         first = e.errors()[0]
+        kind = first.get("type")
+        if kind == "json_invalid":
+            raise bad("body: not valid JSON") from None
+        if kind == "model_type" and not first.get("loc"):
+            raise bad("body: must be a JSON object") from None
         where = ".".join(str(x) for x in first.get("loc", ()))
         raise bad(f"{where or 'body'}: {first.get('msg', 'invalid')}", where.split(".")[0] or None) from None
 
@@ -130,7 +132,7 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 def route(router: Any, path: str, methods: Sequence[str], protocol: str, guarded: Sequence[Any],
           fn: Endpoint) -> None:
-    """Add ``fn`` at ``path``: the token or API key checked first (``guarded``: the dependencies
+    """Add ``fn`` at ``path`` of ``router`` (the protocols' ``Table``): the token or API key checked first (``guarded``: the dependencies
     every dialect's routes carry, each ``async fn(request)``), every failure answered in
     ``protocol``'s error shape."""
     checks = [d.dependency for d in guarded]
