@@ -387,6 +387,6 @@ def test_tangram_serve_with_ray_takes_task_images_and_prewarms_on_n_nodes(world,
     assert (r.outcome, r.run.stdout) == ("ok", "shapes3\n"), r.message
     assert warm.status_code == 200, warm.text
     assert warm.json()["ready"] == 2 and warm.json()["image"] == t3 and _task_layer_gets(world, 3) == 2
-    assert too_many.status_code == 400 and "nodes: 3 asked" in too_many.text
+    assert too_many.status_code == 422 and "nodes: 3 asked" in too_many.text
     assert bad.status_code in (400, 422) and "Not_A_Ref" in bad.text
     assert pulls and pulls[0] >= 2  # t3 on each node, each its own pull
