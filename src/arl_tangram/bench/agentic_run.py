@@ -109,8 +109,8 @@ async def _run(policy: str, trajs: list[Trajectory], sizes: Sizes, device: str, 
                seed: int, log: Callable[[str], None]) -> Measured:
     models = services(sizes, device)
     gpu_kw, gpu_scale = layout(policy, len(models), device)
-    api = JudgeApi(ApiQuota("judge", sizes.judge_rate_per_s, sizes.judge_concurrency))
     quota = ApiQuota("judge", sizes.judge_rate_per_s, sizes.judge_concurrency)
+    api = JudgeApi(quota)
     config = SandboxConfig(warm_sessions=min(len(trajs), 32))
     finished: list[Finished] = []
     async with Tangram.local(policy, sandbox=config, cores=cores, profile=Profile(trajectories=len(trajs)),
@@ -120,11 +120,7 @@ async def _run(policy: str, trajs: list[Trajectory], sizes: Sizes, device: str, 
         t0 = time.monotonic()
         await rt.warm_up(60.0)
         weights = {name: ld.weights_gb for name, ld in rt.models.loaded.items()}
-        for m in models:  # every copy loaded before the step, as a deployment between steps has them
-            op = "score" if m.loader.endswith("reward_model") else "logprobs"
-            r = await rt.submit(_model_action(rt, m.name, op, [1, 2, 3], weights[m.name], None, None))
-            if not r.ok:
-                raise RuntimeError(f"{policy}: warming {m.name} failed ({r.outcome.value}): {r.message}")
+        await _warm_models(rt, models, trajs, weights, policy)
         log(f"{policy}: ready in {time.monotonic() - t0:.1f}s ({len(models)} models, {cores} cores)")
         rt.record(trace)
         rt.engine.listeners.append(finished.append)
@@ -146,6 +142,33 @@ async def _run(policy: str, trajs: list[Trajectory], sizes: Sizes, device: str, 
                    first_submission_s=min(f.submitted_at for f in finished) - start)
     acts = [f.act_s for f in finished if f.outcome is not Outcome.REJECTED]
     return Measured(policy, figures, cluster, costs, trace, gpu_scale, acts)
+
+
+async def _warm_models(rt, models: list[ModelServiceConfig], trajs: list[Trajectory], weights: dict[str, float],
+                       policy: str) -> None:
+    """Every copy loaded before the step, as a deployment between steps has them, and run at each
+    length bucket the step will send it (powers of two up to its longest sequence), twice: a
+    bucket's first batch runs eagerly and its CUDA graph is captured after it, holding the GPU
+    alone, which the step's own batches would otherwise wait for."""
+    longest: dict[str, int] = {}
+    for t in trajs:
+        for st in t.steps:
+            if st.model:
+                longest[st.model] = max(longest.get(st.model, 2), len(st.tokens))
+    for rnd in range(2):
+        for m in models:
+            op = "score" if m.loader.endswith("reward_model") else "logprobs"
+            n = 64
+            while True:
+                r = await rt.submit(_model_action(rt, m.name, op, [1] * min(n, max(2, longest.get(m.name, 2))),
+                                                  weights[m.name], None, None))
+                if not r.ok:
+                    raise RuntimeError(f"{policy}: warming {m.name} failed ({r.outcome.value}): {r.message}")
+                if n >= longest.get(m.name, 2):
+                    break
+                n *= 2
+        if rnd == 0:
+            await asyncio.sleep(0.5)  # the captures after the first batches, off the callers' path
 
 
 def _model_action(rt, model: str, op: str, tokens: list[int], weights_gb: float, trajectory: str | None,
