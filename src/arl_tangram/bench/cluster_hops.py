@@ -28,21 +28,24 @@ flight, the in-process rate beside it, and the bench process's CPU (the head, it
 the client, ``cpu.ClusterCpuMeter``) per action. ``message_bytes``: what crosses the link for
 one action, pickled (the call's arguments, the answer).
 
-``profiled`` (``profiled`` > 0): that many more under load with the main thread profiled
-(``cProfile`` on its CPU clock, ``time.thread_time``): its CPU per action by ``GROUPS`` and the
-functions that cost most of their own. The profiler's own cost per call inflates code of many
-small calls (the engine's, asyncio's) against code in C (Ray's Cython core): shares to rank what
-to cut, not figures to add up with the unprofiled ones.
+``profiled`` (``profiled`` > 0): that many more under load with the main thread sampled
+(``MainSampler``): its CPU per action (``time.thread_time``) split by ``GROUPS`` in the shares of
+the samples that found it busy, and the functions most often found running. Sampled, not traced:
+``cProfile`` traces every call, which inflates code of many small calls against code in C, and
+on Python 3.12 (``sys.monitoring``) it sees every thread, Ray's too, while its clock is one
+thread's. A sample is taken when the sampler gets the GIL, so time in C code that holds it
+(pickling, Ray's Cython core, the compiled engine) goes to the Python function that called it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import cProfile
 import os
 import pickle
-import pstats
+import sys
+import threading
 import time
+from collections import Counter
 from typing import Any, Callable
 
 from ..runtime.agent import NodeAgent
@@ -63,7 +66,7 @@ GROUPS = (("ray", ("/ray/", "ray._raylet", "'ray.", "Pickler.dump", "/msgpack/",
 
 
 def group_of(key: tuple[str, int, str]) -> str:
-    """A ``pstats`` key's group (``GROUPS``; ``other`` where none matches)."""
+    """A function's group (``GROUPS``; ``other`` where none matches) by its file, first line and name."""
     where = f"{key[0]} {key[2]}"
     for name, marks in GROUPS:
         if any(m in where for m in marks):
@@ -170,18 +173,64 @@ async def _probe(tg: Any, stamps: HeadStamps, n: int, concurrency: int, prefix: 
     return clients, time.perf_counter() - t0
 
 
-def profile_shares(prof: cProfile.Profile, n: int, top: int = 12) -> dict:
-    """The profiled CPU per action (ms) by group, and the ``top`` functions by their own time."""
-    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-    groups: dict[str, float] = {}
-    for key, (_, _, own, _, _) in stats.items():
-        g = group_of(key)
-        groups[g] = groups.get(g, 0.0) + own
-    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-    return {"ms_per_action": {g: round(v * 1000 / max(1, n), 4) for g, v in sorted(groups.items(), key=lambda kv: -kv[1])},
-            "top": [{"function": f"{os.path.basename(k[0])}:{k[1]} {k[2]}", "group": group_of(k), "calls_per_action":
-                     round(v[1] / max(1, n), 2), "own_ms_per_action": round(v[2] * 1000 / max(1, n), 4)}
-                    for k, v in ranked]}
+class MainSampler:
+    """The main thread's running function every ``every_s`` (a thread reading its frame), its
+    group counted; found waiting for events (the kernel's ``wchan`` of the thread names an
+    ``epoll`` or ``poll`` wait: uvloop waits in C, below any Python frame; or, where ``wchan``
+    says nothing, the frame is ``selectors``' wait) it is idle and not counted. A busy sample whose
+    frame is ``asyncio.runners``' is uvloop's own C code (its callbacks' bookkeeping): ``asyncio``."""
+
+    def __init__(self, every_s: float = 0.001) -> None:
+        self.every_s = every_s
+        self.main = threading.main_thread().ident
+        self.wchan = f"/proc/self/task/{threading.main_thread().native_id}/wchan"
+        self.groups: Counter = Counter()
+        self.functions: Counter = Counter()
+        self.idle = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="main thread sampler", daemon=True)
+        self._switch = sys.getswitchinterval()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            frame = sys._current_frames().get(self.main)
+            if frame is None:
+                continue
+            code = frame.f_code
+            try:
+                with open(self.wchan) as fh:
+                    waits = "poll" in fh.read()
+            except OSError:
+                waits = False
+            if waits or (code.co_name == "select" and code.co_filename.endswith("selectors.py")):
+                self.idle += 1
+                continue
+            key = (code.co_filename, code.co_firstlineno, code.co_name)
+            self.groups[group_of(key)] += 1
+            self.functions[key] += 1
+
+    def __enter__(self) -> "MainSampler":
+        sys.setswitchinterval(min(self._switch, self.every_s / 2))  # the sampler gets the GIL in time
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        sys.setswitchinterval(self._switch)
+
+    def shares(self, cpu_ms_per_action: float, top: int = 12) -> dict:
+        """The main thread's CPU per action (ms) split by group in the busy samples' shares, and
+        the ``top`` functions most often found running."""
+        busy = sum(self.groups.values())
+
+        def ms(k: int) -> float:
+            return round(cpu_ms_per_action * k / busy, 4) if busy else 0.0
+
+        return {"samples": busy, "idle_samples": self.idle, "cpu_ms_per_action": round(cpu_ms_per_action, 4),
+                "ms_per_action": {g: ms(k) for g, k in self.groups.most_common()},
+                "top": [{"function": f"{os.path.basename(f)}:{line} {name}", "group": group_of((f, line, name)),
+                         "share": round(k / busy, 4)} for (f, line, name), k in self.functions.most_common(top)]}
 
 
 def hops(address: str, nodes: int, cores: int, alone: int, loaded: int, per_core: int,
@@ -206,13 +255,11 @@ def hops(address: str, nodes: int, cores: int, alone: int, loaded: int, per_core
             cpu = ClusterCpuMeter.per_action(before, meter.read(), len(second))
             shares = None
             if profiled:
-                prof = cProfile.Profile(time.thread_time)
-                prof.enable()
-                try:
+                with MainSampler() as sampler:
+                    t = time.thread_time()
                     third, _ = await _probe(tg, stamps, profiled, per_core * nodes * cores, "profiled")
-                finally:
-                    prof.disable()
-                shares = profile_shares(prof, len(third))
+                    used = time.thread_time() - t
+                shares = sampler.shares(used * 1000 / max(1, len(third)))
             agents: dict[str, list[float]] = {}
             sizes: list[tuple[int, int]] = []
             for node in rt.nodes_by_id.values():
@@ -235,12 +282,19 @@ def hops(address: str, nodes: int, cores: int, alone: int, loaded: int, per_core
                                   "answer": max((s[1] for s in sizes), default=None)},
                 **({"profiled": {"n": profiled, **shares}} if shares is not None else {})}
 
-    r = asyncio.run(main())
+    try:  # the loop the server's engine process runs on, where installed
+        import uvloop
+        runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
+        loop = "uvloop"
+    except ImportError:
+        runner, loop = asyncio.Runner(), "asyncio"
+    with runner:
+        r = {"loop": loop, **runner.run(main())}
     a, b = r["alone"].get("p50_ms", {}), r["loaded"].get("p50_ms", {})
-    log(f"hops, {nodes} node(s), p50 ms alone / loaded: " + ", ".join(
+    log(f"hops, {nodes} node(s), {loop}, p50 ms alone / loaded: " + ", ".join(
         f"{h} {a.get(h)}/{b.get(h)}" for h in (*HOPS, "total")))
     log(f"  in process: {r['loaded']['actions_per_s']} actions/s loaded; this process's CPU ms/action "
         f"{r['loaded']['process_cpu_ms_per_action']}; message bytes {r['message_bytes']}")
     if "profiled" in r:
-        log(f"  main thread profiled, ms/action by group: {r['profiled']['ms_per_action']}")
+        log(f"  main thread sampled, ms/action by group: {r['profiled']['ms_per_action']}")
     return r
