@@ -57,14 +57,20 @@ def _sim_figures(result, gpu_scale: float) -> dict:
 
 
 def _search(trajs, sizes, device: str, cores: int, target_s: float, runs: int, seed: int, tmp: Path,
-            log: Callable[[str], None]) -> list[Measured]:
+            log: Callable[[str], None], failures: list[str]) -> list[Measured]:
     """Tangram on fewer cores, by bisection over [1, cores): each try a real run. Stops after
-    ``runs`` tries or when the interval closes."""
+    ``runs`` tries, when the interval closes, or at a try that fails (its reason in
+    ``failures``: the runs before it still count)."""
     tries: list[Measured] = []
     good, bad = cores, 0  # Tangram met the target on all cores (checked by the caller); 0 cores cannot
     while len(tries) < runs and good - bad > 1:
         mid = (good + bad) // 2
-        m = measure("tangram", trajs, sizes, device, mid, tmp / f"tangram-{mid}.jsonl", seed, log)
+        try:
+            m = measure("tangram", trajs, sizes, device, mid, tmp / f"tangram-{mid}.jsonl", seed, log)
+        except RuntimeError as e:
+            failures.append(f"tangram on {mid} cores: {e}")
+            log(failures[-1])
+            break
         tries.append(m)
         if m.figures["step_s"] <= target_s:
             good = mid
@@ -136,7 +142,8 @@ def run(device: str = "cpu", groups: int | None = None, k: int | None = None, tu
         runs = {p: measure(p, trajs, sizes, device, cores, tmp / f"{p}.jsonl", seed, log) for p in POLICIES}
         t, s = runs["tangram"], runs[BASELINE]
         target = s.figures["step_s"]
-        tries = _search(trajs, sizes, device, cores, target, search_runs, seed, tmp, log) \
+        failures: list[str] = []
+        tries = _search(trajs, sizes, device, cores, target, search_runs, seed, tmp, log, failures) \
             if t.figures["step_s"] <= target else []
         trace = tmp / "tangram-replay.jsonl"
         shift_first_gaps(t.trace, trace, t.figures["first_submission_s"], _judge_work(trajs, "tangram"))
@@ -166,6 +173,7 @@ def run(device: str = "cpu", groups: int | None = None, k: int | None = None, tu
         sim_target = report["policies"][BASELINE]["simulated"]["step_s"]
         sim_min, sim_steps = _sim_search(trace, t.cluster, t.costs, cores, sim_target, seed)
         report["equal_step"] = _equal_step(runs, tries, cores, target, sim_min, sim_steps, sim_target)
+        report["equal_step"]["failed_tries"] = failures
         report["comparison"] = _comparison(report["policies"])
         report["targets"] = _targets(report)
         report["wall_s"] = time.monotonic() - t0

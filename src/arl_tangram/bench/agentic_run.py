@@ -179,7 +179,6 @@ def _model_action(rt, model: str, op: str, tokens: list[int], weights_gb: float,
 
 
 async def _trajectory(tg: Tangram, policy: str, t: Trajectory, weights: dict[str, float]) -> float:
-    rt = tg.runtime
     s = await tg.session(job=JOB, trajectory=f"{policy}-{t.id}")
     left = len(t.steps)
     for st in t.steps:
