@@ -162,6 +162,11 @@ def test_sandboxes_exec_code_run_and_states(server, sdk):
         assert sb.process.exec("echo partial; exit 3").exit_code == 3
         assert sb.process.exec("cd /tmp; export GONE=1").exit_code == 0
         assert sb.process.exec("pwd; echo ${GONE:-unset}").result == "/home/user\nunset\n"  # exec keeps nothing
+        # parsed as one unit, its stdin empty, its own here-document and a last external command
+        r = sb.process.exec("cat; cat <<'EOF'\nin doc\nEOF\nls -d /tmp")
+        assert (r.exit_code, r.result) == (0, "in doc\n/tmp\n")
+        r = sb.process.exec("echo 'unterminated")
+        assert r.exit_code == 2 and "unexpected EOF" in r.result
         with pytest.raises(DaytonaProcessExecutionTimeoutError):
             sb.process.exec("sleep 5", timeout=1)
         assert sb.process.exec("echo next").result == "next\n"  # the sandbox goes on, whole
@@ -247,6 +252,9 @@ def test_process_sessions(server, sdk):
         assert r.output == "/tmp\n42 7\nfn1\ne\n"
         assert p.execute_session_command("s1", SessionExecuteRequest(command="exit 5")).exit_code == 5
         assert p.execute_session_command("s1", SessionExecuteRequest(command="echo $X")).stdout == "42\n"
+        p.execute_session_command("s1", SessionExecuteRequest(command="a=(1 '2 3'); nl=$'x\\ny'; __own=1"))
+        r = p.execute_session_command("s1", SessionExecuteRequest(command='echo "${a[1]}|$nl|${__own:-not kept}"'))
+        assert r.stdout == "2 3|x\ny|not kept\n"
         p.create_session("s2")  # another session: its own directory and variables
         assert p.execute_session_command("s2", SessionExecuteRequest(command="pwd; echo ${X:-none}")).stdout == \
             "/home/user\nnone\n"

@@ -35,7 +35,7 @@ EXEC_TIMEOUT_S = 10.0
 #: the interpreters ``code-run`` runs its code with, by the sandbox's language label
 INTERPRETERS = {"python": ["python3", "-c"], "javascript": ["node", "-e"],
                 "typescript": ["npx", "--yes", "tsx", "-e"]}
-#: where a process session keeps its state in the sandbox (a prefix: ``.cwd``, ``.vars``)
+#: where a process session keeps its state in the sandbox (a prefix: ``.cwd``, ``.vars``, ``.names``)
 STATE_ROOT = "/tmp/.tangram-daytona-"
 #: variables a session's state leaves out: the shell's own, and the state step's
 NOT_KEPT = ("BASH*|EUID|PPID|SHELLOPTS|UID|GROUPS|FUNCNAME|PIPESTATUS|SECONDS|RANDOM|SRANDOM|LINENO|EPOCHREALTIME|"
@@ -43,12 +43,16 @@ NOT_KEPT = ("BASH*|EUID|PPID|SHELLOPTS|UID|GROUPS|FUNCNAME|PIPESTATUS|SECONDS|RA
 #: one command of a process session: its state read, the command run, its state written as it
 #: exits (an ``exit`` in the command included). Shell builtins and keywords only, so that a
 #: ``grep`` or ``mkdir`` the session's commands replaced does not break its state; every name is
-#: quoted by the caller
+#: quoted by the caller. The variables' names are listed into a file and read back whole
+#: (``mapfile``), and those kept printed by one ``declare -p``: no process for the list, no read
+#: a byte at a time from a pipe, one builtin call (half the state's cost of a loop over
+#: ``compgen -v`` through a pipe, one ``declare -p`` a name)
 SESSION_STEP = ("( __s={state}; {exports}[ -f \"$__s.vars\" ] && . \"$__s.vars\" >/dev/null 2>&1; "
                 "if [ -f \"$__s.cwd\" ]; then read -r __c < \"$__s.cwd\"; cd -- \"$__c\" 2>/dev/null; "
                 "else cd -- {home}; fi; "
-                "trap '__rc=$?; {{ pwd > \"$__s.cwd\"; {{ while IFS= read -r __v; do case $__v in {skip}) ;; "
-                "*) declare -p \"$__v\";; esac; done < <(compgen -v); declare -f; }} > \"$__s.vars\"; }} 2>/dev/null; "
+                "trap '__rc=$?; {{ pwd > \"$__s.cwd\"; compgen -v > \"$__s.names\"; mapfile -t __vs < \"$__s.names\"; "
+                "__k=(); for __v in \"${{__vs[@]}}\"; do case $__v in {skip}) ;; *) __k+=(\"$__v\");; esac; done; "
+                "{{ declare -p \"${{__k[@]}}\"; declare -f; }} > \"$__s.vars\"; }} 2>/dev/null; "
                 "exit $__rc' EXIT; eval {command} )")
 
 
@@ -67,6 +71,19 @@ def base_env(box: Box) -> dict[str, str]:
 
 def _exports(env: dict[str, str]) -> str:
     return f"export {' '.join(shlex.quote(f'{k}={v}') for k, v in env.items())} && " if env else ""
+
+
+def in_subshell(prelude: str, command: str) -> str:
+    """``command`` run in a subshell after ``prelude`` (``export``s and a ``cd``, each ending in
+    ``&&``), stdout and stderr as one. The command is the subshell's stdin, a here-document that
+    it sources (``. /dev/stdin``): parsed as one unit, as ``eval`` would parse it, but the last
+    command it runs takes the subshell's own process (bash forks again for a command ``eval``
+    runs last in a subshell, not for one a sourced file runs last: one process per external
+    command, as the native API's). The shell reads the whole of it before running any, so the
+    command's own stdin is empty, as a step's is; the here-document's end is a word the command
+    cannot know."""
+    mark = f"TANGRAM_{uuid.uuid4().hex}"
+    return f"( {prelude}. /dev/stdin ) 2>&1 <<'{mark}'\n{command}\n{mark}"
 
 
 def callers_error(err: BaseException) -> bool:
@@ -144,7 +161,7 @@ async def daytona_exec(service: Service, sid: str, body: dict) -> dict:
     async with Using(service, sid) as (box, s):
         env = {**base_env(box), **variables(body.get("envs"), "envs")}
         cwd = abs_path(body.get("cwd") or HOME_ALIAS, "cwd")
-        shell = f"( {_exports(env)}cd -- {shlex.quote(cwd)} && eval {shlex.quote(command)} ) 2>&1"
+        shell = in_subshell(f"{_exports(env)}cd -- {shlex.quote(cwd)} && ", command)
         r = await step(service, box, s, shell, _timeout(body.get("timeout")),
                        posixpath.basename(command.split()[0]) if command.split() else "shell")
     code, out, err = ran(r, sid)
