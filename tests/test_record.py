@@ -138,3 +138,27 @@ def test_a_real_run_recorded_and_replayed_matches_the_measured_acts(tmp_path):
     print(json.dumps(err))
     assert err["actions"] == 12
     assert abs(err["avg_act_error"]) < 0.5
+
+
+def test_a_model_call_without_its_own_weights_is_recorded_with_the_services_and_loads(tmp_path, harness):
+    """A batch the runtime forms from several callers carries no ``weights_gb``: the recorder
+    writes the registered service's, which a model line needs to load."""
+    from arl_tangram.core import ModelSpec, uniform_cluster
+    from arl_tangram.policy import tangram_policy
+
+    cluster = uniform_cluster(cpus=1, gpus=1, models=(ModelSpec("teacher", 2.0),))
+    h = harness(cluster, tangram_policy())
+    path = tmp_path / "models.jsonl"
+    rec = TraceRecorder(path, models=cluster.models)
+    h.engine.listeners.append(rec)
+    h.submit("m", service="model:teacher", gpu=1)
+    started = h.schedule()
+    h.finish_loads()
+    started.update(h.schedule())
+    assert "m" in started
+    h.advance(0.2)
+    h.complete("m", exec_s=0.2)
+    rec.close()
+    (line,) = [json.loads(x) for x in path.read_text().splitlines()]
+    assert line["service"] == "model:teacher" and line["weights_gb"] == 2.0
+    assert load_trace(path).num_actions == 1

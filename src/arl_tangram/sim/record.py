@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO
 
 from ..core.action import API_PREFIX, Finished
-from ..core.cluster import ApiQuota
+from ..core.cluster import ApiQuota, ModelSpec
 
 
 @dataclass(slots=True)
@@ -47,12 +47,17 @@ class _Step:
 
 
 class TraceRecorder:
-    """Writes every started action that finishes to ``path`` (JSONL); call ``close()`` at the end."""
+    """Writes every started action that finishes to ``path`` (JSONL); call ``close()`` at the end.
+    ``models``: the cluster's model services, whose weights a model call that does not carry its
+    own (a batch the runtime formed from several callers) is written with, since a trace line of a
+    model service needs them to load."""
 
-    def __init__(self, path: str | Path | IO[str], quotas: tuple[ApiQuota, ...] = ()) -> None:
+    def __init__(self, path: str | Path | IO[str], quotas: tuple[ApiQuota, ...] = (),
+                 models: tuple[ModelSpec, ...] = ()) -> None:
         self._fh = open(path, "w", encoding="utf-8") if isinstance(path, (str, Path)) else path
         self._owns = isinstance(path, (str, Path))
         self._quotas = {q.name: q for q in quotas}
+        self._weights = {m.name: m.weights_gb for m in models}
         self._quota_written: set[str] = set()
         self._steps: dict[tuple[str, int], _Step] = {}
         self._latest_step: dict[str, int] = {}
@@ -89,8 +94,9 @@ class TraceRecorder:
             line["demand"] = {k: list(v) for k, v in a.demand.ranges.items()}
         if a.parallel_fraction:
             line["parallel_fraction"] = a.parallel_fraction
-        if a.weights_gb:
-            line["weights_gb"] = a.weights_gb
+        weights = a.weights_gb or self._weights.get(a.model or "", 0.0)
+        if weights:
+            line["weights_gb"] = weights
         for name in ("operation", "hint_s", "timeout_s"):
             value = getattr(a, name)
             if value:
