@@ -850,4 +850,8 @@ def test_bench_daytona_prints_its_figures():
 
     out = run(3, 4, open_concurrency=2)
     assert (out["open_at_once"]["open"], out["open_at_once"]["errors"]) == (4, [])
-    assert all(out[k]["n"] == 3 for k in ("create_and_first_exec", "exec_true", "code_run"))
+    figures = out["side_by_side"]
+    assert set(figures) == {"create_and_first_exec", "exec_true", "code_run", "exec_bin_true", "session_command"}
+    for k, sides in figures.items():  # each beside the SDK's floor and the native API, as ratios
+        assert all(sides[s]["n"] == 3 and sides[s]["p50_ms"] > 0 for s in ("daytona", "floor", "native")), k
+        assert sides["vs_floor"] > 0 and sides["vs_native"] > 0
