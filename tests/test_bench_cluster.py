@@ -75,7 +75,8 @@ def test_the_cluster_meter_reads_the_head_by_thread_and_ray_s_processes_by_title
             p.wait()
     h = cpu["head"]
     assert 300 <= h["main"] <= 700 and 200 <= h["ray_threads"] <= 500 and 100 <= h["other_threads"] <= 400, h
-    assert h["total"] == round(sum(v for k, v in h.items() if k != "total"), 3)
+    assert h["total"] == round(sum(v for k, v in h.items() if k not in ("total", "sys")), 3)
+    assert 0 <= h["sys"]["main"] <= h["main"] and 0 <= h["sys"]["ray_threads"] <= h["ray_threads"], h
     assert len(cpu["agents"]["each"]) == 1 and 200 <= cpu["agents"]["total"] <= 450, cpu["agents"]
     ray = cpu["ray"]
     assert ray["raylet"] >= 150 and ray["gcs"] >= 150 and ray["ray_workers"] >= 150, ray
@@ -181,6 +182,7 @@ def test_bench_cluster_reports_each_part_s_cpu_the_hops_the_local_server_and_the
     assert cpu["head"]["main"] > 0 and cpu["sandboxes"] > 0 and cpu["ray"]["raylet"] >= 0, cpu
     assert len(cpu["agents"]["each"]) == 1 and cpu["agents"]["total"] > 0, cpu
     assert row["idle_cpu_per_s"]["ray_total"] >= 0
+    assert {"ray", "gcs", "raylet", "agents"} <= set(row["net_of_idle_ms_per_action"]), row
     hops = row["hops"]
     assert hops["alone"]["n"] == 5 and hops["loaded"]["n"] == 30, hops
     assert set(hops["loaded"]["p50_ms"]) == {*HOPS, "total"} and hops["loaded"]["p50_ms"]["sandbox"] > 0

@@ -4,7 +4,9 @@
 * ``head_row``: trivial one-shots (``/run_code``) at ``per_core`` concurrent requests per node core:
   actions/s, latency percentiles, and the CPU per action of every part (``cpu.ClusterCpuMeter``:
   the head by thread, its fronts, each node's agent, Ray's processes, the sandboxes, the load
-  generator, the host's busy CPU), with Ray's and the agents' idle CPU per second beside it.
+  generator, the host's busy CPU), with Ray's and the agents' idle CPU per second beside it and
+  their figures net of it (``net_of_idle_ms_per_action``: at a few dozen actions/s, what Ray's
+  processes spend anyway is most of their figure per action; at thousands, little of it).
 * ``local_row``: the same load on ``tangram serve`` without Ray, pinned (``taskset``) to the cores
   the cluster's nodes gave their sandboxes: what one machine of those cores does.
 * ``sessions_run``: ``sessions`` sessions opened over the cluster, each left with a state by a
@@ -38,7 +40,7 @@ from .cpu import ClusterCpuMeter
 from .server import _poster, _tail, default_client, free_port, wait_up
 
 #: seconds of quiet over which Ray's processes and the agents are read idle
-IDLE_S = 1.0
+IDLE_S = 3.0
 
 
 class Head:
@@ -175,8 +177,14 @@ def measure(head: Head, actions: int, concurrency: int, work_ms: float, ray_root
     row = {"actions": actions, "concurrency": concurrency, "work_ms": work_ms, "errors": errors,
            "actions_per_s": round(len(lat) / span, 1), "p50_ms": _ms(lat, 50), "p99_ms": _ms(lat, 99),
            "client": client, "cpu_ms_per_action": ClusterCpuMeter.per_action(before, after, len(lat))}
-    if idle is not None:
+    if idle is not None:  # what Ray and the agents spend anyway, over the span: the rest is the actions'
         row["idle_cpu_per_s"] = idle
+        cpu = row["cpu_ms_per_action"]
+        at_rest = span * 1000 / max(1, len(lat))
+        row["net_of_idle_ms_per_action"] = {
+            "ray": round(cpu["ray"]["total"] - idle["ray_total"] * at_rest, 3),
+            **{k: round(cpu["ray"][k] - v * at_rest, 3) for k, v in idle["ray"].items()},
+            "agents": round(cpu["agents"]["total"] - idle["agents_total"] * at_rest, 3)}
     return row
 
 
@@ -184,7 +192,8 @@ def cpu_text(cpu: dict) -> str:
     """A row's ``cpu_ms_per_action`` in a line."""
     h = cpu["head"]
     ray = cpu["ray"]
-    parts = [f"head {h['total']} (main {h['main']}, ray threads {h['ray_threads']}, other {h['other_threads']}, "
+    parts = [f"head {h['total']} (main {h['main']} [{h['sys']['main']} kernel], ray threads {h['ray_threads']} "
+             f"[{h['sys']['ray_threads']} kernel], other {h['other_threads']}, "
              f"fronts {h['fronts']}, workers {h['workers']})"]
     if cpu["agents"]["each"]:
         parts.append(f"agents {cpu['agents']['total']} ({len(cpu['agents']['each'])} of them)")

@@ -277,7 +277,7 @@ def hops(address: str, nodes: int, cores: int, alone: int, loaded: int, per_core
                 "loaded": {**_summary(rows(second)), "concurrency": per_core * nodes * cores,
                            "actions_per_s": round(len(second) / span, 1),
                            "process_cpu_ms_per_action": {k: head[k] for k in ("main", "ray_threads", "other_threads",
-                                                                               "total")}},
+                                                                               "total", "sys")}},
                 "message_bytes": {"call": max((s[0] for s in sizes), default=None),
                                   "answer": max((s[1] for s in sizes), default=None)},
                 **({"profiled": {"n": profiled, **shares}} if shares is not None else {})}

@@ -343,9 +343,11 @@ def _cpu_s(pid: int) -> float:
 
 def _threads(pid: int) -> dict[str, float]:
     """``HEAD_THREADS`` of ``pid``: CPU seconds by thread kind (``/proc/<pid>/task``); the other
-    threads are the process's total less the two named kinds, so a thread that ended is in them."""
+    threads are the process's total less the two named kinds, so a thread that ended is in them.
+    ``main.sys`` and ``ray_threads.sys``: the kernel's part of those two (system calls: the
+    loop's waits and wake-ups, the sockets)."""
     total = _cpu_s(pid)
-    main = ray = 0.0
+    main = ray = main_sys = ray_sys = 0.0
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -361,10 +363,12 @@ def _threads(pid: int) -> dict[str, float]:
         fields = text.rsplit(")", 1)[1].split()
         used = (int(fields[11]) + int(fields[12])) / _ticks()
         if int(tid) == pid:
-            main = used
+            main, main_sys = used, int(fields[12]) / _ticks()
         elif not name.startswith(_PY_THREAD_NAMES):
             ray += used
-    return {"main": main, "ray_threads": ray, "other_threads": max(0.0, total - main - ray)}
+            ray_sys += int(fields[12]) / _ticks()
+    return {"main": main, "ray_threads": ray, "other_threads": max(0.0, total - main - ray),
+            "main.sys": main_sys, "ray_threads.sys": ray_sys}
 
 
 def _argv(pid: int) -> list[bytes]:
@@ -441,7 +445,8 @@ class ClusterCpuMeter:
         self.client = client_pid
 
     def read(self) -> dict:
-        out: dict = {"head": dict.fromkeys(HEAD_THREADS, 0.0) | {"fronts": 0.0, "workers": 0.0},
+        out: dict = {"head": dict.fromkeys(HEAD_THREADS, 0.0) | {"fronts": 0.0, "workers": 0.0, "main.sys": 0.0,
+                                                                  "ray_threads.sys": 0.0},
                      "agents": {}, "ray": dict.fromkeys(RAY_PARTS, 0.0), "sandboxes": 0.0, "client": 0.0,
                      "head_write_bytes": 0, "machine_busy": 0.0}
         idle, total = cpu_ticks()
@@ -492,7 +497,7 @@ class ClusterCpuMeter:
     @staticmethod
     def per_action(before: dict, after: dict, n: int) -> dict:
         """Milliseconds of CPU per action by part: ``head`` (each thread kind, fronts, workers,
-        ``total``), ``agents`` (``each``: one figure per agent alive at both readings, ``total``),
+        ``total``; ``sys``: the kernel's part of the main thread's and Ray's threads'), ``agents`` (``each``: one figure per agent alive at both readings, ``total``),
         ``ray`` (``RAY_PARTS``, ``total``), ``sandboxes``, ``client``; ``all``: their sum (the client
         left out), ``machine``: the host's busy CPU, ``unattributed``: machine less all and client;
         ``head_write_kb``: storage written by the head per action (KB)."""
@@ -501,6 +506,7 @@ class ClusterCpuMeter:
 
         head = {k: per(after["head"][k] - before["head"][k]) for k in (*HEAD_THREADS, "fronts", "workers")}
         head["total"] = round(sum(head.values()), 3)
+        head["sys"] = {k: per(after["head"][f"{k}.sys"] - before["head"][f"{k}.sys"]) for k in ("main", "ray_threads")}
         both = sorted(set(before["agents"]) & set(after["agents"]))
         each = [per(after["agents"][p] - before["agents"][p]) for p in both]
         new = sorted(set(after["agents"]) - set(before["agents"]))
