@@ -250,6 +250,88 @@ def test_the_openai_sdk_lists_completes_chats_and_streams(server):
         openai_client(server, key="wrong-key-0123456789").models.list()
 
 
+def sse_chunks(r: httpx.Response) -> list:
+    """The JSON events of a server-sent-events answer, checked to end with ``[DONE]``."""
+    import json
+
+    data = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_a_streamed_request_gets_each_token_between_two_steps_of_the_decode_loop(dirs):
+    """Streaming is the decode loop's own: the k-th token is handed on after the k-th forward
+    pass and before the next, with its log-probability and the text it settles; pickled (a model
+    on another node), the request is the plain one."""
+    import pickle
+
+    from transformers import AutoModelForCausalLM
+
+    from arl_tangram.managers.models import decode as dec
+    from arl_tangram.managers.models.generation import Generate, Sampling
+    from arl_tangram.server.modelapi.streams import Streamed
+
+    path = dirs["qwen2"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    codec = dec.Codec(path, "qwen2")
+    forwards: list[int] = []
+    model.register_forward_hook(lambda *a: forwards.append(1))
+    events: list[tuple] = []
+
+    def on_token(token, text, logprob, top, pieces):
+        events.append((len(forwards), token, text, logprob, top, pieces))
+
+    ask = Generate(text="Reinforcement learning", output_logprobs=True, top_logprobs=2, pieces=True,
+                   sampling=Sampling(max_new_tokens=10, temperature=0, ignore_eos=True))
+    other = Generate(ids=[5, 17, 3], sampling=Sampling(max_new_tokens=3, temperature=0))
+    got, plain = dec.generate(model, codec, dec.eos_ids(path, model, codec), [Streamed(ask, on_token), other])
+    assert [e[0] for e in events] == list(range(1, 11)) and len(forwards) == 10  # prefill, then 9 steps
+    assert [e[1] for e in events] == got.output_ids and [e[3] for e in events] == got.output_logprobs
+    assert [e[4] for e in events] == got.output_top and all(e[1] in e[5] for e in events)
+    said = "".join(e[2] for e in events)
+    assert said and got.text.startswith(said) and plain.error is None
+    assert type(pickle.loads(pickle.dumps(Streamed(ask, on_token)))) is Generate
+    assert pickle.loads(pickle.dumps(Streamed(ask, on_token))) == ask
+
+
+def test_streams_send_a_chunk_per_token_that_add_up_to_the_whole_answer(server):
+    base = {"model": "llama", "prompt": "Reinforcement", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    whole = post(server, "/v1/completions", {**base, "logprobs": 1}).json()["choices"][0]
+    chunks = sse_chunks(post(server, "/v1/completions", {**base, "logprobs": 1, "stream": True,
+                                                         "stream_options": {"include_usage": True}}))
+    tokens = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert len(tokens) == 12  # one chunk per token
+    assert [t["logprobs"]["tokens"][0] for t in tokens] == whole["logprobs"]["tokens"]
+    assert [t["logprobs"]["text_offset"][0] for t in tokens] == whole["logprobs"]["text_offset"]
+    assert [t["logprobs"]["token_logprobs"][0] for t in tokens] == pytest.approx(whole["logprobs"]["token_logprobs"])
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole["text"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["usage"]["completion_tokens"] == 12
+    # a stop string: no chunk sends what the answer cuts
+    text = whole["text"]
+    needle = next(text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].isprintable()
+                  and "\ufffd" not in text[i:i + 2])
+    cut = post(server, "/v1/completions", {**base, "stop": [needle]}).json()["choices"][0]
+    chunks = sse_chunks(post(server, "/v1/completions", {**base, "stop": [needle], "stream": True}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == cut["text"] and cut["finish_reason"] == "stop"
+    # chat, n samples: every choice's tokens, log-probabilities and text
+    chat = {"model": "qwen2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0.8,
+            "seed": 5, "n": 2, "logprobs": True, "ignore_eos": True}
+    want = post(server, "/v1/chat/completions", chat).json()["choices"]
+    chunks = sse_chunks(post(server, "/v1/chat/completions", {**chat, "stream": True}))
+    for i, w in enumerate(want):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""} and mine[-1]["finish_reason"] == "length"
+        entries = [e for c in mine if c["logprobs"] for e in c["logprobs"]["content"]]
+        assert [e["token"] for e in entries] == [e["token"] for e in w["logprobs"]["content"]]
+        assert [e["logprob"] for e in entries] == pytest.approx([e["logprob"] for e in w["logprobs"]["content"]])
+        assert "".join(c["delta"].get("content", "") for c in mine) == w["message"]["content"]
+    # an input the model refuses (past its context once templated) is the 400, not a stream
+    r = post(server, "/v1/chat/completions", {"model": "llama", "stream": True, "max_tokens": 2,
+                                              "messages": [{"role": "user", "content": "word " * 200}]})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
 # -- plain HTTP exactly as the frameworks send it --------------------------------------------------
 
 def test_slimes_teacher_and_remote_reward_model_bodies(server):
@@ -477,6 +559,10 @@ def test_tangram_serve_with_fronts_answers_the_protocols_across_the_link(tmp_pat
         chat = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
                                               max_tokens=3, temperature=0)
         assert chat.usage.completion_tokens <= 3
+        streamed = client.chat.completions.create(model="llama", messages=[{"role": "user", "content": "hi"}],
+                                                  max_tokens=3, temperature=0, stream=True)  # read across the link
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert text == chat.choices[0].message.content
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="llama", prompt=[1, 99999])
         assert e.value.body["param"] == "prompt"

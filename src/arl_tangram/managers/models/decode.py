@@ -14,6 +14,9 @@ its first new token stays masked out. A prompt's log-probabilities are read from
 logits exactly as the native ``logprobs`` op computes them (float32 log-softmax of the same
 forward), so both answer the same numbers for the same tokens.
 
+A request with an ``on_token`` (the model protocols' streamed request) is handed each of its
+tokens as it is chosen, in the loop's thread, with the text it adds once settled (``_emit``).
+
 Tokenizer and chat template come from the model directory, applied as transformers applies them
 (``apply_chat_template`` renders the text, which is then tokenized without special tokens). A
 request whose input is bad once seen here (a templated prompt past the context, text for a model
@@ -219,6 +222,13 @@ class _Row:
     prompt_logprobs: list[float | None] | None = None
     prompt_top: list[list[tuple[int, float]] | None] | None = None
     prompt_ranks: list[int | None] | None = None
+    # a streamed request's (``_emit``): its sink, the window of tokens its settled text is decoded
+    # in (from ``seen`` to ``read``), that text, and how much of it was handed on
+    on_token: Callable[..., None] | None = None
+    seen: int = 0
+    read: int = 0
+    said: str = ""
+    sent: int = 0
 
     @property
     def s(self) -> Sampling:
@@ -262,7 +272,7 @@ def generate(model: nn.Module, codec: Codec, eos: frozenset[int], batch: list) -
             continue
         budget = want if want is not None else room
         assert budget is not None
-        rows.append(_Row(i, req, prompt, budget))
+        rows.append(_Row(i, req, prompt, budget, on_token=getattr(req, "on_token", None)))
     if rows:
         _decode(model, rows, eos, codec)
     for r in rows:
@@ -317,6 +327,8 @@ def _decode(model: nn.Module, rows: list[_Row], eos: frozenset[int], codec: Code
         left = []
         for r, t in zip(going, tokens):
             _extend(r, t, eos, codec)
+            if r.on_token is not None:
+                _emit(r, codec)
             if not r.done:
                 left.append(r)
         if not left:
@@ -442,6 +454,31 @@ def _extend(r: _Row, token: int, eos: frozenset[int], codec: Codec) -> None:
             return
     if r.budget <= 0:
         r.done, r.finish = True, FINISH_LENGTH
+
+
+def _emit(r: _Row, codec: Codec) -> None:
+    """Hand a streamed row's new token on, with the text it adds once that text is settled: the
+    tokens are decoded in a window that starts one settled step back (a word's leading space
+    comes out as in the whole text), a character still split over tokens waits for its last
+    byte, and the last characters a stop string could begin with wait until it cannot. The
+    last token's text, and what was held back, the answer's text carries (cut before the stop
+    string it ended on)."""
+    token, s = r.out[-1], r.s
+    text = ""
+    if not r.done:  # the last token's text (cut where a stop string begins) is the answer's to give
+        before = codec.decode(r.out[r.seen:r.read], s.skip_special_tokens)
+        now = codec.decode(r.out[r.seen:], s.skip_special_tokens)
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            r.said += now[len(before):]
+            r.seen, r.read = r.read, len(r.out)
+        hold = max(len(x) for x in s.stop) - 1 if s.stop else 0
+        upto = max(r.sent, len(r.said) - hold)
+        text, r.sent = r.said[r.sent:upto], upto
+    logprob = r.logprobs[-1] if r.req.output_logprobs else None
+    top = r.tops[-1] if r.req.top_logprobs else None
+    pieces = codec.pieces({token, *(t for t, _ in top or ())}) if r.req.pieces else None
+    assert r.on_token is not None
+    r.on_token(token, text, logprob, top, pieces)
 
 
 def _answer(r: _Row, codec: Codec) -> Generated:

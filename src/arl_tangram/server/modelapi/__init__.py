@@ -36,13 +36,16 @@ class Reach(NamedTuple):
     models: Callable[..., Any]
     generate: Callable[..., Any]
     classify: Callable[..., Any]
+    stream_open: Callable[..., Any]
+    stream_read: Callable[..., Any]
 
 
 def routes(router: Any, calls: Any, guarded: Sequence[Any], config: ModelApiConfig | None = None) -> None:
     """Every protocol's routes over ``calls``; the reward routes ``config`` names. They stand
     first in ``router``'s table as one entry matched by path (``table.py``)."""
     reach = Reach(lambda *a: calls.modelapi_models(*a), lambda *a: calls.modelapi_generate(*a),  # looked up
-                  lambda *a: calls.modelapi_classify(*a))  # when called, as every dialect's routes do
+                  lambda *a: calls.modelapi_classify(*a),  # when called, as every dialect's routes do
+                  lambda *a: calls.modelapi_stream_open(*a), lambda *a: calls.modelapi_stream_read(*a))
     table = Table()
     sglang.routes(table, reach, guarded)
     openai.routes(table, reach, guarded)
@@ -63,7 +66,8 @@ def dialect(config: ModelApiConfig | None = None) -> Dialect:
                 or (p.startswith("/v1/models/") and request.method == "GET"))
 
     return Dialect("modelapi", {"modelapi_models": calls.models, "modelapi_generate": calls.generate,
-                                "modelapi_classify": calls.classify},
+                                "modelapi_classify": calls.classify, "modelapi_stream_open": calls.stream_open,
+                                "modelapi_stream_read": calls.stream_read},
                    routes if config is None else functools.partial(routes, config=config),
                    claims=claims, error=lambda status, message: error_body("openai", status, message),
                    relayed=(ApiError,), configure=lambda raw: dialect(ModelApiConfig.model_validate(raw)))

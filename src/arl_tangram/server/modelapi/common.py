@@ -130,11 +130,28 @@ async def body_of(request: Request, model: type[BaseModel]) -> Any:
 Endpoint = Callable[[Request], Awaitable[Response]]
 
 
+def as_api_error(e: Exception, what: str) -> ApiError:
+    """An exception as the protocols answer it: their own as it is, the key check's 401, a full
+    queue's 429, a lost engine process's 503, and anything else a 500 of ours (logged)."""
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, HTTPException):  # 401 from the key check
+        return ApiError(e.status_code, str(e.detail))
+    if isinstance(e, Overloaded):
+        return ApiError(429, str(e), retry_after_s=e.retry_after_s)
+    if isinstance(e, PeerGone):
+        return ApiError(503, str(e), retry_after_s=1)
+    if isinstance(e, RemoteFault):  # a fault of ours, never the caller's input; logged where it happened
+        return ApiError(500, f"internal error: {e.type_name}")
+    log.error("%s failed", what, exc_info=e)
+    return ApiError(500, f"internal error: {type(e).__name__}")
+
+
 def route(router: Any, path: str, methods: Sequence[str], protocol: str, guarded: Sequence[Any],
           fn: Endpoint) -> None:
-    """Add ``fn`` at ``path`` of ``router`` (the protocols' ``Table``): the token or API key checked first (``guarded``: the dependencies
-    every dialect's routes carry, each ``async fn(request)``), every failure answered in
-    ``protocol``'s error shape."""
+    """Add ``fn`` at ``path`` of ``router`` (the protocols' ``Table``): the token or API key
+    checked first (``guarded``: the dependencies every dialect's routes carry, each ``async
+    fn(request)``), every failure answered in ``protocol``'s error shape."""
     checks = [d.dependency for d in guarded]
 
     async def endpoint(request: Request) -> Response:
@@ -142,19 +159,8 @@ def route(router: Any, path: str, methods: Sequence[str], protocol: str, guarded
             for check in checks:
                 await check(request)
             return await fn(request)
-        except ApiError as e:
-            return error_response(protocol, e)
-        except HTTPException as e:  # 401 from the key check
-            return error_response(protocol, ApiError(e.status_code, str(e.detail)))
-        except Overloaded as e:
-            return error_response(protocol, ApiError(429, str(e), retry_after_s=e.retry_after_s))
-        except PeerGone as e:
-            return error_response(protocol, ApiError(503, str(e), retry_after_s=1))
-        except Exception as e:  # a fault of ours, never the caller's input
-            name = e.type_name if isinstance(e, RemoteFault) else type(e).__name__
-            if not isinstance(e, RemoteFault):
-                log.error("%s %s failed", request.method, path, exc_info=e)
-            return error_response(protocol, ApiError(500, f"internal error: {name}"))
+        except Exception as e:
+            return error_response(protocol, as_api_error(e, f"{request.method} {path}"))
 
     router.add_route(path, endpoint, methods=list(methods), name=f"{protocol} {path}")
 

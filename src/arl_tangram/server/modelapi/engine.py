@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from typing import Any
 
 from prometheus_client import Counter
@@ -20,9 +21,10 @@ from prometheus_client import Counter
 from ...core.action import Outcome
 from ...managers.models.generation import Classified, Classify, Generate, Generated
 from ..service import UNNAMED_JOB, Overloaded, Service, job_for
-from .common import ApiError
+from .common import ApiError, new_id
 from .config import ModelApiConfig
 from .quotas import Quotas
+from .streams import UNREAD_S, Stream, Streamed
 
 #: a causal LM (``task = "logprobs"``) generates; a score model (``task = "score"``) classifies
 OPS = {"logprobs": "generate", "score": "classify"}
@@ -35,6 +37,7 @@ class State:
     def __init__(self, service: Service, config: ModelApiConfig) -> None:
         self.service = service
         self.quotas = Quotas(config.quotas)
+        self.streams: dict[str, Stream] = {}  # streamed requests by id (``streams.py``)
         self._children: dict[tuple, Any] = {}
         reg = service.metrics.registry
         self.requests = Counter("tangram_model_api_requests_total", "Requests of the model protocols, by protocol, "
@@ -128,7 +131,54 @@ class Calls:
         name = st.resolve(model, "score")
         return name, await self._run(st, service, protocol, name, "classify", items)
 
+    async def stream_open(self, service: Service, protocol: str, model: str | None,
+                          items: list[Generate]) -> tuple[str, str]:
+        """Start ``items`` on the causal LM ``model`` names as ``generate`` does (the same checks,
+        quota and admission, each a 4xx or 429 here), their tokens streamed: the stream's id and
+        the model's name (``streams.py``)."""
+        st = state(service, self.config)
+        name = st.resolve(model, "logprobs")
+        job = self._admit(st, service, protocol, name, "generate", items)
+        now = time.monotonic()
+        for sid in [k for k, v in st.streams.items() if now - v.read_at > UNREAD_S]:
+            st.streams.pop(sid)  # its client went away: its run ends on its own
+        stream = Stream(asyncio.get_running_loop(), name)
+        streamed = [Streamed(it, stream.sink(i)) for i, it in enumerate(items)]
+
+        async def run() -> None:
+            try:
+                stream.finish(await self._call(st, service, protocol, name, "generate", streamed, job))
+            except Exception as e:  # the read raises it: an ApiError as the protocol's error
+                stream.finish(error=e)
+
+        sid = new_id("stream")
+        st.streams[sid] = stream
+        stream.task = asyncio.get_running_loop().create_task(run())
+        return sid, name
+
+    async def stream_read(self, service: Service, sid: str, sent: int, wait_s: float) -> dict:
+        """The events of stream ``sid`` past the first ``sent`` (waiting up to ``wait_s`` for one),
+        and its answers once it ran; a stream read to its end is dropped."""
+        st = state(service, self.config)
+        stream = st.streams.get(sid)
+        if stream is None:
+            raise ApiError(404, f"stream {sid}: unknown or already read to its end")
+        try:
+            got = await stream.read(sent, min(max(wait_s, 0.0), 60.0))
+        except BaseException:
+            st.streams.pop(sid, None)
+            raise
+        if got["done"]:
+            st.streams.pop(sid, None)
+        return got
+
     async def _run(self, st: State, service: Service, protocol: str, name: str, op: str, items: list) -> list:
+        job = self._admit(st, service, protocol, name, op, items)
+        return await self._call(st, service, protocol, name, op, items, job)
+
+    def _admit(self, st: State, service: Service, protocol: str, name: str, op: str, items: list) -> str:
+        """The request's job once its token ids are checked, its quota let it in and the queue has
+        room."""
         job = job_for(None, UNNAMED_JOB)
         if not items:
             raise ApiError(400, "prompt: empty batch", param="prompt")
@@ -141,6 +191,14 @@ class Calls:
         st.enter(protocol, name, job)
         try:
             service.admit()
+        except Overloaded:  # the server's queue is full: a 429 too
+            st.count(st.requests, protocol, name, job, "429").inc()
+            raise
+        return job
+
+    async def _call(self, st: State, service: Service, protocol: str, name: str, op: str, items: list,
+                    job: str) -> list:
+        try:
             if len(items) == 1:  # no task for the common case
                 done = [await service.tg.call_model(name, op, items[0], job=job)]
             else:
@@ -155,9 +213,6 @@ class Calls:
                 raise ApiError(400, bad.error, param=bad.error.split(":", 1)[0] if ":" in bad.error else None)
         except ApiError as e:
             st.count(st.requests, protocol, name, job, str(e.status)).inc()
-            raise
-        except Overloaded:  # the server's queue is full: a 429 too
-            st.count(st.requests, protocol, name, job, "429").inc()
             raise
         except BaseException:
             st.count(st.requests, protocol, name, job, "5xx").inc()

@@ -6,8 +6,10 @@
 
 Log-probabilities are the model's own (vLLM's default), whatever the temperature; a prompt's
 (``echo`` with ``max_tokens`` 0, or ``prompt_logprobs``) are the native ``logprobs`` op's numbers.
-``stream`` answers server-sent events in OpenAI's chunk shapes once the batch has run (a choice's
-text in one chunk). Errors are OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+``stream`` answers server-sent events in OpenAI's chunk shapes, a chunk per token as the decode
+loop makes it (``openai_stream.py``; a completion that echoes its prompt or asks for the prompt's
+log-probabilities streams each choice whole once it ran). Errors are OpenAI's ``{"error":
+{"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ...managers.models.generation import FINISH_STOP, Generate, Generated, Sampling
+from ...managers.models.generation import Generate, Generated, Sampling
 from ..dialect import answer
-from .common import ApiError, bad, body_of, dumps, json_response, lp, new_id, now, route
+from . import openai_stream as stream
+from .common import ApiError, bad, body_of, json_response, lp, new_id, now, route
+from .openai_stream import DONE, chat_entry, finish, open_stream, sse, stop_reason, text_of, usage
 
 PROTOCOL = "openai"
 OWNER = "arl-tangram"
@@ -152,22 +156,6 @@ def messages_of(messages: Any) -> list[dict]:
     return out
 
 
-def _usage(got: list[Generated], n: int) -> dict:
-    prompt = sum(len(g.prompt_ids) for g in got[::n])
-    completion = sum(len(g.output_ids) for g in got)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-def _finish(g: Generated) -> str:
-    return "stop" if g.finish == FINISH_STOP else "length"
-
-
-def _text(g: Generated, body: _Common) -> str:
-    if body.include_stop_str_in_output and isinstance(g.matched, str):
-        return g.text + g.matched
-    return g.text
-
-
 def _prompt_logprobs(g: Generated) -> list | None:
     """vLLM's ``prompt_logprobs``: per prompt position, None at 0, else {id: {logprob, rank,
     decoded_token}} of the prompt's token and its likeliest alternatives."""
@@ -212,23 +200,19 @@ def _completion_logprobs(g: Generated, echo: bool, k: int) -> dict:
 
 
 def _chat_logprobs(g: Generated) -> dict:
-    def item(t: int, v: float) -> dict:
-        s = g.pieces.get(t, "")
-        return {"token": s, "logprob": lp(v), "bytes": list(s.encode())}
-
     tops = g.output_top or [[]] * len(g.output_ids)
-    return {"content": [{**item(t, v), "top_logprobs": [item(a, x) for a, x in row]}
+    return {"content": [chat_entry(t, v, row, g.pieces)
                         for t, v, row in zip(g.output_ids, g.output_logprobs or [], tops)]}
 
 
-def _check_stream(body: _Common) -> bool:
+def _include_usage(body: _Common) -> bool:
     return bool(body.stream_options and body.stream_options.get("include_usage"))
 
 
 async def _sse(chunks: list[dict]):
     for c in chunks:
-        yield b"data: " + dumps(c) + b"\n\n"
-    yield b"data: [DONE]\n\n"
+        yield sse(c)
+    yield DONE
 
 
 def routes(router: Any, calls: Any, guarded: Any) -> None:
@@ -267,15 +251,21 @@ def routes(router: Any, calls: Any, guarded: Any) -> None:
                             output_logprobs=body.logprobs is not None, top_logprobs=k, pieces=True)
             items += _samples(base, body.n)
         name = request.path_params.get("model") or body.model
+        if body.stream and not body.echo and body.prompt_logprobs is None:  # a chunk per token as it is made
+            sid, resolved, first = await open_stream(calls, PROTOCOL, name, items)
+            head = {"id": new_id("cmpl"), "object": "text_completion", "created": now(),
+                    "model": body.model or resolved}
+            return StreamingResponse(stream.completion(calls, sid, first, head, body.n, body.logprobs,
+                                                       body.include_stop_str_in_output, _include_usage(body)),
+                                     media_type="text/event-stream")
         resolved, got = await answer(calls.generate(PROTOCOL, name, items))
         shown = body.model or resolved
         choices = []
         for i, g in enumerate(got):
-            text = _text(g, body)
+            text = text_of(g, body.include_stop_str_in_output)
             if body.echo:
                 text = (g.prompt_text or "") + text
-            c: dict = {"index": i, "text": text, "finish_reason": _finish(g),
-                       "stop_reason": g.matched if g.finish == FINISH_STOP else None,
+            c: dict = {"index": i, "text": text, "finish_reason": finish(g), "stop_reason": stop_reason(g),
                        "logprobs": _completion_logprobs(g, body.echo, body.logprobs or 0)
                        if body.logprobs is not None else None}
             if body.prompt_logprobs is not None:
@@ -283,17 +273,17 @@ def routes(router: Any, calls: Any, guarded: Any) -> None:
             if body.return_token_ids:
                 c["prompt_token_ids"], c["token_ids"] = g.prompt_ids, g.output_ids
             choices.append(c)
-        usage = _usage(got, body.n)
+        use = usage(got, body.n)
         cid, created = new_id("cmpl"), now()
-        if body.stream:
+        if body.stream:  # with the prompt echoed or its log-probabilities: each choice whole, once it ran
             chunks = [{"id": cid, "object": "text_completion", "created": created, "model": shown, "choices": [c]}
                       for c in choices]
-            if _check_stream(body):
+            if _include_usage(body):
                 chunks.append({"id": cid, "object": "text_completion", "created": created, "model": shown,
-                               "choices": [], "usage": usage})
+                               "choices": [], "usage": use})
             return StreamingResponse(_sse(chunks), media_type="text/event-stream")
         return json_response({"id": cid, "object": "text_completion", "created": created, "model": shown,
-                              "choices": choices, "usage": usage, "system_fingerprint": None})
+                              "choices": choices, "usage": use, "system_fingerprint": None})
 
     async def chat(request: Request) -> Response:
         body: ChatBody = await body_of(request, ChatBody)
@@ -316,35 +306,27 @@ def routes(router: Any, calls: Any, guarded: Any) -> None:
                         output_logprobs=body.logprobs, top_logprobs=max(k, body.prompt_logprobs or 0),
                         pieces=body.logprobs or body.prompt_logprobs is not None)
         name = request.path_params.get("model") or body.model
-        resolved, got = await answer(calls.generate(PROTOCOL, name, _samples(base, body.n)))
-        shown = body.model or resolved
-        cid, created = new_id("chatcmpl"), now()
-        usage = _usage(got, body.n)
-        if body.stream:
-            chunks: list[dict] = []
-            for i, g in enumerate(got):
-                head = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": shown}
-                chunks.append({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}]})
-                chunks.append({**head, "choices": [{"index": i, "delta": {"content": _text(g, body)},
-                                                    "logprobs": _chat_logprobs(g) if body.logprobs else None,
-                                                    "finish_reason": None}]})
-                chunks.append({**head, "choices": [{"index": i, "delta": {}, "logprobs": None,
-                                                    "finish_reason": _finish(g)}]})
-            if _check_stream(body):
-                chunks.append({"id": cid, "object": "chat.completion.chunk", "created": created, "model": shown,
-                               "choices": [], "usage": usage})
-            return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+        items = _samples(base, body.n)
+        if body.stream:  # a chunk per token as it is made
+            sid, resolved, first = await open_stream(calls, PROTOCOL, name, items)
+            head = {"id": new_id("chatcmpl"), "object": "chat.completion.chunk", "created": now(),
+                    "model": body.model or resolved}
+            return StreamingResponse(stream.chat(calls, sid, first, head, body.n, body.logprobs,
+                                                 body.include_stop_str_in_output, _include_usage(body)),
+                                     media_type="text/event-stream")
+        resolved, got = await answer(calls.generate(PROTOCOL, name, items))
         choices = []
         for i, g in enumerate(got):
-            c: dict = {"index": i, "message": {"role": "assistant", "content": _text(g, body)},
-                       "logprobs": _chat_logprobs(g) if body.logprobs else None, "finish_reason": _finish(g),
-                       "stop_reason": g.matched if g.finish == FINISH_STOP else None}
+            c: dict = {"index": i, "message": {"role": "assistant",
+                                               "content": text_of(g, body.include_stop_str_in_output)},
+                       "logprobs": _chat_logprobs(g) if body.logprobs else None, "finish_reason": finish(g),
+                       "stop_reason": stop_reason(g)}
             if body.return_token_ids:
                 c["token_ids"] = g.output_ids
             choices.append(c)
-        out: dict = {"id": cid, "object": "chat.completion", "created": created, "model": shown,
-                     "choices": choices, "usage": usage, "system_fingerprint": None}
+        out: dict = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": now(),
+                     "model": body.model or resolved, "choices": choices, "usage": usage(got, body.n),
+                     "system_fingerprint": None}
         if body.prompt_logprobs is not None:
             out["prompt_logprobs"] = _prompt_logprobs(got[0])
         if body.return_token_ids:
