@@ -512,7 +512,7 @@ class Runtime:
         can be replayed under every policy (``tangram simulate --trace``); closed with the runtime."""
         from ..sim.record import TraceRecorder
 
-        recorder = TraceRecorder(path, self.cluster.quotas)
+        recorder = TraceRecorder(path, self.cluster.quotas, self.cluster.models)
         self.engine.listeners.append(recorder)
         self._recorders.append(recorder)
 
