@@ -176,7 +176,8 @@ class Rule:
     ``("status", code, retry_after)``, ``("corrupt",)`` (one byte of the body flipped),
     ``("cut", n)`` (n bytes of the body, then the connection closed), ``("stall", n)`` (n bytes,
     then nothing until the proxy closes), ``("body", bytes, content_type)`` (this answer
-    instead), ``("delay", seconds)``."""
+    instead), ``("delay", seconds)``, ``("whole",)`` (only for a GET with a Range: the whole
+    blob instead, as a registry that serves no ranges answers)."""
 
     match: str
     action: tuple
@@ -219,11 +220,11 @@ class Proxy:
     def blob_gets(self, digest: str | None = None) -> int:
         return sum(n for p, n in self.hits.items() if "/blobs/" in p and (digest is None or digest in p))
 
-    def _rule(self, path: str) -> Rule | None:
+    def _rule(self, path: str, ranged: bool = False) -> Rule | None:
         with self.lock:
             self.hits[path] = self.hits.get(path, 0) + 1
             for r in self.rules:
-                if r.match in path and r.times > 0:
+                if r.match in path and r.times > 0 and (ranged or r.action[0] != "whole"):
                     if r.after > 0:
                         r.after -= 1
                         continue
@@ -243,7 +244,7 @@ class Proxy:
                     h.send_header(k, v)
             h.end_headers()
             return
-        rule = self._rule(h.path)
+        rule = self._rule(h.path, bool(h.headers.get("Range")))
         agent = (h.headers.get("User-Agent") or "-").split("/")[0].split()[0]
         with self.lock:
             self.agents[agent] = self.agents.get(agent, 0) + 1
@@ -270,7 +271,7 @@ class Proxy:
             return
         if action[0] == "delay":
             time.sleep(action[1])
-        conn = self._forward(h, "GET")
+        conn = self._forward(h, "GET", whole=action[0] == "whole")
         resp = conn.getresponse()
         body = resp.read()
         conn.close()
@@ -298,13 +299,14 @@ class Proxy:
             return
         h.wfile.write(body)
 
-    def _forward(self, h: http.server.BaseHTTPRequestHandler, method: str) -> http.client.HTTPConnection:
+    def _forward(self, h: http.server.BaseHTTPRequestHandler, method: str,
+                 whole: bool = False) -> http.client.HTTPConnection:
         """The request sent on upstream, every header line kept (Go's clients send one Accept
-        line per media type)."""
+        line per media type); ``whole``: without its Range (as a registry that serves none)."""
         conn = http.client.HTTPConnection(self.upstream, timeout=30)
         conn.putrequest(method, h.path, skip_accept_encoding=True)
         for k, v in h.headers.items():
-            if k.lower() not in ("connection", "host"):
+            if k.lower() not in ("connection", "host") and not (whole and k.lower() == "range"):
                 conn.putheader(k, v)
         conn.endheaders()
         return conn

@@ -169,6 +169,95 @@ def test_zstd_layers_import_and_a_corrupt_one_is_named(tmp_path):
     assert sorted(p.name for p in (store.root / "layers").iterdir()) == [img.layers[0]]
 
 
+def _tar_bytes(fmt: int, members: list[tuple[tarfile.TarInfo, bytes | None]], **kw) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=fmt, **kw) as tar:
+        for info, data in members:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def _info(name: str, kind: bytes = tarfile.REGTYPE, size: int = 0, link: str = "", **attrs) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.size, info.linkname, info.mtime, info.mode = kind, size, link, 1_700_000_000, 0o644
+    for k, v in attrs.items():
+        setattr(info, k, v)
+    return info
+
+
+def _stream(data: bytes, chunk: int = 700) -> tuple[list[tuple], str]:
+    """The members the store's reader finds in ``data`` (fed ``chunk`` bytes at a time, so that
+    headers and files straddle chunks), each with its data; and the uncompressed tar's sha256."""
+    from arl_tangram.managers.sandbox.layertar import Inflated, TarStream
+
+    src = io.BytesIO(data)
+    inflated = Inflated(lambda n: src.read(min(n, chunk)))
+    tar = TarStream(inflated)
+    out = [(m.name, m.type, m.linkname, m.size, m.mode, m.uid, m.gid, m.mtime,
+            b"".join(bytes(p) for p in tar.data()) if m.isreg() else None) for m in tar]
+    for _ in inflated:
+        pass
+    return out, inflated.digest()
+
+
+def _tarfile_view(data: bytes) -> list[tuple]:
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
+        return [(m.name, m.type, m.linkname, m.size, m.mode, m.uid, m.gid, m.mtime,
+                 tar.extractfile(m).read() if m.isreg() else None) for m in tar]
+
+
+def test_the_layer_reader_finds_the_members_tarfile_finds_in_every_format():
+    from arl_tangram.managers.sandbox.layertar import BadLayer
+
+    deep = "d" * 90 + "/" + "e" * 60 + "/file.txt"  # needs ustar's prefix, GNU's long name or pax
+    members = [(_info("etc", tarfile.DIRTYPE, mode=0o755), None),
+               (_info("etc/motd", size=6), b"hello\n"),
+               (_info(deep, size=3000), os.urandom(3000)),
+               (_info("bin/long-link", tarfile.SYMTYPE, link="/" + "t" * 150), None),
+               (_info("etc/motd.hard", tarfile.LNKTYPE, link="etc/motd"), None),
+               (_info("big-owner", size=1, uid=3_000_000, gid=7), b"x"),
+               (_info("caf\u00e9/\u00fc.txt", size=2), b"ok"),
+               (_info("empty", size=0), b"")]
+    for fmt in (tarfile.GNU_FORMAT, tarfile.PAX_FORMAT):
+        data = _tar_bytes(fmt, members)
+        got, digest = _stream(data)
+        assert got == _tarfile_view(data), fmt
+        assert digest == hashlib.sha256(data).hexdigest() and got[2][0] == deep and got[5][5] == 3_000_000
+    ustar = _tar_bytes(tarfile.USTAR_FORMAT, [m for m in members if len(m[0].linkname) < 100 and m[0].uid < 1 << 21
+                                              and m[0].name.isascii()])
+    assert _stream(ustar)[0] == _tarfile_view(ustar)
+    # a pax global header applies to every member after it
+    glob = _tar_bytes(tarfile.PAX_FORMAT, members[:3], pax_headers={"uid": "4242", "comment": "x"})
+    got = _stream(glob)[0]
+    assert got == _tarfile_view(glob) and {m[5] for m in got} == {4242}
+    # compressed: gzip members one after another with zero padding between, zstd frames
+    import gzip
+
+    import zstandard
+
+    plain = _tar_bytes(tarfile.PAX_FORMAT, members)
+    half = len(plain) // 2
+    gz = gzip.compress(plain[:half]) + b"\0" * 10 + gzip.compress(plain[half:]) + b"\0" * 3
+    zst = zstandard.ZstdCompressor().compress(plain[:half]) + zstandard.ZstdCompressor().compress(plain[half:])
+    for packed in (gz, zst):
+        got, digest = _stream(packed, chunk=333)
+        assert got == _tarfile_view(plain) and digest == hashlib.sha256(plain).hexdigest()
+    # what no reader may take: garbage after the gzip stream, a bad checksum, a cut, a sparse file
+    bad_sum = bytearray(plain)
+    bad_sum[0] ^= 1
+    sparse = bytearray(_tar_bytes(tarfile.GNU_FORMAT, [(_info("s", size=1), b"s")]))
+    sparse[156:157] = tarfile.GNUTYPE_SPARSE
+    sparse[148:156] = b"%06o\0 " % (sum(sparse[:148]) + sum(sparse[156:512]) + 256)
+    cases = {"garbage": (gzip.compress(plain) + b"junk", "not gzip follow"),
+             "checksum": (bytes(bad_sum), "bad checksum"),
+             "cut": (plain[:1000], "truncated or corrupt"),
+             "no end": (plain[:plain.rindex(b"ok") // 512 * 512 + 1024], "no end-of-archive marker"),
+             "sparse": (bytes(sparse), "sparse file")}
+    for what, (data, message) in cases.items():
+        with pytest.raises(BadLayer, match=message):
+            _stream(data)
+
+
 # -- against a real registry -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -454,6 +543,32 @@ def test_a_pull_cut_part_way_resumes_and_one_killed_part_way_leaves_nothing_visi
     assert proxy.blob_gets() - first < 4  # what the killed pull finished is not fetched again
     assert not [p.name for p in (store2 / "layers").iterdir() if p.name.startswith(".")]
     assert not list((store2 / "blobs").glob(".part-*"))
+
+
+@root_only
+@needs_tools
+def test_a_download_that_starts_over_unpacks_the_layer_from_its_first_byte(tmp_path, proxy, monkeypatch):
+    from arl_tangram.managers.sandbox.registry import pulling
+
+    store = ImageStore(tmp_path / "store")
+    cfg = _config(proxy.host)
+    spoiled = []
+    restart = pulling._Feed.restart
+
+    def counted(feed):
+        if feed.fed:  # bytes had reached the unpacking (each download's first call comes before any)
+            spoiled.append(feed.stream)
+        restart(feed)
+
+    monkeypatch.setattr(pulling._Feed, "restart", counted)
+    # the second layer is cut part way, and the registry then answers the rest's Range with the
+    # whole blob: the download, and so the unpacking, start over
+    proxy.rules += [Rule("/blobs/", ("cut", 40), 1, after=2), Rule("/blobs/", ("whole",), 1)]
+    img = _pull(f"{proxy.host}/tiny/app4:v1", store, cfg)
+    assert proxy.ranges == ["bytes=40-"] and len(img.layers) == 3 and spoiled == [0]
+    assert (store.layer_dir(img.layers[0]) / "usr/share/doc/big.txt").read_text() == "x" * 50_000
+    assert [i.name for i in store.list()] == [img.name]
+    assert not [p.name for p in (store.root / "layers").iterdir() if p.name.startswith(".")]
 
 
 # -- authentication ---------------------------------------------------------------------------------

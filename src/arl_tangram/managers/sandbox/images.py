@@ -26,9 +26,7 @@ whole layer passed, and ``ImageStore.record`` names an image only once all its l
 from __future__ import annotations
 
 import errno
-import gzip
 import hashlib
-import io
 import json
 import os
 import posixpath
@@ -38,12 +36,12 @@ import stat
 import tarfile
 import tempfile
 import time
-import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
 
 from ...core.names import IMAGE_NAME_RE
+from .layertar import BadLayer, Inflated, TarStream
 
 WHITEOUT = ".wh."
 OPAQUE = ".wh..wh..opq"
@@ -83,91 +81,6 @@ class Image:
 def default_store() -> Path:
     base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
     return Path(os.environ.get("TANGRAM_IMAGE_STORE") or base / "arl-tangram" / "images")
-
-
-ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-
-
-def _open_layer(raw: IO[bytes], where: str) -> IO[bytes]:
-    """A layer stream, decompressed if it is gzip or zstd (sniffed, not trusted from a media type)."""
-    head = raw.read(6)
-    rest = _Prefixed(head, raw)
-    if head[:2] == b"\x1f\x8b":
-        return gzip.GzipFile(fileobj=rest, mode="rb")  # type: ignore[return-value]
-    if head[:4] == ZSTD_MAGIC:
-        try:
-            import zstandard
-        except ImportError:
-            raise ImageError(f"{where}: a zstd-compressed layer needs the zstandard package "
-                             "(pip install zstandard)") from None
-        # read_across_frames: a layer may be written as several frames (one per chunk)
-        return _ZstdErrors(zstandard.ZstdDecompressor().stream_reader(rest, read_across_frames=True), where)
-    return rest  # type: ignore[return-value]
-
-
-class _ZstdErrors(io.RawIOBase):
-    """zstandard's stream, its decoding errors made ``ImageError`` naming the layer."""
-
-    def __init__(self, raw, where: str) -> None:
-        self.raw, self.where = raw, where
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        try:
-            data = self.raw.read(len(b))
-        except Exception as e:  # zstandard.ZstdError: corrupt or truncated data
-            if isinstance(e, ImageError):
-                raise
-            raise ImageError(f"{self.where}: not a readable tar (corrupt zstd data: {e})") from None
-        b[:len(data)] = data
-        return len(data)
-
-
-class _Prefixed(io.RawIOBase):
-    """A stream that first yields ``head`` (sniffed bytes) and then the rest of ``raw``."""
-
-    def __init__(self, head: bytes, raw: IO[bytes]) -> None:
-        self.head, self.raw = head, raw
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        if self.head:
-            n = min(len(b), len(self.head))
-            b[:n] = self.head[:n]
-            self.head = self.head[n:]
-            return n
-        data = self.raw.read(len(b))
-        b[:len(data)] = data
-        return len(data)
-
-
-class _Hashing(io.RawIOBase):
-    """Passes bytes through while hashing them (the layer's id is the sha256 of its tar)."""
-
-    def __init__(self, raw: IO[bytes]) -> None:
-        self.raw, self.sha, self.count = raw, hashlib.sha256(), 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        data = self.raw.read(len(b))
-        self.sha.update(data)
-        self.count += len(data)
-        b[:len(data)] = data
-        return len(data)
-
-    def finish(self) -> str:
-        while True:  # the tar's trailing padding is part of its identity
-            data = self.raw.read(1 << 20)
-            if not data:
-                return self.sha.hexdigest()
-            self.sha.update(data)
-            self.count += len(data)
 
 
 def _normalise(name: str, where: str) -> str:
@@ -218,24 +131,29 @@ class Checker:
         self.max_bytes = max_bytes
 
     def _under_link(self, path: str, name: str, what: str = "member") -> None:
-        probe = posixpath.dirname(path)
-        while probe:
-            if probe in self.links:
-                raise ImageError(f"{self.where}: {what} {name!r} lies under the symlink {probe!r}")
-            probe = posixpath.dirname(probe)
+        links = self.links
+        if not links:
+            return
+        cut = path.rfind("/")
+        while cut > 0:
+            if path[:cut] in links:
+                raise ImageError(f"{self.where}: {what} {name!r} lies under the symlink {path[:cut]!r}")
+            cut = path.rfind("/", 0, cut)
 
-    def check(self, m: tarfile.TarInfo, name: str | None = None) -> None:
+    def check(self, m: tarfile.TarInfo, name: str | None = None) -> str:
+        """Judge member ``m`` (named ``name`` in its layer, if not its own name); its path,
+        relative to the root ("" for the root itself)."""
         where, name = self.where, m.name if name is None else name
         path = _normalise(name, where)
         if not path:
-            return
+            return path
         parent = posixpath.dirname(path)
         self._under_link(path, name)
         base = posixpath.basename(path)
         if base.startswith(WHITEOUT):
             if base != OPAQUE and (base.startswith(WHITEOUT + WHITEOUT) or base == WHITEOUT):
                 raise ImageError(f"{where}: member {name!r} is an unknown whiteout kind")
-            return
+            return path
         if m.ischr() or m.isblk():
             raise ImageError(f"{where}: member {name!r} is a device node")
         if m.isfifo():
@@ -271,28 +189,36 @@ class Checker:
                 parent = posixpath.dirname(parent)
         else:
             self.files.discard(path)
+        return path
+
+
+def _members(stream: IO[bytes], where: str, each) -> tuple[str, int]:
+    """Read a whole (possibly compressed) layer tar, calling ``each(tar, member)`` for each
+    member; (sha256 of the uncompressed tar, its length). Decoding errors are ``ImageError``s
+    naming the layer; ``each``'s own errors pass as they are."""
+    inflated = Inflated(stream.read)
+    try:
+        tar = TarStream(inflated)
+        for m in tar:
+            each(tar, m)
+        for _ in inflated:  # the tar's trailing padding is part of its identity
+            pass
+    except BadLayer as e:
+        raise ImageError(f"{where}: {e}") from None
+    except (tarfile.TarError, EOFError) as e:  # reading the layer out of an archive
+        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: {e})") from None
+    finally:
+        inflated.close()
+    if inflated.count % 512:
+        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: it ends inside a block)")
+    return inflated.digest(), inflated.count
 
 
 def _check_layer(stream: IO[bytes], where: str) -> tuple[str, int]:
     """Read a whole layer tar; raise ``ImageError`` on the first bad member. Returns
     (sha256 of the uncompressed tar, total file bytes)."""
-    hashing = _Hashing(_open_layer(stream, where))
     checker = Checker(where)
-    try:
-        with tarfile.open(fileobj=io.BufferedReader(hashing, 1 << 20), mode="r|") as tar:
-            for m in tar:
-                checker.check(m)
-            end = tar.offset
-        digest = hashing.finish()
-    except ImageError:
-        raise
-    except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile, ValueError) as e:
-        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: {e})") from None
-    # tarfile takes a cut-off header for the end of the archive: insist on whole blocks and an
-    # end-of-archive marker after the last member
-    if hashing.count % 512 or hashing.count < end + 512:
-        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: it ends inside a block or has no "
-                         "end-of-archive marker)")
+    digest, _ = _members(stream, where, lambda tar, m: checker.check(m))
     return digest, checker.size
 
 
@@ -330,8 +256,11 @@ class Unpacker:
             self.made.add(parent)
             parent = os.path.dirname(parent)
 
-    def add(self, tar: tarfile.TarFile, m: tarfile.TarInfo, name: str | None = None) -> None:
-        rel = _normalise(m.name if name is None else name, self.where)
+    def add(self, tar: "tarfile.TarFile | TarStream", m: tarfile.TarInfo, name: str | None = None,
+            path: str | None = None) -> None:
+        """Write member ``m`` of ``tar`` (named ``name`` in its layer, if not its own name;
+        ``path``: that name as ``Checker.check`` normalised it, if it did)."""
+        rel = path if path is not None else _normalise(m.name if name is None else name, self.where)
         if not rel:
             return
         full = os.path.join(self.dest, rel)
@@ -370,21 +299,22 @@ class Unpacker:
         else:
             self._file(tar, m, full)
             return
-        _attrs(full, m)
+        _attrs(full, m, self.owner)
 
-    def _file(self, tar: tarfile.TarFile, m: tarfile.TarInfo, full: str) -> None:
+    def _file(self, tar: "tarfile.TarFile | TarStream", m: tarfile.TarInfo, full: str) -> None:
         mode = m.mode & 0o7777
         # created with its mode where the umask keeps it (setuid and setgid bits are set after the owner)
         plain = not mode & 0o7000 and not mode & self.umask
         fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                      mode if plain else 0o600)
         try:
-            src = tar.extractfile(m)
-            while True:
-                chunk = src.read(1 << 20)
-                if not chunk:
-                    break
-                view = memoryview(chunk)
+            if isinstance(tar, TarStream):  # the data as slices of the stream's chunks
+                pieces = tar.data()
+            else:
+                src = tar.extractfile(m)
+                pieces = iter(lambda: src.read(1 << 20), b"")
+            for piece in pieces:
+                view = memoryview(piece)
                 while view:
                     view = view[os.write(fd, view):]
             if (m.uid, m.gid) != self.owner:
@@ -406,7 +336,7 @@ class Unpacker:
     def finish(self) -> None:
         for full, m in reversed(self.dirs):  # deepest first: a read-only directory is filled before it closes
             if _is_real_dir(full):  # not one a later member replaced (chmod would follow a symlink there)
-                _attrs(full, m)
+                _attrs(full, m, self.owner)
 
 
 def _umask() -> int:
@@ -428,46 +358,13 @@ def _is_real_dir(path: str) -> bool:
         return False
 
 
-class _ReadErrors(io.RawIOBase):
-    """A layer stream whose read errors (bad gzip, a cut stream) are ``ImageError`` naming the
-    layer, so that only the unpacker's own errors (a full disk) stay ``OSError``."""
-
-    def __init__(self, raw: IO[bytes], where: str) -> None:
-        self.raw, self.where = raw, where
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        try:
-            data = self.raw.read(len(b))
-        except ImageError:
-            raise
-        except (EOFError, OSError, ValueError, zlib.error) as e:
-            raise ImageError(f"{self.where}: not a readable tar (truncated or corrupt: {e})") from None
-        b[:len(data)] = data
-        return len(data)
-
-
 def _check_and_unpack(stream: IO[bytes], dest: Path, where: str, max_bytes: int | None) -> tuple[str, int]:
     """Check each member, then write it into the fresh directory ``dest``, in one pass (a
     member's checks depend only on the members before it). Returns (sha256 of the uncompressed
     tar, file bytes); the caller discards ``dest`` if this raises."""
-    hashing = _Hashing(_ReadErrors(_open_layer(stream, where), where))
     checker = Checker(where, max_bytes)
     unpacker = Unpacker(dest, where)
-    try:
-        with tarfile.open(fileobj=io.BufferedReader(hashing, 1 << 20), mode="r|") as tar:
-            for m in tar:
-                checker.check(m)
-                unpacker.add(tar, m)
-            end = tar.offset
-        digest = hashing.finish()
-    except tarfile.TarError as e:
-        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: {e})") from None
-    if hashing.count % 512 or hashing.count < end + 512:
-        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: it ends inside a block or has no "
-                         "end-of-archive marker)")
+    digest, _ = _members(stream, where, lambda tar, m: unpacker.add(tar, m, path=checker.check(m)))
     unpacker.finish()
     return digest, checker.size
 
@@ -496,14 +393,14 @@ UNPACKING = ".unpack-"  # + pid + "-": a layer being unpacked, renamed into plac
 def _unpack_layer(stream: IO[bytes], dest: Path, where: str) -> None:
     """Unpack a validated layer into the fresh directory ``dest``."""
     unpacker = Unpacker(dest, where)
-    with tarfile.open(fileobj=io.BufferedReader(_open_layer(stream, where), 1 << 20), mode="r|") as tar:
-        for m in tar:
-            unpacker.add(tar, m)
+    _members(stream, where, unpacker.add)
     unpacker.finish()
 
 
-def _attrs(full: str, m: tarfile.TarInfo) -> None:
-    os.lchown(full, m.uid, m.gid)
+def _attrs(full: str, m: tarfile.TarInfo, owner: tuple[int, int] | None = None) -> None:
+    """Owner (unless it is ``owner``, the one it was made with), mode and mtime of an entry."""
+    if (m.uid, m.gid) != owner:
+        os.lchown(full, m.uid, m.gid)
     if not m.issym():
         os.chmod(full, m.mode & 0o7777)
     os.utime(full, (m.mtime, m.mtime), follow_symlinks=False)

@@ -363,23 +363,23 @@ class RegistryClient:
 
         return await self._each_endpoint(ref, one)
 
-    async def fetch_blob(self, ref: Reference, desc: Descriptor, dest: Path,
+    async def fetch_blob(self, ref: Reference, desc: Descriptor, dest: Path | None,
                          on_bytes: Callable[[int], None] | None = None, tee: "Tee | None" = None) -> None:
-        """Stream blob ``desc`` into the file ``dest`` (created or truncated); raises
-        ``DigestMismatch`` (and leaves ``dest`` to the caller to delete) unless its size and
-        sha256 are the declared ones. A connection cut part way resumes with a Range request
+        """Stream blob ``desc`` into the file ``dest`` (created or truncated; None: no file, the
+        bytes go to ``tee`` only); raises ``DigestMismatch`` (and leaves ``dest`` to the caller to
+        delete) unless its size and sha256 are the declared ones. A connection cut part way resumes with a Range request
         where the registry allows it. ``tee`` is handed each chunk as it is written, in order,
         from a worker thread, and told when the download starts over from its first byte."""
         await self._each_endpoint(ref, lambda ep: self._fetch_blob(ref, ep, desc, dest, on_bytes, tee))
 
-    async def _fetch_blob(self, ref: Reference, ep: Endpoint, desc: Descriptor, dest: Path,
+    async def _fetch_blob(self, ref: Reference, ep: Endpoint, desc: Descriptor, dest: Path | None,
                           on_bytes: Callable[[int], None] | None, tee: "Tee | None" = None) -> None:
         sha = hashlib.sha256()
         done = 0
         buf = bytearray()
         if tee is not None:
             tee.restart()  # another endpoint after one that failed part way
-        fh = await asyncio.to_thread(open, dest, "wb")
+        fh = await asyncio.to_thread(open, dest, "wb") if dest is not None else None
         try:
             for attempt in range(self.retries + 1):
                 headers = {"Range": f"bytes={done}-"} if done else {}
@@ -419,7 +419,8 @@ class RegistryClient:
                 finally:
                     await resp.aclose()
         finally:
-            await asyncio.to_thread(fh.close)
+            if fh is not None:
+                await asyncio.to_thread(fh.close)
         if done != desc.size or "sha256:" + sha.hexdigest() != desc.digest:
             raise DigestMismatch(f"{ref}: blob {desc.digest} from {ep.host} does not match its digest (got "
                                  f"{done} bytes, sha256:{sha.hexdigest()[:12]}...)")
@@ -446,14 +447,16 @@ def _no_such_host(e: BaseException) -> bool:
 
 def _write(fh, sha, data: bytes, tee: Tee | None = None) -> None:
     sha.update(data)
-    fh.write(data)
+    if fh is not None:
+        fh.write(data)
     if tee is not None:
         tee.write(data)
 
 
 def _restart(fh, tee: Tee | None = None) -> None:
-    fh.seek(0)
-    fh.truncate()
+    if fh is not None:
+        fh.seek(0)
+        fh.truncate()
     if tee is not None:
         tee.restart()
 

@@ -10,18 +10,20 @@ reference (``python:3.12`` is stored as ``docker.io/library/python:3.12``).
 - Concurrent pulls of one image share one pull, and concurrent pulls of one layer (by two
   images) share one download and unpack: a flight per key in this process, a file lock per
   layer between processes. A flight nobody waits for any more is cancelled.
-- A layer is unpacked while it downloads: its bytes go to a thread that checks and unpacks
-  them into a hidden directory as they arrive (images.py's checks: paths escaping the root,
-  device nodes...), so a pull takes about as long as the longer of the two, not their sum.
-- Nothing unverified is visible or used: that thread sees the end of the stream only once the
-  download has checked the blob's size and sha256, and the hidden directory is renamed into
-  place only after that and once the uncompressed tar hashed to its diff_id; a failed check
-  removes it. The blob is written to a temporary file beside it, renamed to its digest once it
-  matched: a download that starts over (another mirror, a registry without ranges) unpacks from
-  that file instead. The image is recorded last. A pull killed part way leaves only hidden
-  files, removed by the next pull once their process is gone. Layers that passed stay cached
-  even if a later layer of the same image is bad (they are content-addressed; ``tangram image
-  prune`` removes those no image uses).
+- A layer is unpacked while it downloads, and never written whole anywhere: its bytes go
+  straight from the connection to a thread that decompresses and hashes them, and from there
+  to one that checks and unpacks them into a hidden directory as they arrive (images.py's
+  checks: paths escaping the root, device nodes...; ``layertar``), so a pull takes about as
+  long as the slowest of the three, not their sum.
+- Nothing unverified is visible or used: the unpacking sees the end of the stream only once
+  the download has checked the blob's size and sha256, and the hidden directory is renamed
+  into place only after that and once the uncompressed tar hashed to its diff_id; a failed
+  check removes it. A download that starts over from its first byte (another mirror, a
+  registry without ranges) starts the unpacking over too, in a fresh hidden directory. The
+  image is recorded last. A pull killed part way leaves only hidden directories, removed by
+  the next pull once their process is gone. Layers that passed stay cached even if a later
+  layer of the same image is bad (they are content-addressed; ``tangram image prune`` removes
+  those no image uses).
 - Bounds: at most ``max_layers`` layers and ``max_declared_bytes`` of declared blob sizes per
   image; a layer's files at most ``max_layer_files_bytes`` once uncompressed.
 """
@@ -31,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
-import io
 import logging
 import os
 import threading
@@ -48,7 +49,7 @@ from .errors import NoPlatform, RegistryError, TooLarge
 from .reference import Reference, parse
 
 log = logging.getLogger(__name__)
-PART = ".part-"  # + pid + "-": a blob being downloaded
+PART = ".part-"  # + pid + "-": a blob being downloaded (by versions that kept one; removed by a pull)
 
 
 @dataclass(frozen=True)
@@ -268,61 +269,39 @@ def _clean(store: ImageStore, blobs: Path) -> None:
 async def _fetch_layer(ref: Reference, store: ImageStore, client: RegistryClient, desc: Descriptor, diff: str,
                        index: int, limits: PullLimits, emit: Callable,
                        fetched: Callable[[int], None] | None = None) -> int:
-    """Download, check and unpack one layer (unpacked as it arrives; from the blob where a
-    verified one is here already); its file bytes."""
-    blobs = store.root / "blobs"
-    (blobs / "sha256").mkdir(parents=True, exist_ok=True)
-    (blobs / "locks").mkdir(parents=True, exist_ok=True)
+    """Download, check and unpack one layer (unpacked as it arrives); its file bytes."""
+    locks = store.root / "blobs" / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    # the layout older versions kept downloaded blobs in (sha256/), which ``prune`` clears
+    (store.root / "blobs" / "sha256").mkdir(exist_ok=True)
     where = f"{ref}: layer {index} ({desc.digest[:19]})"
-    async with _FileLock(blobs / "locks" / diff, lambda: emit("waiting", 0)):
+    async with _FileLock(locks / diff, lambda: emit("waiting", 0)):
         if store.has_layer(diff):  # another process unpacked it while we waited
             emit("done", desc.size)
             return await asyncio.to_thread(store.layer_bytes, diff)
-        blob = blobs / "sha256" / desc.digest.removeprefix("sha256:")
-        try:
-            streamed: tuple[str, int] | None = None
-            if not blob.is_file():
-                streamed = await _download(ref, store, client, desc, diff, where, blob, limits, emit)
-                if fetched is not None:
-                    fetched(desc.size)
-            if streamed is None:  # unpacked from the verified blob on disk
-                emit("unpacking", desc.size)
-                _, size = await _finish(_in_thread(_unpack_blob, store, blob, where, diff,
-                                                   limits.max_layer_files_bytes))
-            else:
-                size = streamed[1]
-        except ImageError:
-            blob.unlink(missing_ok=True)  # verified against its digest, but not a good layer
-            raise
-        blob.unlink(missing_ok=True)
+        _, size = await _download(ref, store, client, desc, diff, where, limits, emit)
+        if fetched is not None:
+            fetched(desc.size)
         emit("done", desc.size)
         return size
 
 
 async def _download(ref: Reference, store: ImageStore, client: RegistryClient, desc: Descriptor, diff: str,
-                    where: str, blob: Path, limits: PullLimits, emit: Callable) -> tuple[str, int] | None:
-    """Download blob ``desc`` into ``blob`` while a thread unpacks it; (diff_id, file bytes) of
-    the layer now in place, or None where the stream was spoiled (the download started over):
-    the caller unpacks the verified blob then."""
-    part = blob.parent.parent / f"{PART}{os.getpid()}-{os.urandom(4).hex()}"
+                    where: str, limits: PullLimits, emit: Callable) -> tuple[str, int]:
+    """Download blob ``desc`` while threads check and unpack it; (diff_id, file bytes) of the
+    layer now in place."""
     feed = _Feed()
     unpacking = _in_thread(_unpack_feed, store, feed, where, diff, limits.max_layer_files_bytes)
     try:
         emit("downloading", 0)
-        await client.fetch_blob(ref, desc, part, lambda n: emit("downloading", n), tee=feed)
-        os.replace(part, blob)
+        await client.fetch_blob(ref, desc, None, lambda n: emit("downloading", n), tee=feed)
     except BaseException:
         feed.fail()
         await asyncio.gather(unpacking, return_exceptions=True)  # its hidden directory removed
         raise
-    finally:
-        part.unlink(missing_ok=True)
     feed.end()  # verified: the unpacking may see the stream's end, and place the layer
     emit("unpacking", desc.size)
-    try:
-        return await _finish(unpacking)
-    except _Spoiled:
-        return None
+    return await _finish(unpacking)
 
 
 async def _finish(unpacking: asyncio.Future):
@@ -336,14 +315,13 @@ async def _finish(unpacking: asyncio.Future):
         raise
 
 
-def _unpack_blob(store: ImageStore, blob: Path, where: str, diff: str, max_bytes: int) -> tuple[str, int]:
-    with open(blob, "rb") as fh:
-        return store.unpack_layer(fh, where, expect=diff, max_bytes=max_bytes)
-
-
 def _unpack_feed(store: ImageStore, feed: "_Feed", where: str, diff: str, max_bytes: int) -> tuple[str, int]:
     try:
-        return store.unpack_layer(io.BufferedReader(feed, 1 << 20), where, expect=diff, max_bytes=max_bytes)
+        while True:
+            try:
+                return store.unpack_layer(feed, where, expect=diff, max_bytes=max_bytes)
+            except _Spoiled:  # the download started over: so does the unpacking, from its first byte
+                feed.resume()
     finally:
         feed.gone()
 
@@ -356,12 +334,13 @@ class _Failed(Exception):
     """The download failed: the unpacking stops, its directory removed."""
 
 
-class _Feed(io.RawIOBase):
+class _Feed:
     """A layer's bytes from its download to the thread unpacking it, in order, at most ``limit``
-    bytes ahead of it (the download's writes wait). The end of the stream comes only with
-    ``end``, once the blob's digest matched; ``fail`` or ``restart`` (the download starting over
-    after bytes came) make the reader raise instead. The writes come from worker threads, the
-    reads from the unpacking thread."""
+    bytes ahead of it (the download's writes wait). ``read`` hands over the chunks as they came
+    (no copy). The end of the stream comes only with ``end``, once the blob's digest matched;
+    ``fail`` makes the reader raise instead, and so does ``restart`` (the download starting over
+    after bytes came: the reader raises ``_Spoiled`` until it ``resume``s, then reads the new
+    stream). The writes come from worker threads, the reads from the unpacking's threads."""
 
     def __init__(self, limit: int = 16 << 20) -> None:
         self.limit = limit
@@ -372,11 +351,10 @@ class _Feed(io.RawIOBase):
         self.ended = False
         self.error: Exception | None = None
         self.reader_gone = False
+        self.stream = 0  # how many times the download started over
+        self.reading = 0  # the stream the reader reads
 
-    def readable(self) -> bool:
-        return True
-
-    def write(self, data: bytes) -> int:  # type: ignore[override]
+    def write(self, data: bytes) -> int:
         with self.cv:
             while self.held >= self.limit and not (self.reader_gone or self.error):
                 self.cv.wait()
@@ -391,8 +369,15 @@ class _Feed(io.RawIOBase):
     def restart(self) -> None:
         with self.cv:
             if self.fed and self.error is None:
-                self.error = _Spoiled()
+                self.stream += 1
+                self.chunks.clear()
+                self.held = 0
+                self.fed = False
                 self.cv.notify_all()
+
+    def resume(self) -> None:
+        with self.cv:
+            self.reading = self.stream
 
     def end(self) -> None:
         with self.cv:
@@ -411,24 +396,29 @@ class _Feed(io.RawIOBase):
             self.chunks.clear()
             self.cv.notify_all()
 
-    def readinto(self, b) -> int:
+    def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes (the next chunk, or its first ``n``); b"" at the verified end."""
         with self.cv:
-            while not self.chunks and not self.ended and self.error is None:
+            while not self.chunks and not self.ended and self.error is None and self.reading == self.stream \
+                    and not self.reader_gone:
                 self.cv.wait()
             if self.error is not None:
                 raise self.error
+            if self.reading != self.stream:
+                raise _Spoiled()
+            if self.reader_gone:
+                raise _Failed()
             if not self.chunks:
-                return 0
+                return b""
             head = self.chunks[0]
-            n = min(len(b), len(head))
-            b[:n] = head[:n]
-            if n == len(head):
-                self.chunks.popleft()
-            else:
+            if 0 <= n < len(head):
                 self.chunks[0] = head[n:]
-            self.held -= n
+                head = head[:n]
+            else:
+                self.chunks.popleft()
+            self.held -= len(head)
             self.cv.notify_all()
-            return n
+            return head
 
 
 def _in_thread(fn: Callable, *args) -> asyncio.Future:
