@@ -368,10 +368,9 @@ def test_tangram_serve_with_ray_takes_task_images_and_prewarms_on_n_nodes(world,
         with TangramClient(server.url) as c:
             s = c.session(image=t3)
             r = s.exec(python="print(open('/repo/README.md').read().split()[1])")
-            warm = httpx.post(f"{server.url}/v1/pools/prewarm", params={"nodes": 2}, json={"image": t3, "n": 1},
-                              timeout=120)
-            too_many = httpx.post(f"{server.url}/v1/pools/prewarm", params={"nodes": 3},
-                                  json={"image": t3, "n": 1}, timeout=60)
+            warm = c.prewarm(t3, 1, nodes=2)
+            too_many = httpx.post(f"{server.url}/v1/pools/prewarm", json={"image": t3, "n": 1, "nodes": 3},
+                                  timeout=60)
             bad = httpx.post(f"{server.url}/v1/sessions", json={"image": "Not_A_Ref"}, timeout=60)
             deadline = time.monotonic() + 30
             while True:  # the nodes' pull counts reach the head with their agents' next looks
@@ -385,8 +384,7 @@ def test_tangram_serve_with_ray_takes_task_images_and_prewarms_on_n_nodes(world,
     finally:
         server.stop()
     assert (r.outcome, r.run.stdout) == ("ok", "shapes3\n"), r.message
-    assert warm.status_code == 200, warm.text
-    assert warm.json()["ready"] == 2 and warm.json()["image"] == t3 and _task_layer_gets(world, 3) == 2
+    assert warm.ready == 2 and warm.image == t3 and _task_layer_gets(world, 3) == 2
     assert too_many.status_code == 422 and "nodes: 3 asked" in too_many.text
     assert bad.status_code in (400, 422) and "Not_A_Ref" in bad.text
     assert pulls and pulls[0] >= 2  # t3 on each node, each its own pull

@@ -177,6 +177,8 @@ class ImageInfo(BaseModel):
 class PrewarmRequest(Request):
     image: ImageName
     n: int = Field(..., ge=1, le=4096, description="sandboxes to have ready")
+    nodes: Optional[int] = Field(None, ge=1, le=4096, description="on Ray: pull the image and start n sandboxes "
+                                 "on each of this many nodes, those holding the image first (default one)")
 
 
 class PrewarmResult(BaseModel):

@@ -263,10 +263,14 @@ class Methods:
         first use); sessions and one-shots may also name any registry reference."""
         return self._carry_out(self._list(v1.ImageInfo, "/v1/images"))
 
-    def prewarm(self, image: str, n: int) -> v1.PrewarmResult:
+    def prewarm(self, image: str, n: int, nodes: int | None = None) -> v1.PrewarmResult:
         """Have ``n`` more sandboxes of ``image`` ready (a registry reference not on the server is
-        pulled first), within the server's idle cap (``ready`` says how many were started)."""
-        request = Request("POST", "/v1/pools/prewarm", {"image": image, "n": n}, idempotent=False)
+        pulled first), within the server's idle cap (``ready`` says how many were started); on a
+        Ray cluster on each of ``nodes`` nodes."""
+        body: dict = {"image": image, "n": n}
+        if nodes is not None:
+            body["nodes"] = nodes
+        request = Request("POST", "/v1/pools/prewarm", body, idempotent=False)
         return self._carry_out(typed(v1.PrewarmResult, request, self.policy))
 
     def _list(self, model: type[M], path: str) -> Plan[list[M]]:

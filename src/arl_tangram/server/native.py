@@ -93,11 +93,8 @@ def routes(router: APIRouter, calls: Any, guarded: Sequence[Any]) -> None:
 
     @router.post("/v1/pools/prewarm", response_model=v1.PrewarmResult, tags=["sessions"], dependencies=guarded,
               responses={422: {"model": v1.Error}})
-    async def prewarm(req: v1.PrewarmRequest,
-                      nodes: int | None = Query(None, ge=1, le=4096, description="on Ray: pull the image and start "
-                                                "n sandboxes on each of this many nodes (default one)")
-                      ) -> v1.PrewarmResult:
-        return await calls.prewarm(req, nodes)
+    async def prewarm(req: v1.PrewarmRequest) -> v1.PrewarmResult:
+        return await calls.prewarm(req)
 
     @router.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"], dependencies=guarded,
                 responses={404: {"model": v1.Error}})

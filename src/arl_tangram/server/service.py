@@ -737,10 +737,10 @@ class Service:
                              message="files are shared copy-on-write; the shell and python interpreter of the "
                                      "source and the children restart on their next step")
 
-    async def prewarm(self, req: v1.PrewarmRequest, nodes: int | None = None) -> v1.PrewarmResult:
-        """``req.n`` sandboxes of ``req.image``; on Ray on each of ``nodes`` nodes (default one)."""
+    async def prewarm(self, req: v1.PrewarmRequest) -> v1.PrewarmResult:
+        """``req.n`` sandboxes of ``req.image``; on Ray on each of ``req.nodes`` nodes (default one)."""
         try:
-            p = await self.tg.prewarm(req.image, req.n, nodes)
+            p = await self.tg.prewarm(req.image, req.n, req.nodes)
         except ImageError as e:  # a registry that does not answer is ours to say, not the request's
             raise (Unavailable if e.infra else BadRequest)(str(e)) from None
         except ValueError as e:  # more nodes than there are
