@@ -295,6 +295,34 @@ def test_a_streamed_request_gets_each_token_between_two_steps_of_the_decode_loop
     assert pickle.loads(pickle.dumps(Streamed(ask, on_token))) == ask
 
 
+def test_a_stream_read_is_woken_by_a_token_from_the_decode_loops_thread_and_ends_with_the_answers():
+    import asyncio
+
+    from arl_tangram.server.modelapi.common import ApiError
+    from arl_tangram.server.modelapi.streams import Stream, Waker
+
+    async def main() -> None:
+        waker = Waker(asyncio.get_running_loop())
+        s = Stream(waker, "m")
+        first, second = s.sink(0), s.sink(1)
+        assert (await s.read(0, 0.01))["events"] == []  # none yet: the wait ran out
+        threading.Timer(0.05, lambda: (first(7, "a", -0.5, None, None), second(8, "", -1.0, None, None))).start()
+        t = time.monotonic()
+        got = await s.read(0, 60)
+        assert time.monotonic() - t < 30 and not got["done"]  # woken by the token, not by the wait's end
+        while len(got["events"]) < 2:
+            got = {**got, "events": got["events"] + (await s.read(len(got["events"]), 60))["events"]}
+        assert got["events"] == [(0, 7, "a", -0.5, None, None), (1, 8, "", -1.0, None, None)]
+        s.finish(["answer"])
+        assert await s.read(2, 60) == {"events": [], "done": True, "model": "m", "answers": ["answer"]}
+        failed = Stream(waker, "m")
+        failed.finish(error=ApiError(400, "prompt: too long", param="prompt"))
+        with pytest.raises(ApiError):
+            await failed.read(0, 60)
+
+    asyncio.run(main())
+
+
 def test_streams_send_a_chunk_per_token_that_add_up_to_the_whole_answer(server):
     base = {"model": "llama", "prompt": "Reinforcement", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     whole = post(server, "/v1/completions", {**base, "logprobs": 1}).json()["choices"][0]

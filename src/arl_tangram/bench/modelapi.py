@@ -6,7 +6,10 @@ request at a time (each its own batch), in the server's own app in this process 
 called directly: no sockets, the same stack either way), one request of every route in turn;
 per route the median latency and CPU time (the model's forward on one thread), and what each
 protocol adds per request over the native call of the same op (the target: at most
-0.3 ms).
+0.3 ms), each round's difference to the native call of the same round, medians (the reward
+routes' also less the tokenizing a caller of the native API does before it sends the text's
+tokens, timed in the same rounds); and what streaming a chat of ``STREAM_TOKENS`` tokens adds
+over the same chat answered whole (``stream_added``).
 
 ``decode``: tokens/s of the ``generate`` op's decode loop at each batch size against
 transformers' ``generate`` on the same model and batch (greedy, equal-length random prompts,
@@ -42,6 +45,8 @@ SHAPES = {
 
 #: the most a protocol may add per request over the native call (the bench reports against it)
 TARGET_ADDED_MS = 0.3
+#: tokens of the chat the overhead section answers whole and streamed
+STREAM_TOKENS = 16
 
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "What is the capital of France? Paris.",
           "def add(a, b):\n    return a + b\n", "Reinforcement learning from verifiable rewards."]
@@ -108,6 +113,8 @@ def overhead(device: str = "cpu", requests: int = 300, tokens: int = 32, log: Ca
     dialects = with_dialects(settings={"modelapi": config.model_dump()})  # as tangram serve's [model_api]
     models = [ModelServiceConfig("lm", hf=lm, task="logprobs", max_wait_ms=0, max_batch=1),
               ModelServiceConfig("rm", hf=rm, task="score", max_wait_ms=0, max_batch=1)]
+    chat = {"model": "lm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": STREAM_TOKENS,
+            "temperature": 0, "ignore_eos": True}
     routes = {  # name: (op it is compared with, path, body)
         "native logprobs": ("logprobs", "/v1/models/lm/logprobs", {"tokens": ids}),
         "sglang /generate": ("logprobs", "/generate", {"input_ids": ids, "return_logprob": True,
@@ -125,8 +132,12 @@ def overhead(device: str = "cpu", requests: int = 300, tokens: int = 32, log: Ca
         "native score (text's tokens)": ("text", "/v1/models/rm/score", {"tokens": text_ids}),
         "openrlhf reward": ("text", "/openrlhf", {"query": [text], "prompts": [""], "labels": [None]}),
         "slime reward": ("text", "/slime", {"prompt": text, "response": "", "label": None}),
+        # streaming's own cost: the same chat, whole and a chunk per token
+        "openai chat": ("chat", "/v1/chat/completions", chat),
+        "openai chat streamed": ("stream", "/v1/chat/completions", {**chat, "stream": True}),
     }
-    native = {"logprobs": "native logprobs", "score": "native score", "text": "native score (text's tokens)"}
+    native = {"logprobs": "native logprobs", "score": "native score", "text": "native score (text's tokens)",
+              "stream": "openai chat"}
 
     import torch
 
@@ -161,7 +172,7 @@ def overhead(device: str = "cpu", requests: int = 300, tokens: int = 32, log: Ca
         out: dict = {"routes": {k: _stats(walls[k], cpus[k]) for k in routes}}
         added = {}
         for name, (op, _, _) in routes.items():
-            if name == native[op]:
+            if name == native.get(op, name):
                 continue
             base = native[op]
             added[name] = {  # each round's difference to the native call of the same round: drift cancels
@@ -170,7 +181,10 @@ def overhead(device: str = "cpu", requests: int = 300, tokens: int = 32, log: Ca
             if op == "text":  # the native call was given the text's tokens: its caller tokenized the text
                 added[name]["added_cpu_ms_less_tokenizing"] = round(statistics.median(
                     a - b - k for a, b, k in zip(cpus[name], cpus[base], tokenize)) * 1e3, 4)
+        streamed = added.pop("openai chat streamed")
         out["added_over_native"] = added
+        out["stream_added"] = {**streamed, "tokens": STREAM_TOKENS,  # over the same chat answered whole
+                               "added_cpu_ms_per_token": round(streamed["added_cpu_ms"] / STREAM_TOKENS, 4)}
         out["tokenize_cpu_ms"] = round(statistics.median(tokenize) * 1e3, 4)
         out["target_added_ms"] = TARGET_ADDED_MS
         out["within_target"] = all(v["added_cpu_ms"] <= TARGET_ADDED_MS for v in added.values())

@@ -24,7 +24,7 @@ from ..service import UNNAMED_JOB, Overloaded, Service, job_for
 from .common import ApiError, new_id
 from .config import ModelApiConfig
 from .quotas import Quotas
-from .streams import UNREAD_S, Stream, Streamed
+from .streams import UNREAD_S, Stream, Streamed, Waker
 
 #: a causal LM (``task = "logprobs"``) generates; a score model (``task = "score"``) classifies
 OPS = {"logprobs": "generate", "score": "classify"}
@@ -38,6 +38,7 @@ class State:
         self.service = service
         self.quotas = Quotas(config.quotas)
         self.streams: dict[str, Stream] = {}  # streamed requests by id (``streams.py``)
+        self.waker: Waker | None = None
         self._children: dict[tuple, Any] = {}
         reg = service.metrics.registry
         self.requests = Counter("tangram_model_api_requests_total", "Requests of the model protocols, by protocol, "
@@ -142,7 +143,9 @@ class Calls:
         now = time.monotonic()
         for sid in [k for k, v in st.streams.items() if now - v.read_at > UNREAD_S]:
             st.streams.pop(sid)  # its client went away: its run ends on its own
-        stream = Stream(asyncio.get_running_loop(), name)
+        if st.waker is None or st.waker.loop is not asyncio.get_running_loop():
+            st.waker = Waker(asyncio.get_running_loop())
+        stream = Stream(st.waker, name)
         streamed = [Streamed(it, stream.sink(i)) for i, it in enumerate(items)]
 
         async def run() -> None:

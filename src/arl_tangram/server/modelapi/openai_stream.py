@@ -72,16 +72,14 @@ async def open_stream(calls: Any, protocol: str, model: str | None, items: list)
     return sid, name, got
 
 
-async def _events(calls: Any, sid: str, got: dict) -> AsyncIterator[tuple]:
-    """Each event of the stream from the read ``got`` on, then ``("done", answers)``."""
+async def _reads(calls: Any, sid: str, got: dict) -> AsyncIterator[dict]:
+    """Every read of the stream from ``got`` on, the last one ``done``."""
     sent = 0
     while True:
-        for ev in got["events"]:
-            yield ev
-        sent += len(got["events"])
+        yield got
         if got["done"]:
-            yield ("done", got["answers"])
             return
+        sent += len(got["events"])
         got = await answer(calls.stream_read(sid, sent, WAIT_S))
 
 
@@ -93,71 +91,78 @@ def _rest(final: str, said: str) -> str:
     return ""
 
 
+def _error(e: Exception) -> bytes:
+    """An error after the first token: an event in OpenAI's shape."""
+    err = as_api_error(e, "stream")
+    return sse(error_body("openai", err.status, err.message, err.param, err.code, err.kind))
+
+
 async def chat(calls: Any, sid: str, got: dict, head: dict, n: int, logprobs: bool, with_stop: bool,
                include_usage: bool) -> AsyncIterator[bytes]:
-    """``/v1/chat/completions``'s chunks: the role, a chunk per token, the rest, the finish."""
+    """``/v1/chat/completions``' chunks: the role, a chunk per token, the rest, the finish; the
+    chunks of one read sent together."""
     said = [""] * n
+    out = [sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None}]}) for i in range(n)]
     try:
-        for i in range(n):
-            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]})
-        async for ev in _events(calls, sid, got):
-            if ev[0] == "done":
-                answers = ev[1]
-                break
-            i, token, text, value, top, pieces = ev
-            content = {"content": [chat_entry(token, value, top, pieces or {})]} if logprobs else None
-            if text or content is not None:
-                said[i] += text
-                yield sse({**head, "choices": [{"index": i, "delta": {"content": text}, "logprobs": content,
-                                                "finish_reason": None}]})
-        for i, g in enumerate(answers):
-            rest = _rest(text_of(g, with_stop), said[i])
-            if rest:
-                yield sse({**head, "choices": [{"index": i, "delta": {"content": rest}, "logprobs": None,
-                                                "finish_reason": None}]})
-            yield sse({**head, "choices": [{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish(g),
-                                            "stop_reason": stop_reason(g)}]})
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(answers, n)})
-    except Exception as e:  # after the first token: an event in OpenAI's shape
-        err = as_api_error(e, "stream")
-        yield sse(error_body("openai", err.status, err.message, err.param, err.code, err.kind))
-    yield DONE
+        async for read in _reads(calls, sid, got):
+            for i, token, text, value, top, pieces in read["events"]:
+                content = {"content": [chat_entry(token, value, top, pieces or {})]} if logprobs else None
+                if text or content is not None:
+                    said[i] += text
+                    out.append(sse({**head, "choices": [{"index": i, "delta": {"content": text}, "logprobs": content,
+                                                         "finish_reason": None}]}))
+            if read["done"]:
+                answers = read["answers"]
+                for i, g in enumerate(answers):
+                    rest = _rest(text_of(g, with_stop), said[i])
+                    if rest:
+                        out.append(sse({**head, "choices": [{"index": i, "delta": {"content": rest},
+                                                             "logprobs": None, "finish_reason": None}]}))
+                    out.append(sse({**head, "choices": [{"index": i, "delta": {}, "logprobs": None,
+                                                         "finish_reason": finish(g), "stop_reason": stop_reason(g)}]}))
+                if include_usage:
+                    out.append(sse({**head, "choices": [], "usage": usage(answers, n)}))
+                out.append(DONE)
+            yield b"".join(out)
+            out.clear()
+    except Exception as e:
+        yield b"".join(out) + _error(e) + DONE
 
 
 async def completion(calls: Any, sid: str, got: dict, head: dict, samples: int, k: int | None, with_stop: bool,
                      include_usage: bool) -> AsyncIterator[bytes]:
     """``/v1/completions``' chunks: one per token (with its ``logprobs`` where ``k`` is given),
-    then the rest of each choice with its finish."""
+    then the rest of each choice with its finish; the chunks of one read sent together."""
     said: dict[int, str] = {}
     at: dict[int, int] = {}  # each choice's text offset of its next token (as the whole answer counts it)
+    out: list[bytes] = []
     try:
-        async for ev in _events(calls, sid, got):
-            if ev[0] == "done":
-                answers = ev[1]
-                break
-            i, token, text, value, top, pieces = ev
-            logprobs = None
-            if k is not None:
-                pieces = pieces or {}
-                s = pieces.get(token, "")
-                alts = {pieces.get(t, ""): lp(x) for t, x in (top or ())[:k]}
-                alts.setdefault(s, lp(value))
-                logprobs = {"tokens": [s], "token_logprobs": [lp(value)], "top_logprobs": [alts],
-                            "text_offset": [at.get(i, 0)]}
-                at[i] = at.get(i, 0) + len(s)
-            if text or logprobs is not None:
-                said[i] = said.get(i, "") + text
-                yield sse({**head, "choices": [{"index": i, "text": text, "logprobs": logprobs,
-                                                "finish_reason": None}]})
-        for i, g in enumerate(answers):
-            yield sse({**head, "choices": [{"index": i, "text": _rest(text_of(g, with_stop), said.get(i, "")),
-                                            "logprobs": None, "finish_reason": finish(g),
-                                            "stop_reason": stop_reason(g)}]})
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage(answers, samples)})
+        async for read in _reads(calls, sid, got):
+            for i, token, text, value, top, pieces in read["events"]:
+                logprobs = None
+                if k is not None:
+                    pieces = pieces or {}
+                    s = pieces.get(token, "")
+                    alts = {pieces.get(t, ""): lp(x) for t, x in (top or ())[:k]}
+                    alts.setdefault(s, lp(value))
+                    logprobs = {"tokens": [s], "token_logprobs": [lp(value)], "top_logprobs": [alts],
+                                "text_offset": [at.get(i, 0)]}
+                    at[i] = at.get(i, 0) + len(s)
+                if text or logprobs is not None:
+                    said[i] = said.get(i, "") + text
+                    out.append(sse({**head, "choices": [{"index": i, "text": text, "logprobs": logprobs,
+                                                         "finish_reason": None}]}))
+            if read["done"]:
+                answers = read["answers"]
+                for i, g in enumerate(answers):
+                    rest = _rest(text_of(g, with_stop), said.get(i, ""))
+                    out.append(sse({**head, "choices": [{"index": i, "text": rest, "logprobs": None,
+                                                         "finish_reason": finish(g), "stop_reason": stop_reason(g)}]}))
+                if include_usage:
+                    out.append(sse({**head, "choices": [], "usage": usage(answers, samples)}))
+                out.append(DONE)
+            yield b"".join(out)
+            out.clear()
     except Exception as e:
-        err = as_api_error(e, "stream")
-        yield sse(error_body("openai", err.status, err.message, err.param, err.code, err.kind))
-    yield DONE
+        yield b"".join(out) + _error(e) + DONE

@@ -7,7 +7,7 @@ A read is a long poll, one call and one answer, so it works the same through the
 in process; the events a route reads together are the tokens made since its last read.
 
 The decode loop hands a token to the request's ``on_token`` (``Streamed``) in its own thread;
-the engine process's loop is woken only while a read is waiting. An event is ``(item, token,
+the engine process's loop is woken only while a read waits for one. An event is ``(item, token,
 text, logprob, top, pieces)``: the index of the request's prompt (or sample), the token, the text
 it adds where that text is settled (the answer's text is the final word: a route sends what is
 left of it at the end), its log-probability and top alternatives where asked, and those tokens'
@@ -19,6 +19,7 @@ answer, in one go.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import Any, Callable
 
@@ -46,49 +47,78 @@ class Streamed(Generate):
         return _plain, ({k: v for k, v in self.__dict__.items() if k != "on_token"},)
 
 
+def _release(waiter: asyncio.Future) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class Waker:
+    """Wakes the engine process's loop for the reads whose streams got a token, once for a burst:
+    the decode loop hands every row of a step its token one after the other, and the loop is
+    woken once for all of them (a wake is a write to its self-pipe and a pass of the loop)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._due: collections.deque[asyncio.Future] = collections.deque()
+        self._scheduled = False
+
+    def wake(self, waiter: asyncio.Future) -> None:
+        """Release ``waiter`` in the loop (called from any thread)."""
+        self._due.append(waiter)  # first: a flush that began before this line releases it, or
+        if not self._scheduled:  # the next one does, which this schedules
+            self._scheduled = True
+            self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = False
+        while self._due:
+            _release(self._due.popleft())
+
+
 class Stream:
     """One request's events and, once it ran, its answers (or the error it ended with)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, model: str) -> None:
-        self.loop, self.model = loop, model
+    def __init__(self, waker: Waker, model: str) -> None:
+        self.waker, self.loop, self.model = waker, waker.loop, model
         self.events: list[tuple] = []
         self.done = False
         self.answers: list | None = None
         self.error: BaseException | None = None
         self.task: asyncio.Task | None = None
         self.read_at = time.monotonic()
-        self._wake = asyncio.Event()
-        self._waiting = False
+        self._waiter: asyncio.Future | None = None  # the read waiting for an event, if one is
 
     def sink(self, item: int) -> Callable[..., None]:
         """The ``on_token`` of the request's ``item``-th prompt (called in the decode loop's thread)."""
-        events, loop = self.events, self.loop
+        events, waker = self.events, self.waker
 
         def on_token(token: int, text: str, logprob: float | None, top: Any, pieces: Any) -> None:
-            events.append((item, token, text, logprob, top, pieces))
-            if self._waiting:  # a read waits: wake it (a list append needs no lock)
-                self._waiting = False
-                loop.call_soon_threadsafe(self._wake.set)
+            events.append((item, token, text, logprob, top, pieces))  # first: a read tests the events after
+            waiter = self._waiter  # it publishes its waiter
+            if waiter is not None:  # a read waits: wake it (the loop is woken only then)
+                self._waiter = None
+                waker.wake(waiter)
 
         return on_token
 
     def finish(self, answers: list | None = None, error: BaseException | None = None) -> None:
         self.answers, self.error, self.done = answers, error, True
-        self._wake.set()
+        if self._waiter is not None:
+            _release(self._waiter)
 
     async def read(self, sent: int, wait_s: float) -> dict:
         """The events past the first ``sent``; waits up to ``wait_s`` while there are none and
         the request runs. Once it ran: ``done``, and its answers (or its error, raised)."""
         self.read_at = time.monotonic()
         if len(self.events) <= sent and not self.done:
-            self._wake.clear()
-            self._waiting = True
-            if len(self.events) <= sent and not self.done:  # an event between the test and the flag
+            waiter = self._waiter = self.loop.create_future()
+            if len(self.events) <= sent and not self.done:  # an event between the test and the waiter
+                timer = self.loop.call_later(wait_s, _release, waiter)
                 try:
-                    await asyncio.wait_for(self._wake.wait(), wait_s)
-                except asyncio.TimeoutError:
-                    pass
-            self._waiting = False
+                    await waiter
+                finally:
+                    timer.cancel()
+            self._waiter = None
         self.read_at = time.monotonic()
         done = self.done  # before the events: once done, the decode loop appends no more
         events = self.events[sent:]
