@@ -757,20 +757,24 @@ def bench_images(
     images: int = typer.Option(16, min=1, help="Images those sessions name."),
     samples: int = typer.Option(20, min=3, help="Sessions per first-session latency figure."),
     runs: int = typer.Option(3, min=1, help="Pulls (and skopeo copies) of the base for the throughput figure."),
-    base: str = typer.Option("debian", help="debian (Debian's packages by mmdebstrap, cached) or host-python (the "
-                                            "host's python3 and pytest, copied)."),
+    base: str = typer.Option("debian", help="debian (Debian's packages by mmdebstrap, cached), host-python (the "
+                                            "host's python3 and pytest, copied) or the path of a root filesystem "
+                                            "tar (.tar, .tar.gz, .tar.xz, .tar.zst: debian's, carried)."),
     cache: Optional[Path] = typer.Option(None, help="Where the base root and its compressed layer are kept.",
                                          show_default="$XDG_CACHE_HOME/arl-tangram/bench-images"),
+    sections: Optional[str] = typer.Option(None, help="Comma-separated parts (default all): throughput, tasks, "
+                                                      "first_session, concurrent, bad_input."),
 ) -> None:
     """Task images from a registry on loopback: pull throughput vs skopeo copy, N task images over
     one base (bytes fetched, disk used), first session from a pulled image, concurrent sessions
     over images not on the node, and bad inputs through a server. Needs root, bubblewrap,
     docker-registry and skopeo (and mmdebstrap for the Debian base)."""
-    from .bench.images import run
+    from .bench.images import SECTIONS, run
 
+    picked = _sections(sections, SECTIONS)
     try:
-        _print_json(run(tasks, concurrent, images, samples, runs, base, cache, log=lambda m: console.print(m)),
-                    json_out)
+        _print_json(run(tasks, concurrent, images, samples, runs, base, cache, log=lambda m: console.print(m),
+                        sections=picked), json_out)
     except RuntimeError as e:
         raise fail(str(e))
 
