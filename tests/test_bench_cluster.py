@@ -78,6 +78,7 @@ def test_the_cluster_meter_reads_the_head_by_thread_and_ray_s_processes_by_title
     assert h["total"] == round(sum(v for k, v in h.items() if k not in ("total", "sys")), 3)
     assert 0 <= h["sys"]["main"] <= h["main"] and 0 <= h["sys"]["ray_threads"] <= h["ray_threads"], h
     assert len(cpu["agents"]["each"]) == 1 and 200 <= cpu["agents"]["total"] <= 450, cpu["agents"]
+    assert cpu["agents"]["threads"]["main"] >= 200 and cpu["agents"]["threads"]["ray_threads"] == 0, cpu["agents"]
     ray = cpu["ray"]
     assert ray["raylet"] >= 150 and ray["gcs"] >= 150 and ray["ray_workers"] >= 150, ray
     assert ray["ray_services"] == 0, ray  # the untitled process is nobody's: not counted

@@ -158,7 +158,7 @@ def _idle_per_s(meter: ClusterCpuMeter) -> dict:
     time.sleep(IDLE_S)
     b = meter.read()
     ray = {k: round((b["ray"][k] - a["ray"][k]) / IDLE_S, 4) for k in b["ray"]}
-    agents = sum(b["agents"].get(p, 0.0) - v for p, v in a["agents"].items())
+    agents = sum(b["agents"][p]["total"] - v["total"] for p, v in a["agents"].items() if p in b["agents"])
     return {"ray": ray, "ray_total": round(sum(ray.values()), 4), "agents_total": round(agents / IDLE_S, 4),
             "head": round(sum(b["head"][k] - a["head"][k] for k in b["head"]) / IDLE_S, 4)}
 
@@ -196,7 +196,9 @@ def cpu_text(cpu: dict) -> str:
              f"[{h['sys']['ray_threads']} kernel], other {h['other_threads']}, "
              f"fronts {h['fronts']}, workers {h['workers']})"]
     if cpu["agents"]["each"]:
-        parts.append(f"agents {cpu['agents']['total']} ({len(cpu['agents']['each'])} of them)")
+        t = cpu["agents"]["threads"]
+        parts.append(f"agents {cpu['agents']['total']} ({len(cpu['agents']['each'])} of them; main {t['main']}, ray "
+                     f"threads {t['ray_threads']}, python threads {t['other_threads']})")
     if ray["total"]:
         parts.append(f"ray {ray['total']} (raylet {ray['raylet']}, gcs {ray['gcs']}, workers {ray['ray_workers']}, "
                      f"services {ray['ray_services']})")

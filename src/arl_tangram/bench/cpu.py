@@ -331,8 +331,9 @@ HEAD_THREADS = ("main", "ray_threads", "other_threads")
 RAY_PARTS = ("raylet", "gcs", "ray_workers", "ray_services")
 #: a Ray worker's process title while it is a node agent (``ray::NodeAgent``, ``ray::NodeAgent.run``)
 AGENT_TITLE = b"ray::NodeAgent"
-#: a thread whose name is the interpreter's: one Python started (Ray names its C++ threads)
-_PY_THREAD_NAMES = ("python", "python3")
+#: a thread whose name is the interpreter's, or a Ray worker's title (a thread takes its process's
+#: name when it starts): one Python started (Ray names its C++ threads)
+_PY_THREAD_NAMES = ("python", "python3", "ray::")
 
 
 def _cpu_s(pid: int) -> float:
@@ -427,7 +428,7 @@ class ClusterCpuMeter:
 
     * the head: its process by thread (``HEAD_THREADS``), its fronts and sandbox workers (its
       children, as ``CpuMeter``), the bytes it wrote to storage;
-    * each node's agent (a Ray worker titled ``ray::NodeAgent``), by pid;
+    * each node's agent (a Ray worker titled ``ray::NodeAgent``), by pid, and by thread;
     * Ray's own processes (``RAY_PARTS``): the descendants of ``ray_root`` (the process that
       started the loopback cluster's nodes) that are Ray's and not an agent;
     * the sandboxes: the control groups of the agents and of the head and its workers (as
@@ -480,7 +481,10 @@ class ClusterCpuMeter:
                 except OSError:
                     continue
                 if kind == "agent":
-                    out["agents"][pid] = used
+                    try:
+                        out["agents"][pid] = {"total": used, **_threads(pid)}
+                    except OSError:
+                        continue
                     owners.add(pid)
                     skip.update(_descendants_of(pid))  # its sandboxes: their control groups count them
                 else:
@@ -507,11 +511,14 @@ class ClusterCpuMeter:
         head = {k: per(after["head"][k] - before["head"][k]) for k in (*HEAD_THREADS, "fronts", "workers")}
         head["total"] = round(sum(head.values()), 3)
         head["sys"] = {k: per(after["head"][f"{k}.sys"] - before["head"][f"{k}.sys"]) for k in ("main", "ray_threads")}
-        both = sorted(set(before["agents"]) & set(after["agents"]))
-        each = [per(after["agents"][p] - before["agents"][p]) for p in both]
-        new = sorted(set(after["agents"]) - set(before["agents"]))
-        each += [per(after["agents"][p]) for p in new]
-        agents = {"each": each, "total": round(sum(each), 3), "started_between": len(new)}
+        was, now = before["agents"], after["agents"]
+        zero = dict.fromkeys(("total", *HEAD_THREADS), 0.0)
+        both = sorted(set(was) & set(now))
+        new = sorted(set(now) - set(was))
+        pairs = [(was[p], now[p]) for p in both] + [(zero, now[p]) for p in new]
+        each = [per(b["total"] - a["total"]) for a, b in pairs]
+        agents = {"each": each, "total": round(sum(each), 3), "started_between": len(new),
+                  "threads": {k: per(sum(b[k] - a[k] for a, b in pairs)) for k in HEAD_THREADS}}
         ray = {k: per(after["ray"][k] - before["ray"][k]) for k in RAY_PARTS}
         ray["total"] = round(sum(ray.values()), 3)
         sandboxes = per(after["sandboxes"] - before["sandboxes"])
