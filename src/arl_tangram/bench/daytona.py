@@ -182,8 +182,9 @@ def _alternate(sides: dict[str, Callable[[], Any]], pids: dict[str, int], n: int
                 time.sleep(settle_s)
     out: dict[str, Any] = {k: {**_p(took[k]), "server_cpu_ms": round(cpu[k] / n * 1000, 2)} for k in names}
     p50 = {k: out[k]["p50_ms"] for k in names}
-    out["vs_floor"] = round(p50["daytona"] / p50["floor"], 2) if p50["floor"] else None
-    out["vs_native"] = round(p50["daytona"] / p50["native"], 2) if p50["native"] else None
+    for other in ("floor", "native"):
+        if "daytona" in p50 and p50.get(other):
+            out[f"vs_{other}"] = round(p50["daytona"] / p50[other], 2)
     return out
 
 
