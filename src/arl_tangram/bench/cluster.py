@@ -113,7 +113,7 @@ def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: flo
             head = Head(tmp, head_config(cores), ray=c.address, cpus=cpu_list(spare) or None)
             try:
                 health = head.wait_cores(n * cores)
-                row["head_fronts"] = health.get("fronts")
+                row["head_fronts"], row["isolation"] = health.get("fronts"), health.get("isolation")
                 with pinned(spare):
                     row.update(measure(head, actions, per_core * n * cores, work_ms, ray_root=os.getpid()))
                     if sessions and n == max(node_counts):
@@ -147,7 +147,7 @@ def local(nodes: int, cores: int, actions: int, work_ms: float, per_core: int, l
     try:
         health = head.wait_cores(len(used))
         with pinned(spare):
-            row = {"cpus": cpu_list(used), "fronts": health.get("fronts"),
+            row = {"cpus": cpu_list(used), "fronts": health.get("fronts"), "isolation": health.get("isolation"),
                    "sandbox_workers": health.get("sandbox_workers"),
                    **measure(head, actions, per_core * nodes * cores, work_ms, ray_root=None)}
     finally:
