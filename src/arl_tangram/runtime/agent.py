@@ -288,14 +288,37 @@ class NodeAgent:
         if self.manager is not None:
             self.manager.close_session(trajectory)
 
-    async def export_session(self, trajectory: str, owner: str | None = None) -> bytes | None:
-        """A session's files as a snapshot (what a move carries to another node through the
-        object store), taken as an action on the session, so after its running step; None when
-        it has nothing here (never ran a step, or already closed)."""
+    async def export_session(self, trajectory: str, owner: str | None = None,
+                             whole: bool = False) -> tuple[dict | None, bytes | None]:
+        """A session as what a move carries to another node (through the object store): its meta
+        (None: it has nothing here, never ran a step or already closed) and its bytes. A default
+        session goes as its rest blob (put to rest here first: its interpreter's state, shell and
+        files; ``kind`` ``rest``), and wakes there as a rested session wakes. One whose state a blob
+        cannot hold (an image session's root is not in it) goes as a snapshot of its files (``kind``
+        ``files``; ``restarted``: its processes held state, which is lost). ``whole``: a move for
+        balance, carried only if nothing is lost (``kind`` ``stay``, ``why``: not moved, nothing
+        touched). Taken after the session's running step (the head holds its lock)."""
         self._check_owner(owner)
-        manager = self.manager
-        if manager is None or not manager.has_session(trajectory):
-            return None
+        m = self.manager
+        if m is None or not m.has_session(trajectory):
+            return None, None
+        book = m.book
+        while trajectory in book.moving:  # being put to rest by the manager: its blob then
+            await asyncio.shield(book.moving[trajectory])
+        sb = book.awake.get(trajectory)
+        if sb is not None and not sb.dead and (sb.rootfs is None or sb.rootfs.workspace_only):
+            m.resting.not_whole.pop(trajectory, None)
+            await m.resting.rest(trajectory, whole=whole)
+        rested = book.rested.get(trajectory)
+        if rested is not None and rested.rootfs is None:
+            blob = await asyncio.to_thread(m.store.read, rested.path)
+            return {"kind": "rest", "dropped": dict(rested.dropped)}, blob
+        live = trajectory in book.awake or trajectory in book.rested  # processes whose state a snapshot loses
+        if whole and live:
+            lost = m.resting.not_whole.pop(trajectory, None)
+            why = ("it holds what cannot be carried: " + "; ".join(f"{k} ({v})" for k, v in lost.items()) if lost
+                   else "its interpreter's state cannot be carried to another node")
+            return {"kind": "stay", "why": why}, None
         fd, path = tempfile.mkstemp(prefix="tangram-move-", suffix=".tar")
         os.close(fd)
         try:
@@ -304,18 +327,23 @@ class NodeAgent:
             if done.outcome is not Outcome.OK:
                 raise RuntimeError(f"snapshot of session {trajectory} on node {self.name}: {done.message}")
             with open(path, "rb") as fh:
-                return fh.read()
+                return {"kind": "files", "restarted": live}, fh.read()
         finally:
             os.unlink(path)
 
-    async def import_session(self, trajectory: str, data: bytes | None, owner: str | None = None) -> bool:
-        """Make ``trajectory`` a session here from ``export_session``'s bytes (its processes start
-        on its next step); False when there was nothing to carry."""
+    async def import_session(self, trajectory: str, data: bytes | None, owner: str | None = None,
+                             meta: dict | None = None) -> bool:
+        """Make ``trajectory`` a session here from ``export_session``'s ``(meta, data)``: at rest
+        (kind ``rest``: its next step wakes it), or from a snapshot of its files (its processes
+        start on its next step); False when there was nothing to carry."""
         self._check_owner(owner)
         if data is None:
             return False
         if self.manager is None:
             raise RuntimeError(f"node {self.name} runs no sandboxes: {self.problem}")
+        if meta is not None and meta.get("kind") == "rest":
+            await self.manager.resting.arrive(trajectory, data, dict(meta.get("dropped") or {}))
+            return True
         fd, path = tempfile.mkstemp(prefix="tangram-move-", suffix=".tar")
         try:
             with os.fdopen(fd, "wb") as fh:

@@ -27,12 +27,18 @@ its node's pull as one machine does, and prewarms an image on a number of nodes 
 **Drain and move.** ``drain_node`` takes a node out of placement at once (state ``draining``: no
 new session or one-shot lands there; the engine decides, ``Engine.drain_cpu_node``); its running
 actions finish; then each of its sessions moves to another node between two of its steps
-(``Engine.move_session`` picks the node, ``RemoteSandboxes`` carries the files: a snapshot on the
-old node's agent, passed through Ray's object store to the new node's agent, restored there; the
-processes start afresh on the next step, as after a fork). A step that arrives meanwhile waits for
-the move (each session's steps and its move take one lock, in order); once the node holds no
-session and runs nothing its state is ``drained``. The same carry makes the policy's migration
-real: a step the engine places away from its session's node (``Setup.RESTORE``) brings the files.
+(``Engine.move_session`` picks the node, ``RemoteSandboxes`` carries the session: its rest blob,
+made on the old node's agent (the session put to rest there: its interpreter's state, its shell and
+its files), passed through Ray's object store to the new node's agent and woken there by its next
+step as any rested session wakes; a session a blob cannot hold, an image session, goes as a
+snapshot of its files, and its next answer says its interpreter and shell restarted). A step that
+arrives meanwhile waits for the move (each session's steps and its move take one lock, in order);
+once the node holds no session and runs nothing its state is ``drained``. The same carry makes the
+policy's migration real: a step the engine places away from its session's live home node
+(``Setup.RESTORE``) brings the session, but only whole: one whose state would lose something (an
+open file, a generator, an image session's processes) stays, and the step runs at home, its home
+set again in the engine (it shares that node's cores for this step; the policy has no per-session
+"do not move" yet). Only a drain, or the node's loss, takes such a session off its node.
 
 **The head restarts, sessions stay.** Agents are detached actors named after their node
 (``agent_name``): they outlive the head's Ray driver, and with them their sandboxes, files and
@@ -129,6 +135,10 @@ def connect(address: str) -> bool:
     return True
 
 
+#: what ``RemoteSandboxes.carry`` returns for a move for balance not made (the session stays home)
+STAY = "stay"
+
+
 class RemoteSandboxes:
     """The ``Pool.CPU`` manager of the head: each action goes to the agent of its node; a session
     whose step lands on another node than its files (a move) has them carried there first."""
@@ -140,6 +150,8 @@ class RemoteSandboxes:
         self._locks: dict[str, asyncio.Lock] = {}  # session -> its steps and moves, one at a time
         self.moves = 0  # sessions carried to another node
         self.move_s: list[float] = []  # how long each carry took (what a waiting step waited)
+        self.stayed: dict[str, str] = {}  # session -> why a move for balance left it home
+        self.restarted: dict[str, str] = {}  # session -> what its next answer says of a move that lost its processes
 
     def start(self, action: Action, allocation: Allocation) -> None:
         node = self.runtime.by_index[allocation.node]
@@ -158,36 +170,85 @@ class RemoteSandboxes:
         return lock
 
     async def _step(self, traj: str, node: Node, action: Action, allocation: Allocation) -> Completion:
-        """A session's step on ``node``, after its move there if its files are elsewhere."""
+        """A session's step on ``node``, after its move there if its files are elsewhere. A move
+        for balance that would lose the session's Python state is not made: the step runs on its
+        home node (re-homed there in the engine), sharing cores there for this step."""
         async with self._lock(traj):
             old = self.homes.get(traj)
             if old is not None and old is not node and old.state != "dead":
-                problem = await self.carry(traj, old, node)
-                if problem is not None:
-                    return Completion(action.id, Outcome.INFRA_ERROR, message=problem)
+                balance = old.state == "alive"  # a draining home moves its sessions whatever they hold
+                problem = await self.carry(traj, old, node, balance=balance)
+                if problem is STAY:
+                    node = old
+                    self._home_again(traj, old)
+                elif problem is not None:
+                    return Completion(action.id, Outcome.INFRA_ERROR, message=str(problem))
             self.homes[traj] = node
             done = await run_on_node(self.runtime, node, action, allocation)
+            note = self.restarted.pop(traj, None)
+            if note is not None:  # its files came, its processes' state could not: the answer says so
+                done = replace(done, message=f"{note}; {done.message}" if done.message else note)
+                if hasattr(done.result, "message"):
+                    done.result.message = done.message
             if isinstance(action.payload, Fork) and done.outcome is Outcome.OK:
                 for child in action.payload.children:  # made beside their source
                     self.homes[child] = node
             return done
 
-    async def carry(self, traj: str, old: Node, new: Node) -> str | None:
-        """Move ``traj``'s files from ``old`` to ``new`` (the caller holds its lock): a snapshot on
-        ``old``'s agent, handed to ``new``'s agent through the object store (never through the
-        head), restored there; then closed on ``old``. None, or why it failed."""
+    def _home_again(self, traj: str, home: Node) -> None:
+        """The engine placed ``traj`` away but it stays: home again in the engine, so its next
+        step is placed (or queued) there."""
+        cpu = self.runtime.engine.cpu
+        if home.index is None:
+            return
+        try:
+            cpu.attach(traj, home.index, cpu.session_mem.get(traj, self.runtime.engine.costs.session_mem_gb))
+        except Exception as e:  # no memory left there in the ledger: the next step is placed anew
+            log.info("session %s stays on node %s, but the engine cannot home it there: %s", traj, home.name, e)
+
+    async def move(self, traj: str, node: Node, balance: bool = True) -> str | None:
+        """Move session ``traj`` to ``node`` now, between two of its steps (what a step placed
+        there does first; the engine is not asked). None when moved; else why not (``balance``:
+        a session whose state cannot be carried whole stays)."""
+        async with self._lock(traj):
+            old = self.homes.get(traj)
+            if old is None or old is node:
+                return None if old is node else f"session {traj} has no home"
+            problem = await self.carry(traj, old, node, balance=balance)
+            if problem is STAY:
+                return self.stayed.get(traj, "it stays")
+            if problem is None and node.index is not None:
+                self._home_again(traj, node)
+            return problem
+
+    async def carry(self, traj: str, old: Node, new: Node, balance: bool = False) -> str | None:
+        """Move ``traj`` from ``old`` to ``new`` (the caller holds its lock): its rest blob (its
+        Python state and files) or, where a blob cannot hold it, a snapshot of its files, made by
+        ``old``'s agent and handed to ``new``'s agent through the object store (never through the
+        head), loaded there; then closed on ``old``. None; ``STAY`` when ``balance`` and its state
+        cannot be carried whole (nothing moved); or why it failed."""
         t = time.perf_counter()
         try:
-            data = old.handle.export_session.remote(traj, self.runtime.owner)
-            await new.handle.import_session.remote(traj, data, self.runtime.owner)
+            meta_ref, data = old.handle.export_session.options(num_returns=2).remote(traj, self.runtime.owner, balance)
+            meta = await meta_ref
+            if meta is not None and meta.get("kind") == "stay":
+                self.stayed[traj] = str(meta.get("why"))
+                log.info("session %s stays on node %s: %s", traj, old.name, meta.get("why"))
+                return STAY
+            await new.handle.import_session.remote(traj, data, self.runtime.owner, meta)
         except Exception as e:  # an agent gone, a snapshot that cannot be restored there
             log.error("session %s: cannot move it from node %s to %s: %s", traj, old.name, new.name, e)
             return f"session {traj} could not be moved to node {new.name}: {type(e).__name__}: {e}"
         self.homes[traj] = new
+        self.stayed.pop(traj, None)
+        if meta is not None and meta.get("restarted"):
+            self.restarted[traj] = (f"session moved from node {old.name} to {new.name}: its files came, its python "
+                                    "interpreter and shell restarted (their state could not be carried)")
         old.handle.close_session.remote(traj, self.runtime.owner)
         self.moves += 1
         self.move_s.append(time.perf_counter() - t)
-        log.info("session %s moved from node %s to %s in %.3f s", traj, old.name, new.name, self.move_s[-1])
+        log.info("session %s moved from node %s to %s in %.3f s (%s)", traj, old.name, new.name, self.move_s[-1],
+                 meta.get("kind") if meta else "nothing")
         return None
 
     async def evacuate(self, traj: str, old: Node) -> None:
@@ -227,6 +288,8 @@ class RemoteSandboxes:
     def close_session(self, trajectory: str) -> None:
         node = self.homes.pop(trajectory, None)
         self._locks.pop(trajectory, None)
+        self.stayed.pop(trajectory, None)
+        self.restarted.pop(trajectory, None)
         self.runtime.images.forget(trajectory)
         if node is not None and node.serving:
             node.handle.close_session.remote(trajectory, self.runtime.owner)

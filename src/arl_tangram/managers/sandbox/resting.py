@@ -55,6 +55,7 @@ class Resting:
         self.counts = {"rests": 0, "wakes": 0, "rest_failures": 0, "wake_failures": 0}
         self.close_after_rest: set[str] = set()
         self.unrestable: dict[str, float] = {}  # failed to rest when last used at this time: not retried
+        self.not_whole: dict[str, dict[str, str]] = {}  # a whole rest refused: what it could not carry
         self._rester: asyncio.Task | None = None
         self._reaper: asyncio.Task | None = None
 
@@ -138,9 +139,11 @@ class Resting:
                 return
             await asyncio.gather(*(self.rest(t) for t in picks))
 
-    async def rest(self, trajectory: str) -> bool:
+    async def rest(self, trajectory: str, whole: bool = False) -> bool:
         """Put an idle session to rest now (True), or say it cannot be (False: busy, gone, or its
-        state could not be packed; it then stays awake, untouched)."""
+        state could not be packed; it then stays awake, untouched). ``whole``: only if nothing is
+        dropped (a move for balance: a session is never made to lose a value so that another node
+        runs it); else it stays awake and ``not_whole[trajectory]`` says what it could not carry."""
         host, book = self.host, self.book
         sb = book.awake.get(trajectory)
         if sb is None or sb.dead or trajectory in book.using or trajectory in book.moving or self.store is None:
@@ -165,6 +168,16 @@ class Resting:
                 self.counts["rest_failures"] += 1
                 self.unrestable[trajectory] = last
                 if trajectory in self.close_after_rest:  # closed meanwhile: its sandbox is ours to let go
+                    self.spares.release(sb)
+                elif not sb.dead:
+                    sb.freeze()
+                return False
+            if whole and dropped:
+                log.info("session %s stays awake: its state cannot be carried whole (%s)", trajectory,
+                         ", ".join(dropped))
+                self.not_whole[trajectory] = dropped
+                self.store.forget(Rested(path, len(blob)))
+                if trajectory in self.close_after_rest:
                     self.spares.release(sb)
                 elif not sb.dead:
                     sb.freeze()
@@ -275,6 +288,17 @@ class Resting:
                 except FileNotFoundError:
                     pass
         return gone
+
+    async def arrive(self, trajectory: str, blob: bytes, dropped: dict[str, str]) -> None:
+        """A session moved here from another node as its rest blob (``pack`` there): at rest here,
+        its next step wakes it as any rested session wakes, its Python state and files intact."""
+        if self.store is None:
+            raise RuntimeError("sessions cannot be put to rest here (no store)")
+        if self.book.exists(trajectory) or trajectory in self.book.moving:
+            raise RuntimeError(f"session {trajectory!r} already exists here")
+        path = await asyncio.to_thread(self.store.write, trajectory, blob)
+        self.book.rested[trajectory] = Rested(path, len(blob), dict(dropped))
+        self.book.last_used[trajectory] = time.monotonic()
 
     def adopt(self, trajectory: str, path: str, image: str | None = None) -> None:
         """A session put to rest by an earlier server (its blob at ``path``): it wakes on its next
