@@ -623,6 +623,8 @@ def test_the_bench_measures_each_protocols_overhead_and_decode_against_transform
     assert {"sglang /generate", "openai /v1/completions echo", "vllm /classify", "sglang /v1/embeddings",
             "openrlhf reward", "slime reward"} <= set(added)
     assert all(isinstance(v["added_ms"], float) for v in added.values())
+    assert "added_cpu_ms_less_tokenizing" in added["openrlhf reward"] and out["overhead"]["tokenize_cpu_ms"] > 0
+    assert out["overhead"]["stream_added"]["tokens"] == 16 and "openai chat streamed" not in added
     for b in ("1", "3"):
         row = out["decode"]["batches"][b]
         assert row["tangram"]["tokens_per_s"] > 0 and row["transformers"]["tokens_per_s"] > 0
