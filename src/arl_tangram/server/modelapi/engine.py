@@ -150,9 +150,14 @@ class Calls:
 
         async def run() -> None:
             try:
-                stream.finish(await self._call(st, service, protocol, name, "generate", streamed, job))
+                answers = await self._call(st, service, protocol, name, "generate", streamed, job)
+            except asyncio.CancelledError:  # the server stops: a waiting read ends with a 503 to retry
+                stream.finish(error=ApiError(503, "the server is stopping", retry_after_s=1))
+                raise
             except Exception as e:  # the read raises it: an ApiError as the protocol's error
                 stream.finish(error=e)
+            else:
+                stream.finish(answers)
 
         sid = new_id("stream")
         st.streams[sid] = stream
