@@ -258,6 +258,27 @@ def test_the_layer_reader_finds_the_members_tarfile_finds_in_every_format():
             _stream(data)
 
 
+def test_the_agent_compiled_by_an_image_keeps_only_its_modules_compiled_files(tmp_path):
+    from arl_tangram.managers.sandbox import agentpyc
+
+    # a "sandbox" that plants a link, a stray file and a directory beside the real compilation
+    def sandbox(out: str) -> list[str]:
+        junk = f'ln -s /etc/passwd {out}/loop.cpython-311.pyc.x; ln -s /etc/passwd {out}/zz.cpython-311.pyc; ' \
+               f'echo x > {out}/evil.txt; mkdir {out}/loop.d; exec "$@"'
+        return ["/bin/sh", "-c", junk, "sh", sys.executable, "-I"]
+
+    made = agentpyc.compile_for(tmp_path, "a" * 64, sandbox)
+    names = sorted(os.listdir(made))
+    tag = sys.implementation.cache_tag
+    assert f"loop.{tag}.pyc" in names and f"__init__.{tag}.pyc" in names
+    assert all(n.endswith(f".{tag}.pyc") for n in names) and "zz.cpython-311.pyc" not in names
+    assert all(stat.S_IMODE(os.lstat(os.path.join(made, n)).st_mode) == 0o644 for n in names)
+    assert agentpyc.ready(tmp_path, "a" * 64) == made and agentpyc.ready(tmp_path, "b" * 64) is None
+    assert agentpyc.compile_for(tmp_path, "b" * 64, lambda out: ["/bin/false"]) is None  # it could not
+    assert not [p for p in (tmp_path / "agents").iterdir() if p.name.startswith(".")]
+    assert agentpyc.prune(tmp_path, {"c" * 64}) == 1 and not list((tmp_path / "agents").iterdir())
+
+
 # -- against a real registry -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -710,3 +731,42 @@ def test_a_session_runs_on_a_pulled_image(tmp_path, origin):
     r = asyncio.run(main())
     assert r.outcome is Outcome.OK, r.stderr
     assert r.stdout.splitlines()[0] == "task 7" and "motd" not in r.stdout and r.stdout.endswith("made\n")
+
+
+@root_only
+@pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
+@pytest.mark.skipif(not os.path.isdir("/usr/lib/python3.11"), reason="needs the host's python3.11 to copy")
+def test_an_image_with_its_own_python_starts_the_agent_compiled_by_it(tmp_path):
+    from imagekit import python_layer
+
+    from arl_tangram.core import Outcome
+    from arl_tangram.managers.sandbox import agentpyc
+    from arl_tangram.managers.sandbox.manager import SandboxConfig
+    from arl_tangram.runtime import Tangram
+
+    store = ImageStore(tmp_path / "store")
+    img = store.import_path(docker_archive(tmp_path / "py.tar", [python_layer()]), "py")
+
+    async def main():
+        cfg = SandboxConfig(warm_pool=0, warm_sessions=0, image_store=str(store.root))
+        async with Tangram.local(sandbox=cfg) as tg:
+            first = await (await tg.session(image="py")).exec(python="print(6 * 7)")  # compiles it meanwhile
+            for _ in range(200):
+                if agentpyc.ready(store.root, img.id):
+                    break
+                await asyncio.sleep(0.05)
+            s = await tg.session(image="py")
+            seen = await s.exec(python="import json, os, sys\n"
+                                "agent = [open(f'/proc/{p}/cmdline').read() for p in os.listdir('/proc') if p.isdigit()\n"
+                                "         and '--reap' in open(f'/proc/{p}/cmdline').read()]\n"
+                                "print(json.dumps([sorted(os.listdir('/run/tangram/inside/__pycache__')), agent,\n"
+                                "                  list(sys.version_info[:2])]))")
+            return first, seen
+
+    first, seen = asyncio.run(main())
+    assert first.outcome is Outcome.OK and first.stdout == "42\n", first.stderr
+    assert seen.outcome is Outcome.OK, seen.stderr
+    pycs, agent, version = json.loads(seen.stdout)
+    compiled = agentpyc.ready(store.root, img.id)
+    assert compiled and pycs == sorted(os.listdir(compiled)) and version == [3, 11]
+    assert agent and all("from inside import loop" in a for a in agent)  # started by import, not as a script

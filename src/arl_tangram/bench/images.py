@@ -2,13 +2,22 @@
 
 Everything runs on this machine: Debian's distribution registry on loopback, images pushed with
 ``skopeo`` (``bench/taskimages.py``), a base root (Debian's packages by ``mmdebstrap``, cached;
-``--base host-python`` copies the host's python3 and pytest instead) and ``tasks`` task images
-over it, each adding one small Python project with its own tests as one layer.
+``--base host-python`` copies the host's python3 and pytest instead; ``--base PATH`` takes a root
+filesystem tar, plain or gzip-, xz- or zstd-compressed: a machine with no network or no
+``mmdebstrap`` runs the Debian base from a copy of ``debian_root``'s tar) and ``tasks`` task images
+over it, each adding one small Python project with its own tests as one layer. ``sections``
+picks the parts to run.
 
 * ``throughput``: one pull of the base image into an empty store (its blob's digest checked,
   its layer checked and unpacked) against ``skopeo copy`` of the same image to a directory (the
-  wire and the disk, nothing unpacked), ``runs`` of each alternating, medians; ``tar -xzf`` of
-  the same blob beside them (this disk's own speed at creating the layer's files). Target: 0.8x.
+  wire and the disk, nothing unpacked), ``runs`` of each alternating, medians; beside them
+  ``tar -xzf`` of the same blob (this disk's own speed at creating the layer's files), our
+  client's download of the blob alone (digest checked, nothing kept), the pull into a tmpfs
+  store (the disk left out), and what creating one empty file costs on this disk; the CPU
+  seconds of the pull (all its threads) and of ``skopeo``. Target: 0.8x.
+  Nothing made by a run is deleted before the last run: ext4 without a journal scans past
+  every inode deleted in the last 30 seconds for each file it creates, so a run right after a
+  deletion of ten thousand files pays for it.
 * ``tasks``: the ``tasks`` images pulled into one store: layer bytes fetched and the disk the
   store's layers use, each against the base plus the task layers (target: within 5%), and how
   often the base's blob was fetched (target: once).
@@ -32,6 +41,7 @@ import asyncio
 import hashlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -41,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ..managers.sandbox import layertar
 from ..managers.sandbox.images import ImageStore
 from ..managers.sandbox.registry import RegistriesConfig, pull
 from ..managers.sandbox.spec import SandboxConfig
@@ -50,6 +61,7 @@ from .taskimages import (BadRegistry, Layout, Registry, compress, debian_root, h
                          root_layer, skopeo, tar_dir, task_layer)
 
 BASES = ("debian", "host-python")
+SECTIONS = ("throughput", "tasks", "first_session", "concurrent", "bad_input")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -67,7 +79,11 @@ def _cache_dir(given: Path | None) -> Path:
 def _base(kind: str, cache: Path, log: Callable[[str], None]) -> tuple[bytes, tuple[bytes, str], str]:
     """The base layer's tar, its gzip blob (cached beside it: compressing it is the slow part) and
     what it is."""
-    if kind == "debian":
+    if kind not in BASES:
+        path = Path(kind)
+        tar = root_layer(path)
+        what = f"the root filesystem tar {path.name}"
+    elif kind == "debian":
         t = time.monotonic()
         tar_path = debian_root(cache)
         log(f"base: Debian root {tar_path} ({time.monotonic() - t:.0f} s)")
@@ -91,18 +107,25 @@ def _base(kind: str, cache: Path, log: Callable[[str], None]) -> tuple[bytes, tu
 
 
 def run(tasks: int = 100, concurrent: int = 64, images: int = 16, samples: int = 20, runs: int = 3,
-        base: str = "debian", cache: Path | None = None, log: Callable[[str], None] = print) -> dict:
+        base: str = "debian", cache: Path | None = None, log: Callable[[str], None] = print,
+        sections: tuple[str, ...] = SECTIONS) -> dict:
     if os.geteuid() != 0:
         raise RuntimeError("needs root (overlay mounts and whiteouts)")
     if taskimages.MISSING:
         raise RuntimeError(f"needs {' and '.join(taskimages.MISSING)} (apt-get install -y docker-registry skopeo)")
-    if base not in BASES:
-        raise RuntimeError(f"--base: {' or '.join(BASES)}, got {base!r}")
+    if base not in BASES and not Path(base).is_file():
+        raise RuntimeError(f"--base: {' or '.join(BASES)} or a root filesystem tar, got {base!r}")
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise RuntimeError(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
     cache = _cache_dir(cache)
     cache.mkdir(parents=True, exist_ok=True)
     base_tar, base_blob, what = _base(base, cache, log)
     work = Path(tempfile.mkdtemp(prefix="tangram-bench-images-"))
-    out: dict = {"base": what, "tasks": tasks}
+    out: dict = {"base": what, "tasks": tasks, "cpus": os.cpu_count(), "inflate": layertar.INFLATE}
+    # the task images: as many as the sections that run name
+    wanted = max([tasks] * ("tasks" in sections) + [images] * ("concurrent" in sections)
+                 + [2] * ("first_session" in sections) + [0])
     try:
         with Registry(work / "registry", access_log=True) as reg:
             layout = Layout(work / "layout")
@@ -110,56 +133,121 @@ def run(tasks: int = 100, concurrent: int = 64, images: int = 16, samples: int =
             push(layout, "base", f"{reg.host}/swe/base:v1")
             t = time.monotonic()
             task_tars = {}
-            for n in range(max(tasks, images)):
+            for n in range(wanted):
                 task_tars[n] = task_layer(project(n))
                 layout.tag(f"task{n}", layout.image_of([base_tar, task_tars[n]], packed={0: base_blob}))
                 push(layout, f"task{n}", f"{reg.host}/swe/task{n}:v1")
-            log(f"pushed the base and {max(tasks, images)} task images with skopeo ({time.monotonic() - t:.0f} s)")
+            log(f"pushed the base and {wanted} task images with skopeo ({time.monotonic() - t:.0f} s)")
             regs = RegistriesConfig.from_toml({"registries": [{"host": reg.host, "insecure": True}]})
-            out["throughput"] = _throughput(reg, regs, base_blob[0], runs, work, log)
-            out["tasks_over_one_base"] = _tasks(reg, regs, tasks, base_tar, base_blob[0], task_tars, work, log)
-            out["first_session"] = _first_session(reg, regs, samples, work, log)
-            out["concurrent"] = _concurrent(reg, regs, concurrent, images, work, log)
-            out["bad_input"] = _bad_input(reg, work, log)
+            if "throughput" in sections:
+                out["throughput"] = _throughput(reg, regs, base_tar, base_blob[0], runs, work, log)
+            if "tasks" in sections:
+                out["tasks_over_one_base"] = _tasks(reg, regs, tasks, base_tar, base_blob[0], task_tars, work, log)
+            if "first_session" in sections:
+                out["first_session"] = _first_session(reg, regs, samples, work, log)
+            if "concurrent" in sections:
+                out["concurrent"] = _concurrent(reg, regs, concurrent, images, work, log)
+            if "bad_input" in sections:
+                out["bad_input"] = _bad_input(reg, work, log)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out
 
 
-def _throughput(reg: Registry, regs: RegistriesConfig, blob: bytes, runs: int, work: Path,
+def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, runs: int, work: Path,
                 log: Callable[[str], None]) -> dict:
-    ours, theirs, tars = [], [], []
     ref = f"{reg.host}/swe/base:v1"
     blob_path = work / "base.tar.gz"
     blob_path.write_bytes(blob)
+    files = _members(tar)
+    create_us = _create_cost(work / "create-cost")
+    shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
+    took: dict[str, list[float]] = {"skopeo": [], "pull": [], "tar": [], "download": [], "pull_tmpfs": [],
+                                    "skopeo_cpu": [], "pull_cpu": []}
     for i in range(runs):
-        d = work / f"skopeo-{i}"
-        t = time.perf_counter()
-        skopeo("copy", "-q", "--src-tls-verify=false", f"docker://{ref}", f"dir:{d}")
-        theirs.append(time.perf_counter() - t)
-        shutil.rmtree(d, ignore_errors=True)
+        t, c = time.perf_counter(), _cpu(resource.RUSAGE_CHILDREN)
+        skopeo("copy", "-q", "--src-tls-verify=false", f"docker://{ref}", f"dir:{work / f'skopeo-{i}'}")
+        took["skopeo"].append(time.perf_counter() - t)
+        took["skopeo_cpu"].append(_cpu(resource.RUSAGE_CHILDREN) - c)
         store = ImageStore(work / f"tp-store-{i}")
-        t = time.perf_counter()
+        t, c = time.perf_counter(), _cpu(resource.RUSAGE_SELF)
         asyncio.run(pull(ref, store, regs))
-        ours.append(time.perf_counter() - t)
-        shutil.rmtree(store.root, ignore_errors=True)
+        took["pull"].append(time.perf_counter() - t)
+        took["pull_cpu"].append(_cpu(resource.RUSAGE_SELF) - c)
         d = work / f"tar-{i}"
         d.mkdir()
         t = time.perf_counter()
         subprocess.run(["tar", "-xzf", str(blob_path), "-C", str(d)], check=False, capture_output=True)
-        tars.append(time.perf_counter() - t)
-        shutil.rmtree(d, ignore_errors=True)
+        took["tar"].append(time.perf_counter() - t)
+        took["download"].append(asyncio.run(_download_only(ref, regs)))
+        if shm is not None:
+            mem = ImageStore(Path(tempfile.mkdtemp(prefix="tangram-bench-pull-", dir=shm)))
+            try:
+                t = time.perf_counter()
+                asyncio.run(pull(ref, mem, regs))
+                took["pull_tmpfs"].append(time.perf_counter() - t)
+            finally:
+                shutil.rmtree(mem.root, ignore_errors=True)
+    med = {k: statistics.median(v) for k, v in took.items() if v}
     mb = len(blob) / (1 << 20)
-    result = {"blob_mb": round(mb, 1), "pull_s": round(statistics.median(ours), 3),
-              "skopeo_copy_s": round(statistics.median(theirs), 3), "tar_xzf_s": round(statistics.median(tars), 3),
-              "pull_mb_per_s": round(mb / statistics.median(ours), 1),
-              "ratio_vs_skopeo": round(statistics.median(theirs) / statistics.median(ours), 2),
-              "ratio_vs_skopeo_plus_tar": round((statistics.median(theirs) + statistics.median(tars))
-                                                / statistics.median(ours), 2),
-              "target_ratio": 0.8, "runs": runs}
-    log(f"throughput: pull {result['pull_s']} s, skopeo copy {result['skopeo_copy_s']} s, tar -xzf "
-        f"{result['tar_xzf_s']} s: {result['ratio_vs_skopeo']}x skopeo")
+    result = {"blob_mb": round(mb, 1), "tar_mb": round(len(tar) / (1 << 20), 1), "files": files["files"],
+              "members": files["members"], "pull_s": round(med["pull"], 3), "skopeo_copy_s": round(med["skopeo"], 3),
+              "tar_xzf_s": round(med["tar"], 3), "download_only_s": round(med["download"], 3),
+              "pull_tmpfs_s": round(med["pull_tmpfs"], 3) if "pull_tmpfs" in med else None,
+              "create_us_per_file": create_us, "pull_mb_per_s": round(mb / med["pull"], 1),
+              "pull_cpu_s": round(med["pull_cpu"], 3), "skopeo_cpu_s": round(med["skopeo_cpu"], 3),
+              "ratio_vs_skopeo": round(med["skopeo"] / med["pull"], 2),
+              "ratio_vs_skopeo_plus_tar": round((med["skopeo"] + med["tar"]) / med["pull"], 2),
+              "ratio_tmpfs_vs_skopeo": round(med["skopeo"] / med["pull_tmpfs"], 2) if "pull_tmpfs" in med else None,
+              "target_ratio": 0.8, "runs": runs, "all_s": {k: [round(x, 3) for x in v] for k, v in took.items()}}
+    log(f"throughput: pull {result['pull_s']} s ({result['pull_tmpfs_s']} s into tmpfs), skopeo copy "
+        f"{result['skopeo_copy_s']} s, tar -xzf {result['tar_xzf_s']} s, download alone {result['download_only_s']} s, "
+        f"{create_us} us to create a file: {result['ratio_vs_skopeo']}x skopeo")
     return result
+
+
+def _cpu(who: int) -> float:
+    """User and system seconds of this process (all its threads) or of its waited-for children."""
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def _members(tar: bytes) -> dict:
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(tar)) as t:
+        members = t.getmembers()
+    return {"members": len(members), "files": sum(1 for m in members if m.isreg())}
+
+
+def _create_cost(d: Path, n: int = 2000) -> float:
+    """Microseconds to create one empty file on this disk (in fresh directories, as an unpacking
+    does), the median of ten batches."""
+    d.mkdir()
+    per = []
+    for b in range(10):
+        sub = d / str(b)
+        sub.mkdir()
+        t = time.perf_counter()
+        for i in range(n // 10):
+            os.close(os.open(sub / str(i), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        per.append((time.perf_counter() - t) / (n // 10) * 1e6)
+    return round(statistics.median(per), 1)
+
+
+async def _download_only(ref: str, regs: RegistriesConfig) -> float:
+    """Our client's download of the image's layer blobs, each checked against its digest, nothing kept."""
+    from ..managers.sandbox.registry import parse
+    from ..managers.sandbox.registry.client import RegistryClient
+
+    r = parse(ref)
+    async with RegistryClient(regs) as client:
+        t = time.perf_counter()
+        manifest = await client.resolve(r)
+        for desc in manifest.layers:
+            await client.fetch_blob(r, desc, None)
+        return time.perf_counter() - t
 
 
 async def _pull_all(refs: list[str], store: ImageStore, regs: RegistriesConfig, at_once: int) -> None:

@@ -337,14 +337,24 @@ def debian_root(cache: Path, suite: str = "bookworm", packages: tuple[str, ...] 
 
 
 def root_layer(tar_path: Path) -> bytes:
-    """A root filesystem tar (``debian_root``'s) as one layer: device nodes dropped (``mmdebstrap``
-    leaves /dev's; a sandbox gets its own), the rest as it is."""
+    """A root filesystem tar (``debian_root``'s; plain or gzip-, bzip2-, xz- or zstd-compressed)
+    as one layer: device nodes dropped (``mmdebstrap`` leaves /dev's; a sandbox gets its own), the
+    rest as it is."""
     buf = io.BytesIO()
-    with tarfile.open(tar_path) as src, tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as dst:
-        for m in src:
-            if m.ischr() or m.isblk() or m.isfifo():
-                continue
-            dst.addfile(m, src.extractfile(m) if m.isreg() else None)
+    with open(tar_path, "rb") as raw:
+        if raw.read(4) == b"\x28\xb5\x2f\xfd":  # zstd: tarfile does not know it
+            import zstandard
+
+            raw.seek(0)
+            src = tarfile.open(fileobj=zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True),
+                               mode="r|")
+        else:
+            src = tarfile.open(tar_path)
+        with src, tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as dst:
+            for m in src:
+                if m.ischr() or m.isblk() or m.isfifo():
+                    continue
+                dst.addfile(m, src.extractfile(m) if m.isreg() else None)
     return buf.getvalue()
 
 

@@ -20,9 +20,10 @@ import tempfile
 import threading
 from dataclasses import dataclass
 
+from . import agentpyc
 from .cgroups import CgroupRoot
 from .images import Image, ImageError, ImageStore
-from .isolation import HOME_ALIAS, INSIDE, Isolation, Layout, command
+from .isolation import BOOT, HOME_ALIAS, INSIDE, PYCACHE, Isolation, Layout, command
 from .rootfs import (HOST_IMAGE, Interpreter, Layer, RootFs, choose_interpreter, ensure_base, overlay_supported,
                      umount)
 from .sandbox import Limits, Sandbox, SandboxDied
@@ -31,19 +32,36 @@ log = logging.getLogger(__name__)
 _IDS = itertools.count()
 
 
-def bwrap_argv(layout: Layout, root: str, interp: Interpreter) -> list[str]:
+def bwrap_argv(layout: Layout, root: str, interp: Interpreter, pycache: str | None = None) -> list[str]:
+    """The sandbox on the mounted ``root``; ``pycache``: the agent compiled by the image's own
+    interpreter (``agentpyc``), bound over the package's ``__pycache__`` and started by import;
+    without it the agent starts as a script (the image's python is not the one the host's
+    compiled copy is for)."""
     argv = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--uid", str(layout.uid), "--gid", str(layout.uid), "--hostname", "sandbox", "--bind", root, "/"]
     for src, dst in interp.host_binds:
         argv += ["--ro-bind", src, dst]
     argv += ["--proc", "/proc", "--dev", "/dev",
              "--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/tmp",
-             "--ro-bind", str(INSIDE), "/run/tangram/inside",
-             "--chdir", "/workspace", "--clearenv",
+             "--ro-bind", str(INSIDE), "/run/tangram/inside"]
+    if pycache is not None:
+        argv += ["--ro-bind", pycache, "/run/tangram/inside/__pycache__"]
+    argv += ["--chdir", "/workspace", "--clearenv",
              "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/workspace",
              "--setenv", "LANG", "C.UTF-8"]
-    # started as a script: the image's python is not the one the package was compiled with
-    return argv + _home_alias(root) + [*interp.argv, "/run/tangram/inside/__main__.py", "--reap"]
+    tail = ["-c", BOOT] if pycache is not None else ["/run/tangram/inside/__main__.py"]
+    return argv + _home_alias(root) + [*interp.argv, *tail, "--reap"]
+
+
+def compile_argv(layout: Layout, root: str, interp: Interpreter, out: str, memory_bytes: int) -> list[str]:
+    """A sandbox on the fresh ``root`` that compiles the agent (``agentpyc``): the agent's sources
+    read-only and ``out`` writable, each at its host path; its address space capped."""
+    kb = (memory_bytes + (256 << 20)) >> 10
+    return ["/bin/sh", "-c", f'ulimit -v {kb}; exec "$@"', "sh",
+            "bwrap", "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--uid", str(layout.uid), "--gid", str(layout.uid), "--bind", root, "/", "--proc", "/proc",
+            "--dev", "/dev", "--tmpfs", "/tmp", "--ro-bind", str(INSIDE), str(INSIDE), "--bind", out, out,
+            "--clearenv", "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", *interp.argv]
 
 
 def _home_alias(root: str) -> list[str]:
@@ -122,6 +140,8 @@ class ImageSandboxes:
         self._empty: str | None = None
         self._setup_lock = threading.Lock()
         self.live: set[RootFs] = set()
+        #: image id -> the agent compiled by its interpreter (None: being compiled, or it could not be)
+        self._agents: dict[str, str | None] = {}
 
     def image(self, name: str) -> Image:
         """The image ``name`` (cached: images are immutable once imported)."""
@@ -187,6 +207,40 @@ class ImageSandboxes:
             it = self._interp[image.id] = choose_interpreter(root, self.host_python, self.python_args)
         return it
 
+    def agent_pycache(self, image: Image, interp: Interpreter) -> str | None:
+        """The agent compiled by ``image``'s own interpreter, if it is in the store; the first
+        ask starts its compilation in the background (the sandboxes started meanwhile start the
+        agent as a script). None for an image run by the host's interpreter: the host's
+        compiled copy, or none, is the one it uses."""
+        if interp.host_binds or not PYCACHE.is_dir():  # the host's python; or no mount point for one
+            return None
+        known = self._agents.get(image.id)
+        if known is not None:
+            return known
+        found = agentpyc.ready(self.store.root, image.id)  # (compiled meanwhile, by us or another process)
+        if found is None and image.id not in self._agents:
+            threading.Thread(target=self._compile_agent, args=(image, interp), name="tangram-agentpyc",
+                             daemon=True).start()
+        self._agents[image.id] = found
+        return found
+
+    def _compile_agent(self, image: Image, interp: Interpreter) -> None:
+        try:
+            rootfs = self.new_root(image)
+        except OSError as e:
+            log.warning("cannot mount a root of image %s to compile the agent for it: %s", image.name, e)
+            return
+        try:
+            made = agentpyc.compile_for(self.store.root, image.id, lambda out: compile_argv(
+                self.layout, rootfs.root, interp, out, self.limits.memory_bytes or (1 << 30)))
+        except OSError as e:
+            log.warning("cannot compile the agent for image %s: %s", image.name, e)
+            made = None
+        finally:
+            self.drop(rootfs)
+        if made is not None:
+            self._agents[image.id] = made
+
     async def spawn(self, image_name: str, session_layers: list[Layer] = (), rootfs: RootFs | None = None) -> Sandbox:
         """A running sandbox on a new root of ``image_name`` (or on ``rootfs``, already mounted)."""
         if rootfs is None:
@@ -198,7 +252,8 @@ class ImageSandboxes:
         if rootfs.workspace_only:  # a default session: the default sandbox with this workspace
             argv = command(Isolation.BWRAP, self.layout, layered=rootfs.root)
         else:
-            argv = bwrap_argv(self.layout, rootfs.root, self.interpreter(rootfs.image, rootfs.root))
+            interp = self.interpreter(rootfs.image, rootfs.root)
+            argv = bwrap_argv(self.layout, rootfs.root, interp, self.agent_pycache(rootfs.image, interp))
         sid = f"sbi-{next(_IDS)}-{os.urandom(3).hex()}"
         try:
             sb = await Sandbox.spawn(sid, argv, self.cgroups, self.limits)

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from .. import agentpyc
 from ..images import Image, ImageError, ImageStore, NAME_RE, remove_dead_temps
 from .client import Descriptor, RegistryClient, json_document
 from .config import RegistriesConfig
@@ -452,11 +453,12 @@ def _in_thread(fn: Callable, *args) -> asyncio.Future:
 def prune(store: ImageStore, max_bytes: int | None = None, grace_s: float = 600.0) -> dict:
     """``tangram image prune``: the store's part (``ImageStore.prune``: the budget, hidden
     directories, unused layers), then the blobs': partial blobs of processes that are gone,
-    downloaded blobs older than ``grace_s`` (a pull unpacks its blob at once: an old one was left
-    by a pull killed before it did) and lock files nobody holds. What was removed, and the disk
-    the images use now."""
+    downloaded blobs older than ``grace_s`` (left by versions that kept them) and lock files
+    nobody holds; and the agents compiled for images no longer in the store (``agentpyc``). What
+    was removed, and the disk the images use now."""
     out = store.prune(max_bytes, grace_s)
     out.update(_prune_blobs(store.root / "blobs", grace_s))
+    out["agents_removed"] = agentpyc.prune(store.root, {img.id for img in store.list()})
     out["disk_bytes"] = store.disk_bytes()
     return out
 
