@@ -87,6 +87,9 @@ def _normalise(name: str, where: str) -> str:
     """A member's path relative to the image root, or an error if it leaves it."""
     if name.startswith("/"):
         raise ImageError(f"{where}: member {name!r} has an absolute path")
+    plain = name[2:] if name.startswith("./") else name  # (mmdebstrap's members all start so)
+    if "//" not in plain and "./" not in plain and not plain.endswith((".", "/")) and plain:
+        return plain  # the usual member: nothing to take out, and no "." or ".." in it
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise ImageError(f"{where}: member {name!r} escapes the root (..)")
@@ -147,9 +150,8 @@ class Checker:
         path = _normalise(name, where)
         if not path:
             return path
-        parent = posixpath.dirname(path)
+        parent, _, base = path.rpartition("/")
         self._under_link(path, name)
-        base = posixpath.basename(path)
         if base.startswith(WHITEOUT):
             if base != OPAQUE and (base.startswith(WHITEOUT + WHITEOUT) or base == WHITEOUT):
                 raise ImageError(f"{where}: member {name!r} is an unknown whiteout kind")

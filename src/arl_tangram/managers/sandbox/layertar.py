@@ -41,6 +41,7 @@ GZIP_MAGIC = b"\x1f\x8b"
 IN = 1 << 20  # compressed bytes read at once
 OUT = 1 << 20  # at most this many uncompressed bytes in one chunk (a small layer may expand to any size)
 BLOCK = 512
+_ZERO = bytes(BLOCK)
 INFLATE = getattr(_inflate_mod, "__name__", "zlib").rpartition(".")[2]  # which inflate runs (for the bench)
 
 
@@ -329,7 +330,7 @@ class TarStream:
             buf = self._take(BLOCK)
             if len(buf) < BLOCK:
                 raise _corrupt("it ends inside a block or has no end-of-archive marker")
-            if not buf.strip(b"\0"):
+            if buf == _ZERO:
                 if pax is not None or long_name is not None or long_link is not None:
                     raise _corrupt("an extended header is followed by the end of the archive")
                 self.end = at
