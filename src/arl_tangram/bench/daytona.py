@@ -41,7 +41,7 @@ from typing import Any, Callable
 import httpx
 
 from .e2b import _p, _rss_mb
-from .server import free_port, wait_up
+from .server import free_port, stop_process, wait_up
 from .sessions import _Server
 
 #: the figures measured three ways, and their targets (p50, ms; None: no target)
@@ -248,13 +248,7 @@ class _Floor:
             raise
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 30)
 
 
 def serve_floor(port: int, template_path: str) -> None:

@@ -334,6 +334,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_process(proc: subprocess.Popen, wait_s: float = 30.0) -> None:
+    """Stop a server a bench started: SIGTERM, then SIGKILL if it has not exited in ``wait_s``."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def wait_up(url: str, path: str = "/healthz", timeout_s: float = 30.0, proc: subprocess.Popen | None = None,
             log: str | None = None) -> None:
     """Return once ``url + path`` answers 200; ``RuntimeError`` after ``timeout_s``, or as soon as

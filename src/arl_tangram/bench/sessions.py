@@ -34,7 +34,7 @@ import httpx
 from ..managers.sandbox.sandbox import _descendants
 from ..runtime.host import mem_available_mb
 from ..sim.metrics import percentile
-from .server import free_port, wait_up
+from .server import free_port, stop_process, wait_up
 
 FIRST = "import json, re, collections\nxs = list(range(1000))\nstate = {{'i': {i}}}"
 CHECK = ("assert state['i'] == {i} and set(state) <= {{'i', 'visits'}}, state\nassert xs == list(range(1000))\n"
@@ -63,13 +63,7 @@ class _Server:
             raise
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 60)
 
 
 def _pss_mb(pids: list[int]) -> float:
