@@ -11,7 +11,8 @@ from rich.table import Table
 from .core.action import CPU, GPU, Outcome
 
 
-def _f(v, fmt: str = "{:.3f}") -> str:
+def cell_text(v, fmt: str = "{:.3f}") -> str:
+    """A figure as a table cell: ``-`` for none or NaN."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return fmt.format(v)
@@ -40,13 +41,13 @@ def results_table(title: str, rows: list[dict], comparison: dict) -> Table:
             vs = f"[{'green' if a >= 1 else 'red'}]{a:.2f}x[/] / [{'green' if s >= 1 else 'red'}]{s:.2f}x[/]"
         else:
             vs = "-"
-        util = f"{_f(r.get('cpu_utilization'), '{:.0%}')}/{_f(r.get('gpu_utilization'), '{:.0%}')}"
+        util = f"{cell_text(r.get('cpu_utilization'), '{:.0%}')}/{cell_text(r.get('gpu_utilization'), '{:.0%}')}"
         cpu = "-" if not r.get("cpu_core_seconds_held") else \
             f"{_hours(r['cpu_core_seconds_held'])}/{_hours(r['cpu_core_seconds_busy'])}"
         gpu = "-" if not r.get("gpu_seconds_held") else \
             f"{_hours(r['gpu_seconds_held'])}/{_hours(r['gpu_seconds_busy'])}"
-        table.add_row(r["policy"], f"{r['num_actions']:,}", _f(r["avg_act_s"]), _f(r["p50_act_s"]),
-                      _f(r["p99_act_s"], "{:.2f}"), _f(r["avg_step_s"], "{:.1f}"), cpu, gpu, util, vs)
+        table.add_row(r["policy"], f"{r['num_actions']:,}", cell_text(r["avg_act_s"]), cell_text(r["p50_act_s"]),
+                      cell_text(r["p99_act_s"], "{:.2f}"), cell_text(r["avg_step_s"], "{:.1f}"), cpu, gpu, util, vs)
     table.caption = ("vs tangram: the baseline's value divided by Tangram's (above 1x: Tangram is better by "
                      "that factor)")
     return table

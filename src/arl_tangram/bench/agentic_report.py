@@ -11,9 +11,9 @@ its colours per policy).
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
+from ..report import cell_text
 from ..sim.replay import KINDS
 
 #: the figures a run reports, overall then per resource kind (where the step had such actions)
@@ -50,12 +50,6 @@ def quantiles(acts: list[float]) -> list[float]:
     return [xs[min(len(xs) - 1, round(i * (len(xs) - 1) / (CDF_POINTS - 1)))] for i in range(CDF_POINTS)]
 
 
-def _f(v, fmt: str = "{:.3f}") -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return fmt.format(v)
-
-
 def _pct(v) -> str:
     return "-" if v is None else f"{v:+.1%}"
 
@@ -77,7 +71,7 @@ def blocks(data: dict, images: dict[str, str]) -> list[tuple]:
         row = [f]
         for name in data["policies"]:
             x = data["policies"][name]
-            row += [_f(x["measured"].get(f)), _f(x["simulated"].get(f)), _pct(x["error"].get(f)),
+            row += [cell_text(x["measured"].get(f)), cell_text(x["simulated"].get(f)), _pct(x["error"].get(f)),
                     _pct(x.get("error_own", {}).get(f))]
         rows.append(row)
     heads = ["figure"] + [f"{n} {c}" for n in data["policies"]
@@ -87,22 +81,22 @@ def blocks(data: dict, images: dict[str, str]) -> list[tuple]:
     c = data["comparison"]
     b.append(("h", 2, f"{data['baseline']} / tangram"))
     b.append(("table", ["figure", "measured", "simulated"],
-              [[k, _f(c["measured"].get(k), "{:.2f}"), _f(c["simulated"].get(k), "{:.2f}")] for k in c["measured"]]))
+              [[k, cell_text(c["measured"].get(k), "{:.2f}"), cell_text(c["simulated"].get(k), "{:.2f}")] for k in c["measured"]]))
     eq = data["equal_step"]
     b.append(("h", 2, "Resources at equal step time"))
     b.append(("p", eq["how"] + f"; target {eq['target_step_s']:.2f} s on {eq['baseline_cores']} cores."))
     b.append(("table", ["cores", "step s measured", "step s simulated", "core-s held", "GPU-s held", "avg ACT s"],
-              [[t["cores"], _f(t["step_s"], "{:.2f}"), _f(t["simulated_step_s"], "{:.2f}"), _f(t["core_s"], "{:.1f}"),
-                _f(t["gpu_s"], "{:.2f}"), _f(t["avg_act_s"])] for t in eq["tries"]]))
+              [[t["cores"], cell_text(t["step_s"], "{:.2f}"), cell_text(t["simulated_step_s"], "{:.2f}"), cell_text(t["core_s"], "{:.1f}"),
+                cell_text(t["gpu_s"], "{:.2f}"), cell_text(t["avg_act_s"])] for t in eq["tries"]]))
     m, s = eq.get("measured") or {}, eq["simulated"]
     b.append(("p", f"Fewest cores within the target: measured {m.get('min_cores', '-')} "
-                   f"(cores saved {_f(m.get('cores_saved'), '{:.0%}')}, GPU-seconds saved "
-                   f"{_f(m.get('gpu_s_saved'), '{:.0%}')}), simulated {s['min_cores']} "
+                   f"(cores saved {cell_text(m.get('cores_saved'), '{:.0%}')}, GPU-seconds saved "
+                   f"{cell_text(m.get('gpu_s_saved'), '{:.0%}')}), simulated {s['min_cores']} "
                    f"(cores saved {s['cores_saved']:.0%})."))
     t = data["targets"]
     b.append(("h", 2, f"Targets (for {t['given_for']})"))
     b.append(("table", ["figure", "target", "this run", "met"],
-              [[k, f"{v:g}", _f(t.get("worst_simulator_error" if k == "simulator_error" else k), "{:.3f}"),
+              [[k, f"{v:g}", cell_text(t.get("worst_simulator_error" if k == "simulator_error" else k), "{:.3f}"),
                 "yes" if t["met"][k] else "no"] for k, v in t["targets"].items()]))
     b.append(("h", 2, "Plots"))
     for key, alt in (("figures", "measured (solid) and simulated (hatched) figures per policy"),
