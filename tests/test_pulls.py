@@ -299,6 +299,7 @@ def test_prune_applies_the_budget_and_clears_what_killed_pulls_left(tmp_path, pr
     dead = 2 ** 22 + 7  # no such pid
     (store / "blobs" / f".part-{dead}-abcd").write_bytes(b"half a blob")
     old = store / "blobs" / "sha256" / ("0" * 64)
+    old.parent.mkdir(exist_ok=True)  # where older versions kept downloaded blobs
     old.write_bytes(b"a blob nobody unpacked")
     os.utime(old, (time.time() - 3600, time.time() - 3600))
     (store / "blobs" / "locks" / ("1" * 64)).write_bytes(b"")

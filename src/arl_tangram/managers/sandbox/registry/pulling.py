@@ -273,8 +273,6 @@ async def _fetch_layer(ref: Reference, store: ImageStore, client: RegistryClient
     """Download, check and unpack one layer (unpacked as it arrives); its file bytes."""
     locks = store.root / "blobs" / "locks"
     locks.mkdir(parents=True, exist_ok=True)
-    # the layout older versions kept downloaded blobs in (sha256/), which ``prune`` clears
-    (store.root / "blobs" / "sha256").mkdir(exist_ok=True)
     where = f"{ref}: layer {index} ({desc.digest[:19]})"
     async with _FileLock(locks / diff, lambda: emit("waiting", 0)):
         if store.has_layer(diff):  # another process unpacked it while we waited
