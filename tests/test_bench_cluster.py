@@ -112,13 +112,13 @@ def test_an_agent_that_starts_between_readings_counts_from_its_start_and_one_gon
 
 
 def test_one_action_s_hops_run_from_the_client_s_call_to_its_answer_and_a_missing_point_drops_it():
-    head = {"started": 10.001, "task": 10.002, "answered": 10.020, "finished": 10.021}
+    head = {"started": 10.002, "answered": 10.020, "finished": 10.021}
     agent = [10.005, 10.006, 10.016, 10.017]
     h = hops_of((10.0, 10.022), head, agent)
     assert list(h) == list(HOPS)
     assert h["sandbox"] == pytest.approx(10.0) and h["link_out"] == pytest.approx(3.0)
     assert sum(h.values()) == pytest.approx(22.0)
-    assert hops_of((10.0, 10.022), {**head, "task": None}, agent) is None
+    assert hops_of((10.0, 10.022), {**head, "answered": None}, agent) is None
     assert hops_of((10.0, 10.022), head, [10.005, 0.0, 10.016, 10.017]) is None  # the sandbox never started
 
 

@@ -1,17 +1,21 @@
 """A link between two processes of one server: calls of an object's methods, one frame each way.
 
-Two pairs use it: the HTTP fronts and the engine process (``server/fronts.py``: a front calls the
-``Service``), and the engine process and its sandbox workers (``runtime/workers.py``: the engine
-process calls a worker's node agent). ``Caller`` is the calling end, ``Hub`` the answering end;
-neither knows what it carries. Each call is one frame each way over a Unix socket (or one end of a
-socket pair): a 4-byte big-endian length, then a pickle of ``(call id, method, args)`` or
+Three pairs use it: the HTTP fronts and the engine process (``server/fronts.py``: a front calls the
+``Service``), the engine process and its sandbox workers (``runtime/workers.py``: the engine
+process calls a worker's node agent), and a Ray head and each node's agent (``runtime/agentlink.py``,
+over TCP). ``Caller`` is the calling end, ``Hub`` the answering end; neither knows what it carries.
+Each call is one frame each way over a Unix socket (or one end of a socket pair, or a TCP
+connection): a 4-byte big-endian length, then a pickle of ``(call id, method, args)`` or
 ``(call id, ok, value)``. Calls are multiplexed on one connection and answered in the order they
 finish.
 
-Why pickle: both ends are this package, started by the same server, over a socket in a directory
-only its owner can enter (never a network address), and the link carries mixed values (the API's
-pydantic models, actions, ids, lists, dicts, exceptions) that pickle takes as they are; the
-measurements behind the choice are in docs/performance.md.
+Why pickle: both ends are this package, started by the same server, and the link carries mixed
+values (the API's pydantic models, actions, ids, lists, dicts, exceptions) that pickle takes as they
+are; the measurements behind the choice are in docs/performance.md. A Unix socket's ends are in a
+directory only its owner can enter. A TCP link is for nodes of one cluster, which Ray's own
+connections (pickles too) already trust; still, the listening end unpickles nothing before the
+connecting end has sent the link's **token** (random bytes the head handed the agent over Ray):
+anyone else who reaches the port is cut off before a byte of theirs is interpreted.
 
 Errors keep their type across the link where the answering end says so (``Hub(relayed=...)``: the
 server relays the errors its routes map to a status); anything else becomes ``RemoteFault`` naming
@@ -21,6 +25,7 @@ the original type (a 500 that says what failed), and the answering end logs the 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
 import itertools
 import logging
@@ -64,9 +69,15 @@ def frame(obj: Any) -> bytes:
 class FrameProtocol(asyncio.Protocol):
     """Length-prefixed pickles in, ``on_frame(obj)`` out; ``send(obj)`` writes one."""
 
-    def __init__(self, on_frame: Callable[[Any], None], on_lost: Callable[[Exception | None], None]) -> None:
+    def __init__(self, on_frame: Callable[[Any], None], on_lost: Callable[[Exception | None], None], *,
+                 greeting: bytes = b"", expect: bytes = b"") -> None:
+        """``greeting``: raw bytes sent first (a TCP link's token); ``expect``: the raw bytes the
+        peer must send first, before any frame is read (else the connection is closed)."""
         self._on_frame = on_frame
         self._on_lost = on_lost
+        self._greeting = greeting
+        self._expect = expect
+        self._refused = False  # the peer did not send what was expected: nothing of it is read
         self._buf = bytearray()
         self._out: list[bytes] = []
         self._batching = False
@@ -74,10 +85,27 @@ class FrameProtocol(asyncio.Protocol):
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+        if self._greeting:
+            transport.write(self._greeting)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         buf = self._buf
         buf += data
+        if self._expect:
+            n = len(self._expect)
+            if len(buf) < n:
+                return
+            if not hmac.compare_digest(bytes(buf[:n]), self._expect):
+                peer = self.transport.get_extra_info("peername") if self.transport is not None else None
+                log.warning("a connection to a link from %s did not present the link's token: closed", peer)
+                buf.clear()
+                self._refused = True
+                self.transport.close()
+                return
+            del buf[:n]
+            self._expect = b""
         pos = 0
         end = len(buf)
         while end - pos >= 4:
@@ -144,6 +172,12 @@ class Caller:
         loop = asyncio.get_running_loop()
         _, self._proto = await loop.create_unix_connection(lambda: FrameProtocol(self._answer, self._lost),
                                                            path, sock=sock)
+
+    async def connect_tcp(self, host: str, port: int, token: bytes) -> None:
+        """Over TCP to a ``Hub.listen_tcp`` that expects ``token`` (sent before any frame)."""
+        loop = asyncio.get_running_loop()
+        _, self._proto = await loop.create_connection(
+            lambda: FrameProtocol(self._answer, self._lost, greeting=token), host, port)
 
     async def call(self, method: str, *args: Any) -> Any:
         return await self.request(method, *args)
@@ -227,6 +261,15 @@ class Hub:
         loop = asyncio.get_running_loop()
         self._server = await loop.create_unix_server(self._link, path)
 
+    async def listen_tcp(self, host: str, token: bytes, port: int = 0) -> int:
+        """Listen on ``host``:``port`` (0: any free port) for callers that send ``token`` first
+        (the module docstring); returns the port."""
+        if len(token) < 16:
+            raise ValueError("token: a TCP link needs at least 16 random bytes")
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: self._link(token), host, port)
+        return self._server.sockets[0].getsockname()[1]
+
     async def attach(self, sock) -> None:
         """Serve one already-connected socket (one end of a socket pair)."""
         await asyncio.get_running_loop().connect_accepted_socket(self._link, sock)
@@ -235,7 +278,7 @@ class Hub:
     def links(self) -> int:
         return len(self._links)
 
-    def _link(self) -> FrameProtocol:
+    def _link(self, expect: bytes = b"") -> FrameProtocol:
         proto: FrameProtocol
 
         def on_frame(msg: tuple[int, str, tuple]) -> None:
@@ -244,7 +287,7 @@ class Hub:
         def on_lost(exc: Exception | None) -> None:
             self._links.discard(proto)
 
-        proto = FrameProtocol(on_frame, on_lost)
+        proto = FrameProtocol(on_frame, on_lost, expect=expect)
         self._links.add(proto)
         return proto
 

@@ -10,15 +10,13 @@ hop                       from, to
 ``queued``                the client's call (``Tangram.run``) to the engine's start of it on a
                           node (``RemoteSandboxes.start``): submission, the wait for a free
                           core (under load), the scheduling round
-``to_task``               that start to the first step of the action's task on the head
-``link_out``              that step to the agent's ``run``: one more loop pass (the ``.remote``
-                          call is made by a task of its own), Ray's serialisation and transport,
-                          the agent's event loop
-``agent_in``              the agent's ``run`` to its sandbox manager's ``start``
+``link_out``              that start to the agent's ``run_linked``: the frame's pickle, the
+                          node's link (one write per loop pass), the agent's event loop
+``agent_in``              the agent's ``run_linked`` to its sandbox manager's ``start``
 ``sandbox``               that start to the manager's report (the one-shot itself)
-``agent_out``             the report to ``run`` returning
-``link_back``             that return to the head's task having the answer: Ray's reply, the
-                          head's loop
+``agent_out``             the report to the agent's reply being sent
+``link_back``             that reply to the head having the answer (the link's reader calls the
+                          manager's sink)
 ``finish``                the answer to the engine's record of the outcome (the report, the round)
 ``answer``                that record to the client's call returning
 ========================  ====================================================================
@@ -51,7 +49,7 @@ from typing import Any, Callable
 from ..runtime.agent import NodeAgent
 from .cpu import ClusterCpuMeter
 
-HOPS = ("queued", "to_task", "link_out", "agent_in", "sandbox", "agent_out", "link_back", "finish", "answer")
+HOPS = ("queued", "link_out", "agent_in", "sandbox", "agent_out", "link_back", "finish", "answer")
 
 
 #: the main thread's code by who owns it, first match of a function's file or built-in's name wins.
@@ -83,13 +81,16 @@ class TimedAgent(NodeAgent):
         self.stamps: dict[str, list[float]] = {}
         self.sizes: list[tuple[int, int]] = []
 
-    async def run(self, action, allocation, owner=None):
+    def run_linked(self, action, allocation, reply):
         st = self.stamps[action.id] = [time.monotonic(), 0.0, 0.0, 0.0]
-        c = await super().run(action, allocation, owner)
-        st[3] = time.monotonic()
-        if len(self.sizes) < 20:
-            self.sizes.append((len(pickle.dumps((action, allocation, owner), 5)), len(pickle.dumps(c, 5))))
-        return c
+
+        def replied(ok, c, st=st):
+            st[3] = time.monotonic()
+            if ok and len(self.sizes) < 20:
+                self.sizes.append((len(pickle.dumps((action, allocation), 5)), len(pickle.dumps(c, 5))))
+            reply(ok, c)
+
+        return super().run_linked(action, allocation, replied)
 
     def run_cb(self, action, allocation, done, after=None):
         st = self.stamps.get(action.id)
@@ -109,36 +110,31 @@ class TimedAgent(NodeAgent):
 
 
 class HeadStamps:
-    """Stamps on the head of one ``Tangram.ray``: the engine's start of an action, its task's
-    first step and its answer, the engine's record (its listener)."""
+    """Stamps on the head of one ``Tangram.ray``: the engine's start of an action, its answer read
+    from the link (the manager's sink), the engine's record (its listener)."""
 
     def __init__(self, rt: Any) -> None:
         self.points: dict[str, dict[str, float]] = {}
         sandboxes = rt.sandboxes
-        start, run = sandboxes.start, sandboxes.tasks.run
+        start, sink = sandboxes.start, sandboxes.sink
 
         def timed_start(action, allocation):
             self.points.setdefault(action.id, {})["started"] = time.monotonic()
             return start(action, allocation)
 
-        def timed_run(action, body):
-            async def timed():
-                p = self.points.setdefault(action.id, {})
-                p["task"] = time.monotonic()
-                c = await body()
-                p["answered"] = time.monotonic()
-                return c
-            return run(action, timed)
+        def timed_sink(c):
+            self.points.setdefault(c.action_id, {})["answered"] = time.monotonic()
+            return sink(c)
 
         sandboxes.start = timed_start  # this head's instances only
-        sandboxes.tasks.run = timed_run
+        sandboxes.sink = timed_sink
         rt.engine.listeners.append(lambda f: self.points.setdefault(f.action.id, {}).__setitem__(
             "finished", time.monotonic()))
 
 
 def hops_of(client: tuple[float, float], head: dict[str, float], agent: list[float]) -> dict[str, float] | None:
     """One action's hops in ms (None if a point is missing: a re-run, say)."""
-    points = [client[0], head.get("started"), head.get("task"), *agent, head.get("answered"),
+    points = [client[0], head.get("started"), *agent, head.get("answered"),
               head.get("finished"), client[1]]
     if any(not p for p in points):
         return None

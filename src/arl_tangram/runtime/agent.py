@@ -29,6 +29,10 @@ in ``start`` (minutes for big models, longer than ``lease_s``), and a lease runn
 would orphan the agent in its own start. A renewal during ``start`` only
 records the head's ``lease_s``; the lease runs ``lease_s`` from the end of ``start``.
 
+**The link.** A head sends each action's run, and gets its answer, over a connection of its own
+to the agent (``open_link``, ``agentlink``): Ray carries the rest. A take-over closes the earlier
+head's link.
+
 **Owners.** A head names itself (``owner``: ``tangram serve``'s is a UUID stored in its journal
 file, so the same file is the same head across restarts and another host's journal another head).
 Only the owner, or any head once the lease ran out, takes the agent over; every call that acts
@@ -63,6 +67,7 @@ from ..core.seam import Completion, Loaded, Report
 from ..managers.sandbox.images import ImageError
 from ..managers.sandbox.manager import SandboxManager
 from ..managers.sandbox.spec import Restore, SandboxConfig, Snapshot
+from . import agentlink
 from .host import LocalHost, host_cpus, memory_gb
 
 
@@ -125,6 +130,8 @@ class NodeAgent:
         self._lease_s: float | None = None  # the head's lease, armed when ``start`` returns
         self._armed = False  # ``start`` returned: renewals from now on start the lease's watch
         self.orphaned = False  # the lease ran out: everything was closed
+        self._hub: Any = None  # the link's listening end (``open_link``), its head's alone
+        self._linked: set[asyncio.Task] = set()  # linked runs that wait for a dead head's run first
 
     async def start(self, lease_s: float | None = None, owner: str | None = None) -> dict:
         """Start the sandbox manager and the model host; returns what the head shows of this
@@ -270,6 +277,44 @@ class NodeAgent:
         fut = asyncio.get_running_loop().create_future()
         self.run_cb(action, allocation, lambda c: fut.done() or fut.set_result(c))  # done: the caller gave up
         return await fut
+
+    def run_linked(self, action: Action, allocation: Allocation, reply: Callable[[bool, Any], None]) -> None:
+        """``run`` for the head's link: ``reply(True, completion)`` from the manager's report
+        itself, with no task, unless the run must first wait for a run a dead head left (then as
+        ``run``). The owner is not checked: the link is its head's (a take-over closes it)."""
+        traj = action.trajectory
+        if action.id in self._dying or (traj is not None and traj in self._leftover):
+            task = asyncio.ensure_future(self.run(action, allocation))
+            self._linked.add(task)
+
+            def ran(t: asyncio.Task) -> None:
+                self._linked.discard(t)
+                if not t.cancelled():
+                    err = t.exception()
+                    reply(err is None, t.result() if err is None else err)
+
+            task.add_done_callback(ran)
+            return
+        self.run_cb(action, allocation, lambda c: reply(True, c))
+
+    async def open_link(self, host: str, token: bytes, owner: str | None = None) -> int:
+        """Listen for the head's link on ``host`` (this node's address as Ray knows it), for a
+        caller that sends ``token`` first; returns the port. A link opened earlier is closed."""
+        self._check_owner(owner)
+        await self.close_link()
+        self._hub, port = await agentlink.serve(self, host, token)
+        return port
+
+    async def close_link(self) -> None:
+        hub, self._hub = self._hub, None
+        if hub is not None:
+            await hub.close()
+
+    async def look(self, lease_s: float | None = None, images_seen: object = None,
+                   owner: str | None = None) -> tuple[list[str], dict]:
+        """One look of the head's membership loop: ``take_expired`` (the lease renewed) and
+        ``take_news``, in one call."""
+        return await self.take_expired(lease_s, owner), await self.take_news(images_seen)
 
     def cancel(self, action_id: str, owner: str | None = None) -> None:
         self._check_owner(owner)
@@ -466,6 +511,7 @@ class NodeAgent:
         self.owner = owner
         self._epoch += 1
         self.renew(lease_s)
+        await self.close_link()  # the earlier head's: the new head opens its own
         loop = asyncio.get_running_loop()
         cancelled = sorted(aid for aid in self._waiting if aid not in self._step_of and aid not in self._dying)
         for aid in cancelled:
@@ -526,6 +572,7 @@ class NodeAgent:
         """The lease ran out with no head renewing it: close everything (running actions, sessions,
         the managers) and, on Ray, exit, so that nothing is left running that nobody owns."""
         self.orphaned = True
+        await self.close_link()
         for aid in list(self._waiting):
             self.cancel(aid)
         self.reset()
@@ -548,6 +595,7 @@ class NodeAgent:
         task, self._lease_task = self._lease_task, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
+        await self.close_link()
         if self.manager is not None:
             await self.manager.shut_down()
         if self.models is not None:

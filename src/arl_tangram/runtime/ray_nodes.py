@@ -1,10 +1,10 @@
-"""A Ray node as the head sees it, and how the head waits on its agent's answers.
+"""A Ray node as the head sees it, and how the head sends its agent work and waits on the answers.
 
-Shared by the head's managers (``RemoteSandboxes`` for cores, ``RemoteModels`` for GPUs): an
-answer that does not come because the node (or its agent) died ends the action ``infra_error``
-with ``NodeLost`` as its result, which the runtime re-runs once elsewhere if it is a one-shot.
-So does an answer ``Replaced``: another head took the node's agent over, and the node is lost to
-this one.
+Shared by the head's managers (``RemoteSandboxes`` for cores, ``RemoteModels`` for GPUs). Each run
+goes over the node's link (``agentlink``): an answer that does not come because the node (or its
+agent) died ends the action ``infra_error`` with ``NodeLost`` as its result, which the runtime
+re-runs once elsewhere if it is a one-shot. So does a link closed under it: its agent died, or
+another head took it over, and the node is lost to this one.
 
 **Looks at the agents** (``look_at_agents``: the head's membership loop, every poll): each agent's
 lease is renewed and its expired and rested sessions collected, all agents at once, each under a
@@ -23,11 +23,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from ..core.action import Action, Allocation, Outcome
 from ..core.seam import Completion
+from ..link import Caller, PeerGone
 from .agent import Replaced
+from .agentlink import ignore
 
 
 class RayUnavailable(RuntimeError):
@@ -53,7 +55,8 @@ class Node:
     index: int | None = None  # in the engine's CPU pool, once it serves sandboxes
     info: dict = field(default_factory=dict)
     state: str = "starting"  # starting | alive | draining | drained | dead
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)  # set when lost: its Ray calls in flight end
+    link: Caller | None = None  # the head's end of its link to the agent (``agentlink``), once it joined
     running: set[str] = field(default_factory=set)
     gpu_index: int | None = None  # in the engine's GPU pool, once it serves models
     died_at: float | None = None  # monotonic time it was lost (its raylet may live on)
@@ -86,6 +89,7 @@ class Head(Protocol):
 
     owner: str
     nodes_by_id: dict[str, Node]
+    closing: bool  # shutting down: answers that come now are not reported (the journal re-runs those)
 
     def node_lost(self, node: Node, why: str) -> None: ...
 
@@ -145,6 +149,8 @@ async def _look(node: Node, lease_s: float, owner: str | None, timeout_s: float)
         return Look(node)
     except Replaced as e:
         return Look(node, lost=str(e).strip().splitlines()[-1])
+    except PeerGone:
+        return Look(node, lost="its link closed: its agent died, or another head took it over")
     except agent_gone() as e:
         return Look(node, lost=f"its agent is gone ({type(e).__name__})")
     except Exception as e:  # a bug, a call Ray could not make: looked at again next time
@@ -158,45 +164,71 @@ async def _look(node: Node, lease_s: float, owner: str | None, timeout_s: float)
 
 
 async def _ask(node: Node, lease_s: float, owner: str | None) -> tuple[float, list[str], dict]:
+    """One look (``NodeAgent.look``: the lease renewed, the news taken): over the node's link once
+    it has one, over Ray while its agent starts."""
     sent = time.monotonic()
-    expired = await node.handle.take_expired.remote(lease_s, owner)  # renews its lease
-    news = await node.handle.take_news.remote(node.images_mark)
+    if node.link is not None:
+        expired, news = await node.link.call("look", lease_s, node.images_mark)
+    else:
+        expired, news = await node.handle.look.remote(lease_s, node.images_mark, owner)
     return sent, list(expired), dict(news)
 
 
-async def run_on_node(runtime: Head, node: Node, action: Action, allocation: Allocation) -> Completion:
-    """Run ``action`` on ``node``'s agent (``allocation`` in the node's own unit ids) and await its
-    ``Completion`` unless ``node`` is lost first; then the action ends ``infra_error`` with
-    ``NodeLost`` as its result, which the runtime re-runs once elsewhere if it is a one-shot
-    (``RayRuntime._retry``). The agent's ``run`` serves sandboxes and models alike."""
+def send_run(runtime: Head, node: Node, action: Action, allocation: Allocation,
+             done: Callable[[Completion], None]) -> None:
+    """Send ``action`` to ``node``'s agent over its link (``allocation`` in the node's own unit ids)
+    and call ``done(completion)`` as its answer is read: no task, no future. A link that closes
+    under it (the agent died, or another head took it over) loses the node, and the action ends
+    ``infra_error`` with ``NodeLost`` as its result, which the runtime re-runs once elsewhere if
+    it is a one-shot (``RayRuntime._retry``); so it does when the runtime loses the node for any
+    other reason (``node_lost`` closes the link). The agent's run serves sandboxes and models
+    alike."""
+    link = node.link
+    if link is None or link.gone is not None:
+        done(_lost(runtime, node, action))
+        return
     node.running.add(action.id)
-    lost = asyncio.ensure_future(node.lost.wait())
-    answer = asyncio.ensure_future(_agent_run(node, action, allocation, runtime.owner))
-    try:
-        await asyncio.wait({lost, answer}, return_when=asyncio.FIRST_COMPLETED)
-        if answer.done():
-            try:
-                return answer.result()
-            except agent_gone() as e:
-                runtime.node_lost(node, f"its agent failed ({type(e).__name__})")
-            except Replaced as e:  # another head took the agent over: the node is not ours any more
-                runtime.node_lost(node, str(e).strip().splitlines()[-1])
-        answer.cancel()
-        return _lost(runtime, node, action)
-    finally:
-        lost.cancel()
+
+    def answered(ok: bool, value: Any) -> None:
         node.running.discard(action.id)
+        if runtime.closing:
+            return
+        if ok:
+            done(value)
+        elif isinstance(value, PeerGone):
+            runtime.node_lost(node, "its link closed: its agent died, or another head took it over")
+            done(_lost(runtime, node, action))
+        else:  # a bug on either side: never the program's failure
+            log.error("node %s: action %s failed in its agent: %r", node.name, action.id, value)
+            done(Completion(action.id, Outcome.INFRA_ERROR,
+                            message=f"internal error on node {node.name}: {type(value).__name__}: {value}"))
+
+    try:
+        link.request_cb("run", (action, allocation), answered)
+    except Exception as e:  # it could not be sent (pickled): ours, not the program's
+        node.running.discard(action.id)
+        log.exception("node %s: action %s could not be sent to its agent", node.name, action.id)
+        done(Completion(action.id, Outcome.INFRA_ERROR, message=f"internal error: {type(e).__name__}: {e}"))
 
 
-async def _agent_run(node: Node, action: Action, allocation: Allocation, owner: str | None) -> Completion:
-    return await node.handle.run.remote(action, allocation, owner)
+async def run_on_node(runtime: Head, node: Node, action: Action, allocation: Allocation) -> Completion:
+    """``send_run``, awaited: the ``Completion``."""
+    answer: asyncio.Future = asyncio.get_running_loop().create_future()
+    send_run(runtime, node, action, allocation, lambda c: answer.done() or answer.set_result(c))
+    return await answer
+
+
+def tell(node: Node, method: str, *args: Any) -> None:
+    """Call ``method`` on ``node``'s agent over its link for its effect (cancel, resize, close)."""
+    if node.link is not None and node.serving:
+        node.link.request_cb(method, args, ignore)
 
 
 def cancel_on_nodes(runtime: Head, action_id: str) -> None:
     """Tell the live agent running ``action_id`` to cancel it (wherever it runs)."""
     for node in runtime.nodes_by_id.values():
-        if action_id in node.running and node.serving:
-            node.handle.cancel.remote(action_id, runtime.owner)
+        if action_id in node.running:
+            tell(node, "cancel", action_id)
 
 
 def _lost(runtime: Head, node: Node, action: Action) -> Completion:

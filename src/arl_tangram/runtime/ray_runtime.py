@@ -4,8 +4,10 @@ Shape (docs/design.md, "Many nodes"): the head process holds the engine and poli
 decision maker), the journal and the HTTP server; every Ray node with CPUs gets a ``NodeAgent``
 actor pinned to it (node affinity, not soft) that owns the node's sandboxes. The engine's CPU pool
 is the union of the agents' cores; an action started on node ``i`` goes to agent ``i``, and the
-agent's answer is its ``Completion``. Arguments and results travel as Ray objects (large ones
-through the object store, never through the head's HTTP handler twice).
+agent's answer is its ``Completion``. Each action's run and answer cross the node's link, one
+connection per node opened as it joins (``agentlink``: a frame each way, no Ray call per action);
+Ray places the agents and carries starts, take-overs, moves (through the object store), pulls and
+prewarms.
 
 With model services, every node with Ray's ``GPU`` resource gets an agent that holds all of the
 node's GPUs (Ray then shows it exactly those) and serves the services there (``ray_models``: the
@@ -82,10 +84,11 @@ from ..managers.sandbox.spec import Fork, SandboxConfig
 from ..managers.tasks import TaskSet
 from ..policy import Costs, Policy, Profile, Wait
 from ..waits import DEFAULT_MAX_QUEUE_S
+from . import agentlink
 from .agent import NodeAgent
 from .ray_images import ClusterImages
 from .ray_nodes import (LOOK_TIMEOUT_S, Node, NodeLost, RayUnavailable, cancel_on_nodes, look_at_agents, ray_module,
-                        run_on_node)
+                        run_on_node, send_run, tell)
 
 __all__ = ["Node", "NodeLost", "RayRuntime", "RayUnavailable", "RemoteSandboxes", "connect"]
 from .base import Runtime
@@ -145,6 +148,7 @@ class RemoteSandboxes:
 
     def __init__(self, runtime: "RayRuntime", sink: Sink) -> None:
         self.runtime = runtime
+        self.sink = sink
         self.tasks = TaskSet(sink, "nodes")
         self.homes: dict[str, Node] = {}  # session -> the node holding its sandbox state
         self._locks: dict[str, asyncio.Lock] = {}  # session -> its steps and moves, one at a time
@@ -157,8 +161,8 @@ class RemoteSandboxes:
         node = self.runtime.by_index[allocation.node]
         allocation = self.runtime.images.first_step(node, action, allocation)
         traj = action.trajectory
-        if traj is None:
-            self.tasks.run(action, lambda: run_on_node(self.runtime, node, action, allocation))
+        if traj is None:  # no task: the answer is reported as the link reads it
+            send_run(self.runtime, node, action, allocation, self.sink)
             return
         self.homes.setdefault(traj, node)  # where it is until a move says otherwise
         self.tasks.run(action, lambda: self._step(traj, node, action, allocation))
@@ -244,7 +248,7 @@ class RemoteSandboxes:
         if meta is not None and meta.get("restarted"):
             self.restarted[traj] = (f"session moved from node {old.name} to {new.name}: its files came, its python "
                                     "interpreter and shell restarted (their state could not be carried)")
-        old.handle.close_session.remote(traj, self.runtime.owner)
+        tell(old, "close_session", traj)
         self.moves += 1
         self.move_s.append(time.perf_counter() - t)
         log.info("session %s moved from node %s to %s in %.3f s (%s)", traj, old.name, new.name, self.move_s[-1],
@@ -283,7 +287,7 @@ class RemoteSandboxes:
         first: for that long they are shared)."""
         node = self.runtime.by_index.get(allocation.node) if allocation.node is not None else None
         if node is not None and node.state == "alive" and action_id in node.running:
-            node.handle.resize.remote(action_id, allocation, self.runtime.owner)
+            tell(node, "resize", action_id, allocation)
 
     def close_session(self, trajectory: str) -> None:
         node = self.homes.pop(trajectory, None)
@@ -291,8 +295,8 @@ class RemoteSandboxes:
         self.stayed.pop(trajectory, None)
         self.restarted.pop(trajectory, None)
         self.runtime.images.forget(trajectory)
-        if node is not None and node.serving:
-            node.handle.close_session.remote(trajectory, self.runtime.owner)
+        if node is not None:
+            tell(node, "close_session", trajectory)
 
     async def start_up(self) -> None:
         pass  # the agents start as their nodes join (RayRuntime._join)
@@ -352,6 +356,7 @@ class RayRuntime(Runtime):
             self.models = RemoteModels(self, self.report, self.model_configs)
             managers[Pool.GPU] = self.models
         self._retried: set[str] = set()
+        self.closing = False  # shutting down (``ray_nodes.Head``)
         self._monitor: asyncio.Task | None = None
         self._joining: set[asyncio.Task] = set()
         self._agent_cls = None
@@ -485,9 +490,36 @@ class RayRuntime(Runtime):
             return
         await self._joined(node)
 
+    async def _open_link(self, node: Node) -> bool:
+        """Open the head's link to the node's agent (``agentlink``); False, the node dead and why,
+        when it cannot be reached."""
+        host = node.address or "127.0.0.1"
+        token = agentlink.new_token()
+        try:
+            port = await node.handle.open_link.remote(host, token, self.owner)
+            node.link = await agentlink.connect(host, port, token, lambda: self._link_closed(node),
+                                                f"node {node.name}'s agent")
+        except Exception as e:
+            node.state = "dead"
+            node.died_at = time.monotonic()
+            node.info = {**node.info, "problem": f"the head cannot reach its agent's link at {host}: "
+                                                 f"{type(e).__name__}: {e}"}
+            log.error("node %s (%s): %s", node.name, node.address, node.info["problem"])
+            return False
+        return True
+
+    def _link_closed(self, node: Node) -> None:
+        if not self.closing:
+            self.node_lost(node, "its link closed: its agent died, or another head took it over")
+
     async def _joined(self, node: Node) -> None:
-        """The node's agent is up (started, or taken over): what it serves joins the engine."""
-        if node.state == "dead":
+        """The node's agent is up (started, or taken over): its link opens, and what it serves
+        joins the engine."""
+        if node.state == "dead" or not await self._open_link(node):
+            return
+        if node.state == "dead":  # lost while its link opened
+            if node.link is not None:
+                node.link.close()
             return
         node.state = "alive"
         node.renewed_at = time.monotonic()  # its start (or attach) just renewed its lease
@@ -581,7 +613,9 @@ class RayRuntime(Runtime):
             held = list(dict.fromkeys([*held, *lost]))
         if node.gpu_index is not None:
             self.engine.remove_gpu_node(node.gpu_index)  # its prefetches end; its copies are placed anew
-        node.lost.set()  # running actions report now (see run_on_node)
+        node.lost.set()  # its Ray calls in flight end (a prefetch)
+        if node.link is not None:
+            node.link.close()  # its runs in flight end as its link reports them lost (``send_run``)
         for s in held:
             self.sandboxes.homes.pop(s, None)
             self.end_session(s, self.lost_reason(s, node))
@@ -734,6 +768,7 @@ class RayRuntime(Runtime):
         await super().start()
 
     async def _shut_down_managers(self) -> None:
+        self.closing = True
         if self._monitor is not None:
             self._monitor.cancel()
             await asyncio.gather(self._monitor, return_exceptions=True)
@@ -742,6 +777,9 @@ class RayRuntime(Runtime):
         await asyncio.gather(*self._joining, return_exceptions=True)
         await super()._shut_down_managers()
         alive = [n for n in self.nodes_by_id.values() if n.serving]
+        for n in self.nodes_by_id.values():
+            if n.link is not None:
+                n.link.close()
         await asyncio.gather(*(n.handle.shut_down.remote() for n in alive), return_exceptions=True)
         ray = ray_module()
         for n in alive:
