@@ -22,13 +22,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..core.action import Action, Allocation
 from ..link import Caller, Hub
-
-if TYPE_CHECKING:
-    from .agent import NodeAgent
 
 log = logging.getLogger(__name__)
 
@@ -42,11 +39,12 @@ def new_token() -> bytes:
 
 
 class Served:
-    """The agent's calls, as the link serves them (``link.Hub``)."""
+    """The agent's calls, as the link serves them (``link.Hub``); ``agent`` is a ``NodeAgent``
+    (not imported: the agent imports this module)."""
 
     REPLIES = frozenset({"run"})  # answered through the hub's reply callback: no task per run
 
-    def __init__(self, agent: "NodeAgent") -> None:
+    def __init__(self, agent: Any) -> None:
         self.agent = agent
 
     def run(self, action: Action, allocation: Allocation, reply: Callable[[bool, Any], None]) -> None:
@@ -65,7 +63,7 @@ class Served:
         return await self.agent.look(lease_s, images_seen)
 
 
-async def serve(agent: "NodeAgent", host: str, token: bytes) -> tuple[Hub, int]:
+async def serve(agent: Any, host: str, token: bytes) -> tuple[Hub, int]:
     """The agent's end, listening on ``host`` (any free port): the hub and its port."""
     hub = Hub(Served(agent), CALLS)
     port = await hub.listen_tcp(host, token)
