@@ -391,6 +391,30 @@ def test_only_fixed_one_shots_follow_and_only_runs_predicted_short(harness):
     assert chains3.followed == [] and list(h3.engine.pending) == ["c"]
 
 
+def test_a_one_shot_naming_a_held_image_follows_only_a_run_on_a_node_holding_it(harness):
+    """Two nodes of one core, both running a short one-shot; node 1 holds image ``img``. A one-shot
+    naming it follows the run on node 1 although the run on node 0 is older; one naming an image
+    held nowhere follows the oldest run, as any one-shot."""
+    from arl_tangram.core.seam import Pool
+    from arl_tangram.managers.sandbox.spec import RunCode
+    from conftest import Chaining
+
+    h = harness(uniform_cluster(cpus=2, cpu_nodes=2), tangram_policy())
+    chains = Chaining(h.rec)
+    h.engine = type(h.engine)(h.engine.cluster, h.engine.policy.__class__(h.engine.policy.name, h.engine.policy.opt),
+                              {Pool.CPU: chains}, h.clock)
+    h.engine.cpu.hold_images(1, ["img"])
+    h.submit("old", cpu=1, hint_s=0.003)
+    assert h.schedule()["old"].node == 0  # the image one-shots below are not placed by it
+    h.advance(0.001)
+    h.submit("young", cpu=1, hint_s=0.003)
+    assert h.schedule()["young"].node == 1
+    h.submit("i", cpu=1, hint_s=0.003, payload=RunCode(code="print(1)", image="img"))
+    h.submit("x", cpu=1, hint_s=0.003, payload=RunCode(code="print(1)", image="elsewhere"))
+    assert h.schedule() == {}
+    assert [(f[0], f[2]) for f in chains.followed] == [("i", "young"), ("x", "old")]
+
+
 def test_an_engine_without_a_chaining_manager_refuses_follow(harness):
     from arl_tangram.policy import Follow
 

@@ -272,6 +272,114 @@ def test_a_session_on_a_draining_node_moves_however_short_the_wait(harness):
     assert got["s2"].node != home and got["s2"].setup == "restore"
 
 
+def _two_sessions_one_home_busy(h, busy_s=5.0):
+    """Sessions t and u live on nodes of their own (1 core each); t's node runs a hog predicted to
+    take ``busy_s``, u's node has its core free. Returns (t's home, u's home)."""
+    h.submit("t1", trajectory="t")
+    h.submit("u1", trajectory="u")
+    got = h.schedule()
+    t_home, u_home = got["t1"].node, got["u1"].node
+    assert t_home != u_home
+    h.complete("t1")
+    h.complete("u1")
+    h.submit("hog1", job="hogs", hint_s=busy_s)
+    h.submit("hog2", job="hogs", hint_s=busy_s)
+    got = h.schedule()
+    h.complete(next(i for i, a in got.items() if a.node == u_home), exec_s=busy_s)
+    return t_home, u_home
+
+
+@pytest.mark.parametrize("idle_moves", [True, False])
+def test_no_move_to_a_node_whose_own_sessions_wait_for_it(harness, idle_moves):
+    """t's home is busy for 5 s (far longer than a move) and u's node has a core free, but u's own
+    step waits for it: moving t there would make u's step wait behind t's move. t's step (the
+    shorter, so considered first) waits for its home and u's step runs at home; without
+    ``idle_moves`` (any node with room) t takes u's core and u waits."""
+    h = harness(cpu_cluster(1, nodes=2), tangram_policy(idle_moves=idle_moves), costs=Costs(session_restore_s=0.32))
+    t_home, u_home = _two_sessions_one_home_busy(h)
+    h.submit("t2", trajectory="t", hint_s=0.1)
+    h.submit("u2", trajectory="u", hint_s=1.0)
+    got = h.schedule()
+    if idle_moves:
+        assert set(got) == {"u2"} and got["u2"].node == u_home and got["u2"].setup == "thaw"
+        assert h.engine.cpu.homes["t"] == t_home
+    else:
+        assert set(got) == {"t2"} and got["t2"].node == u_home and got["t2"].setup == "restore"
+
+
+def test_a_move_goes_to_the_idle_node_not_the_one_with_a_queue(harness):
+    """Three nodes of one core: t's home (node 0) is busy for 5 s; node 1 (u's home) and node 2
+    are free, but u's step waits for node 1. t moves (the wait is longer than the move) to the
+    idle node 2, and u's step runs at home."""
+    h = harness(cpu_cluster(1, nodes=3), tangram_policy(), costs=Costs(session_restore_s=0.32))
+    h.engine.adopt_session("t", 0)
+    h.engine.adopt_session("u", 1)
+    for i in range(3):
+        h.submit(f"hog{i}", job="hogs", hint_s=5.0)
+    got = h.schedule()
+    for hog, alloc in got.items():
+        if alloc.node != 0:
+            h.complete(hog, exec_s=5.0)
+    h.submit("t2", trajectory="t", hint_s=0.1)
+    h.submit("u2", trajectory="u", hint_s=1.0)
+    got = h.schedule()
+    assert got["t2"].node == 2 and got["t2"].setup == "restore"
+    assert got["u2"].node == 1 and got["u2"].setup == "thaw"
+
+
+def test_a_pinned_session_is_never_moved_for_balance(harness):
+    """A session the runtime pinned home (its state cannot be carried) waits for its busy home
+    however long the wait and however idle the other node, and runs there when a core frees."""
+    h = harness(cpu_cluster(1, nodes=2), tangram_policy(), costs=Costs(session_restore_s=0.32))
+    home, hog = _home_busy_for(h, 100.0)
+    h.engine.cpu.pin("t")
+    assert h.schedule() == {}
+    h.advance(50)
+    assert h.schedule() == {}
+    h.complete(hog)
+    got = h.schedule()["s2"]
+    assert got.node == home and got.setup == "thaw"
+    assert "t" in h.engine.cpu.pinned  # until the session ends
+    h.complete("s2")
+    h.engine.end_trajectory("t")
+    assert "t" not in h.engine.cpu.pinned
+
+
+def test_unpinned_the_session_moves_again(harness):
+    h = harness(cpu_cluster(1, nodes=2), tangram_policy(), costs=Costs(session_restore_s=0.32))
+    home, _ = _home_busy_for(h, 100.0)
+    h.engine.cpu.pin("t")
+    assert h.schedule() == {}
+    h.engine.cpu.unpin("t")
+    got = h.schedule()["s2"]
+    assert got.node != home and got.setup == "restore"
+
+
+def test_a_pinned_session_on_a_draining_node_still_moves(harness):
+    h = harness(cpu_cluster(1, nodes=2), tangram_policy(), costs=Costs(session_restore_s=0.32))
+    home, _ = _home_busy_for(h, 100.0)
+    h.engine.cpu.pin("t")
+    h.engine.drain_cpu_node(home)
+    got = h.schedule()["s2"]
+    assert got.node != home and got.setup == "restore"
+    assert "t" in h.engine.cpu.pinned  # it stays home on its new node
+
+
+def test_a_pin_outlives_a_rehoming_and_goes_with_a_lost_node(harness):
+    h = harness(cpu_cluster(1, nodes=2), tangram_policy())
+    h.submit("s1", trajectory="t")
+    home = h.schedule()["s1"].node
+    cpu = h.engine.cpu
+    cpu.pin("t")
+    cpu.attach("t", 1 - home, 0.5)  # the runtime homes it again (a step that stayed)
+    assert "t" in cpu.pinned
+    h.complete("s1")
+    assert h.engine.remove_cpu_node(1 - home, "lost") == ["t"]
+    assert "t" not in cpu.pinned
+    with pytest.raises(ValueError, match="session"):
+        cpu.pin("")
+
+
 def test_ending_a_trajectory_frees_its_session_memory(harness):
     c = Cluster(cpu_nodes=(CpuNode("n", 8, memory_gb=4),))
     h = harness(c, tangram_policy(), costs=Costs(session_mem_gb=2))
@@ -283,6 +391,89 @@ def test_ending_a_trajectory_frees_its_session_memory(harness):
     h.engine.end_trajectory("t1")
     assert set(h.schedule()) == {"c"}
     assert h.rec.closed == ["t1"]
+
+
+# -- placement: images ----------------------------------------------------------------------------
+
+def _imaged(h, id, image, trajectory=None):
+    from arl_tangram.managers.sandbox.spec import Exec, RunCode
+
+    payload = Exec(command="true", image=image) if trajectory else RunCode(code="print(1)", image=image)
+    return h.submit(id, cpu=1, trajectory=trajectory, payload=payload)
+
+
+def _three_nodes(h_factory):
+    """Nodes a (4 cores), b (2) and c (4); b holds image ``img``."""
+    c = Cluster(cpu_nodes=(CpuNode("a", 4, memory_gb=8), CpuNode("b", 2, memory_gb=8), CpuNode("c", 4, memory_gb=8)))
+    h = h_factory(c, tangram_policy(), costs=Costs(session_mem_gb=1))
+    h.engine.cpu.hold_images(1, ["img"])
+    return h
+
+
+def test_a_one_shot_naming_an_image_goes_to_a_node_holding_it_while_it_has_room(harness):
+    """b holds the image: one-shots naming it go there although a and c have more cores free,
+    until b is full; then where any one-shot goes (and that node pulls). One naming another image
+    or none goes to the node with the most free cores."""
+    h = _three_nodes(harness)
+    _imaged(h, "i1", "img")
+    _imaged(h, "x", "other")
+    h.submit("plain", cpu=1)
+    got = h.schedule()
+    assert got["i1"].node == 1
+    assert got["x"].node != 1 and got["plain"].node != 1
+    _imaged(h, "i2", "img")
+    assert h.schedule()["i2"].node == 1
+    _imaged(h, "i3", "img")  # b is full now
+    assert h.schedule()["i3"].node in (0, 2)
+
+
+def test_a_new_session_naming_an_image_starts_on_a_node_holding_it(harness):
+    h = _three_nodes(harness)
+    _imaged(h, "s1", "img", trajectory="t")
+    got = h.schedule()["s1"]
+    assert got.node == 1 and got.setup == "create"
+    assert h.engine.cpu.homes["t"] == 1
+
+
+def test_an_image_held_by_another_name_is_found_through_image_names(harness):
+    """The runtime's stores know an image by its full reference too: ``image_names`` says which
+    names an action's image may be held by."""
+    from arl_tangram.core.pools import named_image
+
+    h = _three_nodes(harness)
+    cpu = h.engine.cpu
+    cpu.hold_images(1, ["docker.io/library/python:3.12"])
+    short = _imaged(h, "short", "python:3.12")
+    assert cpu.image_holders(short) is None  # by its name alone: held nowhere
+    assert h.schedule()["short"].node != 1
+    cpu.image_names = lambda a: [n for i in named_image(a) for n in (i, "docker.io/library/" + i)]
+    assert cpu.image_holders(short) == {1}
+    _imaged(h, "i", "python:3.12")
+    assert h.schedule()["i"].node == 1
+
+
+def test_image_holdings_follow_the_reports_and_the_nodes(harness):
+    h = _three_nodes(harness)
+    cpu = h.engine.cpu
+    cpu.hold_images(0, ["img", "base"])
+    assert cpu.image_nodes == {"img": {0, 1}, "base": {0}}
+    cpu.hold_images(0, ["base"])  # a report replaces what the node held
+    assert cpu.image_nodes == {"img": {1}, "base": {0}}
+    h.engine.drain_cpu_node(1)
+    assert cpu.image_nodes == {"base": {0}} and cpu.images[1] == frozenset()
+    cpu.hold_images(1, ["img"])  # a drained node takes no work: it holds nothing for placement
+    assert "img" not in cpu.image_nodes
+    new = h.engine.add_cpu_node(CpuNode("d", 2, memory_gb=8))
+    cpu.hold_images(new, ["img"])
+    _imaged(h, "i", "img")
+    assert h.schedule()["i"].node == new
+    with pytest.raises(ValueError, match="node 9"):
+        cpu.hold_images(9, ["img"])
+    with pytest.raises(ValueError, match="string"):
+        cpu.hold_images(0, "img")
+    with pytest.raises(ValueError, match="non-empty strings"):
+        cpu.hold_images(0, ["img", 3])
+    assert cpu.images[0] == frozenset({"base"})  # a bad report changes nothing
 
 
 # -- placement: GPUs ------------------------------------------------------------------------------

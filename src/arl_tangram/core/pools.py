@@ -9,7 +9,7 @@ bug surfaces as ``CapacityError`` instead of an oversubscribed pool.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Callable, Final, Iterable, Sequence
 
 from .cluster import ApiQuota, CpuNode, GpuNode
 from .errors import CapacityError
@@ -46,7 +46,13 @@ class CpuPool:
     """Cores and memory of CPU nodes, with an O(max cores) lookup of the emptiest node.
 
     ``homes`` maps a session (trajectory) to the node holding its sandbox state; the session's
-    memory stays reserved there between actions while its cores go back to the pool.
+    memory stays reserved there between actions while its cores go back to the pool. A session in
+    ``pinned`` stays home: its state cannot be carried to another node (the runtime found so), so
+    the policy never moves it for balance; a drain or a lost node still moves it.
+
+    ``images`` is, per node, the names of the images it holds (``hold_images``: what the node
+    reports of its image store and pulls); ``image_names`` reads the names an action's image may
+    be held by, so that work naming an image can go to a node holding it (no pull there).
     """
 
     def __init__(self, nodes: tuple[CpuNode, ...]) -> None:
@@ -65,6 +71,10 @@ class CpuPool:
         self.session_mem: dict[str, float] = {}
         self.session_used: dict[str, float] = {}  # measured when each session last went idle
         self.draining: set[int] = set()  # out of placement, its sessions still homed there until moved
+        self.pinned: set[str] = set()  # sessions that stay home (``pin``)
+        self.images: list[frozenset[str]] = [frozenset() for _ in nodes]
+        self.image_nodes: dict[str, set[int]] = {}  # image name -> the nodes holding it (``hold_images``)
+        self.image_names: Callable[[Any], Sequence[str]] = named_image
         self.meter = Meter()
 
     def nfree(self, node: int) -> int:
@@ -85,6 +95,18 @@ class CpuPool:
                     if self.free_mem[node] >= mem_gb:
                         return node
         return None
+
+    def best_holder(self, need: int, holders: Iterable[int], mem_gb: float = 0.0) -> int | None:
+        """Of the nodes ``holders``, the one with the most free cores that has at least ``need``
+        of them and ``mem_gb`` memory to spare (the lowest index on a tie), or None."""
+        best = None
+        most = need - 1
+        for node in holders:
+            n = len(self.free_cores[node])
+            if (n > most or (n == most and best is not None and node < best)) and self.alive[node] \
+                    and (mem_gb <= 0 or self.free_mem[node] >= mem_gb):
+                best, most = node, n
+        return best
 
     def take(self, node: int, n: int) -> tuple[int, ...]:
         free = self.free_cores[node]
@@ -120,6 +142,7 @@ class CpuPool:
         self.alive.append(True)
         self.free_cores.append(list(range(node.cores - 1, -1, -1)))
         self.free_mem.append(node.memory_gb)
+        self.images.append(frozenset())
         if node.cores > self.max_cores:
             self.buckets.extend(set() for _ in range(node.cores - self.max_cores))
             self.max_cores = node.cores
@@ -147,6 +170,7 @@ class CpuPool:
         free.clear()
         self.free_mem[node] = 0.0
         self.max_cores = max((n.cores for n, up in zip(self.nodes, self.alive) if up), default=0)
+        self.hold_images(node, ())
 
     def remove_node(self, node: int) -> list[str]:
         """A node leaves (drained or dead): its free cores leave the pool at once, cores still
@@ -163,7 +187,61 @@ class CpuPool:
             del self.homes[s]
             self.session_mem.pop(s, None)
             self.session_used.pop(s, None)
+            self.pinned.discard(s)
         return lost
+
+    # -- what the runtime knows of sessions and nodes --------------------------------------------
+    def pin(self, session: str) -> None:
+        """``session`` stays on its home node from now on: its state cannot be carried to another
+        (a move for balance would lose it), so no step of it is moved for balance; a drain or a
+        lost node still moves it. Until the session ends (``detach``) or ``unpin``."""
+        if not isinstance(session, str) or not session:
+            raise ValueError(f"pin: session must be a non-empty string, got {session!r}")
+        self.pinned.add(session)
+
+    def unpin(self, session: str) -> None:
+        """``session`` may be moved for balance again (its state can be carried now)."""
+        self.pinned.discard(session)
+
+    def hold_images(self, node: int, names: Iterable[str]) -> None:
+        """Node ``node`` holds the images ``names`` now (its store's and those it is pulling; the
+        whole set, replacing what it held before). A node out of placement (drained, gone) holds
+        none."""
+        if not 0 <= node < len(self.nodes):
+            raise ValueError(f"hold_images: node {node} is not a node of this pool ({len(self.nodes)} nodes)")
+        if isinstance(names, str):
+            raise ValueError(f"hold_images: names must be a collection of image names, got the string {names!r}")
+        given: list[Any] = list(names)  # untyped: compiled, a name of another type is checked here, not cast
+        for name in given:
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"hold_images: image names must be non-empty strings, got {name!r}")
+        held: frozenset[str] = frozenset(given) if self.alive[node] else frozenset()
+        old = self.images[node]
+        if held == old:
+            return
+        index = self.image_nodes
+        for name in old - held:
+            on = index.get(name)
+            if on is not None:
+                on.discard(node)
+                if not on:
+                    del index[name]
+        for name in held - old:
+            index.setdefault(name, set()).add(node)
+        self.images[node] = held
+
+    def image_holders(self, action: Any) -> set[int] | None:
+        """The nodes holding the image ``action`` names (by any of its names, ``image_names``);
+        None when it names none or no node holds it."""
+        index = self.image_nodes
+        if not index:
+            return None
+        found: set[int] | None = None
+        for name in self.image_names(action):
+            on = index.get(name)
+            if on:
+                found = set(on) if found is None else found | on
+        return found
 
     # -- the ledger: every change of what is held goes through these ----------------------------
     # ``admit`` and ``release`` are the engine's hot path (once per action each): they repeat the
@@ -231,8 +309,9 @@ class CpuPool:
         self.meter.change(0, -len(cores))
 
     def attach(self, session: str, node: int, mem_gb: float) -> None:
-        """Make ``node`` the home of ``session`` (moving its reserved memory there)."""
-        self.detach(session)
+        """Make ``node`` the home of ``session`` (moving its reserved memory there; a pinned
+        session stays pinned: it is re-homed, not ended)."""
+        self._unhome(session)
         if self.free_mem[node] < mem_gb - EPS:
             raise CapacityError(f"node {node} has {self.free_mem[node]:.1f} GB free, session needs {mem_gb:.1f}")
         self.free_mem[node] -= mem_gb
@@ -240,6 +319,11 @@ class CpuPool:
         self.session_mem[session] = mem_gb
 
     def detach(self, session: str) -> None:
+        """``session`` ends (or is placed afresh): its home, memory and pin go."""
+        self._unhome(session)
+        self.pinned.discard(session)
+
+    def _unhome(self, session: str) -> None:
         node = self.homes.pop(session, None)
         if node is not None:
             mem = self.session_mem.pop(session, 0.0)
@@ -283,6 +367,14 @@ class CpuPool:
     def session_used_gb(self) -> float:
         """Memory idle sessions were measured to use (sessions never measured count 0)."""
         return sum(self.session_used.values())
+
+
+def named_image(action: Any) -> Sequence[str]:
+    """The image an action names, by the name it gives (a payload's ``image``: the sandbox specs
+    that start one); none for any other. A runtime whose stores know an image by other names as
+    well (a registry reference's full form) sets ``CpuPool.image_names`` to give them all."""
+    image = getattr(action.payload, "image", None)
+    return (image,) if isinstance(image, str) and image else ()
 
 
 @dataclass(slots=True, eq=False)

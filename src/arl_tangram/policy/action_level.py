@@ -13,8 +13,10 @@ Tangram (docs/design.md, "Scheduling direction") in one round, per pool:
    spare capacity may not last) go to the actions started in this round by largest marginal time
    reduction per unit on their concave speed-up curves (water-filling).
 4. *Placement*: sessions stick to the node that holds their state (migrating, at a restore cost,
-   only when that node is full and the wait for it is predicted to be longer than the move costs:
-   ``_home_wait``); a model runs on an idle resident instance, else on an idle
+   only when that node is full, another node has cores free that no step living there waits for,
+   and the wait for the home is predicted to be longer than the move costs: ``_cpu_node``,
+   ``_home_wait``; never a session the runtime pinned home); a one-shot or a new session naming an
+   image goes to a node holding it where one has room (``CpuPool.image_holders``); a model runs on an idle resident instance, else on an idle
    buddy-aligned block inside one island chosen by load time plus a cost-aware eviction price, or
    it waits for a busy resident instance when that is predicted to be quicker than a load.
 5. *Quotas*: API calls start only while the token bucket and concurrency allow.
@@ -50,6 +52,12 @@ class Options:
     #: hurry. On Ray a move also starts the session's processes afresh (its Python state), which the
     #: simulator does not charge. False: move whenever the home is full.
     price_moves: bool = True
+    #: a session moves off its full home only to a node with cores free beyond what the steps
+    #: living there wait for (``_idle_node``): a node that is merely less busy has a queue of its
+    #: own, and a move that takes its free core makes that queue wait while the moved step pays the
+    #: move, so moves between busy nodes only trade one wait for another plus the move (on Ray
+    #: ~0.3 s each, ``MOVE_S``). False: any node with room, as long as the price holds.
+    idle_moves: bool = True
     fair_share: bool = True
     residency_aware: bool = True  # cost-aware eviction + wait for a busy resident instance
     prefetch: bool = True  # load registered models onto idle GPUs before they are asked for
@@ -123,6 +131,11 @@ class ActionLevelPolicy:
         self._home_ends: dict[int, tuple[float, list[tuple[float, int]]]] = {}
         self._claimed: dict[int, int] = {}  # cores of a full home that steps chose to wait for, this round
         self._home_waits = 0  # steps that chose to wait for their full home this round (``_schedule_cpu``)
+        # Steps of homed sessions waiting, per node: what a move there would jump (``_idle_node``).
+        # Counted per action against the home it had when queued, so a home that changes while
+        # it waits (a drain's move) never leaves a count behind.
+        self._queued_on: dict[str, tuple[int, int]] = {}  # waiting step -> (its home, cores it needs)
+        self._home_queue: dict[int, int] = {}  # node -> cores its sessions' waiting steps need
         self._cpu_only = False  # the cluster has CPU nodes only (set by ``bind``)
         # the fair-share test the queues call, bound once (not a new bound method every round)
         self._fair: Callable[[str], bool] | None = self._favoured if options.fair_share else None
@@ -148,12 +161,16 @@ class ActionLevelPolicy:
         pool = action.pool
         if pool == CPU:
             traj = action.trajectory
-            if traj is not None and traj not in self._cpus.homes:
-                qkey = CPU_NEW
-                self._new_session.add(action.id)
-            else:
-                qkey = CPU
             lo, hi = action.demand.ranges[CPU]
+            qkey = CPU
+            if traj is not None:
+                home = self._cpus.homes.get(traj)
+                if home is None:
+                    qkey = CPU_NEW
+                    self._new_session.add(action.id)
+                elif self.opt.migrate:
+                    self._queued_on[action.id] = (home, lo)
+                    self._home_queue[home] = self._home_queue.get(home, 0) + lo
             if hi > lo:
                 self.predicted[action.id] = pred
         else:
@@ -185,6 +202,19 @@ class ActionLevelPolicy:
             q.cancel(action)
         self._new_session.discard(action.id)
         self.predicted.pop(action.id, None)
+        if self._queued_on:
+            self._unqueue(action.id)
+
+    def _unqueue(self, action_id: str) -> None:
+        """A step counted in ``_home_queue`` left the queue (started or cancelled)."""
+        counted = self._queued_on.pop(action_id, None)
+        if counted is not None:
+            node, lo = counted
+            left = self._home_queue[node] - lo
+            if left:
+                self._home_queue[node] = left
+            else:
+                del self._home_queue[node]
 
     def on_finish(self, finished: Finished) -> None:
         a = finished.action
@@ -318,6 +348,8 @@ class ActionLevelPolicy:
                     queues.remove(q)
                 continue
             self._charge(a.job, CPU, lo)
+            if self._queued_on:
+                self._unqueue(a.id)
             yield Start(a, node, lo)
             if hi > lo:  # only elastic actions can be grown below
                 admitted.append((a, node, lo))
@@ -341,7 +373,8 @@ class ActionLevelPolicy:
         engine between. The head of the queue goes behind the oldest run of its size
         that is predicted short and has not yet run longer than that (``follow_max_s``: a
         follower waits out the rest of its run, so a straggler is not followed), looking at the
-        first ``lookahead`` runs only. Stops at the first entry that may not follow (a session's
+        first ``lookahead`` runs only; one naming an image some node holds follows only a run on
+        such a node (``_cpu_node``). Stops at the first entry that may not follow (a session's
         step, an elastic action, none of its size to follow), which keeps the queue's order."""
         ends = self.view.followable
         fair = self._fair
@@ -356,9 +389,11 @@ class ActionLevelPolicy:
             lo, hi = a.demand.ranges[CPU]
             after = None
             if a.trajectory is None and lo == hi:
+                holders = self._cpus.image_holders(a) if self._cpus.image_nodes else None
                 for aid, prev in itertools.islice(ends.items(), scan):
                     if (len(prev.allocation.units) == lo and now - prev.started_at <= limit
-                            and predict(prev.action) <= limit):
+                            and predict(prev.action) <= limit
+                            and (holders is None or prev.allocation.node in holders)):
                         after = aid
                         break
             if after is None:
@@ -368,9 +403,21 @@ class ActionLevelPolicy:
             yield Follow(a, after)
 
     def _cpu_node(self, a: Action, lo: int, now: float) -> int | None:
+        """The node ``a`` starts on now, or None. A session's step runs on its home node; off a
+        full home it moves only to a node where it jumps no queue (``_idle_node``) and only when the
+        wait for its home is longer than the move costs (``_home_wait``); a pinned session
+        (``CpuPool.pin``) waits for its home. A draining home takes nothing again: its sessions
+        move to any node with room, whatever the wait. A one-shot or a new session goes to the
+        node with the most free cores, of those holding its image where one has room."""
         pool = self._cpus
         traj = a.trajectory
         if traj is None:
+            if pool.image_nodes:
+                holders = pool.image_holders(a)
+                if holders:
+                    node = pool.best_holder(lo, holders)
+                    if node is not None:
+                        return node
             return pool.best_node(lo)
         home = pool.homes.get(traj)
         if home is not None:
@@ -378,16 +425,60 @@ class ActionLevelPolicy:
                 return home
             if not self.opt.migrate:
                 return None
-            away = pool.best_node(lo, self.view.costs.session_mem_gb)
-            if away is None:
+            costs = self.view.costs
+            move_s = costs.session_restore_s
+            if pool.alive[home] and move_s > 0:  # a move for balance, priced
+                if traj in pool.pinned:
+                    self._wait_home(home, lo)
+                    return None
+                away = self._idle_node(lo, costs.session_mem_gb) if self.opt.idle_moves \
+                    else pool.best_node(lo, costs.session_mem_gb)
+                if away is None:
+                    return None
+                if self.opt.price_moves and self._home_wait(home, lo, now) <= move_s:
+                    self._wait_home(home, lo)
+                    return None
+                return away
+            if pool.alive[home] and traj in pool.pinned:
+                self._wait_home(home, lo)
                 return None
-            move_s = self.view.costs.session_restore_s
-            if move_s > 0 and self.opt.price_moves and pool.alive[home] and self._home_wait(home, lo, now) <= move_s:
-                self._claimed[home] = self._claimed.get(home, 0) + lo  # the next step there waits behind it
-                self._home_waits += 1
-                return None  # a draining home takes nothing again: its sessions move whatever the wait
-            return away
-        return pool.best_node(lo, self.view.costs.session_mem_gb)
+            return pool.best_node(lo, costs.session_mem_gb)
+        mem = self.view.costs.session_mem_gb
+        if pool.image_nodes:
+            holders = pool.image_holders(a)
+            if holders:
+                node = pool.best_holder(lo, holders, mem)
+                if node is not None:
+                    return node
+        return pool.best_node(lo, mem)
+
+    def _wait_home(self, home: int, lo: int) -> None:
+        """A step waits for its full home by choice: the next step there waits behind it
+        (``_claimed``), and it is no queue for elasticity (``_schedule_cpu``)."""
+        self._claimed[home] = self._claimed.get(home, 0) + lo
+        self._home_waits += 1
+
+    def _idle_node(self, lo: int, mem_gb: float) -> int | None:
+        """The node with the most free cores that has ``lo`` of them (and ``mem_gb`` memory to
+        spare) beyond what the waiting steps of the sessions living there need, and beyond the
+        steps that chose to wait for it this round (``_claimed``); None when every node with room
+        has such a queue. Nodes are read by free cores, most first, as ``CpuPool.best_node`` does:
+        when every node is busy none has cores free and this reads nothing."""
+        pool = self._cpus
+        first = pool.best_node(lo, mem_gb)
+        if first is None:
+            return None
+        queued = self._home_queue
+        claimed = self._claimed
+        if (not queued or first not in queued) and (not claimed or first not in claimed):
+            return first
+        buckets = pool.buckets
+        free_mem = pool.free_mem
+        for k in range(min(pool.top, len(buckets) - 1), lo - 1, -1):
+            for node in buckets[k]:
+                if k - queued.get(node, 0) - claimed.get(node, 0) >= lo and (mem_gb <= 0 or free_mem[node] >= mem_gb):
+                    return node
+        return None
 
     def _home_wait(self, home: int, lo: int, now: float) -> float:
         """How long until ``lo`` cores are free on the full node ``home``, as predicted: its running
