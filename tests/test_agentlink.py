@@ -194,3 +194,39 @@ def test_an_agent_listens_only_where_it_is_told():
     assert bound == [("127.0.0.1", port)]
     with socket.socket() as s:  # closed with the agent
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@needs_bwrap
+def test_a_one_shot_sent_to_follow_another_starts_on_its_cores_as_that_one_answers():
+    """The lease over the link: the follower is at the agent before its predecessor ends and
+    starts there as it answers, without a round trip to the head; it reports after it."""
+    from arl_tangram.runtime import agentlink
+    from arl_tangram.runtime.agent import NodeAgent
+    from arl_tangram.runtime.ray_nodes import Node, send_run
+
+    async def main():
+        agent = NodeAgent("n1", 1, SandboxConfig(warm_pool=1, warm_sessions=0))
+        await agent.start(60.0, "head")
+        head = FakeHead()
+        try:
+            token = agentlink.new_token()
+            port = await agent.open_link("127.0.0.1", token, "head")
+            node = Node("n1" * 12, "127.0.0.1", 1, 0, state="alive")
+            node.link = await agentlink.connect("127.0.0.1", port, token, lambda: None, "node n1's agent")
+            cpu = Allocation("cpu", 0, (0,))
+            ended: list = []
+            send_run(head, node, Action("first", "sandbox", payload=RunCode("import time; time.sleep(1); print('a')")),
+                     cpu, ended.append)
+            send_run(head, node, Action("next", "sandbox", payload=RunCode("print('f')")), cpu, ended.append,
+                     after="first")
+            for _ in range(400):
+                if len(ended) == 2:
+                    break
+                await asyncio.sleep(0.05)
+            return ended
+        finally:
+            await agent.shut_down()
+
+    ended = asyncio.run(main())
+    assert [c.action_id for c in ended] == ["first", "next"], ended
+    assert all(c.outcome is Outcome.OK for c in ended) and ended[1].result.run.stdout == "f\n"

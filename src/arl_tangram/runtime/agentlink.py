@@ -11,6 +11,9 @@ and a write, and the frames of one loop pass leave in one write (``docs/scale.md
 
 The agent's end (``Served``) answers a run from its sandbox manager's report itself (no task, no
 future, unless the run must first wait for a run an earlier head left: ``NodeAgent.run_linked``).
+A one-shot queued behind another on its node's cores is sent ahead (``follow``: the lease, as with
+sandbox workers on one machine), and the agent starts it the moment the first one's sandbox
+answers, before the head has heard of that end: a core idles for no round trip to the head.
 Its lease is renewed by the same connection's looks (``look``). The link is its head's alone: a
 head that takes the agent over (``attach``) gets a new one and the old one is closed, so a head
 that was replaced hears it as its link closing, which it treats as the node lost, as it does an
@@ -30,7 +33,7 @@ from ..link import Caller, Hub
 log = logging.getLogger(__name__)
 
 #: what the head calls over the link; everything else goes through Ray
-CALLS = frozenset({"run", "cancel", "resize", "close_session", "look"})
+CALLS = frozenset({"run", "follow", "cancel", "resize", "close_session", "look"})
 
 
 def new_token() -> bytes:
@@ -42,13 +45,22 @@ class Served:
     """The agent's calls, as the link serves them (``link.Hub``); ``agent`` is a ``NodeAgent``
     (not imported: the agent imports this module)."""
 
-    REPLIES = frozenset({"run"})  # answered through the hub's reply callback: no task per run
+    REPLIES = frozenset({"run", "follow"})  # answered through the hub's reply callback: no task per run
 
     def __init__(self, agent: Any) -> None:
         self.agent = agent
 
     def run(self, action: Action, allocation: Allocation, reply: Callable[[bool, Any], None]) -> None:
         self.agent.run_linked(action, allocation, reply)
+
+    def follow(self, action: Action, allocation: Allocation, after: str, reply: Callable[[bool, Any], None]) -> None:
+        """Start ``action`` on the cores of ``after`` the moment ``after``'s sandbox answers (the
+        lease, as a sandbox worker's: ``SandboxManager.start``); at once if it has. A second
+        follower of one run is the head's bug: refused."""
+        try:
+            self.agent.run_cb(action, allocation, lambda c: reply(True, c), after=after)
+        except RuntimeError as e:
+            reply(False, e)
 
     def cancel(self, action_id: str) -> None:
         self.agent.cancel(action_id)

@@ -175,14 +175,15 @@ async def _ask(node: Node, lease_s: float, owner: str | None) -> tuple[float, li
 
 
 def send_run(runtime: Head, node: Node, action: Action, allocation: Allocation,
-             done: Callable[[Completion], None]) -> None:
+             done: Callable[[Completion], None], after: str | None = None) -> None:
     """Send ``action`` to ``node``'s agent over its link (``allocation`` in the node's own unit ids)
     and call ``done(completion)`` as its answer is read: no task, no future. A link that closes
     under it (the agent died, or another head took it over) loses the node, and the action ends
     ``infra_error`` with ``NodeLost`` as its result, which the runtime re-runs once elsewhere if
     it is a one-shot (``RayRuntime._retry``); so it does when the runtime loses the node for any
     other reason (``node_lost`` closes the link). The agent's run serves sandboxes and models
-    alike."""
+    alike. ``after``: a one-shot running there on these cores, which this one follows (the lease:
+    ``agentlink``)."""
     link = node.link
     if link is None or link.gone is not None:
         done(_lost(runtime, node, action))
@@ -204,7 +205,10 @@ def send_run(runtime: Head, node: Node, action: Action, allocation: Allocation,
                             message=f"internal error on node {node.name}: {type(value).__name__}: {value}"))
 
     try:
-        link.request_cb("run", (action, allocation), answered)
+        if after is None:
+            link.request_cb("run", (action, allocation), answered)
+        else:
+            link.request_cb("follow", (action, allocation, after), answered)
     except Exception as e:  # it could not be sent (pickled): ours, not the program's
         node.running.discard(action.id)
         log.exception("node %s: action %s could not be sent to its agent", node.name, action.id)

@@ -80,7 +80,7 @@ from ..managers.sandbox.imagebox import Prewarmed
 from ..core.cluster import Cluster, CpuNode
 from ..core.seam import Completion, Pool, Sink
 from ..managers.models.spec import ModelServiceConfig
-from ..managers.sandbox.spec import Fork, SandboxConfig
+from ..managers.sandbox.spec import Fork, RunCode, SandboxConfig
 from ..managers.tasks import TaskSet
 from ..policy import Costs, Policy, Profile, Wait
 from ..waits import DEFAULT_MAX_QUEUE_S
@@ -166,6 +166,21 @@ class RemoteSandboxes:
             return
         self.homes.setdefault(traj, node)  # where it is until a move says otherwise
         self.tasks.run(action, lambda: self._step(traj, node, action, allocation))
+
+    def chains(self, action: Action) -> bool:
+        """``core.seam.Chainer``: a one-shot's run on an agent can take a follower."""
+        return action.trajectory is None and isinstance(action.payload, RunCode)
+
+    def follow(self, action: Action, allocation: Allocation, after: str) -> bool:
+        """``core.seam.Chainer``: the agent running ``after`` starts ``action`` on its cores the
+        moment ``after``'s sandbox answers (``agentlink``). Not taken (False) when ``after`` is not
+        running on a live node's agent."""
+        node = self.runtime.by_index.get(allocation.node) if allocation.node is not None else None
+        if node is None or node.state != "alive" or after not in node.running or not self.chains(action):
+            return False
+        allocation = self.runtime.images.first_step(node, action, allocation)
+        send_run(self.runtime, node, action, allocation, self.sink, after=after)
+        return True
 
     def _lock(self, trajectory: str) -> asyncio.Lock:
         lock = self._locks.get(trajectory)
