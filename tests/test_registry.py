@@ -149,6 +149,39 @@ def test_a_layer_cannot_write_through_a_link_it_replaced(tmp_path):
 
 
 @root_only
+def test_writer_threads_unpack_the_tree_one_thread_unpacks(tmp_path):
+    """Small files written by threads (``images._Writers``) beside the reading: hard links to
+    files still queued, files replaced by directories and by other files, whiteouts of files
+    just made, a read-only directory, setuid and other owners, one file past the small size,
+    and enough files for many batches: the same tree as written in order."""
+    from arl_tangram.managers.sandbox.images import _check_and_unpack
+
+    entries = [("dir", "ro", 0o555)]
+    entries += [("file", f"ro/f{i}", f"file {i}\n" * i, 0o644 if i % 3 else 0o755) for i in range(150)]
+    entries += [("hardlink", "ro/linked", "ro/f7"), ("file", "ro/t", "t"), ("hardlink", "ro/t2", "ro/t"),
+                ("file", "x", "first"), ("dir", "x", 0o700),
+                ("file", "x/in", "in"), ("file", "y", "old"), ("file", "y", "new", 0o4755),
+                ("file", "gone", "soon"), ("whiteout", "gone"), ("file", "big", "b" * (300 << 10)),
+                ("hardlink", "big2", "big"), ("symlink", "ro/up", "../x/in")]
+    owned = tarfile.TarInfo("owned")
+    owned.uid, owned.gid, owned.mode, owned.size, owned.mtime = 1234, 5678, 0o2750, 3, 1_600_000_000
+    entries.append(("raw", owned, b"abc"))
+    blob = layer_tar(entries)
+    trees = []
+    for writers in (0, 3):
+        dest = tmp_path / f"w{writers}"
+        dest.mkdir()
+        digest, size = _check_and_unpack(io.BytesIO(blob), dest, "layer 0", None, writers)
+        trees.append((digest, size, _tree(dest)))
+    assert trees[0] == trees[1]
+    tree = trees[1][2]
+    assert tree["ro/linked"] == tree["ro/f7"] and os.stat(tmp_path / "w3/ro/linked").st_nlink == 2
+    assert tree["y"][1:] == (0o4755, 0, 1_700_000_000 * 10**9, b"new") and tree["x/in"][4] == b"in"
+    assert stat.S_ISCHR(tree["gone"][0]) and tree["owned"][1:3] == (0o2750, 1234)
+    assert stat.S_IMODE(os.stat(tmp_path / "w3/ro").st_mode) == 0o555
+
+
+@root_only
 def test_zstd_layers_import_and_a_corrupt_one_is_named(tmp_path):
     import zstandard
 
@@ -591,6 +624,102 @@ def test_a_download_that_starts_over_unpacks_the_layer_from_its_first_byte(tmp_p
     assert [i.name for i in store.list()] == [img.name]
     assert not [p.name for p in (store.root / "layers").iterdir() if p.name.startswith(".")]
 
+
+
+def _tree(root) -> dict:
+    """Every entry under ``root``: its kind, mode, owner, mtime (files and links), and content or
+    link target."""
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            full = os.path.join(dirpath, name)
+            st = os.lstat(full)
+            what = (open(full, "rb").read() if stat.S_ISREG(st.st_mode)
+                    else os.readlink(full) if stat.S_ISLNK(st.st_mode) else st.st_rdev)
+            out[os.path.relpath(full, root)] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), st.st_uid,
+                                                 st.st_mtime_ns if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)
+                                                 else 0, what)  # (a whiteout's is when it was made)
+    return out
+
+
+def _unpack_children() -> list[int]:
+    """The unpacking processes this process started that still run."""
+    me, out = str(os.getpid()), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                ppid = fh.read().rsplit(")", 1)[1].split()[1]
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read()
+        except OSError:
+            continue
+        if ppid == me and b"unpack_child" in cmd:
+            out.append(int(pid))
+    return out
+
+
+@root_only
+@needs_tools
+def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp_path, proxy, monkeypatch):
+    """Large layers go through a child process (``unpackproc``): the same tree, the same checks,
+    nothing left visible or running when the layer is bad, its blob does not match, the download
+    starts over, or the pull is cancelled; and a durable store syncs before a layer appears."""
+    from arl_tangram.managers.sandbox import images as images_module
+
+    cfg = _config(proxy.host)
+    child = PullLimits(process_unpack_bytes=0)
+    synced = []
+    sync = images_module._syncfs
+    monkeypatch.setattr(images_module, "_syncfs", lambda p: (synced.append(str(p)), sync(p)))
+    in_child, in_thread = ImageStore(tmp_path / "child"), ImageStore(tmp_path / "thread", durable=False)
+    for name in ("sh", "app1", "app2"):  # a whiteout, a symlink; gzip, zstd and plain layers
+        a = _pull(f"{proxy.host}/tiny/{name}:v1", in_child, cfg, limits=child)
+        b = _pull(f"{proxy.host}/tiny/{name}:v1", in_thread, cfg)
+        assert a.layers == b.layers
+        for d in a.layers:
+            assert _tree(in_child.layer_dir(d)) == _tree(in_thread.layer_dir(d))
+    assert len(synced) == len({d for n in ("sh", "app1", "app2") for d in in_child.get(
+        f"{proxy.host}/tiny/{n}:v1").layers}) and all("/.unpack-" in p for p in synced)
+    assert stat.S_ISCHR(os.lstat(in_child.layer_dir(in_child.get(f"{proxy.host}/tiny/sh:v1").layers[2])
+                                 / "etc/motd").st_mode)
+    fresh = ImageStore(tmp_path / "fresh")
+    with pytest.raises(ImageError, match=rf"{proxy.host}/tiny/bad:v1: layer 1 .*escapes the root"):
+        _pull(f"{proxy.host}/tiny/bad:v1", fresh, cfg, limits=child)
+    with pytest.raises(ImageError, match=rf"{proxy.host}/tiny/device:v1: layer 1 .*device node"):
+        _pull(f"{proxy.host}/tiny/device:v1", fresh, cfg, limits=child)
+    with pytest.raises(ImageError, match="more than 1000 bytes"):
+        _pull(f"{proxy.host}/tiny/app3:v1", ImageStore(tmp_path / "small"), cfg,
+              limits=PullLimits(process_unpack_bytes=0, max_layer_files_bytes=1000))
+    proxy.rules.append(Rule("/tiny/app4/blobs/", ("corrupt",), 1000))
+    with pytest.raises(DigestMismatch):
+        _pull(f"{proxy.host}/tiny/app4:v1", fresh, cfg, limits=child, client={"retries": 0})
+    proxy.rules.clear()
+    # the download starts over (cut, then the whole blob for the Range): so does the child's unpacking
+    proxy.rules += [Rule("/tiny/app4/blobs/", ("cut", 40), 1, after=2), Rule("/tiny/app4/blobs/", ("whole",), 1)]
+    img = _pull(f"{proxy.host}/tiny/app4:v1", fresh, cfg, limits=child)
+    assert (fresh.layer_dir(img.layers[0]) / "usr/share/doc/big.txt").read_text() == "x" * 50_000
+    # cancelled while a layer's blob stalls: the child is gone and its directory with it
+    proxy.rules.clear()
+    proxy.rules.append(Rule("/tiny/app1/blobs/", ("stall", 10), 1, after=1))
+    stalled = ImageStore(tmp_path / "stalled")
+
+    async def cancelled():
+        async with _fast(cfg) as c:
+            task = asyncio.ensure_future(pull(f"{proxy.host}/tiny/app1:v1", stalled, cfg, client=c, limits=child))
+            deadline = time.monotonic() + 20
+            while not _unpack_children() and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert _unpack_children()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(cancelled())
+    proxy.release.set()
+    assert _unpack_children() == []
+    assert [i.name for i in fresh.list()] == [img.name] and stalled.list() == []
+    for store in (fresh, stalled):
+        assert not [p.name for p in (store.root / "layers").iterdir() if p.name.startswith(".")]
 
 # -- authentication ---------------------------------------------------------------------------------
 

@@ -36,6 +36,7 @@ import stat
 import tarfile
 import tempfile
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO
@@ -243,12 +244,23 @@ class Unpacker:
     descriptor (the layer's files are the bulk of a pull's system calls). A path made before (a
     later member replacing an earlier one) is looked at and removed first."""
 
-    def __init__(self, dest: Path | str, where: str) -> None:
+    def __init__(self, dest: Path | str, where: str, writers: int = 0) -> None:
         self.dest, self.where = str(dest), where
         self.dirs: list[tuple[str, tarfile.TarInfo]] = []
         self.made: set[str] = set()  # the paths this unpacker created (with their parent directories)
         self.owner = (os.geteuid(), os.getegid())
         self.umask = _umask()
+        self.writers = _Writers(writers, self.owner) if writers > 0 else None
+
+    def _settle(self) -> None:
+        """Every file handed to the writers is written (before a path made earlier is touched)."""
+        if self.writers is not None:
+            self.writers.drain()
+
+    def close(self) -> None:
+        """Stop the writers (after an error: the caller removes ``dest`` once nothing writes there)."""
+        if self.writers is not None:
+            self.writers.close()
 
     def _parent(self, parent: str) -> None:
         if parent == self.dest or parent in self.made:
@@ -265,8 +277,8 @@ class Unpacker:
         rel = path if path is not None else _normalise(m.name if name is None else name, self.where)
         if not rel:
             return
-        full = os.path.join(self.dest, rel)
-        parent, base = os.path.split(full)
+        full = self.dest + "/" + rel  # ``rel`` is normalised: no empty, "." or ".." parts
+        parent, _, base = full.rpartition("/")
         self._parent(parent)
         if base == OPAQUE:
             os.setxattr(parent, "trusted.overlay.opaque", b"y")
@@ -274,6 +286,7 @@ class Unpacker:
         if base.startswith(WHITEOUT):
             target = os.path.join(parent, base[len(WHITEOUT):])
             if target in self.made:
+                self._settle()
                 self._forget(target)
                 _remove(target)
             os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))
@@ -281,6 +294,8 @@ class Unpacker:
             return
         again = full in self.made
         self.made.add(full)
+        if again:
+            self._settle()
         if m.isdir():
             if not again:
                 os.mkdir(full, 0o700)
@@ -296,6 +311,7 @@ class Unpacker:
         if m.issym():
             os.symlink(m.linkname, full)
         elif m.islnk():
+            self._settle()  # its target may be a file still with the writers
             os.link(os.path.join(self.dest, _normalise(m.linkname, self.where)), full, follow_symlinks=False)
             return  # shares the target's inode, ownership and mode
         else:
@@ -307,26 +323,15 @@ class Unpacker:
         mode = m.mode & 0o7777
         # created with its mode where the umask keeps it (setuid and setgid bits are set after the owner)
         plain = not mode & 0o7000 and not mode & self.umask
-        fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     mode if plain else 0o600)
-        try:
-            if isinstance(tar, TarStream):  # the data as slices of the stream's chunks
-                pieces = tar.data()
-            else:
-                src = tar.extractfile(m)
-                pieces = iter(lambda: src.read(1 << 20), b"")
-            for piece in pieces:
-                view = memoryview(piece)
-                while view:
-                    view = view[os.write(fd, view):]
-            if (m.uid, m.gid) != self.owner:
-                os.fchown(fd, m.uid, m.gid)
-                plain = False  # a new owner clears setuid/setgid bits: the mode is written after it
-            if not plain:
-                os.fchmod(fd, mode)
-            os.utime(fd, (m.mtime, m.mtime))
-        finally:
-            os.close(fd)
+        if isinstance(tar, TarStream):  # the data as slices of the stream's chunks
+            if self.writers is not None and m.size <= _Writers.SMALL:
+                self.writers.add((full, list(tar.data()), mode, plain, m.uid, m.gid, m.mtime), m.size)
+                return
+            pieces = tar.data()
+        else:
+            src = tar.extractfile(m)
+            pieces = iter(lambda: src.read(1 << 20), b"")
+        _write_file(full, pieces, mode, plain, m.uid, m.gid, m.mtime, self.owner)
 
     def _forget(self, full: str) -> None:
         """A directory about to be replaced: its modes are not applied at the end (a symlink may
@@ -336,9 +341,81 @@ class Unpacker:
             self.dirs = [(d, m) for d, m in self.dirs if d != full and not d.startswith(prefix)]
 
     def finish(self) -> None:
+        self._settle()
         for full, m in reversed(self.dirs):  # deepest first: a read-only directory is filled before it closes
             if _is_real_dir(full):  # not one a later member replaced (chmod would follow a symlink there)
                 _attrs(full, m, self.owner)
+
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _write_file(full: str, pieces, mode: int, plain: bool, uid: int, gid: int, mtime: float,
+                owner: tuple[int, int]) -> None:
+    """Create the file ``full`` (it does not exist) with the data ``pieces``, then its owner,
+    mode (unless ``plain``: created with it) and mtime, all through its descriptor."""
+    fd = os.open(full, _CREATE, mode if plain else 0o600)
+    try:
+        for piece in pieces:
+            view = memoryview(piece)
+            while view:
+                view = view[os.write(fd, view):]
+        if (uid, gid) != owner:
+            os.fchown(fd, uid, gid)
+            plain = False  # a new owner clears setuid/setgid bits: the mode is written after it
+        if not plain:
+            os.fchmod(fd, mode)
+        os.utime(fd, (mtime, mtime))
+    finally:
+        os.close(fd)
+
+
+class _Writers:
+    """Small files written by ``n`` threads, in batches, while the member after them is read: a
+    file's creation is system calls (open, write, utime, close), which run beside each other
+    and beside the reading, where one thread would wait for each in turn. The unpacker
+    ``drain``s them before it touches a path it made (a replacement, a whiteout, a hard link's
+    target) and at its end; at most ``2n`` batches wait, and larger files are written in
+    order by the unpacker itself (their data would be held here)."""
+
+    SMALL = 256 << 10
+    BATCH_FILES, BATCH_BYTES = 32, 1 << 20
+
+    def __init__(self, n: int, owner: tuple[int, int]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.n, self.owner = n, owner
+        self.pool = ThreadPoolExecutor(n, thread_name_prefix="tangram-write")
+        self.batch: list[tuple] = []
+        self.bytes = 0
+        self.pending: deque = deque()
+
+    def add(self, job: tuple, size: int) -> None:
+        self.batch.append(job)
+        self.bytes += size
+        if len(self.batch) >= self.BATCH_FILES or self.bytes >= self.BATCH_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self.batch:
+            self.pending.append(self.pool.submit(_write_files, self.batch, self.owner))
+            self.batch, self.bytes = [], 0
+        while len(self.pending) > 2 * self.n:
+            self.pending.popleft().result()  # a writer's error is raised here
+
+    def drain(self) -> None:
+        self._flush()
+        while self.pending:
+            self.pending.popleft().result()
+
+    def close(self) -> None:
+        self.batch = []
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _write_files(jobs: list[tuple], owner: tuple[int, int]) -> None:
+    for full, pieces, mode, plain, uid, gid, mtime in jobs:
+        _write_file(full, pieces, mode, plain, uid, gid, mtime, owner)
 
 
 def _umask() -> int:
@@ -360,15 +437,43 @@ def _is_real_dir(path: str) -> bool:
         return False
 
 
-def _check_and_unpack(stream: IO[bytes], dest: Path, where: str, max_bytes: int | None) -> tuple[str, int]:
+def _check_and_unpack(stream: IO[bytes], dest: Path, where: str, max_bytes: int | None,
+                      writers: int = 0) -> tuple[str, int]:
     """Check each member, then write it into the fresh directory ``dest``, in one pass (a
-    member's checks depend only on the members before it). Returns (sha256 of the uncompressed
-    tar, file bytes); the caller discards ``dest`` if this raises."""
+    member's checks depend only on the members before it); small files by ``writers`` threads
+    if more than 0. Returns (sha256 of the uncompressed tar, file bytes); the caller discards
+    ``dest`` if this raises (nothing writes there any more by then)."""
     checker = Checker(where, max_bytes)
-    unpacker = Unpacker(dest, where)
-    digest, _ = _members(stream, where, lambda tar, m: unpacker.add(tar, m, path=checker.check(m)))
-    unpacker.finish()
+    unpacker = Unpacker(dest, where, writers)
+    try:
+        digest, _ = _members(stream, where, lambda tar, m: unpacker.add(tar, m, path=checker.check(m)))
+        unpacker.finish()
+    finally:
+        unpacker.close()
     return digest, checker.size
+
+
+def unpack_child() -> None:
+    """A pull's unpacking process (``registry/unpackproc``): the layer's bytes on stdin, checked
+    and unpacked into ``argv[1]`` (a hidden directory the parent made and places; at most
+    ``argv[3]`` file bytes, small files by ``argv[4]`` writer threads); one JSON line on stdout:
+    the digest and file bytes, or the error naming the layer (``argv[2]``)."""
+    import sys
+
+    class Stdin:
+        def read(self, n: int = -1) -> bytes:
+            return os.read(0, n if n > 0 else 1 << 20)
+
+    dest, where, max_bytes, writers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    try:
+        digest, size = _check_and_unpack(Stdin(), Path(dest), where, None if max_bytes < 0 else max_bytes, writers)
+        answer: dict = {"digest": digest, "size": size}
+    except ImageError as e:
+        answer = {"error": str(e)}
+    except OSError as e:  # the disk's (full, read-only), not the layer's
+        answer = {"error": f"{where}: cannot unpack: {e}", "infra": True}
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()
 
 
 def remove_dead_temps(directory: Path, prefix: str) -> int:
@@ -399,6 +504,33 @@ def _unpack_layer(stream: IO[bytes], dest: Path, where: str) -> None:
     unpacker.finish()
 
 
+def _syncfs(path: Path | str) -> None:
+    """Write the dirty data of ``path``'s file system to its disk (``syncfs``: that file system
+    alone, where ``os.sync`` flushes them all; one call instead of an fsync per file and
+    directory of a layer)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if _libc_syncfs is None or _libc_syncfs(fd) != 0:
+            os.sync()  # no syncfs here, or it failed: every file system, as a last resort
+    finally:
+        os.close(fd)
+
+
+def _load_syncfs():
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_libc_syncfs = _load_syncfs()
+
+
 def _attrs(full: str, m: tarfile.TarInfo, owner: tuple[int, int] | None = None) -> None:
     """Owner (unless it is ``owner``, the one it was made with), mode and mtime of an entry."""
     if (m.uid, m.gid) != owner:
@@ -427,8 +559,12 @@ def _tar_directory(root: Path, out: IO[bytes]) -> None:
 class ImageStore:
     """The content-addressed cache of layers and the named images made of them."""
 
-    def __init__(self, root: Path | str | None = None) -> None:
+    def __init__(self, root: Path | str | None = None, durable: bool = True) -> None:
         self.root = Path(root) if root is not None else default_store()
+        #: a layer's files reach the disk before it is renamed into place (one ``syncfs`` of the
+        #: store's file system per layer): after a crash of the machine a layer is whole or
+        #: absent, never a visible one with files the kernel had not written yet
+        self.durable = durable
 
     def layer_dir(self, digest: str) -> Path:
         return self.root / "layers" / digest
@@ -589,8 +725,11 @@ class ImageStore:
         return Path(tempfile.mkdtemp(prefix=f"{UNPACKING}{os.getpid()}-", dir=self.root / "layers"))
 
     def _place(self, tmp: Path, digest: str) -> None:
-        """Rename the unpacked ``tmp`` into place as layer ``digest`` (whole, or not at all)."""
+        """Rename the unpacked ``tmp`` into place as layer ``digest`` (whole, or not at all);
+        ``durable``: its files on the disk first."""
         os.chmod(tmp, 0o755)
+        if self.durable:
+            _syncfs(tmp)
         final = self.layer_dir(digest)
         try:
             os.rename(tmp, final)
@@ -601,14 +740,16 @@ class ImageStore:
             # a concurrent import or pull got there first: the same content
 
     def unpack_layer(self, stream: IO[bytes], where: str, expect: str | None = None,
-                     max_bytes: int | None = None) -> tuple[str, int]:
+                     max_bytes: int | None = None, unpack=None) -> tuple[str, int]:
         """Check and unpack one (possibly compressed) layer tar into the cache in one pass; it
         becomes visible only once whole and checked. ``expect``: the sha256 its uncompressed tar
         must have (an image config's diff_id, without ``sha256:``). Returns (that digest, its file
-        bytes). Blocking I/O: call it in a thread."""
+        bytes). ``unpack``: what checks and unpacks it into the hidden directory, with
+        ``_check_and_unpack``'s arguments and answer (a pull's child process); that function if
+        None. Blocking I/O: call it in a thread."""
         tmp = self._unpack_dir()
         try:
-            digest, size = _check_and_unpack(stream, tmp, where, max_bytes)
+            digest, size = (unpack or _check_and_unpack)(stream, tmp, where, max_bytes)
             if expect is not None and digest != expect:
                 raise ImageError(f"{where}: its content is sha256:{digest}, not the layer sha256:{expect} the "
                                  "image's config names")

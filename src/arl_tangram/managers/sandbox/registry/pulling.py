@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import functools
 import logging
 import os
 import threading
@@ -48,6 +49,7 @@ from .client import Descriptor, RegistryClient, json_document
 from .config import RegistriesConfig
 from .errors import NoPlatform, RegistryError, TooLarge
 from .reference import Reference, parse
+from .unpackproc import unpack_in_child
 
 log = logging.getLogger(__name__)
 PART = ".part-"  # + pid + "-": a blob being downloaded (by versions that kept one; removed by a pull)
@@ -61,6 +63,12 @@ class PullLimits:
     max_config_bytes: int = 8 << 20
     #: layers of one image fetched at once (Docker's max-concurrent-downloads default)
     concurrent_layers: int = 3
+    #: a layer blob of at least this many bytes is checked and unpacked in a child process
+    #: (``unpackproc``: an interpreter lock of its own, beside the one receiving the blob);
+    #: smaller ones in a thread, where the child's start would cost more than it saves
+    process_unpack_bytes: int = 8 << 20
+    #: threads that write such a layer's small files in its child (``images._Writers``); 0: none
+    unpack_writers: int = 4
 
 
 @dataclass(frozen=True)
@@ -290,7 +298,9 @@ async def _download(ref: Reference, store: ImageStore, client: RegistryClient, d
     """Download blob ``desc`` while threads check and unpack it; (diff_id, file bytes) of the
     layer now in place."""
     feed = _Feed()
-    unpacking = _in_thread(_unpack_feed, store, feed, where, diff, limits.max_layer_files_bytes)
+    child = functools.partial(unpack_in_child, writers=limits.unpack_writers) \
+        if desc.size >= limits.process_unpack_bytes else None
+    unpacking = _in_thread(_unpack_feed, store, feed, where, diff, limits.max_layer_files_bytes, child)
     try:
         emit("downloading", 0)
         await client.fetch_blob(ref, desc, None, lambda n: emit("downloading", n), tee=feed)
@@ -314,11 +324,12 @@ async def _finish(unpacking: asyncio.Future):
         raise
 
 
-def _unpack_feed(store: ImageStore, feed: "_Feed", where: str, diff: str, max_bytes: int) -> tuple[str, int]:
+def _unpack_feed(store: ImageStore, feed: "_Feed", where: str, diff: str, max_bytes: int,
+                 unpack: Callable | None = None) -> tuple[str, int]:
     try:
         while True:
             try:
-                return store.unpack_layer(feed, where, expect=diff, max_bytes=max_bytes)
+                return store.unpack_layer(feed, where, expect=diff, max_bytes=max_bytes, unpack=unpack)
             except _Spoiled:  # the download started over: so does the unpacking, from its first byte
                 feed.resume()
     finally:
