@@ -13,7 +13,9 @@ hop                       from, to
 ``link_out``              that start to the agent's ``run_linked``: the frame's pickle, the
                           node's link (one write per loop pass), the agent's event loop
 ``agent_in``              the agent's ``run_linked`` to its sandbox manager's ``start``
-``sandbox``               that start to the manager's report (the one-shot itself)
+``sandbox``               that start to the manager's report (the one-shot itself; for a
+                          one-shot sent ahead to follow another on its cores, the lease's
+                          ``follow``, its wait for that one too: ``followed`` counts them)
 ``agent_out``             the report to the agent's reply being sent
 ``link_back``             that reply to the head having the answer (the link's reader calls the
                           manager's sink)
@@ -81,7 +83,7 @@ class TimedAgent(NodeAgent):
         self.stamps: dict[str, list[float]] = {}
         self.sizes: list[tuple[int, int]] = []
 
-    def run_linked(self, action, allocation, reply):
+    def _timed(self, action, allocation, reply):
         st = self.stamps[action.id] = [time.monotonic(), 0.0, 0.0, 0.0]
 
         def replied(ok, c, st=st):
@@ -90,7 +92,13 @@ class TimedAgent(NodeAgent):
                 self.sizes.append((len(pickle.dumps((action, allocation), 5)), len(pickle.dumps(c, 5))))
             reply(ok, c)
 
-        return super().run_linked(action, allocation, replied)
+        return replied
+
+    def run_linked(self, action, allocation, reply):
+        return super().run_linked(action, allocation, self._timed(action, allocation, reply))
+
+    def follow_linked(self, action, allocation, after, reply):
+        return super().follow_linked(action, allocation, after, self._timed(action, allocation, reply))
 
     def run_cb(self, action, allocation, done, after=None):
         st = self.stamps.get(action.id)
@@ -116,17 +124,26 @@ class HeadStamps:
     def __init__(self, rt: Any) -> None:
         self.points: dict[str, dict[str, float]] = {}
         sandboxes = rt.sandboxes
-        start, sink = sandboxes.start, sandboxes.sink
+        start, follow, sink = sandboxes.start, sandboxes.follow, sandboxes.sink
+        self.followed: set[str] = set()
 
         def timed_start(action, allocation):
             self.points.setdefault(action.id, {})["started"] = time.monotonic()
             return start(action, allocation)
+
+        def timed_follow(action, allocation, after):
+            self.points.setdefault(action.id, {})["started"] = time.monotonic()
+            taken = follow(action, allocation, after)
+            if taken:
+                self.followed.add(action.id)
+            return taken
 
         def timed_sink(c):
             self.points.setdefault(c.action_id, {})["answered"] = time.monotonic()
             return sink(c)
 
         sandboxes.start = timed_start  # this head's instances only
+        sandboxes.follow = timed_follow
         sandboxes.sink = timed_sink
         rt.engine.listeners.append(lambda f: self.points.setdefault(f.action.id, {}).__setitem__(
             "finished", time.monotonic()))
@@ -271,6 +288,7 @@ def hops(address: str, nodes: int, cores: int, alone: int, loaded: int, per_core
         head = cpu["head"]
         return {"nodes": nodes, "cores_per_node": cores, "alone": _summary(rows(first)),
                 "loaded": {**_summary(rows(second)), "concurrency": per_core * nodes * cores,
+                           "followed": sum(1 for a in second if a in stamps.followed),
                            "actions_per_s": round(len(second) / span, 1),
                            "process_cpu_ms_per_action": {k: head[k] for k in ("main", "ray_threads", "other_threads",
                                                                                "total", "sys")}},

@@ -297,6 +297,12 @@ class NodeAgent:
             return
         self.run_cb(action, allocation, lambda c: reply(True, c))
 
+    def follow_linked(self, action: Action, allocation: Allocation, after: str,
+                      reply: Callable[[bool, Any], None]) -> None:
+        """``run_linked`` of a one-shot that starts on the cores of ``after`` as ``after``'s sandbox
+        answers (the lease: ``SandboxManager.start``)."""
+        self.run_cb(action, allocation, lambda c: reply(True, c), after=after)
+
     async def open_link(self, host: str, token: bytes, owner: str | None = None) -> int:
         """Listen for the head's link on ``host`` (this node's address as Ray knows it), for a
         caller that sends ``token`` first; returns the port. A link opened earlier is closed."""

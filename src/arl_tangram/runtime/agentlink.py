@@ -58,7 +58,7 @@ class Served:
         lease, as a sandbox worker's: ``SandboxManager.start``); at once if it has. A second
         follower of one run is the head's bug: refused."""
         try:
-            self.agent.run_cb(action, allocation, lambda c: reply(True, c), after=after)
+            self.agent.follow_linked(action, allocation, after, reply)
         except RuntimeError as e:
             reply(False, e)
 
