@@ -1,6 +1,7 @@
 """The cgroup layer's logic on a v2 layout, against a directory tree shaped like cgroupfs (a test
 double at the filesystem seam: this host is v1, and the v1 path is exercised by the sandbox tests)."""
 
+import asyncio
 import errno
 from pathlib import Path
 
@@ -60,12 +61,36 @@ def test_v2_root_is_made_under_our_own_cgroup_with_controllers_enabled(tmp_path)
     assert (parent / "sb1" / "memory.max").read_text() == str(64 << 20)
     assert (parent / "sb1" / "pids.max").read_text() == "32"
     assert (parent / "sb1" / "cpuset.cpus").read_text() == "1,3"
-    g.freeze(True)
+    (parent / "sb1" / "cgroup.freeze").write_text("0")  # the kernel's file
+    g.freeze(True)  # no event loop here: at once
     assert (parent / "sb1" / "cgroup.freeze").read_text() == "1"
     (parent / "sb1" / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n")
     assert g.oom_kills() == 2
     (parent / "sb1" / "cpu.stat").write_text("usage_usec 1500000\nuser_usec 1000000\n")
     assert g.cpu_seconds() == 1.5
+
+
+def test_a_freeze_from_the_event_loop_waits_its_grace_and_a_thaw_within_it_writes_nothing(tmp_path):
+    """Back-to-back session steps: the freeze after one is cancelled by the next one's thaw,
+    nothing written; an idle group is frozen once the grace is over, and thaws at once."""
+    mount = fake_v2(tmp_path)
+    g = open_root(mount, self_cgroup="0::/svc\n", tag="tangram-test").create("sb1")
+    state = mount / "svc" / "tangram-test" / "sb1" / "cgroup.freeze"
+    state.write_text("0")  # the kernel's file
+
+    async def steps():
+        g.freeze(True)
+        assert state.read_text() == "0"  # still running within the grace
+        g.freeze(False)  # the next step: the freeze is cancelled, nothing written
+        await asyncio.sleep(cgroups.FREEZE_GRACE_S * 3)
+        assert state.read_text() == "0"
+        g.freeze(True)
+        await asyncio.sleep(cgroups.FREEZE_GRACE_S * 3)
+        assert state.read_text() == "1"  # idle past the grace: frozen
+        g.freeze(False)
+        assert state.read_text() == "0"
+
+    asyncio.run(steps())
 
 
 def test_missing_controllers_without_root_mean_no_cgroups_and_a_warning_saying_why(tmp_path, caplog, monkeypatch):
