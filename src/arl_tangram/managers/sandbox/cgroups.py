@@ -105,6 +105,7 @@ class Group:
         self.dirs = dirs
         self.v2 = v2
         self._events_fd: int | None = None
+        self._usage_fd: int | None = None
         #: the freezer's state file, kept open: a write or a read of it is one system call
         self._freezer_fd: int | None = None
         #: a freeze asked from the event loop, due once the grace is over (``FREEZE_GRACE_S``)
@@ -186,7 +187,7 @@ class Group:
         if self._freeze_due is not None:
             self._freeze_due.cancel()
             self._freeze_due = None
-        for name in ("_events_fd", "_freezer_fd"):
+        for name in ("_events_fd", "_usage_fd", "_freezer_fd"):
             fd = getattr(self, name)
             if fd is not None:
                 os.close(fd)
@@ -195,9 +196,13 @@ class Group:
     def memory_bytes(self) -> int:
         """Memory charged to the group now (``memory.current`` on v2, ``memory.usage_in_bytes``
         on v1): its processes' anonymous memory, its tmpfs files and the page cache it touched
-        first. Page cache is reclaimable, so this errs on the safe side."""
-        d = self._dir("memory")
-        return int((d / ("memory.current" if self.v2 else "memory.usage_in_bytes")).read_text())
+        first. Page cache is reclaimable, so this errs on the safe side. Read after every session
+        step, so through a descriptor kept open, as ``oom_kills``."""
+        if self._usage_fd is None:
+            d = self._dir("memory")
+            self._usage_fd = os.open(d / ("memory.current" if self.v2 else "memory.usage_in_bytes"),
+                                     os.O_RDONLY | os.O_CLOEXEC)
+        return int(os.pread(self._usage_fd, 64, 0))
 
     def cpu_seconds(self) -> float:
         if self.v2:
