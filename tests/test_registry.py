@@ -161,7 +161,7 @@ def test_writer_threads_unpack_the_tree_one_thread_unpacks(tmp_path):
     entries += [("hardlink", "ro/linked", "ro/f7"), ("file", "ro/t", "t"), ("hardlink", "ro/t2", "ro/t"),
                 ("file", "x", "first"), ("dir", "x", 0o700),
                 ("file", "x/in", "in"), ("file", "y", "old"), ("file", "y", "new", 0o4755),
-                ("file", "gone", "soon"), ("whiteout", "gone"), ("file", "big", "b" * (300 << 10)),
+                ("file", "gone", "soon"), ("whiteout", "gone"), ("file", "big", "b" * (5 << 20)),
                 ("hardlink", "big2", "big"), ("symlink", "ro/up", "../x/in")]
     owned = tarfile.TarInfo("owned")
     owned.uid, owned.gid, owned.mode, owned.size, owned.mtime = 1234, 5678, 0o2750, 3, 1_600_000_000

@@ -9,8 +9,12 @@ over it, each adding one small Python project with its own tests as one layer. `
 picks the parts to run.
 
 * ``throughput``: one pull of the base image into an empty store (its blob's digest checked,
-  its layer checked and unpacked) against ``skopeo copy`` of the same image to a directory (the
-  wire and the disk, nothing unpacked), ``runs`` of each alternating, medians; beside them
+  its layer checked and unpacked, one ``syncfs`` before it appears: the store's default)
+  against ``skopeo copy`` of the same image to a directory (the wire and the disk, nothing
+  unpacked), ``runs`` of each alternating, medians; ``pull_throughput_vs_skopeo_copy`` at the
+  top of the JSON is that ratio. Beside them the same pull without the ``syncfs``, with the
+  layer unpacked in a thread of the pulling process (as small layers are) and in its child
+  process without writer threads; then
   ``tar -xzf`` of the same blob (this disk's own speed at creating the layer's files), our
   client's download of the blob alone (digest checked, nothing kept), the pull into a tmpfs
   store (the disk left out), and what creating one empty file costs on this disk; the CPU

@@ -21,6 +21,9 @@ Layer tars may be plain, gzip- or zstd-compressed (sniffed from their first byte
 from a registry (``registry/``) go through the same checks: ``ImageStore.unpack_layer`` checks
 and unpacks a layer in one pass into a hidden directory that is renamed into place only once the
 whole layer passed, and ``ImageStore.record`` names an image only once all its layers are in.
+A store is ``durable`` by default: one ``syncfs`` of its file system before each rename, so a
+layer is not visible before its files are on the disk (a machine that crashes leaves it absent,
+never present with empty files); an fsync per file would cost a disk flush each.
 """
 
 from __future__ import annotations
@@ -371,14 +374,15 @@ def _write_file(full: str, pieces, mode: int, plain: bool, uid: int, gid: int, m
 
 
 class _Writers:
-    """Small files written by ``n`` threads, in batches, while the member after them is read: a
+    """Files written by ``n`` threads, in batches, while the members after them are read: a
     file's creation is system calls (open, write, utime, close), which run beside each other
     and beside the reading, where one thread would wait for each in turn. The unpacker
     ``drain``s them before it touches a path it made (a replacement, a whiteout, a hard link's
-    target) and at its end; at most ``2n`` batches wait, and larger files are written in
-    order by the unpacker itself (their data would be held here)."""
+    target) and at its end. The data waiting here is slices of the stream's chunks: at most
+    ``2n`` batches wait, a batch is closed at 1 MB, and a file over ``SMALL`` is written in
+    order by the unpacker itself (so at most ``2n`` x 5 MB are held)."""
 
-    SMALL = 256 << 10
+    SMALL = 4 << 20
     BATCH_FILES, BATCH_BYTES = 32, 1 << 20
 
     def __init__(self, n: int, owner: tuple[int, int]) -> None:

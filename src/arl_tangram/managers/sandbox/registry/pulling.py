@@ -14,11 +14,15 @@ reference (``python:3.12`` is stored as ``docker.io/library/python:3.12``).
   straight from the connection to a thread that decompresses and hashes them, and from there
   to one that checks and unpacks them into a hidden directory as they arrive (images.py's
   checks: paths escaping the root, device nodes...; ``layertar``), so a pull takes about as
-  long as the slowest of the three, not their sum.
+  long as the slowest of the three, not their sum. A large layer's decompression, checks and
+  unpacking run in a child process (``unpackproc``), fed through a pipe, its small files
+  written by threads there: the receiving and the unpacking then do not wait for each
+  other's turn at one interpreter lock.
 - Nothing unverified is visible or used: the unpacking sees the end of the stream only once
   the download has checked the blob's size and sha256, and the hidden directory is renamed
-  into place only after that and once the uncompressed tar hashed to its diff_id; a failed
-  check removes it. A download that starts over from its first byte (another mirror, a
+  into place only after that and once the uncompressed tar hashed to its diff_id (and, in a
+  durable store, once its files reached the disk: ``ImageStore.durable``); a failed check
+  removes it. A download that starts over from its first byte (another mirror, a
   registry without ranges) starts the unpacking over too, in a fresh hidden directory. The
   image is recorded last. A pull killed part way leaves only hidden directories, removed by
   the next pull once their process is gone. Layers that passed stay cached even if a later
