@@ -105,6 +105,21 @@ def check_fair_share_ledger(engine) -> None:
     assert {j: u.get("cpu", 0) for j, u in units.items() if u.get("cpu", 0)} == dict(held)
 
 
+def check_home_queues(engine) -> None:
+    """The action-level policy's count of the cores each node's sessions wait for (what a move
+    there would jump) is the sum of the waiting steps it counted, every one of them still waiting:
+    a started or cancelled step leaves no count behind."""
+    counted = getattr(engine.policy, "_queued_on", None)
+    if counted is None:
+        return
+    assert set(counted) <= set(engine.pending), "a step counted as waiting that no longer waits"
+    per_node = Counter()
+    for aid, node in counted.items():
+        per_node[node] += engine.pending[aid].demand.min("cpu")
+    queues = engine.policy._home_queue
+    assert {n: c for n, c in enumerate(queues) if c} == dict(per_node)
+
+
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cluster=clusters(), policy=st.sampled_from(POLICIES), script=ops)
 # found by CI: trajectory t0 ends while its action runs, t1 takes the node's only session memory,
@@ -149,6 +164,7 @@ def test_capacity_is_never_exceeded_and_every_action_ends_once(cluster, policy, 
         h.engine.schedule()
         check_invariants(h.engine)
         check_fair_share_ledger(h.engine)
+        check_home_queues(h.engine)
     for _ in range(500):  # drain: finish what runs, end every trajectory, let quotas refill
         if not h.engine.pending and not h.engine.running:
             break
