@@ -506,6 +506,47 @@ def _take_recycled(manager, sb) -> None:
     pool.append(sb)
 
 
+PROCS = r"""
+import os
+names = []
+for p in os.listdir("/proc"):
+    if p.isdigit():
+        with open(f"/proc/{p}/cmdline", "rb") as fh:
+            names.append(fh.read().split(b"\0")[0].decode(errors="replace").rsplit("/", 1)[-1])
+print(" ".join(sorted(names)))
+"""
+
+
+def test_a_recycled_sandbox_has_its_shell_started_ahead_as_a_fresh_one_and_clean():
+    """A session's first command in a sandbox reset after another session finds its shell
+    started, as in a fresh sandbox of the pool (starting it is most of a first command), and
+    nothing of the shell before it."""
+    async def main():
+        async with Tangram.local(sandbox=_recycling_config()) as tg:
+            manager = tg.runtime.sandbox_manager()
+            fresh = await tg.session(trajectory="fresh")
+            want = (await fresh.exec(python=PROCS)).stdout.split()
+            assert "bash" in want, want  # the pool's fresh sandboxes have it (warm_shell)
+
+            a = await tg.session(trajectory="a")
+            assert (await a.exec("cd /tmp; export SHELL_LEAK=1; leak() { :; }")).ok
+            sb = manager.sessions["a"]
+            before = manager.recycler.sessions_recycled
+            await _rest(tg, "a")
+            await _recycled(manager, before)
+            _take_recycled(manager, sb)
+
+            b = await tg.session(trajectory="b")
+            got = (await b.exec(python=PROCS)).stdout.split()
+            assert manager.sessions["b"] is sb  # the same sandbox, reused
+            assert got == want
+            r = await b.exec("echo ${SHELL_LEAK:-unset} $(pwd) $(type -t leak || echo none)")
+            assert r.stdout.split() == ["unset", "/workspace", "none"], r.stdout + r.stderr
+            assert "new shell" not in (r.message or "")
+
+    asyncio.run(main())
+
+
 def test_a_session_in_a_recycled_sandbox_sees_nothing_of_the_session_before_it():
     async def main():  # no shell started ahead: a recycled sandbox starts its shell on first use
         async with Tangram.local(sandbox=_recycling_config(warm_shell=False)) as tg:
