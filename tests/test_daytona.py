@@ -855,3 +855,8 @@ def test_bench_daytona_prints_its_figures():
     for k, sides in figures.items():  # each beside the SDK's floor and the native API, as ratios
         assert all(sides[s]["n"] == 3 and sides[s]["p50_ms"] > 0 for s in ("daytona", "floor", "native")), k
         assert sides["vs_floor"] > 0 and sides["vs_native"] > 0
+        row = out["summary"][k]  # the same p50s, beside the target where there is one
+        assert all(row[s] == sides[s]["p50_ms"] for s in ("daytona", "floor", "native")), k
+        assert ("met" in row) == (sides.get("target_ms") is not None), k
+        if "met" in row:
+            assert row["met"] == (row["daytona"] <= row["target_ms"]), k

@@ -79,7 +79,8 @@ def run(n: int = 30, open_n: int = 200, log: Callable[[str], None] = lambda m: N
             opened = asyncio.run(_open_many(AsyncDaytona, config, open_n, open_concurrency, server))
         finally:
             server.stop()
-    return {"side_by_side": figures, **ours, "open_at_once": opened, "targets_ms": TARGETS_MS,
+    return {"summary": summary(figures), "side_by_side": figures, **ours, "open_at_once": opened,
+            "targets_ms": TARGETS_MS,
             "cpus": os.cpu_count(), "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
             "note": "sandboxes on loopback, without network, on this machine; the sync SDK's own work included; "
                     "native: the native API through TangramClient (httpx)"}
@@ -143,6 +144,18 @@ def side_by_side(ours, floor_client, server, floor: "_Floor", n: int) -> dict:
         session.close()
     finally:
         native.close()
+    return out
+
+
+def summary(figures: dict) -> dict:
+    """Each figure's p50 (ms) three ways, beside its target and whether ours meets it."""
+    out = {}
+    for name, fig in figures.items():
+        row = {k: fig[k]["p50_ms"] for k in ("daytona", "floor", "native") if k in fig}
+        if fig.get("target_ms") is not None:
+            row["target_ms"] = fig["target_ms"]
+            row["met"] = row.get("daytona", float("inf")) <= fig["target_ms"]
+        out[name] = row
     return out
 
 
