@@ -718,7 +718,15 @@ def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp
     proxy.release.set()
     assert _unpack_children() == []
     assert [i.name for i in fresh.list()] == [img.name] and stalled.list() == []
-    for store in (fresh, stalled):
+    # a child that dies without an answer: an infrastructure error naming the layer, nothing left
+    from arl_tangram.managers.sandbox.registry import unpackproc
+
+    monkeypatch.setattr(unpackproc, "_BOOT", "import os, sys; sys.stderr.write('gone'); os._exit(3)")
+    dead = ImageStore(tmp_path / "dead")
+    with pytest.raises(ImageError, match=r"tiny/app1:v1: layer \d .*ended \(3\) without an answer: gone") as e:
+        _pull(f"{proxy.host}/tiny/app1:v1", dead, cfg, limits=child)
+    assert e.value.infra and dead.list() == []
+    for store in (fresh, stalled, dead):
         assert not [p.name for p in (store.root / "layers").iterdir() if p.name.startswith(".")]
 
 # -- authentication ---------------------------------------------------------------------------------

@@ -23,10 +23,12 @@ download's first bytes are requested, and the feed holds what arrives meanwhile.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from ..images import ImageError
@@ -35,6 +37,7 @@ from ..images import ImageError
 _BOOT = "from arl_tangram.managers.sandbox.images import unpack_child; unpack_child()"
 _PKG_ROOT = str(Path(__file__).resolve().parents[4])  # the directory holding the arl_tangram package
 _PIPE_BYTES = 1 << 20
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
 
 class ChildFailed(ImageError):
@@ -46,16 +49,23 @@ class ChildFailed(ImageError):
 def unpack_in_child(stream, dest: Path | str, where: str, max_bytes: int | None, writers: int = 0) -> tuple[str, int]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_ROOT, env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(dest), where, str(-1 if max_bytes is None else max_bytes),
-                             str(writers)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    # its stderr (a traceback, warnings) to a file: a pipe nobody reads until the end could fill
+    # and stop the child while this side waits to write its stdin
+    errors = tempfile.TemporaryFile()
+    try:
+        return _run(stream, [sys.executable, "-c", _BOOT, str(dest), where,
+                             str(-1 if max_bytes is None else max_bytes), str(writers)], env, errors, where)
+    finally:
+        errors.close()
+
+
+def _run(stream, argv: list[str], env: dict, errors, where: str) -> tuple[str, int]:
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, env=env,
                             close_fds=True)
     fd = proc.stdin.fileno()
     try:
         try:
-            import fcntl
-
-            fcntl.fcntl(fd, 1031, _PIPE_BYTES)  # F_SETPIPE_SZ: fewer wake-ups of the child
+            fcntl.fcntl(fd, F_SETPIPE_SZ, _PIPE_BYTES)  # fewer wake-ups of the child
         except OSError:
             pass
         while True:
@@ -68,7 +78,7 @@ def unpack_in_child(stream, dest: Path | str, where: str, max_bytes: int | None,
                     view = view[os.write(fd, view):]
             except BrokenPipeError:  # the child stopped reading (a bad member): its verdict follows
                 break
-        out, err = proc.communicate()  # closes the pipe: the end of the stream
+        out, _ = proc.communicate()  # closes the pipe: the end of the stream
     except BaseException:
         proc.kill()
         proc.wait()
@@ -79,8 +89,9 @@ def unpack_in_child(stream, dest: Path | str, where: str, max_bytes: int | None,
     except ValueError:
         answer = None
     if not isinstance(answer, dict):
-        raise ChildFailed(f"{where}: the unpacking process ended ({proc.returncode}) without an answer: "
-                          f"{err.decode('utf-8', 'replace').strip()[-500:]}")
+        errors.seek(0)
+        err = errors.read()[-2000:].decode("utf-8", "replace").strip()
+        raise ChildFailed(f"{where}: the unpacking process ended ({proc.returncode}) without an answer: {err[-500:]}")
     if "error" in answer:
         raise (ChildFailed if answer.get("infra") else ImageError)(str(answer["error"]))
     return str(answer["digest"]), int(answer["size"])
