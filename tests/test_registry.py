@@ -667,7 +667,7 @@ def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp
     from arl_tangram.managers.sandbox import images as images_module
 
     cfg = _config(proxy.host)
-    child = PullLimits(process_unpack_bytes=0)
+    child = PullLimits(process_unpack_bytes=0, process_unpack_cpus=1)
     synced = []
     sync = images_module._syncfs
     monkeypatch.setattr(images_module, "_syncfs", lambda p: (synced.append(str(p)), sync(p)))
@@ -689,7 +689,7 @@ def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp
         _pull(f"{proxy.host}/tiny/device:v1", fresh, cfg, limits=child)
     with pytest.raises(ImageError, match="more than 1000 bytes"):
         _pull(f"{proxy.host}/tiny/app3:v1", ImageStore(tmp_path / "small"), cfg,
-              limits=PullLimits(process_unpack_bytes=0, max_layer_files_bytes=1000))
+              limits=PullLimits(process_unpack_bytes=0, process_unpack_cpus=1, max_layer_files_bytes=1000))
     proxy.rules.append(Rule("/tiny/app4/blobs/", ("corrupt",), 1000))
     with pytest.raises(DigestMismatch):
         _pull(f"{proxy.host}/tiny/app4:v1", fresh, cfg, limits=child, client={"retries": 0})

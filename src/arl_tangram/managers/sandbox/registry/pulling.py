@@ -71,6 +71,9 @@ class PullLimits:
     #: (``unpackproc``: an interpreter lock of its own, beside the one receiving the blob);
     #: smaller ones in a thread, where the child's start would cost more than it saves
     process_unpack_bytes: int = 8 << 20
+    #: ... on a machine with at least this many CPUs for this process (with fewer, the child's
+    #: start and the extra threads cost more than the second interpreter gains: measured on 2)
+    process_unpack_cpus: int = 4
     #: threads that write such a layer's small files in its child (``images._Writers``); 0: none
     unpack_writers: int = 4
 
@@ -301,9 +304,9 @@ async def _download(ref: Reference, store: ImageStore, client: RegistryClient, d
                     where: str, limits: PullLimits, emit: Callable) -> tuple[str, int]:
     """Download blob ``desc`` while threads check and unpack it; (diff_id, file bytes) of the
     layer now in place."""
-    feed = _Feed()
     child = functools.partial(unpack_in_child, writers=limits.unpack_writers) \
-        if desc.size >= limits.process_unpack_bytes else None
+        if desc.size >= limits.process_unpack_bytes and _cpus() >= limits.process_unpack_cpus else None
+    feed = _Feed(32 << 20 if child else 16 << 20)  # (a child's start: tens of ms of the blob held here)
     unpacking = _in_thread(_unpack_feed, store, feed, where, diff, limits.max_layer_files_bytes, child)
     try:
         emit("downloading", 0)
@@ -315,6 +318,13 @@ async def _download(ref: Reference, store: ImageStore, client: RegistryClient, d
     feed.end()  # verified: the unpacking may see the stream's end, and place the layer
     emit("unpacking", desc.size)
     return await _finish(unpacking)
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 async def _finish(unpacking: asyncio.Future):
