@@ -182,6 +182,16 @@ def test_sandboxes_exec_code_run_and_states(server, sdk):
         assert r.exit_code == 1 and r.result.startswith("Traceback") and "ZeroDivisionError" in r.result
         assert "tangram" not in r.result
         assert sb.process.code_run("print(x)").exit_code == 1  # each run is a new process: no x
+        # killed by a signal: no exit code of its own (the shell's 128 + signal), its output kept
+        r = sb.process.code_run("import os, signal\nprint('x', flush=True)\nos.kill(os.getpid(), signal.SIGKILL)")
+        assert (r.exit_code, r.result) == (137, "x\n")
+        # what it leaves running ends with it, and the answer does not wait for it
+        t = time.monotonic()
+        r = sb.process.code_run("import subprocess\nsubprocess.Popen(['sleep', '30'])\nprint('left')")
+        assert (r.exit_code, r.result) == (0, "left\n") and time.monotonic() - t < 10
+        assert sb.process.exec("ps -eo comm | grep -c '^sleep$'").result.strip() == "0"
+        for i in range(5):  # one after another: each child reaped, its exit code its own
+            assert sb.process.code_run(f"import sys; print({i}); sys.exit({i})").exit_code == i
         assert sb.process.code_run("import time; time.sleep(0.1); print('ok')").result == "ok\n"
         with pytest.raises(Exception) as e:  # (the SDK's code_run raises its API client's error as it is)
             sb.process.code_run("import time; time.sleep(5)", timeout=1)
