@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from arl_tangram.core import Action, Demand, Outcome
+from arl_tangram.core import Action, Allocation, Demand, Outcome
 from arl_tangram.core.action import Setup
 from arl_tangram.core.cluster import Cluster, CpuNode
 from arl_tangram.managers.sandbox.images import ImageError
@@ -111,6 +111,28 @@ def test_the_head_places_a_session_where_its_image_is_and_sends_its_first_step_a
     assert images.place(_step("a8", "s8", T0)) == holder and "s8" in images.fresh
     images.node_lost(holder)
     assert "s8" not in engine.cpu.homes and "s8" not in images.fresh and engine.cpu.homes["s1"] == holder
+
+
+def test_one_shots_naming_an_image_go_to_a_node_holding_it_by_any_of_its_names():
+    """The head tells the engine what each node holds (``CpuPool.hold_images``) and the names an
+    action's image may be held under: a one-shot naming ``python:3.12`` runs on the node whose
+    store says ``docker.io/library/python:3.12``, though the other node is emptier."""
+    head, images, rec = _head()
+    engine = head.engine
+    engine.cpu.image_names = images.names_of
+    engine.submit(Action("busy", "sandbox", Demand({"cpu": (2, 2)}), payload=RunCode("1")))
+    engine.schedule()
+    holder = rec.started[-1][1].node
+    assert engine.cpu.images[holder] == frozenset()
+    images.learn(head.by_index[holder], _news(["docker.io/library/python:3.12"]))
+    assert engine.cpu.images[holder] == {"docker.io/library/python:3.12"}
+    engine.submit(Action("o", "sandbox", payload=RunCode("1", image="python:3.12")))
+    engine.schedule()
+    assert rec.started[-1][0].id == "o" and rec.started[-1][1].node == holder
+    # one just sent to the other node counts as held there until its news says more
+    first = images.first_step(head.by_index[1 - holder], Action("p", "sandbox", payload=RunCode("1", image=T0)),
+                              Allocation("cpu", 1 - holder, (0,)))
+    assert first.node == 1 - holder and T0 in engine.cpu.images[1 - holder]
 
 
 def test_a_holder_without_room_does_not_take_the_session_and_a_refused_step_leaves_no_home():

@@ -85,6 +85,20 @@ class ClusterImages:
         now = time.monotonic()
         for name in [n for n, at in node.sent.items() if now - at >= SENT_S]:
             del node.sent[name]
+        self._tell_engine(node)
+
+    def _tell_engine(self, node: Node) -> None:
+        """The engine's placement of one-shots and new sessions prefers a node holding their image
+        (``CpuPool.hold_images``): what the node holds, and what was just sent there (its pull
+        starts before the next look says so)."""
+        if node.index is not None and node.state == "alive":
+            self.runtime.engine.cpu.hold_images(node.index, node.images | node.sent.keys())
+
+    def names_of(self, action: Action) -> tuple[str, ...]:
+        """The names ``action``'s image may be held under in a node's store (``CpuPool.image_names``:
+        ``python:3.12`` is held as ``docker.io/library/python:3.12``)."""
+        image = image_of(action)
+        return tuple(stored_names(image)) if image is not None else ()
 
     def holds(self, node: Node, names: list[str], now: float) -> bool:
         return holds(names, node.images) or any(now - node.sent.get(n, -math.inf) < SENT_S for n in names)
@@ -150,8 +164,12 @@ class ClusterImages:
         image = image_of(action)
         if image is not None:
             now = time.monotonic()
+            new = False
             for name in stored_names(image):
+                new = new or name not in node.sent
                 node.sent[name] = now
+            if new:
+                self._tell_engine(node)
         traj = action.trajectory
         if traj is None or traj not in self.fresh:
             return allocation

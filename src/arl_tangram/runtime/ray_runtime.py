@@ -39,8 +39,9 @@ once the node holds no session and runs nothing its state is ``drained``. The sa
 policy's migration real: a step the engine places away from its session's live home node
 (``Setup.RESTORE``) brings the session, but only whole: one whose state would lose something (an
 open file, a generator, an image session's processes) stays, and the step runs at home, its home
-set again in the engine (it shares that node's cores for this step; the policy has no per-session
-"do not move" yet). Only a drain, or the node's loss, takes such a session off its node.
+set again in the engine (it shares that node's cores for this step) and pinned there
+(``CpuPool.pin``: the policy moves it for balance no more). Only a drain, or the node's loss, takes
+such a session off its node.
 
 **The head restarts, sessions stay.** Agents are detached actors named after their node
 (``agent_name``): they outlive the head's Ray driver, and with them their sandboxes, files and
@@ -252,6 +253,7 @@ class RemoteSandboxes:
             meta = await meta_ref
             if meta is not None and meta.get("kind") == "stay":
                 self.stayed[traj] = str(meta.get("why"))
+                self.runtime.engine.cpu.pin(traj)  # the policy moves it for balance no more
                 log.info("session %s stays on node %s: %s", traj, old.name, meta.get("why"))
                 return STAY
             await new.handle.import_session.remote(traj, data, self.runtime.owner, meta)
@@ -259,7 +261,8 @@ class RemoteSandboxes:
             log.error("session %s: cannot move it from node %s to %s: %s", traj, old.name, new.name, e)
             return f"session {traj} could not be moved to node {new.name}: {type(e).__name__}: {e}"
         self.homes[traj] = new
-        self.stayed.pop(traj, None)
+        if self.stayed.pop(traj, None) is not None:
+            self.runtime.engine.cpu.unpin(traj)
         if meta is not None and meta.get("restarted"):
             self.restarted[traj] = (f"session moved from node {old.name} to {new.name}: its files came, its python "
                                     "interpreter and shell restarted (their state could not be carried)")
@@ -380,6 +383,7 @@ class RayRuntime(Runtime):
                     session_headroom_gb=self.config.session_headroom_mb / 1024)  # agents measure idle sessions
         # a batch whose last GPU node died waits (max_queue_s) for one to join or come back
         self.engine.gpus_may_join = bool(self.model_configs)
+        self.engine.cpu.image_names = self.images.names_of  # nodes holding an image are preferred for it
 
     @property  # type: ignore[override]
     def cluster(self) -> Cluster:
