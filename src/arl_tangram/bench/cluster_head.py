@@ -259,11 +259,16 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
         loaded = await asyncio.gather(*(revisit(i, sid, gate) for i, sid in order))
         span = time.perf_counter() - t0
         alone = [await revisit(i, sid, asyncio.Semaphore(1)) for i, sid in order[:sample]]
+        after = (await c.get(f"{url}/v1/cluster")).json().get("nodes", [])
+        homes_after = {n.get("id"): n.get("sessions", 0) for n in after}
+        # sessions whose home changed show as a node's count changing (moves each way may cancel out)
+        shifted = sum(abs(homes_after.get(n.get("id"), 0) - n.get("sessions", 0)) for n in nodes) // 2
         for _, sid in sids:  # closed, so that the node's memory is free for the next run
             async with gate:
                 await c.delete(f"{url}/v1/sessions/{sid}")
     ok = [t for t, good in loaded if good]
     return {"sessions": n, "opened": len(sids), "open_s": round(open_s, 2), "sessions_per_node": spread,
+            "sessions_per_node_after": sorted(homes_after.values(), reverse=True), "homes_shifted_at_least": shifted,
             "open_step_p50_ms": _ms([t for sid, t in made if sid], 50),
             "revisit_concurrency": concurrency, "revisits": len(loaded), "revisits_ok": len(ok),
             "revisit_p50_ms": _ms([t for t, _ in loaded], 50), "revisit_p99_ms": _ms([t for t, _ in loaded], 99),
