@@ -244,3 +244,28 @@ def test_a_session_put_to_rest_on_its_node_drops_the_head_s_memory_reservation(c
     assert reserved > 0 and rested == 0.0
     assert woken.outcome is Outcome.OK and woken.stdout == "1000\n" and woken.result.info.get("woken")
     assert after > 0  # awake again: its measured memory is reserved again
+
+
+def test_two_heads_share_one_ray_cluster_each_serving_only_its_own_nodes():
+    """Several heads on one Ray cluster (``ray_resource``): each serves only the nodes with its
+    custom resource, starts agents there alone, and runs its actions and sessions on them."""
+    with loopback_cluster({"num_cpus": 1, "resources": {"head_a": 1}},
+                          {"num_cpus": 1, "resources": {"head_b": 1}}) as (c, nodes):
+        ids = {"head_a": nodes[0].node_id, "head_b": nodes[1].node_id}
+
+        async def main():
+            config = SandboxConfig(warm_pool=0, warm_sessions=0)
+            async with Tangram.ray(c.address, sandbox=config, resource="head_a", owner="head A") as a:
+                async with Tangram.ray(c.address, sandbox=config, resource="head_b", owner="head B") as b:
+                    seen = {name: [n["id"] for n in tg.runtime.nodes()] for name, tg in (("head_a", a), ("head_b", b))}
+                    ra, rb = await asyncio.gather(a.run("print('a')"), b.run("print('b')"))
+                    s = await b.session()
+                    await s.exec(python="x = 2")
+                    step = await s.exec(python="print(x * 21)")
+                    home = b.runtime.sandboxes.homes[s.id].ray_id
+                    capacity = (a.runtime.engine.cpu.capacity, b.runtime.engine.cpu.capacity)
+            return seen, ra, rb, step, home, capacity
+
+        seen, ra, rb, step, home, capacity = asyncio.run(main())
+    assert seen == {"head_a": [ids["head_a"]], "head_b": [ids["head_b"]]} and capacity == (1, 1)
+    assert ra.stdout == "a\n" and rb.stdout == "b\n" and step.stdout == "42\n" and home == ids["head_b"]

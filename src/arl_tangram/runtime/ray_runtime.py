@@ -334,7 +334,7 @@ class RayRuntime(Runtime):
                  gpus_per_node: int | None = None, gpu_memory_gb: float | None = None,
                  gpu_island_size: int | None = None, model_device: str = "auto",
                  rejoin_after_s: float = REJOIN_AFTER_S, move_s: float | None = None,
-                 lease_s: float = LEASE_S, owner: str | None = None) -> None:
+                 lease_s: float = LEASE_S, owner: str | None = None, resource: str | None = None) -> None:
         """``models``: ``ModelServiceConfig``s served on every GPU node (a node with Ray's ``GPU``
         resource): its agent loads them into the node's host memory and hosts the node's GPUs,
         discovered there (``gpus_per_node``, ``gpu_memory_gb``, ``gpu_island_size`` override, as
@@ -346,8 +346,10 @@ class RayRuntime(Runtime):
         ``owner``: who this head is (``tangram serve``: the UUID kept in its journal file,
         ``journal_owner``), the same across its restarts, so that it takes over its agents at once
         while another head's stay its own; default: a head of its own (it takes over agents only
-        once their lease has run out)."""
+        once their lease has run out). ``resource``: serve only the Ray nodes that have this custom
+        resource (several heads on one Ray cluster, each with its own nodes: ``docs/scale.md``)."""
         super().__init__()
+        self.resource = resource
         self._owns_connection = connect(address)
         self.address = address
         self.config = sandbox or SandboxConfig()
@@ -400,8 +402,11 @@ class RayRuntime(Runtime):
         return [n for n in ray_module().nodes() if n.get("Alive")]
 
     def _wanted(self, entry: dict) -> bool:
-        """A node gets an agent if it has cores for sandboxes or, with model services, GPUs."""
+        """A node gets an agent if it has cores for sandboxes or, with model services, GPUs, and, where
+        this head serves only the nodes of a custom resource, that resource."""
         res = entry.get("Resources", {})
+        if self.resource is not None and res.get(self.resource, 0) <= 0:
+            return False
         return res.get("CPU", 0) >= 1 or (bool(self.model_configs) and res.get("GPU", 0) >= 1)
 
     def _spawn_agent(self, entry: dict) -> Node:

@@ -118,6 +118,10 @@ class ServeConfig(BaseModel):
     move_s: float = Field(MOVE_S, ge=0, description="with --ray, what the policy expects moving a session to "
                           "another node to cost, in seconds (default: what `tangram bench cluster` measured): a "
                           "step whose node is full waits for it when that is predicted quicker than a move")
+    ray_resource: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$", description="with --ray, "
+                                     "serve only the Ray nodes that have this custom resource (`ray start "
+                                     "--resources '{\"NAME\": 1}'`): several heads share one Ray cluster, each with "
+                                     "its own nodes, journal and jobs (docs/scale.md)")
     lease_s: float = Field(60.0, gt=0, description="with --ray, how long the nodes' agents keep their sessions "
                            "once the head stops renewing their lease: a head restarted within it re-attaches them; "
                            "after it they close everything and exit")
@@ -223,7 +227,8 @@ def build_service(cfg: ServeConfig, journal: Path | None = None, sandboxes=True,
         runtime = RayRuntime(ray, cfg.policy, cfg.sandbox, max_queue_s=cfg.max_queue_s, models=models,
                              gpus_per_node=cfg.gpus, gpu_memory_gb=cfg.gpu_memory_gb,
                              gpu_island_size=cfg.gpu_island_size, move_s=cfg.move_s,
-                             lease_s=cfg.lease_s, owner=f"tangram serve {journal_owner(str(path))}")
+                             lease_s=cfg.lease_s, owner=f"tangram serve {journal_owner(str(path))}",
+                             resource=cfg.ray_resource)
     else:
         workers = cfg.sandbox_workers
         if workers is None:
