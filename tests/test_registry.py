@@ -150,9 +150,9 @@ def test_a_layer_cannot_write_through_a_link_it_replaced(tmp_path):
 
 @root_only
 def test_writer_threads_unpack_the_tree_one_thread_unpacks(tmp_path):
-    """Small files written by threads (``images._Writers``) beside the reading: hard links to
-    files still queued, files replaced by directories and by other files, whiteouts of files
-    just made, a read-only directory, setuid and other owners, one file past the small size,
+    """Files and symlinks made by threads (``images._Writers``) beside the reading: hard links to
+    files still queued, files and a symlink replaced by directories and by other files,
+    whiteouts of files just made, a read-only directory, setuid and other owners, one file past the small size,
     and enough files for many batches: the same tree as written in order."""
     from arl_tangram.managers.sandbox.images import _check_and_unpack
 
@@ -162,7 +162,8 @@ def test_writer_threads_unpack_the_tree_one_thread_unpacks(tmp_path):
                 ("file", "x", "first"), ("dir", "x", 0o700),
                 ("file", "x/in", "in"), ("file", "y", "old"), ("file", "y", "new", 0o4755),
                 ("file", "gone", "soon"), ("whiteout", "gone"), ("file", "big", "b" * (5 << 20)),
-                ("hardlink", "big2", "big"), ("symlink", "ro/up", "../x/in")]
+                ("hardlink", "big2", "big"), ("symlink", "ro/up", "../x/in"), ("symlink", "s", "x"),
+                ("dir", "s", 0o750), ("file", "s/f", "f")]
     owned = tarfile.TarInfo("owned")
     owned.uid, owned.gid, owned.mode, owned.size, owned.mtime = 1234, 5678, 0o2750, 3, 1_600_000_000
     entries.append(("raw", owned, b"abc"))

@@ -312,6 +312,9 @@ class Unpacker:
             self._forget(full)
             _remove(full)
         if m.issym():
+            if self.writers is not None:  # nothing in the layer is made through it (Checker)
+                self.writers.add((_make_symlink, full, m.linkname, m.uid, m.gid, m.mtime), 0)
+                return
             os.symlink(m.linkname, full)
         elif m.islnk():
             self._settle()  # its target may be a file still with the writers
@@ -328,7 +331,7 @@ class Unpacker:
         plain = not mode & 0o7000 and not mode & self.umask
         if isinstance(tar, TarStream):  # the data as slices of the stream's chunks
             if self.writers is not None and m.size <= _Writers.SMALL:
-                self.writers.add((full, list(tar.data()), mode, plain, m.uid, m.gid, m.mtime), m.size)
+                self.writers.add((_write_file, full, list(tar.data()), mode, plain, m.uid, m.gid, m.mtime), m.size)
                 return
             pieces = tar.data()
         else:
@@ -374,8 +377,8 @@ def _write_file(full: str, pieces, mode: int, plain: bool, uid: int, gid: int, m
 
 
 class _Writers:
-    """Files written by ``n`` threads, in batches, while the members after them are read: a
-    file's creation is system calls (open, write, utime, close), which run beside each other
+    """Files (and symlinks) made by ``n`` threads, in batches, while the members after them are
+    read: a file's creation is system calls (open, write, utime, close), which run beside each other
     and beside the reading, where one thread would wait for each in turn. The unpacker
     ``drain``s them before it touches a path it made (a replacement, a whiteout, a hard link's
     target) and at its end. The data waiting here is slices of the stream's chunks: at most
@@ -418,8 +421,16 @@ class _Writers:
 
 
 def _write_files(jobs: list[tuple], owner: tuple[int, int]) -> None:
-    for full, pieces, mode, plain, uid, gid, mtime in jobs:
-        _write_file(full, pieces, mode, plain, uid, gid, mtime, owner)
+    for make, *args in jobs:
+        make(*args, owner)
+
+
+def _make_symlink(full: str, target: str, uid: int, gid: int, mtime: float, owner: tuple[int, int]) -> None:
+    """A symlink with its owner and mtime (``_attrs`` for one: a link has no mode of its own)."""
+    os.symlink(target, full)
+    if (uid, gid) != owner:
+        os.lchown(full, uid, gid)
+    os.utime(full, (mtime, mtime), follow_symlinks=False)
 
 
 def _umask() -> int:
