@@ -71,9 +71,9 @@ class PullLimits:
     #: (``unpackproc``: an interpreter lock of its own, beside the one receiving the blob);
     #: smaller ones in a thread, where the child's start would cost more than it saves
     process_unpack_bytes: int = 8 << 20
-    #: ... on a machine with at least this many CPUs for this process (with fewer, the child's
-    #: start and the extra threads cost more than the second interpreter gains: measured on 2)
-    process_unpack_cpus: int = 4
+    #: ... on a machine with at least this many CPUs for this process (on one, the second
+    #: interpreter has nothing to run on; on 2 quiet cores it measured 1.2x a thread's ext4 pull)
+    process_unpack_cpus: int = 2
     #: threads that write such a layer's small files in its child (``images._Writers``); 0: none
     unpack_writers: int = 4
 
