@@ -48,11 +48,16 @@ def test_the_server_config_takes_registries_and_an_image_budget_naming_bad_field
     assert cfg.sandbox.registries.host("docker.io").mirrors == ["127.0.0.1:5000"] and cfg.sandbox.warm_pool == 1
     assert str(cfg.sandbox.registries.docker_config) == "/nonexistent/config.json"
     assert ServeConfig().sandbox.registries.registries == [] and ServeConfig().sandbox.image_max_gb is None
+    # layers are on disk before they are visible unless the config says the store is a throwaway cache
+    from arl_tangram.managers.sandbox.host import SandboxHost
+    assert ServeConfig().sandbox.image_durable
+    fast = ServeConfig.model_validate({"images": {"durable": False}, "sandbox": {"image_store": str(tmp_path)}})
+    assert not fast.sandbox.image_durable and not SandboxHost(fast.sandbox).images.durable
     bad = {'[[registries]]\nhost = "a b"\n': "registries.0.host",
            '[[registries]]\nhost = "x.io"\n[[registries]]\nhost = "x.io"\n': "registries: .*two tables",
            '[[registries]]\nhost = "x.io"\nusername = "u"\n': "registries.0: .*username and password",
            '[[registries]]\nhost = "x.io"\nmirrors = ["http://m.io"]\n': "registries.0.mirrors: .*insecure",
-           '[images]\nmax_gb = 0\n': "images.max_gb", '[images]\ncolour = 1\n': "images.colour"}
+           '[images]\nmax_gb = 0\n': "images.max_gb", '[images]\ndurable = "maybe"\n': "images.durable", '[images]\ncolour = 1\n': "images.colour"}
     for text, where in bad.items():
         path = tmp_path / "c.toml"
         path.write_text(text)

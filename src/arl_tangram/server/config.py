@@ -77,6 +77,10 @@ class ImagesConfig(BaseModel):
                                  "`tangram image prune` applies it by hand)")
     docker_config: str | None = Field(None, description="Docker's config.json to take registry credentials from "
                                       "(default: $DOCKER_CONFIG/config.json, else ~/.docker/config.json)")
+    durable: bool = Field(True, description="a pulled or imported layer is on disk before it becomes visible (one "
+                          "syncfs of the store's file system per layer): a machine that crashes never finds a "
+                          "layer listed whose files were lost; false skips it (faster pulls, for a store that is a "
+                          "throwaway cache)")
 
 
 class ServeConfig(BaseModel):
@@ -160,6 +164,8 @@ class ServeConfig(BaseModel):
                                                     docker_config=self.images.docker_config)
         if self.images.max_gb is not None:
             update["image_max_gb"] = self.images.max_gb
+        if not self.images.durable:
+            update["image_durable"] = False
         if update:
             self.sandbox = self.sandbox.model_copy(update=update)
         return self

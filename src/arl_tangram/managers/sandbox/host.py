@@ -48,7 +48,7 @@ class SandboxHost:
         self.root: CgroupRoot | None = None
         self.host_cpus = tuple(c.cpus) if c.cpus else tuple(sorted(os.sched_getaffinity(0)))
         self.tasks = TaskSet(sink or _unwired, "sandboxes")
-        self.images = ImageStore(c.image_store)
+        self.images = ImageStore(c.image_store, durable=c.image_durable)
         self.imageboxes: ImageSandboxes | None = None
         self.layered = False  # default sessions get a copy-on-write workspace (bwrap, overlays)
         self.closing = False
