@@ -150,11 +150,11 @@ def test_a_layer_cannot_write_through_a_link_it_replaced(tmp_path):
 
 @root_only
 def test_writer_threads_unpack_the_tree_one_thread_unpacks(tmp_path):
-    """Files and symlinks made by threads (``images._Writers``) beside the reading: hard links to
+    """Files and symlinks made by threads (``unpack._Writers``) beside the reading: hard links to
     files still queued, files and a symlink replaced by directories and by other files,
     whiteouts of files just made, a read-only directory, setuid and other owners, one file past the small size,
     and enough files for many batches: the same tree as written in order."""
-    from arl_tangram.managers.sandbox.images import _check_and_unpack
+    from arl_tangram.managers.sandbox.unpack import check_and_unpack
 
     entries = [("dir", "ro", 0o555)]
     entries += [("file", f"ro/f{i}", f"file {i}\n" * i, 0o644 if i % 3 else 0o755) for i in range(150)]
@@ -172,7 +172,7 @@ def test_writer_threads_unpack_the_tree_one_thread_unpacks(tmp_path):
     for writers in (0, 3):
         dest = tmp_path / f"w{writers}"
         dest.mkdir()
-        digest, size = _check_and_unpack(io.BytesIO(blob), dest, "layer 0", None, writers)
+        digest, size = check_and_unpack(io.BytesIO(blob), dest, "layer 0", None, writers)
         trees.append((digest, size, _tree(dest)))
     assert trees[0] == trees[1]
     tree = trees[1][2]
@@ -670,8 +670,8 @@ def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp
     cfg = _config(proxy.host)
     child = PullLimits(process_unpack_bytes=0, process_unpack_cpus=1)
     synced = []
-    sync = images_module._syncfs
-    monkeypatch.setattr(images_module, "_syncfs", lambda p: (synced.append(str(p)), sync(p)))
+    sync = images_module.syncfs
+    monkeypatch.setattr(images_module, "syncfs", lambda p: (synced.append(str(p)), sync(p)))
     in_child, in_thread = ImageStore(tmp_path / "child"), ImageStore(tmp_path / "thread", durable=False)
     for name in ("sh", "app1", "app2"):  # a whiteout, a symlink; gzip, zstd and plain layers
         a = _pull(f"{proxy.host}/tiny/{name}:v1", in_child, cfg, limits=child)

@@ -39,9 +39,10 @@ import tarfile
 import time
 
 from .imagebox import ImageSandboxes
-from .images import Checker, ImageError, Unpacker
+from .images import ImageError
 from .rootfs import Layer, RootFs
 from .spec import SandboxResult
+from .unpack import Checker, Unpacker
 
 FORMAT = "tangram-snapshot/1"
 META = "tangram-snapshot.json"

@@ -14,7 +14,7 @@ headers, GNU long names and long links, pax global headers, numbers in octal or 
 directory as a regular file whose name ends in ``/``, the ustar prefix only in a POSIX ustar
 header (as Go, which wrote most layers). It is stricter where they differ: a header whose
 checksum is wrong is an error, not the end of the archive, and sparse files (which no image
-builder writes) are refused. The store's checks (``images.Checker``) then judge each member.
+builder writes) are refused. The store's checks (``unpack.Checker``) then judge each member.
 
 Errors are ``BadLayer`` without the layer's name; the store adds it.
 """

@@ -12,7 +12,7 @@ reference (``python:3.12`` is stored as ``docker.io/library/python:3.12``).
   layer between processes. A flight nobody waits for any more is cancelled.
 - A layer is unpacked while it downloads, and never written whole anywhere: its bytes go
   straight from the connection to a thread that decompresses and hashes them, and from there
-  to one that checks and unpacks them into a hidden directory as they arrive (images.py's
+  to one that checks and unpacks them into a hidden directory as they arrive (unpack.py's
   checks: paths escaping the root, device nodes...; ``layertar``), so a pull takes about as
   long as the slowest of the three, not their sum. A large layer's decompression, checks and
   unpacking run in a child process (``unpackproc``), fed through a pipe, its small files
@@ -74,7 +74,7 @@ class PullLimits:
     #: ... on a machine with at least this many CPUs for this process (on one, the second
     #: interpreter has nothing to run on; on 2 quiet cores it measured 1.2x a thread's ext4 pull)
     process_unpack_cpus: int = 2
-    #: threads that write such a layer's small files in its child (``images._Writers``); 0: none
+    #: threads that write such a layer's small files in its child (``unpack._Writers``); 0: none
     unpack_writers: int = 4
 
 

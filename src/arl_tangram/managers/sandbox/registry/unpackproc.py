@@ -7,16 +7,16 @@ pull with cores to spare took about the sum of their Python work, not the longes
 child the unpacking (and the inflate and diff_id hash beside it) has an interpreter of its own;
 the parent only receives, hashes the blob and copies its bytes into a pipe.
 
-``unpack_in_child(stream, dest, where, max_bytes, writers)`` has ``images._check_and_unpack``'s contract:
-the bytes ``stream.read`` returns are the layer (its end only once the caller verified the blob),
-``dest`` is the caller's fresh hidden directory (named by this process's pid, so a killed pull's
-is removed as before), and it returns (sha256 of the uncompressed tar, file bytes) or raises
-``ImageError`` naming the layer. The child never makes anything visible: the caller renames
+``unpack_in_child(stream, dest, where, max_bytes, writers)`` has ``unpack.check_and_unpack``'s
+contract: the bytes ``stream.read`` returns are the layer (its end only once the caller verified
+the blob), ``dest`` is the caller's fresh hidden directory (named by this process's pid, so a
+killed pull's is removed as before), and it returns (sha256 of the uncompressed tar, file bytes) or
+raises ``ImageError`` naming the layer. The child never makes anything visible: the caller renames
 ``dest`` into place. Whatever ends the feed early (``stream.read`` raising) kills the child and
-waits for it before raising on, so ``dest`` is removed with nothing still writing into it; a
-parent killed outright closes the pipe, and the child ends at its truncated stream.
+waits for it before raising on, so ``dest`` is removed with nothing still writing into it; a parent
+killed outright closes the pipe, and the child ends at its truncated stream.
 
-Starting the child (an interpreter and the store's modules) costs tens of milliseconds, so only
+Starting the child (an interpreter and ``unpack``'s modules) costs tens of milliseconds, so only
 layers of at least ``PullLimits.process_unpack_bytes`` go through it; it starts while the
 download's first bytes are requested, and the feed holds what arrives meanwhile.
 """
@@ -33,8 +33,8 @@ from pathlib import Path
 
 from ..images import ImageError
 
-# the child imports the store alone (not this package: httpx and the rest are not needed there)
-_BOOT = "from arl_tangram.managers.sandbox.images import unpack_child; unpack_child()"
+# the child imports the unpacking alone (not this package: httpx and the rest are not needed there)
+_BOOT = "from arl_tangram.managers.sandbox.unpack import unpack_child; unpack_child()"
 _PKG_ROOT = str(Path(__file__).resolve().parents[4])  # the directory holding the arl_tangram package
 _PIPE_BYTES = 1 << 20
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
