@@ -6,6 +6,7 @@ with a test double of the runtime)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pickle
 import shutil
 import socket
@@ -88,23 +89,35 @@ class FakeHead:
         return f"session {session} was lost with its node"
 
 
-@needs_bwrap
-def test_runs_cross_the_link_and_a_link_lost_under_a_run_loses_the_node():
+@contextlib.asynccontextmanager
+async def linked(on_lost=lambda: None, warm_pool: int = 0):
+    """A started agent of one core, its link open, and the head's side of it: ``(agent, head,
+    node)``; the agent shut down after."""
     from arl_tangram.runtime import agentlink
     from arl_tangram.runtime.agent import NodeAgent
-    from arl_tangram.runtime.ray_nodes import Node, NodeLost, cancel_on_nodes, run_on_node, send_run
+    from arl_tangram.runtime.ray_nodes import Node
+
+    agent = NodeAgent("n1", 1, SandboxConfig(warm_pool=warm_pool, warm_sessions=0))
+    await agent.start(60.0, "head")
+    try:
+        token = agentlink.new_token()
+        port = await agent.open_link("127.0.0.1", token, "head")
+        node = Node("n1" * 12, "127.0.0.1", 1, 0, state="alive")
+        node.link = await agentlink.connect("127.0.0.1", port, token, on_lost, "node n1's agent")
+        head = FakeHead()
+        head.nodes_by_id[node.ray_id] = node
+        yield agent, head, node
+    finally:
+        await agent.shut_down()
+
+
+@needs_bwrap
+def test_runs_cross_the_link_and_a_link_lost_under_a_run_loses_the_node():
+    from arl_tangram.runtime.ray_nodes import NodeLost, cancel_on_nodes, run_on_node, send_run
 
     async def main():
-        agent = NodeAgent("n1", 1, SandboxConfig(warm_pool=0, warm_sessions=0))
-        await agent.start(60.0, "head")
-        head = FakeHead()
-        try:
-            token = agentlink.new_token()
-            port = await agent.open_link("127.0.0.1", token, "head")
-            closed = asyncio.Event()
-            node = Node("n1" * 12, "127.0.0.1", 1, 0, state="alive")
-            node.link = await agentlink.connect("127.0.0.1", port, token, closed.set, "node n1's agent")
-            head.nodes_by_id[node.ray_id] = node
+        closed = asyncio.Event()
+        async with linked(closed.set) as (agent, head, node):
             cpu = Allocation("cpu", 0, (0,))
             ok = await run_on_node(head, node, Action("a", "sandbox", payload=RunCode("print(6 * 7)")), cpu)
             expired, news = await node.link.call("look", 60.0, None)  # the lease renewed over the link
@@ -129,8 +142,6 @@ def test_runs_cross_the_link_and_a_link_lost_under_a_run_loses_the_node():
             after: list = []
             send_run(head, node, Action("d", "sandbox", payload=RunCode("print(1)")), cpu, after.append)
             return ok, expired, news, cancelled, taken, lost, after, node.running
-        finally:
-            await agent.shut_down()
 
     ok, expired, news, cancelled, taken, lost, after, running = asyncio.run(main())
     assert ok.outcome is Outcome.OK and ok.result.run.stdout == "42\n", ok
@@ -146,19 +157,10 @@ def test_runs_cross_the_link_and_a_link_lost_under_a_run_loses_the_node():
 def test_a_closing_head_reports_nothing_its_links_drop():
     """Shutting down, the head drops what its closing links end (the journal re-runs those): no
     node counted lost, no completion reported."""
-    from arl_tangram.runtime import agentlink
-    from arl_tangram.runtime.agent import NodeAgent
-    from arl_tangram.runtime.ray_nodes import Node, send_run
+    from arl_tangram.runtime.ray_nodes import send_run
 
     async def main():
-        agent = NodeAgent("n1", 1, SandboxConfig(warm_pool=0, warm_sessions=0))
-        await agent.start(60.0, "head")
-        head = FakeHead()
-        try:
-            token = agentlink.new_token()
-            port = await agent.open_link("127.0.0.1", token, "head")
-            node = Node("n1" * 12, "127.0.0.1", 1, 0, state="alive")
-            node.link = await agentlink.connect("127.0.0.1", port, token, lambda: None, "node n1's agent")
+        async with linked() as (agent, head, node):
             got: list = []
             send_run(head, node, Action("b", "sandbox", payload=RunCode("import time; time.sleep(30)")),
                      Allocation("cpu", 0, (0,)), got.append)
@@ -167,8 +169,6 @@ def test_a_closing_head_reports_nothing_its_links_drop():
             node.link.close()
             await asyncio.sleep(0.3)
             return got, head.lost
-        finally:
-            await agent.shut_down()
 
     got, lost = asyncio.run(main())
     assert got == [] and lost == []
@@ -200,19 +200,10 @@ def test_an_agent_listens_only_where_it_is_told():
 def test_a_one_shot_sent_to_follow_another_starts_on_its_cores_as_that_one_answers():
     """The lease over the link: the follower is at the agent before its predecessor ends and
     starts there as it answers, without a round trip to the head; it reports after it."""
-    from arl_tangram.runtime import agentlink
-    from arl_tangram.runtime.agent import NodeAgent
-    from arl_tangram.runtime.ray_nodes import Node, send_run
+    from arl_tangram.runtime.ray_nodes import send_run
 
     async def main():
-        agent = NodeAgent("n1", 1, SandboxConfig(warm_pool=1, warm_sessions=0))
-        await agent.start(60.0, "head")
-        head = FakeHead()
-        try:
-            token = agentlink.new_token()
-            port = await agent.open_link("127.0.0.1", token, "head")
-            node = Node("n1" * 12, "127.0.0.1", 1, 0, state="alive")
-            node.link = await agentlink.connect("127.0.0.1", port, token, lambda: None, "node n1's agent")
+        async with linked(warm_pool=1) as (agent, head, node):
             cpu = Allocation("cpu", 0, (0,))
             ended: list = []
             send_run(head, node, Action("first", "sandbox", payload=RunCode("import time; time.sleep(1); print('a')")),
@@ -224,8 +215,6 @@ def test_a_one_shot_sent_to_follow_another_starts_on_its_cores_as_that_one_answe
                     break
                 await asyncio.sleep(0.05)
             return ended
-        finally:
-            await agent.shut_down()
 
     ended = asyncio.run(main())
     assert [c.action_id for c in ended] == ["first", "next"], ended
