@@ -198,3 +198,17 @@ def test_v1_a_quota_above_an_ancestors_leaves_the_ancestors_bound(tmp_path, monk
     assert (mount / "cpu" / "t" / "sb" / "cpu.cfs_quota_us").read_text() == "200000"
     g.set_cpu_quota(4)
     assert (mount / "cpu" / "t" / "sb" / "cpu.cfs_quota_us").read_text() == "-1"
+
+
+def test_the_manager_raises_its_open_files_soft_limit_to_the_hard_one():
+    """Awake sessions hold descriptors (pipes, the freezer's and memory's files kept open): a
+    soft limit of 256 is raised to the hard limit, which stays as it was."""
+    import subprocess
+    import sys
+
+    code = ("import resource; from arl_tangram.managers.sandbox.host import open_files_to_hard_limit as f;"
+            "s, h = resource.getrlimit(resource.RLIMIT_NOFILE); resource.setrlimit(resource.RLIMIT_NOFILE, (256, h));"
+            "got = f(); print(got, *resource.getrlimit(resource.RLIMIT_NOFILE), h)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    got, soft, hard, before = map(int, out.stdout.split())
+    assert hard == before and soft == got and soft >= min(hard, 1 << 20) and soft > 256, out

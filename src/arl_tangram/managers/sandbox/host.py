@@ -29,6 +29,29 @@ from .spec import SandboxConfig
 
 log = logging.getLogger(__name__)
 
+#: the most open files asked for where the hard limit is unlimited (the kernel's usual ``nr_open``)
+MAX_OPEN_FILES = 1 << 20
+
+
+def open_files_to_hard_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit; the limit now. Every awake
+    session holds a few descriptors (its channel's pipes, its cgroup's freezer, memory and events
+    files), and the default cap of awake sessions (640) passes the common soft limit of 1,024. The
+    hard limit, which bounds what a sandbox may open (it inherits the soft one and may raise it
+    itself), is unchanged."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError) as e:  # past the kernel's nr_open: kept as it was
+            log.warning("could not raise the open files limit from %d to %d: %s", soft, want, e)
+    return soft
+
+
 #: modules a fresh warm-pool sandbox imports before it is taken (``inside.sessions.op_warm``): those rested
 #: sessions use most, up to this many
 WARM_MODULES = 8

@@ -34,7 +34,7 @@ from ...core.action import Action, Allocation, Outcome
 from ...core.seam import Sink
 from .cgroups import open_root
 from .execution import Execution
-from .host import SandboxHost
+from .host import SandboxHost, open_files_to_hard_limit
 from .imagebox import ImageSandboxes, Prewarmed
 from .images import ImageError
 from .isolation import Isolation, compile_runner, detect
@@ -91,6 +91,7 @@ class SandboxManager(SandboxHost):
     # -- lifecycle -------------------------------------------------------------------------------
     async def start_up(self) -> None:
         c = self.config
+        open_files_to_hard_limit()  # awake sessions hold descriptors past the common soft limit
         self.mode = detect(c.isolation, self.layout)
         if self.mode is Isolation.BWRAP:  # the runner compiled once, not at every sandbox's start
             cache = tempfile.mkdtemp(prefix="tangram-pyc-")
