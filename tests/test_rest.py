@@ -498,6 +498,19 @@ async def _recycled(manager, before: int) -> None:
     raise AssertionError(f"no session sandbox was recycled: {manager.recycler.stats()}")
 
 
+async def _reused(manager, trajectory: str, leave):
+    """``trajectory``'s sandbox once ``leave()`` (a rest, a close) had it reset and back in the
+    sessions' pool, made the one the next session takes."""
+    sb = manager.sessions[trajectory]
+    before = manager.recycler.sessions_recycled
+    left = leave()
+    if asyncio.iscoroutine(left):
+        await left
+    await _recycled(manager, before)
+    _take_recycled(manager, sb)
+    return sb
+
+
 def _take_recycled(manager, sb) -> None:
     """Make ``sb`` (back in the sessions' pool) the one the next session takes."""
     pool = manager.spares.idle
@@ -530,11 +543,7 @@ def test_a_recycled_sandbox_has_its_shell_started_ahead_as_a_fresh_one_and_clean
 
             a = await tg.session(trajectory="a")
             assert (await a.exec("cd /tmp; export SHELL_LEAK=1; leak() { :; }")).ok
-            sb = manager.sessions["a"]
-            before = manager.recycler.sessions_recycled
-            await _rest(tg, "a")
-            await _recycled(manager, before)
-            _take_recycled(manager, sb)
+            sb = await _reused(manager, "a", lambda: _rest(tg, "a"))
 
             b = await tg.session(trajectory="b")
             got = (await b.exec(python=PROCS)).stdout.split()
@@ -562,11 +571,7 @@ def test_a_session_in_a_recycled_sandbox_sees_nothing_of_the_session_before_it()
             assert r.outcome is Outcome.OK, r.stderr
             r = await a.exec(python=ATTACK)
             assert r.outcome is Outcome.OK, r.stderr
-            sb = manager.sessions["a"]
-            before = manager.recycler.sessions_recycled
-            await _rest(tg, "a")
-            await _recycled(manager, before)
-            _take_recycled(manager, sb)
+            sb = await _reused(manager, "a", lambda: _rest(tg, "a"))
 
             b = await tg.session(trajectory="b")
             r = await b.exec(python=INSPECT)
@@ -592,11 +597,7 @@ def test_a_closed_session_s_sandbox_is_reused_and_a_forked_one_is_not():
             manager = tg.runtime.sandbox_manager()
             a = await tg.session(trajectory="closed")
             assert (await a.exec(python="x = 1\nopen('/workspace/f', 'w').write('a')")).outcome is Outcome.OK
-            sb = manager.sessions["closed"]
-            before = manager.recycler.sessions_recycled
-            await a.close()
-            await _recycled(manager, before)
-            _take_recycled(manager, sb)
+            sb = await _reused(manager, "closed", lambda: a.close())
             b = await tg.session(trajectory="after")
             r = await b.exec(python="print('x' in globals(), os.listdir('/workspace')) if 'os' in globals() else "
                                     "print('x' in globals(), __import__('os').listdir('/workspace'))")
@@ -774,11 +775,7 @@ def test_a_python_one_shot_in_a_recycled_session_sandbox_reads_nothing_of_earlie
             c = await agent.run(Action("a1", "sandbox", trajectory="A", payload=Exec(
                 python="password = 'TOPSECRET_A_7391 belongs to job A'\nprint(password)")), cores)
             assert c.outcome is Outcome.OK, c.message
-            sb = manager.sessions["A"]
-            before = manager.recycler.sessions_recycled
-            manager.close_session("A")
-            await _recycled(manager, before)
-            _take_recycled(manager, sb)
+            sb = await _reused(manager, "A", lambda: manager.close_session("A"))
             c = await agent.run(Action("b1", "sandbox", trajectory="B", payload=Exec(python="y = 1")), cores)
             assert c.outcome is Outcome.OK and manager.sessions["B"] is sb, c.message
             c = await agent.run(Action("b2", "sandbox", trajectory="B", payload=RunCode(SCAN_MEMORY)), cores)
