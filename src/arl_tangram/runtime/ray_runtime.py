@@ -153,6 +153,7 @@ class RemoteSandboxes:
         self.tasks = TaskSet(sink, "nodes")
         self.homes: dict[str, Node] = {}  # session -> the node holding its sandbox state
         self._locks: dict[str, asyncio.Lock] = {}  # session -> its steps and moves, one at a time
+        self._stepping: dict[str, asyncio.Future | None] = {}  # session -> its step sent without the lock
         self.moves = 0  # sessions carried to another node
         self.move_s: list[float] = []  # how long each carry took (what a waiting step waited)
         self.stayed: dict[str, str] = {}  # session -> why a move for balance left it home
@@ -165,8 +166,34 @@ class RemoteSandboxes:
         if traj is None:  # no task: the answer is reported as the link reads it
             send_run(self.runtime, node, action, allocation, self.sink)
             return
-        self.homes.setdefault(traj, node)  # where it is until a move says otherwise
+        home = self.homes.setdefault(traj, node)  # where it is until a move says otherwise
+        if home is node and self._plain(traj, action):
+            # home, nothing to carry or to tell: sent as a one-shot is, no task, no lock; a move
+            # or a step that must carry waits for its answer (``_settled``)
+            self._stepping[traj] = None
+            send_run(self.runtime, node, action, allocation, lambda done: self._stepped(traj, done))
+            return
         self.tasks.run(action, lambda: self._step(traj, node, action, allocation))
+
+    def _plain(self, traj: str, action: Action) -> bool:
+        lock = self._locks.get(traj)
+        return ((lock is None or not lock.locked()) and traj not in self._stepping and traj not in self.restarted
+                and not isinstance(action.payload, Fork))
+
+    def _stepped(self, traj: str, done: Completion) -> None:
+        waiter = self._stepping.pop(traj, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        self.sink(done)
+
+    async def _settled(self, traj: str) -> None:
+        """Wait for ``traj``'s step sent without its lock (the caller holds the lock, so no other
+        is sent meanwhile)."""
+        while traj in self._stepping:
+            waiter = self._stepping[traj]
+            if waiter is None:
+                waiter = self._stepping[traj] = asyncio.get_running_loop().create_future()
+            await waiter
 
     def chains(self, action: Action) -> bool:
         """``core.seam.Chainer``: a one-shot's run on an agent can take a follower."""
@@ -194,6 +221,7 @@ class RemoteSandboxes:
         for balance that would lose the session's Python state is not made: the step runs on its
         home node (re-homed there in the engine), sharing cores there for this step."""
         async with self._lock(traj):
+            await self._settled(traj)
             old = self.homes.get(traj)
             if old is not None and old is not node and old.state != "dead":
                 balance = old.state == "alive"  # a draining home moves its sessions whatever they hold
@@ -231,6 +259,7 @@ class RemoteSandboxes:
         there does first; the engine is not asked). None when moved; else why not (``balance``:
         a session whose state cannot be carried whole stays)."""
         async with self._lock(traj):
+            await self._settled(traj)
             old = self.homes.get(traj)
             if old is None or old is node:
                 return None if old is node else f"session {traj} has no home"
@@ -280,6 +309,7 @@ class RemoteSandboxes:
         engine = self.runtime.engine
         while old.state == "draining":
             async with self._lock(traj):
+                await self._settled(traj)
                 if self.homes.get(traj, old) is not old or traj in self.runtime.ended:
                     return  # moved by a step placed elsewhere, or ended
                 target = engine.move_session(traj)
