@@ -140,6 +140,8 @@ async def _look(node: Node, lease_s: float, owner: str | None, timeout_s: float)
     call = node.look
     if call is None:
         call = node.look = asyncio.ensure_future(_ask(node, lease_s, owner))
+        # a look that outlives its wait may end with no one to read it (the head shutting down)
+        call.add_done_callback(lambda f: f.cancelled() or f.exception())
     try:
         sent, expired, news = await asyncio.wait_for(asyncio.shield(call), timeout_s)
     except asyncio.TimeoutError:
