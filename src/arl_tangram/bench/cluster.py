@@ -118,7 +118,7 @@ def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: flo
                     row.update(measure(head, actions, per_core * n * cores, work_ms, ray_root=os.getpid()))
                     if sessions and n == max(node_counts):
                         revisits = {"nodes": n, **sessions_run(head, sessions, per_core * n * cores, session_sample,
-                                                               log)}
+                                                               log, cores=n * cores)}
             finally:
                 head.stop()
         finally:
@@ -130,7 +130,8 @@ def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: flo
             log(f"sessions: {revisits['opened']} over {n} nodes (held {revisits['sessions_per_node']}), revisited at "
                 f"{revisits['revisit_concurrency']}: p50 "
                 f"{revisits['revisit_p50_ms']} ms, p99 {revisits['revisit_p99_ms']} ms ({revisits['revisits_ok']} "
-                f"ok); alone p50 {revisits['alone_p50_ms']} ms, p99 {revisits['alone_p99_ms']} ms"
+                f"ok); at one per core p50 {revisits['per_core']['p50_ms']} ms, p99 {revisits['per_core']['p99_ms']} "
+                f"ms; alone p50 {revisits['alone_p50_ms']} ms, p99 {revisits['alone_p99_ms']} ms"
                 + (f"; failures: {revisits['failures']}" if revisits["failures"] else ""))
         out.append(row)
     return out, revisits

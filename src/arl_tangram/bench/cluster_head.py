@@ -212,9 +212,11 @@ FIRST = "state = {{'i': {i}, 'visits': 0}}"
 CHECK = "state['visits'] += 1\nprint(state['i'])"
 
 
-async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callable[[str], None]) -> dict:
-    """Open ``n`` sessions (each with a state), revisit each once at ``concurrency``, then ``sample``
-    of them one at a time; every revisit checks its session's state."""
+async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callable[[str], None],
+                    cores: int | None = None) -> dict:
+    """Open ``n`` sessions (each with a state), revisit each once at ``concurrency``, again at one
+    per core (``cores``: each core busy, no step queued behind another), then ``sample`` of them one
+    at a time; every revisit checks its session's state."""
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=300, limits=limits) as c:
         gate = asyncio.Semaphore(concurrency)
@@ -258,6 +260,10 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
         t0 = time.perf_counter()
         loaded = await asyncio.gather(*(revisit(i, sid, gate) for i, sid in order))
         span = time.perf_counter() - t0
+        per_core: list[tuple[float, bool]] = []
+        if cores:
+            one_each = asyncio.Semaphore(cores)
+            per_core = await asyncio.gather(*(revisit(i, sid, one_each) for i, sid in order))
         alone = [await revisit(i, sid, asyncio.Semaphore(1)) for i, sid in order[:sample]]
         after = (await c.get(f"{url}/v1/cluster")).json().get("nodes", [])
         homes_after = {n.get("id"): n.get("sessions", 0) for n in after}
@@ -273,10 +279,15 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
             "revisit_concurrency": concurrency, "revisits": len(loaded), "revisits_ok": len(ok),
             "revisit_p50_ms": _ms([t for t, _ in loaded], 50), "revisit_p99_ms": _ms([t for t, _ in loaded], 99),
             "revisits_per_s": round(len(loaded) / span, 1) if span else None,
+            **({"per_core": {"concurrency": cores, "revisits": len(per_core),
+                             "revisits_ok": sum(good for _, good in per_core),
+                             "p50_ms": _ms([t for t, _ in per_core], 50), "p99_ms": _ms([t for t, _ in per_core], 99)}}
+               if cores else {}),
             "alone": len(alone), "alone_ok": sum(good for _, good in alone),
             "alone_p50_ms": _ms([t for t, _ in alone], 50), "alone_p99_ms": _ms([t for t, _ in alone], 99),
             "failures": failures}
 
 
-def sessions_run(head: Head, sessions: int, concurrency: int, sample: int, log: Callable[[str], None]) -> dict:
-    return asyncio.run(_sessions(head.url, sessions, concurrency, sample, log))
+def sessions_run(head: Head, sessions: int, concurrency: int, sample: int, log: Callable[[str], None],
+                 cores: int | None = None) -> dict:
+    return asyncio.run(_sessions(head.url, sessions, concurrency, sample, log, cores))
