@@ -12,7 +12,7 @@ import time
 import pytest
 
 from arl_tangram.bench.cluster import split_cores
-from arl_tangram.bench.cluster_hops import HOPS, MainSampler, group_of, hops_of
+from arl_tangram.bench.cluster_hops import HOPS, MainSampler, SpySampler, group_of, hops_of
 from arl_tangram.bench.cpu import ClusterCpuMeter
 
 BURN = "import time\nt = time.process_time() + {s}\nwhile time.process_time() < t:\n    pass\ntime.sleep(60)"
@@ -132,6 +132,28 @@ def test_the_profile_groups_name_who_owns_a_function():
     assert group_of(("~", 0, "<function Pickler.dump at 0x7f>")) == "ray"  # Ray's serialisation of a call
     assert group_of(("/usr/lib/python3.12/selectors.py", 451, "select")) == "asyncio"
     assert group_of(("/usr/lib/python3.12/json/encoder.py", 1, "encode")) == "other"
+
+
+def test_py_spy_s_raw_stacks_count_the_main_thread_s_innermost_frames_and_the_loop_s_c_code_apart():
+    sampler = SpySampler()
+    me = sampler.native_id
+    sampler.read(f"thread ({me}): MainThread;<module> (/x/cli.py:9);Runner.run (/usr/lib/python3.12/asyncio/runners.py:118) 30\n"
+                 f"thread ({me}): MainThread;Runner.run (/usr/lib/python3.12/asyncio/runners.py:118);"
+                 f"FrameProtocol.send (/src/arl_tangram/link.py:135) 10\n"
+                 f"thread ({me + 1}): other;Thread.run (/usr/lib/python3.12/threading.py:982) 99\n"
+                 "not a stack line\n")
+    assert sampler.groups == {"loop_c": 30, "engine": 10}, sampler.groups
+    shares = sampler.shares(4.0)
+    assert shares["ms_per_action"] == {"loop_c": 3.0, "engine": 1.0} and shares["idle_samples"] is None, shares
+    assert shares["top"][1]["function"] == "link.py:135 send", shares
+
+
+@pytest.mark.skipif(not SpySampler.available(), reason="py-spy is not installed (or may not read this process)")
+def test_py_spy_finds_the_main_thread_in_the_function_it_spins_in():
+    with SpySampler(every_s=0.005) as sampler:
+        _spin(1.0)
+    shares = sampler.shares(10.0)
+    assert shares["top"][0]["function"].endswith("_spin") and shares["top"][0]["share"] > 0.8, shares
 
 
 def _spin(seconds: float) -> None:

@@ -28,13 +28,20 @@ flight, the in-process rate beside it, and the bench process's CPU (the head, it
 the client, ``cpu.ClusterCpuMeter``) per action. ``message_bytes``: what crosses the link for
 one action, pickled (the call's arguments, the answer).
 
-``profiled`` (``profiled`` > 0): that many more under load with the main thread sampled
-(``MainSampler``): its CPU per action (``time.thread_time``) split by ``GROUPS`` in the shares of
-the samples that found it busy, and the functions most often found running. Sampled, not traced:
-``cProfile`` traces every call, which inflates code of many small calls against code in C, and
-on Python 3.12 (``sys.monitoring``) it sees every thread, Ray's too, while its clock is one
-thread's. A sample is taken when the sampler gets the GIL, so time in C code that holds it
-(pickling, Ray's Cython core, the compiled engine) goes to the Python function that called it.
+``profiled`` (``profiled`` > 0): that many more under load with the main thread sampled: its CPU
+per action (``time.thread_time``) split by ``GROUPS`` in the shares of the samples that found it
+busy, and the functions most often found running. Sampled, not traced: ``cProfile`` traces every
+call, which inflates code of many small calls against code in C, and on Python 3.12
+(``sys.monitoring``) it sees every thread, Ray's too, while its clock is one thread's. Where
+``py-spy`` is installed it samples from outside (``SpySampler``: no GIL taken, so no moment of the
+main thread is favoured); else a thread of this process does (``MainSampler``), which can read a
+frame only when it gets the GIL: under uvloop, which lets the GIL go inside its C loop between
+callbacks, most of its samples then land there (``loop_c``), and the split says little. Either
+way, time in C code under a Python function (pickling, the compiled engine) goes to that function,
+and a sample whose innermost frame is ``asyncio.runners``' is the event loop's C code (uvloop,
+libuv, their system calls): ``loop_c``. ``py-spy`` counts a thread that is runnable but waiting
+for a core as busy, at the frame it woke in (the loop's wait, mostly): on a host without a spare
+core for the head (a 2-core machine) ``loop_c`` and ``asyncio`` include that wait.
 """
 
 from __future__ import annotations
@@ -42,7 +49,11 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -58,7 +69,8 @@ HOPS = ("queued", "link_out", "agent_in", "sandbox", "agent_out", "link_back", "
 #: ``ray`` takes the serialisation Ray does for a call in this process (pickle, msgpack, the check
 #: of the call's arguments against the method's signature: ``inspect``), the head calling nothing
 #: else that uses them
-GROUPS = (("ray", ("/ray/", "ray._raylet", "'ray.", "Pickler.dump", "/msgpack/", "/inspect.py", "/pickle.py")),
+GROUPS = (("loop_c", ("/asyncio/runners.py",)),
+          ("ray", ("/ray/", "ray._raylet", "'ray.", "Pickler.dump", "/msgpack/", "/inspect.py", "/pickle.py")),
           ("bench", ("/arl_tangram/bench/",)),
           ("runtime", ("/arl_tangram/runtime/", "/arl_tangram/managers/")),
           ("engine", ("/arl_tangram/", "arl_tangram.", "Engine", "Driver")),
@@ -246,6 +258,77 @@ class MainSampler:
                          "share": round(k / busy, 4)} for (f, line, name), k in self.functions.most_common(top)]}
 
 
+class SpySampler:
+    """``MainSampler``'s figures read by ``py-spy`` from outside this process (``record --threads
+    --nonblocking``, raw stacks): the main thread's innermost frame in each busy sample. ``py-spy``
+    leaves idle threads out, so ``idle`` is not known (None)."""
+
+    def __init__(self, every_s: float = 0.001) -> None:
+        self.rate = max(1, round(1 / every_s))
+        self.native_id = threading.main_thread().native_id
+        self.groups: Counter = Counter()
+        self.functions: Counter = Counter()
+        self.idle: int | None = None
+        self._proc: subprocess.Popen | None = None
+        self._out = ""
+
+    @staticmethod
+    def available() -> bool:
+        """py-spy on the PATH and allowed to read this process (root, or ptrace permitted)."""
+        return shutil.which("py-spy") is not None and (os.geteuid() == 0 or _ptrace_scope() == 0)
+
+    def __enter__(self) -> "SpySampler":
+        fd, self._out = tempfile.mkstemp(prefix="tangram-spy-", suffix=".txt")
+        os.close(fd)
+        self._proc = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--rate", str(self.rate),
+                                       "--format", "raw", "--output", self._out, "--threads", "--nonblocking",
+                                       "--full-filenames"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        time.sleep(0.5)  # attached before the batch starts
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self._proc is not None
+        self._proc.send_signal(signal.SIGINT)  # py-spy writes its file as it stops
+        try:
+            _, err = self._proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            _, err = self._proc.communicate()
+        try:
+            with open(self._out) as fh:
+                self.read(fh.read())
+        finally:
+            os.unlink(self._out)
+        if not self.groups and err:
+            raise RuntimeError(f"py-spy read nothing: {err.decode(errors='replace')[-500:]}")
+
+    def read(self, raw: str) -> None:
+        """Count the main thread's lines of ``py-spy``'s raw output (``thread (TID): NAME;frame;...
+        COUNT``, a frame ``function (file:line)``)."""
+        mine = f"thread ({self.native_id})"
+        for line in raw.splitlines():
+            stack, _, count = line.rpartition(" ")
+            frames = stack.split(";")
+            if len(frames) < 2 or not frames[0].startswith(mine) or not count.isdigit():
+                continue
+            function, _, where = frames[-1].rpartition(" (")
+            file, _, lineno = where.rstrip(")").rpartition(":")
+            key = (file, int(lineno) if lineno.isdigit() else 0, function.rpartition(".")[2] or function)
+            self.groups[group_of(key)] += int(count)
+            self.functions[key] += int(count)
+
+    shares = MainSampler.shares
+
+
+def _ptrace_scope() -> int:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as fh:
+            return int(fh.read())
+    except (OSError, ValueError):
+        return 0
+
+
 def hops(address: str, nodes: int, cores: int, alone: int, loaded: int, per_core: int,
          log: Callable[[str], None], profiled: int = 0) -> dict:
     """``alone`` one-shots one at a time, then ``loaded`` at ``per_core`` per node core, through a
@@ -267,8 +350,10 @@ def hops(address: str, nodes: int, cores: int, alone: int, loaded: int, per_core
             second, span = await _probe(tg, stamps, loaded, per_core * nodes * cores, "loaded")
             cpu = ClusterCpuMeter.per_action(before, meter.read(), len(second))
             shares = None
+            sampler: Any = None
             if profiled:
-                with MainSampler() as sampler:
+                sampler = SpySampler() if SpySampler.available() else MainSampler()
+                with sampler:
                     t = time.thread_time()
                     third, _ = await _probe(tg, stamps, profiled, per_core * nodes * cores, "profiled")
                     used = time.thread_time() - t
@@ -294,7 +379,8 @@ def hops(address: str, nodes: int, cores: int, alone: int, loaded: int, per_core
                                                                                "total", "sys")}},
                 "message_bytes": {"call": max((s[0] for s in sizes), default=None),
                                   "answer": max((s[1] for s in sizes), default=None)},
-                **({"profiled": {"n": profiled, **shares}} if shares is not None else {})}
+                **({"profiled": {"n": profiled, "sampler": "py-spy" if isinstance(sampler, SpySampler) else "in-process",
+                                 **shares}} if shares is not None else {})}
 
     try:  # the loop the server's engine process runs on, where installed
         import uvloop
