@@ -353,11 +353,14 @@ def hops(address: str, nodes: int, cores: int, alone: int, loaded: int, per_core
             sampler: Any = None
             if profiled:
                 sampler = SpySampler() if SpySampler.available() else MainSampler()
-                with sampler:
-                    t = time.thread_time()
-                    third, _ = await _probe(tg, stamps, profiled, per_core * nodes * cores, "profiled")
-                    used = time.thread_time() - t
-                shares = sampler.shares(used * 1000 / max(1, len(third)))
+                try:
+                    with sampler:
+                        t = time.thread_time()
+                        third, _ = await _probe(tg, stamps, profiled, per_core * nodes * cores, "profiled")
+                        used = time.thread_time() - t
+                    shares = sampler.shares(used * 1000 / max(1, len(third)))
+                except RuntimeError as e:  # py-spy could not read this process (no ptrace here, say)
+                    log(f"  the profile was not taken: {e}")
             agents: dict[str, list[float]] = {}
             sizes: list[tuple[int, int]] = []
             for node in rt.nodes_by_id.values():
