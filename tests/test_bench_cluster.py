@@ -223,4 +223,24 @@ def test_bench_cluster_reports_each_part_s_cpu_the_hops_the_local_server_and_the
     s = r["sessions"]
     assert s["opened"] == 6 and s["revisits_ok"] == 6 and s["alone_ok"] == 3 and s["failures"] == [], s
     assert s["per_core"]["revisits_ok"] == 6 and s["per_core"]["p50_ms"] > 0, s
+    assert r["targets"]["revisit_p50_ms"]["measured"] == s["revisit_p50_ms"], r["targets"]
     assert s["revisit_p50_ms"] > 0 and s["alone_p50_ms"] > 0 and sum(s["sessions_per_node"]) == 6, s
+
+
+def test_the_targets_read_the_largest_cluster_the_sessions_and_the_chaos_run():
+    from arl_tangram.bench.cluster import targets
+
+    def row(nodes, main, ray):
+        return {"nodes": nodes, "cpu_ms_per_action": {"head": {"main": main, "ray_threads": ray}}}
+
+    t = targets({"scaling": [row(1, 0.5, 0.0), row(8, 0.15, 0.02)], "scaling_ratio": {"1": 1.0, "8": 6.4},
+                 "ray_vs_local": 0.7, "sessions": {"revisit_p50_ms": 12.0, "revisit_p99_ms": 140.0,
+                                                   "per_core": {"p50_ms": 4.0, "p99_ms": 20.0}},
+                 "chaos": {"lost": 0}})
+    assert t["scaling_1_to_top"] == {"measured": 6.4, "target": ">= 6 (1 to 8 nodes)", "met": True, "nodes": 8}
+    assert t["ray_vs_local"]["met"] is False and t["head_cpu_ms_per_action"]["measured"] == 0.17
+    assert t["head_cpu_ms_per_action"]["met"] is True
+    assert t["revisit_p50_ms"]["met"] is True and t["revisit_p99_ms"]["met"] is False
+    assert t["revisit_one_per_core_p99_ms"]["met"] is True and t["chaos_lost"]["met"] is True
+    empty = targets({"scaling": []})
+    assert all(v["met"] is None for v in empty.values()), empty

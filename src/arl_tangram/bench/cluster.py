@@ -497,7 +497,40 @@ def run(nodes: tuple[int, ...] = (1, 2, 3), cores: int = 1, actions: int = 150, 
         result["restart"] = restart(restart_sessions, cores, log)
     if gpu_nodes:
         result["model_chaos"] = model_chaos(gpu_nodes, model_calls, _model_device(model_device), log)
+    result["targets"] = targets(result)
+    log("targets: " + "; ".join(f"{k} {v['measured']} ({v['target']}: {'met' if v['met'] else 'not met'})"
+                                for k, v in result["targets"].items() if v["met"] is not None))
     return result
+
+
+def targets(result: dict) -> dict:
+    """The issue's targets (a 16-core host, 1 to 8 nodes of one core) beside what this run measured:
+    each ``measured``, ``target`` and ``met`` (None where this run did not measure it)."""
+    rows = result.get("scaling") or []
+    top = max(rows, key=lambda r: r["nodes"]) if rows else None
+    head = None
+    if top is not None:
+        h = top["cpu_ms_per_action"]["head"]
+        head = round(h["main"] + h["ray_threads"], 3)
+    s = result.get("sessions") or {}
+    chaos = result.get("chaos")
+
+    def row(measured, target, ok) -> dict:
+        return {"measured": measured, "target": target, "met": None if measured is None else ok(measured)}
+
+    top_ratio = (result.get("scaling_ratio") or {}).get(str(top["nodes"])) if top is not None else None
+    return {
+        "scaling_1_to_top": {**row(top_ratio, ">= 6 (1 to 8 nodes)", lambda m: m >= 6),
+                             "nodes": top["nodes"] if top is not None else None},
+        "ray_vs_local": row(result.get("ray_vs_local"), ">= 0.8", lambda m: m >= 0.8),
+        "head_cpu_ms_per_action": row(head, "<= 0.2 (main thread + Ray's threads, at the most nodes)",
+                                      lambda m: m <= 0.2),
+        "revisit_p50_ms": row(s.get("revisit_p50_ms"), "<= 15", lambda m: m <= 15),
+        "revisit_p99_ms": row(s.get("revisit_p99_ms"), "<= 100", lambda m: m <= 100),
+        "revisit_one_per_core_p50_ms": row((s.get("per_core") or {}).get("p50_ms"), "<= 15", lambda m: m <= 15),
+        "revisit_one_per_core_p99_ms": row((s.get("per_core") or {}).get("p99_ms"), "<= 100", lambda m: m <= 100),
+        "chaos_lost": row(chaos.get("lost") if chaos else None, "0", lambda m: m == 0),
+    }
 
 
 def _model_device(device: str) -> str:
