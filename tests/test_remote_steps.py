@@ -46,6 +46,12 @@ def _setup(monkeypatch):
     return remote, nodes, events, answers, sunk
 
 
+async def _turns(n: int) -> None:
+    """Let the loop run ``n`` passes: what waits on a lock or an answer moves on."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
 def _step(i: int, node: int) -> tuple[Action, Allocation]:
     return Action(f"s{i}", "sandbox", trajectory="t", payload=RunCode("print(1)")), Allocation("cpu", node, (0,))
 
@@ -58,12 +64,10 @@ def test_a_step_at_home_is_sent_without_a_task_and_a_move_waits_for_its_answer(m
         remote.start(*_step(2, 0))  # answered not yet: this one takes the lock and waits
         tasks_after_start = dict(remote.tasks.actions)
         move = asyncio.ensure_future(remote.move("t", nodes[1]))
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await _turns(5)
         before_answer = list(events)
         answers["s1"](Completion("s1", Outcome.OK))
-        for _ in range(20):
-            await asyncio.sleep(0)
+        await _turns(20)
         answers["s2"](Completion("s2", Outcome.OK))
         await asyncio.wait_for(move, 5)
         await remote.shut_down()
@@ -83,15 +87,12 @@ def test_a_step_placed_away_from_home_carries_the_session_after_the_step_in_flig
     async def main():
         remote.start(*_step(1, 0))
         remote.start(*_step(2, 1))  # placed on the other node: a move first, after s1's answer
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await _turns(5)
         before_answer = list(events)
         answers["s1"](Completion("s1", Outcome.OK))
-        for _ in range(20):
-            await asyncio.sleep(0)
+        await _turns(20)
         answers["s2"](Completion("s2", Outcome.OK))
-        for _ in range(5):
-            await asyncio.sleep(0)
+        await _turns(5)
         remote.start(*_step(3, 1))  # at its new home: sent without a task again
         fast = "s3" not in remote.tasks.actions
         answers["s3"](Completion("s3", Outcome.OK))
