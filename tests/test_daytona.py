@@ -192,6 +192,17 @@ def test_sandboxes_exec_code_run_and_states(server, sdk):
         assert sb.process.exec("ps -eo comm | grep -c '^sleep$'").result.strip() == "0"
         for i in range(5):  # one after another: each child reaped, its exit code its own
             assert sb.process.code_run(f"import sys; print({i}); sys.exit({i})").exit_code == i
+        # the exit code is the child's own: not that of a fork the code let run on, nor upset by
+        # the code closing every descriptor it did not open and opening files of its own
+        r = sb.process.code_run("import os, sys\nif os.fork() == 0:\n    sys.exit(3)\nos.wait()\nprint('parent')")
+        assert (r.exit_code, r.result) == (0, "parent\n")
+        r = sb.process.code_run("import os\nos.closerange(3, 1 << 16)\nfs = [open(f'fd{i}', 'w') for i in range(64)]\n"
+                                "print('closed')\nraise SystemExit(5)")
+        assert (r.exit_code, r.result) == (5, "closed\n")
+        assert sb.process.exec("cat fd* | wc -c; rm fd*").result == "0\n"
+        for _ in range(3):  # each child reaped before the answer: no zombie of the interpreter's
+            assert sb.process.code_run("pass").exit_code == 0
+        assert sb.process.exec("ps -eo stat= | grep -c '^Z'").result == "0\n"
         assert sb.process.code_run("import time; time.sleep(0.1); print('ok')").result == "ok\n"
         with pytest.raises(Exception) as e:  # (the SDK's code_run raises its API client's error as it is)
             sb.process.code_run("import time; time.sleep(5)", timeout=1)

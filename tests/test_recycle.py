@@ -15,6 +15,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -290,6 +292,137 @@ def test_a_process_on_its_way_out_is_not_taken_for_the_one_snapshotted():
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout) == [True, False, False]
+
+
+REAP_THE_DYING = r"""
+import ctypes, json, os, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+sys.argv = ["runner", "--reap"]  # (the PID namespace's init, as the agent is in a sandbox)
+import inside
+from inside import procs
+st = inside.boot()
+libc = ctypes.CDLL(None, use_errno=True)
+me = os.getpid()
+
+
+def state(pid):
+    try:
+        return procs.read_proc(st, f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[0].decode()
+    except OSError:
+        return "gone"
+
+
+def until(pid, want):
+    for _ in range(500):
+        if state(pid) == want:
+            return
+        time.sleep(0.01)
+    raise SystemExit(f"{pid} never reached {want}: {state(pid)}")
+
+
+r, w = os.pipe()
+interpreter = os.fork()  # the session's interpreter: its child exits and it never waits for it
+if interpreter == 0:
+    os.close(r)
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    os.write(w, b"%d" % child)
+    time.sleep(60)
+    os._exit(0)
+os.close(w)
+zombie = int(os.read(r, 16))
+until(zombie, "Z")
+stray = os.fork()  # what a step left running
+if stray == 0:
+    time.sleep(60)
+    os._exit(0)
+leader = os.fork()  # its main thread gone, another one running: reads as a zombie, is not one
+if leader == 0:
+    libc.prctl(15, b"a) Z 1 (x", 0, 0, 0)  # PR_SET_NAME: a name to trip a parse that splits from the left
+    threading.Thread(target=time.sleep, args=(60,)).start()
+    libc.syscall(60, 0)  # exit(2) of the main thread alone
+until(leader, "Z")
+named = os.fork()
+if named == 0:
+    libc.prctl(15, b"b) Z 1 (x", 0, 0, 0)
+    time.sleep(60)
+    os._exit(0)
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+killed = os.fork()  # killed on this CPU while this process holds it: a SIGKILL pending, not yet acted on
+if killed == 0:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    while True:
+        pass
+time.sleep(0.05)
+os.kill(killed, 9)
+out = {"killed": procs.dying(killed, {me})}
+os.waitpid(killed, 0)
+out["dying"] = [procs.dying(zombie, {interpreter}), procs.dying(zombie, {me}), procs.dying(leader, {me}),
+                procs.dying(named, {me}), procs.dying(stray, {me}), procs.dying(999999, set())]
+
+
+class Interpreter:
+    pid = interpreter
+
+
+st.child = Interpreter()
+t = time.monotonic()
+out["reaped"] = procs.reap_strays(st)
+out["took_s"] = time.monotonic() - t
+out["zombie"] = state(zombie)  # (only its parent can reap it)
+out["others"] = [state(p) for p in (stray, leader, named)]  # the agent's own: reaped before it answers
+st.child = None  # no session's interpreter: everything gone before it says so, the zombie's parent too
+out["reset"] = procs.reap_strays(st)
+out["after"] = [state(p) for p in (interpreter, zombie)]
+json.dump(out, os.fdopen(st.proto_out, "w"))
+"""
+
+
+def test_a_sessions_step_does_not_wait_on_its_interpreters_dying_children_but_kills_the_living():
+    """``inside.procs.reap_strays`` with a session's interpreter alive: a zombie only the
+    interpreter can reap (a ``Popen`` never waited for) does not hold the step's answer; a live stray, a process whose main thread has
+    exited while another thread runs (it reads as a zombie) and one whose name holds ``) Z (``
+    are killed, and reaped before it answers (the agent's own children: none is left for the next
+    step to see). ``procs.dying``: a process killed and not yet run since is dying. Without the
+    interpreter (a reset) nothing is spared. (Run in a PID namespace of its own: every process it
+    finds there is killed.)"""
+    from arl_tangram.managers.sandbox.isolation import INSIDE
+
+    p = subprocess.run(["bwrap", "--dev-bind", "/", "/", "--unshare-pid", "--as-pid-1", "--proc", "/proc",
+                        "--die-with-parent", sys.executable, "-I", "-c", REAP_THE_DYING, str(INSIDE.parent)],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["killed"] is True, out
+    assert out["dying"] == [True, False, False, False, False, True], out
+    assert out["reaped"] is True and out["took_s"] < 0.2, out  # (it spun ~0.42 s and said False)
+    assert out["zombie"] == "Z" and out["others"] == ["gone"] * 3, out
+    assert out["reset"] is True and out["after"] == ["gone", "gone"], out
+
+
+def test_a_cells_child_left_unwaited_does_not_hold_up_the_sessions_steps():
+    """A cell's ``subprocess.Popen`` never waited for leaves a zombie of the session's interpreter,
+    which only the interpreter can reap: each later step's reaping waited on it ~0.42 s and gave
+    up. The zombie stays the cell's (its exit status is the program's to read)."""
+    async def main():
+        async with Tangram.local(sandbox=SandboxConfig(warm_pool=0), cores=2) as tg:
+            s = await tg.session()
+            first = await s.exec(python="import subprocess, time\np = subprocess.Popen(['true'])\ntime.sleep(0.2)")
+            steps, took = [], []
+            for _ in range(3):
+                t = time.monotonic()
+                steps.append(await s.exec(python="print(open(f'/proc/{p.pid}/stat').read().rsplit(')', 1)[1][1])"))
+                took.append(time.monotonic() - t)
+            last = await s.exec(python="print(p.wait())")
+            await s.close()
+            return first, steps, took, last
+
+    first, steps, took, last = asyncio.run(main())
+    assert first.outcome is Outcome.OK, first
+    assert [(r.outcome, r.stdout) for r in steps] == [(Outcome.OK, "Z\n")] * 3, steps
+    assert min(took) < 0.3, took  # (each step waited ~0.43 s)
+    assert (last.outcome, last.stdout) == (Outcome.OK, "0\n"), last
 
 
 def test_a_changed_affinity_is_put_back():

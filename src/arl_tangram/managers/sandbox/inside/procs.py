@@ -44,30 +44,43 @@ BASH_AHEAD_FD = 3
 BASH_NOT_AHEAD = ("BASH_ENV", "ENV", "POSIXLY_CORRECT", "SHELLOPTS", "BASHOPTS", "PS4", "LOCPATH", "GCONV_PATH")
 PF_EXITING = 0x4  # /proc/<pid>/stat's flags: the process is exiting (bench/cpu.py's ``_exiting`` reads
 # the same three signs on the host: this package runs alone inside a sandbox and shares no import)
+SIGKILL_BIT = 1 << (SIGKILL - 1)  # in a mask of pending signals
 
 
 def reap_strays(st, keep=()):
     """Kill every process of this sandbox but pid 1 (the namespace's init), the agent, the zygote
     (and its child forked ahead), the session's interpreter and shell and the bash started ahead;
     True when none is left (a fork bomb can outrun a few passes: the host then discards the sandbox
-    instead of recycling it)."""
+    instead of recycling it).
+
+    While a session's interpreter lives (a session's step; never a reset, which ends the session
+    first and promises the next user no process at all), a process found again after the first
+    pass's SIGKILL that is irrevocably dying and whose parent is one of those kept here, not the
+    agent, no longer counts (``dying``): it runs no code again, and as a zombie it goes only when
+    that parent reaps it, which no retry here can hasten (a cell's ``Popen`` never waited for:
+    every later step spun ~0.42 s on it and said False). What the agent itself reaps (its own
+    children, and orphans, the agent being the namespace's init) is still waited for and reaped
+    here, so none is left to the next step."""
     if not st.reap:
         return True
     z = st.zygote
     keep = {1, os.getpid(), *((z.pid, z.ahead, z.owed) if z else ()), *st.keep, *keep,  # owed: killed, exiting
             *((st.child.pid,) if st.child is not None else ()),
             *((st.bash_ahead[0],) if st.bash_ahead is not None else ())}
+    parents = keep - {os.getpid()} if st.child is not None else None
     for attempt in range(20):
         found = False
         for name in os.listdir("/proc"):
             if name.isdigit():
                 pid = int(name)
                 if pid not in keep:
-                    found = True
                     try:
                         os.kill(pid, SIGKILL)
                     except OSError:
                         pass
+                    # (the first pass reads no stat: nothing it finds had been sent a SIGKILL yet)
+                    if not (attempt and parents and dying(pid, parents)):
+                        found = True
         while True:
             try:
                 pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -77,8 +90,26 @@ def reap_strays(st, keep=()):
                 break
         if not found:
             return True
-        time.sleep(0.002 * (attempt + 1))
+        if parents and attempt == 0:  # the second pass comes at once: what the first found may be dying already
+            continue
+        time.sleep(0.002 * (attempt + (0 if parents else 1)))
     return False
+
+
+def dying(pid, parents):
+    """Whether ``pid`` is a child of one of ``parents`` that can never run code again: a zombie,
+    exiting (``PF_EXITING``), or with a SIGKILL pending (sent, and the process not yet run to act
+    on it: it dies before it returns to its code), and it has no other thread (a process whose
+    main thread has exited while others run on reads as a zombie, its leader with the flag); or
+    gone. Read from ``/proc/<pid>/stat`` after the last ``)`` (the name before it may hold spaces
+    and parentheses): the state, the parent, the flags, the thread count and the thread's own
+    pending signals (a SIGKILL to its process is put there for every thread)."""
+    try:
+        f = read_proc(None, f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
+        return (int(f[1]) in parents and int(f[17]) <= 1
+                and (f[0] in (b"Z", b"X", b"x") or bool(int(f[6]) & PF_EXITING) or bool(int(f[28]) & SIGKILL_BIT)))
+    except (OSError, IndexError, ValueError):
+        return True
 
 
 def collect(child, out_fd, err_fd, in_fd, stdin, timeout_s, max_output, wait=None):
