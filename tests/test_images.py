@@ -194,3 +194,65 @@ def test_docker_save_variants_shared_layer_links_and_the_oci_flavoured_layout(tm
                    "manifest.json": json.dumps([{"Layers": list(blobs)}]).encode()})
     (tmp_path / "oci-docker.tar").write_bytes(layout)
     assert store.import_path(tmp_path / "oci-docker.tar", "docker25").layers == (img.layers[0], img.layers[2])
+
+
+# -- a pulled layer's sync behind it (``ImageStore._place``, ``check_unsynced``) ----------------------
+
+def _pulled(store: ImageStore, members: list) -> str:
+    """A layer as a pull places it (``unpack_layer``): its digest."""
+    return store.unpack_layer(io.BytesIO(layer_tar(members)), "layer 0")[0]
+
+
+def test_a_pulled_layer_is_visible_at_once_and_synced_behind_it(tmp_path, monkeypatch):
+    import threading
+
+    from arl_tangram.managers.sandbox import images
+    gate, seen = threading.Event(), []
+
+    def slow_syncfs(path):  # the disk's flush, held until the test lets it go
+        seen.append(sorted(p.name for p in (store.root / images.UNSYNCED).iterdir()))
+        gate.wait(10)
+    monkeypatch.setattr(images, "syncfs", slow_syncfs)
+    store = _store(tmp_path)
+    digest = _pulled(store, BASE)
+    # the pull is done and its layer usable while the sync has not ended: its marker says so
+    assert (store.layer_dir(digest) / "etc/motd").read_text() == "hello\n"
+    assert (store.root / images.UNSYNCED / digest).read_text() == images.boot_id()
+    assert not store.synced(timeout=0.2)
+    gate.set()
+    assert store.synced(timeout=10)
+    assert seen == [[digest]] and not (store.root / images.UNSYNCED / digest).exists()
+
+
+def test_an_import_or_a_store_syncing_first_syncs_before_the_layer_appears(tmp_path, monkeypatch):
+    from arl_tangram.managers.sandbox import images
+    visible_at_sync = []
+    monkeypatch.setattr(images, "syncfs", lambda path: visible_at_sync.append(
+        [n for n in _cached(store) if not n.startswith(".")]))
+    store = ImageStore(tmp_path / "store", sync_behind=False)
+    first = _pulled(store, BASE)
+    store.import_path(docker_archive(tmp_path / "a.tar", [TOP]), "top")
+    # each sync ran before its layer was renamed into place (only the one before it visible), and
+    # no marker was written
+    assert visible_at_sync == [[], [first]]
+    assert not (store.root / images.UNSYNCED).exists()
+
+
+def test_a_start_removes_a_layer_left_unsynced_by_another_boot_and_syncs_this_boots(tmp_path, monkeypatch):
+    from arl_tangram.managers.sandbox import images
+    store = _store(tmp_path)
+    img = store.import_path(docker_archive(tmp_path / "a.tar", [BASE, TOP]), "tiny")
+    base, top = img.layers
+    markers = store.root / images.UNSYNCED
+    markers.mkdir()
+    (markers / base).write_text("another-boot")  # the machine went down before its sync
+    (markers / top).write_text(images.boot_id())  # a process of this boot was killed before it
+    (markers / "not-a-digest").write_text("x")
+    synced = []
+    monkeypatch.setattr(images, "syncfs", lambda path: synced.append(path))
+    assert store.check_unsynced() == 1
+    assert not store.has_layer(base) and store.has_layer(top)
+    assert store.synced(timeout=10) and synced
+    assert sorted(p.name for p in markers.iterdir()) == ["not-a-digest"]
+    with pytest.raises(ImageError, match="missing"):  # named, not used half there: a pull fetches it again
+        store.get("tiny")

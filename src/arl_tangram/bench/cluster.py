@@ -118,7 +118,7 @@ def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: flo
                     row.update(measure(head, actions, per_core * n * cores, work_ms, ray_root=os.getpid()))
                     if sessions and n == max(node_counts):
                         revisits = {"nodes": n, **sessions_run(head, sessions, per_core * n * cores, session_sample,
-                                                               log, cores=n * cores)}
+                                                               log, cores=n * cores, ray_root=os.getpid())}
             finally:
                 head.stop()
         finally:
@@ -133,6 +133,8 @@ def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: flo
                 f"ok); at one per core p50 {revisits['per_core']['p50_ms']} ms, p99 {revisits['per_core']['p99_ms']} "
                 f"ms; alone p50 {revisits['alone_p50_ms']} ms, p99 {revisits['alone_p99_ms']} ms"
                 + (f"; failures: {revisits['failures']}" if revisits["failures"] else ""))
+            for round_, cpu in (revisits.get("cpu_ms_per_revisit") or {}).items():
+                log(f"  CPU ms per revisit ({round_}): {cpu_text(cpu)}")
         out.append(row)
     return out, revisits
 

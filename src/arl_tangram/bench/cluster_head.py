@@ -213,10 +213,12 @@ CHECK = "state['visits'] += 1\nprint(state['i'])"
 
 
 async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callable[[str], None],
-                    cores: int | None = None) -> dict:
+                    cores: int | None = None, meter: ClusterCpuMeter | None = None) -> dict:
     """Open ``n`` sessions (each with a state), revisit each once at ``concurrency``, again at one
     per core (``cores``: each core busy, no step queued behind another), then ``sample`` of them one
-    at a time; every revisit checks its session's state."""
+    at a time; every revisit checks its session's state. ``meter``: every part's CPU per revisit
+    of the first two rounds too (``cpu_ms_per_revisit``)."""
+    cpu: dict[str, dict] = {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=300, limits=limits) as c:
         gate = asyncio.Semaphore(concurrency)
@@ -258,12 +260,20 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
         order = sids[:]
         random.Random(0).shuffle(order)
         t0 = time.perf_counter()
+        before = meter.read() if meter else None
         loaded = await asyncio.gather(*(revisit(i, sid, gate) for i, sid in order))
         span = time.perf_counter() - t0
+        if meter:
+            cpu["loaded"] = ClusterCpuMeter.per_action(before, meter.read(), len(loaded))
         per_core: list[tuple[float, bool]] = []
         if cores:
             one_each = asyncio.Semaphore(cores)
+            before = meter.read() if meter else None
+            t1 = time.perf_counter()
             per_core = await asyncio.gather(*(revisit(i, sid, one_each) for i, sid in order))
+            per_core_span = time.perf_counter() - t1
+            if meter:
+                cpu["per_core"] = ClusterCpuMeter.per_action(before, meter.read(), len(per_core))
         alone = [await revisit(i, sid, asyncio.Semaphore(1)) for i, sid in order[:sample]]
         after = (await c.get(f"{url}/v1/cluster")).json().get("nodes", [])
         homes_after = {n.get("id"): n.get("sessions", 0) for n in after}
@@ -279,8 +289,10 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
             "revisit_concurrency": concurrency, "revisits": len(loaded), "revisits_ok": len(ok),
             "revisit_p50_ms": _ms([t for t, _ in loaded], 50), "revisit_p99_ms": _ms([t for t, _ in loaded], 99),
             "revisits_per_s": round(len(loaded) / span, 1) if span else None,
+            **({"cpu_ms_per_revisit": cpu} if cpu else {}),
             **({"per_core": {"concurrency": cores, "revisits": len(per_core),
                              "revisits_ok": sum(good for _, good in per_core),
+                             "revisits_per_s": round(len(per_core) / per_core_span, 1) if per_core_span else None,
                              "p50_ms": _ms([t for t, _ in per_core], 50), "p99_ms": _ms([t for t, _ in per_core], 99)}}
                if cores else {}),
             "alone": len(alone), "alone_ok": sum(good for _, good in alone),
@@ -289,5 +301,6 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
 
 
 def sessions_run(head: Head, sessions: int, concurrency: int, sample: int, log: Callable[[str], None],
-                 cores: int | None = None) -> dict:
-    return asyncio.run(_sessions(head.url, sessions, concurrency, sample, log, cores))
+                 cores: int | None = None, ray_root: int | None = None) -> dict:
+    meter = ClusterCpuMeter(head.pid, ray_root, os.getpid()) if ray_root is not None else None
+    return asyncio.run(_sessions(head.url, sessions, concurrency, sample, log, cores, meter))

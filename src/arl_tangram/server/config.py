@@ -77,10 +77,10 @@ class ImagesConfig(BaseModel):
                                  "`tangram image prune` applies it by hand)")
     docker_config: str | None = Field(None, description="Docker's config.json to take registry credentials from "
                                       "(default: $DOCKER_CONFIG/config.json, else ~/.docker/config.json)")
-    durable: bool = Field(True, description="a pulled or imported layer is on disk before it becomes visible (one "
-                          "syncfs of the store's file system per layer): a machine that crashes never finds a "
-                          "layer listed whose files were lost; false skips it (faster pulls, for a store that is a "
-                          "throwaway cache)")
+    durable: bool = Field(True, description="a machine that crashes never uses a layer whose files were lost: an "
+                          "imported layer is synced (syncfs) before it becomes visible, a pulled one behind its pull "
+                          "(a marker on disk until then; one from an earlier boot has its layer removed at start); "
+                          "false skips it (for a store that is a throwaway cache)")
 
 
 class ServeConfig(BaseModel):

@@ -16,9 +16,14 @@ Layer tars may be plain, gzip- or zstd-compressed (sniffed from their first byte
 from a registry (``registry/``) go through the same checks: ``ImageStore.unpack_layer`` checks
 and unpacks a layer in one pass into a hidden directory that is renamed into place only once the
 whole layer passed, and ``ImageStore.record`` names an image only once all its layers are in.
-A store is ``durable`` by default: one ``syncfs`` of its file system before each rename, so a
-layer is not visible before its files are on the disk (a machine that crashes leaves it absent,
-never present with empty files); an fsync per file would cost a disk flush each.
+A store is ``durable`` by default: a layer is never trusted after a crash of the machine unless its
+files reached the disk. An import runs one ``syncfs`` of the store's file system before each
+rename; a pull (``unpack_layer``) renames first and syncs behind it, off the pull's path: it writes
+``unsynced/<digest>`` (this boot's id, fsynced) before the rename, and a thread of the
+store's (``_Syncer``) runs ``syncfs`` and removes the marker. A marker found at start
+(``check_unsynced``) from another boot means the machine went down before that sync: its layer is
+removed (a pull fetches it again); one from this boot (a killed process) is synced then. An fsync
+per file would cost a disk flush each.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ import posixpath
 import re
 import shutil
 import stat
+import logging
 import tarfile
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +50,9 @@ from .unpack import (UNPACKING, ImageError, LayerPlan, check_and_unpack, check_l
                      remove_dead_temps, syncfs, unpack_checked)
 
 NAME_RE = IMAGE_NAME_RE  # core.names: checked where names enter too
+UNSYNCED = "unsynced"  # the store's directory of markers: a pulled layer visible before its files were synced
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -91,12 +101,14 @@ def _tar_directory(root: Path, out: IO[bytes]) -> None:
 class ImageStore:
     """The content-addressed cache of layers and the named images made of them."""
 
-    def __init__(self, root: Path | str | None = None, durable: bool = True) -> None:
+    def __init__(self, root: Path | str | None = None, durable: bool = True, sync_behind: bool = True) -> None:
         self.root = Path(root) if root is not None else default_store()
         #: a layer's files reach the disk before it is renamed into place (one ``syncfs`` of the
         #: store's file system per layer): after a crash of the machine a layer is whole or
         #: absent, never a visible one with files the kernel had not written yet
         self.durable = durable
+        #: a pulled layer's sync behind its rename (``_place``); False: before it, as an import's
+        self.sync_behind = sync_behind
 
     def layer_dir(self, digest: str) -> Path:
         return self.root / "layers" / digest
@@ -256,20 +268,67 @@ class ImageStore:
         (self.root / "layers").mkdir(parents=True, exist_ok=True)
         return Path(tempfile.mkdtemp(prefix=f"{UNPACKING}{os.getpid()}-", dir=self.root / "layers"))
 
-    def _place(self, tmp: Path, digest: str) -> None:
+    def _place(self, tmp: Path, digest: str, behind: bool = False) -> None:
         """Rename the unpacked ``tmp`` into place as layer ``digest`` (whole, or not at all);
-        ``durable``: its files on the disk first."""
+        ``durable``: its files on the disk first, or (``behind``, a pull's) synced right after by
+        the store's thread, its marker on the disk before the rename (the module's docstring)."""
         os.chmod(tmp, 0o755)
+        marker = None
         if self.durable:
-            syncfs(tmp)
+            boot = boot_id() if behind and self.sync_behind else ""
+            if boot:
+                marker = self.root / UNSYNCED / digest
+                marker.parent.mkdir(exist_ok=True)
+                _write_synced(marker, boot)
+            else:
+                syncfs(tmp)
         final = self.layer_dir(digest)
         try:
             os.rename(tmp, final)
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not final.is_dir():
+                if marker is not None:
+                    marker.unlink(missing_ok=True)
                 raise
-            # a concurrent import or pull got there first: the same content
+            # a concurrent import or pull got there first: the same content (its marker, if any,
+            # is its syncer's; ours goes with the sync asked below)
+        if marker is not None:
+            _syncer(self.root).ask(marker)
+
+    def check_unsynced(self) -> int:
+        """At a server's start, before any sandbox uses a layer: a pulled layer whose sync marker
+        says another boot is removed (the machine went down before its files were surely on the
+        disk; the next use pulls it again); one of this boot's (a killed process) is synced behind.
+        Returns how many layers were removed."""
+        markers = self.root / UNSYNCED
+        try:
+            names = os.listdir(markers)
+        except FileNotFoundError:
+            return 0
+        boot, syncer, removed = boot_id(), _syncer(self.root), 0
+        for name in names:
+            marker = markers / name
+            if not re.fullmatch(r"[0-9a-f]{64}", name) or syncer.holds(marker):
+                continue
+            try:
+                said = marker.read_text().strip()
+            except OSError:
+                continue
+            if boot and said == boot:
+                syncer.ask(marker)
+                continue
+            digest = name
+            log.warning("image store %s: layer %s was pulled before the machine went down and never synced to "
+                        "disk: removed (the next use of its images pulls it again)", self.root, digest[:12])
+            shutil.rmtree(self.layer_dir(digest), ignore_errors=True)
+            marker.unlink(missing_ok=True)
+            removed += 1
+        return removed
+
+    def synced(self, timeout: float | None = None) -> bool:
+        """Wait until every pulled layer of this process is synced to disk; False at ``timeout``."""
+        return _syncer(self.root).idle(timeout)
 
     def unpack_layer(self, stream: IO[bytes], where: str, expect: str | None = None,
                      max_bytes: int | None = None, unpack=None) -> tuple[str, int]:
@@ -285,7 +344,7 @@ class ImageStore:
             if expect is not None and digest != expect:
                 raise ImageError(f"{where}: its content is sha256:{digest}, not the layer sha256:{expect} the "
                                  "image's config names")
-            self._place(tmp, digest)
+            self._place(tmp, digest, behind=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -479,6 +538,93 @@ class ImageStore:
                         "shared_bytes": sum(n for d, n in per.items() if users[d] > 1),
                         "source": img.source, "digest": img.digest})
         return out
+
+
+def boot_id() -> str:
+    """This boot's id (the kernel's, new at each boot); "" where it cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _write_synced(path: Path, text: str) -> None:
+    """``text`` in the new file ``path``, the file and its directory's entry on the disk."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+class _Syncer:
+    """A store's thread that syncs its pulled layers to disk behind the pulls: one ``syncfs`` for
+    every layer asked before it starts, then their markers removed. A failed sync leaves its markers
+    (the next start after a crash removes those layers) and is logged."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cond = threading.Condition()
+        self.asked: list[Path] = []
+        self.syncing: list[Path] = []
+        self.thread: threading.Thread | None = None
+
+    def ask(self, marker: Path) -> None:
+        with self.cond:
+            self.asked.append(marker)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="tangram-image-sync", daemon=True)
+                self.thread.start()
+            self.cond.notify_all()
+
+    def holds(self, marker: Path) -> bool:
+        with self.cond:
+            return marker in self.asked or marker in self.syncing
+
+    def idle(self, timeout: float | None = None) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: not self.asked and not self.syncing, timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                self.cond.wait_for(lambda: self.asked)
+                self.syncing, self.asked = self.asked, []
+            try:
+                syncfs(self.root)
+            except FileNotFoundError:  # the store was removed (a bench's, a test's): nothing to keep
+                pass
+            except OSError as e:
+                log.error("image store %s: syncing %d pulled layer(s) to disk failed (%s): a crash of the machine "
+                          "now would cost their pulls again", self.root, len(self.syncing), e)
+            else:
+                for marker in self.syncing:
+                    try:
+                        marker.unlink()
+                    except FileNotFoundError:
+                        pass
+            with self.cond:
+                self.syncing = []
+                self.cond.notify_all()
+
+
+_syncers: dict[Path, _Syncer] = {}
+_syncers_lock = threading.Lock()
+
+
+def _syncer(root: Path) -> _Syncer:
+    with _syncers_lock:
+        key = root.resolve()
+        if key not in _syncers:
+            _syncers[key] = _Syncer(key)
+        return _syncers[key]
 
 
 def _tree_bytes(root: Path) -> int:

@@ -104,6 +104,7 @@ class SandboxManager(SandboxHost):
         self.resting.open_store()
         self.imageboxes = ImageSandboxes(self.images, self.layout, Limits(c.memory_mb << 20, c.pids_max), self.root,
                                          c.interpreter, tuple(c.interpreter_args), c.max_idle_sandboxes)
+        await asyncio.to_thread(self.images.check_unsynced)  # before any sandbox mounts a layer
         await self.pulls.start()
         if c.image is not None:  # the default image: fail at start, not at every action
             if self.mode is not Isolation.BWRAP:

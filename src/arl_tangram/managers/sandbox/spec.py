@@ -89,8 +89,8 @@ class SandboxConfig(BaseModel):
     registries: RegistriesConfig = Field(default_factory=RegistriesConfig, description="how images named by a "
                                          "registry reference are pulled on first use (the server config's "
                                          "[[registries]] tables and images.docker_config)")
-    image_durable: bool = Field(True, description="one syncfs before a pulled or imported layer becomes visible "
-                                "(the server config's images.durable)")
+    image_durable: bool = Field(True, description="layers synced to disk: an imported one before it becomes "
+                                "visible, a pulled one behind its pull (the server config's images.durable)")
     image_max_gb: float | None = Field(None, gt=0, description="disk the image store may use (the server "
                                        "config's images.max_gb): past it, the least recently used images no "
                                        "sandbox uses are removed after a pull (default: no bound)")
