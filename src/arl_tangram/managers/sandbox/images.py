@@ -278,7 +278,9 @@ class ImageStore:
             boot = boot_id() if behind and self.sync_behind else ""
             if boot:
                 marker = self.root / UNSYNCED / digest
-                marker.parent.mkdir(exist_ok=True)
+                if not marker.parent.is_dir():  # its entry on the disk too, or a crash could lose the marker
+                    marker.parent.mkdir(exist_ok=True)
+                    _fsync_dir(self.root)
                 _write_synced(marker, boot)
             else:
                 syncfs(tmp)
@@ -557,11 +559,15 @@ def _write_synced(path: Path, text: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        os.fsync(dfd)
+        os.fsync(fd)
     finally:
-        os.close(dfd)
+        os.close(fd)
 
 
 class _Syncer:
