@@ -31,12 +31,12 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
 import posixpath
 import re
 import shutil
 import stat
-import logging
 import tarfile
 import tempfile
 import threading
@@ -309,9 +309,9 @@ class ImageStore:
         except FileNotFoundError:
             return 0
         boot, syncer, removed = boot_id(), _syncer(self.root), 0
-        for name in names:
-            marker = markers / name
-            if not re.fullmatch(r"[0-9a-f]{64}", name) or syncer.holds(marker):
+        for digest in names:
+            marker = markers / digest
+            if not re.fullmatch(r"[0-9a-f]{64}", digest) or syncer.holds(marker):
                 continue
             try:
                 said = marker.read_text().strip()
@@ -320,7 +320,6 @@ class ImageStore:
             if boot and said == boot:
                 syncer.ask(marker)
                 continue
-            digest = name
             log.warning("image store %s: layer %s was pulled before the machine went down and never synced to "
                         "disk: removed (the next use of its images pulls it again)", self.root, digest[:12])
             shutil.rmtree(self.layer_dir(digest), ignore_errors=True)
@@ -612,10 +611,7 @@ class _Syncer:
                           "now would cost their pulls again", self.root, len(self.syncing), e)
             else:
                 for marker in self.syncing:
-                    try:
-                        marker.unlink()
-                    except FileNotFoundError:
-                        pass
+                    marker.unlink(missing_ok=True)
             with self.cond:
                 self.syncing = []
                 self.cond.notify_all()
