@@ -148,6 +148,147 @@ def test_a_layer_cannot_write_through_a_link_it_replaced(tmp_path):
             store.import_path(docker_archive(tmp_path / "c.tar", [entries]), "linked")
 
 
+def _writer_layer() -> bytes:
+    entries = [("dir", "ro", 0o555)]
+    entries += [("file", f"ro/f{i}", f"file {i}\n" * i, 0o644 if i % 3 else 0o755) for i in range(150)]
+    entries += [("hardlink", "ro/linked", "ro/f7"), ("file", "ro/t", "t"), ("hardlink", "ro/t2", "ro/t"),
+                ("file", "x", "first"), ("dir", "x", 0o700),
+                ("file", "x/in", "in"), ("file", "y", "old"), ("file", "y", "new", 0o4755),
+                ("file", "gone", "soon"), ("whiteout", "gone"), ("file", "big", "b" * (5 << 20)),
+                ("hardlink", "big2", "big"), ("symlink", "ro/up", "../x/in"), ("symlink", "s", "x"),
+                ("dir", "s", 0o750), ("file", "s/f", "f"),
+                ("dir", "d", 0o755), ("file", "d/a", "a"), ("symlink", "d/l", "a"), ("file", "d", "a file now"),
+                ("dir", "o", 0o755), ("file", "o/keep", "k"), ("opaque", "o")]
+    entries += [("file", f"many/m{i}", "m" * (i * 997 % 70_000)) for i in range(400)]
+    owned = tarfile.TarInfo("owned")
+    owned.uid, owned.gid, owned.mode, owned.size, owned.mtime = 1234, 5678, 0o2750, 3, 1_600_000_000
+    entries.append(("raw", owned, b"abc"))
+    link = tarfile.TarInfo("ownedlink")
+    link.type, link.linkname, link.uid, link.gid, link.mtime = tarfile.SYMTYPE, "owned", 4321, 8765, 1_500_000_000
+    entries.append(("raw", link, b""))
+    return layer_tar(entries)
+
+
+def _gids(root) -> dict:
+    return {os.path.relpath(os.path.join(d, n), root): os.lstat(os.path.join(d, n)).st_gid
+            for d, dirs, files in os.walk(root) for n in dirs + files}
+
+
+@root_only
+def test_writer_processes_and_threads_unpack_the_tree_one_thread_unpacks(tmp_path):
+    """Files and symlinks made by threads (``unpack._Writers``) or by processes the unpacking
+    process forks (``unpack._ProcWriters``, through ``unpackproc``) beside the reading: hard links to
+    files still queued, files and a symlink replaced by directories and by other files, a
+    directory replaced by a file, an opaque directory, whiteouts of files just made, a read-only
+    directory, setuid and other owners (of a file and of a symlink), one file past the small size,
+    and enough files for many batches: the same tree, modes, owners and mtimes as written in order."""
+    from arl_tangram.managers.sandbox.registry.unpackproc import unpack_in_child
+    from arl_tangram.managers.sandbox.unpack import check_and_unpack
+
+    blob = _writer_layer()
+    trees = []
+    for how, unpack in (("order", lambda s, d: check_and_unpack(s, d, "layer 0", None)),
+                        ("threads", lambda s, d: check_and_unpack(s, d, "layer 0", None, 3)),
+                        ("procs", lambda s, d: unpack_in_child(s, d, "layer 0", None, procs=3)),
+                        ("one proc", lambda s, d: unpack_in_child(s, d, "layer 0", None, procs=1))):
+        dest = tmp_path / how
+        dest.mkdir()
+        digest, size = unpack(io.BytesIO(blob), dest)
+        trees.append((digest, size, _tree(dest), _gids(dest), os.getxattr(dest / "o", "trusted.overlay.opaque")))
+    assert trees[0] == trees[1] == trees[2] == trees[3]
+    tree, gids = trees[2][2], trees[2][3]
+    assert tree["ro/linked"] == tree["ro/f7"] and os.stat(tmp_path / "procs/ro/linked").st_nlink == 2
+    assert tree["y"][1:] == (0o4755, 0, 1_700_000_000 * 10**9, b"new") and tree["x/in"][4] == b"in"
+    assert stat.S_ISCHR(tree["gone"][0]) and tree["owned"][1:3] == (0o2750, 1234) and gids["owned"] == 5678
+    assert tree["ownedlink"][2:] == (4321, 1_500_000_000 * 10**9, "owned") and gids["ownedlink"] == 8765
+    assert tree["d"][4] == b"a file now" and "d/a" not in tree and tree["many/m7"][4] == b"m" * 6979
+    assert stat.S_IMODE(os.stat(tmp_path / "procs/ro").st_mode) == 0o555
+
+
+def _procs_naming(text: str) -> list[int]:
+    """Processes whose command line holds ``text`` (an unpacking process and its writers name their ``dest``)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if text.encode() in fh.read():
+                    out.append(int(pid))
+        except OSError:
+            continue
+    return out
+
+
+class _Held:
+    """A layer's bytes as a stream that stops after ``first`` bytes until ``go`` is set."""
+
+    def __init__(self, blob: bytes, first: int) -> None:
+        import threading
+
+        self.blob, self.first, self.pos, self.go = blob, first, 0, threading.Event()
+        self.held = threading.Event()
+
+    def read(self, n: int = -1) -> bytes:
+        if self.pos >= self.first:
+            self.held.set()
+            self.go.wait(30)
+        end = self.pos + (1 << 16) if self.pos >= self.first else min(self.first, self.pos + (1 << 16))
+        out, self.pos = self.blob[self.pos:end], min(end, len(self.blob))
+        return out
+
+
+@root_only
+def test_a_writer_process_failing_or_killed_fails_the_layer_and_leaves_nothing(tmp_path):
+    """A writer process's error (no inodes left) fails the layer as the disk's error, naming it,
+    with nothing visible; a writer killed part way is ours (``infra``), not the layer's; either
+    way no process of the unpacking is left."""
+    import functools
+    import threading
+
+    from arl_tangram.managers.sandbox.registry.unpackproc import unpack_in_child
+
+    blob = _writer_layer()
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "nr_inodes=120", "tmpfs", str(small)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        store = ImageStore(small / "store")
+        with pytest.raises(ImageError, match=r"layer 0: cannot unpack: \[Errno 28\]") as e:
+            store.unpack_layer(io.BytesIO(blob), "layer 0", unpack=functools.partial(unpack_in_child, procs=2))
+        assert e.value.infra and store.list() == []
+        assert not os.listdir(small / "store" / "layers") and not _procs_naming(str(small))
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    store = ImageStore(tmp_path / "store")
+    held = _Held(blob, len(blob) // 2)
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(_catch(lambda: store.unpack_layer(
+        held, "layer 0", unpack=functools.partial(unpack_in_child, procs=2)))))
+    runner.start()
+    assert held.held.wait(30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and len(_procs_naming(str(tmp_path / "store"))) < 3:
+        time.sleep(0.02)
+    child = [p for p in _procs_naming(str(tmp_path / "store")) if p in _unpack_children()]
+    writers = [p for p in _procs_naming(str(tmp_path / "store")) if p not in child]
+    assert len(child) == 1 and len(writers) == 2
+    os.kill(writers[0], signal.SIGKILL)
+    held.go.set()
+    runner.join(60)
+    error = result[0]
+    assert isinstance(error, ImageError) and error.infra, error
+    assert "layer 0" in str(error) and "writer process ended" in str(error)
+    assert store.list() == [] and not os.listdir(store.root / "layers")
+    assert not _procs_naming(str(tmp_path / "store"))
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except BaseException as e:  # handed to the test's thread
+        return e
+
+
 @root_only
 def test_writer_threads_unpack_the_tree_one_thread_unpacks(tmp_path):
     """Files and symlinks made by threads (``unpack._Writers``) beside the reading: hard links to
@@ -662,13 +803,13 @@ def _unpack_children() -> list[int]:
 @root_only
 @needs_tools
 def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp_path, proxy, monkeypatch):
-    """Large layers go through a child process (``unpackproc``): the same tree, the same checks,
-    nothing left visible or running when the layer is bad, its blob does not match, the download
+    """Large layers go through a child process (``unpackproc``, with writer processes): the same
+    tree, the same checks, nothing left visible or running (the child, its writers) when the layer is bad, its blob does not match, the download
     starts over, or the pull is cancelled; and a durable store syncs before a layer appears."""
     from arl_tangram.managers.sandbox import images as images_module
 
     cfg = _config(proxy.host)
-    child = PullLimits(process_unpack_bytes=0, process_unpack_cpus=1)
+    child = PullLimits(process_unpack_bytes=0, process_unpack_cpus=1, unpack_writer_procs=2)
     synced = []
     sync = images_module.syncfs
     monkeypatch.setattr(images_module, "syncfs", lambda p: (synced.append(str(p)), sync(p)))
@@ -720,7 +861,7 @@ def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp
 
     asyncio.run(cancelled())
     proxy.release.set()
-    assert _unpack_children() == []
+    assert _unpack_children() == [] and _procs_naming(str(tmp_path)) == []  # nor its writer processes
     assert [i.name for i in fresh.list()] == [img.name] and stalled.list() == []
     # a child that dies without an answer: an infrastructure error naming the layer, nothing left
     from arl_tangram.managers.sandbox.registry import unpackproc

@@ -19,11 +19,14 @@ entry itself. Alternative dropped: ``tarfile``'s ``data`` filter — it refuses 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import posixpath
 import shutil
+import signal
 import stat
+import struct
 import tarfile
 from collections import deque
 from dataclasses import dataclass
@@ -204,13 +207,15 @@ class Unpacker:
     descriptor (the layer's files are the bulk of a pull's system calls). A path made before (a
     later member replacing an earlier one) is looked at and removed first."""
 
-    def __init__(self, dest: Path | str, where: str, writers: int = 0) -> None:
+    def __init__(self, dest: Path | str, where: str, writers: int = 0, procs: int = 0) -> None:
         self.dest, self.where = str(dest), where
         self.dirs: list[tuple[str, tarfile.TarInfo]] = []
         self.made: set[str] = set()  # the paths this unpacker created (with their parent directories)
         self.owner = (os.geteuid(), os.getegid())
         self.umask = _umask()
-        self.writers = _Writers(writers, self.owner) if writers > 0 else None
+        # ``procs``: forked here, so only in a process with no other thread yet (``unpack_child``)
+        self.writers: _Writers | _ProcWriters | None = (
+            _ProcWriters(procs, self.owner, where) if procs > 0 else _Writers(writers, self.owner) if writers > 0 else None)
 
     def _settle(self) -> None:
         """Every file handed to the writers is written (before a path made earlier is touched)."""
@@ -270,7 +275,7 @@ class Unpacker:
             _remove(full)
         if m.issym():
             if self.writers is not None:  # nothing in the layer is made through it (Checker)
-                self.writers.add((_make_symlink, full, m.linkname, m.uid, m.gid, m.mtime), 0)
+                self.writers.symlink(full, m.linkname, m.uid, m.gid, m.mtime)
                 return
             os.symlink(m.linkname, full)
         elif m.islnk():
@@ -287,8 +292,8 @@ class Unpacker:
         # created with its mode where the umask keeps it (setuid and setgid bits are set after the owner)
         plain = not mode & 0o7000 and not mode & self.umask
         if isinstance(tar, TarStream):  # the data as slices of the stream's chunks
-            if self.writers is not None and m.size <= _Writers.SMALL:
-                self.writers.add((_write_file, full, list(tar.data()), mode, plain, m.uid, m.gid, m.mtime), m.size)
+            if self.writers is not None and m.size <= SMALL:
+                self.writers.file(full, list(tar.data()), m.size, mode, plain, m.uid, m.gid, m.mtime)
                 return
             pieces = tar.data()
         else:
@@ -333,6 +338,10 @@ def _write_file(full: str, pieces, mode: int, plain: bool, uid: int, gid: int, m
         os.close(fd)
 
 
+SMALL = 4 << 20  # a file up to this size goes to the writers; a larger one is written in order by the reader
+BATCH_FILES, BATCH_BYTES = 32, 1 << 20
+
+
 class _Writers:
     """Files (and symlinks) made by ``n`` threads, in batches, while the members after them are
     read: a file's creation is system calls (open, write, utime, close), which run beside each other
@@ -341,9 +350,6 @@ class _Writers:
     target) and at its end. The data waiting here is slices of the stream's chunks: at most
     ``2n`` batches wait, a batch is closed at 1 MB, and a file over ``SMALL`` is written in
     order by the unpacker itself (so at most ``2n`` x 5 MB are held)."""
-
-    SMALL = 4 << 20
-    BATCH_FILES, BATCH_BYTES = 32, 1 << 20
 
     def __init__(self, n: int, owner: tuple[int, int]) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -354,10 +360,17 @@ class _Writers:
         self.bytes = 0
         self.pending: deque = deque()
 
+    def file(self, full: str, pieces: list, size: int, mode: int, plain: bool, uid: int, gid: int,
+             mtime: float) -> None:
+        self.add((_write_file, full, pieces, mode, plain, uid, gid, mtime), size)
+
+    def symlink(self, full: str, target: str, uid: int, gid: int, mtime: float) -> None:
+        self.add((_make_symlink, full, target, uid, gid, mtime), 0)
+
     def add(self, job: tuple, size: int) -> None:
         self.batch.append(job)
         self.bytes += size
-        if len(self.batch) >= self.BATCH_FILES or self.bytes >= self.BATCH_BYTES:
+        if len(self.batch) >= BATCH_FILES or self.bytes >= BATCH_BYTES:
             self._flush()
 
     def _flush(self) -> None:
@@ -390,6 +403,227 @@ def _make_symlink(full: str, target: str, uid: int, gid: int, mtime: float, owne
     os.utime(full, (mtime, mtime), follow_symlinks=False)
 
 
+class WriterDied(ImageError):
+    """A writer process ended without its answer (killed, out of memory): ours, not the layer's."""
+
+    infra = True
+
+
+# a record of a batch: kind (0 a file, 1 a symlink), plain, mode, uid, gid, mtime, then the
+# lengths of the path and of the data (a file's bytes, a symlink's target) that follow it
+_REC = struct.Struct("<BBIqqdIQ")
+_LEN = struct.Struct("<Q")  # a batch's length before it (0: no more batches)
+_PIPE_BYTES = 1 << 20  # a whole batch fits in the pipe: the reader rarely waits to hand one over
+
+
+class _ProcWriters:
+    """Files and symlinks made by ``n`` processes forked at the start of a layer's unpacking
+    process (``unpack_child``: a small interpreter, and no thread started yet), each fed batches
+    through a pipe of its own, round robin, and answering each batch on another (a byte, or the
+    error). Threads (``_Writers``) share the reader's interpreter lock: every system call of a
+    writer gives it up and takes it back, so on a host with fast file creation they slowed the
+    reader more than they took off it. The checks stay in the reader, in order; the writers only
+    create what it already judged. ``drain`` as ``_Writers``': before a path made earlier is
+    touched, before a hard link, at the end. A writer's ``OSError`` is raised by the reader as
+    that ``OSError`` (the disk's, as a thread's was); a writer gone without its answer is
+    ``WriterDied``. ``close`` kills and waits for every writer, so nothing writes into ``dest``
+    once it returns; each writer also dies with the unpacking process (``PR_SET_PDEATHSIG``) and
+    holds its stdout, so the pull reading that to its end knows every writer is gone."""
+
+    def __init__(self, n: int, owner: tuple[int, int], where: str) -> None:
+        self.n, self.where = n, where
+        self.procs: list[tuple[int, int, int]] = []  # (pid, batches' pipe, answers' pipe)
+        self.pending = [0] * n
+        self.batch: list = []
+        self.files = 0
+        self.bytes = 0
+        self.next = 0
+        ours: list[int] = []  # this side's pipe ends, closed in each writer forked after
+        me = os.getpid()
+        try:
+            for _ in range(n):
+                jr, jw = os.pipe()
+                ar, aw = os.pipe()
+                try:
+                    fcntl.fcntl(jw, _F_SETPIPE_SZ, _PIPE_BYTES)
+                except OSError:
+                    pass
+                pid = os.fork()
+                if pid == 0:  # the writer
+                    code = 1
+                    try:
+                        _die_with_parent(me)
+                        os.close(0)  # the layer's stream: the pull must see the pipe's end when the reader dies
+                        for fd in ours + [jw, ar]:
+                            os.close(fd)
+                        _writer(jr, aw, owner)
+                        code = 0
+                    finally:
+                        os._exit(code)
+                os.close(jr)
+                os.close(aw)
+                ours += [jw, ar]
+                self.procs.append((pid, jw, ar))
+        except BaseException:
+            self.close()
+            raise
+
+    def file(self, full: str, pieces: list, size: int, mode: int, plain: bool, uid: int, gid: int,
+             mtime: float) -> None:
+        path = os.fsencode(full)
+        self.batch += (_REC.pack(0, plain, mode, uid, gid, mtime, len(path), size), path, *pieces)
+        self._added(size + len(path))
+
+    def symlink(self, full: str, target: str, uid: int, gid: int, mtime: float) -> None:
+        path, to = os.fsencode(full), os.fsencode(target)
+        self.batch += (_REC.pack(1, 0, 0, uid, gid, mtime, len(path), len(to)), path, to)
+        self._added(len(path) + len(to))
+
+    def _added(self, size: int) -> None:
+        self.files += 1
+        self.bytes += size + _REC.size
+        if self.files >= BATCH_FILES or self.bytes >= BATCH_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.batch:
+            return
+        i = self.next
+        self.next = (i + 1) % self.n
+        while self.pending[i] >= 2:  # at most two batches a writer: one written, one waiting
+            self._answer(i)
+        pieces = [_LEN.pack(self.bytes), *self.batch]
+        self.batch, self.files, self.bytes = [], 0, 0
+        try:
+            _write_all(self.procs[i][1], pieces)
+        except BrokenPipeError:
+            raise WriterDied(f"{self.where}: a writer process ended without an answer") from None
+        self.pending[i] += 1
+
+    def _answer(self, i: int) -> None:
+        fd = self.procs[i][2]
+        head = _read_exact(fd, 5)
+        if len(head) < 5:
+            raise WriterDied(f"{self.where}: a writer process ended without an answer")
+        self.pending[i] -= 1
+        size = int.from_bytes(head[1:], "little")
+        if size:  # its error: raised as the writer met it
+            err = json.loads(_read_exact(fd, size))
+            if err.get("errno") is not None:
+                raise OSError(err["errno"], err["strerror"], err.get("filename"))
+            raise WriterDied(f"{self.where}: a writer process failed: {err.get('error')}")
+
+    def drain(self) -> None:
+        self._flush()
+        for i in range(len(self.procs)):
+            while self.pending[i]:
+                self._answer(i)
+
+    def close(self) -> None:
+        """Kill and wait for every writer (drained before, at a layer's end: they wait idle)."""
+        self.batch = []
+        for pid, jw, ar in self.procs:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid, jw, ar in self.procs:
+            while True:
+                try:
+                    os.waitpid(pid, 0)
+                    break
+                except ChildProcessError:
+                    break
+                except InterruptedError:
+                    continue
+            os.close(jw)
+            os.close(ar)
+        self.procs = []
+
+
+def _writer(jobs: int, answers: int, owner: tuple[int, int]) -> None:
+    """A writer process's loop: each batch's records made in order, then its answer; after an
+    error, batches are answered but not written (the reader raises at the first error)."""
+    failed = False
+    while True:
+        head = _read_exact(jobs, _LEN.size)
+        if len(head) < _LEN.size:
+            return
+        size = _LEN.unpack(head)[0]
+        if not size:
+            return
+        buf = memoryview(_read_exact(jobs, size))
+        if len(buf) < size:
+            return
+        err = b""
+        if not failed:
+            try:
+                _write_batch(buf, owner)
+            except BaseException as e:  # handed to the reader
+                failed = True
+                if isinstance(e, OSError):
+                    info = {"errno": e.errno, "strerror": e.strerror, "filename": e.filename}
+                else:
+                    info = {"error": f"{type(e).__name__}: {e}"}
+                err = json.dumps(info).encode()
+        _write_all(answers, [b"\x01" if err else b"\x00", len(err).to_bytes(4, "little"), err])
+
+
+def _write_batch(buf: memoryview, owner: tuple[int, int]) -> None:
+    pos, end, rec = 0, len(buf), _REC.size
+    while pos < end:
+        kind, plain, mode, uid, gid, mtime, plen, dlen = _REC.unpack_from(buf, pos)
+        pos += rec
+        full = os.fsdecode(bytes(buf[pos:pos + plen]))
+        pos += plen
+        data = buf[pos:pos + dlen]
+        pos += dlen
+        if kind == 0:
+            _write_file(full, (data,), mode, bool(plain), uid, gid, mtime, owner)
+        else:
+            _make_symlink(full, os.fsdecode(bytes(data)), uid, gid, mtime, owner)
+
+
+def _read_exact(fd: int, n: int) -> bytearray:
+    """``n`` bytes of ``fd`` (fewer only at its end)."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = os.readv(fd, [view[got:]])
+        if not k:
+            break
+        got += k
+    return buf if got == n else buf[:got]
+
+
+def _write_all(fd: int, pieces: list) -> None:
+    """Every byte of ``pieces`` into ``fd`` (one writev call for a whole batch, where the pipe takes it)."""
+    views = [memoryview(p) for p in pieces if len(p)]
+    while views:
+        k = os.writev(fd, views[:_IOV_MAX])
+        while views and k >= len(views[0]):
+            k -= len(views[0])
+            views.pop(0)
+        if k:
+            views[0] = views[0][k:]
+
+
+_IOV_MAX = 1024
+_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when its parent ends (the unpacking process killed outright)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the parent was gone already
+        os._exit(1)
+
+
 def _umask() -> int:
     """This process's umask, read without changing it (``os.umask`` sets it for every thread)."""
     try:
@@ -410,13 +644,14 @@ def _is_real_dir(path: str) -> bool:
 
 
 def check_and_unpack(stream: IO[bytes], dest: Path, where: str, max_bytes: int | None,
-                      writers: int = 0) -> tuple[str, int]:
+                      writers: int = 0, procs: int = 0) -> tuple[str, int]:
     """Check each member, then write it into the fresh directory ``dest``, in one pass (a
     member's checks depend only on the members before it); small files by ``writers`` threads
+    or ``procs`` forked processes (only where this process has no other thread: ``unpack_child``)
     if more than 0. Returns (sha256 of the uncompressed tar, file bytes); the caller discards
     ``dest`` if this raises (nothing writes there any more by then)."""
     checker = Checker(where, max_bytes)
-    unpacker = Unpacker(dest, where, writers)
+    unpacker = Unpacker(dest, where, writers, procs)
     try:
         digest, _ = _members(stream, where, lambda tar, m: unpacker.add(tar, m, path=checker.check(m)))
         unpacker.finish()
@@ -428,8 +663,9 @@ def check_and_unpack(stream: IO[bytes], dest: Path, where: str, max_bytes: int |
 def unpack_child() -> None:
     """A pull's unpacking process (``registry/unpackproc``): the layer's bytes on stdin, checked
     and unpacked into ``argv[1]`` (a hidden directory the parent made and places; at most
-    ``argv[3]`` file bytes, small files by ``argv[4]`` writer threads); one JSON line on stdout:
-    the digest and file bytes, or the error naming the layer (``argv[2]``)."""
+    ``argv[3]`` file bytes, small files by ``argv[4]`` writer threads or ``argv[5]`` writer
+    processes); one JSON line on stdout: the digest and file bytes, or the error naming the layer
+    (``argv[2]``), with ``infra`` where it is ours (a writer died, the disk), not the layer's."""
     import sys
 
     class Stdin:
@@ -437,11 +673,13 @@ def unpack_child() -> None:
             return os.read(0, n if n > 0 else 1 << 20)
 
     dest, where, max_bytes, writers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    procs = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     try:
-        digest, size = check_and_unpack(Stdin(), Path(dest), where, None if max_bytes < 0 else max_bytes, writers)
+        digest, size = check_and_unpack(Stdin(), Path(dest), where, None if max_bytes < 0 else max_bytes,
+                                        writers, procs)
         answer: dict = {"digest": digest, "size": size}
-    except ImageError as e:
-        answer = {"error": str(e)}
+    except ImageError as e:  # the layer's, or ours (``infra``: a writer process died)
+        answer = {"error": str(e), "infra": e.infra}
     except OSError as e:  # the disk's (full, read-only), not the layer's
         answer = {"error": f"{where}: cannot unpack: {e}", "infra": True}
     sys.stdout.write(json.dumps(answer) + "\n")

@@ -7,14 +7,17 @@ pull with cores to spare took about the sum of their Python work, not the longes
 child the unpacking (and the inflate and diff_id hash beside it) has an interpreter of its own;
 the parent only receives, hashes the blob and copies its bytes into a pipe.
 
-``unpack_in_child(stream, dest, where, max_bytes, writers)`` has ``unpack.check_and_unpack``'s
+``unpack_in_child(stream, dest, where, max_bytes, writers, procs)`` has ``unpack.check_and_unpack``'s
 contract: the bytes ``stream.read`` returns are the layer (its end only once the caller verified
 the blob), ``dest`` is the caller's fresh hidden directory (named by this process's pid, so a
 killed pull's is removed as before), and it returns (sha256 of the uncompressed tar, file bytes) or
 raises ``ImageError`` naming the layer. The child never makes anything visible: the caller renames
 ``dest`` into place. Whatever ends the feed early (``stream.read`` raising) kills the child and
-waits for it before raising on, so ``dest`` is removed with nothing still writing into it; a parent
-killed outright closes the pipe, and the child ends at its truncated stream.
+waits for it before raising on, so ``dest`` is removed with nothing still writing into it: the child
+runs in a process group of its own, with the writer processes it forks (``procs``,
+``unpack._ProcWriters``), and the whole group is killed; the writers hold the child's stdout, so its
+end, read here, means every one of them is gone too. A parent killed outright closes the pipe, and
+the child ends at its truncated stream (killing its writers first).
 
 Starting the child (an interpreter and ``unpack``'s modules) costs tens of milliseconds, so only
 layers of at least ``PullLimits.process_unpack_bytes`` go through it; it starts while the
@@ -26,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,7 +50,8 @@ class ChildFailed(ImageError):
     infra = True
 
 
-def unpack_in_child(stream, dest: Path | str, where: str, max_bytes: int | None, writers: int = 0) -> tuple[str, int]:
+def unpack_in_child(stream, dest: Path | str, where: str, max_bytes: int | None, writers: int = 0,
+                    procs: int = 0) -> tuple[str, int]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_ROOT, env.get("PYTHONPATH", "")) if p)
     # its stderr (a traceback, warnings) to a file: a pipe nobody reads until the end could fill
@@ -54,14 +59,15 @@ def unpack_in_child(stream, dest: Path | str, where: str, max_bytes: int | None,
     errors = tempfile.TemporaryFile()
     try:
         return _run(stream, [sys.executable, "-c", _BOOT, str(dest), where,
-                             str(-1 if max_bytes is None else max_bytes), str(writers)], env, errors, where)
+                             str(-1 if max_bytes is None else max_bytes), str(writers), str(procs)], env, errors,
+                    where)
     finally:
         errors.close()
 
 
 def _run(stream, argv: list[str], env: dict, errors, where: str) -> tuple[str, int]:
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errors, env=env,
-                            close_fds=True)
+                            close_fds=True, process_group=0)  # its group: the child and its writers
     fd = proc.stdin.fileno()
     try:
         try:
@@ -80,8 +86,7 @@ def _run(stream, argv: list[str], env: dict, errors, where: str) -> tuple[str, i
                 break
         out, _ = proc.communicate()  # closes the pipe: the end of the stream
     except BaseException:
-        proc.kill()
-        proc.wait()
+        _kill(proc)
         raise
     lines = out.decode("utf-8", "replace").strip().splitlines()
     try:
@@ -95,3 +100,19 @@ def _run(stream, argv: list[str], env: dict, errors, where: str) -> tuple[str, i
     if "error" in answer:
         raise (ChildFailed if answer.get("infra") else ImageError)(str(answer["error"]))
     return str(answer["digest"]), int(answer["size"])
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill the child and its writer processes, and wait until every one of them is gone."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its group (the child is not waited for yet: the id is its own)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    out = proc.stdout
+    if out is not None:
+        try:
+            while out.read(1 << 16):  # the writers hold it: its end is the last of them gone
+                pass
+        except (OSError, ValueError):
+            pass
