@@ -16,8 +16,10 @@ picks the parts to run.
   unpacked), ``runs`` of each alternating, medians; ``pull_throughput_vs_skopeo_copy`` at the
   top of the JSON is that ratio (``pull_unpacks_in``: where that pull unpacked the layer).
   Beside them the same pull without the ``syncfs``, and, also without it, the layer unpacked in
-  a child process, in a thread of the pulling process (as small layers are) and in a child
-  without writer threads; then
+  a child process (its default writer processes), in a thread of the pulling process (as small
+  layers are), in a child without writer processes, and with 1, 2 and 4 (in alternating order); ``reader_phases``: the same blob from memory, the inflate alone, with
+  the diff_id hash, with the tar parsed and checked, and the whole unpacking into tmpfs and onto
+  the disk (with the default writers and none), wall and CPU seconds; then
   ``tar -xzf`` of the same blob (this disk's own speed at creating the layer's files), our
   client's download of the blob alone (digest checked, nothing kept), the pull into a tmpfs
   store (the disk left out), and what creating one empty file costs on this disk; the CPU
@@ -68,6 +70,7 @@ from .taskimages import (BadRegistry, Layout, Registry, compress, debian_root, h
                          root_layer, skopeo, tar_dir, task_layer)
 
 BASES = ("debian", "host-python")
+PROCS = (1, 2, 4)  # writer processes compared in the throughput section
 SECTIONS = ("throughput", "tasks", "first_session", "concurrent", "bad_input")
 
 
@@ -174,6 +177,14 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
     took: dict[str, list[float]] = {k: [] for k in ("skopeo", "pull", "pull_nosync", "pull_child", "pull_thread",
                                                      "pull_no_writers", "tar", "download", "pull_tmpfs",
                                                      "skopeo_cpu", "pull_cpu", "sync_behind", "pull_sync_first")}
+    # where the layer is unpacked, each without syncfs: in a child process with its default
+    # writers (whatever the CPUs), in a thread of the pulling process (as small layers are), in a
+    # child with no writer processes, with 1, 2 and 4
+    variants = [("pull_child", PullLimits(process_unpack_cpus=1)),
+                ("pull_thread", PullLimits(process_unpack_bytes=1 << 62)),
+                ("pull_no_writers", PullLimits(unpack_writer_procs=0, process_unpack_cpus=1))]
+    variants += [(f"pull_writer_procs_{n}", PullLimits(unpack_writer_procs=n, process_unpack_cpus=1)) for n in PROCS]
+    took.update({k: [] for k, _ in variants})
     for i in range(runs):
         t, c = time.perf_counter(), _cpu(resource.RUSAGE_CHILDREN)
         skopeo("copy", "-q", "--src-tls-verify=false", f"docker://{ref}", f"dir:{work / f'skopeo-{i}'}")
@@ -199,12 +210,7 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
         t = time.perf_counter()
         asyncio.run(pull(ref, ImageStore(work / f"tp-nosync-{i}", durable=False), regs))
         took["pull_nosync"].append(time.perf_counter() - t)
-        # where the layer is unpacked, each without syncfs: in a child process (whatever the
-        # CPUs), in a thread of the pulling process (as small layers are), in a child with no
-        # writer threads
-        for key, limits in (("pull_child", PullLimits(process_unpack_cpus=1)),
-                            ("pull_thread", PullLimits(process_unpack_bytes=1 << 62)),
-                            ("pull_no_writers", PullLimits(unpack_writers=0, process_unpack_cpus=1))):
+        for key, limits in (variants if i % 2 == 0 else variants[::-1]):  # none always first
             t = time.perf_counter()
             asyncio.run(pull(ref, ImageStore(work / f"tp-{key}-{i}", durable=False), regs, limits=limits))
             took[key].append(time.perf_counter() - t)
@@ -227,8 +233,9 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
     mb = len(blob) / (1 << 20)
     result = {"blob_mb": round(mb, 1), "tar_mb": round(len(tar) / (1 << 20), 1), "files": files["files"],
               "members": files["members"], "pull_s": round(med["pull"], 3), "skopeo_copy_s": round(med["skopeo"], 3),
-              "pull_unpacks_in": "a child process" if len(blob) >= PullLimits().process_unpack_bytes
-              and len(os.sched_getaffinity(0)) >= PullLimits().process_unpack_cpus else "a thread",
+              "pull_unpacks_in": (f"a child process ({_writers(PullLimits())})" if len(blob) >=
+                                  PullLimits().process_unpack_bytes and len(os.sched_getaffinity(0)) >=
+                                  PullLimits().process_unpack_cpus else "a thread"),
               "pull_without_syncfs_s": round(med["pull_nosync"], 3),
               "syncfs_cost_s": round(med["pull"] - med["pull_nosync"], 3),
               "sync_behind_s": round(med["sync_behind"], 3),
@@ -238,8 +245,13 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
               "pull_unpacking_in_a_child_s": round(med["pull_child"], 3),
               "pull_unpacking_in_a_thread_s": round(med["pull_thread"], 3),
               "child_over_thread_speedup": round(med["pull_thread"] / med["pull_child"], 2),
+              # (named when the writers were threads: a child with no writers)
               "pull_child_without_writer_threads_s": round(med["pull_no_writers"], 3),
-              "writer_threads_speedup": round(med["pull_no_writers"] / med["pull_child"], 2),
+              **{f"pull_child_with_{n}_writer_procs_s": round(med[f"pull_writer_procs_{n}"], 3) for n in PROCS},
+              **{f"writer_procs_{n}_speedup": round(med["pull_no_writers"] / med[f"pull_writer_procs_{n}"], 2)
+                 for n in PROCS},
+              "default_writer_procs": PullLimits().writer_procs(),
+              "reader_phases": _phases(blob, runs, work, shm),
               "tar_xzf_s": round(med["tar"], 3), "download_only_s": round(med["download"], 3),
               "pull_tmpfs_s": round(med["pull_tmpfs"], 3) if "pull_tmpfs" in med else None,
               "create_us_per_file": create_us, "pull_mb_per_s": round(mb / med["pull"], 1),
@@ -255,6 +267,60 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
         f"{result['skopeo_copy_s']} s, tar -xzf {result['tar_xzf_s']} s, download alone {result['download_only_s']} s, "
         f"{create_us} us to create a file: {result['ratio_vs_skopeo']}x skopeo")
     return result
+
+
+def _writers(limits: PullLimits) -> str:
+    procs = limits.writer_procs()
+    return f"{procs} writer processes" if procs else "no writer processes"
+
+
+def _phases(blob: bytes, runs: int, work: Path, shm: Path | None) -> dict:
+    """Where the unpacking's time goes, on the same blob from memory (no network), each ``runs``
+    times, medians of wall and CPU seconds: the inflate alone (this thread), the inflate with the
+    diff_id sha256 (``Inflated``: each in a thread), those with the tar parsed and every member
+    checked (no writes), and the whole unpacking in a child process as a pull runs it
+    (``unpack_in_child``, its default writers and none; CPU of the child and its writers) into
+    tmpfs and onto this disk."""
+    import io
+
+    from ..managers.sandbox import unpack as unpack_mod
+    from ..managers.sandbox.registry.unpackproc import unpack_in_child
+
+    procs = PullLimits().writer_procs()
+    took: dict[str, list[float]] = {}
+
+    def timed(key: str, fn: Callable[[], object]) -> None:
+        t, c = time.perf_counter(), _cpu(resource.RUSAGE_SELF) + _cpu(resource.RUSAGE_CHILDREN)
+        fn()
+        took.setdefault(f"{key}_s", []).append(time.perf_counter() - t)
+        took.setdefault(f"{key}_cpu_s", []).append(_cpu(resource.RUSAGE_SELF) + _cpu(resource.RUSAGE_CHILDREN) - c)
+
+    def inflate() -> None:
+        for _ in layertar.inflate(io.BytesIO(blob).read):
+            pass
+
+    def inflate_hash() -> None:
+        inflated = layertar.Inflated(io.BytesIO(blob).read)
+        for _ in inflated:
+            pass
+        inflated.digest()
+
+    places = [("disk", work)] + ([("tmpfs", shm)] if shm is not None else [])
+    for i in range(runs):
+        timed("inflate", inflate)
+        timed("inflate_and_hash", inflate_hash)
+        timed("inflate_hash_parse_and_check", lambda: unpack_mod.check_layer(io.BytesIO(blob), "bench"))
+        for where, root in (places if i % 2 == 0 else places[::-1]):
+            for key, n in ((f"unpack_{where}", procs), (f"unpack_{where}_no_writers", 0)):
+                d = Path(tempfile.mkdtemp(prefix="tangram-bench-phase-", dir=root))
+                try:
+                    timed(key, lambda: unpack_in_child(io.BytesIO(blob), d, "bench", None, procs=n))
+                finally:
+                    if where == "tmpfs":  # (the disk's are kept to the end: see the module's docstring)
+                        shutil.rmtree(d, ignore_errors=True)
+    out = {k: round(statistics.median(v), 3) for k, v in took.items()}
+    out["writer_procs"] = procs
+    return out
 
 
 def _cpu(who: int) -> float:

@@ -28,7 +28,6 @@ import signal
 import stat
 import struct
 import tarfile
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -207,15 +206,14 @@ class Unpacker:
     descriptor (the layer's files are the bulk of a pull's system calls). A path made before (a
     later member replacing an earlier one) is looked at and removed first."""
 
-    def __init__(self, dest: Path | str, where: str, writers: int = 0, procs: int = 0) -> None:
+    def __init__(self, dest: Path | str, where: str, procs: int = 0) -> None:
         self.dest, self.where = str(dest), where
         self.dirs: list[tuple[str, tarfile.TarInfo]] = []
         self.made: set[str] = set()  # the paths this unpacker created (with their parent directories)
         self.owner = (os.geteuid(), os.getegid())
         self.umask = _umask()
-        # ``procs``: forked here, so only in a process with no other thread yet (``unpack_child``)
-        self.writers: _Writers | _ProcWriters | None = (
-            _ProcWriters(procs, self.owner, where) if procs > 0 else _Writers(writers, self.owner) if writers > 0 else None)
+        # ``procs`` writer processes: forked here, so only in a process with no other thread yet (``unpack_child``)
+        self.writers = _ProcWriters(procs, self.owner, where) if procs > 0 else None
 
     def _settle(self) -> None:
         """Every file handed to the writers is written (before a path made earlier is touched)."""
@@ -339,60 +337,7 @@ def _write_file(full: str, pieces, mode: int, plain: bool, uid: int, gid: int, m
 
 
 SMALL = 4 << 20  # a file up to this size goes to the writers; a larger one is written in order by the reader
-BATCH_FILES, BATCH_BYTES = 32, 1 << 20
-
-
-class _Writers:
-    """Files (and symlinks) made by ``n`` threads, in batches, while the members after them are
-    read: a file's creation is system calls (open, write, utime, close), which run beside each other
-    and beside the reading, where one thread would wait for each in turn. The unpacker
-    ``drain``s them before it touches a path it made (a replacement, a whiteout, a hard link's
-    target) and at its end. The data waiting here is slices of the stream's chunks: at most
-    ``2n`` batches wait, a batch is closed at 1 MB, and a file over ``SMALL`` is written in
-    order by the unpacker itself (so at most ``2n`` x 5 MB are held)."""
-
-    def __init__(self, n: int, owner: tuple[int, int]) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.n, self.owner = n, owner
-        self.pool = ThreadPoolExecutor(n, thread_name_prefix="tangram-write")
-        self.batch: list[tuple] = []
-        self.bytes = 0
-        self.pending: deque = deque()
-
-    def file(self, full: str, pieces: list, size: int, mode: int, plain: bool, uid: int, gid: int,
-             mtime: float) -> None:
-        self.add((_write_file, full, pieces, mode, plain, uid, gid, mtime), size)
-
-    def symlink(self, full: str, target: str, uid: int, gid: int, mtime: float) -> None:
-        self.add((_make_symlink, full, target, uid, gid, mtime), 0)
-
-    def add(self, job: tuple, size: int) -> None:
-        self.batch.append(job)
-        self.bytes += size
-        if len(self.batch) >= BATCH_FILES or self.bytes >= BATCH_BYTES:
-            self._flush()
-
-    def _flush(self) -> None:
-        if self.batch:
-            self.pending.append(self.pool.submit(_write_files, self.batch, self.owner))
-            self.batch, self.bytes = [], 0
-        while len(self.pending) > 2 * self.n:
-            self.pending.popleft().result()  # a writer's error is raised here
-
-    def drain(self) -> None:
-        self._flush()
-        while self.pending:
-            self.pending.popleft().result()
-
-    def close(self) -> None:
-        self.batch = []
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _write_files(jobs: list[tuple], owner: tuple[int, int]) -> None:
-    for make, *args in jobs:
-        make(*args, owner)
+BATCH_FILES, BATCH_BYTES = 32, 1 << 20  # a batch is closed at either
 
 
 def _make_symlink(full: str, target: str, uid: int, gid: int, mtime: float, owner: tuple[int, int]) -> None:
@@ -412,23 +357,28 @@ class WriterDied(ImageError):
 # a record of a batch: kind (0 a file, 1 a symlink), plain, mode, uid, gid, mtime, then the
 # lengths of the path and of the data (a file's bytes, a symlink's target) that follow it
 _REC = struct.Struct("<BBIqqdIQ")
-_LEN = struct.Struct("<Q")  # a batch's length before it (0: no more batches)
+_LEN = struct.Struct("<Q")  # a batch's length, before it
 _PIPE_BYTES = 1 << 20  # a whole batch fits in the pipe: the reader rarely waits to hand one over
 
 
 class _ProcWriters:
     """Files and symlinks made by ``n`` processes forked at the start of a layer's unpacking
-    process (``unpack_child``: a small interpreter, and no thread started yet), each fed batches
-    through a pipe of its own, round robin, and answering each batch on another (a byte, or the
-    error). Threads (``_Writers``) share the reader's interpreter lock: every system call of a
-    writer gives it up and takes it back, so on a host with fast file creation they slowed the
-    reader more than they took off it. The checks stay in the reader, in order; the writers only
-    create what it already judged. ``drain`` as ``_Writers``': before a path made earlier is
-    touched, before a hard link, at the end. A writer's ``OSError`` is raised by the reader as
-    that ``OSError`` (the disk's, as a thread's was); a writer gone without its answer is
-    ``WriterDied``. ``close`` kills and waits for every writer, so nothing writes into ``dest``
-    once it returns; each writer also dies with the unpacking process (``PR_SET_PDEATHSIG``) and
-    holds its stdout, so the pull reading that to its end knows every writer is gone."""
+    process (``unpack_child``: a small interpreter, and no thread started yet), while the members
+    after them are read: a file's creation is system calls (open, write, chown, utime, close),
+    which the writers make beside each other and beside the reading. Processes, not threads: a
+    thread's every system call gives up the reader's interpreter lock and takes it back, and the
+    reader (parsing, checking) is the unpacking's longest stage.
+
+    Each writer is fed batches (closed at ``BATCH_FILES`` files or ``BATCH_BYTES``) through a
+    pipe of its own, round robin, at most two at a time, and answers each on another pipe (a
+    byte, or its error). The checks stay in the reader, in order; the writers only create what it
+    judged. The reader ``drain``s them before it touches a path it made (a replacement, a
+    whiteout of a path made, a hard link's target) and at its end. A writer's ``OSError`` is
+    raised by the reader as that ``OSError`` (the disk's); a writer gone without its answer is
+    ``WriterDied`` (ours). ``close`` kills and waits for every writer, so nothing writes into
+    ``dest`` once it returns; each writer also dies with the unpacking process
+    (``PR_SET_PDEATHSIG``) and holds its stdout, so the pull, reading that to its end, knows
+    every writer is gone (``registry/unpackproc``)."""
 
     def __init__(self, n: int, owner: tuple[int, int], where: str) -> None:
         self.n, self.where = n, where
@@ -644,14 +594,13 @@ def _is_real_dir(path: str) -> bool:
 
 
 def check_and_unpack(stream: IO[bytes], dest: Path, where: str, max_bytes: int | None,
-                      writers: int = 0, procs: int = 0) -> tuple[str, int]:
+                      procs: int = 0) -> tuple[str, int]:
     """Check each member, then write it into the fresh directory ``dest``, in one pass (a
-    member's checks depend only on the members before it); small files by ``writers`` threads
-    or ``procs`` forked processes (only where this process has no other thread: ``unpack_child``)
-    if more than 0. Returns (sha256 of the uncompressed tar, file bytes); the caller discards
+    member's checks depend only on the members before it); small files and symlinks by ``procs``
+    forked processes if more than 0 (only where this process has no other thread: ``unpack_child``). Returns (sha256 of the uncompressed tar, file bytes); the caller discards
     ``dest`` if this raises (nothing writes there any more by then)."""
     checker = Checker(where, max_bytes)
-    unpacker = Unpacker(dest, where, writers, procs)
+    unpacker = Unpacker(dest, where, procs)
     try:
         digest, _ = _members(stream, where, lambda tar, m: unpacker.add(tar, m, path=checker.check(m)))
         unpacker.finish()
@@ -663,8 +612,7 @@ def check_and_unpack(stream: IO[bytes], dest: Path, where: str, max_bytes: int |
 def unpack_child() -> None:
     """A pull's unpacking process (``registry/unpackproc``): the layer's bytes on stdin, checked
     and unpacked into ``argv[1]`` (a hidden directory the parent made and places; at most
-    ``argv[3]`` file bytes, small files by ``argv[4]`` writer threads or ``argv[5]`` writer
-    processes); one JSON line on stdout: the digest and file bytes, or the error naming the layer
+    ``argv[3]`` file bytes, small files and symlinks by ``argv[4]`` writer processes); one JSON line on stdout: the digest and file bytes, or the error naming the layer
     (``argv[2]``), with ``infra`` where it is ours (a writer died, the disk), not the layer's."""
     import sys
 
@@ -672,11 +620,9 @@ def unpack_child() -> None:
         def read(self, n: int = -1) -> bytes:
             return os.read(0, n if n > 0 else 1 << 20)
 
-    dest, where, max_bytes, writers = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    procs = int(sys.argv[5]) if len(sys.argv) > 5 else 0
+    dest, where, max_bytes, procs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     try:
-        digest, size = check_and_unpack(Stdin(), Path(dest), where, None if max_bytes < 0 else max_bytes,
-                                        writers, procs)
+        digest, size = check_and_unpack(Stdin(), Path(dest), where, None if max_bytes < 0 else max_bytes, procs)
         answer: dict = {"digest": digest, "size": size}
     except ImageError as e:  # the layer's, or ours (``infra``: a writer process died)
         answer = {"error": str(e), "infra": e.infra}

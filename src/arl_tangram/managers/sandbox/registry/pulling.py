@@ -74,14 +74,14 @@ class PullLimits:
     #: ... on a machine with at least this many CPUs for this process (on one, the second
     #: interpreter has nothing to run on; on 2 quiet cores it measured 1.2x a thread's ext4 pull)
     process_unpack_cpus: int = 2
-    #: threads that write such a layer's small files in its child (``unpack._Writers``); 0: none.
-    #: Used only where it has no writer processes
-    unpack_writers: int = 4
-    #: processes that write such a layer's small files, forked by its child (``unpack._ProcWriters``);
-    #: None: by the CPUs this process may use (``writer_procs``)
+    #: processes that write such a layer's small files and symlinks, forked by its child
+    #: (``unpack._ProcWriters``); None: ``writer_procs`` picks by the CPUs this process may use
     unpack_writer_procs: int | None = None
 
     def writer_procs(self) -> int:
+        """A writer process per 4 CPUs, at most 4: the reader (inflate, hash, parse, checks) keeps
+        about two cores busy, the registry and the download another, so on 2 CPUs writers only add
+        their CPU (docs/performance.md)."""
         if self.unpack_writer_procs is not None:
             return self.unpack_writer_procs
         return min(4, _cpus() // 4)
@@ -313,7 +313,7 @@ async def _download(ref: Reference, store: ImageStore, client: RegistryClient, d
                     where: str, limits: PullLimits, emit: Callable) -> tuple[str, int]:
     """Download blob ``desc`` while threads check and unpack it; (diff_id, file bytes) of the
     layer now in place."""
-    child = functools.partial(unpack_in_child, writers=limits.unpack_writers, procs=limits.writer_procs()) \
+    child = functools.partial(unpack_in_child, procs=limits.writer_procs()) \
         if desc.size >= limits.process_unpack_bytes and _cpus() >= limits.process_unpack_cpus else None
     feed = _Feed(32 << 20 if child else 16 << 20)  # (a child's start: tens of ms of the blob held here)
     unpacking = _in_thread(_unpack_feed, store, feed, where, diff, limits.max_layer_files_bytes, child)

@@ -7,7 +7,7 @@ pull with cores to spare took about the sum of their Python work, not the longes
 child the unpacking (and the inflate and diff_id hash beside it) has an interpreter of its own;
 the parent only receives, hashes the blob and copies its bytes into a pipe.
 
-``unpack_in_child(stream, dest, where, max_bytes, writers, procs)`` has ``unpack.check_and_unpack``'s
+``unpack_in_child(stream, dest, where, max_bytes, procs)`` has ``unpack.check_and_unpack``'s
 contract: the bytes ``stream.read`` returns are the layer (its end only once the caller verified
 the blob), ``dest`` is the caller's fresh hidden directory (named by this process's pid, so a
 killed pull's is removed as before), and it returns (sha256 of the uncompressed tar, file bytes) or
@@ -50,8 +50,7 @@ class ChildFailed(ImageError):
     infra = True
 
 
-def unpack_in_child(stream, dest: Path | str, where: str, max_bytes: int | None, writers: int = 0,
-                    procs: int = 0) -> tuple[str, int]:
+def unpack_in_child(stream, dest: Path | str, where: str, max_bytes: int | None, procs: int = 0) -> tuple[str, int]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PKG_ROOT, env.get("PYTHONPATH", "")) if p)
     # its stderr (a traceback, warnings) to a file: a pipe nobody reads until the end could fill
@@ -59,8 +58,7 @@ def unpack_in_child(stream, dest: Path | str, where: str, max_bytes: int | None,
     errors = tempfile.TemporaryFile()
     try:
         return _run(stream, [sys.executable, "-c", _BOOT, str(dest), where,
-                             str(-1 if max_bytes is None else max_bytes), str(writers), str(procs)], env, errors,
-                    where)
+                             str(-1 if max_bytes is None else max_bytes), str(procs)], env, errors, where)
     finally:
         errors.close()
 
