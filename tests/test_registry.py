@@ -282,6 +282,69 @@ def test_a_writer_process_failing_or_killed_fails_the_layer_and_leaves_nothing(t
     assert not _procs_naming(str(tmp_path / "store"))
 
 
+def _my_children() -> set[int]:
+    out = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as fh:
+            out |= {int(p) for p in fh.read().split()}
+    return out
+
+
+@root_only
+def test_a_bad_member_after_files_with_the_writers_stops_them_before_it_returns(tmp_path):
+    """The reader's own verdict (a device node after files handed to the writer processes): the
+    error names the member, and every writer is killed and waited for before it is raised (the
+    caller removes ``dest`` next)."""
+    from arl_tangram.managers.sandbox.unpack import check_and_unpack
+
+    blob = layer_tar([("file", f"f{i}", "x" * i) for i in range(300)] + [("chr", "dev/null")])
+    before = _my_children()
+    with pytest.raises(ImageError, match=r"layer 0: member 'dev/null' is a device node"):
+        check_and_unpack(io.BytesIO(blob), tmp_path, "layer 0", None, procs=2)  # (forks this process)
+    assert _my_children() - before == set()
+
+
+@root_only
+def test_a_pulling_process_killed_outright_leaves_no_writer_process(tmp_path):
+    """The process feeding an unpacking child killed (SIGKILL) half way through a layer: the child
+    reads the pipe's end, fails the layer and kills its writers; none of them is left."""
+    blob = _writer_layer()
+    (tmp_path / "layer").write_bytes(blob)
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    feeder = subprocess.Popen([sys.executable, "-c", f"""
+import io, time
+from arl_tangram.managers.sandbox.registry.unpackproc import unpack_in_child
+blob = open({str(tmp_path / "layer")!r}, "rb").read()
+class Half:
+    pos = 0
+    def read(self, n=-1):
+        if self.pos >= len(blob) // 2:
+            time.sleep(60)
+        out = blob[self.pos:self.pos + (1 << 16)]
+        self.pos += len(out)
+        return out
+unpack_in_child(Half(), {str(dest)!r}, "layer 0", None, procs=2)
+"""])
+    def unpacking() -> list[int]:  # (the feeder's own command line names ``dest`` too)
+        return [p for p in _procs_naming(str(dest)) if p != feeder.pid]
+
+    try:
+        deadline = time.monotonic() + 20
+        while len(unpacking()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(unpacking()) == 3  # the unpacking child and its 2 writers
+        feeder.kill()
+        feeder.wait()
+        deadline = time.monotonic() + 10
+        while unpacking() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert unpacking() == []
+    finally:
+        feeder.kill()
+        feeder.wait()
+
+
 def _catch(fn):
     try:
         return fn()
@@ -818,9 +881,9 @@ def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp
         async with _fast(cfg) as c:
             task = asyncio.ensure_future(pull(f"{proxy.host}/tiny/app1:v1", stalled, cfg, client=c, limits=child))
             deadline = time.monotonic() + 20
-            while not _unpack_children() and time.monotonic() < deadline:
+            while len(_procs_naming(str(stalled.root))) < 3 and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            assert _unpack_children()
+            assert _unpack_children() and len(_procs_naming(str(stalled.root))) == 3  # the child, 2 writers
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
