@@ -278,7 +278,8 @@ def _phases(blob: bytes, runs: int, work: Path, shm: Path | None) -> dict:
     """Where the unpacking's time goes, on the same blob from memory (no network), each ``runs``
     times, medians of wall and CPU seconds: the inflate alone (this thread), the inflate with the
     diff_id sha256 (``Inflated``: each in a thread), those with the tar parsed and every member
-    checked (no writes), and the whole unpacking in a child process as a pull runs it
+    checked (no writes; again with a 0.5 ms switch interval: whether the inflate and hash threads
+    wait for the parsing thread's interpreter lock), and the whole unpacking in a child process as a pull runs it
     (``unpack_in_child``, its default writers and none; CPU of the child and its writers) into
     tmpfs and onto this disk."""
     import io
@@ -305,11 +306,20 @@ def _phases(blob: bytes, runs: int, work: Path, shm: Path | None) -> dict:
             pass
         inflated.digest()
 
+    def checked_switching() -> None:  # the inflate and hash threads get the lock back within 0.5 ms
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(0.0005)
+        try:
+            unpack_mod.check_layer(io.BytesIO(blob), "bench")
+        finally:
+            sys.setswitchinterval(old)
+
     places = [("disk", work)] + ([("tmpfs", shm)] if shm is not None else [])
     for i in range(runs):
         timed("inflate", inflate)
         timed("inflate_and_hash", inflate_hash)
         timed("inflate_hash_parse_and_check", lambda: unpack_mod.check_layer(io.BytesIO(blob), "bench"))
+        timed("inflate_hash_parse_and_check_switch_0_5ms", checked_switching)
         for where, root in (places if i % 2 == 0 else places[::-1]):
             for key, n in ((f"unpack_{where}", procs), (f"unpack_{where}_no_writers", 0)):
                 d = Path(tempfile.mkdtemp(prefix="tangram-bench-phase-", dir=root))
