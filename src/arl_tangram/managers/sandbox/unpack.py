@@ -7,7 +7,8 @@ more file bytes than a limit. ``Unpacker`` writes the members into a fresh direc
 reads them: a whiteout (``.wh.NAME``) becomes a 0/0 character device, an opaque directory
 (``.wh..wh..opq``) gets ``trusted.overlay.opaque=y``. ``check_and_unpack`` does both in one pass
 (a member's checks depend only on the members before it); ``unpack_child`` is the same in a
-pull's child process (``registry/unpackproc``). ``ImageError`` lives here because these checks
+pull's child process (``registry/unpackproc``), its small files and symlinks written by processes
+it forks (``_ProcWriters``). ``ImageError`` lives here because these checks
 raise it; ``images`` (the store) names it for everyone else.
 
 Unpacking never follows a link on the host: a member under a symlink of its own layer is refused,
