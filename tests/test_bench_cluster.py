@@ -132,6 +132,10 @@ def test_the_profile_groups_name_who_owns_a_function():
     assert group_of(("~", 0, "<function Pickler.dump at 0x7f>")) == "ray"  # Ray's serialisation of a call
     assert group_of(("/usr/lib/python3.12/selectors.py", 451, "select")) == "asyncio"
     assert group_of(("/usr/lib/python3.12/json/encoder.py", 1, "encode")) == "other"
+    # the HTTP head's own: its journal apart from the rest of the service (requests, records)
+    assert group_of(("/src/arl_tangram/server/journal.py", 280, "_commit")) == "journal"
+    assert group_of(("/src/arl_tangram/server/service.py", 566, "_record_as")) == "service"
+    assert group_of(("/site-packages/pydantic/main.py", 587, "model_dump_json")) == "service"
 
 
 def test_py_spy_s_raw_stacks_count_the_main_thread_s_innermost_frames_and_the_loop_s_c_code_apart():
@@ -154,6 +158,24 @@ def test_py_spy_finds_the_main_thread_in_the_function_it_spins_in():
         _spin(1.0)
     shares = sampler.shares(10.0)
     assert shares["top"][0]["function"].endswith("_spin") and shares["top"][0]["share"] > 0.8, shares
+
+
+@pytest.mark.skipif(not SpySampler.available(), reason="py-spy is not installed (or may not read this process)")
+def test_py_spy_reads_another_process_s_main_thread():
+    """The HTTP head's profile (``cluster_head._profiled``): the sampler pointed at a process of its
+    own (the head's engine process) finds that process's main thread where it spins."""
+    code = ("import time\ndef far_away_spin(s):\n    t = time.thread_time() + s\n    while time.thread_time() < t:\n"
+            "        pass\nprint('up', flush=True)\nfar_away_spin(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"up\n"
+        with SpySampler(every_s=0.005, pid=proc.pid) as sampler:
+            time.sleep(1.0)
+    finally:
+        proc.kill()
+        proc.wait()
+    shares = sampler.shares(10.0)
+    assert shares["top"][0]["function"].endswith("far_away_spin") and shares["top"][0]["share"] > 0.8, shares
 
 
 def _spin(seconds: float) -> None:

@@ -146,14 +146,15 @@ def test_finish_says_whether_none_of_the_action_was_on_disk_and_commits_it_behin
     """``finish`` is True only for an acceptance made ``with_result`` and still queued (its caller
     may be answered before the commit: a crash leaves no row to run again); False for one already
     on disk through another write's commit, and for an ordinary action. The True one's commit
-    comes one loop iteration later than an ordinary one's, behind a callback queued after the
-    ``finish`` (the caller's answer), and then the row is on disk, done."""
+    comes ``later_s`` after it (an ordinary one's comes after one loop iteration), behind a
+    callback queued after the ``finish`` (the caller's answer), and then the row is on disk, done."""
     path = str(tmp_path / "j.sqlite3")
     j = Journal(path)
 
     async def settle():
         for _ in range(3):
             await asyncio.sleep(0)
+        await asyncio.sleep(j.later_s * 3)
 
     async def main():
         loop = asyncio.get_running_loop()
@@ -176,23 +177,71 @@ def test_finish_says_whether_none_of_the_action_was_on_disk_and_commits_it_behin
         await settle()
 
         j.accept("b", "job", "run_code", {"x": 2}, True, with_result=True)
-        j.accept("w", "job", "exec", {}, False)  # its commit takes b's acceptance to disk
+        j.accept("w", "job", "exec", {}, False)  # its commit leaves b's acceptance queued
         await settle()
-        assert _rows(path)["b"] == "accepted"
-        assert j.finish("b", "ok", {"out": 2}) is False  # answered before its commit, a crash would re-run it
+        assert "b" not in _rows(path) and _rows(path)["w"] == "accepted"
+        assert j.finish("b", "ok", {"out": 2}) is True
+        await settle()
+        assert _rows(path)["b"] == "done"
+
+        j.accept("b2", "job", "run_code", {"x": 2}, True, with_result=True)
+        j.flush()  # (close's, recovery's) takes it to disk accepted
+        assert _rows(path)["b2"] == "accepted"
+        assert j.finish("b2", "ok", {"out": 2}) is False  # answered before its commit, a crash would re-run it
         assert j.finish("w", "ok", {}) is False
         await asyncio.wait_for(j.durable(), 5)
-        assert _rows(path) == {"a": "done", "c": "done", "v": "accepted", "b": "done", "w": "done"}
+        assert _rows(path) == {"a": "done", "c": "done", "v": "accepted", "b": "done", "w": "done", "b2": "done"}
 
     asyncio.run(main())
     j.close()
 
 
-def test_an_acceptance_answered_only_by_its_result_goes_to_disk_with_the_next_commit(tmp_path):
+def test_one_shots_answered_before_their_commit_share_one(tmp_path):
+    """Results nobody waits for (``finish`` True), made in different loop passes within
+    ``later_s``, go to disk in one commit, not one each; ``COMMIT_LATER_MAX`` of them queued
+    commit at once; a write that asks for a commit takes them with it without waiting."""
+    from arl_tangram.server import journal as journal_mod
+
+    path = str(tmp_path / "j.sqlite3")
+    j = Journal(path)
+    j.later_s = 0.5  # long against the passes below, however loaded the machine
+
+    async def main():
+        j.accept("long", "job", "run_code", {}, True, with_result=True)  # running through what follows
+        for i in range(20):  # one answer a loop pass, as under load
+            j.accept(f"a{i}", "job", "run_code", {"x": i}, True, with_result=True)
+            assert j.finish(f"a{i}", "ok", {"out": i}) is True
+            await asyncio.sleep(0)
+        assert j.commits == 0 and _rows(path) == {}  # (one commit a pass or two before: fails here)
+        await asyncio.sleep(1.0)
+        assert j.commits == 1 and len(_rows(path)) == 20 and "long" not in _rows(path)
+        # the commits of others left its acceptance queued: its answer need not wait for a commit
+        assert j.finish("long", "ok", {}) is True
+        await asyncio.sleep(1.0)
+        assert j.commits == 2 and _rows(path)["long"] == "done"
+
+        j.accept("b", "job", "run_code", {}, True, with_result=True)
+        assert j.finish("b", "ok", {}) is True
+        j.accept("w", "job", "exec", {}, False)  # asks for a commit: b goes with it, now
+        await asyncio.wait_for(j.durable(), 0.4)
+        assert j.commits == 3 and _rows(path)["b"] == "done" and _rows(path)["w"] == "accepted"
+
+        for i in range(journal_mod.COMMIT_LATER_MAX):
+            j.accept(f"c{i}", "job", "run_code", {}, True, with_result=True)
+            j.finish(f"c{i}", "ok", {})
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert j.commits == 4 and len(_rows(path)) == 23 + journal_mod.COMMIT_LATER_MAX
+
+    asyncio.run(main())
+    j.close()
+
+
+def test_an_acceptance_answered_only_by_its_result_goes_to_disk_with_it(tmp_path):
     """``accept(with_result=True)`` (a one-shot under an id the server made): readable at once, no
     commit of its own; finished while still queued, one row written done (an insert, no update),
-    wherever it sits among other writes; on disk first through another write's commit or a
-    waiter's, then finished as any action; taken back while queued (``forget``), never on disk;
+    wherever it sits among other writes; a waiter's or another write's commit leaves it queued
+    (readable); on disk first through a ``flush``, then finished as any action; taken back while queued (``forget``), never on disk;
     never finished, committed by ``close`` as accepted."""
     path = str(tmp_path / "j.sqlite3")
     j = Journal(path)
@@ -205,6 +254,7 @@ def test_an_acceptance_answered_only_by_its_result_goes_to_disk_with_the_next_co
     async def settle():
         for _ in range(3):
             await asyncio.sleep(0)
+        await asyncio.sleep(j.later_s * 3)
 
     async def main():
         j.accept("a", "job", "run_code", {"x": 1}, True, with_result=True)
@@ -230,17 +280,21 @@ def test_an_acceptance_answered_only_by_its_result_goes_to_disk_with_the_next_co
         assert writes() == ["INSERT"] * 3, statements
         assert j.get("b").response == {"out": 2} and j.get("w1").state == "accepted"
 
-        statements.clear()  # on disk first through another write's commit: its result is an update
-        j.accept("c", "job", "run_code", {"x": 3}, True, with_result=True)
+        statements.clear()  # another write's commit leaves it queued; on disk first through a
+        j.accept("c", "job", "run_code", {"x": 3}, True, with_result=True)  # flush: its result is an update
         j.accept("w3", "job", "exec", {}, False)
         await settle()
+        assert "c" not in _rows(path) and _rows(path)["w3"] == "accepted"
+        j.flush()
         assert _rows(path)["c"] == "accepted"
         j.finish("c", "ok", {"out": 3})
         await asyncio.wait_for(j.durable(), 5)
         assert _rows(path)["c"] == "done" and writes() == ["INSERT", "INSERT", "UPDATE"], statements
 
         j.accept("d", "job", "run_code", {"x": 4}, True, with_result=True)
-        await asyncio.wait_for(j.durable(), 5)  # a waiter asks for the commit
+        await asyncio.wait_for(j.durable(), 5)  # a waiter's commit leaves it queued too
+        assert "d" not in _rows(path) and j.get("d").state == "accepted"
+        j.flush()
         assert _rows(path)["d"] == "accepted"
 
         j.accept("e", "job", "run_code", {"x": 5}, True, with_result=True)

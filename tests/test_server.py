@@ -384,8 +384,15 @@ def test_sandboxfusion_runs_are_journaled_whole_for_recovery(server):
                                                    "files": files}, timeout=30).json()
     assert r["status"] == "Success" and r["run_result"]["stdout"] == "data\n"
     db = sqlite3.connect(server.journal)
-    job, request = db.execute("SELECT job, request FROM actions WHERE id LIKE 'sf-%' ORDER BY accepted_at DESC "
-                              "LIMIT 1").fetchone()
+    deadline = time.monotonic() + 10  # a one-shot is answered before its row's commit (journal.COMMIT_LATER_S)
+    while True:
+        row = db.execute("SELECT job, request FROM actions WHERE id LIKE 'sf-%' AND request LIKE '%in.txt%' "
+                         "ORDER BY accepted_at DESC LIMIT 1").fetchone()
+        if row is not None or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert row is not None, "the run's row never reached the journal"
+    job, request = row
     assert job == "sandboxfusion"
     spec = json.loads(request)
     assert spec["job"] == "sandboxfusion" and spec["action"]["files"] == files  # a re-run is the same program

@@ -4,7 +4,9 @@
   (``tangram serve --ray``) over HTTP: actions/s and latency percentiles of trivial one-shots (or
   CPU-bound ones of ``work_ms``) at ``per_core`` requests in flight per node core, and the CPU per
   action of every part: the head by thread and its fronts, each node's agent, Ray's processes, the
-  sandboxes (``cluster_head``); beside it (``hops``) one action's latency hop by hop, the
+  sandboxes (``cluster_head``), and (``profiled``) its main thread sampled by ``py-spy`` from
+  outside: its CPU per one-shot by owner (the service, the journal, the engine, the runtime and
+  its link, asyncio); beside it (``hops``) one action's latency hop by hop, the
   in-process rate and (``profiled``) where the head's main thread spends its CPU, through a head in
   this process whose agents stamp each hop (``cluster_hops``).
 * ``local``: the same load on ``tangram serve`` without Ray pinned to the cores the largest
@@ -115,7 +117,8 @@ def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: flo
                 health = head.wait_cores(n * cores)
                 row["head_fronts"], row["isolation"] = health.get("fronts"), health.get("isolation")
                 with pinned(spare):
-                    row.update(measure(head, actions, per_core * n * cores, work_ms, ray_root=os.getpid()))
+                    row.update(measure(head, actions, per_core * n * cores, work_ms, ray_root=os.getpid(),
+                                       profiled=profiled))
                     if sessions and n == max(node_counts):
                         revisits = {"nodes": n, **sessions_run(head, sessions, per_core * n * cores, session_sample,
                                                                log, cores=n * cores, ray_root=os.getpid())}
@@ -126,6 +129,8 @@ def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: flo
         log(f"{n} node(s) x {cores} core(s), tangram serve --ray: {row['actions_per_s']} actions/s, p50 "
             f"{row['p50_ms']} ms, p99 {row['p99_ms']} ms, {row['errors']} errors")
         log(f"  {cpu_text(row['cpu_ms_per_action'])}")
+        if "ms_per_action" in row.get("profiled", {}):
+            log(f"  head's main thread sampled, ms/one-shot by owner: {row['profiled']['ms_per_action']}")
         if revisits is not None and revisits["nodes"] == n:
             log(f"sessions: {revisits['opened']} over {n} nodes (held {revisits['sessions_per_node']}), revisited at "
                 f"{revisits['revisit_concurrency']}: p50 "

@@ -164,9 +164,12 @@ def _idle_per_s(meter: ClusterCpuMeter) -> dict:
 
 
 def measure(head: Head, actions: int, concurrency: int, work_ms: float, ray_root: int | None,
-            client: str | None = None) -> dict:
+            client: str | None = None, profiled: int = 0) -> dict:
     """Warm the head's pools, then ``actions`` one-shots at ``concurrency``, every part's CPU read
-    around them (``ClusterCpuMeter``); with ``ray_root``, the idle CPU of Ray and the agents first."""
+    around them (``ClusterCpuMeter``); with ``ray_root``, the idle CPU of Ray and the agents first.
+    ``profiled``: that many more with the head's main thread sampled by ``py-spy`` (where it can
+    read the head): its CPU per one-shot split by owner (``cluster_hops.GROUPS``: the service,
+    the journal, the engine, the runtime and its link, asyncio), the functions most often running."""
     client = client or default_client()
     meter = ClusterCpuMeter(head.pid, ray_root, os.getpid())
     asyncio.run(_oneshots(head.url, max(2 * concurrency, 20), concurrency, 0.0, client, offset=10 ** 6))
@@ -185,7 +188,27 @@ def measure(head: Head, actions: int, concurrency: int, work_ms: float, ray_root
             "ray": round(cpu["ray"]["total"] - idle["ray_total"] * at_rest, 3),
             **{k: round(cpu["ray"][k] - v * at_rest, 3) for k, v in idle["ray"].items()},
             "agents": round(cpu["agents"]["total"] - idle["agents_total"] * at_rest, 3)}
+    if profiled:
+        row["profiled"] = _profiled(head, meter, profiled, concurrency, work_ms, client)
     return row
+
+
+def _profiled(head: Head, meter: ClusterCpuMeter, n: int, concurrency: int, work_ms: float, client: str) -> dict:
+    """``n`` one-shots with the head's main thread sampled from outside (``SpySampler``)."""
+    from .cluster_hops import SpySampler
+
+    if not SpySampler.available():
+        return {"skipped": "py-spy is not installed or may not read the head (ptrace)"}
+    sampler = SpySampler(pid=head.pid)
+    try:
+        with sampler:
+            before = meter.read()
+            lat, _, _ = asyncio.run(_oneshots(head.url, n, concurrency, work_ms, client, offset=2 * 10 ** 6))
+            after = meter.read()
+    except RuntimeError as e:  # py-spy could not read the head
+        return {"skipped": str(e)[:300]}
+    main = ClusterCpuMeter.per_action(before, after, max(1, len(lat)))["head"]["main"]
+    return {"n": n, "sampler": "py-spy", **sampler.shares(main, top=20)}
 
 
 def cpu_text(cpu: dict) -> str:

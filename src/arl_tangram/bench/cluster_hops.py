@@ -70,6 +70,8 @@ HOPS = ("queued", "link_out", "agent_in", "sandbox", "agent_out", "link_back", "
 #: of the call's arguments against the method's signature: ``inspect``), the head calling nothing
 #: else that uses them
 GROUPS = (("loop_c", ("/asyncio/runners.py",)),
+          ("journal", ("/arl_tangram/server/journal.py", "sqlite3")),
+          ("service", ("/arl_tangram/server/", "/arl_tangram/api/", "/pydantic/", "pydantic_core")),
           ("ray", ("/ray/", "ray._raylet", "'ray.", "Pickler.dump", "/msgpack/", "/inspect.py", "/pickle.py")),
           ("bench", ("/arl_tangram/bench/",)),
           ("runtime", ("/arl_tangram/runtime/", "/arl_tangram/managers/")),
@@ -259,13 +261,15 @@ class MainSampler:
 
 
 class SpySampler:
-    """``MainSampler``'s figures read by ``py-spy`` from outside this process (``record --threads
+    """``MainSampler``'s figures read by ``py-spy`` from outside the process (``record --threads
     --nonblocking``, raw stacks): the main thread's innermost frame in each busy sample. ``py-spy``
-    leaves idle threads out, so ``idle`` is not known (None)."""
+    leaves idle threads out, so ``idle`` is not known (None). ``pid``: another process (the HTTP
+    head's engine process, whose main thread's id is its pid); None, this one."""
 
-    def __init__(self, every_s: float = 0.001) -> None:
+    def __init__(self, every_s: float = 0.001, pid: int | None = None) -> None:
         self.rate = max(1, round(1 / every_s))
-        self.native_id = threading.main_thread().native_id
+        self.pid = os.getpid() if pid is None else pid
+        self.native_id = threading.main_thread().native_id if pid is None else pid
         self.groups: Counter = Counter()
         self.functions: Counter = Counter()
         self.idle: int | None = None
@@ -280,7 +284,7 @@ class SpySampler:
     def __enter__(self) -> "SpySampler":
         fd, self._out = tempfile.mkstemp(prefix="tangram-spy-", suffix=".txt")
         os.close(fd)
-        self._proc = subprocess.Popen(["py-spy", "record", "--pid", str(os.getpid()), "--rate", str(self.rate),
+        self._proc = subprocess.Popen(["py-spy", "record", "--pid", str(self.pid), "--rate", str(self.rate),
                                        "--format", "raw", "--output", self._out, "--threads", "--nonblocking",
                                        "--full-filenames"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -296,7 +300,7 @@ class SpySampler:
             self._proc.kill()
             _, err = self._proc.communicate()
         try:
-            with open(self._out) as fh:
+            with open(self._out, errors="replace") as fh:  # (a frame's name may hold any bytes)
                 self.read(fh.read())
         finally:
             os.unlink(self._out)

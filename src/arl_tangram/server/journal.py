@@ -39,6 +39,11 @@ log = logging.getLogger(__name__)
 
 #: commits between two checkpoints of the WAL into the database file (``Checkpointer``)
 CHECKPOINT_EVERY = 256
+#: how long a commit nobody waits for (one-shots answered before theirs: ``finish`` True) may wait
+#: for others to join it; a write that asks for one commits everything queued at once
+COMMIT_LATER_S = 0.005
+#: ... and how many statements it may hold before it commits anyway
+COMMIT_LATER_MAX = 512
 #: an action accepted ``with_result`` and finished before its acceptance was committed: one row,
 #: written done (a row already there, which a server-made id never has, is finished as ``finish``
 #: would have: never left accepted, so never re-run after its caller was answered)
@@ -119,7 +124,9 @@ class Journal:
         self._with_result: dict[str, int] = {}  # ``accept(with_result=True)``'s queued inserts: where in the queue
         self._waiters: list[Callable[[BaseException | None], None]] = []  # ``when_durable``'s
         self._scheduled = False
-        self._late = False  # the commit scheduled is ``later``'s (one loop pass behind)
+        self._late = False  # the commit scheduled is ``later``'s (``later_s`` behind)
+        self._timer: asyncio.TimerHandle | None = None
+        self.later_s = COMMIT_LATER_S
         self.error: BaseException | None = None
         self.commits = 0
 
@@ -132,9 +139,9 @@ class Journal:
 
         ``with_result``: nothing acknowledges this acceptance but the action's result (a one-shot
         answered only with its result, under an id the server made and nobody can ask about
-        again): its record asks for no commit of its own and goes to disk with the next commit
-        anything else asks for, at the latest its result's (then as one row, written done: an
-        insert instead of an insert and an update, in one commit instead of two). A crash before
+        again): its record asks for no commit of its own and goes to disk with its result (as
+        one row, written done: an insert instead of an insert and an update, in one commit instead
+        of two; other commits leave it queued, ``_commit``), or with a ``flush``. A crash before
         that leaves no record of an action whose caller was never answered, as a crash just before
         its acceptance would, or of one answered just before (``finish``: nothing runs twice, a
         record is lost);
@@ -223,11 +230,18 @@ class Journal:
 
     def _schedule(self, later: bool = False) -> None:
         """The queue's commit, right after this loop iteration (now, outside a running loop);
-        ``later``: one iteration after, behind the callbacks queued after this call (a one-shot's
-        answer, which does not wait for it: ``finish``). A write asking for a commit now while
-        only a later one is scheduled gets one now as well (the later one then finds the queue
-        empty, or what came since): others' ``durable`` never waits for a one-shot's answer."""
+        ``later``: ``later_s`` after (at least one iteration, behind the callbacks queued after
+        this call: a one-shot's answer, which does not wait for it: ``finish``), or once
+        ``COMMIT_LATER_MAX`` statements are queued. Nobody waits for such a commit, so the rows of
+        every one-shot answered meanwhile go in one transaction: a commit on the loop costs about
+        as much for one row as for dozens (the WAL's pages, the transaction), and under load
+        answers end one or two a loop pass, which committed a pass behind made about one commit
+        an action. A write asking for a commit now while only a later one is scheduled gets one
+        now as well (it takes the later one's rows with it): others' ``durable`` never waits for
+        a one-shot's answer."""
         if self._scheduled and (later or not self._late):
+            if later and self._late and len(self._queue) - len(self._with_result) >= COMMIT_LATER_MAX:
+                self._now(asyncio.get_running_loop())
             return
         try:
             loop = asyncio.get_running_loop()
@@ -235,14 +249,21 @@ class Journal:
             self._commit()
             return
         if self._scheduled:  # only the later one is scheduled
-            self._late = False
-            loop.call_soon(self._commit)
+            self._now(loop)
             return
         self._scheduled, self._late = True, later
         if later:
-            loop.call_soon(loop.call_soon, self._commit)
+            self._timer = loop.call_later(self.later_s, self._commit)
         else:
             loop.call_soon(self._commit)
+
+    def _now(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The later commit scheduled becomes one right after this iteration."""
+        self._late = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        loop.call_soon(self._commit)
 
     async def durable(self) -> None:
         """Return once every write made before this call is committed (``when_durable``, awaited)."""
@@ -262,16 +283,31 @@ class Journal:
         self._schedule()  # (what is queued may have asked for none: ``accept``'s ``with_result``)
 
     def flush(self) -> None:
-        """Commit what is queued now."""
+        """Commit what is queued now, the acceptances ``with_result`` still running too."""
         if self._queue:
-            self._commit()
+            self._commit(everything=True)
 
-    def _commit(self) -> None:
+    def _commit(self, everything: bool = False) -> None:
+        """Commit the queue. An acceptance made ``with_result`` whose result has not come stays
+        queued (but for ``flush``): it goes to disk with its result, as one row written done.
+        Written now, its one-shot's answer would have to wait for its result's commit (``finish``
+        False, or a restart could run it twice), and each such commit would take the acceptances
+        of the one-shots running meanwhile with it: under load every one-shot then waited for a
+        commit of its own, the loop's largest cost per one-shot (docs/scale.md)."""
         self._scheduled = self._late = False
+        if self._timer is not None:  # (a flush before the later commit was due)
+            self._timer.cancel()
+            self._timer = None
         batch, self._queue = self._queue, []
-        self._with_result.clear()
+        held: dict[str, int] = {}
+        if not everything and self._with_result:
+            for id, at in self._with_result.items():
+                held[id] = len(self._queue)
+                self._queue.append(batch[at])
+                batch[at] = None
+        self._with_result = held
         waiters, self._waiters = self._waiters, []
-        if batch:
+        if any(statement is not None for statement in batch):
             try:
                 self._db.execute("BEGIN")
                 for statement in batch:
@@ -291,7 +327,11 @@ class Journal:
                 self._pending.clear()  # not on disk: reads must not serve it
                 _wake(waiters, _unwritable(e))
                 return
-        self._pending.clear()
+        if held:
+            pending = self._pending
+            self._pending = {id: pending[id] for id in held if id in pending}
+        else:
+            self._pending.clear()
         _wake(waiters, None)
 
     def _checkpoint(self) -> None:
