@@ -148,7 +148,7 @@ def test_a_layer_cannot_write_through_a_link_it_replaced(tmp_path):
             store.import_path(docker_archive(tmp_path / "c.tar", [entries]), "linked")
 
 
-def _writer_layer() -> bytes:
+def _rich_layer() -> bytes:
     entries = [("dir", "ro", 0o555)]
     entries += [("file", f"ro/f{i}", f"file {i}\n" * i, 0o644 if i % 3 else 0o755) for i in range(150)]
     entries += [("hardlink", "ro/linked", "ro/f7"), ("file", "ro/t", "t"), ("hardlink", "ro/t2", "ro/t"),
@@ -175,38 +175,44 @@ def _gids(root) -> dict:
 
 
 @root_only
-def test_writer_processes_unpack_the_tree_one_thread_unpacks(tmp_path):
-    """Files and symlinks made by processes the unpacking process forks (``unpack._ProcWriters``,
-    through ``unpackproc``) beside the reading: hard links to
-    files still queued, files and a symlink replaced by directories and by other files, a
-    directory replaced by a file, an opaque directory, whiteouts of files just made, a read-only
-    directory, setuid and other owners (of a file and of a symlink), one file past the small size,
-    and enough files for many batches: the same tree, modes, owners and mtimes as written in order."""
+def test_a_child_process_inflating_or_fed_by_an_inflater_unpacks_the_tree_one_thread_unpacks(tmp_path):
+    """The unpacking child (``unpackproc``), inflating for itself or fed the tar by an inflater
+    process (gzip, zstd, or plain, passed through): hard links, files and a symlink replaced by
+    directories and by other files, a directory replaced by a file, an opaque directory,
+    whiteouts of files just made, a read-only directory, setuid and other owners (of a file and
+    of a symlink), a large file and many small ones: the same tree, modes, owners and mtimes as
+    written in order in this process."""
+    import gzip
+
+    import zstandard
+
     from arl_tangram.managers.sandbox.registry.unpackproc import unpack_in_child
     from arl_tangram.managers.sandbox.unpack import check_and_unpack
 
-    blob = _writer_layer()
+    tar = _rich_layer()
+    blobs = {"plain": tar, "gzip": gzip.compress(tar), "zstd": zstandard.ZstdCompressor().compress(tar)}
     trees = []
-    for how, unpack in (("order", lambda s, d: check_and_unpack(s, d, "layer 0", None)),
-                        ("child", lambda s, d: unpack_in_child(s, d, "layer 0", None)),
-                        ("procs", lambda s, d: unpack_in_child(s, d, "layer 0", None, procs=3)),
-                        ("one proc", lambda s, d: unpack_in_child(s, d, "layer 0", None, procs=1))):
+    for how, kind, unpack in (("order", "plain", lambda s, d: check_and_unpack(s, d, "layer 0", None)),
+                              ("child", "gzip", lambda s, d: unpack_in_child(s, d, "layer 0", None)),
+                              *((f"inflater-{k}", k, lambda s, d: unpack_in_child(s, d, "layer 0", None, inflater=True))
+                                for k in blobs)):
         dest = tmp_path / how
         dest.mkdir()
-        digest, size = unpack(io.BytesIO(blob), dest)
+        digest, size = unpack(io.BytesIO(blobs[kind]), dest)
         trees.append((digest, size, _tree(dest), _gids(dest), os.getxattr(dest / "o", "trusted.overlay.opaque")))
-    assert trees[0] == trees[1] == trees[2] == trees[3]
+    assert len(trees) == 5 and all(t == trees[0] for t in trees)
+    assert trees[0][0] == hashlib.sha256(tar).hexdigest()
     tree, gids = trees[2][2], trees[2][3]
-    assert tree["ro/linked"] == tree["ro/f7"] and os.stat(tmp_path / "procs/ro/linked").st_nlink == 2
+    assert tree["ro/linked"] == tree["ro/f7"] and os.stat(tmp_path / "inflater-gzip/ro/linked").st_nlink == 2
     assert tree["y"][1:] == (0o4755, 0, 1_700_000_000 * 10**9, b"new") and tree["x/in"][4] == b"in"
     assert stat.S_ISCHR(tree["gone"][0]) and tree["owned"][1:3] == (0o2750, 1234) and gids["owned"] == 5678
     assert tree["ownedlink"][2:] == (4321, 1_500_000_000 * 10**9, "owned") and gids["ownedlink"] == 8765
     assert tree["d"][4] == b"a file now" and "d/a" not in tree and tree["many/m7"][4] == b"m" * 6979
-    assert stat.S_IMODE(os.stat(tmp_path / "procs/ro").st_mode) == 0o555
+    assert stat.S_IMODE(os.stat(tmp_path / "inflater-zstd/ro").st_mode) == 0o555
 
 
 def _procs_naming(text: str) -> list[int]:
-    """Processes whose command line holds ``text`` (an unpacking process and its writers name their ``dest``)."""
+    """Processes whose command line holds ``text`` (an unpacking process and an inflater name their ``dest``)."""
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -237,78 +243,132 @@ class _Held:
 
 
 @root_only
-def test_a_writer_process_failing_or_killed_fails_the_layer_and_leaves_nothing(tmp_path):
-    """A writer process's error (no inodes left) fails the layer as the disk's error, naming it,
-    with nothing visible; a writer killed part way is ours (``infra``), not the layer's; either
-    way no process of the unpacking is left."""
+def test_a_full_disk_fails_the_layer_as_the_disks_and_leaves_nothing(tmp_path):
+    """No inodes left, in the child inflating for itself or fed by an inflater: the layer fails
+    as the disk's error (``infra``), naming it, with nothing visible and no process of the
+    unpacking left."""
     import functools
-    import threading
 
     from arl_tangram.managers.sandbox.registry.unpackproc import unpack_in_child
 
-    blob = _writer_layer()
+    blob = _rich_layer()
     small = tmp_path / "small"
     small.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "nr_inodes=120", "tmpfs", str(small)]).returncode:
         pytest.skip("cannot mount a tmpfs here")
     try:
         store = ImageStore(small / "store")
-        with pytest.raises(ImageError, match=r"layer 0: cannot unpack: \[Errno 28\]") as e:
-            store.unpack_layer(io.BytesIO(blob), "layer 0", unpack=functools.partial(unpack_in_child, procs=2))
-        assert e.value.infra and store.list() == []
-        assert not os.listdir(small / "store" / "layers") and not _procs_naming(str(small))
+        for inflater in (False, True):
+            with pytest.raises(ImageError, match=r"layer 0: cannot unpack: \[Errno 28\]") as e:
+                store.unpack_layer(io.BytesIO(blob), "layer 0",
+                                   unpack=functools.partial(unpack_in_child, inflater=inflater))
+            assert e.value.infra and store.list() == []
+            assert not os.listdir(small / "store" / "layers") and not _procs_naming(str(small))
     finally:
         subprocess.run(["umount", str(small)], check=True)
-    store = ImageStore(tmp_path / "store")
-    held = _Held(blob, len(blob) // 2)
-    result: list = []
-    runner = threading.Thread(target=lambda: result.append(_catch(lambda: store.unpack_layer(
-        held, "layer 0", unpack=functools.partial(unpack_in_child, procs=2)))))
-    runner.start()
-    assert held.held.wait(30)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and len(_procs_naming(str(tmp_path / "store"))) < 3:
-        time.sleep(0.02)
-    child = [p for p in _procs_naming(str(tmp_path / "store")) if p in _unpack_children()]
-    writers = [p for p in _procs_naming(str(tmp_path / "store")) if p not in child]
-    assert len(child) == 1 and len(writers) == 2
-    os.kill(writers[0], signal.SIGKILL)
-    held.go.set()
-    runner.join(60)
-    error = result[0]
-    assert isinstance(error, ImageError) and error.infra, error
-    assert "layer 0" in str(error) and "writer process ended" in str(error)
-    assert store.list() == [] and not os.listdir(store.root / "layers")
-    assert not _procs_naming(str(tmp_path / "store"))
 
 
-def _my_children() -> set[int]:
-    out = set()
-    for task in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{task}/children") as fh:
-            out |= {int(p) for p in fh.read().split()}
+def _inflaters(text: str) -> list[int]:
+    """Inflater processes (``layertar.py`` run as a script) whose command line names ``text``."""
+    out = []
+    for pid in _procs_naming(text):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if b"layertar.py" in fh.read():
+                    out.append(pid)
+        except OSError:
+            continue
     return out
 
 
 @root_only
-def test_a_bad_member_after_files_with_the_writers_stops_them_before_it_returns(tmp_path):
-    """The reader's own verdict (a device node after files handed to the writer processes): the
-    error names the member, and every writer is killed and waited for before it is raised (the
-    caller removes ``dest`` next)."""
-    from arl_tangram.managers.sandbox.unpack import check_and_unpack
+def test_layers_through_an_inflater_process_fail_and_succeed_as_in_one_process(tmp_path):
+    """The inflate in a process of its own (``layertar.inflate_child``, feeding the unpacking child
+    the tar): gzip, zstd and plain layers unpack to the same tree and digest; bad gzip or zstd data,
+    a stream cut short, a bad gzip trailer (after the tar's last block) fail the layer with the
+    message the one-process unpacking gives, naming the layer, not the truncated tar the child
+    read; a bad member before bad data is still the member's error; nothing visible, nothing left
+    running."""
+    import functools
+    import gzip
 
-    blob = layer_tar([("file", f"f{i}", "x" * i) for i in range(300)] + [("chr", "dev/null")])
-    before = _my_children()
-    with pytest.raises(ImageError, match=r"layer 0: member 'dev/null' is a device node"):
-        check_and_unpack(io.BytesIO(blob), tmp_path, "layer 0", None, procs=2)  # (forks this process)
-    assert _my_children() - before == set()
+    import zstandard
+
+    from arl_tangram.managers.sandbox.registry.unpackproc import unpack_in_child
+
+    tar = _rich_layer()
+    gz = gzip.compress(tar)
+    zs = zstandard.ZstdCompressor(write_checksum=True).compress(tar)
+    inflating = functools.partial(unpack_in_child, inflater=True)
+    store = ImageStore(tmp_path / "store")
+    for i, blob in enumerate((gz, zs, tar)):
+        via = ImageStore(tmp_path / f"via-{i}")
+        assert via.unpack_layer(io.BytesIO(blob), "layer 0", unpack=inflating) == \
+            store.unpack_layer(io.BytesIO(blob), "layer 0")
+        d = hashlib.sha256(tar).hexdigest()
+        assert _tree(via.layer_dir(d)) == _tree(store.layer_dir(d))
+    mid = len(gz) // 2
+    bad = [gz[:mid] + b"x" * 64 + gz[mid + 64:], gz[:mid], gz[:-8] + b"\0\0\0\0" + gz[-4:],
+           zs[:len(zs) // 2] + b"x" * 64 + zs[len(zs) // 2 + 64:], zs[:len(zs) // 2]]
+    # (the bad data well past the first chunks: read after the member, in either)
+    member_first = gzip.compress(layer_tar([("file", "a", "a"), ("chr", "dev/null")] +
+                                           [("file", f"f{i}", os.urandom(2000).hex()) for i in range(3000)]))
+    bad.append(member_first[:len(member_first) // 2] + b"x" * 64 + member_first[len(member_first) // 2 + 64:])
+    fresh = ImageStore(tmp_path / "fresh")
+    for i, blob in enumerate(bad):
+        with pytest.raises(ImageError) as one:
+            fresh.unpack_layer(io.BytesIO(blob), "layer 0")
+        with pytest.raises(ImageError) as two:
+            fresh.unpack_layer(io.BytesIO(blob), "layer 0", unpack=inflating)
+        assert not two.value.infra and str(two.value).startswith("layer 0: ")
+        if i in (0, 3):  # bad data in the middle: what decodes before it is found depends on how the
+            # compressed bytes were cut into reads (as a download's are), so only the kind is the same
+            assert str(two.value).startswith("layer 0: not a readable tar (truncated or corrupt: ")
+        else:
+            assert str(two.value) == str(one.value)
+    assert "device node" in str(two.value)  # the last: the member comes before the bad data  # the last: the member comes before the bad data
+    assert fresh.list() == [] and not os.listdir(fresh.root / "layers")
+    assert not _procs_naming(str(tmp_path))
 
 
 @root_only
-def test_a_pulling_process_killed_outright_leaves_no_writer_process(tmp_path):
-    """The process feeding an unpacking child killed (SIGKILL) half way through a layer: the child
-    reads the pipe's end, fails the layer and kills its writers; none of them is left."""
-    blob = _writer_layer()
+def test_a_killed_inflater_process_is_ours_and_leaves_nothing(tmp_path):
+    """The inflater killed part way: an infrastructure error naming the layer (not the truncated
+    tar the child read), nothing visible, no process of the unpacking left."""
+    import functools
+    import gzip
+    import threading
+
+    from arl_tangram.managers.sandbox.registry.unpackproc import unpack_in_child
+
+    blob = gzip.compress(_rich_layer())
+    store = ImageStore(tmp_path / "store")
+    held = _Held(blob, len(blob) // 2)
+    result: list = []
+    runner = threading.Thread(target=lambda: result.append(_catch(lambda: store.unpack_layer(
+        held, "layer 0", unpack=functools.partial(unpack_in_child, inflater=True)))))
+    runner.start()
+    assert held.held.wait(30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not _inflaters(str(store.root)):
+        time.sleep(0.02)
+    inflaters = _inflaters(str(store.root))
+    assert len(inflaters) == 1 and len(_procs_naming(str(store.root))) == 2  # the child, the inflater
+    os.kill(inflaters[0], signal.SIGKILL)
+    held.go.set()
+    runner.join(60)
+    error = result[0]
+    assert isinstance(error, ImageError) and error.infra, error
+    assert str(error).startswith("layer 0: the inflater process ended (-9)")
+    assert store.list() == [] and not os.listdir(store.root / "layers")
+    assert not _procs_naming(str(tmp_path))
+
+
+@root_only
+def test_a_pulling_process_killed_outright_leaves_no_unpacking_process(tmp_path):
+    """The process feeding an unpacking child through an inflater killed (SIGKILL) half way
+    through a layer: the inflater reads its pipe's end and ends, then the child; none is left."""
+    blob = _rich_layer()
     (tmp_path / "layer").write_bytes(blob)
     dest = tmp_path / "dest"
     dest.mkdir()
@@ -324,16 +384,16 @@ class Half:
         out = blob[self.pos:self.pos + (1 << 16)]
         self.pos += len(out)
         return out
-unpack_in_child(Half(), {str(dest)!r}, "layer 0", None, procs=2)
+unpack_in_child(Half(), {str(dest)!r}, "layer 0", None, inflater=True)
 """])
     def unpacking() -> list[int]:  # (the feeder's own command line names ``dest`` too)
         return [p for p in _procs_naming(str(dest)) if p != feeder.pid]
 
     try:
         deadline = time.monotonic() + 20
-        while len(unpacking()) < 3 and time.monotonic() < deadline:
+        while len(unpacking()) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert len(unpacking()) == 3  # the unpacking child and its 2 writers
+        assert len(unpacking()) == 2 and len(_inflaters(str(dest))) == 1  # the unpacking child, the inflater
         feeder.kill()
         feeder.wait()
         deadline = time.monotonic() + 10
@@ -831,14 +891,17 @@ def _unpack_children() -> list[int]:
 
 @root_only
 @needs_tools
-def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp_path, proxy, monkeypatch):
-    """Large layers go through a child process (``unpackproc``, with writer processes): the same
-    tree, the same checks, nothing left visible or running (the child, its writers) when the layer is bad, its blob does not match, the download
+@pytest.mark.parametrize("inflater", [False, True], ids=["inflating-itself", "inflater-process"])
+def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp_path, proxy, monkeypatch, inflater):
+    """Large layers go through a child process (``unpackproc``; fed by an inflater process or
+    not): the same tree, the same checks, nothing left visible or running (the child, the
+    inflater) when the layer is bad, its blob does not match, the download
     starts over, or the pull is cancelled; and a durable store syncs before a layer appears."""
     from arl_tangram.managers.sandbox import images as images_module
 
     cfg = _config(proxy.host)
-    child = PullLimits(process_unpack_bytes=0, process_unpack_cpus=1, unpack_writer_procs=2)
+    child = PullLimits(process_unpack_bytes=0, process_unpack_cpus=1, inflater_process=inflater)
+    running = 1 + inflater  # the child (and the inflater): each names the store
     synced = []
     sync = images_module.syncfs
     monkeypatch.setattr(images_module, "syncfs", lambda p: (synced.append(str(p)), sync(p)))
@@ -863,7 +926,8 @@ def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp
         _pull(f"{proxy.host}/tiny/device:v1", fresh, cfg, limits=child)
     with pytest.raises(ImageError, match="more than 1000 bytes"):
         _pull(f"{proxy.host}/tiny/app3:v1", ImageStore(tmp_path / "small"), cfg,
-              limits=PullLimits(process_unpack_bytes=0, process_unpack_cpus=1, max_layer_files_bytes=1000))
+              limits=PullLimits(process_unpack_bytes=0, process_unpack_cpus=1, max_layer_files_bytes=1000,
+                                inflater_process=inflater))
     proxy.rules.append(Rule("/tiny/app4/blobs/", ("corrupt",), 1000))
     with pytest.raises(DigestMismatch):
         _pull(f"{proxy.host}/tiny/app4:v1", fresh, cfg, limits=child, client={"retries": 0})
@@ -881,16 +945,21 @@ def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp
         async with _fast(cfg) as c:
             task = asyncio.ensure_future(pull(f"{proxy.host}/tiny/app1:v1", stalled, cfg, client=c, limits=child))
             deadline = time.monotonic() + 20
-            while len(_procs_naming(str(stalled.root))) < 3 and time.monotonic() < deadline:
+            def under_way() -> bool:  # a child for each layer under way (and its inflater)
+                children = _unpack_children()
+                return bool(children) and len(_procs_naming(str(stalled.root))) == len(children) * running \
+                    and len(_inflaters(str(stalled.root))) == len(children) * inflater
+
+            while not under_way() and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            assert _unpack_children() and len(_procs_naming(str(stalled.root))) == 3  # the child, 2 writers
+            assert under_way()
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
 
     asyncio.run(cancelled())
     proxy.release.set()
-    assert _unpack_children() == [] and _procs_naming(str(tmp_path)) == []  # nor its writer processes
+    assert _unpack_children() == [] and _procs_naming(str(tmp_path)) == []  # nor the inflater
     assert [i.name for i in fresh.list()] == [img.name] and stalled.list() == []
     # a child that dies without an answer: an infrastructure error naming the layer, nothing left
     from arl_tangram.managers.sandbox.registry import unpackproc

@@ -16,10 +16,13 @@ picks the parts to run.
   unpacked), ``runs`` of each alternating, medians; ``pull_throughput_vs_skopeo_copy`` at the
   top of the JSON is that ratio (``pull_unpacks_in``: where that pull unpacked the layer).
   Beside them the same pull without the ``syncfs``, and, also without it, the layer unpacked in
-  a child process (its default writer processes), in a thread of the pulling process (as small
-  layers are), in a child without writer processes, and with 1, 2 and 4 (in alternating order); ``reader_phases``: the same blob from memory, the inflate alone, with
-  the diff_id hash, with the tar parsed and checked, and the whole unpacking into tmpfs and onto
-  the disk (with the default writers and none), wall and CPU seconds; then
+  a child process as the default pull does (with an inflater process or not, by the CPUs), in a
+  thread of the pulling process (as small layers are), in a child inflating for itself, and in
+  a child fed by an inflater process (the decompression in a process of its own; in alternating
+  order); ``reader_phases``: the same blob from memory, the inflate alone, with the diff_id hash,
+  with the tar parsed and checked (and so with the inflate in a process of its own), and the
+  whole unpacking into tmpfs and onto the disk (the child inflating for itself, and fed by an
+  inflater process), wall and CPU seconds; then
   ``tar -xzf`` of the same blob (this disk's own speed at creating the layer's files), our
   client's download of the blob alone (digest checked, nothing kept), the pull into a tmpfs
   store (the disk left out), and what creating one empty file costs on this disk; the CPU
@@ -70,7 +73,6 @@ from .taskimages import (BadRegistry, Layout, Registry, compress, debian_root, h
                          root_layer, skopeo, tar_dir, task_layer)
 
 BASES = ("debian", "host-python")
-PROCS = (1, 2, 4)  # writer processes compared in the throughput section
 SECTIONS = ("throughput", "tasks", "first_session", "concurrent", "bad_input")
 
 
@@ -174,16 +176,15 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
     files = _members(tar)
     create_us = _create_cost(work / "create-cost")
     shm = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else None
-    took: dict[str, list[float]] = {k: [] for k in ("skopeo", "pull", "pull_nosync", "pull_child", "pull_thread",
-                                                     "pull_no_writers", "tar", "download", "pull_tmpfs",
+    took: dict[str, list[float]] = {k: [] for k in ("skopeo", "pull", "pull_nosync", "tar", "download", "pull_tmpfs",
                                                      "skopeo_cpu", "pull_cpu", "sync_behind", "pull_sync_first")}
-    # where the layer is unpacked, each without syncfs: in a child process with its default
-    # writers (whatever the CPUs), in a thread of the pulling process (as small layers are), in a
-    # child with no writer processes, with 1, 2 and 4
+    # where the layer is unpacked, each without syncfs: in a child process as the default pull
+    # does, in a thread of the pulling process (as small layers are), in a child inflating for
+    # itself, in a child fed by an inflater process
     variants = [("pull_child", PullLimits(process_unpack_cpus=1)),
                 ("pull_thread", PullLimits(process_unpack_bytes=1 << 62)),
-                ("pull_no_writers", PullLimits(unpack_writer_procs=0, process_unpack_cpus=1))]
-    variants += [(f"pull_writer_procs_{n}", PullLimits(unpack_writer_procs=n, process_unpack_cpus=1)) for n in PROCS]
+                ("pull_self_inflating", PullLimits(process_unpack_cpus=1, inflater_process=False)),
+                ("pull_inflater", PullLimits(process_unpack_cpus=1, inflater_process=True))]
     took.update({k: [] for k, _ in variants})
     for i in range(runs):
         t, c = time.perf_counter(), _cpu(resource.RUSAGE_CHILDREN)
@@ -233,7 +234,7 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
     mb = len(blob) / (1 << 20)
     result = {"blob_mb": round(mb, 1), "tar_mb": round(len(tar) / (1 << 20), 1), "files": files["files"],
               "members": files["members"], "pull_s": round(med["pull"], 3), "skopeo_copy_s": round(med["skopeo"], 3),
-              "pull_unpacks_in": (f"a child process ({_writers(PullLimits())})" if len(blob) >=
+              "pull_unpacks_in": (f"a child process ({_inflating(PullLimits())})" if len(blob) >=
                                   PullLimits().process_unpack_bytes and len(os.sched_getaffinity(0)) >=
                                   PullLimits().process_unpack_cpus else "a thread"),
               "pull_without_syncfs_s": round(med["pull_nosync"], 3),
@@ -245,12 +246,11 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
               "pull_unpacking_in_a_child_s": round(med["pull_child"], 3),
               "pull_unpacking_in_a_thread_s": round(med["pull_thread"], 3),
               "child_over_thread_speedup": round(med["pull_thread"] / med["pull_child"], 2),
-              # (named when the writers were threads: a child with no writers)
-              "pull_child_without_writer_threads_s": round(med["pull_no_writers"], 3),
-              **{f"pull_child_with_{n}_writer_procs_s": round(med[f"pull_writer_procs_{n}"], 3) for n in PROCS},
-              **{f"writer_procs_{n}_speedup": round(med["pull_no_writers"] / med[f"pull_writer_procs_{n}"], 2)
-                 for n in PROCS},
-              "default_writer_procs": PullLimits().writer_procs(),
+              # the child inflating for itself, and fed by an inflater process (the inflate in a process of its own)
+              "pull_child_inflating_itself_s": round(med["pull_self_inflating"], 3),
+              "pull_child_with_inflater_s": round(med["pull_inflater"], 3),
+              "inflater_speedup": round(med["pull_self_inflating"] / med["pull_inflater"], 2),
+              "default_inflater_process": PullLimits().inflate_in_process(),
               "reader_phases": _phases(blob, runs, work, shm),
               "tar_xzf_s": round(med["tar"], 3), "download_only_s": round(med["download"], 3),
               "pull_tmpfs_s": round(med["pull_tmpfs"], 3) if "pull_tmpfs" in med else None,
@@ -269,9 +269,8 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
     return result
 
 
-def _writers(limits: PullLimits) -> str:
-    procs = limits.writer_procs()
-    return f"{procs} writer processes" if procs else "no writer processes"
+def _inflating(limits: PullLimits) -> str:
+    return "fed by an inflater process" if limits.inflate_in_process() else "inflating for itself"
 
 
 def _phases(blob: bytes, runs: int, work: Path, shm: Path | None) -> dict:
@@ -279,15 +278,15 @@ def _phases(blob: bytes, runs: int, work: Path, shm: Path | None) -> dict:
     times, medians of wall and CPU seconds: the inflate alone (this thread), the inflate with the
     diff_id sha256 (``Inflated``: each in a thread), those with the tar parsed and every member
     checked (no writes; again with a 0.5 ms switch interval: whether the inflate and hash threads
-    wait for the parsing thread's interpreter lock), and the whole unpacking in a child process as a pull runs it
-    (``unpack_in_child``, its default writers and none; CPU of the child and its writers) into
-    tmpfs and onto this disk."""
+    wait for the parsing thread's interpreter lock; again with the inflate in a process of its
+    own, ``layertar.inflate_child``, its tar hashed, parsed and checked here), and the whole
+    unpacking in a child process as a pull runs it (``unpack_in_child``, inflating for itself and
+    fed by an inflater process; CPU of the child and the inflater) into tmpfs and onto this disk."""
     import io
 
     from ..managers.sandbox import unpack as unpack_mod
     from ..managers.sandbox.registry.unpackproc import unpack_in_child
 
-    procs = PullLimits().writer_procs()
     took: dict[str, list[float]] = {}
 
     def timed(key: str, fn: Callable[[], object]) -> None:
@@ -314,22 +313,42 @@ def _phases(blob: bytes, runs: int, work: Path, shm: Path | None) -> dict:
         finally:
             sys.setswitchinterval(old)
 
+    def inflater_checked() -> None:  # the inflate in a process of its own, its tar hashed, parsed and checked here
+        import threading
+
+        inf = subprocess.Popen([sys.executable, "-P", layertar.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+        def feed() -> None:
+            try:
+                inf.stdin.write(blob)
+                inf.stdin.close()
+            except BrokenPipeError:
+                pass
+
+        feeder = threading.Thread(target=feed)
+        feeder.start()
+        try:
+            unpack_mod.check_layer(inf.stdout, "bench", plain=True)
+        finally:
+            feeder.join()
+            inf.wait()
+
     places = [("disk", work)] + ([("tmpfs", shm)] if shm is not None else [])
     for i in range(runs):
         timed("inflate", inflate)
         timed("inflate_and_hash", inflate_hash)
         timed("inflate_hash_parse_and_check", lambda: unpack_mod.check_layer(io.BytesIO(blob), "bench"))
         timed("inflate_hash_parse_and_check_switch_0_5ms", checked_switching)
+        timed("inflater_process_then_hash_parse_and_check", inflater_checked)
         for where, root in (places if i % 2 == 0 else places[::-1]):
-            for key, n in ((f"unpack_{where}", procs), (f"unpack_{where}_no_writers", 0)):
+            for key, inf in ((f"unpack_{where}", False), (f"unpack_{where}_inflater", True)):
                 d = Path(tempfile.mkdtemp(prefix="tangram-bench-phase-", dir=root))
                 try:
-                    timed(key, lambda: unpack_in_child(io.BytesIO(blob), d, "bench", None, procs=n))
+                    timed(key, lambda: unpack_in_child(io.BytesIO(blob), d, "bench", None, inflater=inf))
                 finally:
                     if where == "tmpfs":  # (the disk's are kept to the end: see the module's docstring)
                         shutil.rmtree(d, ignore_errors=True)
     out = {k: round(statistics.median(v), 3) for k, v in took.items()}
-    out["writer_procs"] = procs
     return out
 
 

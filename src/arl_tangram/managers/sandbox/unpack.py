@@ -7,8 +7,7 @@ more file bytes than a limit. ``Unpacker`` writes the members into a fresh direc
 reads them: a whiteout (``.wh.NAME``) becomes a 0/0 character device, an opaque directory
 (``.wh..wh..opq``) gets ``trusted.overlay.opaque=y``. ``check_and_unpack`` does both in one pass
 (a member's checks depend only on the members before it); ``unpack_child`` is the same in a
-pull's child process (``registry/unpackproc``), its small files and symlinks written by processes
-it forks (``_ProcWriters``). ``ImageError`` lives here because these checks
+pull's child process (``registry/unpackproc``). ``ImageError`` lives here because these checks
 raise it; ``images`` (the store) names it for everyone else.
 
 Unpacking never follows a link on the host: a member under a symlink of its own layer is refused,
@@ -20,14 +19,11 @@ entry itself. Alternative dropped: ``tarfile``'s ``data`` filter — it refuses 
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import posixpath
 import shutil
-import signal
 import stat
-import struct
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,33 +154,39 @@ class Checker:
         return path
 
 
-def _members(stream: IO[bytes], where: str, each) -> tuple[str, int]:
-    """Read a whole (possibly compressed) layer tar, calling ``each(tar, member)`` for each
-    member; (sha256 of the uncompressed tar, its length). Decoding errors are ``ImageError``s
-    naming the layer; ``each``'s own errors pass as they are."""
-    inflated = Inflated(stream.read)
+def _members(stream: IO[bytes], where: str, each, plain: bool = False) -> tuple[str, int]:
+    """Read a whole (possibly compressed; ``plain``: decompressed already) layer tar, calling
+    ``each(tar, member)`` for each member; (sha256 of the uncompressed tar, its length).
+    Decoding errors are ``ImageError``s naming the layer; ``each``'s own errors pass as they are."""
+    inflated = Inflated(stream.read, plain=plain)
     try:
-        tar = TarStream(inflated)
-        for m in tar:
-            each(tar, m)
-        for _ in inflated:  # the tar's trailing padding is part of its identity
-            pass
-    except BadLayer as e:
-        raise ImageError(f"{where}: {e}") from None
-    except (tarfile.TarError, EOFError) as e:  # reading the layer out of an archive
-        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: {e})") from None
+        try:
+            tar = TarStream(inflated)
+            for m in tar:
+                each(tar, m)
+            for _ in inflated:  # the tar's trailing padding is part of its identity
+                pass
+        except BadLayer as e:
+            raise ImageError(f"{where}: {e}") from None
+        except (tarfile.TarError, EOFError) as e:  # reading the layer out of an archive
+            raise ImageError(f"{where}: not a readable tar (truncated or corrupt: {e})") from None
+        if inflated.count % 512:
+            raise ImageError(f"{where}: not a readable tar (truncated or corrupt: it ends inside a block)")
+    except ImageError as e:
+        # whether the reader had met the stream's end: only then can the error be that end's doing
+        # (an inflater process stopping at bad data, whose error is then the layer's: ``unpackproc``)
+        e.at_end = inflated.ended
+        raise
     finally:
         inflated.close()
-    if inflated.count % 512:
-        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: it ends inside a block)")
     return inflated.digest(), inflated.count
 
 
-def check_layer(stream: IO[bytes], where: str) -> tuple[str, int]:
-    """Read a whole layer tar; raise ``ImageError`` on the first bad member. Returns
-    (sha256 of the uncompressed tar, total file bytes)."""
+def check_layer(stream: IO[bytes], where: str, plain: bool = False) -> tuple[str, int]:
+    """Read a whole layer tar (``plain``: decompressed already); raise ``ImageError`` on the first
+    bad member. Returns (sha256 of the uncompressed tar, total file bytes)."""
     checker = Checker(where)
-    digest, _ = _members(stream, where, lambda tar, m: checker.check(m))
+    digest, _ = _members(stream, where, lambda tar, m: checker.check(m), plain)
     return digest, checker.size
 
 
@@ -207,24 +209,12 @@ class Unpacker:
     descriptor (the layer's files are the bulk of a pull's system calls). A path made before (a
     later member replacing an earlier one) is looked at and removed first."""
 
-    def __init__(self, dest: Path | str, where: str, procs: int = 0) -> None:
+    def __init__(self, dest: Path | str, where: str) -> None:
         self.dest, self.where = str(dest), where
         self.dirs: list[tuple[str, tarfile.TarInfo]] = []
         self.made: set[str] = set()  # the paths this unpacker created (with their parent directories)
         self.owner = (os.geteuid(), os.getegid())
         self.umask = _umask()
-        # ``procs`` writer processes: forked here, so only in a process with no other thread yet (``unpack_child``)
-        self.writers = _ProcWriters(procs, self.owner, where) if procs > 0 else None
-
-    def _settle(self) -> None:
-        """Every file handed to the writers is written (before a path made earlier is touched)."""
-        if self.writers is not None:
-            self.writers.drain()
-
-    def close(self) -> None:
-        """Stop the writers (after an error: the caller removes ``dest`` once nothing writes there)."""
-        if self.writers is not None:
-            self.writers.close()
 
     def _parent(self, parent: str) -> None:
         if parent == self.dest or parent in self.made:
@@ -250,7 +240,6 @@ class Unpacker:
         if base.startswith(WHITEOUT):
             target = os.path.join(parent, base[len(WHITEOUT):])
             if target in self.made:
-                self._settle()
                 self._forget(target)
                 _remove(target)
             os.mknod(target, stat.S_IFCHR | 0o000, os.makedev(0, 0))
@@ -258,8 +247,6 @@ class Unpacker:
             return
         again = full in self.made
         self.made.add(full)
-        if again:
-            self._settle()
         if m.isdir():
             if not again:
                 os.mkdir(full, 0o700)
@@ -273,12 +260,8 @@ class Unpacker:
             self._forget(full)
             _remove(full)
         if m.issym():
-            if self.writers is not None:  # nothing in the layer is made through it (Checker)
-                self.writers.symlink(full, m.linkname, m.uid, m.gid, m.mtime)
-                return
             os.symlink(m.linkname, full)
         elif m.islnk():
-            self._settle()  # its target may be a file still with the writers
             os.link(os.path.join(self.dest, normalise(m.linkname, self.where)), full, follow_symlinks=False)
             return  # shares the target's inode, ownership and mode
         else:
@@ -291,9 +274,6 @@ class Unpacker:
         # created with its mode where the umask keeps it (setuid and setgid bits are set after the owner)
         plain = not mode & 0o7000 and not mode & self.umask
         if isinstance(tar, TarStream):  # the data as slices of the stream's chunks
-            if self.writers is not None and m.size <= SMALL:
-                self.writers.file(full, list(tar.data()), m.size, mode, plain, m.uid, m.gid, m.mtime)
-                return
             pieces = tar.data()
         else:
             src = tar.extractfile(m)
@@ -308,7 +288,6 @@ class Unpacker:
             self.dirs = [(d, m) for d, m in self.dirs if d != full and not d.startswith(prefix)]
 
     def finish(self) -> None:
-        self._settle()
         for full, m in reversed(self.dirs):  # deepest first: a read-only directory is filled before it closes
             if _is_real_dir(full):  # not one a later member replaced (chmod would follow a symlink there)
                 _attrs(full, m, self.owner)
@@ -337,244 +316,6 @@ def _write_file(full: str, pieces, mode: int, plain: bool, uid: int, gid: int, m
         os.close(fd)
 
 
-SMALL = 4 << 20  # a file up to this size goes to the writers; a larger one is written in order by the reader
-BATCH_FILES, BATCH_BYTES = 32, 1 << 20  # a batch is closed at either
-
-
-def _make_symlink(full: str, target: str, uid: int, gid: int, mtime: float, owner: tuple[int, int]) -> None:
-    """A symlink with its owner and mtime (``_attrs`` for one: a link has no mode of its own)."""
-    os.symlink(target, full)
-    if (uid, gid) != owner:
-        os.lchown(full, uid, gid)
-    os.utime(full, (mtime, mtime), follow_symlinks=False)
-
-
-class WriterDied(ImageError):
-    """A writer process ended without its answer (killed, out of memory): ours, not the layer's."""
-
-    infra = True
-
-
-# a record of a batch: kind (0 a file, 1 a symlink), plain, mode, uid, gid, mtime, then the
-# lengths of the path and of the data (a file's bytes, a symlink's target) that follow it
-_REC = struct.Struct("<BBIqqdIQ")
-_LEN = struct.Struct("<Q")  # a batch's length, before it
-_PIPE_BYTES = 1 << 20  # a whole batch fits in the pipe: the reader rarely waits to hand one over
-
-
-class _ProcWriters:
-    """Files and symlinks made by ``n`` processes forked at the start of a layer's unpacking
-    process (``unpack_child``: a small interpreter, and no thread started yet), while the members
-    after them are read: a file's creation is system calls (open, write, chown, utime, close),
-    which the writers make beside each other and beside the reading. Processes, not threads: a
-    thread's every system call gives up the reader's interpreter lock and takes it back, and the
-    reader (parsing, checking) is the unpacking's longest stage.
-
-    Each writer is fed batches (closed at ``BATCH_FILES`` files or ``BATCH_BYTES``) through a
-    pipe of its own, round robin, at most two at a time, and answers each on another pipe (a
-    byte, or its error). The checks stay in the reader, in order; the writers only create what it
-    judged. The reader ``drain``s them before it touches a path it made (a replacement, a
-    whiteout of a path made, a hard link's target) and at its end. A writer's ``OSError`` is
-    raised by the reader as that ``OSError`` (the disk's); a writer gone without its answer is
-    ``WriterDied`` (ours). ``close`` kills and waits for every writer, so nothing writes into
-    ``dest`` once it returns; each writer also dies with the unpacking process
-    (``PR_SET_PDEATHSIG``) and holds its stdout, so the pull, reading that to its end, knows
-    every writer is gone (``registry/unpackproc``)."""
-
-    def __init__(self, n: int, owner: tuple[int, int], where: str) -> None:
-        self.n, self.where = n, where
-        self.procs: list[tuple[int, int, int]] = []  # (pid, batches' pipe, answers' pipe)
-        self.pending = [0] * n
-        self.batch: list = []
-        self.files = 0
-        self.bytes = 0
-        self.next = 0
-        ours: list[int] = []  # this side's pipe ends, closed in each writer forked after
-        me = os.getpid()
-        try:
-            for _ in range(n):
-                jr, jw = os.pipe()
-                ar, aw = os.pipe()
-                try:
-                    fcntl.fcntl(jw, _F_SETPIPE_SZ, _PIPE_BYTES)
-                except OSError:
-                    pass
-                pid = os.fork()
-                if pid == 0:  # the writer
-                    code = 1
-                    try:
-                        _die_with_parent(me)
-                        os.close(0)  # the layer's stream: the pull must see the pipe's end when the reader dies
-                        for fd in ours + [jw, ar]:
-                            os.close(fd)
-                        _writer(jr, aw, owner)
-                        code = 0
-                    finally:
-                        os._exit(code)
-                os.close(jr)
-                os.close(aw)
-                ours += [jw, ar]
-                self.procs.append((pid, jw, ar))
-        except BaseException:
-            self.close()
-            raise
-
-    def file(self, full: str, pieces: list, size: int, mode: int, plain: bool, uid: int, gid: int,
-             mtime: float) -> None:
-        path = os.fsencode(full)
-        self.batch += (_REC.pack(0, plain, mode, uid, gid, mtime, len(path), size), path, *pieces)
-        self._added(size + len(path))
-
-    def symlink(self, full: str, target: str, uid: int, gid: int, mtime: float) -> None:
-        path, to = os.fsencode(full), os.fsencode(target)
-        self.batch += (_REC.pack(1, 0, 0, uid, gid, mtime, len(path), len(to)), path, to)
-        self._added(len(path) + len(to))
-
-    def _added(self, size: int) -> None:
-        self.files += 1
-        self.bytes += size + _REC.size
-        if self.files >= BATCH_FILES or self.bytes >= BATCH_BYTES:
-            self._flush()
-
-    def _flush(self) -> None:
-        if not self.batch:
-            return
-        i = self.next
-        self.next = (i + 1) % self.n
-        while self.pending[i] >= 2:  # at most two batches a writer: one written, one waiting
-            self._answer(i)
-        pieces = [_LEN.pack(self.bytes), *self.batch]
-        self.batch, self.files, self.bytes = [], 0, 0
-        try:
-            _write_all(self.procs[i][1], pieces)
-        except BrokenPipeError:
-            raise WriterDied(f"{self.where}: a writer process ended without an answer") from None
-        self.pending[i] += 1
-
-    def _answer(self, i: int) -> None:
-        fd = self.procs[i][2]
-        head = _read_exact(fd, 5)
-        if len(head) < 5:
-            raise WriterDied(f"{self.where}: a writer process ended without an answer")
-        self.pending[i] -= 1
-        size = int.from_bytes(head[1:], "little")
-        if size:  # its error: raised as the writer met it
-            err = json.loads(_read_exact(fd, size))
-            if err.get("errno") is not None:
-                raise OSError(err["errno"], err["strerror"], err.get("filename"))
-            raise WriterDied(f"{self.where}: a writer process failed: {err.get('error')}")
-
-    def drain(self) -> None:
-        self._flush()
-        for i in range(len(self.procs)):
-            while self.pending[i]:
-                self._answer(i)
-
-    def close(self) -> None:
-        """Kill and wait for every writer (drained before, at a layer's end: they wait idle)."""
-        self.batch = []
-        for pid, jw, ar in self.procs:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        for pid, jw, ar in self.procs:
-            while True:
-                try:
-                    os.waitpid(pid, 0)
-                    break
-                except ChildProcessError:
-                    break
-                except InterruptedError:
-                    continue
-            os.close(jw)
-            os.close(ar)
-        self.procs = []
-
-
-def _writer(jobs: int, answers: int, owner: tuple[int, int]) -> None:
-    """A writer process's loop: each batch's records made in order, then its answer; after an
-    error, batches are answered but not written (the reader raises at the first error)."""
-    failed = False
-    while True:
-        head = _read_exact(jobs, _LEN.size)
-        if len(head) < _LEN.size:
-            return
-        size = _LEN.unpack(head)[0]
-        if not size:
-            return
-        buf = memoryview(_read_exact(jobs, size))
-        if len(buf) < size:
-            return
-        err = b""
-        if not failed:
-            try:
-                _write_batch(buf, owner)
-            except BaseException as e:  # handed to the reader
-                failed = True
-                if isinstance(e, OSError):
-                    info = {"errno": e.errno, "strerror": e.strerror, "filename": e.filename}
-                else:
-                    info = {"error": f"{type(e).__name__}: {e}"}
-                err = json.dumps(info).encode()
-        _write_all(answers, [b"\x01" if err else b"\x00", len(err).to_bytes(4, "little"), err])
-
-
-def _write_batch(buf: memoryview, owner: tuple[int, int]) -> None:
-    pos, end, rec = 0, len(buf), _REC.size
-    while pos < end:
-        kind, plain, mode, uid, gid, mtime, plen, dlen = _REC.unpack_from(buf, pos)
-        pos += rec
-        full = os.fsdecode(bytes(buf[pos:pos + plen]))
-        pos += plen
-        data = buf[pos:pos + dlen]
-        pos += dlen
-        if kind == 0:
-            _write_file(full, (data,), mode, bool(plain), uid, gid, mtime, owner)
-        else:
-            _make_symlink(full, os.fsdecode(bytes(data)), uid, gid, mtime, owner)
-
-
-def _read_exact(fd: int, n: int) -> bytearray:
-    """``n`` bytes of ``fd`` (fewer only at its end)."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = os.readv(fd, [view[got:]])
-        if not k:
-            break
-        got += k
-    return buf if got == n else buf[:got]
-
-
-def _write_all(fd: int, pieces: list) -> None:
-    """Every byte of ``pieces`` into ``fd`` (one writev call for a whole batch, where the pipe takes it)."""
-    views = [memoryview(p) for p in pieces if len(p)]
-    while views:
-        k = os.writev(fd, views[:_IOV_MAX])
-        while views and k >= len(views[0]):
-            k -= len(views[0])
-            views.pop(0)
-        if k:
-            views[0] = views[0][k:]
-
-
-_IOV_MAX = 1024
-_F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when its parent ends (the unpacking process killed outright)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # the parent was gone already
-        os._exit(1)
-
-
 def _umask() -> int:
     """This process's umask, read without changing it (``os.umask`` sets it for every thread)."""
     try:
@@ -595,38 +336,38 @@ def _is_real_dir(path: str) -> bool:
 
 
 def check_and_unpack(stream: IO[bytes], dest: Path, where: str, max_bytes: int | None,
-                      procs: int = 0) -> tuple[str, int]:
+                      plain: bool = False) -> tuple[str, int]:
     """Check each member, then write it into the fresh directory ``dest``, in one pass (a
-    member's checks depend only on the members before it); small files and symlinks by ``procs``
-    forked processes if more than 0 (only where this process has no other thread: ``unpack_child``). Returns (sha256 of the uncompressed tar, file bytes); the caller discards
-    ``dest`` if this raises (nothing writes there any more by then)."""
+    member's checks depend only on the members before it); ``plain``: the stream is the tar
+    itself (an inflater process decompressed it). Returns (sha256 of the uncompressed tar, file
+    bytes); the caller discards ``dest`` if this raises."""
     checker = Checker(where, max_bytes)
-    unpacker = Unpacker(dest, where, procs)
-    try:
-        digest, _ = _members(stream, where, lambda tar, m: unpacker.add(tar, m, path=checker.check(m)))
-        unpacker.finish()
-    finally:
-        unpacker.close()
+    unpacker = Unpacker(dest, where)
+    digest, _ = _members(stream, where, lambda tar, m: unpacker.add(tar, m, path=checker.check(m)), plain)
+    unpacker.finish()
     return digest, checker.size
 
 
 def unpack_child() -> None:
     """A pull's unpacking process (``registry/unpackproc``): the layer's bytes on stdin, checked
     and unpacked into ``argv[1]`` (a hidden directory the parent made and places; at most
-    ``argv[3]`` file bytes, small files and symlinks by ``argv[4]`` writer processes); one JSON line on stdout: the digest and file bytes, or the error naming the layer
-    (``argv[2]``), with ``infra`` where it is ours (a writer died, the disk), not the layer's."""
+    ``argv[3]`` file bytes; ``argv[4]`` "plain": stdin is the tar, an inflater process's output);
+    one JSON line on stdout: the digest and file bytes, or the error naming the layer
+    (``argv[2]``), with ``infra`` where it is ours (the disk), not the layer's, and ``at_end``
+    where it came once the stream had ended (a tar cut short: maybe the inflater's doing)."""
     import sys
 
     class Stdin:
         def read(self, n: int = -1) -> bytes:
             return os.read(0, n if n > 0 else 1 << 20)
 
-    dest, where, max_bytes, procs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    dest, where, max_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    plain = sys.argv[4:5] == ["plain"]
     try:
-        digest, size = check_and_unpack(Stdin(), Path(dest), where, None if max_bytes < 0 else max_bytes, procs)
+        digest, size = check_and_unpack(Stdin(), Path(dest), where, None if max_bytes < 0 else max_bytes, plain)
         answer: dict = {"digest": digest, "size": size}
-    except ImageError as e:  # the layer's, or ours (``infra``: a writer process died)
-        answer = {"error": str(e), "infra": e.infra}
+    except ImageError as e:  # the layer's
+        answer = {"error": str(e), "infra": e.infra, "at_end": getattr(e, "at_end", False)}
     except OSError as e:  # the disk's (full, read-only), not the layer's
         answer = {"error": f"{where}: cannot unpack: {e}", "infra": True}
     sys.stdout.write(json.dumps(answer) + "\n")

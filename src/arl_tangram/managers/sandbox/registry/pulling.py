@@ -15,9 +15,9 @@ reference (``python:3.12`` is stored as ``docker.io/library/python:3.12``).
   to one that checks and unpacks them into a hidden directory as they arrive (unpack.py's
   checks: paths escaping the root, device nodes...; ``layertar``), so a pull takes about as
   long as the slowest of the three, not their sum. A large layer's decompression, checks and
-  unpacking run in a child process (``unpackproc``), fed through a pipe, its small files
-  written by threads there: the receiving and the unpacking then do not wait for each
-  other's turn at one interpreter lock.
+  unpacking run in a child process (``unpackproc``), fed through a pipe (on 4 CPUs or more its
+  decompression in a process of its own before it): the receiving, the inflate and the
+  unpacking then do not wait for each other's turn at one interpreter lock.
 - Nothing unverified is visible or used: the unpacking sees the end of the stream only once
   the download has checked the blob's size and sha256, and the hidden directory is renamed
   into place only after that and once the uncompressed tar hashed to its diff_id (and, in a
@@ -74,17 +74,21 @@ class PullLimits:
     #: ... on a machine with at least this many CPUs for this process (on one, the second
     #: interpreter has nothing to run on; on 2 quiet cores it measured 1.2x a thread's ext4 pull)
     process_unpack_cpus: int = 2
-    #: processes that write such a layer's small files and symlinks, forked by its child
-    #: (``unpack._ProcWriters``); None: ``writer_procs`` picks by the CPUs this process may use
-    unpack_writer_procs: int | None = None
+    #: such a layer's decompression in a process of its own, its tar piped to the unpacking child
+    #: (``unpackproc``); None: ``inflate_in_process`` picks by the CPUs this process may use
+    inflater_process: bool | None = None
+    #: ... picked where the pull has at least this many CPUs
+    inflater_cpus: int = 4
 
-    def writer_procs(self) -> int:
-        """A writer process per 4 CPUs, at most 4: the reader (inflate, hash, parse, checks) keeps
-        about two cores busy, the registry and the download another, so on 2 CPUs writers only add
-        their CPU (docs/performance.md)."""
-        if self.unpack_writer_procs is not None:
-            return self.unpack_writer_procs
-        return min(4, _cpus() // 4)
+    def inflate_in_process(self) -> bool:
+        """The inflater buys overlap (the inflate beside the parse and checks, which in one
+        interpreter ran one after the other) for CPU (the Debian base's 202 MB through one more
+        pipe: ~0.3 s). It needs a core for each of the receiving, the inflate and the child's
+        reader (its hash thread beside): on 2 CPUs there is none to spare, and it measured
+        0.92-0.94x the child inflating for itself; from 4 each has its own (docs/performance.md)."""
+        if self.inflater_process is not None:
+            return self.inflater_process
+        return _cpus() >= self.inflater_cpus
 
 
 @dataclass(frozen=True)
@@ -313,7 +317,7 @@ async def _download(ref: Reference, store: ImageStore, client: RegistryClient, d
                     where: str, limits: PullLimits, emit: Callable) -> tuple[str, int]:
     """Download blob ``desc`` while threads check and unpack it; (diff_id, file bytes) of the
     layer now in place."""
-    child = functools.partial(unpack_in_child, procs=limits.writer_procs()) \
+    child = functools.partial(unpack_in_child, inflater=limits.inflate_in_process()) \
         if desc.size >= limits.process_unpack_bytes and _cpus() >= limits.process_unpack_cpus else None
     feed = _Feed(32 << 20 if child else 16 << 20)  # (a child's start: tens of ms of the blob held here)
     unpacking = _in_thread(_unpack_feed, store, feed, where, diff, limits.max_layer_files_bytes, child)
