@@ -175,13 +175,12 @@ def _gids(root) -> dict:
 
 
 @root_only
-def test_a_child_process_inflating_or_fed_by_an_inflater_unpacks_the_tree_one_thread_unpacks(tmp_path):
-    """The unpacking child (``unpackproc``), inflating for itself or fed the tar by an inflater
-    process (gzip, zstd, or plain, passed through): hard links, files and a symlink replaced by
-    directories and by other files, a directory replaced by a file, an opaque directory,
-    whiteouts of files just made, a read-only directory, setuid and other owners (of a file and
-    of a symlink), a large file and many small ones: the same tree, modes, owners and mtimes as
-    written in order in this process."""
+def test_a_child_process_unpacks_the_tree_one_thread_unpacks(tmp_path):
+    """The unpacking child (``unpackproc``; gzip, zstd, or plain layers): hard links, files and a
+    symlink replaced by directories and by other files, a directory replaced by a file, an opaque
+    directory, whiteouts of files just made, a read-only directory, setuid and other owners (of a
+    file and of a symlink), a large file and many small ones: the same tree, modes, owners and
+    mtimes as written in order in this process."""
     import gzip
 
     import zstandard
@@ -193,26 +192,25 @@ def test_a_child_process_inflating_or_fed_by_an_inflater_unpacks_the_tree_one_th
     blobs = {"plain": tar, "gzip": gzip.compress(tar), "zstd": zstandard.ZstdCompressor().compress(tar)}
     trees = []
     for how, kind, unpack in (("order", "plain", lambda s, d: check_and_unpack(s, d, "layer 0", None)),
-                              ("child", "gzip", lambda s, d: unpack_in_child(s, d, "layer 0", None)),
-                              *((f"inflater-{k}", k, lambda s, d: unpack_in_child(s, d, "layer 0", None, inflater=True))
+                              *((f"child-{k}", k, lambda s, d: unpack_in_child(s, d, "layer 0", None))
                                 for k in blobs)):
         dest = tmp_path / how
         dest.mkdir()
         digest, size = unpack(io.BytesIO(blobs[kind]), dest)
         trees.append((digest, size, _tree(dest), _gids(dest), os.getxattr(dest / "o", "trusted.overlay.opaque")))
-    assert len(trees) == 5 and all(t == trees[0] for t in trees)
+    assert len(trees) == 4 and all(t == trees[0] for t in trees)
     assert trees[0][0] == hashlib.sha256(tar).hexdigest()
-    tree, gids = trees[2][2], trees[2][3]
-    assert tree["ro/linked"] == tree["ro/f7"] and os.stat(tmp_path / "inflater-gzip/ro/linked").st_nlink == 2
+    tree, gids = trees[2][2], trees[2][3]  # (gzip)
+    assert tree["ro/linked"] == tree["ro/f7"] and os.stat(tmp_path / "child-gzip/ro/linked").st_nlink == 2
     assert tree["y"][1:] == (0o4755, 0, 1_700_000_000 * 10**9, b"new") and tree["x/in"][4] == b"in"
     assert stat.S_ISCHR(tree["gone"][0]) and tree["owned"][1:3] == (0o2750, 1234) and gids["owned"] == 5678
     assert tree["ownedlink"][2:] == (4321, 1_500_000_000 * 10**9, "owned") and gids["ownedlink"] == 8765
     assert tree["d"][4] == b"a file now" and "d/a" not in tree and tree["many/m7"][4] == b"m" * 6979
-    assert stat.S_IMODE(os.stat(tmp_path / "inflater-zstd/ro").st_mode) == 0o555
+    assert stat.S_IMODE(os.stat(tmp_path / "child-zstd/ro").st_mode) == 0o555
 
 
 def _procs_naming(text: str) -> list[int]:
-    """Processes whose command line holds ``text`` (an unpacking process and an inflater name their ``dest``)."""
+    """Processes whose command line holds ``text`` (an unpacking process names its ``dest``)."""
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -244,11 +242,8 @@ class _Held:
 
 @root_only
 def test_a_full_disk_fails_the_layer_as_the_disks_and_leaves_nothing(tmp_path):
-    """No inodes left, in the child inflating for itself or fed by an inflater: the layer fails
-    as the disk's error (``infra``), naming it, with nothing visible and no process of the
-    unpacking left."""
-    import functools
-
+    """No inodes left in the unpacking child: the layer fails as the disk's error (``infra``),
+    naming it, with nothing visible and no process of the unpacking left."""
     from arl_tangram.managers.sandbox.registry.unpackproc import unpack_in_child
 
     blob = _rich_layer()
@@ -258,84 +253,18 @@ def test_a_full_disk_fails_the_layer_as_the_disks_and_leaves_nothing(tmp_path):
         pytest.skip("cannot mount a tmpfs here")
     try:
         store = ImageStore(small / "store")
-        for inflater in (False, True):
-            with pytest.raises(ImageError, match=r"layer 0: cannot unpack: \[Errno 28\]") as e:
-                store.unpack_layer(io.BytesIO(blob), "layer 0",
-                                   unpack=functools.partial(unpack_in_child, inflater=inflater))
-            assert e.value.infra and store.list() == []
-            assert not os.listdir(small / "store" / "layers") and not _procs_naming(str(small))
+        with pytest.raises(ImageError, match=r"layer 0: cannot unpack: \[Errno 28\]") as e:
+            store.unpack_layer(io.BytesIO(blob), "layer 0", unpack=unpack_in_child)
+        assert e.value.infra and store.list() == []
+        assert not os.listdir(small / "store" / "layers") and not _procs_naming(str(small))
     finally:
         subprocess.run(["umount", str(small)], check=True)
 
 
-def _inflaters(text: str) -> list[int]:
-    """Inflater processes (``layertar.py`` run as a script) whose command line names ``text``."""
-    out = []
-    for pid in _procs_naming(text):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if b"layertar.py" in fh.read():
-                    out.append(pid)
-        except OSError:
-            continue
-    return out
-
-
 @root_only
-def test_layers_through_an_inflater_process_fail_and_succeed_as_in_one_process(tmp_path):
-    """The inflate in a process of its own (``layertar.inflate_child``, feeding the unpacking child
-    the tar): gzip, zstd and plain layers unpack to the same tree and digest; bad gzip or zstd data,
-    a stream cut short, a bad gzip trailer (after the tar's last block) fail the layer with the
-    message the one-process unpacking gives, naming the layer, not the truncated tar the child
-    read; a bad member before bad data is still the member's error; nothing visible, nothing left
-    running."""
-    import functools
-    import gzip
-
-    import zstandard
-
-    from arl_tangram.managers.sandbox.registry.unpackproc import unpack_in_child
-
-    tar = _rich_layer()
-    gz = gzip.compress(tar)
-    zs = zstandard.ZstdCompressor(write_checksum=True).compress(tar)
-    inflating = functools.partial(unpack_in_child, inflater=True)
-    store = ImageStore(tmp_path / "store")
-    for i, blob in enumerate((gz, zs, tar)):
-        via = ImageStore(tmp_path / f"via-{i}")
-        assert via.unpack_layer(io.BytesIO(blob), "layer 0", unpack=inflating) == \
-            store.unpack_layer(io.BytesIO(blob), "layer 0")
-        d = hashlib.sha256(tar).hexdigest()
-        assert _tree(via.layer_dir(d)) == _tree(store.layer_dir(d))
-    mid = len(gz) // 2
-    bad = [gz[:mid] + b"x" * 64 + gz[mid + 64:], gz[:mid], gz[:-8] + b"\0\0\0\0" + gz[-4:],
-           zs[:len(zs) // 2] + b"x" * 64 + zs[len(zs) // 2 + 64:], zs[:len(zs) // 2]]
-    # (the bad data well past the first chunks: read after the member, in either)
-    member_first = gzip.compress(layer_tar([("file", "a", "a"), ("chr", "dev/null")] +
-                                           [("file", f"f{i}", os.urandom(2000).hex()) for i in range(3000)]))
-    bad.append(member_first[:len(member_first) // 2] + b"x" * 64 + member_first[len(member_first) // 2 + 64:])
-    fresh = ImageStore(tmp_path / "fresh")
-    for i, blob in enumerate(bad):
-        with pytest.raises(ImageError) as one:
-            fresh.unpack_layer(io.BytesIO(blob), "layer 0")
-        with pytest.raises(ImageError) as two:
-            fresh.unpack_layer(io.BytesIO(blob), "layer 0", unpack=inflating)
-        assert not two.value.infra and str(two.value).startswith("layer 0: ")
-        if i in (0, 3):  # bad data in the middle: what decodes before it is found depends on how the
-            # compressed bytes were cut into reads (as a download's are), so only the kind is the same
-            assert str(two.value).startswith("layer 0: not a readable tar (truncated or corrupt: ")
-        else:
-            assert str(two.value) == str(one.value)
-    assert "device node" in str(two.value)  # the last: the member comes before the bad data  # the last: the member comes before the bad data
-    assert fresh.list() == [] and not os.listdir(fresh.root / "layers")
-    assert not _procs_naming(str(tmp_path))
-
-
-@root_only
-def test_a_killed_inflater_process_is_ours_and_leaves_nothing(tmp_path):
-    """The inflater killed part way: an infrastructure error naming the layer (not the truncated
-    tar the child read), nothing visible, no process of the unpacking left."""
-    import functools
+def test_a_killed_unpacking_child_is_ours_and_leaves_nothing(tmp_path):
+    """The unpacking child killed part way: an infrastructure error naming the layer, nothing
+    visible, no process of the unpacking left."""
     import gzip
     import threading
 
@@ -346,28 +275,28 @@ def test_a_killed_inflater_process_is_ours_and_leaves_nothing(tmp_path):
     held = _Held(blob, len(blob) // 2)
     result: list = []
     runner = threading.Thread(target=lambda: result.append(_catch(lambda: store.unpack_layer(
-        held, "layer 0", unpack=functools.partial(unpack_in_child, inflater=True)))))
+        held, "layer 0", unpack=unpack_in_child))))
     runner.start()
     assert held.held.wait(30)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not _inflaters(str(store.root)):
+    while time.monotonic() < deadline and not _procs_naming(str(store.root)):
         time.sleep(0.02)
-    inflaters = _inflaters(str(store.root))
-    assert len(inflaters) == 1 and len(_procs_naming(str(store.root))) == 2  # the child, the inflater
-    os.kill(inflaters[0], signal.SIGKILL)
+    children = _procs_naming(str(store.root))
+    assert len(children) == 1
+    os.kill(children[0], signal.SIGKILL)
     held.go.set()
     runner.join(60)
     error = result[0]
     assert isinstance(error, ImageError) and error.infra, error
-    assert str(error).startswith("layer 0: the inflater process ended (-9)")
+    assert str(error).startswith("layer 0: the unpacking process ended (-9) without an answer")
     assert store.list() == [] and not os.listdir(store.root / "layers")
     assert not _procs_naming(str(tmp_path))
 
 
 @root_only
 def test_a_pulling_process_killed_outright_leaves_no_unpacking_process(tmp_path):
-    """The process feeding an unpacking child through an inflater killed (SIGKILL) half way
-    through a layer: the inflater reads its pipe's end and ends, then the child; none is left."""
+    """The process feeding an unpacking child killed (SIGKILL) half way through a layer: the child
+    reads its pipe's end, fails the layer and ends; none is left."""
     blob = _rich_layer()
     (tmp_path / "layer").write_bytes(blob)
     dest = tmp_path / "dest"
@@ -384,16 +313,16 @@ class Half:
         out = blob[self.pos:self.pos + (1 << 16)]
         self.pos += len(out)
         return out
-unpack_in_child(Half(), {str(dest)!r}, "layer 0", None, inflater=True)
+unpack_in_child(Half(), {str(dest)!r}, "layer 0", None)
 """])
     def unpacking() -> list[int]:  # (the feeder's own command line names ``dest`` too)
         return [p for p in _procs_naming(str(dest)) if p != feeder.pid]
 
     try:
         deadline = time.monotonic() + 20
-        while len(unpacking()) < 2 and time.monotonic() < deadline:
+        while not unpacking() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert len(unpacking()) == 2 and len(_inflaters(str(dest))) == 1  # the unpacking child, the inflater
+        assert len(unpacking()) == 1
         feeder.kill()
         feeder.wait()
         deadline = time.monotonic() + 10
@@ -891,17 +820,14 @@ def _unpack_children() -> list[int]:
 
 @root_only
 @needs_tools
-@pytest.mark.parametrize("inflater", [False, True], ids=["inflating-itself", "inflater-process"])
-def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp_path, proxy, monkeypatch, inflater):
-    """Large layers go through a child process (``unpackproc``; fed by an inflater process or
-    not): the same tree, the same checks, nothing left visible or running (the child, the
-    inflater) when the layer is bad, its blob does not match, the download
+def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp_path, proxy, monkeypatch):
+    """Large layers go through a child process (``unpackproc``): the same tree, the same checks,
+    nothing left visible or running when the layer is bad, its blob does not match, the download
     starts over, or the pull is cancelled; and a durable store syncs before a layer appears."""
     from arl_tangram.managers.sandbox import images as images_module
 
     cfg = _config(proxy.host)
-    child = PullLimits(process_unpack_bytes=0, process_unpack_cpus=1, inflater_process=inflater)
-    running = 1 + inflater  # the child (and the inflater): each names the store
+    child = PullLimits(process_unpack_bytes=0, process_unpack_cpus=1)
     synced = []
     sync = images_module.syncfs
     monkeypatch.setattr(images_module, "syncfs", lambda p: (synced.append(str(p)), sync(p)))
@@ -926,8 +852,7 @@ def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp
         _pull(f"{proxy.host}/tiny/device:v1", fresh, cfg, limits=child)
     with pytest.raises(ImageError, match="more than 1000 bytes"):
         _pull(f"{proxy.host}/tiny/app3:v1", ImageStore(tmp_path / "small"), cfg,
-              limits=PullLimits(process_unpack_bytes=0, process_unpack_cpus=1, max_layer_files_bytes=1000,
-                                inflater_process=inflater))
+              limits=PullLimits(process_unpack_bytes=0, process_unpack_cpus=1, max_layer_files_bytes=1000))
     proxy.rules.append(Rule("/tiny/app4/blobs/", ("corrupt",), 1000))
     with pytest.raises(DigestMismatch):
         _pull(f"{proxy.host}/tiny/app4:v1", fresh, cfg, limits=child, client={"retries": 0})
@@ -945,10 +870,9 @@ def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp
         async with _fast(cfg) as c:
             task = asyncio.ensure_future(pull(f"{proxy.host}/tiny/app1:v1", stalled, cfg, client=c, limits=child))
             deadline = time.monotonic() + 20
-            def under_way() -> bool:  # a child for each layer under way (and its inflater)
+            def under_way() -> bool:  # a child for each layer under way
                 children = _unpack_children()
-                return bool(children) and len(_procs_naming(str(stalled.root))) == len(children) * running \
-                    and len(_inflaters(str(stalled.root))) == len(children) * inflater
+                return bool(children) and len(_procs_naming(str(stalled.root))) == len(children)
 
             while not under_way() and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
@@ -959,7 +883,7 @@ def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp
 
     asyncio.run(cancelled())
     proxy.release.set()
-    assert _unpack_children() == [] and _procs_naming(str(tmp_path)) == []  # nor the inflater
+    assert _unpack_children() == [] and _procs_naming(str(tmp_path)) == []
     assert [i.name for i in fresh.list()] == [img.name] and stalled.list() == []
     # a child that dies without an answer: an infrastructure error naming the layer, nothing left
     from arl_tangram.managers.sandbox.registry import unpackproc

@@ -16,13 +16,10 @@ picks the parts to run.
   unpacked), ``runs`` of each alternating, medians; ``pull_throughput_vs_skopeo_copy`` at the
   top of the JSON is that ratio (``pull_unpacks_in``: where that pull unpacked the layer).
   Beside them the same pull without the ``syncfs``, and, also without it, the layer unpacked in
-  a child process as the default pull does (with an inflater process or not, by the CPUs), in a
-  thread of the pulling process (as small layers are), in a child inflating for itself, and in
-  a child fed by an inflater process (the decompression in a process of its own; in alternating
-  order); ``reader_phases``: the same blob from memory, the inflate alone, with the diff_id hash,
-  with the tar parsed and checked (and so with the inflate in a process of its own), and the
-  whole unpacking into tmpfs and onto the disk (the child inflating for itself, and fed by an
-  inflater process), wall and CPU seconds; then
+  a child process as the default pull does and in a thread of the pulling process (as small
+  layers are; in alternating order); ``reader_phases``: the same blob from memory, the inflate
+  alone, with the diff_id hash, with the tar parsed and checked, and the whole unpacking in a
+  child process into tmpfs and onto the disk, wall and CPU seconds; then
   ``tar -xzf`` of the same blob (this disk's own speed at creating the layer's files), our
   client's download of the blob alone (digest checked, nothing kept), the pull into a tmpfs
   store (the disk left out), and what creating one empty file costs on this disk; the CPU
@@ -179,12 +176,9 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
     took: dict[str, list[float]] = {k: [] for k in ("skopeo", "pull", "pull_nosync", "tar", "download", "pull_tmpfs",
                                                      "skopeo_cpu", "pull_cpu", "sync_behind", "pull_sync_first")}
     # where the layer is unpacked, each without syncfs: in a child process as the default pull
-    # does, in a thread of the pulling process (as small layers are), in a child inflating for
-    # itself, in a child fed by an inflater process
+    # does, in a thread of the pulling process (as small layers are)
     variants = [("pull_child", PullLimits(process_unpack_cpus=1)),
-                ("pull_thread", PullLimits(process_unpack_bytes=1 << 62)),
-                ("pull_self_inflating", PullLimits(process_unpack_cpus=1, inflater_process=False)),
-                ("pull_inflater", PullLimits(process_unpack_cpus=1, inflater_process=True))]
+                ("pull_thread", PullLimits(process_unpack_bytes=1 << 62))]
     took.update({k: [] for k, _ in variants})
     for i in range(runs):
         t, c = time.perf_counter(), _cpu(resource.RUSAGE_CHILDREN)
@@ -234,7 +228,7 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
     mb = len(blob) / (1 << 20)
     result = {"blob_mb": round(mb, 1), "tar_mb": round(len(tar) / (1 << 20), 1), "files": files["files"],
               "members": files["members"], "pull_s": round(med["pull"], 3), "skopeo_copy_s": round(med["skopeo"], 3),
-              "pull_unpacks_in": (f"a child process ({_inflating(PullLimits())})" if len(blob) >=
+              "pull_unpacks_in": ("a child process" if len(blob) >=
                                   PullLimits().process_unpack_bytes and len(os.sched_getaffinity(0)) >=
                                   PullLimits().process_unpack_cpus else "a thread"),
               "pull_without_syncfs_s": round(med["pull_nosync"], 3),
@@ -246,11 +240,6 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
               "pull_unpacking_in_a_child_s": round(med["pull_child"], 3),
               "pull_unpacking_in_a_thread_s": round(med["pull_thread"], 3),
               "child_over_thread_speedup": round(med["pull_thread"] / med["pull_child"], 2),
-              # the child inflating for itself, and fed by an inflater process (the inflate in a process of its own)
-              "pull_child_inflating_itself_s": round(med["pull_self_inflating"], 3),
-              "pull_child_with_inflater_s": round(med["pull_inflater"], 3),
-              "inflater_speedup": round(med["pull_self_inflating"] / med["pull_inflater"], 2),
-              "default_inflater_process": PullLimits().inflate_in_process(),
               "reader_phases": _phases(blob, runs, work, shm),
               "tar_xzf_s": round(med["tar"], 3), "download_only_s": round(med["download"], 3),
               "pull_tmpfs_s": round(med["pull_tmpfs"], 3) if "pull_tmpfs" in med else None,
@@ -269,19 +258,13 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
     return result
 
 
-def _inflating(limits: PullLimits) -> str:
-    return "fed by an inflater process" if limits.inflate_in_process() else "inflating for itself"
-
-
 def _phases(blob: bytes, runs: int, work: Path, shm: Path | None) -> dict:
     """Where the unpacking's time goes, on the same blob from memory (no network), each ``runs``
     times, medians of wall and CPU seconds: the inflate alone (this thread), the inflate with the
     diff_id sha256 (``Inflated``: each in a thread), those with the tar parsed and every member
     checked (no writes; again with a 0.5 ms switch interval: whether the inflate and hash threads
-    wait for the parsing thread's interpreter lock; again with the inflate in a process of its
-    own, ``layertar.inflate_child``, its tar hashed, parsed and checked here), and the whole
-    unpacking in a child process as a pull runs it (``unpack_in_child``, inflating for itself and
-    fed by an inflater process; CPU of the child and the inflater) into tmpfs and onto this disk."""
+    wait for the parsing thread's interpreter lock), and the whole unpacking in a child process
+    as a pull runs it (``unpack_in_child``; the child's CPU too) into tmpfs and onto this disk."""
     import io
 
     from ..managers.sandbox import unpack as unpack_mod
@@ -313,41 +296,19 @@ def _phases(blob: bytes, runs: int, work: Path, shm: Path | None) -> dict:
         finally:
             sys.setswitchinterval(old)
 
-    def inflater_checked() -> None:  # the inflate in a process of its own, its tar hashed, parsed and checked here
-        import threading
-
-        inf = subprocess.Popen([sys.executable, "-P", layertar.__file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-
-        def feed() -> None:
-            try:
-                inf.stdin.write(blob)
-                inf.stdin.close()
-            except BrokenPipeError:
-                pass
-
-        feeder = threading.Thread(target=feed)
-        feeder.start()
-        try:
-            unpack_mod.check_layer(inf.stdout, "bench", plain=True)
-        finally:
-            feeder.join()
-            inf.wait()
-
     places = [("disk", work)] + ([("tmpfs", shm)] if shm is not None else [])
     for i in range(runs):
         timed("inflate", inflate)
         timed("inflate_and_hash", inflate_hash)
         timed("inflate_hash_parse_and_check", lambda: unpack_mod.check_layer(io.BytesIO(blob), "bench"))
         timed("inflate_hash_parse_and_check_switch_0_5ms", checked_switching)
-        timed("inflater_process_then_hash_parse_and_check", inflater_checked)
         for where, root in (places if i % 2 == 0 else places[::-1]):
-            for key, inf in ((f"unpack_{where}", False), (f"unpack_{where}_inflater", True)):
-                d = Path(tempfile.mkdtemp(prefix="tangram-bench-phase-", dir=root))
-                try:
-                    timed(key, lambda: unpack_in_child(io.BytesIO(blob), d, "bench", None, inflater=inf))
-                finally:
-                    if where == "tmpfs":  # (the disk's are kept to the end: see the module's docstring)
-                        shutil.rmtree(d, ignore_errors=True)
+            d = Path(tempfile.mkdtemp(prefix="tangram-bench-phase-", dir=root))
+            try:
+                timed(f"unpack_{where}", lambda: unpack_in_child(io.BytesIO(blob), d, "bench", None))
+            finally:
+                if where == "tmpfs":  # (the disk's are kept to the end: see the module's docstring)
+                    shutil.rmtree(d, ignore_errors=True)
     out = {k: round(statistics.median(v), 3) for k, v in took.items()}
     return out
 

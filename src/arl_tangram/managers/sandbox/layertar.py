@@ -17,9 +17,6 @@ checksum is wrong is an error, not the end of the archive, and sparse files (whi
 builder writes) are refused. The store's checks (``unpack.Checker``) then judge each member.
 
 Errors are ``BadLayer`` without the layer's name; the store adds it.
-
-``inflate_child`` is the decompression alone as a process of its own (this file run as a script),
-for a pull's large layers on machines with cores to spare (``registry/unpackproc``).
 """
 
 from __future__ import annotations
@@ -59,13 +56,11 @@ def _corrupt(what: str) -> BadLayer:
 
 # -- decompression ---------------------------------------------------------------------------------
 
-def inflate(read: Callable[[int], bytes], plain: bool = False) -> Iterator[bytes]:
+def inflate(read: Callable[[int], bytes]) -> Iterator[bytes]:
     """The uncompressed bytes of the layer ``read`` returns (``read(n)``: up to n bytes, b"" at
-    its end), in chunks of at most ``OUT`` bytes. ``plain``: the bytes are the tar already (an
-    inflater process decompressed them), passed on as they are, never sniffed (a tar whose first
-    name starts with gzip's magic is still a tar)."""
+    its end), in chunks of at most ``OUT`` bytes."""
     head = b""
-    while len(head) < 6 and not plain:
+    while len(head) < 6:
         more = read(6 - len(head))
         if not more:
             break
@@ -154,11 +149,10 @@ class Inflated:
     A failure of ``read`` or of the decompression is raised by the iteration; ``close`` stops
     the thread at its next chunk (one blocked in ``read`` ends when ``read`` returns or raises)."""
 
-    def __init__(self, read: Callable[[int], bytes], depth: int = 8, plain: bool = False) -> None:
-        self._read, self.depth, self.plain = read, depth, plain
+    def __init__(self, read: Callable[[int], bytes], depth: int = 8) -> None:
+        self._read, self.depth = read, depth
         self.sha = hashlib.sha256()
         self.count = 0
-        self.ended = False  # the reader met the end (iteration stopped: no error came instead)
         self._cv = threading.Condition()
         self._chunks: deque[bytes] = deque()
         self._done = False
@@ -178,7 +172,7 @@ class Inflated:
 
     def _run(self) -> None:
         try:
-            for chunk in inflate(self._read, self.plain):
+            for chunk in inflate(self._read):
                 self._to_hash.put(chunk)
                 self.count += len(chunk)
                 with self._cv:
@@ -209,7 +203,6 @@ class Inflated:
                 return chunk
             if self._error is not None:
                 raise self._error
-            self.ended = True
             raise StopIteration
 
     def digest(self) -> str:
@@ -462,42 +455,3 @@ class TarStream:
         if kind in _REGULAR or kind not in _SUPPORTED:  # as tarfile and Go: others carry no data
             self._pending, self._pad = m.size, -m.size % BLOCK
         return m
-
-
-# -- the inflater process --------------------------------------------------------------------------
-
-BAD_LAYER_EXIT = 3  # the inflater's exit status for a layer that is not what it claims (its message on stderr)
-
-
-def inflate_child() -> None:
-    """A pull's inflater process (``registry/unpackproc``): the compressed layer on stdin, the
-    tar on stdout (the unpacking process's stdin), so that the decompression has an interpreter
-    lock of its own: in one process the inflate's return to Python after each chunk waits for
-    the parsing thread's turn, and the two ran one after the other. Exits 0 at the stream's end
-    or once the reader stopped reading (a bad member: its verdict is the reader's), or
-    ``BAD_LAYER_EXIT`` with the layer's error (bad gzip or zstd data, a stream ending early) as
-    the last line of stderr. Run as a script (``python -P layertar.py``): it needs none of the
-    package, whose import costs more than this whole module's."""
-    import json
-    import os
-    import sys
-
-    def read(n: int) -> bytes:
-        return os.read(0, n if n > 0 else IN)
-
-    try:
-        for chunk in inflate(read):
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(1, view):]
-    except BrokenPipeError:  # the reader stopped: a bad member, or it was killed
-        os._exit(0)
-    except BadLayer as e:
-        sys.stderr.write("\n" + json.dumps({"error": str(e)}) + "\n")
-        sys.stderr.flush()
-        os._exit(BAD_LAYER_EXIT)
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    inflate_child()

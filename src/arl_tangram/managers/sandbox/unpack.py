@@ -154,39 +154,33 @@ class Checker:
         return path
 
 
-def _members(stream: IO[bytes], where: str, each, plain: bool = False) -> tuple[str, int]:
-    """Read a whole (possibly compressed; ``plain``: decompressed already) layer tar, calling
-    ``each(tar, member)`` for each member; (sha256 of the uncompressed tar, its length).
-    Decoding errors are ``ImageError``s naming the layer; ``each``'s own errors pass as they are."""
-    inflated = Inflated(stream.read, plain=plain)
+def _members(stream: IO[bytes], where: str, each) -> tuple[str, int]:
+    """Read a whole (possibly compressed) layer tar, calling ``each(tar, member)`` for each
+    member; (sha256 of the uncompressed tar, its length). Decoding errors are ``ImageError``s
+    naming the layer; ``each``'s own errors pass as they are."""
+    inflated = Inflated(stream.read)
     try:
-        try:
-            tar = TarStream(inflated)
-            for m in tar:
-                each(tar, m)
-            for _ in inflated:  # the tar's trailing padding is part of its identity
-                pass
-        except BadLayer as e:
-            raise ImageError(f"{where}: {e}") from None
-        except (tarfile.TarError, EOFError) as e:  # reading the layer out of an archive
-            raise ImageError(f"{where}: not a readable tar (truncated or corrupt: {e})") from None
-        if inflated.count % 512:
-            raise ImageError(f"{where}: not a readable tar (truncated or corrupt: it ends inside a block)")
-    except ImageError as e:
-        # whether the reader had met the stream's end: only then can the error be that end's doing
-        # (an inflater process stopping at bad data, whose error is then the layer's: ``unpackproc``)
-        e.at_end = inflated.ended
-        raise
+        tar = TarStream(inflated)
+        for m in tar:
+            each(tar, m)
+        for _ in inflated:  # the tar's trailing padding is part of its identity
+            pass
+    except BadLayer as e:
+        raise ImageError(f"{where}: {e}") from None
+    except (tarfile.TarError, EOFError) as e:  # reading the layer out of an archive
+        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: {e})") from None
     finally:
         inflated.close()
+    if inflated.count % 512:
+        raise ImageError(f"{where}: not a readable tar (truncated or corrupt: it ends inside a block)")
     return inflated.digest(), inflated.count
 
 
-def check_layer(stream: IO[bytes], where: str, plain: bool = False) -> tuple[str, int]:
-    """Read a whole layer tar (``plain``: decompressed already); raise ``ImageError`` on the first
-    bad member. Returns (sha256 of the uncompressed tar, total file bytes)."""
+def check_layer(stream: IO[bytes], where: str) -> tuple[str, int]:
+    """Read a whole layer tar; raise ``ImageError`` on the first bad member. Returns
+    (sha256 of the uncompressed tar, total file bytes)."""
     checker = Checker(where)
-    digest, _ = _members(stream, where, lambda tar, m: checker.check(m), plain)
+    digest, _ = _members(stream, where, lambda tar, m: checker.check(m))
     return digest, checker.size
 
 
@@ -335,15 +329,13 @@ def _is_real_dir(path: str) -> bool:
         return False
 
 
-def check_and_unpack(stream: IO[bytes], dest: Path, where: str, max_bytes: int | None,
-                      plain: bool = False) -> tuple[str, int]:
+def check_and_unpack(stream: IO[bytes], dest: Path, where: str, max_bytes: int | None) -> tuple[str, int]:
     """Check each member, then write it into the fresh directory ``dest``, in one pass (a
-    member's checks depend only on the members before it); ``plain``: the stream is the tar
-    itself (an inflater process decompressed it). Returns (sha256 of the uncompressed tar, file
-    bytes); the caller discards ``dest`` if this raises."""
+    member's checks depend only on the members before it). Returns (sha256 of the uncompressed
+    tar, file bytes); the caller discards ``dest`` if this raises."""
     checker = Checker(where, max_bytes)
     unpacker = Unpacker(dest, where)
-    digest, _ = _members(stream, where, lambda tar, m: unpacker.add(tar, m, path=checker.check(m)), plain)
+    digest, _ = _members(stream, where, lambda tar, m: unpacker.add(tar, m, path=checker.check(m)))
     unpacker.finish()
     return digest, checker.size
 
@@ -351,10 +343,8 @@ def check_and_unpack(stream: IO[bytes], dest: Path, where: str, max_bytes: int |
 def unpack_child() -> None:
     """A pull's unpacking process (``registry/unpackproc``): the layer's bytes on stdin, checked
     and unpacked into ``argv[1]`` (a hidden directory the parent made and places; at most
-    ``argv[3]`` file bytes; ``argv[4]`` "plain": stdin is the tar, an inflater process's output);
-    one JSON line on stdout: the digest and file bytes, or the error naming the layer
-    (``argv[2]``), with ``infra`` where it is ours (the disk), not the layer's, and ``at_end``
-    where it came once the stream had ended (a tar cut short: maybe the inflater's doing)."""
+    ``argv[3]`` file bytes); one JSON line on stdout: the digest and file bytes, or the error
+    naming the layer (``argv[2]``), with ``infra`` where it is ours (the disk), not the layer's."""
     import sys
 
     class Stdin:
@@ -362,12 +352,11 @@ def unpack_child() -> None:
             return os.read(0, n if n > 0 else 1 << 20)
 
     dest, where, max_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    plain = sys.argv[4:5] == ["plain"]
     try:
-        digest, size = check_and_unpack(Stdin(), Path(dest), where, None if max_bytes < 0 else max_bytes, plain)
+        digest, size = check_and_unpack(Stdin(), Path(dest), where, None if max_bytes < 0 else max_bytes)
         answer: dict = {"digest": digest, "size": size}
     except ImageError as e:  # the layer's
-        answer = {"error": str(e), "infra": e.infra, "at_end": getattr(e, "at_end", False)}
+        answer = {"error": str(e), "infra": e.infra}
     except OSError as e:  # the disk's (full, read-only), not the layer's
         answer = {"error": f"{where}: cannot unpack: {e}", "infra": True}
     sys.stdout.write(json.dumps(answer) + "\n")

@@ -15,8 +15,7 @@ reference (``python:3.12`` is stored as ``docker.io/library/python:3.12``).
   to one that checks and unpacks them into a hidden directory as they arrive (unpack.py's
   checks: paths escaping the root, device nodes...; ``layertar``), so a pull takes about as
   long as the slowest of the three, not their sum. A large layer's decompression, checks and
-  unpacking run in a child process (``unpackproc``), fed through a pipe (on 4 CPUs or more its
-  decompression in a process of its own before it): the receiving, the inflate and the
+  unpacking run in a child process (``unpackproc``), fed through a pipe: the receiving and the
   unpacking then do not wait for each other's turn at one interpreter lock.
 - Nothing unverified is visible or used: the unpacking sees the end of the stream only once
   the download has checked the blob's size and sha256, and the hidden directory is renamed
@@ -37,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
-import functools
 import logging
 import os
 import threading
@@ -74,21 +72,6 @@ class PullLimits:
     #: ... on a machine with at least this many CPUs for this process (on one, the second
     #: interpreter has nothing to run on; on 2 quiet cores it measured 1.2x a thread's ext4 pull)
     process_unpack_cpus: int = 2
-    #: such a layer's decompression in a process of its own, its tar piped to the unpacking child
-    #: (``unpackproc``); None: ``inflate_in_process`` picks by the CPUs this process may use
-    inflater_process: bool | None = None
-    #: ... picked where the pull has at least this many CPUs
-    inflater_cpus: int = 4
-
-    def inflate_in_process(self) -> bool:
-        """The inflater buys overlap (the inflate beside the parse and checks, which in one
-        interpreter ran one after the other) for CPU (the Debian base's 202 MB through one more
-        pipe: ~0.3 s). It needs a core for each of the receiving, the inflate and the child's
-        reader (its hash thread beside): on 2 CPUs there is none to spare, and it measured
-        0.92-0.94x the child inflating for itself; from 4 each has its own (docs/performance.md)."""
-        if self.inflater_process is not None:
-            return self.inflater_process
-        return _cpus() >= self.inflater_cpus
 
 
 @dataclass(frozen=True)
@@ -317,7 +300,7 @@ async def _download(ref: Reference, store: ImageStore, client: RegistryClient, d
                     where: str, limits: PullLimits, emit: Callable) -> tuple[str, int]:
     """Download blob ``desc`` while threads check and unpack it; (diff_id, file bytes) of the
     layer now in place."""
-    child = functools.partial(unpack_in_child, inflater=limits.inflate_in_process()) \
+    child = unpack_in_child \
         if desc.size >= limits.process_unpack_bytes and _cpus() >= limits.process_unpack_cpus else None
     feed = _Feed(32 << 20 if child else 16 << 20)  # (a child's start: tens of ms of the blob held here)
     unpacking = _in_thread(_unpack_feed, store, feed, where, diff, limits.max_layer_files_bytes, child)
