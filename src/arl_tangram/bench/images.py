@@ -228,9 +228,7 @@ def _throughput(reg: Registry, regs: RegistriesConfig, tar: bytes, blob: bytes, 
     mb = len(blob) / (1 << 20)
     result = {"blob_mb": round(mb, 1), "tar_mb": round(len(tar) / (1 << 20), 1), "files": files["files"],
               "members": files["members"], "pull_s": round(med["pull"], 3), "skopeo_copy_s": round(med["skopeo"], 3),
-              "pull_unpacks_in": ("a child process" if len(blob) >=
-                                  PullLimits().process_unpack_bytes and len(os.sched_getaffinity(0)) >=
-                                  PullLimits().process_unpack_cpus else "a thread"),
+              "pull_unpacks_in": "a child process" if PullLimits().unpacks_in_child(len(blob)) else "a thread",
               "pull_without_syncfs_s": round(med["pull_nosync"], 3),
               "syncfs_cost_s": round(med["pull"] - med["pull_nosync"], 3),
               "sync_behind_s": round(med["sync_behind"], 3),
@@ -309,8 +307,7 @@ def _phases(blob: bytes, runs: int, work: Path, shm: Path | None) -> dict:
             finally:
                 if where == "tmpfs":  # (the disk's are kept to the end: see the module's docstring)
                     shutil.rmtree(d, ignore_errors=True)
-    out = {k: round(statistics.median(v), 3) for k, v in took.items()}
-    return out
+    return {k: round(statistics.median(v), 3) for k, v in took.items()}
 
 
 def _cpu(who: int) -> float:

@@ -103,9 +103,9 @@ class ImageStore:
 
     def __init__(self, root: Path | str | None = None, durable: bool = True, sync_behind: bool = True) -> None:
         self.root = Path(root) if root is not None else default_store()
-        #: a layer's files reach the disk before it is renamed into place (one ``syncfs`` of the
-        #: store's file system per layer): after a crash of the machine a layer is whole or
-        #: absent, never a visible one with files the kernel had not written yet
+        #: after a crash of the machine a layer is whole or absent, never used with files the
+        #: kernel had not written yet: an import's ``syncfs`` before its rename, a pull's behind it
+        #: (its marker until then: the module's docstring)
         self.durable = durable
         #: a pulled layer's sync behind its rename (``_place``); False: before it, as an import's
         self.sync_behind = sync_behind

@@ -73,6 +73,10 @@ class PullLimits:
     #: interpreter has nothing to run on; on 2 quiet cores it measured 1.2x a thread's ext4 pull)
     process_unpack_cpus: int = 2
 
+    def unpacks_in_child(self, blob_bytes: int) -> bool:
+        """Whether a layer blob of ``blob_bytes`` is checked and unpacked in a child process here."""
+        return blob_bytes >= self.process_unpack_bytes and _cpus() >= self.process_unpack_cpus
+
 
 @dataclass(frozen=True)
 class PullEvent:
@@ -300,8 +304,7 @@ async def _download(ref: Reference, store: ImageStore, client: RegistryClient, d
                     where: str, limits: PullLimits, emit: Callable) -> tuple[str, int]:
     """Download blob ``desc`` while threads check and unpack it; (diff_id, file bytes) of the
     layer now in place."""
-    child = unpack_in_child \
-        if desc.size >= limits.process_unpack_bytes and _cpus() >= limits.process_unpack_cpus else None
+    child = unpack_in_child if limits.unpacks_in_child(desc.size) else None
     feed = _Feed(32 << 20 if child else 16 << 20)  # (a child's start: tens of ms of the blob held here)
     unpacking = _in_thread(_unpack_feed, store, feed, where, diff, limits.max_layer_files_bytes, child)
     try:
