@@ -243,18 +243,22 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
     of the first two rounds too (``cpu_ms_per_revisit``)."""
     cpu: dict[str, dict] = {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=300, limits=limits) as c:
+    # the opens and steps (what is timed) through the one-shots' client, aiohttp where installed:
+    # httpx costs ~3 ms of CPU a step on a 16-core host, so one process of it capped the revisits
+    # at ~320/s and its queue was most of their latency; httpx still reads the cluster and closes
+    kind = default_client()
+    async with httpx.AsyncClient(timeout=300, limits=limits) as c, _poster(kind, concurrency) as post:
         gate = asyncio.Semaphore(concurrency)
 
         async def opened(i: int) -> tuple[str | None, float]:
             async with gate:
                 t = time.perf_counter()
-                r = await c.post(f"{url}/v1/sessions", json={"job": "bench"})
-                if r.status_code not in (200, 201):
+                status, body = await post(f"{url}/v1/sessions", {"job": "bench"})
+                if status not in (200, 201) or not body:
                     return None, 0.0
-                sid = r.json()["session_id"]
-                step = await c.post(f"{url}/v1/sessions/{sid}/exec", json={"python": FIRST.format(i=i)})
-                ok = step.status_code == 200 and step.json().get("outcome") == "ok"
+                sid = body["session_id"]
+                status, step = await post(f"{url}/v1/sessions/{sid}/exec", {"python": FIRST.format(i=i)})
+                ok = status == 200 and (step or {}).get("outcome") == "ok"
                 return (sid if ok else None), time.perf_counter() - t
 
         t0 = time.perf_counter()
@@ -268,14 +272,15 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
         async def revisit(i: int, sid: str, gate: asyncio.Semaphore) -> tuple[float, bool]:
             async with gate:
                 t = time.perf_counter()
-                r = await c.post(f"{url}/v1/sessions/{sid}/exec", json={"python": CHECK})
+                status, answer = await post(f"{url}/v1/sessions/{sid}/exec", {"python": CHECK})
                 took = time.perf_counter() - t
-                body = r.json() if r.status_code == 200 else {}
+                body = answer or {}
                 run = body.get("run") or {}
-                good = body.get("outcome") == "ok" and run.get("stdout") == f"{i}\n"
+                good = status == 200 and body.get("outcome") == "ok" and run.get("stdout") == f"{i}\n"
                 if not good and len(failures) < 5:  # what went wrong, in a line
-                    said = (run.get("stderr") or "").strip().splitlines()[-1:] or [body.get("message") or r.text[:200]]
-                    failures.append(f"{r.status_code} {body.get('outcome')}: {said[0]}")
+                    said = (run.get("stderr") or "").strip().splitlines()[-1:] or [body.get("message") or
+                                                                                   "(no answer read)"]
+                    failures.append(f"{status} {body.get('outcome')}: {said[0]}")
                 return took, good
 
         nodes = (await c.get(f"{url}/v1/cluster")).json().get("nodes", [])
@@ -309,7 +314,7 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
     return {"sessions": n, "opened": len(sids), "open_s": round(open_s, 2), "sessions_per_node": spread,
             "sessions_per_node_after": sorted(homes_after.values(), reverse=True), "homes_shifted_at_least": shifted,
             "open_step_p50_ms": _ms([t for sid, t in made if sid], 50),
-            "revisit_concurrency": concurrency, "revisits": len(loaded), "revisits_ok": len(ok),
+            "client": kind, "revisit_concurrency": concurrency, "revisits": len(loaded), "revisits_ok": len(ok),
             "revisit_p50_ms": _ms([t for t, _ in loaded], 50), "revisit_p99_ms": _ms([t for t, _ in loaded], 99),
             "revisits_per_s": round(len(loaded) / span, 1) if span else None,
             **({"cpu_ms_per_revisit": cpu} if cpu else {}),

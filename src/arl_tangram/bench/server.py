@@ -98,7 +98,7 @@ def default_client() -> str:
 
 @asynccontextmanager
 async def _poster(kind: str, concurrency: int):
-    """``post(url, body) -> (status, json or None)`` over one pooled client of ``kind``."""
+    """``post(url, body) -> (status, its JSON where 2xx, else None)`` over one pooled client of ``kind``."""
     if kind == "aiohttp":
         import aiohttp
 
@@ -107,7 +107,7 @@ async def _poster(kind: str, concurrency: int):
             async def post(url: str, body: dict) -> tuple[int, dict | None]:
                 try:
                     async with session.post(url, json=body) as r:
-                        return r.status, await r.json() if r.status == 200 else None
+                        return r.status, await r.json() if 200 <= r.status < 300 else None
                 except (aiohttp.ClientError, asyncio.TimeoutError):
                     return 0, None
 
@@ -118,7 +118,7 @@ async def _poster(kind: str, concurrency: int):
         async def post(url: str, body: dict) -> tuple[int, dict | None]:
             try:
                 r = await c.post(url, json=body)
-                return r.status_code, r.json() if r.status_code == 200 else None
+                return r.status_code, r.json() if 200 <= r.status_code < 300 else None
             except httpx.HTTPError:
                 return 0, None
 
