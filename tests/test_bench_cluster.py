@@ -245,6 +245,7 @@ def test_bench_cluster_reports_each_part_s_cpu_the_hops_the_local_server_and_the
     s = r["sessions"]
     assert s["opened"] == 6 and s["revisits_ok"] == 6 and s["alone_ok"] == 3 and s["failures"] == [], s
     assert s["client"] == "aiohttp", s  # (the test extra installs it)
+    assert s["moves_during_revisits"] is not None and s["moves_during_revisits"] >= 0, s
     assert s["per_core"]["revisits_ok"] == 6 and s["per_core"]["p50_ms"] > 0, s
     assert r["targets"]["revisit_p50_ms"]["measured"] == s["revisit_p50_ms"], r["targets"]
     assert s["revisit_p50_ms"] > 0 and s["alone_p50_ms"] > 0 and sum(s["sessions_per_node"]) == 6, s

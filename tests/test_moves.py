@@ -36,9 +36,12 @@ def cluster():
 
 def test_draining_the_busiest_node_moves_every_session_and_loses_no_one_shot(cluster):
     async def main():
-        async with Tangram.ray(cluster.address, sandbox=SandboxConfig(warm_pool=1, warm_sessions=1)) as tg:
+        # a move priced below what a carry takes here: the moves of the drain reprice it
+        async with Tangram.ray(cluster.address, sandbox=SandboxConfig(warm_pool=1, warm_sessions=1),
+                               move_s=0.001) as tg:
             rt = tg.runtime
             service = Service(rt)
+            assert rt.engine.costs.session_restore_s == 0.001
             sessions = [await tg.session() for _ in range(6)]
             first = await asyncio.gather(*(s.exec(f"echo file{i} > f; mkdir -p d; echo deep{i} > d/g")
                                            for i, s in enumerate(sessions)))
@@ -68,10 +71,11 @@ def test_draining_the_busiest_node_moves_every_session_and_loses_no_one_shot(clu
             reads = [await s.exec("cat f d/g") for s in sessions]
             homes_after = {rt.sandboxes.homes[s.id].ray_id for s in sessions}
             return (at_once, on_it, await running, await asyncio.gather(*waiting), fresh_r, fresh_home, busiest,
-                    drained_after, node, reads, homes_after, await asyncio.gather(*shots), rt.sandboxes.moves)
+                    drained_after, node, reads, homes_after, await asyncio.gather(*shots), rt.sandboxes.moves,
+                    sorted(rt.sandboxes.move_s), sorted(rt.sandboxes.move_cost_s), service.cluster())
 
     (at_once, on_it, running, waiting, fresh_r, fresh_home, busiest, drained_after, node, reads, homes_after, shots,
-     moves) = asyncio.run(asyncio.wait_for(main(), 240))
+     moves, took, cost, info) = asyncio.run(asyncio.wait_for(main(), 240))
     assert at_once.state == "draining" and at_once.cores_free == 0  # no new work, at once
     assert running.outcome is Outcome.OK and running.stdout == f"file{on_it[0]}\n"  # its running step finished
     assert [(r.outcome, r.stdout) for r in waiting] == [(Outcome.OK, f"deep{i}\n") for i in on_it[1:]]
@@ -80,6 +84,11 @@ def test_draining_the_busiest_node_moves_every_session_and_loses_no_one_shot(clu
     assert [(r.outcome, r.stdout) for r in reads] == [(Outcome.OK, f"file{i}\ndeep{i}\n") for i in range(6)]
     assert busiest not in homes_after and moves >= len(on_it)
     assert [(r.outcome, r.stdout) for r in shots] == [(Outcome.OK, f"{i}\n") for i in range(6)]  # 0 lost
+    # each moved session's next step told what its moves cost whole (the carries, then its wake
+    # there), and the policy now prices a move at that (far above 1 ms), and says so
+    assert info.moves == moves and info.move_max_s == round(took[-1], 4), info
+    assert 1 <= len(cost) <= moves and sum(cost) >= sum(took), (cost, took)
+    assert info.move_price_s == round(cost[len(cost) // 2], 4) > 0.001, (info, cost)
 
 
 def test_a_node_is_drained_over_http_and_its_session_keeps_its_files(cluster, tmp_path):
@@ -105,8 +114,11 @@ def test_a_node_is_drained_over_http_and_its_session_keeps_its_files(cluster, tm
         assert now["state"] == "drained" and now["sessions"] == 0, now
         r = httpx.post(f"{url}/v1/sessions/{sid}/exec", json={"command": "cat f"}, timeout=60).json()
         assert r["outcome"] == "ok" and r["run"]["stdout"] == "kept\n", r
-        nodes = httpx.get(f"{url}/v1/cluster").json()["nodes"]
-        assert [n["id"] for n in nodes if n["sessions"]] != [home["id"]]
+        info = httpx.get(f"{url}/v1/cluster").json()
+        assert [n["id"] for n in info["nodes"] if n["sessions"]] != [home["id"]]
+        # the head counts the move and times it (/v1/cluster and /metrics)
+        assert info["moves"] >= 1 and 0 < info["move_p50_s"] <= info["move_max_s"], info
+        assert "tangram_session_moves " in httpx.get(f"{url}/metrics").text
     finally:
         server.stop()
 

@@ -81,6 +81,9 @@ def test_both_clients_see_the_same_service(server):
     assert stats.outcomes["ok"] == 6  # two one-shots, three session steps, one file upload
     metrics = httpx.get(f"{server.url}/metrics").text
     assert 'tangram_actions_total{outcome="ok",service="exec"}' in metrics
+    # one machine: no nodes to move sessions between, so no move figures (the Ray head's, test_moves)
+    info = httpx.get(f"{server.url}/v1/cluster").json()
+    assert info["backend"] == "local" and info["moves"] is None and info["move_p50_s"] is None, info
 
 
 def test_an_id_is_an_idempotency_key(server):

@@ -302,4 +302,14 @@ class ClusterNode(BaseModel):
 class ClusterInfo(BaseModel):
     backend: Literal["local", "ray"]
     nodes: list[ClusterNode]
+    moves: Optional[int] = Field(None, description="sessions carried to another node since the start (a drain, a "
+                                                    "node lost, or for balance); null without nodes to move between")
+    move_p50_s: Optional[float] = Field(None, description="how long the last 4,096 of those moves took, p50 (what a "
+                                                          "step waiting for its session's move waited)")
+    move_max_s: Optional[float] = Field(None, description="the longest of those")
+    move_price_s: Optional[float] = Field(None, description="what the policy weighs a move for balance at now: the "
+                                                            "config's move_s, or the p50 of what the last 16 moves cost "
+                                                            "whole (the carry, then the session's wake on its new "
+                                                            "node) where that is more (a session moves only to skip "
+                                                            "a longer wait)")
 

@@ -136,7 +136,9 @@ def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: flo
                 f"{revisits['revisit_concurrency']}: p50 "
                 f"{revisits['revisit_p50_ms']} ms, p99 {revisits['revisit_p99_ms']} ms ({revisits['revisits_ok']} "
                 f"ok); at one per core p50 {revisits['per_core']['p50_ms']} ms, p99 {revisits['per_core']['p99_ms']} "
-                f"ms; alone p50 {revisits['alone_p50_ms']} ms, p99 {revisits['alone_p99_ms']} ms"
+                f"ms; alone p50 {revisits['alone_p50_ms']} ms, p99 {revisits['alone_p99_ms']} ms; "
+                f"{revisits['moves_during_revisits']} sessions moved meanwhile (moves p50 {revisits['move_p50_s']} s, "
+                f"max {revisits['move_max_s']} s; a move priced at {revisits['move_price_s']} s)"
                 + (f"; failures: {revisits['failures']}" if revisits["failures"] else ""))
             for round_, cpu in (revisits.get("cpu_ms_per_revisit") or {}).items():
                 log(f"  CPU ms per revisit ({round_}): {cpu_text(cpu)}")

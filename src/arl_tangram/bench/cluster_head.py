@@ -283,7 +283,8 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
                     failures.append(f"{status} {body.get('outcome')}: {said[0]}")
                 return took, good
 
-        nodes = (await c.get(f"{url}/v1/cluster")).json().get("nodes", [])
+        seen = (await c.get(f"{url}/v1/cluster")).json()
+        nodes = seen.get("nodes", [])
         spread = sorted((n.get("sessions", 0) for n in nodes), reverse=True)
         order = sids[:]
         random.Random(0).shuffle(order)
@@ -303,7 +304,8 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
             if meter:
                 cpu["per_core"] = ClusterCpuMeter.per_action(before, meter.read(), len(per_core))
         alone = [await revisit(i, sid, asyncio.Semaphore(1)) for i, sid in order[:sample]]
-        after = (await c.get(f"{url}/v1/cluster")).json().get("nodes", [])
+        seen_after = (await c.get(f"{url}/v1/cluster")).json()
+        after = seen_after.get("nodes", [])
         homes_after = {n.get("id"): n.get("sessions", 0) for n in after}
         # sessions whose home changed show as a node's count changing (moves each way may cancel out)
         shifted = sum(abs(homes_after.get(n.get("id"), 0) - n.get("sessions", 0)) for n in nodes) // 2
@@ -313,6 +315,12 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
     ok = [t for t, good in loaded if good]
     return {"sessions": n, "opened": len(sids), "open_s": round(open_s, 2), "sessions_per_node": spread,
             "sessions_per_node_after": sorted(homes_after.values(), reverse=True), "homes_shifted_at_least": shifted,
+            # the head's own count of moves over the revisits' rounds (a move for balance costs what
+            # a session's carry costs on these nodes), and how long the last moves took
+            "moves_during_revisits": (seen_after["moves"] - seen["moves"]) if seen.get("moves") is not None
+            and seen_after.get("moves") is not None else None,
+            "move_p50_s": seen_after.get("move_p50_s"), "move_max_s": seen_after.get("move_max_s"),
+            "move_price_s": seen_after.get("move_price_s"),
             "open_step_p50_ms": _ms([t for sid, t in made if sid], 50),
             "client": kind, "revisit_concurrency": concurrency, "revisits": len(loaded), "revisits_ok": len(ok),
             "revisit_p50_ms": _ms([t for t, _ in loaded], 50), "revisit_p99_ms": _ms([t for t, _ in loaded], 99),

@@ -342,6 +342,13 @@ class Runtime:
         """Counts and limits of sessions at rest (``SandboxManager.rest_stats``); None where none rest here."""
         return None
 
+    def move_stats(self) -> dict | None:
+        """Sessions moved between nodes since the start (``moves``), how long the last 4,096 of
+        them took (``move_p50_s``, ``move_max_s``: None before the first), and what the policy
+        prices a move for balance at now (``move_price_s``); None where there are no nodes to move
+        between."""
+        return None
+
     def image_stats(self) -> dict | None:
         """Image pulls and the image store's disk (``SandboxManager.image_stats``: pulls, bytes
         pulled, pull seconds, cache hits, evictions, disk used and its bound); None where no

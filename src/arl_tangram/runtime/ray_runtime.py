@@ -73,6 +73,7 @@ import logging
 import os
 import socket
 import time
+from collections import deque
 from dataclasses import replace
 from typing import Any
 
@@ -104,6 +105,9 @@ AGENT_START_WARN_S = 60.0
 #: most ``MAX_REJOINS`` times (an agent killed for memory, say; not one that dies at every start)
 REJOIN_AFTER_S = 30.0
 MAX_REJOINS = 3
+#: the moves whose p50 prices the next move for balance (``RayRuntime.reprice_moves``): enough that one
+#: slow carry does not reprice it, few enough to follow a cluster whose load changes
+REPRICE_MOVES = 16
 #: seconds an agent keeps its work with no head renewing its lease: long enough for a head killed
 #: with -9 to be started again (its Python, Ray's connection, the journal: 5-15 s on the loaded
 #: 2-core VM), short enough that a head that does not come back leaves nothing running for long
@@ -155,7 +159,11 @@ class RemoteSandboxes:
         self._locks: dict[str, asyncio.Lock] = {}  # session -> its steps and moves, one at a time
         self._stepping: dict[str, asyncio.Future | None] = {}  # session -> its step sent without the lock
         self.moves = 0  # sessions carried to another node
-        self.move_s: list[float] = []  # how long each carry took (what a waiting step waited)
+        self.move_s: deque[float] = deque(maxlen=4096)  # how long each recent carry took (what a waiting step waited)
+        # what each recent move cost whole: its carry and the wake its session's next step paid on
+        # the new node (``Completion.setup_s``); the price of a move for balance (``reprice_moves``)
+        self.move_cost_s: deque[float] = deque(maxlen=4096)
+        self._carried: dict[str, float] = {}  # session moved -> its carries' seconds, until its next step ends
         self.stayed: dict[str, str] = {}  # session -> why a move for balance left it home
         self.restarted: dict[str, str] = {}  # session -> what its next answer says of a move that lost its processes
 
@@ -184,7 +192,16 @@ class RemoteSandboxes:
         waiter = self._stepping.pop(traj, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        self._woken(traj, done)
         self.sink(done)
+
+    def _woken(self, traj: str, done: Completion) -> None:
+        """A session's step ended: where it was its first since a move, that move's whole cost is
+        known (the carry, then this step's state work: the session woken on its new node)."""
+        carried = self._carried.pop(traj, None)
+        if carried is not None and done.outcome is Outcome.OK:
+            self.move_cost_s.append(carried + done.setup_s)
+            self.runtime.reprice_moves()
 
     async def _settled(self, traj: str) -> None:
         """Wait for ``traj``'s step sent without its lock (the caller holds the lock, so no other
@@ -233,6 +250,7 @@ class RemoteSandboxes:
                     return Completion(action.id, Outcome.INFRA_ERROR, message=str(problem))
             self.homes[traj] = node
             done = await run_on_node(self.runtime, node, action, allocation)
+            self._woken(traj, done)
             note = self.restarted.pop(traj, None)
             if note is not None:  # its files came, its processes' state could not: the answer says so
                 done = replace(done, message=f"{note}; {done.message}" if done.message else note)
@@ -298,6 +316,7 @@ class RemoteSandboxes:
         tell(old, "close_session", traj)
         self.moves += 1
         self.move_s.append(time.perf_counter() - t)
+        self._carried[traj] = self._carried.get(traj, 0.0) + self.move_s[-1]  # (moved again before a step: both)
         log.info("session %s moved from node %s to %s in %.3f s (%s)", traj, old.name, new.name, self.move_s[-1],
                  meta.get("kind") if meta else "nothing")
         return None
@@ -342,6 +361,7 @@ class RemoteSandboxes:
         self._locks.pop(trajectory, None)
         self.stayed.pop(trajectory, None)
         self.restarted.pop(trajectory, None)
+        self._carried.pop(trajectory, None)
         self.runtime.images.forget(trajectory)
         if node is not None:
             tell(node, "close_session", trajectory)
@@ -411,6 +431,7 @@ class RayRuntime(Runtime):
         self._joining: set[asyncio.Task] = set()
         self._agent_cls = None
         costs = Costs.ray(self.config.memory_mb / 1024, move_s)
+        self.move_price_floor_s = costs.session_restore_s  # ``move_s``: what ``reprice_moves`` never goes below
         self._build(Cluster(), policy, managers, costs, profile, max_queue_s=max_queue_s,
                     session_headroom_gb=self.config.session_headroom_mb / 1024)  # agents measure idle sessions
         # a batch whose last GPU node died waits (max_queue_s) for one to join or come back
@@ -852,6 +873,24 @@ class RayRuntime(Runtime):
             return []
         first = self.engine.gpu.first_gpu[n.gpu_index]
         return [[first + g for g in island] for island in self.engine.gpu.nodes[n.gpu_index].islands()]
+
+    def reprice_moves(self) -> None:
+        """What the policy weighs a move for balance against (``Costs.session_restore_s``): the
+        configured ``move_s``, or the p50 of what the last ``REPRICE_MOVES`` moves made here cost
+        whole (``RemoteSandboxes.move_cost_s``: the carry and the wake on the new node) where that
+        is more. ``move_s`` is a figure of one machine; where a move costs more, a move priced
+        below it is made to save less wait than it costs, and the moved session's step (and those
+        queued behind it) pay the difference."""
+        recent = sorted(list(self.sandboxes.move_cost_s)[-REPRICE_MOVES:])
+        price = max(self.move_price_floor_s, recent[len(recent) // 2]) if recent else self.move_price_floor_s
+        if price != self.engine.costs.session_restore_s:
+            self.engine.costs = replace(self.engine.costs, session_restore_s=price)
+
+    def move_stats(self) -> dict | None:
+        took = sorted(self.sandboxes.move_s)
+        return {"moves": self.sandboxes.moves, "move_p50_s": round(took[len(took) // 2], 4) if took else None,
+                "move_max_s": round(took[-1], 4) if took else None,
+                "move_price_s": round(self.engine.costs.session_restore_s, 4)}
 
     def nodes(self) -> list[dict]:
         pool = self.engine.cpu

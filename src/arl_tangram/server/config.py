@@ -121,7 +121,9 @@ class ServeConfig(BaseModel):
                                         "from NVML or nvidia-smi)")
     move_s: float = Field(MOVE_S, ge=0, description="with --ray, what the policy expects moving a session to "
                           "another node to cost, in seconds (default: what `tangram bench cluster` measured): a "
-                          "step whose node is full waits for it when that is predicted quicker than a move")
+                          "step whose node is full waits for it when that is predicted quicker than a move; "
+                          "where the last 16 moves cost more (p50, the carry and the session's wake on its new node), "
+                          "that is the price instead")
     ray_resource: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9_.:-]+$", description="with --ray, "
                                      "serve only the Ray nodes that have this custom resource (`ray start "
                                      "--resources '{\"NAME\": 1}'`): several heads share one Ray cluster, each with "

@@ -136,6 +136,10 @@ class Metrics:
         self.wakes = Gauge("tangram_session_wakes", "Sessions woken from rest since start", registry=self.registry)
         self.rest_failures = Gauge("tangram_session_rest_failures", "Sessions that could not be put to rest (they "
                                    "stayed awake) since start", registry=self.registry)
+        self.moves = Gauge("tangram_session_moves", "Sessions carried to another node since start (a drain, a node "
+                           "lost, or for balance)", registry=self.registry)
+        self.move_p50 = Gauge("tangram_session_move_p50_seconds", "How long the last 4,096 moves took, p50",
+                              registry=self.registry)
         self._children: dict[tuple[str, str], tuple] = {}
 
     def count(self, service: str, outcome: str, act_s: float) -> None:
@@ -871,7 +875,8 @@ class Service:
         return [self.job_stats(job) for job in sorted(set(self._acts) | set(self._outcomes)) if visible(job)]
 
     def cluster(self) -> v1.ClusterInfo:
-        return v1.ClusterInfo(backend=self.runtime.backend, nodes=[v1.ClusterNode(**n) for n in self.runtime.nodes()])
+        return v1.ClusterInfo(backend=self.runtime.backend, nodes=[v1.ClusterNode(**n) for n in self.runtime.nodes()],
+                              **(self.runtime.move_stats() or {}))
 
     def drain_node(self, node_id: str) -> v1.ClusterNode:
         """``POST /v1/cluster/nodes/{id}/drain``: the node takes no new work now; its sessions
@@ -934,3 +939,8 @@ class Service:
             m.rests.set(rest["rests"])
             m.wakes.set(rest["wakes"])
             m.rest_failures.set(rest["rest_failures"])
+        moved = self.runtime.move_stats()
+        if moved is not None:
+            self.metrics.moves.set(moved["moves"])
+            if moved["move_p50_s"] is not None:
+                self.metrics.move_p50.set(moved["move_p50_s"])
