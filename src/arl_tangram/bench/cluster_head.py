@@ -315,8 +315,8 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
     ok = [t for t, good in loaded if good]
     return {"sessions": n, "opened": len(sids), "open_s": round(open_s, 2), "sessions_per_node": spread,
             "sessions_per_node_after": sorted(homes_after.values(), reverse=True), "homes_shifted_at_least": shifted,
-            # the head's own count of moves over the revisits' rounds (a move for balance costs what
-            # a session's carry costs on these nodes), and how long the last moves took
+            # the head's own count of moves over the revisits' rounds, how long the last carries
+            # took, and what the policy prices a move for balance at after them
             "moves_during_revisits": (seen_after["moves"] - seen["moves"]) if seen.get("moves") is not None
             and seen_after.get("moves") is not None else None,
             "move_p50_s": seen_after.get("move_p50_s"), "move_max_s": seen_after.get("move_max_s"),

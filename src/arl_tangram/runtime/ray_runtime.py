@@ -162,7 +162,7 @@ class RemoteSandboxes:
         self.move_s: deque[float] = deque(maxlen=4096)  # how long each recent carry took (what a waiting step waited)
         # what each recent move cost whole: its carry and the wake its session's next step paid on
         # the new node (``Completion.setup_s``); the price of a move for balance (``reprice_moves``)
-        self.move_cost_s: deque[float] = deque(maxlen=4096)
+        self.move_cost_s: deque[float] = deque(maxlen=REPRICE_MOVES)
         self._carried: dict[str, float] = {}  # session moved -> its carries' seconds, until its next step ends
         self.stayed: dict[str, str] = {}  # session -> why a move for balance left it home
         self.restarted: dict[str, str] = {}  # session -> what its next answer says of a move that lost its processes
@@ -881,7 +881,7 @@ class RayRuntime(Runtime):
         is more. ``move_s`` is a figure of one machine; where a move costs more, a move priced
         below it is made to save less wait than it costs, and the moved session's step (and those
         queued behind it) pay the difference."""
-        recent = sorted(list(self.sandboxes.move_cost_s)[-REPRICE_MOVES:])
+        recent = sorted(self.sandboxes.move_cost_s)
         price = max(self.move_price_floor_s, recent[len(recent) // 2]) if recent else self.move_price_floor_s
         if price != self.engine.costs.session_restore_s:
             self.engine.costs = replace(self.engine.costs, session_restore_s=price)
