@@ -192,7 +192,8 @@ class RemoteSandboxes:
         waiter = self._stepping.pop(traj, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-        self._woken(traj, done)
+        if self._carried:  # (a step at home, the usual case, pays no call here)
+            self._woken(traj, done)
         self.sink(done)
 
     def _woken(self, traj: str, done: Completion) -> None:
