@@ -12,6 +12,7 @@ import time
 import pytest
 
 from arl_tangram.bench.cluster import split_cores
+from arl_tangram.bench.cluster_head import breakdown
 from arl_tangram.bench.cluster_hops import HOPS, MainSampler, SpySampler, group_of, hops_of
 from arl_tangram.bench.cpu import ClusterCpuMeter
 
@@ -215,6 +216,17 @@ def tangram(*args):
                           timeout=900, env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
 
 
+def test_a_rounds_breakdown_says_what_its_slowest_revisits_are_made_of():
+    fast = [(0.010, {"queue_s": 0.001, "setup_s": 0.0, "exec_s": 0.008, "woken": False})] * 198
+    slow = [(0.900, {"queue_s": 0.002, "setup_s": 0.850, "exec_s": 0.009, "woken": True})] * 2
+    b = breakdown(fast + slow)
+    assert b["all"] == {"n": 200, "latency_ms": 10.0, "queue_ms": 1.0, "setup_ms": 0.0, "exec_ms": 8.0,
+                        "rest_ms": 1.0, "woken": 2}, b
+    tail = b["slowest_1pct"]
+    assert tail["n"] == 2 and tail["setup_ms"] == 850.0 and tail["woken"] == 2 and tail["rest_ms"] == 39.0, tail
+    assert breakdown([]) == {} and breakdown([(0.005, {})])["all"]["exec_ms"] is None
+
+
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed")
@@ -247,6 +259,10 @@ def test_bench_cluster_reports_each_part_s_cpu_the_hops_the_local_server_and_the
     assert s["client"] == "aiohttp", s  # (the test extra installs it)
     assert s["moves_during_revisits"] is not None and s["moves_during_revisits"] >= 0, s
     assert s["per_core"]["revisits_ok"] == 6 and s["per_core"]["p50_ms"] > 0, s
+    for parts in (s["parts"], s["per_core"]["parts"]):  # each revisit's own times, read from its result
+        assert parts["all"]["n"] == 6 and parts["slowest_1pct"]["n"] == 1, parts
+        assert parts["all"]["exec_ms"] > 0 and parts["all"]["queue_ms"] is not None, parts
+        assert parts["slowest_1pct"]["latency_ms"] >= parts["all"]["latency_ms"], parts
     assert r["targets"]["revisit_p50_ms"]["measured"] == s["revisit_p50_ms"], r["targets"]
     assert s["revisit_p50_ms"] > 0 and s["alone_p50_ms"] > 0 and sum(s["sessions_per_node"]) == 6, s
 

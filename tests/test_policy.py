@@ -327,6 +327,25 @@ def test_a_move_goes_to_the_idle_node_not_the_one_with_a_queue(harness):
     assert got["u2"].node == 1 and got["u2"].setup == "thaw"
 
 
+def test_steps_waiting_for_one_home_wait_in_turn_and_only_the_one_past_the_price_moves(harness):
+    """Five sessions live on node 0 (one core), busy for 0.1 s more; node 1 is idle. Each of their
+    steps (0.1 s each, predicted) waits behind the ones before it: 0.1, 0.2, 0.3 s are less than
+    the move (0.32 s), so those three wait; the fourth would wait 0.4 s and moves to node 1; the
+    fifth finds no idle node left and waits. (Where a later step counted only the cores that the
+    running actions free, the second found none on a one-core node and moved at once.)"""
+    h = harness(cpu_cluster(1, nodes=2), tangram_policy(), costs=Costs(session_restore_s=0.32))
+    for i in range(5):
+        h.engine.adopt_session(f"t{i}", 0)
+    h.submit("hog0", job="hogs", hint_s=0.1)
+    h.submit("hog1", job="hogs", hint_s=0.1)
+    got = h.schedule()
+    h.complete(next(i for i, a in got.items() if a.node == 1), exec_s=0.1)
+    for i in range(5):
+        h.submit(f"step{i}", trajectory=f"t{i}", hint_s=0.1)
+    got = h.schedule()
+    assert set(got) == {"step3"} and got["step3"].node == 1 and got["step3"].setup == "restore", got
+
+
 def test_a_pinned_session_is_never_moved_for_balance(harness):
     """A session the runtime pinned home (its state cannot be carried) waits for its busy home
     however long the wait and however idle the other node, and runs there when a core frees."""

@@ -140,6 +140,12 @@ def scaling(node_counts: tuple[int, ...], cores: int, actions: int, work_ms: flo
                 f"{revisits['moves_during_revisits']} sessions moved meanwhile (moves p50 {revisits['move_p50_s']} s, "
                 f"max {revisits['move_max_s']} s; a move priced at {revisits['move_price_s']} s)"
                 + (f"; failures: {revisits['failures']}" if revisits["failures"] else ""))
+            for round_, parts in (("loaded", revisits.get("parts")),
+                                  ("per_core", (revisits.get("per_core") or {}).get("parts"))):
+                if parts:
+                    log(f"  revisits' parts ({round_}), ms p50 all / slowest 1%: " + ", ".join(
+                        f"{k} {parts['all'][k]} / {parts['slowest_1pct'][k]}"
+                        for k in ("latency_ms", "queue_ms", "setup_ms", "exec_ms", "rest_ms", "woken")))
             for round_, cpu in (revisits.get("cpu_ms_per_revisit") or {}).items():
                 log(f"  CPU ms per revisit ({round_}): {cpu_text(cpu)}")
         out.append(row)

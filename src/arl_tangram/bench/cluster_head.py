@@ -269,7 +269,9 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
 
         failures: list[str] = []
 
-        async def revisit(i: int, sid: str, gate: asyncio.Semaphore) -> tuple[float, bool]:
+        parts: dict[str, list[tuple[float, dict]]] = {}  # round -> (latency, the result's own times)
+
+        async def revisit(i: int, sid: str, gate: asyncio.Semaphore, round_: str = "alone") -> tuple[float, bool]:
             async with gate:
                 t = time.perf_counter()
                 status, answer = await post(f"{url}/v1/sessions/{sid}/exec", {"python": CHECK})
@@ -281,6 +283,7 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
                     said = (run.get("stderr") or "").strip().splitlines()[-1:] or [body.get("message") or
                                                                                    "(no answer read)"]
                     failures.append(f"{status} {body.get('outcome')}: {said[0]}")
+                parts.setdefault(round_, []).append((took, body))
                 return took, good
 
         seen = (await c.get(f"{url}/v1/cluster")).json()
@@ -290,17 +293,20 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
         random.Random(0).shuffle(order)
         t0 = time.perf_counter()
         before = meter.read() if meter else None
-        loaded = await asyncio.gather(*(revisit(i, sid, gate) for i, sid in order))
+        loaded = await asyncio.gather(*(revisit(i, sid, gate, "loaded") for i, sid in order))
         span = time.perf_counter() - t0
         if meter:
             cpu["loaded"] = ClusterCpuMeter.per_action(before, meter.read(), len(loaded))
+        loaded_parts = breakdown(parts.get("loaded", []))
         per_core: list[tuple[float, bool]] = []
+        per_core_parts: dict = {}
         if cores:
             one_each = asyncio.Semaphore(cores)
             before = meter.read() if meter else None
             t1 = time.perf_counter()
-            per_core = await asyncio.gather(*(revisit(i, sid, one_each) for i, sid in order))
+            per_core = await asyncio.gather(*(revisit(i, sid, one_each, "per_core") for i, sid in order))
             per_core_span = time.perf_counter() - t1
+            per_core_parts = breakdown(parts.get("per_core", []))
             if meter:
                 cpu["per_core"] = ClusterCpuMeter.per_action(before, meter.read(), len(per_core))
         alone = [await revisit(i, sid, asyncio.Semaphore(1)) for i, sid in order[:sample]]
@@ -325,8 +331,9 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
             "client": kind, "revisit_concurrency": concurrency, "revisits": len(loaded), "revisits_ok": len(ok),
             "revisit_p50_ms": _ms([t for t, _ in loaded], 50), "revisit_p99_ms": _ms([t for t, _ in loaded], 99),
             "revisits_per_s": round(len(loaded) / span, 1) if span else None,
+            "parts": loaded_parts,
             **({"cpu_ms_per_revisit": cpu} if cpu else {}),
-            **({"per_core": {"concurrency": cores, "revisits": len(per_core),
+            **({"per_core": {"concurrency": cores, "parts": per_core_parts, "revisits": len(per_core),
                              "revisits_ok": sum(good for _, good in per_core),
                              "revisits_per_s": round(len(per_core) / per_core_span, 1) if per_core_span else None,
                              "p50_ms": _ms([t for t, _ in per_core], 50), "p99_ms": _ms([t for t, _ in per_core], 99)}}
@@ -334,6 +341,26 @@ async def _sessions(url: str, n: int, concurrency: int, sample: int, log: Callab
             "alone": len(alone), "alone_ok": sum(good for _, good in alone),
             "alone_p50_ms": _ms([t for t, _ in alone], 50), "alone_p99_ms": _ms([t for t, _ in alone], 99),
             "failures": failures}
+
+
+def breakdown(revisits: list[tuple[float, dict]]) -> dict:
+    """Where a round's revisits spent their time, by the result's own parts (``queue_s``: waiting
+    for a core, ``setup_s``: the session's wake or move, ``exec_s``: the step), for all of them
+    (p50) and for the slowest 1% (their p50): which part a tail is made of. ``woken``: steps that
+    found their session at rest; ``rest_ms``: latency the head's parts do not account for (the
+    HTTP hop, the front, the link)."""
+    def row(xs: list[tuple[float, dict]]) -> dict:
+        def p50(key: str) -> float | None:
+            vals = [b[key] for _, b in xs if isinstance(b.get(key), (int, float))]
+            return _ms(vals, 50)
+        rest = [t - sum(b.get(k) or 0.0 for k in ("queue_s", "setup_s", "exec_s")) for t, b in xs]
+        return {"n": len(xs), "latency_ms": _ms([t for t, _ in xs], 50), "queue_ms": p50("queue_s"),
+                "setup_ms": p50("setup_s"), "exec_ms": p50("exec_s"), "rest_ms": _ms(rest, 50),
+                "woken": sum(bool(b.get("woken")) for _, b in xs)}
+    if not revisits:
+        return {}
+    slow = sorted(revisits, key=lambda r: r[0])[-max(1, len(revisits) // 100):]
+    return {"all": row(revisits), "slowest_1pct": row(slow)}
 
 
 def sessions_run(head: Head, sessions: int, concurrency: int, sample: int, log: Callable[[str], None],
