@@ -129,9 +129,9 @@ class ActionLevelPolicy:
         self._cpu_queued_at = -math.inf
         # a full home node -> (until when it holds, its running actions' predicted ends: (at, cores))
         self._home_ends: dict[int, tuple[float, list[tuple[float, int]]]] = {}
-        self._claimed: dict[int, int] = {}  # cores of a full home that steps chose to wait for, this round
-        # the same steps in order, per home: (cores, predicted seconds), what a later one waits behind
-        self._claimed_work: dict[int, list[tuple[int, float]]] = {}
+        # a full home -> the steps that chose to wait for it this round, in order: (cores, predicted
+        # seconds each), what a later step waits behind
+        self._claimed: dict[int, list[tuple[int, float]]] = {}
         self._home_waits = 0  # steps that chose to wait for their full home this round (``_schedule_cpu``)
         # Steps of homed sessions waiting, per node: what a move there would jump (``_idle_node``).
         # Counted per action against the home it had when queued, so a home that changes while
@@ -329,7 +329,6 @@ class ActionLevelPolicy:
         skipped: dict[int, list] | None = None
         if self._claimed:
             self._claimed.clear()
-            self._claimed_work.clear()
         self._home_waits = 0
         fair = self._fair
         if self._grown and self.opt.shrink:
@@ -460,10 +459,9 @@ class ActionLevelPolicy:
 
     def _wait_home(self, home: int, a: Action, lo: int) -> None:
         """A step waits for its full home by choice: the next step there waits behind it, for as
-        long as this one is predicted to run (``_claimed``, ``_claimed_work``), and it is no
-        queue for elasticity (``_schedule_cpu``)."""
-        self._claimed[home] = self._claimed.get(home, 0) + lo
-        self._claimed_work.setdefault(home, []).append((lo, self.predictor.predict(a) * a.speed_factor(lo)))
+        long as this one is predicted to run (``_claimed``), and it is no queue for elasticity
+        (``_schedule_cpu``)."""
+        self._claimed.setdefault(home, []).append((lo, self.predictor.predict(a) * a.speed_factor(lo)))
         self._home_waits += 1
 
     def _idle_node(self, lo: int, mem_gb: float) -> int | None:
@@ -485,7 +483,9 @@ class ActionLevelPolicy:
         free_mem = pool.free_mem
         for k in range(min(pool.top, len(buckets) - 1), lo - 1, -1):
             for node in buckets[k]:
-                ahead = (queued[node] if node < waiting else 0) + claimed.get(node, 0)
+                ahead = (queued[node] if node < waiting else 0)
+                if claimed and node in claimed:
+                    ahead += sum(n for n, _ in claimed[node])
                 if k - ahead >= lo and (mem_gb <= 0 or free_mem[node] >= mem_gb):
                     return node
         return None
@@ -499,7 +499,7 @@ class ActionLevelPolicy:
         sooner). An action already past its prediction is expected to run as long again as it has
         (its duration is plainly not the usual one), rather than to end at once, which would pin
         its node's sessions behind a straggler. Steps that chose to wait for the node earlier in
-        the round (``_claimed_work``) are served first, in turn, each on the first cores free and
+        the round (``_claimed``) are served first, in turn, each on the first cores free and
         for its predicted time: a later one waits behind them (else every step homed on a busy
         node would expect the same first free core; and where it expected only the cores the
         running actions free, the second step waiting for a one-core node found none and moved,
@@ -524,7 +524,7 @@ class ActionLevelPolicy:
             cached = (ends[0][0] if ends else now, ends)
             self._home_ends[home] = cached
         free = len(self._cpus.free_cores[home])
-        ahead = self._claimed_work.get(home)
+        ahead = self._claimed.get(home)
         if not ahead:
             for at, n in cached[1]:
                 free += n
