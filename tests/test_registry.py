@@ -16,6 +16,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import threading
 import sys
 import tarfile
 import time
@@ -802,6 +803,21 @@ def _tree(root) -> dict:
     return out
 
 
+def _left_running(root) -> str:
+    """What a failed check of "nothing left running" found: each unpacking child's command line,
+    and this process's unpacking threads still alive (whose is it: this pull's or an earlier one's)."""
+    found = []
+    for pid in _unpack_children() + _procs_naming(str(root)):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{pid}: {cmd[-300:]}")
+        except OSError:
+            found.append(f"{pid}: gone since")
+    threads = [t.name for t in threading.enumerate() if t.name == "tangram-unpack"]
+    return f"left running: {found}; unpacking threads alive: {len(threads)}"
+
+
 def _unpack_children() -> list[int]:
     """The unpacking processes this process started that still run."""
     me, out = str(os.getpid()), []
@@ -883,7 +899,7 @@ def test_a_layer_unpacked_in_a_child_process_is_the_one_unpacked_in_a_thread(tmp
 
     asyncio.run(cancelled())
     proxy.release.set()
-    assert _unpack_children() == [] and _procs_naming(str(tmp_path)) == []
+    assert _unpack_children() == [] and _procs_naming(str(tmp_path)) == [], _left_running(tmp_path)
     assert [i.name for i in fresh.list()] == [img.name] and stalled.list() == []
     # a child that dies without an answer: an infrastructure error naming the layer, nothing left
     from arl_tangram.managers.sandbox.registry import unpackproc
