@@ -16,9 +16,9 @@ import shutil
 import signal
 import stat
 import subprocess
-import threading
 import sys
 import tarfile
+import threading
 import time
 
 import pytest

@@ -523,19 +523,11 @@ class ActionLevelPolicy:
             ends.sort()
             cached = (ends[0][0] if ends else now, ends)
             self._home_ends[home] = cached
-        free = len(self._cpus.free_cores[home])
-        ahead = self._claimed.get(home)
-        if not ahead:
-            for at, n in cached[1]:
-                free += n
-                if free >= lo:
-                    return at - now
-            return math.inf
-        cores = [now] * free  # when each core of the node is next free, as predicted
+        cores = [now] * len(self._cpus.free_cores[home])  # when each core of the node is next free, as predicted
         for at, n in cached[1]:
             cores.extend([at] * n)
         heapq.heapify(cores)
-        for n, work_s in ahead:
+        for n, work_s in self._claimed.get(home, ()):
             if len(cores) < n:
                 return math.inf
             start = max(heapq.heappop(cores) for _ in range(n))
